@@ -1,0 +1,178 @@
+"""The ``tessera`` command: thin subcommands over the library. Errors print as messages, never tracebacks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from tessera.errors import TesseraError
+
+__all__ = ["main"]
+
+
+def _split_overrides(extra: list[str]) -> list[str]:
+    """Keep ``--section.key=value`` / ``section.key=value`` items; anything else is a usage error."""
+    bad = [x for x in extra if "=" not in x or "." not in x.split("=", 1)[0]]
+    if bad:
+        raise TesseraError(f"unrecognised arguments {bad}; overrides look like --train.lr=3e-4")
+    return [x.lstrip("-") for x in extra]
+
+
+def _load(args: argparse.Namespace, extra: list[str]):
+    from tessera.config import load_config
+
+    return load_config(args.config, _split_overrides(extra))
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    cfg = _load(args, extra)
+    if args.nproc > 1 and "RANK" not in os.environ:
+        cfg.validate(args.nproc)
+        return _relaunch_with_torchrun(args.nproc)
+    from tessera.train.trainer import train
+
+    result = train(cfg)
+    if result.losses and int(os.environ.get("RANK", 0)) == 0:
+        first, last = result.losses[min(result.losses)], result.losses[max(result.losses)]
+        print(f"done: loss {first:.4f} -> {last:.4f}; metrics in {result.run_dir}/metrics.jsonl")
+    return 0
+
+
+def _relaunch_with_torchrun(nproc: int) -> int:
+    """``--nproc N`` on one machine: re-run this very command under torch.distributed.run."""
+    import subprocess
+
+    argv = [a for a in sys.argv[1:] if not a.startswith("--nproc")]
+    if "--nproc" in sys.argv:
+        i = sys.argv.index("--nproc")
+        argv = sys.argv[1:i] + sys.argv[i + 2 :]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "tessera",
+        *argv,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(cmd, env=env)
+
+
+def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
+    from tessera.layout import Layout
+
+    cfg = _load(args, extra)
+    violations = cfg.check(args.world_size)
+    if violations:
+        print(
+            f"{len(violations)} problem(s) with {args.config or 'the defaults'} at world size {args.world_size}:"
+        )
+        for i, v in enumerate(violations, 1):
+            print(f"  {i}. {v}")
+        return 1
+    print(
+        f"ok: {Layout.from_config(cfg.parallel, args.world_size).describe()}; "
+        f"{cfg.train.micro_batches(cfg.parallel.data_size(args.world_size))} micro-batches of "
+        f"{cfg.train.micro_batch} per data-parallel rank"
+    )
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
+    from tessera.train.data import default_corpus_files, prepare
+
+    inputs = [Path(p) for p in args.inputs] or default_corpus_files(int(args.default_mb * 2**20))
+    info = prepare(inputs, Path(args.out), args.tokenizer)
+    print(f"wrote {info['n_tokens']:,} tokens to {args.out} (vocab {info['vocab_size']})")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from tessera.train.generate import generate_text
+
+    print(generate_text(Path(args.run), args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
+    from tessera.train.plot import plot_run
+
+    out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_schedule(args: argparse.Namespace, extra: list[str]) -> int:
+    from tessera.sim.render import show_schedule
+
+    text = show_schedule(args.name, args.pp, args.microbatches, v=args.stages_per_rank, out=args.out)
+    print(text)
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tessera", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a model (run under torchrun, or use --nproc on one machine)")
+    p.add_argument("config", nargs="?", help="TOML config; overrides follow as --section.key=value")
+    p.add_argument("--nproc", type=int, default=1, help="processes to start on this machine (via torchrun)")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("validate", help="check a config for a world size; lists every problem")
+    p.add_argument("config", nargs="?")
+    p.add_argument("--world-size", type=int, required=True)
+    p.set_defaults(fn=cmd_validate)
+
+    p = sub.add_parser("prepare", help="tokenize text files or directories into a token file")
+    p.add_argument("inputs", nargs="*", help="files or directories (default: the Python standard library)")
+    p.add_argument("--out", required=True, help="token file to write")
+    p.add_argument("--tokenizer", default="byte", help='"byte" or a tokenizers JSON file')
+    p.add_argument("--default-mb", type=float, default=8.0, help="size of the default corpus, MiB")
+    p.set_defaults(fn=cmd_prepare)
+
+    p = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
+    p.add_argument("run", help="run directory (holds config.json and checkpoints/)")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("plot", help="draw loss and throughput curves of a run as a PNG")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None)
+    p.set_defaults(fn=cmd_plot)
+
+    p = sub.add_parser("schedule", help="pipeline schedules")
+    ssub = p.add_subparsers(dest="schedule_command", required=True)
+    s = ssub.add_parser("show", help="render a schedule's timeline as text and a picture")
+    s.add_argument("name")
+    s.add_argument("--pp", type=int, required=True)
+    s.add_argument("--microbatches", type=int, required=True)
+    s.add_argument("--stages-per-rank", type=int, default=1)
+    s.add_argument("--out", default=None, help="PNG or SVG file to write")
+    s.set_defaults(fn=cmd_schedule)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 for a user error, with the message on stderr)."""
+    args, extra = _parser().parse_known_args(argv)
+    fn: Callable[[argparse.Namespace, list[str]], int] = args.fn
+    try:
+        return fn(args, extra)
+    except TesseraError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,679 @@
+"""Typed run configuration: TOML files, dotted command-line overrides, and validation that lists every violation.
+
+This module must import without torch: the planner, `tessera validate` and the tests of the layout use it on
+machines with no PyTorch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tessera.errors import ConfigError
+from tessera.model.sizes import SIZES
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "LogConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "Violation",
+    "apply_overrides",
+    "load_config",
+    "parse_tensor",
+]
+
+FAMILIES = ("gpt", "llama")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
+CHECKPOINTING = ("none", "full", "selective")
+DTYPES = ("fp32", "bf16", "fp16")
+ACCUMULATION = ("layered", "depth_first")
+
+
+@dataclass(kw_only=True, slots=True)
+class Violation:
+    """One broken rule: what is wrong, the values involved, and the nearest valid alternative."""
+
+    rule: str
+    problem: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"[{self.rule}] {self.problem}\n    fix: {self.fix}"
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The model's shape. `size` names a registry entry whose fields fill in anything not set explicitly."""
+
+    size: str | None = None
+    """Registry name (see `tessera.model.sizes`), e.g. "gpt2-124m" or "llama-8b"."""
+    family: str = "gpt"
+    """"gpt" (LayerNorm, GELU MLP, learned positions) or "llama" (RMSNorm, SwiGLU, RoPE, grouped-query attention)."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    d_model: int = 64
+    """Hidden size h."""
+    n_heads: int = 4
+    """Query heads; head dim = d_model / n_heads."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means n_heads (multi-head attention)."""
+    ffn_hidden: int | None = None
+    """MLP hidden size; None means 4·d_model for GPT and the Llama rule (8/3·d rounded up to 64) for Llama."""
+    vocab_size: int = 256
+    """Vocabulary size; must cover the tokenizer's."""
+    seq_len: int = 64
+    """Training context length s."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output projection."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base (Llama only)."""
+    init_std: float = 0.02
+    """Std of the normal initialisation of weights."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if self.family == "llama":
+            return 64 * -(-(8 * self.d_model // 3) // 64)
+        return 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def check(self) -> list[Violation]:
+        v: list[Violation] = []
+        if self.family not in FAMILIES:
+            v.append(
+                Violation(
+                    rule="model.family",
+                    problem=f"model.family = {self.family!r} is unknown",
+                    fix=f"use one of {', '.join(FAMILIES)}",
+                )
+            )
+        if self.d_model % self.n_heads:
+            v.append(
+                Violation(
+                    rule="model.heads",
+                    problem=f"model.d_model = {self.d_model} is not divisible by "
+                    f"model.n_heads = {self.n_heads}",
+                    fix=f"set model.n_heads to one of {_divisors_near(self.d_model, self.n_heads)}",
+                )
+            )
+        if self.n_heads % self.kv_heads:
+            v.append(
+                Violation(
+                    rule="model.kv_heads",
+                    problem=f"model.n_heads = {self.n_heads} is not divisible "
+                    f"by model.n_kv_heads = {self.kv_heads}",
+                    fix=f"set model.n_kv_heads to one of {_divisors_near(self.n_heads, self.kv_heads)}",
+                )
+            )
+        if self.family == "llama" and self.head_dim % 2:
+            v.append(
+                Violation(
+                    rule="model.rope",
+                    problem=f"RoPE needs an even head dim, got "
+                    f"{self.d_model}/{self.n_heads} = {self.head_dim}",
+                    fix="choose d_model and n_heads so that d_model / n_heads is even",
+                )
+            )
+        for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len"):
+            if getattr(self, name) < 1:
+                v.append(
+                    Violation(
+                        rule=f"model.{name}",
+                        problem=f"model.{name} = {getattr(self, name)} must be positive",
+                        fix=f"set model.{name} to at least 1",
+                    )
+                )
+        return v
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """How ranks are laid out: data × pipeline × tensor (1D size t, or a 2D grid "qxq"), tensor innermost."""
+
+    data: int | None = None
+    """Data-parallel size; None means whatever is left: world_size / (pipeline · tensor ranks)."""
+    tensor: int | str = 1
+    """Megatron 1D tensor parallelism of size t (an int), or Optimus 2D on a q×q grid (a string such as "2x2")."""
+    sequence_parallel: bool = False
+    """1D only: shard norm/dropout regions along the sequence (all-gather/reduce-scatter instead of all-reduce)."""
+    pipeline: int = 1
+    """Pipeline-parallel size p."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved or breadth_first."""
+    stages_per_rank: int = 1
+    """Virtual stages per pipeline rank v (interleaved and breadth_first)."""
+    stage_layers: list[int] | None = None
+    """Explicit layers per stage (p·v entries summing to n_layers), e.g. lighter first and last stages."""
+    zero: int = 0
+    """ZeRO stage over the data-parallel group: 0 (plain all-reduce), 1, 2 or 3."""
+    accumulation: str = "layered"
+    """Gradient accumulation order: layered (breadth-first) or depth_first."""
+    checkpointing: str = "none"
+    """Activation checkpointing: none, full (per block) or selective (attention core only)."""
+
+    def tensor_shape(self) -> tuple[int, int]:
+        """(t, q): the 1D size t, or the 2D grid side q; the other is 1."""
+        t, q = parse_tensor(self.tensor)
+        return t, q
+
+    @property
+    def tensor_ranks(self) -> int:
+        t, q = self.tensor_shape()
+        return t * q * q
+
+    def data_size(self, world_size: int) -> int:
+        return (
+            self.data if self.data is not None else max(1, world_size // (self.pipeline * self.tensor_ranks))
+        )
+
+    def check(self) -> list[Violation]:
+        v: list[Violation] = []
+        try:
+            self.tensor_shape()
+        except ConfigError as e:
+            v.append(Violation(rule="parallel.tensor", problem=str(e), fix='use an int such as 4, or "2x2"'))
+        choices = {"schedule": SCHEDULES, "accumulation": ACCUMULATION, "checkpointing": CHECKPOINTING}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                v.append(
+                    Violation(
+                        rule=f"parallel.{name}",
+                        problem=f"parallel.{name} = {getattr(self, name)!r} is unknown",
+                        fix=f"use one of {', '.join(allowed)}",
+                    )
+                )
+        if self.zero not in (0, 1, 2, 3):
+            v.append(
+                Violation(
+                    rule="parallel.zero",
+                    problem=f"parallel.zero = {self.zero} is not a ZeRO stage",
+                    fix="use 0, 1, 2 or 3",
+                )
+            )
+        for name in ("pipeline", "stages_per_rank"):
+            if getattr(self, name) < 1:
+                v.append(
+                    Violation(
+                        rule=f"parallel.{name}",
+                        problem=f"parallel.{name} = {getattr(self, name)} must be at least 1",
+                        fix=f"set parallel.{name} = 1",
+                    )
+                )
+        return v
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Optimisation: AdamW with linear warmup and cosine decay, clipping and gradient accumulation."""
+
+    steps: int = 100
+    """Optimizer steps to run."""
+    global_batch: int = 8
+    """Sequences per optimizer step = micro_batch × micro-batches × data-parallel size."""
+    micro_batch: int = 1
+    """Sequences per micro-batch per data-parallel rank."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (applied to matrices only, not to norms and biases)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 1234
+    """Seeds initialisation and data order."""
+    dtype: str = "fp32"
+    """Compute dtype: fp32, bf16 (autocast where supported) or fp16."""
+    device: str = "auto"
+    """cpu, cuda or auto (cuda when available)."""
+    bucket_mb: float = 25.0
+    """Size of data-parallel gradient all-reduce buckets, in MiB."""
+
+    def micro_batches(self, dp: int) -> int:
+        return self.global_batch // max(1, self.micro_batch * dp)
+
+    def check(self) -> list[Violation]:
+        v: list[Violation] = []
+        if self.dtype not in DTYPES:
+            v.append(
+                Violation(
+                    rule="train.dtype",
+                    problem=f"train.dtype = {self.dtype!r} is unknown",
+                    fix=f"use one of {', '.join(DTYPES)}",
+                )
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            v.append(
+                Violation(
+                    rule="train.device",
+                    problem=f"train.device = {self.device!r} is unknown",
+                    fix="use auto, cpu or cuda",
+                )
+            )
+        for name in ("steps", "global_batch", "micro_batch"):
+            if getattr(self, name) < 1:
+                v.append(
+                    Violation(
+                        rule=f"train.{name}",
+                        problem=f"train.{name} = {getattr(self, name)} must be at least 1",
+                        fix=f"set train.{name} to a positive integer",
+                    )
+                )
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            v.append(
+                Violation(
+                    rule="train.lr",
+                    problem=f"need 0 <= train.min_lr <= train.lr and lr > 0, got "
+                    f"lr = {self.lr}, min_lr = {self.min_lr}",
+                    fix=f"e.g. train.min_lr = {self.lr / 10:g}",
+                )
+            )
+        return v
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Training data: a prepared token file, or the embedded default corpus (the Python standard library)."""
+
+    path: str | None = None
+    """Token file written by `tessera prepare`; None prepares the default corpus into the run directory."""
+    tokenizer: str = "byte"
+    """"byte" (no files needed) or a path to a Hugging Face tokenizers JSON file."""
+    seed: int | None = None
+    """Seed of the sample order; None means train.seed."""
+    default_corpus_mb: float = 8.0
+    """How many MiB of standard-library sources the default corpus takes (a deterministic subset)."""
+
+    def check(self) -> list[Violation]:
+        v: list[Violation] = []
+        if self.path is not None and not Path(self.path).exists():
+            v.append(
+                Violation(
+                    rule="data.path",
+                    problem=f"data.path = {self.path!r} does not exist",
+                    fix="run `tessera prepare INPUT --out FILE` first, or unset data.path to train on "
+                    "the embedded default corpus",
+                )
+            )
+        return v
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """When and where to save; saves are atomic and resumable."""
+
+    dir: str | None = None
+    """Checkpoint directory; None means RUN_DIR/checkpoints."""
+    every: int = 0
+    """Save every this many steps (0: only at the end)."""
+    keep: int = 2
+    """How many most recent checkpoints to keep."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint in dir, if there is one."""
+
+    def check(self) -> list[Violation]:
+        if self.every < 0 or self.keep < 1:
+            return [
+                Violation(
+                    rule="checkpoint",
+                    problem=f"checkpoint.every = {self.every} and checkpoint.keep = "
+                    f"{self.keep}: every must be >= 0 and keep >= 1",
+                    fix="e.g. every = 100, keep = 2",
+                )
+            ]
+        return []
+
+
+@dataclass(kw_only=True, slots=True)
+class LogConfig:
+    """Metrics and progress display."""
+
+    run_dir: str = "runs/default"
+    """Where metrics.jsonl, the resolved config, checkpoints and plots go."""
+    every: int = 1
+    """Log metrics every this many steps."""
+    progress: bool = True
+    """Live progress display on rank 0 (rich)."""
+    tensorboard: bool = True
+    """Also write TensorBoard events when tensorboard is installed."""
+
+    def check(self) -> list[Violation]:
+        if self.every < 1:
+            return [
+                Violation(
+                    rule="log.every", problem=f"log.every = {self.every} must be >= 1", fix="log.every = 1"
+                )
+            ]
+        return []
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """A whole run: model, layout, optimisation, data, checkpointing and logging."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def check(self, world_size: int) -> list[Violation]:
+        """Every violated rule, for this world size; an empty list means the config is valid."""
+        v: list[Violation] = []
+        for section in (self.model, self.parallel, self.train, self.data, self.checkpoint, self.log):
+            v.extend(section.check())
+        v.extend(_check_layout(self, world_size))
+        return v
+
+    def validate(self, world_size: int) -> None:
+        """Raise ConfigError listing every violation at once."""
+        violations = self.check(world_size)
+        if violations:
+            lines = "\n".join(f"  {i + 1}. {x}" for i, x in enumerate(violations))
+            raise ConfigError(
+                f"{len(violations)} configuration problem(s) for world size {world_size}:\n{lines}"
+            )
+
+
+def parse_tensor(value: int | str) -> tuple[int, int]:
+    """Parse parallel.tensor into (t, q): 4 → (4, 1) for 1D; "2x2" → (1, 2) for 2D."""
+    if isinstance(value, bool):
+        raise ConfigError(f"parallel.tensor = {value!r} is not a size")
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(f"parallel.tensor = {value} must be at least 1")
+        return value, 1
+    m = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", str(value))
+    if m is None:
+        if str(value).strip().isdigit():
+            return parse_tensor(int(value))
+        raise ConfigError(f'parallel.tensor = {value!r} is neither an int nor a grid like "2x2"')
+    rows, cols = int(m.group(1)), int(m.group(2))
+    if rows != cols or rows < 1:
+        raise ConfigError(f"parallel.tensor = {value!r}: the 2D grid must be square (q×q), got {rows}×{cols}")
+    return 1, rows
+
+
+def _divisors_near(n: int, target: int, count: int = 3) -> list[int]:
+    divs = [d for d in range(1, n + 1) if n % d == 0]
+    return sorted(sorted(divs, key=lambda d: (abs(d - target), d))[:count])
+
+
+def _multiple_near(n: int, k: int) -> int:
+    return max(k, k * round(n / k))
+
+
+def _check_layout(cfg: Config, world_size: int) -> list[Violation]:
+    """Cross-section rules: world size, tensor and pipeline divisibility, batch arithmetic."""
+    p = cfg.parallel
+    try:
+        t, q = p.tensor_shape()
+    except ConfigError:
+        return []  # already reported by ParallelConfig.check
+    v: list[Violation] = []
+    tp = t * q * q
+    dp = p.data_size(world_size)
+    if dp * p.pipeline * tp != world_size:
+        fits = world_size // (p.pipeline * tp) if world_size % (p.pipeline * tp) == 0 else None
+        fix = (
+            f"set parallel.data = {fits}"
+            if fits
+            else f"use a world size that is a multiple of pipeline·tensor = {p.pipeline * tp}, e.g. "
+            f"{_multiple_near(world_size, p.pipeline * tp)}"
+        )
+        v.append(
+            Violation(
+                rule="world_size",
+                problem=f"world size {world_size} != data {dp} × pipeline "
+                f"{p.pipeline} × tensor {tp} = {dp * p.pipeline * tp}",
+                fix=fix,
+            )
+        )
+    v.extend(_check_tensor(cfg.model, t, q, p.sequence_parallel))
+    v.extend(_check_pipeline(cfg))
+    v.extend(_check_batch(cfg.train, dp))
+    if q > 1 and cfg.train.micro_batch % q:
+        # 2D partitions activations as [b/q, s, h/q]: the micro-batch splits over the grid's rows.
+        v.append(
+            Violation(
+                rule="tensor.batch",
+                problem=f"train.micro_batch = {cfg.train.micro_batch} is not divisible by the 2D grid side {q}",
+                fix=f"set train.micro_batch = {_multiple_near(cfg.train.micro_batch, q)}",
+            )
+        )
+    return v
+
+
+def _check_tensor(m: ModelConfig, t: int, q: int, sequence_parallel: bool) -> list[Violation]:
+    v: list[Violation] = []
+    # 1D splits heads, KV heads and the MLP over t ranks; 2D splits them over the q columns and the batch over q rows.
+    split, name = (t, f"tensor {t}") if q == 1 else (q, f"2D grid {q}x{q}")
+    for field_name, value in (
+        ("n_heads", m.n_heads),
+        ("n_kv_heads", m.kv_heads),
+        ("d_model", m.d_model),
+        ("ffn_hidden", m.ffn),
+    ):
+        if split > 1 and value % split:
+            v.append(
+                Violation(
+                    rule="tensor.divisibility",
+                    problem=f"model.{field_name} = {value} is not divisible by {name} ({split})",
+                    fix=f"make model.{field_name} a multiple of {split}, e.g. "
+                    f"{_multiple_near(value, split)}, or use a tensor size that divides it: "
+                    f"{[d for d in _divisors_near(value, split) if d > 1] or [1]}",
+                )
+            )
+    if sequence_parallel and q > 1:
+        v.append(
+            Violation(
+                rule="tensor.sequence_parallel",
+                problem="parallel.sequence_parallel applies to 1D "
+                "tensor parallelism only; 2D already partitions activations",
+                fix="set parallel.sequence_parallel = false, or use a 1D tensor size",
+            )
+        )
+    if sequence_parallel and t > 1 and m.seq_len % t:
+        v.append(
+            Violation(
+                rule="tensor.sequence_parallel",
+                problem=f"model.seq_len = {m.seq_len} is not divisible by tensor {t}",
+                fix=f"set model.seq_len = {_multiple_near(m.seq_len, t)}",
+            )
+        )
+    return v
+
+
+def _check_pipeline(cfg: Config) -> list[Violation]:
+    p, layers = cfg.parallel, cfg.model.n_layers
+    stages = p.pipeline * p.stages_per_rank
+    if p.pipeline == 1 and p.stages_per_rank == 1:
+        return []
+    if p.stage_layers is not None:
+        if len(p.stage_layers) != stages or sum(p.stage_layers) != layers or min(p.stage_layers) < 0:
+            return [
+                Violation(
+                    rule="pipeline.stage_layers",
+                    problem=f"parallel.stage_layers = {p.stage_layers} "
+                    f"must have pipeline × stages_per_rank = {stages} non-negative entries summing to "
+                    f"model.n_layers = {layers}",
+                    fix=f"e.g. {_even_split(layers, stages)}",
+                )
+            ]
+        return []
+    if layers < stages:
+        return [
+            Violation(
+                rule="pipeline.layers",
+                problem=f"model.n_layers = {layers} is fewer than pipeline "
+                f"{p.pipeline} × stages_per_rank {p.stages_per_rank} = {stages} stages",
+                fix=f"set parallel.pipeline·stages_per_rank <= {layers}, or model.n_layers >= {stages}",
+            )
+        ]
+    if layers % stages:
+        return [
+            Violation(
+                rule="pipeline.layers",
+                problem=f"model.n_layers = {layers} is not divisible by {stages} stages",
+                fix=f"set model.n_layers = {_multiple_near(layers, stages)} or give "
+                f"parallel.stage_layers explicitly, e.g. {_even_split(layers, stages)}",
+            )
+        ]
+    return []
+
+
+def _even_split(layers: int, stages: int) -> list[int]:
+    base, extra = divmod(layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def _check_batch(tr: TrainConfig, dp: int) -> list[Violation]:
+    unit = tr.micro_batch * dp
+    if unit < 1 or tr.global_batch % unit == 0:
+        return []
+    lo, hi = unit * max(1, tr.global_batch // unit), unit * (tr.global_batch // unit + 1)
+    return [
+        Violation(
+            rule="batch",
+            problem=f"train.global_batch = {tr.global_batch} is not micro_batch "
+            f"{tr.micro_batch} × micro-batches × data-parallel size {dp}",
+            fix=f"set train.global_batch = {lo} or {hi} (multiples of {unit})",
+        )
+    ]
+
+
+# --- loading -------------------------------------------------------------------------------------------------
+
+_SECTION_TYPES = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "log": LogConfig,
+}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a TOML file (or the defaults), apply dotted overrides like ``train.lr=3e-4``, resolve model.size."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(
+                f"config file {str(p)!r} does not exist; pass a TOML file such as configs/demo.toml"
+            )
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    apply_overrides(raw, overrides or [])
+    return from_dict(raw)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
+    """Apply ``section.key=value`` overrides in place; values parse as TOML (3e-4, true, "2x2", [1,2]) or text."""
+    for item in overrides:
+        key, sep, text = item.lstrip("-").partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.lr=3e-4")
+        section, name = key.split(".", 1)
+        raw.setdefault(section, {})[name] = _parse_value(text)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Build a Config from nested dicts, rejecting unknown sections and keys with the valid names."""
+    unknown = set(raw) - set(_SECTION_TYPES)
+    problems: list[str] = [
+        f"unknown section [{s}]; valid sections: {', '.join(_SECTION_TYPES)}" for s in unknown
+    ]
+    sections: dict[str, Any] = {}
+    for name, cls in _SECTION_TYPES.items():
+        values = dict(raw.get(name, {}))
+        if name == "model":
+            values = _resolve_size(values, problems)
+        valid = {f.name for f in dataclasses.fields(cls)}
+        for key in sorted(set(values) - valid):
+            close = [k for k in valid if k.startswith(key[:3])]
+            problems.append(
+                f"unknown key {name}.{key}"
+                + (
+                    f"; did you mean {' or '.join(close)}?"
+                    if close
+                    else f"; valid keys: {', '.join(sorted(valid))}"
+                )
+            )
+            values.pop(key)
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        for key, value in list(values.items()):
+            if key in fields and not _type_ok(value, str(fields[key])):
+                problems.append(f"{name}.{key} = {value!r} should be of type {fields[key]}")
+                values.pop(key)
+        sections[name] = cls(**values)
+    if problems:
+        raise ConfigError("configuration problems:\n" + "\n".join(f"  - {p}" for p in problems))
+    return Config(**sections)
+
+
+_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "None": type(None)}
+
+
+def _type_ok(value: Any, annotation: str) -> bool:
+    """Check a TOML value against a field annotation such as ``int | None`` or ``list[int] | None``."""
+    for option in annotation.replace(" ", "").split("|"):
+        if option.startswith("list[") and isinstance(value, list):
+            inner = _TYPES.get(option[5:-1], object)
+            if all(isinstance(x, inner) and not isinstance(x, bool) for x in value):
+                return True
+        elif (
+            option in _TYPES
+            and isinstance(value, _TYPES[option])
+            and (option == "bool" or not isinstance(value, bool))
+        ):
+            return True
+    return False
+
+
+def _resolve_size(values: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    size = values.get("size")
+    if size is None:
+        return values
+    if size not in SIZES:
+        problems.append(f"unknown model.size {size!r}; known sizes: {', '.join(SIZES)}")
+        return values
+    return {**SIZES[size], **values}

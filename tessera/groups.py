@@ -1,0 +1,69 @@
+"""The only module that creates torch.distributed process groups: one DeviceMesh built from the Layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from tessera.comm import name_group
+from tessera.layout import Axis, Layout
+
+__all__ = ["Groups", "build_groups"]
+
+
+@dataclass(slots=True)
+class Groups:
+    """Process groups of one rank, by axis name. Passed explicitly to whatever communicates."""
+
+    layout: Layout
+    mesh: DeviceMesh
+    rank: int
+
+    def group(self, axis: Axis) -> dist.ProcessGroup:
+        """The group of ranks that differ from this one only along ``axis``."""
+        return self.mesh.get_group(axis.value)
+
+    def coord(self, axis: Axis) -> int:
+        return self.layout.coords(self.rank)[axis]
+
+    @property
+    def dp(self) -> dist.ProcessGroup:
+        return self.group(Axis.DATA)
+
+    @property
+    def pp(self) -> dist.ProcessGroup:
+        return self.group(Axis.PIPE)
+
+    @property
+    def tp(self) -> dist.ProcessGroup:
+        return self.group(Axis.TENSOR)
+
+    @property
+    def tp_row(self) -> dist.ProcessGroup:
+        """Optimus row group of P_ij: same row i, every column j (varies along TENSOR_COL)."""
+        return self.group(Axis.TENSOR_COL)
+
+    @property
+    def tp_col(self) -> dist.ProcessGroup:
+        """Optimus column group of P_ij: same column j, every row i (varies along TENSOR_ROW)."""
+        return self.group(Axis.TENSOR_ROW)
+
+
+def build_groups(layout: Layout, device_type: str = "cpu") -> Groups:
+    """Create the DeviceMesh for ``layout`` (collective: every rank must call it)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "build_groups needs torch.distributed initialised; run under torchrun or tessera train"
+        )
+    world = dist.get_world_size()
+    if world != layout.world_size:
+        raise RuntimeError(
+            f"layout {layout.describe()} needs {layout.world_size} ranks, but world size is {world}"
+        )
+    names = tuple(a.value for a in layout.axes)
+    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=names)
+    for name in names:
+        name_group(mesh.get_group(name), name)
+    return Groups(layout=layout, mesh=mesh, rank=dist.get_rank())

@@ -1,0 +1,79 @@
+"""Build a model from its config, and sample from it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tessera.errors import ConfigError
+from tessera.model.gpt import GPT
+from tessera.model.layers import TransformerLM
+from tessera.model.llama import Llama
+
+if TYPE_CHECKING:
+    from tessera.config import ModelConfig
+
+__all__ = ["build_model", "generate"]
+
+_FAMILIES: dict[str, type[TransformerLM]] = {"gpt": GPT, "llama": Llama}
+
+
+def build_model(cfg: ModelConfig) -> TransformerLM:
+    """A freshly initialised GPT or Llama for cfg, on torch's default device (`torch.get_default_device()`).
+
+    Initialisation draws from the current torch RNG in a fixed order (see `TransformerLM.init_weights`), so
+    the caller seeds (`torch.manual_seed`) for reproducibility. Build under `with torch.device("meta"):` to
+    get shapes and counts of a large model instantly; materialise it with `model.to_empty(device=...)` and
+    then `model.init_weights()`.
+    """
+    violations = cfg.check()
+    if violations:
+        raise ConfigError("invalid model config:\n" + "\n".join(f"  - {v}" for v in violations))
+    device = torch.get_default_device()
+    with torch.device("meta"):  # skip nn.Linear's own init: it would consume RNG draws and time
+        model = _FAMILIES[cfg.family](cfg)
+    model.to_empty(device=device)
+    model.init_weights()  # re-ties, draws every weight, recomputes RoPE tables
+    return model
+
+
+@torch.no_grad()
+def generate(
+    model: TransformerLM,
+    tokens: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Sample max_new_tokens continuations of tokens [b, t]; returns [b, t + max_new_tokens].
+
+    No KV cache: each step re-runs the model on the last model.cfg.seq_len tokens. temperature <= 0 means
+    greedy (argmax); top_k keeps only the k most likely tokens before sampling. The model's train/eval mode is
+    restored.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(max_new_tokens):
+            context = tokens[:, -model.cfg.seq_len :]  # context: [b, ≤s]
+            logits = model(context)[:, -1, :].float()  # logits: [b, V]
+            tokens = torch.cat((tokens, _pick(logits, temperature, top_k, generator)), dim=1)  # [b, t+1]
+    finally:
+        model.train(was_training)
+    return tokens
+
+
+def _pick(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Next token [b, 1] from last-position logits [b, V]."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # kth: [b, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # probs: [b, V]
+    return torch.multinomial(probs, 1, generator=generator)  # [b, 1]

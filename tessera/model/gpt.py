@@ -1,0 +1,68 @@
+"""GPT-2 (Radford et al. 2019): learned positions, LayerNorm with bias, GELU (tanh) MLP, biased Linears."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.model.layers import Attention, Block, Head, TransformerLM
+
+if TYPE_CHECKING:
+    from tessera.config import ModelConfig
+
+__all__ = ["GPT", "GPTMLP", "GPTEmbedding"]
+
+
+class GPTEmbedding(nn.Module):
+    """Token embedding `wte` plus learned absolute position embedding `wpe`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]  # tokens: [b, s]
+        if s > self.wpe.num_embeddings:
+            raise ValueError(f"sequence length {s} exceeds model.seq_len = {self.wpe.num_embeddings}")
+        pos = torch.arange(s, device=tokens.device)  # pos: [s]
+        return self.wte(tokens) + self.wpe(pos)  # [b, s, h]
+
+
+class GPTMLP(nn.Module):
+    """fc (h → ffn, bias) → GELU (tanh approximation, as GPT-2) → proj (ffn → h, bias)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.ffn, bias=True)
+        self.proj = nn.Linear(cfg.ffn, cfg.d_model, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.fc(x), approximate="tanh")  # x: [b, s, ffn]
+        return self.proj(x)  # [b, s, h]
+
+
+def _block(cfg: ModelConfig) -> Block:
+    return Block(
+        attn_norm=nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps),
+        attn=Attention(cfg, bias=True),
+        mlp_norm=nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps),
+        mlp=GPTMLP(cfg),
+    )
+
+
+class GPT(TransformerLM):
+    """GPT-2: `embed` (wte, wpe), blocks, `head` (LayerNorm `norm`, `out` tied to wte by default)."""
+
+    token_embedding_name = "wte"
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(
+            cfg,
+            embed=GPTEmbedding(cfg),
+            blocks=[_block(cfg) for _ in range(cfg.n_layers)],
+            head=Head(nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps), cfg.d_model, cfg.vocab_size),
+        )

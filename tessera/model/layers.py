@@ -1,0 +1,288 @@
+"""Building blocks shared by the GPT and Llama families, and the `TransformerLM` base class.
+
+The model is deliberately plain: an embedding, a `ModuleDict` of blocks keyed "0".."L-1", and a head.
+Parallelism (tensor, pipeline, checkpointing, ZeRO) is applied from outside by replacing or wrapping these
+modules, so their attribute names are part of the API:
+
+    model.embed                     tokens [b, s] -> hidden [b, s, h]
+    model.blocks["i"]               hidden -> hidden; .attn_norm .attn(.wq .wk .wv .wo .core) .mlp_norm .mlp
+    model.head                      hidden -> logits [b, s, V]; .norm .out
+
+Linear layers inside attention use the local head count implied by their output width (`view(b, s, -1, hd)`),
+so a tensor-parallel rank that holds a column shard of `wq`/`wk`/`wv` runs the same forward code on its heads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from tessera.config import ModelConfig
+
+__all__ = [
+    "RESIDUAL_OUTPUTS",
+    "Attention",
+    "AttentionCore",
+    "Block",
+    "Head",
+    "RMSNorm",
+    "Rope",
+    "TransformerLM",
+    "apply_rope",
+    "rope_tables",
+]
+
+RESIDUAL_OUTPUTS = ("attn.wo", "mlp.proj", "mlp.w_down")
+"""Module-name suffixes of the projections that write into the residual stream (GPT-2 scaled init)."""
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a weight and no bias (Llama); statistics in fp32 whatever the dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # x: [..., h]
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # xf: [..., h]
+        return xf.to(x.dtype) * self.weight  # [..., h]
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None):
+    """cos and sin tables [seq_len, head_dim/2] for positions 0..seq_len-1, computed in fp32."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head dim, got {head_dim}; choose d_model / n_heads even")
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(pos, inv_freq)  # angles: [s, hd/2]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [b, heads, s, hd] by position; cos/sin are [s, hd/2], already sliced to x's positions.
+
+    Uses the "rotate half" pairing (dimension i with i + hd/2), the convention of Hugging Face Llama
+    checkpoints.
+    Taking sliced tables lets a sequence-sharded caller pass its own positions.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()  # x1, x2: [b, nh, s, hd/2]
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # out: [b, nh, s, hd]
+    return out.to(x.dtype)
+
+
+class Rope(nn.Module):
+    """Rotary position embedding with precomputed, non-persistent cos/sin buffers [seq_len, hd/2].
+
+    The buffers are not saved in state dicts; after materialising a meta-device model call `reset()`
+    (`TransformerLM.init_weights` does).
+    """
+
+    def __init__(self, head_dim: int, seq_len: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.seq_len, self.theta = head_dim, seq_len, theta
+        cos, sin = rope_tables(head_dim, seq_len, theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def reset(self) -> None:
+        """Recompute the tables in place on the buffers' current device."""
+        cos, sin = rope_tables(self.head_dim, self.seq_len, self.theta, device=self.cos.device)
+        with torch.no_grad():
+            self.cos.copy_(cos)
+            self.sin.copy_(sin)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = q.shape[2]
+        if s > self.seq_len:
+            raise ValueError(
+                f"sequence length {s} exceeds the RoPE table length model.seq_len = {self.seq_len}"
+            )
+        cos, sin = self.cos[:s], self.sin[:s]  # cos, sin: [s, hd/2]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [b, nh, s, hd], [b, nkv, s, hd]
+
+
+class AttentionCore(nn.Module):
+    """Causal softmax attention on already-projected heads; no parameters, so checkpointing can wrap it alone.
+
+    q is [b, n_heads, s, hd] and k, v are [b, n_kv_heads, s, hd]; grouped-query attention repeats each KV head
+    n_heads / n_kv_heads times (consecutive query heads share a KV head). Head counts come from the tensors,
+    so a tensor-parallel rank holding a subset of heads uses it unchanged.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=1)  # k: [b, nh, s, hd]
+            v = v.repeat_interleave(n_rep, dim=1)  # v: [b, nh, s, hd]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, nh, s, hd]
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query self-attention; separate wq, wk, wv, wo projections (simplest to shard)."""
+
+    def __init__(self, cfg: ModelConfig, bias: bool, rope: Rope | None = None) -> None:
+        super().__init__()
+        h, hd = cfg.d_model, cfg.head_dim
+        self.head_dim = hd
+        self.wq = nn.Linear(h, cfg.n_heads * hd, bias=bias)
+        self.wk = nn.Linear(h, cfg.kv_heads * hd, bias=bias)
+        self.wv = nn.Linear(h, cfg.kv_heads * hd, bias=bias)
+        self.wo = nn.Linear(cfg.n_heads * hd, h, bias=bias)
+        self.core = AttentionCore()
+        self.rope = rope
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape  # x: [b, s, h]
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # q: [b, nh, s, hd]
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # k: [b, nkv, s, hd]
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # v: [b, nkv, s, hd]
+        if self.rope is not None:
+            q, k = self.rope(q, k)  # q: [b, nh, s, hd], k: [b, nkv, s, hd]
+        y = self.core(q, k, v)  # y: [b, nh, s, hd]
+        y = y.transpose(1, 2).reshape(b, s, -1)  # y: [b, s, nh·hd]
+        return self.wo(y)  # [b, s, h]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
+
+    def __init__(self, attn_norm: nn.Module, attn: nn.Module, mlp_norm: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))  # x: [b, s, h]
+        return x + self.mlp(self.mlp_norm(x))  # [b, s, h]
+
+
+class Head(nn.Module):
+    """Final norm then the output projection (no bias) to vocabulary logits."""
+
+    def __init__(self, norm: nn.Module, d_model: int, vocab_size: int) -> None:
+        super().__init__()
+        self.norm = norm
+        self.out = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))  # x: [b, s, h] -> [b, s, V]
+
+
+class TransformerLM(nn.Module):
+    """embed → blocks "0".."L-1" → head, with loss, parameter and FLOP counts.
+
+    Subclasses build `embed` (whose attribute `token_embedding_name` is the token `nn.Embedding`) and blocks.
+    With `cfg.tie_embeddings` the head's output projection *is* the token embedding's Parameter
+    (`head.out.weight = embed.<token_embedding_name>.weight`); `tied_parameters()` names the pair so that
+    pipeline and ZeRO code can keep the two copies in sync when they live on different ranks. A pipeline
+    stage may set `embed` or `head` to None: forward then takes hidden states in, or gives hidden states out.
+    """
+
+    token_embedding_name = "tok"
+    """Attribute of `embed` holding the token `nn.Embedding` (the one tied to the head)."""
+
+    def __init__(self, cfg: ModelConfig, embed: nn.Module, blocks: list[nn.Module], head: Head) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed: nn.Module | None = embed
+        self.blocks = nn.ModuleDict({str(i): blk for i, blk in enumerate(blocks)})
+        self.head: Head | None = head
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make head.out.weight the token embedding's Parameter again (if tied and both are present).
+
+        Moves that create new Parameters (e.g. `to_empty` from the meta device) break the sharing; call this
+        afterwards. `init_weights` calls it first.
+        """
+        if self.cfg.tie_embeddings and self.embed is not None and self.head is not None:
+            self.head.out.weight = getattr(self.embed, self.token_embedding_name).weight
+
+    # --- forward -------------------------------------------------------------------------------------------
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [b, s, V]; or, given targets [b, s], the mean cross-entropy over all tokens (a scalar)."""
+        x = self.embed(tokens) if self.embed is not None else tokens  # x: [b, s, h]
+        for block in self.blocks.values():
+            x = block(x)  # x: [b, s, h]
+        if self.head is None:
+            if targets is not None:
+                raise ValueError(
+                    "this model part has no head, so it cannot compute a loss; pass targets=None"
+                )
+            return x  # [b, s, h]
+        logits = self.head(x)  # logits: [b, s, V]
+        return logits if targets is None else self.loss(logits, targets)
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over every position; logits upcast to fp32 so bf16/fp16 runs stay stable."""
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())  # logits: [b·s, V]
+
+    # --- initialisation ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Deterministic init from the current torch RNG, in module order, each Parameter once.
+
+        Linear and Embedding weights ~ N(0, init_std); the residual-stream output projections (attn.wo,
+        mlp.proj / mlp.w_down) ~ N(0, init_std / sqrt(2·n_layers)) as in GPT-2; biases 0; norm weights 1.
+        A tied output projection is the embedding, initialised once as an embedding. Also resets RoPE tables.
+        """
+        self.tie_weights()
+        std, seen = self.cfg.init_std, set()
+        for name, module in self.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if isinstance(module, (nn.LayerNorm, RMSNorm)) and pname == "weight":
+                    p.fill_(1.0)
+                elif pname == "bias":
+                    p.zero_()
+                elif name.endswith(RESIDUAL_OUTPUTS):
+                    p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))
+                else:
+                    p.normal_(0.0, std)
+        for module in self.modules():
+            if isinstance(module, Rope) and not module.cos.is_meta:
+                module.reset()
+
+    # --- introspection -------------------------------------------------------------------------------------
+
+    def tied_parameters(self) -> list[tuple[str, str]]:
+        """Name pairs of parameters that are one tensor: [("head.out.weight", "embed.<tok>.weight")] or []."""
+        if not self.cfg.tie_embeddings:
+            return []
+        return [("head.out.weight", f"embed.{self.token_embedding_name}.weight")]
+
+    def num_params(self) -> int:
+        """Number of parameters, a tied embedding counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token, PaLM convention (Chowdhery et al. 2022, appendix B): 6·N + 12·L·h·s.
+
+        N counts the parameters that take part in matrix multiplies: every parameter except lookup-only
+        embedding tables (positions; tokens too unless tied, since then the output projection uses them).
+        6·N is forward (2) plus backward (4) for the weight matmuls; 12·L·h·s is the attention scores and
+        weighted sum (QKᵀ and AV, 2·2·s·h per token per layer forward, ×3 with backward), without causal
+        halving. s defaults to cfg.seq_len.
+        """
+        s = self.cfg.seq_len if seq_len is None else seq_len
+        lookups = {id(self.head.out.weight)} if self.head is not None and self.cfg.tie_embeddings else set()
+        n = sum(
+            p.numel()
+            for m in self.modules()
+            if isinstance(m, nn.Embedding)
+            for p in m.parameters(recurse=False)
+            if id(p) not in lookups
+        )
+        return 6 * (self.num_params() - n) + 12 * self.cfg.n_layers * self.cfg.d_model * s

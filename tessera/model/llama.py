@@ -1,0 +1,66 @@
+"""Llama (Touvron et al. 2023; Llama 3 shapes): RMSNorm, SwiGLU MLP, RoPE, GQA, no biases."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.model.layers import Attention, Block, Head, RMSNorm, Rope, TransformerLM
+
+if TYPE_CHECKING:
+    from tessera.config import ModelConfig
+
+__all__ = ["Llama", "LlamaEmbedding", "LlamaMLP"]
+
+
+class LlamaEmbedding(nn.Module):
+    """Token embedding `tok` only; positions enter through RoPE inside attention."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok(tokens)  # tokens: [b, s] -> [b, s, h]
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: w_down(SiLU(w_gate x) * w_up x), no biases."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
+        self.w_up = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
+        self.w_down = nn.Linear(cfg.ffn, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.silu(self.w_gate(x)) * self.w_up(x)  # x: [b, s, ffn]
+        return self.w_down(x)  # [b, s, h]
+
+
+class Llama(TransformerLM):
+    """Llama: `embed` (tok), blocks, `head` (RMSNorm `norm`, `out`; tied only if cfg.tie_embeddings).
+
+    One `Rope` module (`model.rope`) holds the cos/sin tables and is shared by every block's attention, so a
+    pipeline stage keeping any subset of blocks still has it.
+    """
+
+    token_embedding_name = "tok"
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        rope = Rope(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        blocks = [
+            Block(
+                attn_norm=RMSNorm(cfg.d_model, cfg.norm_eps),
+                attn=Attention(cfg, bias=False, rope=rope),
+                mlp_norm=RMSNorm(cfg.d_model, cfg.norm_eps),
+                mlp=LlamaMLP(cfg),
+            )
+            for _ in range(cfg.n_layers)
+        ]
+        head = Head(RMSNorm(cfg.d_model, cfg.norm_eps), cfg.d_model, cfg.vocab_size)
+        super().__init__(cfg, embed=LlamaEmbedding(cfg), blocks=blocks, head=head)
+        self.rope = rope

@@ -1,0 +1,97 @@
+"""Named model sizes, from tiny test shapes up to real ones, shared by training and planning.
+
+Pure data (no torch import) so the config and the planner can use it without PyTorch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["SIZES", "size_names"]
+
+_TINY_VOCAB = 256  # the byte tokenizer's vocabulary
+
+SIZES: dict[str, dict[str, Any]] = {
+    # Test and demo shapes (byte-level vocabulary).
+    "gpt2-tiny": dict(family="gpt", n_layers=2, d_model=32, n_heads=4, vocab_size=_TINY_VOCAB, seq_len=32),
+    "gpt2-mini": dict(family="gpt", n_layers=4, d_model=128, n_heads=4, vocab_size=_TINY_VOCAB, seq_len=128),
+    "llama-tiny": dict(
+        family="llama",
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=96,
+        vocab_size=_TINY_VOCAB,
+        seq_len=32,
+    ),
+    "llama-mini": dict(
+        family="llama",
+        n_layers=4,
+        d_model=128,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=352,
+        vocab_size=_TINY_VOCAB,
+        seq_len=128,
+    ),
+    # GPT-2 (Radford et al. 2019), BPE vocabulary 50257, context 1024, tied embeddings.
+    "gpt2-124m": dict(family="gpt", n_layers=12, d_model=768, n_heads=12, vocab_size=50257, seq_len=1024),
+    "gpt2-350m": dict(family="gpt", n_layers=24, d_model=1024, n_heads=16, vocab_size=50257, seq_len=1024),
+    "gpt2-774m": dict(family="gpt", n_layers=36, d_model=1280, n_heads=20, vocab_size=50257, seq_len=1024),
+    "gpt2-1.5b": dict(family="gpt", n_layers=48, d_model=1600, n_heads=25, vocab_size=50257, seq_len=1024),
+    # Llama 3 shapes (Llama 3.2 1B ties embeddings; the others do not).
+    "llama-1b": dict(
+        family="llama",
+        n_layers=16,
+        d_model=2048,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=8192,
+        vocab_size=128256,
+        seq_len=2048,
+        tie_embeddings=True,
+        rope_theta=500000.0,
+    ),
+    "llama-8b": dict(
+        family="llama",
+        n_layers=32,
+        d_model=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        vocab_size=128256,
+        seq_len=2048,
+        tie_embeddings=False,
+        rope_theta=500000.0,
+    ),
+    "llama-70b": dict(
+        family="llama",
+        n_layers=80,
+        d_model=8192,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_hidden=28672,
+        vocab_size=128256,
+        seq_len=2048,
+        tie_embeddings=False,
+        rope_theta=500000.0,
+    ),
+    "llama-405b": dict(
+        family="llama",
+        n_layers=126,
+        d_model=16384,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_hidden=53248,
+        vocab_size=128256,
+        seq_len=2048,
+        tie_embeddings=False,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def size_names() -> list[str]:
+    """All registered size names, in registry order."""
+    return list(SIZES)

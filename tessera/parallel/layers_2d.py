@@ -1,0 +1,297 @@
+"""Transformer layers on the Optimus q×q grid; activations are [b/q, s, h/q] blocks on P_ij.
+
+Each layer is built from the matching plain layer's full weights (identical on every rank) by cutting this rank's
+block, and records a `Shard` describing how to reassemble the full tensor (see model_2d.full_parameters).
+
+Where the pieces live on P_ij:
+
+- Linear2D weight W [h_in, h_out] (= nn.Linear.weight transposed): block (i, j), [h_in/q, h_out/q].
+- Vocabulary table E [V_pad, h] (token embedding, and the output layer, tied or not): block (i, j),
+  [V_pad/q, h/q] — vocabulary by i, hidden by j. V_pad = V rounded up to a multiple of q; the padding rows are
+  zero, never looked up, masked out of the softmax and cut off again by full_parameters.
+- Vectors of length n (biases, norm weights) and the position table [S, h]: the j-th 1/q slice, replicated over
+  the column group (the q ranks that hold the same features for different batch rows). Their gradient is summed
+  over the column group in backward (`copy_to_region`), which keeps the replicas identical.
+
+Collectives per layer are listed in docs/tensor-2d.md and computed by model_2d.comm_bytes_2d.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera import comm
+from tessera.parallel.tensor_2d import Grid2D, matmul_ab_2d, matmul_abt_2d
+
+__all__ = [
+    "MLP2D",
+    "Attention2D",
+    "LayerNorm2D",
+    "Linear2D",
+    "PositionEmbedding2D",
+    "RMSNorm2D",
+    "Shard",
+    "VocabEmbedding2D",
+    "shard_block",
+    "vocab_parallel_cross_entropy_2d",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """How a local parameter maps onto the plain model's full tensor.
+
+    ``dim_j``: local dim split by the grid column j (gathered over the row group); ``dim_i``: local dim split by
+    the grid row i (gathered over the column group), None when the tensor is replicated over the column group.
+    ``transpose``: the local tensor is a block of the plain tensor's transpose. ``rows``: keep only the first
+    ``rows`` rows of the reassembled (plain-orientation) tensor (vocabulary padding), None for all.
+    """
+
+    dim_j: int
+    dim_i: int | None
+    transpose: bool = False
+    rows: int | None = None
+
+
+def _chunk(t: torch.Tensor, dim: int | None, n: int, k: int) -> torch.Tensor:
+    return t if dim is None or n == 1 else t.chunk(n, dim=dim)[k]
+
+
+def shard_block(full: torch.Tensor, grid: Grid2D, dim_j: int, dim_i: int | None) -> torch.Tensor:
+    """This rank's block of ``full``: 1/q along ``dim_j`` picked by j, 1/q along ``dim_i`` picked by i."""
+    block = _chunk(_chunk(full, dim_j, grid.q, grid.j), dim_i, grid.q, grid.i)
+    return block.detach().clone().contiguous()
+
+
+def _param(full: torch.Tensor, grid: Grid2D, shard: Shard) -> nn.Parameter:
+    src = full.t() if shard.transpose else full
+    return nn.Parameter(shard_block(src, grid, shard.dim_j, shard.dim_i))
+
+
+def _need(n: int, q: int, what: str) -> None:
+    if n % q:
+        raise ValueError(f"2D tensor parallelism needs {what} = {n} divisible by q = {q}")
+
+
+def _to_col(x: torch.Tensor, grid: Grid2D) -> torch.Tensor:
+    """Use a column-replicated tensor in a batch-partitioned computation: backward sums over the column group."""
+    return x if grid.q == 1 else comm.copy_to_region(x, grid.col)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Forward all-reduce, backward all-reduce: a replicated sum whose every replica feeds partitioned work."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous().clone()
+        comm.all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g.contiguous().clone()
+        comm.all_reduce(g, ctx.group)
+        return g, None
+
+
+def _row_sum(x: torch.Tensor, grid: Grid2D) -> torch.Tensor:
+    """Sum the per-rank partial feature sums x [b/q, s, 1] over the row group (all hidden slices of a token)."""
+    return x if grid.q == 1 else _SumOverGroup.apply(x, grid.row)
+
+
+class Linear2D(nn.Module):
+    """y = x·W + b with SUMMA.  x: [b/q, s, h_in/q] → [b/q, s, h_out/q]; W block [h_in/q, h_out/q]."""
+
+    def __init__(self, linear: nn.Linear, grid: Grid2D) -> None:
+        super().__init__()
+        _need(linear.in_features, grid.q, "Linear in_features")
+        _need(linear.out_features, grid.q, "Linear out_features")
+        self.grid = grid
+        self.shards = {"weight": Shard(dim_j=1, dim_i=0, transpose=True)}
+        self.weight = _param(linear.weight, grid, self.shards["weight"])  # [h_in/q, h_out/q]
+        self.bias = None
+        if linear.bias is not None:
+            self.shards["bias"] = Shard(dim_j=0, dim_i=None)
+            self.bias = _param(linear.bias, grid, self.shards["bias"])  # [h_out/q]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = matmul_ab_2d(x, self.weight, self.grid)  # y: [b/q, s, h_out/q]
+        return y if self.bias is None else y + _to_col(self.bias, self.grid)
+
+
+class LayerNorm2D(nn.Module):
+    """LayerNorm over the hidden dim split across the row group: two row all-reduces of [b/q, s, 1] forward."""
+
+    def __init__(self, norm: nn.LayerNorm, grid: Grid2D) -> None:
+        super().__init__()
+        self.grid, self.dim, self.eps = grid, norm.normalized_shape[0], norm.eps
+        _need(self.dim, grid.q, "d_model")
+        self.shards = {"weight": Shard(dim_j=0, dim_i=None), "bias": Shard(dim_j=0, dim_i=None)}
+        self.weight = _param(norm.weight, grid, self.shards["weight"])  # [h/q]
+        self.bias = _param(norm.bias, grid, self.shards["bias"])  # [h/q]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = _row_sum(x.sum(-1, keepdim=True), self.grid) / self.dim  # mean: [b/q, s, 1]
+        xc = x - mean  # xc: [b/q, s, h/q]
+        var = _row_sum(xc.pow(2).sum(-1, keepdim=True), self.grid) / self.dim  # var: [b/q, s, 1]
+        y = xc * torch.rsqrt(var + self.eps)  # y: [b/q, s, h/q]
+        return y * _to_col(self.weight, self.grid) + _to_col(self.bias, self.grid)
+
+
+class RMSNorm2D(nn.Module):
+    """RMSNorm over the hidden dim split across the row group: one row all-reduce of [b/q, s, 1] forward."""
+
+    def __init__(self, norm: nn.Module, grid: Grid2D) -> None:
+        super().__init__()
+        self.grid, self.dim, self.eps = grid, norm.weight.shape[0], norm.eps
+        _need(self.dim, grid.q, "d_model")
+        self.shards = {"weight": Shard(dim_j=0, dim_i=None)}
+        self.weight = _param(norm.weight, grid, self.shards["weight"])  # [h/q]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # xf: [b/q, s, h/q]
+        ms = _row_sum(xf.pow(2).sum(-1, keepdim=True), self.grid) / self.dim  # ms: [b/q, s, 1]
+        y = (xf * torch.rsqrt(ms + self.eps)).to(x.dtype)  # y: [b/q, s, h/q]
+        return y * _to_col(self.weight, self.grid)
+
+
+class Attention2D(nn.Module):
+    """Self-attention on b/q sequences × (heads/q) heads per rank, full sequence length; GQA and RoPE local.
+
+    Column block j of wq/wk/wv's output is heads [j·nh/q, (j+1)·nh/q) (resp. KV heads [j·nkv/q, ...)), so with
+    q | nkv each rank's query heads find their shared KV head locally. Scores and softmax need no communication.
+    """
+
+    def __init__(self, attn: nn.Module, grid: Grid2D, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        _need(n_heads, grid.q, "n_heads")
+        _need(n_kv_heads, grid.q, "n_kv_heads (grouped-query KV heads are split over q too)")
+        self.head_dim = attn.head_dim
+        self.wq, self.wk = Linear2D(attn.wq, grid), Linear2D(attn.wk, grid)
+        self.wv, self.wo = Linear2D(attn.wv, grid), Linear2D(attn.wo, grid)
+        self.core, self.rope = attn.core, attn.rope  # parameter-free; the Rope tables are shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape  # x: [b/q, s, h/q]
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # q: [b/q, nh/q, s, hd]
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # k: [b/q, nkv/q, s, hd]
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # v: [b/q, nkv/q, s, hd]
+        if self.rope is not None:
+            q, k = self.rope(q, k)
+        y = self.core(q, k, v)  # y: [b/q, nh/q, s, hd]
+        y = y.transpose(1, 2).reshape(b, s, -1)  # y: [b/q, s, nh·hd/q]
+        return self.wo(y)  # [b/q, s, h/q]
+
+
+class MLP2D(nn.Module):
+    """GPT: fc → GELU(tanh) → proj (biased). Llama: w_down(SiLU(w_gate x) · w_up x). All SUMMA, activations local."""
+
+    def __init__(self, mlp: nn.Module, grid: Grid2D) -> None:
+        super().__init__()
+        self.swiglu = hasattr(mlp, "w_gate")
+        names = ("w_gate", "w_up", "w_down") if self.swiglu else ("fc", "proj")
+        for name in names:
+            setattr(self, name, Linear2D(getattr(mlp, name), grid))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            x = F.silu(self.w_gate(x)) * self.w_up(x)  # x: [b/q, s, ffn/q]
+            return self.w_down(x)  # [b/q, s, h/q]
+        x = F.gelu(self.fc(x), approximate="tanh")  # x: [b/q, s, ffn/q]
+        return self.proj(x)  # [b/q, s, h/q]
+
+
+class VocabEmbedding2D(nn.Module):
+    """Token lookup from the [V_pad/q, h/q] block (i, j): vocabulary by i, hidden by j.
+
+    Every rank looks up the whole micro-batch in its vocabulary slice, giving a partial [b, s, h/q]; one
+    reduce-scatter over the column group sums the q vocabulary slices and keeps batch rows i: [b/q, s, h/q].
+    Backward is the conjugate all-gather. The same block serves as the (tied) output layer's weight.
+    """
+
+    def __init__(self, weight: torch.Tensor, grid: Grid2D) -> None:
+        super().__init__()
+        vocab, h = weight.shape
+        _need(h, grid.q, "d_model")
+        self.grid, self.vocab = grid, vocab
+        self.padded = -(-vocab // grid.q) * grid.q
+        self.per_rank = self.padded // grid.q
+        full = torch.cat((weight.detach(), weight.new_zeros(self.padded - vocab, h)))  # full: [V_pad, h]
+        self.shards = {"weight": Shard(dim_j=1, dim_i=0, rows=vocab)}
+        self.weight = _param(full, grid, self.shards["weight"])  # [V_pad/q, h/q]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.grid.i * self.per_rank  # local: [b, s]
+        outside = (local < 0) | (local >= self.per_rank)
+        part = F.embedding(local.masked_fill(outside, 0), self.weight)  # part: [b, s, h/q]
+        part = part.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.grid.q == 1:
+            return part
+        return comm.reduce_scatter_to_region(part, 0, self.grid.col)  # [b/q, s, h/q]
+
+
+class PositionEmbedding2D(nn.Module):
+    """Learned positions [S, h/q] (slice j, replicated over the column group) added to x [b/q, s, h/q]."""
+
+    def __init__(self, emb: nn.Embedding, grid: Grid2D) -> None:
+        super().__init__()
+        self.grid = grid
+        self.shards = {"weight": Shard(dim_j=1, dim_i=None)}
+        self.weight = _param(emb.weight, grid, self.shards["weight"])  # [S, h/q]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        if s > self.weight.shape[0]:
+            raise ValueError(f"sequence length {s} exceeds model.seq_len = {self.weight.shape[0]}")
+        return x + _to_col(self.weight[:s], self.grid)  # [b/q, s, h/q]
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy from logits split over the row group, never gathering them.
+
+    Each rank computes its slice's log-sum-exp and its share of the target logit; one all-gather of these
+    [2, m] pairs over the row group combines them (a log-sum-exp of log-sum-exps is stable with no max pass).
+    Backward is local: (softmax − one-hot) · upstream gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, vocab, group):
+        z = logits.float()  # z: [m, V_pad/q]
+        cols = torch.arange(start, start + z.shape[-1], device=z.device)  # cols: [V_pad/q] global ids
+        z = z.masked_fill(cols >= vocab, float("-inf"))  # padding never wins probability
+        hit = targets.unsqueeze(-1) == cols  # hit: [m, V_pad/q], at most one True per row
+        lse = torch.logsumexp(z, dim=-1)  # lse: [m]
+        tgt = torch.where(hit, z, 0.0).sum(-1)  # tgt: [m]
+        pair = torch.stack((lse, tgt)).unsqueeze(0)  # pair: [1, 2, m]
+        if group is not None:
+            pair = comm.all_gather(pair, 0, group)  # pair: [q, 2, m]
+        lse_all = torch.logsumexp(pair[:, 0], dim=0)  # [m]
+        ctx.save_for_backward(z, hit, lse_all)
+        ctx.dtype = logits.dtype
+        return lse_all - pair[:, 1].sum(0)  # [m]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        z, hit, lse = ctx.saved_tensors
+        grad = (z - lse.unsqueeze(-1)).exp() - hit.float()  # grad: [m, V_pad/q]
+        return (grad * g.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy_2d(
+    logits: torch.Tensor, targets: torch.Tensor, grid: Grid2D, per_rank: int, vocab: int
+) -> torch.Tensor:
+    """Per-token loss [b/q, s] from logits [b/q, s, V_pad/q] (vocabulary slice j) and targets [b/q, s]."""
+    group = grid.row if grid.q > 1 else None
+    m = targets.numel()
+    loss = _VocabParallelCE.apply(logits.reshape(m, -1), targets.reshape(m), grid.j * per_rank, vocab, group)
+    return loss.view(targets.shape)
+
+
+def output_logits_2d(x: torch.Tensor, table: torch.Tensor, grid: Grid2D) -> torch.Tensor:
+    """Logits block [b/q, s, V_pad/q] = x [b/q, s, h/q] · Eᵀ with E's [V_pad/q, h/q] block (SUMMA ABᵀ)."""
+    return matmul_abt_2d(x, table, grid)

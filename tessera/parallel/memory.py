@@ -1,0 +1,87 @@
+"""Measure the activation memory a forward pass keeps for backward on this rank.
+
+`SavedActivationCounter` hooks `torch.autograd.graph.saved_tensors_hooks`: every tensor autograd saves for backward
+passes through it, and the bytes of each distinct storage are counted once (views such as a transposed weight or a
+slice share their base's storage; a tensor saved by two operations is counted once). Model state (parameters and
+buffers, including those of modules passed in) is not an activation and is left out.
+
+    with SavedActivationCounter(model) as saved:
+        loss = model(tokens, targets)
+    print(saved.bytes)          # bytes held alive for backward by this forward
+    loss.backward()
+
+Only tensors saved through autograd are seen: a custom `autograd.Function` that stashes tensors as `ctx`
+attributes instead of `ctx.save_for_backward` hides them (tessera's own functions use save_for_backward).
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import torch
+from torch import nn
+
+__all__ = ["SavedActivationCounter"]
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    """(device, data pointer) of t's storage, or None for tensors without real storage (meta, empty)."""
+    if t.is_meta or t.layout != torch.strided:
+        return None
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    return (str(t.device), storage.data_ptr())
+
+
+class SavedActivationCounter:
+    """Context manager summing the bytes of unique storages saved for backward inside it (``.bytes``).
+
+    ``modules``: their parameters and buffers are excluded (model state, not activations); pass the model, or its
+    weights count too. Other leaves are counted: a pipeline stage's received input is an activation it keeps.
+    ``.tensors`` is the number of distinct storages.
+    """
+
+    def __init__(self, *modules: nn.Module) -> None:
+        self._state = {
+            key
+            for m in modules
+            for t in (*m.parameters(), *m.buffers())
+            if (key := _storage_key(t)) is not None
+        }
+        self._seen: dict[tuple[str, int], int] = {}
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the distinct activation storages saved so far."""
+        return sum(self._seen.values())
+
+    @property
+    def tensors(self) -> int:
+        return len(self._seen)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key is not None and key not in self._state:
+            self._seen[key] = max(self._seen.get(key, 0), t.untyped_storage().nbytes())
+        return t
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def __enter__(self) -> SavedActivationCounter:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(exc_type, exc, tb)
+            self._hooks = None

@@ -1,0 +1,317 @@
+"""`apply_tensor_1d`: turn a plain GPT or Llama into its Megatron 1D tensor-parallel shard on this rank.
+
+Every rank builds the same plain model (same seed) and cuts its shard from the identical full weights:
+
+- attention: wq, wk, wv column-parallel (n_heads/t query heads and n_kv_heads/t KV heads per rank, so grouped-query
+  attention keeps each query head with its KV head), wo row-parallel;
+- MLP: fc / w_gate, w_up column-parallel, proj / w_down row-parallel (GELU and SwiGLU are elementwise: local);
+- token embedding and output projection vocabulary-parallel (vocabulary padded to a multiple of t internally;
+  tied embeddings share one shard); GPT's position table and all norms replicated;
+- with sequence parallelism the residual stream between the regions is [b, s/t, h] (see tensor_1d.py).
+
+The returned `TensorParallel1D` keeps the plain model's attribute and parameter names (`embed`, `blocks["i"]`,
+`head`, `attn.wq`, ...), so `full_parameters()` is keyed like the plain model's `named_parameters()`.
+`tensor_1d_comm` gives the exact bytes one forward + backward moves per rank (docs/tensor-1d.md derives it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tessera import comm
+from tessera.errors import ConfigError
+from tessera.model.layers import Block
+from tessera.parallel.tensor_1d import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelNorm,
+    VocabParallelEmbedding,
+    VocabParallelOutput,
+    enter_tensor_region,
+    group_rank,
+)
+
+__all__ = ["TensorParallel1D", "apply_tensor_1d", "check_tensor_1d", "tensor_1d_comm"]
+
+
+class ParallelAttention(nn.Module):
+    """Attention on this rank's n_heads/t query heads and n_kv_heads/t KV heads; one region entry for q, k, v."""
+
+    def __init__(self, attn: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.head_dim = attn.head_dim
+        col = {"enter": False}
+        self.wq = ColumnParallelLinear.from_linear(attn.wq, group, **col)
+        self.wk = ColumnParallelLinear.from_linear(attn.wk, group, **col)
+        self.wv = ColumnParallelLinear.from_linear(attn.wv, group, **col)
+        self.wo = RowParallelLinear.from_linear(attn.wo, group, sequence_parallel=sequence_parallel)
+        self.core = attn.core  # parameter-free: checkpointing may wrap it as in the plain model
+        self.rope = attn.rope
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tensor_region(x, self.group, self.sequence_parallel)  # x: [b, s, h]
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # q: [b, nh/t, s, hd]
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # k: [b, nkv/t, s, hd]
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # v: [b, nkv/t, s, hd]
+        if self.rope is not None:
+            q, k = self.rope(q, k)  # full sequence here, so positions 0..s-1 as in the plain model
+        y = self.core(q, k, v)  # y: [b, nh/t, s, hd]
+        y = y.transpose(1, 2).reshape(b, s, -1)  # y: [b, s, nh·hd/t]
+        return self.wo(y)  # [b, s, h] or [b, s/t, h] with SP
+
+
+class ParallelGPTMLP(nn.Module):
+    """fc column-parallel → GELU(tanh) on ffn/t features → proj row-parallel."""
+
+    def __init__(self, mlp: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.fc = ColumnParallelLinear.from_linear(mlp.fc, group, sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear.from_linear(mlp.proj, group, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.fc(x), approximate="tanh")  # x: [b, s, ffn/t]
+        return self.proj(x)  # [b, s, h] or [b, s/t, h]
+
+
+class ParallelLlamaMLP(nn.Module):
+    """SwiGLU with w_gate, w_up column-parallel (one region entry for both) and w_down row-parallel."""
+
+    def __init__(self, mlp: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.w_gate = ColumnParallelLinear.from_linear(mlp.w_gate, group, enter=False)
+        self.w_up = ColumnParallelLinear.from_linear(mlp.w_up, group, enter=False)
+        self.w_down = RowParallelLinear.from_linear(mlp.w_down, group, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tensor_region(x, self.group, self.sequence_parallel)  # x: [b, s, h]
+        x = F.silu(self.w_gate(x)) * self.w_up(x)  # x: [b, s, ffn/t]
+        return self.w_down(x)  # [b, s, h] or [b, s/t, h]
+
+
+class ParallelEmbedding(nn.Module):
+    """Vocabulary-parallel token embedding (`wte` / `tok`), plus GPT's replicated position table `wpe`."""
+
+    def __init__(self, embed: nn.Module, token_name: str, group: dist.ProcessGroup, sp: bool) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel, self.token_name = group, sp, token_name
+        tok = VocabParallelEmbedding.from_embedding(getattr(embed, token_name), group, sequence_parallel=sp)
+        setattr(self, token_name, tok)
+        self.wpe = getattr(embed, "wpe", None)  # replicated, not sharded
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = getattr(self, self.token_name)(tokens)  # x: [b, s, h] or [b, s/t, h] with SP
+        if self.wpe is None:
+            return x
+        s = tokens.shape[1]
+        if s > self.wpe.num_embeddings:
+            raise ValueError(f"sequence length {s} exceeds model.seq_len = {self.wpe.num_embeddings}")
+        if not self.sequence_parallel:
+            return x + self.wpe.weight[:s]  # [b, s, h]
+        # This rank holds positions [r·s/t, (r+1)·s/t): the table's gradient is partial, all-reduce it.
+        n, r = x.shape[1], group_rank(self.group)
+        table = comm.copy_to_region(self.wpe.weight, self.group)  # table: [seq_len, h]
+        return x + table[r * n : (r + 1) * n]  # [b, s/t, h]
+
+
+class ParallelHead(nn.Module):
+    """Final norm (on the sequence shard with SP) then the vocabulary-parallel output and loss."""
+
+    def __init__(self, norm: nn.Module, out: VocabParallelOutput) -> None:
+        super().__init__()
+        self.norm, self.out = norm, out
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        return self.out(self.norm(x), targets)  # loss, or logits [b, s, V]
+
+
+class TensorParallel1D(nn.Module):
+    """This rank's Megatron 1D shard of a plain `TransformerLM`; `forward(tokens, targets) -> loss`.
+
+    tokens and targets are the full micro-batch [b, s] on every rank of the tensor group; the loss is the mean
+    over all of it, identical on every rank, and backward leaves each rank its shard of the single-device
+    gradients (replicated parameters get the full gradient on every rank).
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        cfg = model.cfg
+        check_tensor_1d(cfg, comm.group_size(group))
+        self.cfg = self.plain_config = cfg
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.tp = comm.group_size(group)
+        sp = sequence_parallel
+        token_name = model.token_embedding_name
+        self.embed = None if model.embed is None else ParallelEmbedding(model.embed, token_name, group, sp)
+        self.blocks = nn.ModuleDict(
+            {name: _parallel_block(blk, group, sp) for name, blk in model.blocks.items()}
+        )
+        self.head = None
+        if model.head is not None:
+            out = VocabParallelOutput.from_linear(model.head.out, group, sequence_parallel=sp)
+            if cfg.tie_embeddings and self.embed is not None:
+                out.weight = getattr(self.embed, token_name).weight  # one shard, two uses
+            self.head = ParallelHead(_norm(model.head.norm, group, sp), out)
+        if getattr(model, "rope", None) is not None:
+            self.rope = model.rope  # shared RoPE tables, as in the plain Llama
+        self._split = self._split_dims(model)
+
+    def _split_dims(self, model: nn.Module) -> dict[str, tuple[int, int]]:
+        """For each sharded parameter name: (split dim, full size along it); names match the plain model."""
+        plain = dict(model.named_parameters())
+        mine = dict(self.named_parameters())
+        if set(plain) != set(mine):
+            raise RuntimeError(
+                f"tensor-1d parameter names drifted from the plain model: {set(plain) ^ set(mine)}"
+            )
+        split = {}
+        for name, p in mine.items():
+            full = plain[name].shape
+            if tuple(p.shape) != tuple(full):
+                dim = next(d for d in range(p.dim()) if p.shape[d] != full[d])
+                split[name] = (dim, full[dim])
+        return split
+
+    def tie_weights(self) -> None:
+        """Re-share the output projection with the token embedding shard (if tied and both present)."""
+        if self.cfg.tie_embeddings and self.embed is not None and self.head is not None:
+            self.head.out.weight = getattr(self.embed, self.embed.token_name).weight
+
+    def tied_parameters(self) -> list[tuple[str, str]]:
+        if not self.cfg.tie_embeddings:
+            return []
+        return [("head.out.weight", f"embed.{self.embed.token_name if self.embed else 'tok'}.weight")]
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Loss over the full micro-batch (or full logits without targets); hidden states in/out for a stage
+        without embed/head ([b, s/t, h] with sequence parallelism)."""
+        if self.sequence_parallel and tokens.shape[1] % self.tp:
+            raise ValueError(
+                f"sequence parallelism splits the sequence over the {self.tp} tensor ranks, but the sequence "
+                f"length is {tokens.shape[1]}; use a seq_len divisible by {self.tp} or turn "
+                "parallel.sequence_parallel off"
+            )
+        x = self.embed(tokens) if self.embed is not None else tokens  # x: [b, s, h] or [b, s/t, h]
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is None:
+            if targets is not None:
+                raise ValueError(
+                    "this model part has no head, so it cannot compute a loss; pass targets=None"
+                )
+            return x
+        return self.head(x, targets)
+
+    def full_parameters(self, grad: bool = False) -> dict[str, torch.Tensor]:
+        """Full, unpadded parameters (or gradients) keyed like the plain model; collective over the tensor group."""
+        out = {}
+        for name, p in self.named_parameters():
+            x = p.grad if grad else p.detach()
+            if x is None:
+                x = torch.zeros_like(p)
+            if name in self._split:
+                dim, size = self._split[name]
+                x = comm.all_gather(x.contiguous(), dim, self.group).narrow(dim, 0, size)
+            out[name] = x.detach().clone()
+        return out
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Squared global gradient norm over the tensor group, each replicated parameter counted once."""
+        device = next(self.parameters()).device
+        sharded = torch.zeros((), dtype=torch.float32, device=device)
+        replicated = torch.zeros((), dtype=torch.float32, device=device)
+        for name, p in self.named_parameters():
+            if p.grad is not None:
+                sq = p.grad.detach().float().pow(2).sum()
+                if name in self._split:
+                    sharded += sq  # padding rows have zero gradient: they add nothing
+                else:
+                    replicated += sq
+        comm.all_reduce(sharded, self.group)
+        return sharded + replicated
+
+
+def _norm(norm: nn.Module, group: dist.ProcessGroup, sp: bool) -> nn.Module:
+    return SequenceParallelNorm(norm, group) if sp and comm.group_size(group) > 1 else norm
+
+
+def _parallel_block(block: nn.Module, group: dist.ProcessGroup, sp: bool) -> Block:
+    mlp_cls = ParallelLlamaMLP if hasattr(block.mlp, "w_gate") else ParallelGPTMLP
+    return Block(
+        attn_norm=_norm(block.attn_norm, group, sp),
+        attn=ParallelAttention(block.attn, group, sp),
+        mlp_norm=_norm(block.mlp_norm, group, sp),
+        mlp=mlp_cls(block.mlp, group, sp),
+    )
+
+
+def check_tensor_1d(cfg: Any, t: int) -> None:
+    """Raise ConfigError naming every model dimension that t does not divide (and the fix)."""
+    problems = []
+    for what, n in (
+        ("model.n_heads", cfg.n_heads),
+        ("model.n_kv_heads", cfg.kv_heads),
+        ("ffn size", cfg.ffn),
+    ):
+        if n % t:
+            divisors = [d for d in range(1, n + 1) if n % d == 0]
+            problems.append(
+                f"{what} = {n} is not divisible by tensor size {t}; use parallel.tensor in {divisors}"
+            )
+    if problems:
+        raise ConfigError("Megatron 1D tensor parallelism:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def apply_tensor_1d(model: nn.Module, groups: Any, cfg: Any) -> TensorParallel1D:
+    """This rank's Megatron 1D shard of ``model`` over ``groups.tp``.
+
+    ``cfg`` is the run `Config` (or its `ParallelConfig`); only ``parallel.sequence_parallel`` is read. The plain
+    model must be identical on every rank of the tensor group (build it with the same seed).
+    """
+    parallel = getattr(cfg, "parallel", cfg)
+    return TensorParallel1D(model, groups.tp, bool(getattr(parallel, "sequence_parallel", False)))
+
+
+def tensor_1d_comm(
+    model_cfg: Any,
+    batch: int,
+    seq: int,
+    t: int,
+    sequence_parallel: bool,
+    act_bytes: int = 4,
+    param_bytes: int = 4,
+) -> dict[str, tuple[int, int]]:
+    """Collectives one forward + backward of the whole model issues on the tensor group, per rank:
+    ``{kind: (calls, bytes)}`` with comm.py's byte conventions (all_gather: output, reduce_scatter: input).
+
+    X = b·s·h·act_bytes is one hidden-state tensor, N = b·s tokens, L layers. Without SP: 4 all-reduces of X per
+    layer (enter/exit of attention and MLP, forward or backward) + 1 (embedding exit) + 1 (head entry, backward),
+    and the loss's 2 all-reduces (max [N], then [Σexp, target] [2N], fp32). With SP every X all-reduce becomes an
+    all-gather + a reduce-scatter, and the replicated parameters used on sequence shards add one all-reduce of
+    their gradient each: norms (GPT weight+bias, Llama weight), row-parallel biases (GPT), GPT's position table.
+    """
+    if t == 1:
+        return {}
+    L, h = model_cfg.n_layers, model_cfg.d_model
+    n_tok, x = batch * seq, batch * seq * h * act_bytes
+    regions = 4 * L + 2
+    loss = (2, 3 * n_tok * 4)
+    if not sequence_parallel:
+        return {"all_reduce": (regions + loss[0], regions * x + loss[1])}
+    gpt = model_cfg.family == "gpt"
+    vectors = (6 if gpt else 2) * L + (2 if gpt else 1)  # h-sized replicated parameters on sequence shards
+    calls, nbytes = loss[0] + vectors, loss[1] + vectors * h * param_bytes
+    if gpt:
+        calls, nbytes = calls + 1, nbytes + model_cfg.seq_len * h * param_bytes  # position table
+    return {
+        "all_gather": (regions, regions * x),
+        "reduce_scatter": (regions, regions * x),
+        "all_reduce": (calls, nbytes),
+    }

@@ -1,0 +1,262 @@
+"""`apply_tensor_2d`: turn a plain GPT/Llama into its Optimus 2D (q×q SUMMA) version, and its comm formula.
+
+The 2D model keeps the plain model's shape — `embed`, `blocks` ("0".."L-1", each a plain `Block` of 2D layers),
+`head` — and the plain parameter names, so `named_parameters()` lines up with the plain model's (local blocks
+instead of full tensors). Its forward takes the full micro-batch [b, s] on every rank of the grid, works on
+P_ij's [b/q, s, h/q] block and returns the mean loss over the whole micro-batch on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from tessera import comm
+from tessera.errors import ConfigError
+from tessera.model.layers import Block
+from tessera.parallel.layers_2d import (
+    MLP2D,
+    Attention2D,
+    LayerNorm2D,
+    PositionEmbedding2D,
+    RMSNorm2D,
+    Shard,
+    VocabEmbedding2D,
+    output_logits_2d,
+    vocab_parallel_cross_entropy_2d,
+)
+from tessera.parallel.tensor_2d import Grid2D, summa_bytes
+
+if TYPE_CHECKING:
+    from tessera.config import ModelConfig
+    from tessera.groups import Groups
+    from tessera.model.layers import TransformerLM
+
+__all__ = ["Model2D", "apply_tensor_2d", "check_2d", "comm_bytes_2d"]
+
+
+def check_2d(cfg: ModelConfig, q: int) -> list[str]:
+    """Every divisibility rule the model breaks on a q×q grid, each with the fix (empty when it fits)."""
+    rules = [
+        ("model.d_model", cfg.d_model),
+        ("model.n_heads", cfg.n_heads),
+        ("model.n_kv_heads", cfg.kv_heads),
+        ("the MLP hidden size (model.ffn_hidden)", cfg.ffn),
+    ]
+    return [
+        f"{name} = {n} is not divisible by q = {q}; choose a multiple of {q} or a grid side dividing {n}"
+        for name, n in rules
+        if n % q
+    ]
+
+
+def _norm(norm: nn.Module, grid: Grid2D) -> nn.Module:
+    return LayerNorm2D(norm, grid) if isinstance(norm, nn.LayerNorm) else RMSNorm2D(norm, grid)
+
+
+class _Embed2D(nn.Module):
+    """tokens [b, s] → x [b/q, s, h/q]: vocabulary-parallel token lookup (+ learned positions for GPT)."""
+
+    def __init__(self, embed: nn.Module, token_name: str, grid: Grid2D) -> None:
+        super().__init__()
+        self.token_name = token_name
+        setattr(self, token_name, VocabEmbedding2D(getattr(embed, token_name).weight, grid))
+        if hasattr(embed, "wpe"):
+            self.wpe = PositionEmbedding2D(embed.wpe, grid)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = getattr(self, self.token_name)(tokens)  # x: [b/q, s, h/q]
+        return self.wpe(x) if hasattr(self, "wpe") else x
+
+
+class _Out2D(nn.Module):
+    """Output layer holding (or, tied, sharing) the [V_pad/q, h/q] vocabulary block."""
+
+    def __init__(self, weight: nn.Parameter | torch.Tensor, grid: Grid2D, table: VocabEmbedding2D | None):
+        super().__init__()
+        if table is not None:
+            self.weight = table.weight  # tied: the same Parameter object as the embedding's block
+            self.shards = dict(table.shards)
+        else:
+            own = VocabEmbedding2D(weight, grid)
+            self.weight, self.shards = own.weight, own.shards
+
+
+class _Head2D(nn.Module):
+    def __init__(self, head: nn.Module, grid: Grid2D, table: VocabEmbedding2D | None) -> None:
+        super().__init__()
+        self.grid = grid
+        self.norm = _norm(head.norm, grid)
+        self.out = _Out2D(head.out.weight, grid, table)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return output_logits_2d(self.norm(x), self.out.weight, self.grid)  # [b/q, s, V_pad/q]
+
+
+class Model2D(nn.Module):
+    """The Optimus 2D model; see module docstring. Build with `apply_tensor_2d`."""
+
+    def __init__(self, model: TransformerLM, grid: Grid2D) -> None:
+        super().__init__()
+        cfg = model.cfg
+        problems = check_2d(cfg, grid.q)
+        if problems:
+            raise ConfigError("2D tensor parallelism does not fit the model:\n" + "\n".join(problems))
+        self.grid, self.plain_config = grid, cfg
+        self.embed = _Embed2D(model.embed, model.token_embedding_name, grid) if model.embed else None
+        blocks = {
+            name: Block(
+                _norm(blk.attn_norm, grid),
+                Attention2D(blk.attn, grid, cfg.n_heads, cfg.kv_heads),
+                _norm(blk.mlp_norm, grid),
+                MLP2D(blk.mlp, grid),
+            )
+            for name, blk in model.blocks.items()
+        }
+        self.blocks = nn.ModuleDict(blocks)
+        self.head = None
+        if model.head is not None:
+            tied = cfg.tie_embeddings and self.embed is not None
+            table = getattr(self.embed, model.token_embedding_name) if tied else None
+            self.head = _Head2D(model.head, grid, table)
+        if hasattr(model, "rope"):
+            self.rope = model.rope  # keep the shared RoPE tables registered (device moves)
+        self.vocab = cfg.vocab_size
+        self.per_rank = -(-cfg.vocab_size // grid.q)
+        self._shards = self._collect_shards()
+
+    def _collect_shards(self) -> dict[str, Shard]:
+        by_id: dict[int, Shard] = {}
+        for module in self.modules():
+            for pname, shard in getattr(module, "shards", {}).items():
+                by_id[id(getattr(module, pname))] = shard
+        return {name: by_id[id(p)] for name, p in self.named_parameters()}
+
+    # --- forward ---------------------------------------------------------------------------------------------
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Full micro-batch tokens/targets [b, s] → mean loss over all b·s tokens (same on every grid rank).
+
+        Pipeline parts: without `embed`, ``tokens`` is already the hidden block [b/q, s, h/q]; without `head`,
+        the hidden block is returned.
+        """
+        q, i = self.grid.q, self.grid.i
+        if self.embed is not None:
+            if tokens.shape[0] % q:
+                raise ValueError(
+                    f"2D tensor parallelism splits the micro-batch over q = {q} grid rows, but it has "
+                    f"{tokens.shape[0]} sequences; use a micro-batch size divisible by {q}"
+                )
+            x = self.embed(tokens)  # x: [b/q, s, h/q]
+        else:
+            x = tokens
+        for block in self.blocks.values():
+            x = block(x)  # x: [b/q, s, h/q]
+        if self.head is None:
+            return x
+        if targets is None:
+            raise ValueError("the 2D model never gathers full logits; call it with targets to get the loss")
+        logits = self.head(x)  # logits: [b/q, s, V_pad/q]
+        rows = targets.shape[0] // q
+        mine = targets[i * rows : (i + 1) * rows]  # mine: [b/q, s]
+        tok_loss = vocab_parallel_cross_entropy_2d(logits, mine, self.grid, self.per_rank, self.vocab)
+        total = tok_loss.sum()  # this grid row's share of the batch loss
+        if q > 1:
+            total = comm.reduce_from_region(total, self.grid.col)  # sum over the q grid rows
+        return total / targets.numel()
+
+    # --- the contract with the trainer, tests and checkpoints ------------------------------------------------
+
+    def full_parameters(self, grad: bool = False) -> dict[str, torch.Tensor]:
+        """Full, unpadded parameters (or gradients) by plain name; collective over the grid (row then column)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.named_parameters():
+            t = p.detach() if not grad else (p.grad if p.grad is not None else torch.zeros_like(p))
+            out[name] = self._unshard(t, self._shards[name])
+        return out
+
+    def _unshard(self, t: torch.Tensor, shard: Shard) -> torch.Tensor:
+        if self.grid.q > 1:
+            t = comm.all_gather(t.contiguous(), shard.dim_j, self.grid.row)
+            if shard.dim_i is not None:
+                t = comm.all_gather(t.contiguous(), shard.dim_i, self.grid.col)
+        t = t.t() if shard.transpose else t
+        t = t[: shard.rows] if shard.rows is not None else t
+        return t.contiguous().clone()
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Squared global gradient norm over the grid; column-replicated tensors counted once (grid row 0)."""
+        total = torch.zeros((), dtype=torch.float32, device=next(self.parameters()).device)
+        for name, p in self.named_parameters():
+            if p.grad is None or (self._shards[name].dim_i is None and self.grid.i != 0):
+                continue
+            total += p.grad.detach().float().pow(2).sum()
+        if self.grid.q > 1:
+            comm.all_reduce(total, self.grid.row)
+            comm.all_reduce(total, self.grid.col)
+        return total
+
+
+def apply_tensor_2d(model: TransformerLM, groups: Groups, cfg: object | None = None) -> Model2D:
+    """The Optimus 2D version of ``model`` on this rank's q×q grid (from ``groups.layout.q``).
+
+    ``model`` must be built with the same seed on every rank (its full weights are cut into blocks here).
+    ``cfg`` (the run Config) is accepted for symmetry with the other `apply_*` steps and not needed.
+    """
+    del cfg
+    return Model2D(model, Grid2D.from_groups(groups))
+
+
+def _add(acc: dict[tuple[str, str], int], more: dict[tuple[str, str], int], times: int = 1) -> None:
+    for key, n in more.items():
+        acc[key] = acc.get(key, 0) + times * n
+
+
+def _linear_bytes(m: int, k: int, n: int, q: int, bias: bool, e: int) -> dict[tuple[str, str], int]:
+    """One Linear2D, forward + backward: AB forward; ABᵀ (input grad) and AᵀB (weight grad) backward."""
+    acc: dict[tuple[str, str], int] = {}
+    _add(acc, summa_bytes("ab", m, k, n, q, e))
+    _add(acc, summa_bytes("abt", m, k, n, q, e))  # dX[m, K] = dY[m, N] · Wᵀ
+    _add(acc, summa_bytes("atb", m, k, n, q, e))  # dW[K, N] = Xᵀ · dY
+    if bias:
+        _add(acc, {("all_reduce", "col"): n // q * e})  # bias grad summed over the grid rows
+    return acc
+
+
+def comm_bytes_2d(
+    cfg: ModelConfig, batch: int, seq: int, q: int, elem: int = 4
+) -> dict[tuple[str, str], int]:
+    """Bytes each rank hands to collectives in one forward + backward, keyed (kind, "row" | "col").
+
+    "row" is the Optimus row group (same i), "col" the column group (same j). m = (b/q)·s tokens per rank; every
+    SUMMA product costs q steps, each moving one block (see docs/tensor-2d.md for the table). Zero when q = 1.
+    """
+    if q == 1:
+        return {}
+    h, ffn, kv, e = cfg.d_model, cfg.ffn, cfg.kv_heads * cfg.head_dim, elem
+    m, gpt = batch // q * seq, cfg.family == "gpt"
+    vpad = -(-cfg.vocab_size // q) * q
+    norm = {
+        ("all_reduce", "row"): (4 if gpt else 2) * m * e,
+        ("all_reduce", "col"): (2 if gpt else 1) * h // q * e,
+    }
+    acc: dict[tuple[str, str], int] = {}
+    block: dict[tuple[str, str], int] = {}
+    _add(block, norm, 2)
+    mlp = [(h, ffn), (ffn, h)] if gpt else [(h, ffn), (h, ffn), (ffn, h)]
+    for k, n in [(h, h), (h, kv), (h, kv), (h, h), *mlp]:
+        _add(block, _linear_bytes(m, k, n, q, gpt, e))
+    _add(acc, block, cfg.n_layers)
+    _add(acc, {("reduce_scatter", "col"): m * h * e, ("all_gather", "col"): m * h * e})  # token embedding
+    if gpt:
+        _add(acc, {("all_reduce", "col"): seq * h // q * e})  # position-table grad over the grid rows
+    _add(acc, norm)  # final norm
+    # logits = X·Eᵀ (ABᵀ), then backward dX = dZ·E (AB) and dE = dZᵀ·X (AᵀB); Z is [m, V_pad]
+    _add(acc, summa_bytes("abt", m, vpad, h, q, e))
+    _add(acc, summa_bytes("ab", m, vpad, h, q, e))
+    _add(acc, summa_bytes("atb", m, vpad, h, q, e))
+    # loss: all-gather the (lse, target) pairs over the row, then sum the grid rows' shares
+    _add(acc, {("all_gather", "row"): q * 2 * m * e, ("all_reduce", "col"): e})
+    return acc

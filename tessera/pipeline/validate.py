@@ -1,0 +1,298 @@
+"""Prove a lowered schedule complete, correctly ordered and deadlock-free before anything runs.
+
+``validate`` executes the per-rank lists symbolically in lock-step *steps*: in each step every rank that is not
+blocked runs its next action. SENDs are buffered (never block); a RECV blocks until its matching SEND ran in an
+earlier step. Every action's data dependencies are checked when it runs (F(s, j) needs F(s-1, j) on the same
+rank or a received activation, B(s, j) needs its own F and the gradient of stage s+1, ...). A step in which no
+rank can move is a deadlock. Failures raise ``ScheduleError`` whose message shows the rank × step grid with the
+failing action marked ``>2B0<`` and a ``^`` line under its step, plus a one-line explanation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError
+
+__all__ = ["ScheduleError", "render_grid", "validate"]
+
+_K = ActionKind
+_MAX_COLUMNS = 40  # grids wider than this show only the last steps (the failure is at the end)
+_BACKWARD = (_K.BACKWARD, _K.BACKWARD_INPUT)  # actions that produce the gradient w.r.t. the stage input
+
+
+def render_grid(rows: list[list[str]], marks: set[tuple[int, int]] | frozenset = frozenset()) -> str:
+    """Rank × step text grid; ``marks`` holds (rank, step) cells drawn as ``>label<`` with a ``^`` line."""
+    steps = max((len(row) for row in rows), default=0)
+    first = max(0, steps - _MAX_COLUMNS)
+    width = max([3] + [len(cell) + 2 for row in rows for cell in row[first:]])
+    lines = [f"(steps 0..{first - 1} omitted)"] if first else []
+    lines.append("     " + " ".join(f"{t:^{width}}" for t in range(first, steps)))
+    for rank, row in enumerate(rows):
+        cells = []
+        for t in range(first, steps):
+            label = row[t] if t < len(row) and row[t] else "."
+            cells.append(f"{'>' + label + '<' if (rank, t) in marks else label:^{width}}")
+        lines.append(f"r{rank:<3} " + " ".join(cells))
+    if marks:
+        step = min(t for _, t in marks)
+        lines.append(" " * (5 + (step - first) * (width + 1) + width // 2) + f"^ step {step}")
+    return "\n".join(lines)
+
+
+@dataclass
+class _Run:
+    """Symbolic execution state."""
+
+    lowered: Schedule
+    owner: dict[int, int]
+    stages: int
+    microbatches: int
+    pc: list[int]
+    grid: list[list[str]]
+    step: int = 0
+    done: set[tuple[ActionKind, int, int]] = field(default_factory=set)
+    sent: dict[tuple, tuple[int, int, Action]] = field(default_factory=dict)  # message -> (rank, step, send)
+    received: set[tuple] = field(default_factory=set)
+    gathered: set[int] = field(default_factory=set)
+    reduced: set[int] = field(default_factory=set)
+    zero3: set[int] = field(default_factory=set)
+
+    def fail(self, rank: int, action: Action, why: str) -> ScheduleError:
+        row = self.grid[rank]
+        row += [""] * (self.step + 1 - len(row))
+        row[self.step] = str(action)
+        return ScheduleError(
+            f"step {self.step}, rank {rank}, {action}: {why}\n{render_grid(self.grid, {(rank, self.step)})}"
+        )
+
+
+def validate(lowered: Schedule, p: int, *, microbatches: int | None = None) -> None:
+    """Raise ``ScheduleError`` unless ``lowered`` (one list per rank) runs to completion without deadlock,
+    with exactly one F and one B (or one I and one W) per stage and micro-batch, every SEND received once,
+    and REDUCE/GATHER/FREE consistent. ``microbatches`` defaults to the largest index seen plus one."""
+    run = _prepare(lowered, p, microbatches)
+    while any(run.pc[r] < len(lowered[r]) for r in range(p)):
+        progressed = False
+        for rank in range(p):
+            run.grid[rank].append("")
+            if run.pc[rank] < len(lowered[rank]) and _try_step(run, rank, lowered[rank][run.pc[rank]]):
+                run.grid[rank][run.step] = str(lowered[rank][run.pc[rank]])
+                run.pc[rank] += 1
+                progressed = True
+        if not progressed:
+            raise _deadlock(run)
+        run.step += 1
+    _check_complete(run)
+
+
+def _prepare(lowered: Schedule, p: int, microbatches: int | None) -> _Run:
+    if len(lowered) != p:
+        raise ScheduleError(f"schedule has {len(lowered)} rank lists but p = {p}; give one list per rank")
+    static = [[str(a) for a in actions] for actions in lowered]
+    owner: dict[int, int] = {}
+    for rank, actions in enumerate(lowered):
+        for index, action in enumerate(actions):
+            if not isinstance(action, Action):
+                raise ScheduleError(f"rank {rank} item {index} is {action!r}, not an Action")
+            previous = owner.setdefault(action.stage, rank)
+            if previous != rank:
+                raise ScheduleError(
+                    f"rank {rank}, position {index}, {action}: stage {action.stage} already lives on rank "
+                    f"{previous}; each stage must live on exactly one rank\n{render_grid(static, {(rank, index)})}"
+                )
+    stages = max(owner, default=-1) + 1
+    missing = sorted(set(range(stages)) - set(owner))
+    if missing:
+        raise ScheduleError(f"stages {missing} have no actions; stages must be 0..{stages - 1}")
+    seen = [a.microbatch for actions in lowered for a in actions if a.microbatch is not None]
+    m = microbatches if microbatches is not None else max(seen, default=-1) + 1
+    run = _Run(lowered, owner, stages, m, [0] * p, [[] for _ in range(p)])
+    run.zero3 = {a.stage for actions in lowered for a in actions if a.kind is _K.GATHER_PARAMS}
+    return run
+
+
+def _try_step(run: _Run, rank: int, action: Action) -> bool:
+    """Run ``action`` if it can; False if it is a RECV still waiting; raise if it is wrong."""
+    if action.microbatch is not None and action.microbatch >= run.microbatches:
+        raise run.fail(rank, action, f"micro-batch {action.microbatch} >= m = {run.microbatches}")
+    if action.kind.is_recv:
+        return _recv(run, rank, action)
+    checks = {
+        _K.FORWARD: _forward,
+        _K.BACKWARD: _backward,
+        _K.BACKWARD_INPUT: _backward,
+        _K.BACKWARD_WEIGHT: _weight,
+        _K.SEND_F: _send,
+        _K.SEND_B: _send,
+        _K.REDUCE_GRAD: _reduce,
+        _K.GATHER_PARAMS: _gather,
+        _K.FREE_PARAMS: _free,
+    }
+    why = checks[action.kind](run, rank, action)
+    if why:
+        raise run.fail(rank, action, why)
+    return True
+
+
+def _input_ready(run: _Run, rank: int, neighbour: int, local_kinds: tuple, message: tuple) -> str:
+    """'' if the neighbour stage's result is available on ``rank`` (local compute or received message)."""
+    if run.owner[neighbour] == rank:
+        if any((kind, neighbour, message[2]) in run.done for kind in local_kinds):
+            return ""
+        return f"needs {neighbour}{local_kinds[0].value}{message[2]} first, on the same rank, earlier in its list"
+    if message in run.received:
+        return ""
+    recv = _K.RECV_F if message[0] == "act" else _K.RECV_B
+    return f"needs a {recv.value} from rank {run.owner[neighbour]} (stage {neighbour}) before it"
+
+
+def _params_ready(run: _Run, action: Action) -> str:
+    if action.stage in run.zero3 and action.stage not in run.gathered:
+        return f"stage {action.stage} parameters are not gathered (missing {action.stage}GATHER before it)"
+    return ""
+
+
+def _forward(run: _Run, rank: int, a: Action) -> str:
+    s, j = a.stage, a.microbatch
+    if (_K.FORWARD, s, j) in run.done:
+        return f"duplicate forward of stage {s} micro-batch {j}"
+    run.done.add((_K.FORWARD, s, j))
+    why = "" if s == 0 else _input_ready(run, rank, s - 1, (_K.FORWARD,), ("act", s - 1, j))
+    return why or _params_ready(run, a)
+
+
+def _backward(run: _Run, rank: int, a: Action) -> str:
+    s, j = a.stage, a.microbatch
+    if any((kind, s, j) in run.done for kind in _BACKWARD):
+        return f"duplicate backward of stage {s} micro-batch {j}"
+    if (_K.FORWARD, s, j) not in run.done:
+        return f"backward before its forward {s}F{j}"
+    if s in run.reduced:
+        return f"backward after stage {s}'s gradients were already reduced ({s}REDUCE)"
+    run.done.add((a.kind, s, j))
+    why = "" if s == run.stages - 1 else _input_ready(run, rank, s + 1, _BACKWARD, ("grad", s + 1, j))
+    return why or _params_ready(run, a)
+
+
+def _weight(run: _Run, rank: int, a: Action) -> str:
+    s, j = a.stage, a.microbatch
+    if (_K.BACKWARD_WEIGHT, s, j) in run.done:
+        return f"duplicate weight-gradient of stage {s} micro-batch {j}"
+    if (_K.BACKWARD_INPUT, s, j) not in run.done:
+        return f"weight-gradient before its input-gradient {s}I{j}"
+    run.done.add((_K.BACKWARD_WEIGHT, s, j))
+    return _params_ready(run, a)
+
+
+def _send(run: _Run, rank: int, a: Action) -> str:
+    s, j = a.stage, a.microbatch
+    forward = a.kind is _K.SEND_F
+    target = s + 1 if forward else s - 1
+    if not 0 <= target < run.stages:
+        return f"stage {s} has no {'next' if forward else 'previous'} stage to send to"
+    if run.owner[target] == rank or a.peer != run.owner[target]:
+        return f"peer r{a.peer} is wrong: stage {target} lives on rank {run.owner[target]}"
+    produced = (_K.FORWARD,) if forward else _BACKWARD
+    if not any((kind, s, j) in run.done for kind in produced):
+        return f"sends before computing it ({s}{produced[0].value}{j} has not run on this rank yet)"
+    if a.message in run.sent:
+        return "duplicate send of the same message"
+    run.sent[a.message] = (rank, run.step, a)
+    return ""
+
+
+def _recv(run: _Run, rank: int, a: Action) -> bool:
+    s = a.stage
+    source = s - 1 if a.kind is _K.RECV_F else s + 1
+    if not 0 <= source < run.stages:
+        raise run.fail(rank, a, f"stage {s} has no stage {source} to receive from")
+    if run.owner[source] == rank or a.peer != run.owner[source]:
+        raise run.fail(rank, a, f"peer r{a.peer} is wrong: stage {source} lives on rank {run.owner[source]}")
+    if a.message in run.received:
+        raise run.fail(rank, a, "duplicate receive of the same message")
+    sent = run.sent.get(a.message)
+    if sent is None or sent[1] >= run.step:
+        return False
+    run.received.add(a.message)
+    return True
+
+
+def _reduce(run: _Run, rank: int, a: Action) -> str:
+    s = a.stage
+    if s in run.reduced:
+        return f"stage {s} gradients reduced twice"
+    pending = [j for j in range(run.microbatches) if not _weight_grad_done(run, s, j)]
+    if pending:
+        return f"reduces before the last backward: micro-batches {pending} of stage {s} not done yet"
+    run.reduced.add(s)
+    return ""
+
+
+def _weight_grad_done(run: _Run, s: int, j: int) -> bool:
+    return (_K.BACKWARD, s, j) in run.done or (_K.BACKWARD_WEIGHT, s, j) in run.done
+
+
+def _gather(run: _Run, rank: int, a: Action) -> str:
+    if a.stage in run.gathered:
+        return f"stage {a.stage} parameters gathered twice without a {a.stage}FREE in between"
+    run.gathered.add(a.stage)
+    return ""
+
+
+def _free(run: _Run, rank: int, a: Action) -> str:
+    if a.stage not in run.gathered:
+        return f"frees stage {a.stage} parameters that are not gathered"
+    run.gathered.discard(a.stage)
+    return ""
+
+
+def _expected_send(run: _Run, rank: int, recv: Action) -> Action:
+    if recv.kind is _K.RECV_F:
+        return Action(recv.stage - 1, _K.SEND_F, recv.microbatch, rank)
+    return Action(recv.stage + 1, _K.SEND_B, recv.microbatch, rank)
+
+
+def _deadlock(run: _Run) -> ScheduleError:
+    reasons, marks = [], set()
+    for rank, actions in enumerate(run.lowered):
+        if run.pc[rank] >= len(actions):
+            continue
+        recv = actions[run.pc[rank]]
+        send, sender = _expected_send(run, rank, recv), recv.peer or 0  # a RECV always has a peer
+        rest = run.lowered[sender][run.pc[sender] :]
+        if send in rest:
+            blocker = run.lowered[sender][run.pc[sender]]
+            where = f"which rank {sender} has not reached (it is blocked at {blocker})"
+        else:
+            where = f"which rank {sender} never sends"
+        reasons.append(f"rank {rank} waits at {recv} for {send}, {where}")
+        run.grid[rank][run.step] = str(recv)
+        marks.add((rank, run.step))
+    reasons.sort(key=lambda reason: "never sends" not in reason)  # the root cause first
+    detail = "\n".join(f"  {reason}" for reason in reasons[1:])
+    headline = f"deadlock at step {run.step}: {reasons[0]}" + (f"\n{detail}" if detail else "")
+    return ScheduleError(f"{headline}\n{render_grid(run.grid, marks)}")
+
+
+def _check_complete(run: _Run) -> None:
+    problems = []
+    for s in range(run.stages):
+        for j in range(run.microbatches):
+            if (_K.FORWARD, s, j) not in run.done:
+                problems.append(f"{s}F{j} missing")
+            split = (_K.BACKWARD_INPUT, s, j) in run.done and (_K.BACKWARD_WEIGHT, s, j) in run.done
+            if (_K.BACKWARD, s, j) not in run.done and not split:
+                problems.append(f"{s}B{j} (or {s}I{j} + {s}W{j}) missing")
+    for message, (rank, step, send) in run.sent.items():
+        if message not in run.received:
+            problems.append(f"rank {rank} sends {send} at step {step} but rank {send.peer} never receives it")
+    if run.reduced and len(run.reduced) != run.stages:
+        problems.append(f"REDUCE missing for stages {sorted(set(range(run.stages)) - run.reduced)}")
+    if run.gathered:
+        problems.append(
+            f"parameters of stages {sorted(run.gathered)} still gathered at the end (missing FREE)"
+        )
+    if problems:
+        more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise ScheduleError(f"incomplete schedule: {'; '.join(problems[:5])}{more}\n{render_grid(run.grid)}")

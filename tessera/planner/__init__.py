@@ -1,0 +1,1 @@
+"""Planner: hardware descriptions, cost model, scaling laws; pure Python + numpy (no torch)."""

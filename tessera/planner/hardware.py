@@ -1,0 +1,180 @@
+"""Hardware descriptions for the cost model: peak FLOP/s, memory, bandwidths, latencies, GEMM efficiency.
+
+Shipped descriptions live in `tessera/hardware/<name>.toml` (package data); any other TOML file with the same
+keys can be loaded by path. Values and their sources: docs/cost-model.md and the comments in each file.
+No torch import: the planner runs on machines without PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tessera.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_GEMM_EFFICIENCY",
+    "DTYPE_BYTES",
+    "Hardware",
+    "list_hardware",
+    "load_hardware",
+    "save_hardware",
+]
+
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of each compute dtype (tf32 is stored as fp32)."""
+
+# Achieved fraction of peak for one GEMM (or batched GEMM) call as a function of its FLOPs, interpolated in
+# log10(FLOPs). ASSUMPTION, not a measurement of ours: the shape follows public cuBLAS/A100 GEMM benchmarks
+# (tiny calls are launch/latency bound, efficiency saturates for calls above ~1e11 FLOPs) and the plateau (0.65)
+# is the end-to-end achieved GEMM efficiency inside a training framework, calibrated on ONE published point:
+# the single-GPU A100 row of the Megatron-LM Sept 2020 README table (formulas-hardware.md §3.5; 149.8 TFLOP/s,
+# no communication). See docs/cost-model.md "GEMM efficiency".
+DEFAULT_GEMM_EFFICIENCY: tuple[tuple[float, float], ...] = (
+    (1e6, 0.02),
+    (1e7, 0.075),
+    (1e8, 0.23),
+    (1e9, 0.42),
+    (1e10, 0.56),
+    (1e11, 0.63),
+    (1e12, 0.65),
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class Hardware:
+    """One accelerator type inside its node and cluster. All rates in SI units (bytes/s, FLOP/s, seconds)."""
+
+    name: str
+    """Short name, e.g. "a100-80gb"."""
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s by dtype: "bf16", "fp16", "tf32", "fp32"."""
+    memory_bytes: float
+    """Device memory capacity in bytes."""
+    hbm_bandwidth: float
+    """Device memory bandwidth, bytes/s."""
+    gpus_per_node: int
+    """Devices sharing the fast intra-node fabric (NVLink/NVSwitch)."""
+    intra_node_bandwidth: float
+    """Per GPU, per direction, bytes/s, between devices of one node."""
+    intra_node_latency: float
+    """Per collective step (one ring hop), seconds, inside a node."""
+    inter_node_bandwidth: float
+    """Per GPU, per direction, bytes/s, to devices of other nodes (NIC bandwidth per GPU)."""
+    inter_node_latency: float
+    """Per collective step (one ring hop), seconds, across nodes."""
+    gemm_efficiency: list[tuple[float, float]] = field(default_factory=lambda: list(DEFAULT_GEMM_EFFICIENCY))
+    """(FLOPs of one GEMM call, achieved fraction of peak) points, interpolated in log10(FLOPs), clamped."""
+
+    def peak(self, dtype: str = "bf16") -> float:
+        """Dense peak FLOP/s for `dtype`; clear error for a dtype the file does not list."""
+        if dtype not in self.peak_flops:
+            raise ConfigError(
+                f"hardware {self.name!r} has no peak FLOP/s for dtype {dtype!r}; "
+                f"listed: {sorted(self.peak_flops)}. Add it under [peak_flops] in the hardware file."
+            )
+        return self.peak_flops[dtype]
+
+    def efficiency(self, flops: float) -> float:
+        """Achieved fraction of peak for one GEMM call of `flops` FLOPs (log-space linear interpolation)."""
+        xs, ys = zip(*sorted(self.gemm_efficiency), strict=True)
+        # np.interp clamps to the end values outside the listed range.
+        return float(np.interp(math.log10(max(flops, 1.0)), np.log10(xs), ys))
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"{key} must be > 0 (got {getattr(self, key)})"
+            for key in (
+                "memory_bytes",
+                "hbm_bandwidth",
+                "gpus_per_node",
+                "intra_node_bandwidth",
+                "inter_node_bandwidth",
+            )
+            if not getattr(self, key) > 0
+        ]
+        problems += [f"peak_flops[{k!r}] must be > 0" for k, v in self.peak_flops.items() if not v > 0]
+        if not self.gemm_efficiency:
+            problems.append("gemm_efficiency needs at least one (flops, efficiency) point")
+        problems += [
+            f"gemm_efficiency point {p} must have flops > 0 and 0 < efficiency <= 1"
+            for p in self.gemm_efficiency
+            if not (p[0] > 0 and 0 < p[1] <= 1)
+        ]
+        if problems:
+            raise ConfigError(f"hardware {self.name!r} is invalid:\n  " + "\n  ".join(problems))
+
+
+def _shipped_dir() -> Any:
+    return resources.files("tessera") / "hardware"
+
+
+def list_hardware() -> list[str]:
+    """Names of the shipped hardware descriptions (usable with `load_hardware`)."""
+    return sorted(p.name[: -len(".toml")] for p in _shipped_dir().iterdir() if p.name.endswith(".toml"))
+
+
+def load_hardware(name_or_path: str | Path) -> Hardware:
+    """Load a shipped description by name ("a100-80gb", "h100", ...) or any hardware TOML file by path."""
+    text = str(name_or_path)
+    path = Path(text)
+    if text.endswith(".toml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(
+                f"hardware file {text!r} does not exist; pass a TOML path or one of {list_hardware()}"
+            )
+        return _from_dict(tomllib.loads(path.read_text()), default_name=path.stem)
+    entry = _shipped_dir() / f"{text}.toml"
+    if not entry.is_file():
+        raise ConfigError(
+            f"unknown hardware {text!r}; available: {', '.join(list_hardware())} (or pass a path to a .toml file)"
+        )
+    return _from_dict(tomllib.loads(entry.read_text()), default_name=text)
+
+
+def _from_dict(raw: dict[str, Any], default_name: str) -> Hardware:
+    raw = dict(raw)
+    raw.setdefault("name", default_name)
+    known = set(Hardware.__dataclass_fields__)
+    unknown = sorted(set(raw) - known)
+    missing = sorted(k for k in known - {"gemm_efficiency"} if k not in raw)
+    if unknown or missing:
+        raise ConfigError(
+            f"hardware {raw['name']!r}: unknown keys {unknown}, missing keys {missing}; "
+            f"expected keys: {sorted(known)}"
+        )
+    if "gemm_efficiency" in raw:
+        raw["gemm_efficiency"] = [(float(f), float(e)) for f, e in raw["gemm_efficiency"]]
+    raw["peak_flops"] = {k: float(v) for k, v in raw["peak_flops"].items()}
+    return Hardware(**raw)
+
+
+def save_hardware(hw: Hardware, path: str | Path) -> None:
+    """Write `hw` as a TOML file that `load_hardware(path)` reads back unchanged."""
+    lines = [f"name = {_toml_str(hw.name)}"]
+    for key in (
+        "memory_bytes",
+        "hbm_bandwidth",
+        "gpus_per_node",
+        "intra_node_bandwidth",
+        "intra_node_latency",
+        "inter_node_bandwidth",
+        "inter_node_latency",
+    ):
+        lines.append(f"{key} = {getattr(hw, key)!r}")
+    points = ", ".join(f"[{f!r}, {e!r}]" for f, e in hw.gemm_efficiency)
+    lines.append(f"gemm_efficiency = [{points}]")
+    lines.append("")
+    lines.append("[peak_flops]")
+    lines += [f"{k} = {v!r}" for k, v in hw.peak_flops.items()]
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,1 @@
+"""Training: data (tokenizers, token files, deterministic sampling), the trainer, checkpoints and metrics."""

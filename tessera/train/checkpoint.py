@@ -1,0 +1,568 @@
+"""Atomic, resumable checkpoints on torch.distributed.checkpoint (DCP), loaded without unpickling code.
+
+Layout of a checkpoint directory::
+
+    ckpt_dir/
+      latest                  text: the name of the newest complete checkpoint ("step_00000100")
+      step_00000100/
+        .metadata             DCP index (a pickle; read through an allow-list unpickler, see below)
+        __0_0.distcp ...      DCP tensor data, written by every rank
+        rng_rank0.pt ...      each rank's RNG streams (tensors and numbers only; torch.load(weights_only=True))
+        meta.json             step, world size, layout, JSON part of `extra`, "complete": true
+      step_00000200.tmp/      a save in progress or one that crashed; ignored and deleted by the next save
+
+A save writes into ``step_N.tmp/``; after a barrier rank 0 writes ``meta.json``, renames the folder to
+``step_N/`` and atomically replaces ``latest``, so a crash at any point leaves the previous checkpoint intact.
+See docs/checkpoints.md for the safety argument.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from tessera.errors import CheckpointError
+
+__all__ = [
+    "capture_rng",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_model_weights",
+    "restore_rng",
+    "save_checkpoint",
+]
+
+_META = "meta.json"
+_LATEST = "latest"
+_PREFIX = "step_"
+_TMP = ".tmp"
+_FORMAT = 1
+_NO_PG_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+# --- saving ----------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    ckpt_dir: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
+    keep: int = 2,
+    *,
+    shard_id: str | None = None,
+    layout: str | None = None,
+) -> Path:
+    """Save model, optimizer, ``extra`` and every rank's RNG state as ``ckpt_dir/step_{step:08d}``; collective.
+
+    ``extra`` (scheduler state, data position, ...) must be the same on every rank: its JSON values go to
+    meta.json (rank 0's copy) and its tensors into the DCP state dict. ``shard_id`` names this rank's slice of
+    model-parallel state held in plain (non-DTensor) tensors, e.g. ``"pp1.tp0"``: ranks with equal ids must
+    hold identical state (data-parallel replicas, written once); without it DCP would deduplicate equally
+    named but different shards. ``layout`` is a free-form description checked on load. Keeps the newest
+    ``keep`` complete checkpoints and returns the new folder.
+    """
+    if keep < 1:
+        raise ValueError(f"keep = {keep} must be at least 1 (the checkpoint just written)")
+    ckpt_dir = Path(ckpt_dir)
+    rank, world = _rank_world()
+    final = ckpt_dir / f"{_PREFIX}{step:08d}"
+    tmp = ckpt_dir / f"{final.name}{_TMP}"
+    json_extra, tensor_paths, tensors = _split_extra(extra)
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(ckpt_dir)
+    _barrier()  # nobody writes into tmp before rank 0 has cleared it
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = _wrap({"model": model_sd, "optim": optim_sd}, shard_id)
+    state["extra"] = {str(i): t for i, t in enumerate(tensors)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
+        dcp.save(state, storage_writer=FileSystemWriter(tmp))
+    _write_rank_files(tmp, rank)
+    _barrier()  # every rank's data and RNG file are on disk
+    if rank == 0:
+        meta = {
+            "format": _FORMAT,
+            "step": step,
+            "world_size": world,
+            "layout": layout,
+            "shard_ids": _gather_shard_ids(shard_id, world),
+            "extra": json_extra,
+            "extra_tensors": tensor_paths,
+            "complete": True,
+        }
+        _commit(tmp, final, meta)
+        _prune(ckpt_dir, keep)
+    elif world > 1:
+        _gather_shard_ids(shard_id, world)
+    _barrier()  # no rank returns before the checkpoint is published
+    return final
+
+
+def _wrap(state: dict[str, Any], shard_id: str | None) -> dict[str, Any]:
+    return state if shard_id is None else {"shards": {shard_id: state}}
+
+
+def _gather_shard_ids(shard_id: str | None, world: int) -> list[str | None]:
+    if world == 1:
+        return [shard_id]
+    ids: list[str | None] = [None] * world
+    dist.all_gather_object(ids, shard_id)
+    return ids
+
+
+def _write_rank_files(tmp: Path, rank: int) -> None:
+    """This rank's RNG streams, as tensors and numbers only (no pickled objects)."""
+    path = tmp / f"rng_rank{rank}.pt"
+    with open(path, "wb") as f:
+        torch.save(capture_rng(), f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Mark complete, rename into place and point `latest` at it; each step is atomic on POSIX."""
+    _write_atomic(tmp / _META, json.dumps(meta, indent=1))
+    if final.exists():  # re-saving the same step: move the old one aside rather than merge into it
+        old = final.with_name(final.name + ".old" + _TMP)
+        os.replace(final, old)
+        shutil.rmtree(old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    _write_atomic(final.parent / _LATEST, final.name + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    part = path.with_name(path.name + ".part")
+    with open(part, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_tmp(ckpt_dir: Path) -> None:
+    for p in ckpt_dir.glob(f"{_PREFIX}*{_TMP}"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _prune(ckpt_dir: Path, keep: int) -> None:
+    for p in _complete_checkpoints(ckpt_dir)[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _split_extra(extra: dict[str, Any]) -> tuple[Any, list[list[str]], list[torch.Tensor]]:
+    """Split ``extra`` into a JSON tree and a list of tensors with their key paths (tensors become null)."""
+    paths: list[list[str]] = []
+    tensors: list[torch.Tensor] = []
+
+    def walk(obj: Any, path: list[str]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            paths.append(path)
+            tensors.append(obj.detach())
+            return None
+        if isinstance(obj, dict):
+            for k in obj:
+                if not isinstance(k, str):
+                    raise ValueError(f"extra key {k!r} at {'.'.join(path) or 'top level'} must be a string")
+            return {k: walk(v, [*path, k]) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [walk(v, [*path, str(i)]) for i, v in enumerate(obj)]
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        raise ValueError(
+            f"extra[{'.'.join(path)}] is a {type(obj).__name__}; checkpoints store only tensors and JSON values "
+            "(numbers, strings, lists, dicts, None), never pickled objects: convert it first"
+        )
+
+    return walk(dict(extra), []), paths, tensors
+
+
+# --- finding ---------------------------------------------------------------------------------------------------
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest complete checkpoint under ``ckpt_dir`` (``.tmp`` leftovers ignored), or None if there is none.
+
+    Complete folders are authoritative; the ``latest`` file is what tools read and agrees with this except
+    in the instant between a rename and its update.
+    """
+    found = _complete_checkpoints(Path(ckpt_dir))
+    return found[-1] if found else None
+
+
+def _complete_checkpoints(ckpt_dir: Path) -> list[Path]:
+    if not ckpt_dir.is_dir():
+        return []
+    done = [p for p in ckpt_dir.glob(f"{_PREFIX}*") if not p.name.endswith(_TMP) and _is_complete(p)]
+    return sorted(done, key=lambda p: p.name)
+
+
+def _is_complete(path: Path) -> bool:
+    try:
+        meta = json.loads((path / _META).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("complete") is True and (path / ".metadata").is_file()
+
+
+# --- loading ---------------------------------------------------------------------------------------------------
+
+
+def load_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    shard_id: str | None = None,
+    layout: str | None = None,
+) -> dict[str, Any]:
+    """Restore ``model`` and ``optimizer`` in place from a checkpoint folder (or the newest one in a checkpoint
+    directory); collective. Returns ``extra`` as saved, plus ``"step"`` and this rank's ``"rng"`` states
+    (pass the result to `restore_rng`).
+    """
+    path = _resolve(Path(path))
+    meta = _read_meta(path)
+    rank, world = _rank_world()
+    _check_layout(path, meta, world, layout)
+    metadata = read_metadata_safely(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = _wrap({"model": model_sd, "optim": optim_sd}, shard_id)
+    _check_shapes(path, state, metadata)
+    state["extra"] = _empty_extra(metadata, len(meta.get("extra_tensors", [])))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
+            dcp.load(state, storage_reader=_SafeReader(path, metadata), planner=_SafeLoadPlanner())
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(
+            f"checkpoint {path} could not be read: {_last_line(e)}\n    fix: check that the folder is intact "
+            "(compare with another copy) or resume from an earlier checkpoint"
+        ) from e
+    inner = state if shard_id is None else state["shards"][shard_id]
+    set_state_dict(model, optimizer, model_state_dict=inner["model"], optim_state_dict=inner["optim"])
+    extra = _join_extra(meta.get("extra") or {}, meta.get("extra_tensors", []), state["extra"])
+    return {"step": meta["step"], **extra, "rng": _read_rng(path, rank)}
+
+
+def load_model_weights(path: Path, model: nn.Module) -> int:
+    """Load only the model weights of a replicated (data-parallel) checkpoint, in any world size; returns its step.
+
+    For inference and export (``tessera generate``): optimizer state, RNG streams and data position are skipped,
+    so the saved world size does not matter. Checkpoints of model-parallel shards need their layout.
+    """
+    path = _resolve(Path(path))
+    meta = _read_meta(path)
+    if any(s is not None for s in meta.get("shard_ids") or []):
+        raise CheckpointError(
+            f"checkpoint {path} holds model-parallel shards ({sorted(set(meta['shard_ids']))}); load it with "
+            "the layout that saved it\n    fix: run `tessera generate` from a data-parallel run's checkpoint"
+        )
+    metadata = read_metadata_safely(path)
+    state = {"model": get_model_state_dict(model)}
+    _check_shapes(path, state, metadata)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
+        dcp.load(state, storage_reader=_SafeReader(path, metadata), planner=_SafeLoadPlanner())
+    set_model_state_dict(model, state["model"])
+    return int(meta["step"])
+
+
+def _last_line(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]  # DCP appends each rank's traceback
+    causes = [x for x in lines if "Error:" in x or "Exception:" in x]
+    return (causes or lines or [type(e).__name__])[-1]
+
+
+def _resolve(path: Path) -> Path:
+    if not path.exists():
+        raise CheckpointError(
+            f"checkpoint directory {path} does not exist\n    fix: pass a folder written by save_checkpoint "
+            "(e.g. RUN_DIR/checkpoints/step_00000100) or the checkpoint directory to take its newest"
+        )
+    if (path / _META).exists() or path.name.endswith(_TMP):
+        return path
+    newest = latest_checkpoint(path)
+    if newest is None:
+        raise CheckpointError(
+            f"{path} holds no complete checkpoint (no step_* folder with meta.json marked complete)\n"
+            "    fix: start without resuming, or point at a directory a finished save wrote"
+        )
+    return newest
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    if path.name.endswith(_TMP) or not _is_complete(path):
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (the save was interrupted before it was marked complete)\n"
+            f"    fix: resume from latest_checkpoint({path.parent}), which skips unfinished saves"
+        )
+    return json.loads((path / _META).read_text())
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _check_layout(path: Path, meta: dict[str, Any], world: int, layout: str | None) -> None:
+    saved_world, saved_layout = meta.get("world_size"), meta.get("layout")
+    if saved_world != world:
+        raise CheckpointError(
+            f"checkpoint {path} was saved by {saved_world} rank(s) but this run has {world}; changing the world "
+            "size on resume is not supported (RNG streams, data positions and rank-local shards belong to the "
+            f"saved ranks)\n    fix: resume with {saved_world} rank(s) and the same parallel layout, or start "
+            "a new run with a fresh checkpoint directory"
+        )
+    if layout is not None and saved_layout is not None and layout != saved_layout:
+        raise CheckpointError(
+            f"checkpoint {path} was saved with layout {saved_layout!r} but this run uses {layout!r}; changing "
+            "the parallel layout on resume is not supported\n    fix: resume with the saved layout, or start "
+            "a new run with a fresh checkpoint directory"
+        )
+
+
+def _tensor_leaves(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Tensor leaves under DCP's flattened names ("model.0.weight", "optim.state.0.weight.exp_avg")."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        out.update(_tensor_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _check_shapes(path: Path, state: dict[str, Any], metadata: Metadata) -> None:
+    """Name the first parameter whose shape differs, or that the checkpoint lacks, before DCP sees it."""
+    saved = metadata.state_dict_metadata
+    for name, t in _tensor_leaves(state).items():
+        entry = saved.get(name)
+        if entry is None:
+            raise CheckpointError(
+                f"checkpoint {path} has no entry {name!r} that this model/optimizer needs\n    fix: build the "
+                "model and parallel layout exactly as in the saved run (same config), or start a fresh run"
+            )
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint {path}: {name!r} is stored as bytes, expected a tensor")
+        if tuple(entry.size) != tuple(t.shape):
+            raise CheckpointError(
+                f"checkpoint {path}: {name} has shape {tuple(entry.size)} in the checkpoint but "
+                f"{tuple(t.shape)} in this model\n    fix: use the model config of the saved run (model size "
+                "changed?), or start a fresh run in a new checkpoint directory"
+            )
+
+
+def _empty_extra(metadata: Metadata, count: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for i in range(count):
+        entry = metadata.state_dict_metadata.get(f"extra.{i}")
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint lacks tensor extra.{i} listed in meta.json; it is damaged")
+        out[str(i)] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    return out
+
+
+def _join_extra(tree: Any, paths: list[list[str]], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    for i, keys in enumerate(paths):
+        node = tree
+        for k in keys[:-1]:
+            node = node[int(k)] if isinstance(node, list) else node[k]
+        last = keys[-1]
+        if isinstance(node, list):
+            node[int(last)] = tensors[str(i)]
+        else:
+            node[last] = tensors[str(i)]
+    return tree
+
+
+# --- never unpickle code ---------------------------------------------------------------------------------------
+
+_DCP = "torch.distributed.checkpoint"
+_ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    {(f"{_DCP}.metadata", n) for n in (
+        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+    )}
+    | {
+        (f"{_DCP}.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
+)  # fmt: skip
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only DCP's metadata dataclasses, torch.Size/dtypes/layouts and a few containers."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(
+            f"checkpoint metadata refers to {module}.{name}, which a DCP index never contains; refusing to "
+            "load it (it could run code)\n    fix: only load checkpoints you or tessera wrote"
+        )
+
+
+def read_metadata_safely(path: Path) -> Metadata:
+    """Read a DCP ``.metadata`` file through the allow-list unpickler (DCP itself uses plain pickle.load)."""
+    try:
+        with open(Path(path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {path}: .metadata is unreadable ({type(e).__name__}: {e})\n    fix: resume from "
+            "another checkpoint; this one is damaged"
+        ) from e
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(
+            f"checkpoint {path}: .metadata holds a {type(metadata).__name__}, not DCP Metadata"
+        )
+    return metadata
+
+
+class _SafeReader(FileSystemReader):
+    """FileSystemReader that hands DCP the metadata already read by `read_metadata_safely`."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError("tessera checkpoints have one global .metadata, not per-rank ones")
+        if getattr(self._metadata, "storage_meta", None) is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor values (optimizer hyper-parameters) load with weights_only=True."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# --- random number generators ----------------------------------------------------------------------------------
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states as tensors and numbers: torch CPU, every CUDA device, numpy, Python."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    version, internal, gauss = random.getstate()
+    state["python"] = {
+        "version": version,
+        "state": torch.tensor(internal, dtype=torch.int64),
+        "gauss_next": gauss,
+    }
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {
+        "kind": str(kind),
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+    return state
+
+
+def restore_rng(extra: dict[str, Any]) -> None:
+    """Set this process's RNGs from ``extra["rng"]`` (as returned by `load_checkpoint`) or a `capture_rng` dict."""
+    state = extra.get("rng", extra)
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        if len(cuda) != torch.cuda.device_count():
+            raise CheckpointError(
+                f"checkpoint holds RNG states of {len(cuda)} CUDA device(s) but {torch.cuda.device_count()} are "
+                "visible\n    fix: resume with the same CUDA_VISIBLE_DEVICES as the saved run"
+            )
+        torch.cuda.set_rng_state_all(cuda)
+    py = state.get("python")
+    if py is not None:
+        random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
+    np_state = state.get("numpy")
+    if np_state is not None:
+        import numpy as np
+
+        keys = np_state["keys"].numpy().astype(np.uint32)
+        np.random.set_state(
+            (np_state["kind"], keys, np_state["pos"], np_state["has_gauss"], np_state["cached_gaussian"])
+        )
+
+
+def _read_rng(path: Path, rank: int) -> dict[str, Any]:
+    file = path / f"rng_rank{rank}.pt"
+    if not file.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} has no {file.name}; it is incomplete or from another layout"
+        )
+    try:
+        return torch.load(file, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: {file.name} is not a plain tensor file ({e})") from e

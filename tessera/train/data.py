@@ -1,0 +1,356 @@
+"""Token files and deterministic sampling.
+
+A token file is a flat little-endian array of token ids (uint16 when the vocabulary fits, else uint32) next to
+a JSON metadata file of the same stem (`corpus.bin` + `corpus.json`). Both are written atomically.
+
+Sampling is stateless: the window of global sample `i` starts at hash(seed, i) mod (n_tokens - seq_len), and
+step `k` uses global samples [k·B, (k+1)·B) for global batch B. A resumed run, or one with a different
+data-parallel size or micro-batch split, therefore trains on exactly the same samples in every step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tessera.errors import DataError
+from tessera.train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "TokenDataset",
+    "batch_indices",
+    "default_corpus_files",
+    "ensure_default_corpus",
+    "get_batch",
+    "prepare",
+    "window_start",
+]
+
+FORMAT = "tessera-tokens/1"
+_SKIP_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"})
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment: 2^64 / golden ratio
+
+
+# --- the default corpus ------------------------------------------------------------------------------------
+
+
+def default_corpus_files(max_bytes: int) -> list[Path]:
+    """The Python standard library's own .py sources, at most max_bytes in total.
+
+    Files are taken in order of their path relative to the stdlib directory, skipping test suites, IDLE and
+    installed packages (see `_SKIP_DIRS`); a file that would overflow the budget is skipped and the next
+    considered. The list is deterministic for a given Python installation and needs no download.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chosen: list[Path] = []
+    total = 0
+    for rel in _stdlib_sources(root):
+        path = root / rel
+        size = path.stat().st_size
+        if size == 0 or total + size > max_bytes:
+            continue
+        chosen.append(path)
+        total += size
+    return chosen
+
+
+def _stdlib_sources(root: Path) -> list[str]:
+    """Relative posix paths of the .py files under root, sorted, pruning `_SKIP_DIRS` while walking."""
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        rel = Path(dirpath).relative_to(root)
+        found.extend((rel / f).as_posix() for f in filenames if f.endswith(".py"))
+    return sorted(found)
+
+
+def _corpus_fingerprint(files: list[Path]) -> str:
+    """Identity of a default corpus: Python version plus every file's path and size."""
+    h = hashlib.sha256(sys.version.encode())
+    for f in files:
+        h.update(f"{f}:{f.stat().st_size}\n".encode())
+    return h.hexdigest()
+
+
+def ensure_default_corpus(cache_dir: Path, max_mb: float) -> Path:
+    """Token file of the default corpus (byte tokenizer) in cache_dir, prepared once and reused afterwards.
+
+    Reused when its metadata names the same corpus (same Python, same files) and the file validates. The
+    trainer calls this on rank 0 and then barriers; concurrent calls are still safe because every write is a
+    temp file plus `os.replace` of identical content.
+    """
+    max_bytes = int(max_mb * 2**20)
+    out = Path(cache_dir) / f"default-corpus-{max_bytes}.bin"
+    files = default_corpus_files(max_bytes)
+    fingerprint = _corpus_fingerprint(files)
+    if out.exists():
+        try:
+            if TokenDataset(out).meta.get("corpus") == fingerprint:
+                return out
+        except DataError:
+            pass  # stale or damaged: prepare again
+    prepare(files, out, "byte", extra_meta={"corpus": fingerprint})
+    return out
+
+
+# --- preparing token files ---------------------------------------------------------------------------------
+
+
+def _expand(inputs: list[Path]) -> list[Path]:
+    """Files to read: each input file, or every file under an input directory (sorted, hidden skipped)."""
+    files: list[Path] = []
+    for item in map(Path, inputs):
+        if item.is_file():
+            files.append(item)
+        elif item.is_dir():
+            found = sorted(
+                (p for p in item.rglob("*") if p.is_file()), key=lambda p: p.relative_to(item).as_posix()
+            )
+            files.extend(p for p in found if not any(x.startswith(".") for x in p.relative_to(item).parts))
+        else:
+            raise DataError(f"input {str(item)!r} does not exist; pass existing text files or directories")
+    return files
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's text, or None (with a warning) when it is unreadable, binary or not UTF-8."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        warnings.warn(f"skipping {path}: cannot read it ({e})", stacklevel=3)
+        return None
+    if b"\0" in raw:
+        warnings.warn(f"skipping {path}: binary file (contains NUL bytes)", stacklevel=3)
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        warnings.warn(f"skipping {path}: not UTF-8 text", stacklevel=3)
+        return None
+
+
+def _encode(tok: Tokenizer, text: str) -> np.ndarray:
+    if isinstance(tok, ByteTokenizer):
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)  # fast path, same ids as tok.encode
+    return np.asarray(tok.encode(text), dtype=np.int64)
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size < 2**16 else np.dtype("<u4")
+
+
+def _atomic_write(out: Path, chunks: Iterator[bytes]) -> None:
+    """Write chunks to a temp file in out's directory, then rename it over out (readers never see half)."""
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def prepare(
+    inputs: list[Path],
+    out: Path,
+    tokenizer_spec: str = "byte",
+    extra_meta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Tokenize text files and directories into the token file `out` and metadata `out.with_suffix(".json")`.
+
+    Documents (files) are concatenated in order, each followed by the tokenizer's end-of-text token when it
+    has one. Binary, unreadable and non-UTF-8 files are skipped with a warning. Returns the metadata written.
+    """
+    out = Path(out)
+    tok = load_tokenizer(tokenizer_spec)
+    files = _expand(list(inputs))
+    dtype = _token_dtype(tok.vocab_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sha, counts = hashlib.sha256(), {"tokens": 0, "sources": 0, "skipped": 0}
+
+    def chunks() -> Iterator[bytes]:
+        for path in files:
+            text = _read_text(path)
+            if text is None:
+                counts["skipped"] += 1
+                continue
+            ids = _encode(tok, text)
+            if tok.eot is not None:
+                ids = np.append(ids, tok.eot)
+            data = ids.astype(dtype).tobytes()
+            sha.update(data)
+            counts["tokens"] += len(ids)
+            counts["sources"] += 1
+            yield data
+
+    _atomic_write(out, chunks())
+    if counts["tokens"] == 0:
+        out.unlink(missing_ok=True)
+        raise DataError(
+            f"no text found in {len(files)} input file(s) ({counts['skipped']} skipped); "
+            "pass UTF-8 text files or directories containing them"
+        )
+    meta = {
+        "format": FORMAT,
+        "dtype": dtype.name,
+        "n_tokens": counts["tokens"],
+        "vocab_size": tok.vocab_size,
+        "tokenizer": tok.spec,
+        "eot": tok.eot,
+        "sha256": sha.hexdigest(),
+        "n_sources": counts["sources"],
+        "n_skipped": counts["skipped"],
+        **(extra_meta or {}),
+    }
+    _atomic_write(out.with_suffix(".json"), iter([json.dumps(meta, indent=2).encode()]))
+    return meta
+
+
+# --- reading and sampling ----------------------------------------------------------------------------------
+
+
+class TokenDataset:
+    """A prepared token file opened as a read-only memmap, validated against its metadata."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.meta = self._read_meta()
+        dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
+        expected = self.meta["n_tokens"] * dtype.itemsize
+        actual = self.path.stat().st_size
+        if actual != expected:
+            raise DataError(
+                f"token file {str(self.path)!r} has {actual} bytes but its metadata says "
+                f"{self.meta['n_tokens']} {dtype.name} tokens ({expected} bytes): the file is truncated or "
+                "belongs to another preparation; re-run `tessera prepare` to rebuild it"
+            )
+        self.tokens = np.memmap(self.path, dtype=dtype, mode="r", shape=(self.meta["n_tokens"],))
+
+    def _read_meta(self) -> dict[str, Any]:
+        meta_path = self.path.with_suffix(".json")
+        if not self.path.is_file():
+            raise DataError(
+                f"token file {str(self.path)!r} does not exist; run `tessera prepare INPUT --out "
+                f"{self.path}` first, or unset data.path to use the default corpus"
+            )
+        if not meta_path.is_file():
+            raise DataError(
+                f"metadata {str(meta_path)!r} for token file {str(self.path)!r} is missing; "
+                "re-run `tessera prepare` to write both files"
+            )
+        try:
+            meta = json.loads(meta_path.read_text())
+            if meta.get("format") != FORMAT or meta["dtype"] not in ("uint16", "uint32"):
+                raise ValueError(f"format {meta.get('format')!r}, dtype {meta.get('dtype')!r}")
+            int(meta["n_tokens"]), int(meta["vocab_size"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DataError(
+                f"metadata {str(meta_path)!r} is not tessera token metadata ({e}); re-run `tessera prepare`"
+            ) from None
+        return meta
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.meta["n_tokens"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    def verify(self) -> None:
+        """Check the tokens' sha256 against the metadata (reads the whole file); DataError if they differ."""
+        sha = hashlib.sha256()
+        step = 1 << 22
+        for i in range(0, self.n_tokens, step):
+            sha.update(np.ascontiguousarray(self.tokens[i : i + step]).tobytes())
+        if sha.hexdigest() != self.meta["sha256"]:
+            raise DataError(
+                f"token file {str(self.path)!r} does not match the checksum in its metadata: it was "
+                "modified or corrupted after preparation; re-run `tessera prepare` to rebuild it"
+            )
+
+    def sample(self, index: int, seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """Inputs x and next-token targets y (int64, [seq_len]) of global sample `index` under `seed`."""
+        n_starts = self.n_tokens - seq_len
+        if n_starts < 1:
+            raise DataError(
+                f"token file {str(self.path)!r} has {self.n_tokens} tokens, too few for sequences of "
+                f"model.seq_len = {seq_len} (needs at least {seq_len + 1}); use more data or a shorter "
+                "model.seq_len"
+            )
+        start = window_start(index, seed, n_starts)
+        window = np.asarray(self.tokens[start : start + seq_len + 1], dtype=np.int64)  # window: [s + 1]
+        return window[:-1], window[1:]
+
+
+def _splitmix64(z: int) -> int:
+    """The splitmix64 finaliser: a bijective, well-mixing hash of 64-bit integers."""
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
+    return z ^ (z >> 31)
+
+
+def window_start(index: int, seed: int, n_starts: int) -> int:
+    """Start offset in [0, n_starts) of global sample `index`: output `index` of splitmix64 seeded by seed.
+
+    A pure function of (seed, index): no RNG state to checkpoint, identical on every rank and layout.
+    """
+    if index < 0:
+        raise ValueError(f"sample index must be non-negative, got {index}")
+    state = _splitmix64(seed & _MASK64)
+    return _splitmix64((state + (index + 1) * _GOLDEN) & _MASK64) % n_starts
+
+
+def batch_indices(
+    step: int, global_batch: int, dp_rank: int, dp_size: int, micro: int, micro_batch: int
+) -> list[int]:
+    """Global sample indices of one micro-batch of one data-parallel rank.
+
+    Step k owns samples [k·B, (k+1)·B). Micro-batch m of rank r takes the consecutive slice starting at
+    k·B + (m·dp_size + r)·micro_batch, so over all m < B / (dp_size·micro_batch) and r < dp_size the slices
+    tile the step's range exactly: every layout sees the same set of samples per step.
+    """
+    n_micro, rem = divmod(global_batch, dp_size * micro_batch)
+    if rem or n_micro < 1:
+        raise ValueError(
+            f"global_batch = {global_batch} is not a positive multiple of dp_size {dp_size} × micro_batch "
+            f"{micro_batch}; choose global_batch = {max(1, n_micro) * dp_size * micro_batch}"
+        )
+    if not (0 <= dp_rank < dp_size and 0 <= micro < n_micro and step >= 0):
+        raise ValueError(
+            f"need 0 <= dp_rank < {dp_size}, 0 <= micro < {n_micro}, step >= 0; got dp_rank={dp_rank}, "
+            f"micro={micro}, step={step}"
+        )
+    first = step * global_batch + (micro * dp_size + dp_rank) * micro_batch
+    return list(range(first, first + micro_batch))
+
+
+def get_batch(
+    dataset: TokenDataset,
+    step: int,
+    micro: int,
+    dp_rank: int,
+    dp_size: int,
+    micro_batch: int,
+    global_batch: int,
+    seq_len: int,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets, LongTensors [micro_batch, seq_len], of one micro-batch (see `batch_indices`)."""
+    idx = batch_indices(step, global_batch, dp_rank, dp_size, micro, micro_batch)
+    xs, ys = zip(*(dataset.sample(i, seq_len, seed) for i in idx), strict=True)
+    return torch.from_numpy(np.stack(xs)), torch.from_numpy(np.stack(ys))  # x, y: [mb, s]

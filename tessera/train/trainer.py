@@ -1,0 +1,237 @@
+"""The training loop: config → layout → groups → parallelized model → steps → metrics → checkpoints.
+
+One code path for one process and many: with no torch.distributed environment the run is the single-device
+reference; under torchrun the same loop runs data parallel. Every rank seeds identically so initial weights
+agree without a broadcast, and the data order depends only on (seed, global sample index).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera import comm
+from tessera.config import Config, TrainConfig
+from tessera.errors import ConfigError, DataError
+from tessera.groups import Groups, build_groups
+from tessera.layout import Axis, Layout
+from tessera.model.build import build_model
+from tessera.parallel.data import GradSync
+from tessera.train import checkpoint as ckpt
+from tessera.train.data import TokenDataset, ensure_default_corpus, get_batch
+from tessera.train.metrics import MetricsLogger, Progress, memory_bytes, peak_flops_for
+
+__all__ = ["StepHook", "TrainResult", "init_distributed", "lr_at", "train"]
+
+StepHook = Callable[[int, nn.Module], None]
+
+
+@dataclass(slots=True)
+class TrainResult:
+    """What a run produced on this rank: the loss of every step it ran and where it wrote."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    run_dir: Path | None = None
+    resumed_from: int = 0
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join the torchrun/Slurm process group if the environment names one; (rank, world size)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+        return 0, 1
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("train.device = 'cuda' but no CUDA device is visible; set train.device = 'cpu'")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def lr_at(step: int, tr: TrainConfig) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``steps``."""
+    if step < tr.warmup_steps:
+        return tr.lr * (step + 1) / tr.warmup_steps
+    progress = (step - tr.warmup_steps) / max(1, tr.steps - tr.warmup_steps)
+    return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(model: nn.Module, tr: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (norm weights, biases and 1-D tensors are not decayed)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    other = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": tr.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, foreach=False)
+
+
+def _autocast(dtype: str, device: torch.device):
+    if dtype == "fp32":
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
+
+
+def _open_data(cfg: Config, rank: int) -> TokenDataset:
+    if cfg.data.path is not None:
+        return TokenDataset(Path(cfg.data.path))
+    cache = Path(os.environ.get("TESSERA_CACHE", Path.home() / ".cache" / "tessera")).expanduser()
+    if rank == 0:
+        path = ensure_default_corpus(cache, cfg.data.default_corpus_mb)
+    if dist.is_initialized():
+        dist.barrier()
+    if rank != 0:
+        path = ensure_default_corpus(cache, cfg.data.default_corpus_mb)
+    return TokenDataset(path)
+
+
+class _Run:
+    """State of one training run on one rank."""
+
+    def __init__(self, cfg: Config, rank: int, world: int) -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world
+        cfg.validate(world)
+        self.layout = Layout.from_config(cfg.parallel, world)
+        if self.layout.pp > 1 or self.layout.tensor_size > 1:
+            raise ConfigError(
+                f"layout {self.layout.describe()}: this version trains data-parallel layouts only; tensor and "
+                "pipeline parallelism are not available yet. Set parallel.tensor = 1 and parallel.pipeline = 1."
+            )
+        self.device = resolve_device(cfg.train.device)
+        self.groups: Groups | None = (
+            build_groups(self.layout, self.device.type) if dist.is_initialized() else None
+        )
+        self.dp_rank = self.groups.coord(Axis.DATA) if self.groups else 0
+        self.dp_group = self.groups.dp if self.groups else None
+        self.data = _open_data(cfg, rank)
+        if self.data.vocab_size > cfg.model.vocab_size:
+            raise DataError(
+                f"the data's tokenizer has {self.data.vocab_size} tokens but model.vocab_size = "
+                f"{cfg.model.vocab_size}; set model.vocab_size >= {self.data.vocab_size}"
+            )
+        torch.manual_seed(cfg.train.seed)  # identical on every rank: replicas start equal without a broadcast
+        self.model = build_model(cfg.model).to(self.device)
+        self.optimizer = make_optimizer(self.model, cfg.train)
+        self.sync = GradSync(self.model.parameters(), self.dp_group, int(cfg.train.bucket_mb * 2**20))
+        self.n_micro = cfg.train.micro_batches(self.layout.dp)
+        self.run_dir = Path(cfg.log.run_dir)
+        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+
+    def step(self, step: int, hook: StepHook | None) -> tuple[float, float]:
+        """One optimizer step: accumulate micro-batches, synchronise, clip, update; returns (loss, grad norm)."""
+        cfg, tr = self.cfg, self.cfg.train
+        seed = cfg.data.seed if cfg.data.seed is not None else tr.seed
+        total = torch.zeros((), device=self.device)
+        for micro in range(self.n_micro):
+            x, y = get_batch(
+                self.data,
+                step,
+                micro,
+                self.dp_rank,
+                self.layout.dp,
+                tr.micro_batch,
+                tr.global_batch,
+                cfg.model.seq_len,
+                seed,
+            )
+            x, y = x.to(self.device), y.to(self.device)
+            if micro == self.n_micro - 1:
+                self.sync.arm()
+            with _autocast(tr.dtype, self.device):
+                loss = self.model(x, y) / self.n_micro
+            loss.backward()
+            total += loss.detach().float()
+        self.sync.finish()
+        comm.all_reduce(total, self.dp_group)
+        if hook is not None:
+            hook(step, self.model)
+        norm = self._clip()
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr_at(step, tr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total.item() / self.layout.dp, norm
+
+    def _clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
+
+    def save(self, step: int) -> None:
+        extra = {"step": step, "samples": step * self.cfg.train.global_batch}
+        ckpt.save_checkpoint(
+            self.ckpt_dir, step, self.model, self.optimizer, extra, keep=self.cfg.checkpoint.keep
+        )
+
+    def resume(self) -> int:
+        """Load the latest complete checkpoint if resuming is on; the step to start from."""
+        if not self.cfg.checkpoint.resume:
+            return 0
+        path = ckpt.latest_checkpoint(self.ckpt_dir)
+        if path is None:
+            return 0
+        extra = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        ckpt.restore_rng(extra)
+        return int(extra["step"])
+
+
+def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
+    """Run training as configured; ``hook(step, model)`` sees the synchronised gradients before each update."""
+    rank, world = init_distributed()
+    run = _Run(cfg, rank, world)
+    result = TrainResult(run_dir=run.run_dir)
+    start = result.resumed_from = run.resume()
+    if rank == 0:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        (run.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    logger = MetricsLogger(run.run_dir, rank, tensorboard=cfg.log.tensorboard)
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    peak = peak_flops_for(run.device, cfg.train.dtype)
+    flops_per_token = run.model.flops_per_token()
+    with Progress(cfg.train.steps, enabled=cfg.log.progress and rank == 0) as progress:
+        if start:
+            progress.update(start, {"resumed_from": start})
+        for step in range(start, cfg.train.steps):
+            comm.STATS.reset()
+            t0 = time.perf_counter()
+            loss, norm = run.step(step, hook)
+            dt = time.perf_counter() - t0
+            result.losses[step] = loss
+            tps = tokens_per_step / dt
+            metrics = {
+                "step": step,
+                "loss": loss,
+                "lr": lr_at(step, cfg.train),
+                "grad_norm": norm,
+                "tokens_per_s": tps,
+                "step_time": dt,
+                "mem_bytes": memory_bytes(run.device),
+                **comm.STATS.as_metrics(),
+            }
+            if peak:
+                metrics["mfu"] = tps * flops_per_token / (peak * world)
+            if step % cfg.log.every == 0 or step == cfg.train.steps - 1:
+                logger.log(metrics)
+            progress.update(step + 1, metrics)
+            done = step + 1
+            if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
+                run.save(done)
+    logger.close()
+    run.sync.remove()
+    return result

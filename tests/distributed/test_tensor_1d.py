@@ -1,0 +1,206 @@
+"""Megatron 1D tensor parallelism: loss and every gradient equal the single-device model's; counted bytes equal
+the analytical formula exactly.
+
+One spawn per world size runs a named matrix of layouts (spawning is the expensive part on 2 cores); a failure
+names every failing case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tessera import comm
+from tessera.config import ModelConfig
+from tessera.errors import ConfigError
+from tessera.groups import Groups, build_groups
+from tessera.layout import Axis, Layout
+from tessera.model.build import build_model
+from tessera.parallel.data import GradSync
+from tessera.parallel.model_1d import apply_tensor_1d, check_tensor_1d, tensor_1d_comm
+from tessera.parallel.tensor_1d import padded_vocab
+from tests.harness import run_distributed
+
+LOSS_RTOL = 1e-5
+"""Relative tolerance of the loss against the single-device loss (fp32, reordered sums)."""
+GRAD_TOL = 1e-5
+"""Max |gradient error| / max |reference gradient|, per parameter tensor (fp32)..."""
+ZERO_GRAD = 1e-4
+"""...where the reference scale is at least ZERO_GRAD × the largest gradient of the model: the key bias gradient is
+zero in theory (softmax ignores a shift shared by all scores), ~1e-11 of roundoff, so a purely relative test of it
+would compare noise with noise."""
+NORM_RTOL = 1e-5
+"""Relative tolerance of grad_norm_sq against the single-device squared norm."""
+EXACT = 0.0
+"""Cutting shards and gathering them back must give the full weights bit for bit."""
+
+SEED = 7
+BATCH, SEQ = 4, 8
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str
+    tp: int
+    dp: int = 1
+    sp: bool = False
+    vocab: int = 64
+    tied: bool = True
+
+
+def _model_cfg(case: Case) -> ModelConfig:
+    # Llama: 8 query heads sharing 4 KV heads (GQA), so t = 4 still splits KV heads.
+    heads, kv = (4, None) if case.family == "gpt" else (8, 4)
+    return ModelConfig(
+        family=case.family,
+        n_layers=2,
+        d_model=32,
+        n_heads=heads,
+        n_kv_heads=kv,
+        vocab_size=case.vocab,
+        seq_len=SEQ,
+        tie_embeddings=case.tied,
+    )
+
+
+LAYOUTS: dict[int, dict[str, Case]] = {
+    2: {
+        "gpt_tp1d_2": Case("gpt", 2),
+        "llama_tp1d_2": Case("llama", 2),
+        "gpt_tp1d_2_sp": Case("gpt", 2, sp=True),
+        "llama_tp1d_2_sp": Case("llama", 2, sp=True),
+        "gpt_tp1d_2_vocab257": Case("gpt", 2, vocab=257),
+        "llama_tp1d_2_sp_vocab257_untied": Case("llama", 2, sp=True, vocab=257, tied=False),
+    },
+    4: {
+        "gpt_tp1d_4": Case("gpt", 4),
+        "llama_tp1d_4": Case("llama", 4, tied=False),
+        "gpt_tp1d_4_sp_vocab257": Case("gpt", 4, sp=True, vocab=257),
+        "llama_tp1d_4_vocab257": Case("llama", 4, vocab=257),
+        "gpt_dp2_tp1d_2": Case("gpt", 2, dp=2),
+        "llama_dp2_tp1d_2_sp": Case("llama", 2, dp=2, sp=True),
+    },
+}
+
+
+class _Parallel:
+    """The slice of ParallelConfig that apply_tensor_1d reads."""
+
+    def __init__(self, sp: bool) -> None:
+        self.sequence_parallel = sp
+
+
+def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(SEED + 1)
+    tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
+    tokens[0, :4] = vocab - 1  # the last word: lives in the last (padded) vocabulary shard
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(floor)).item()
+
+
+_GROUPS: dict[Layout, Groups] = {}
+
+
+def _groups(layout: Layout) -> Groups:
+    """One DeviceMesh per layout per process: creating process groups is the slow part of a case."""
+    if layout not in _GROUPS:
+        _GROUPS[layout] = build_groups(layout)
+    return _GROUPS[layout]
+
+
+def _run_case(name: str, case: Case) -> list[str]:
+    """Errors of one case on this rank (empty when everything matches)."""
+    cfg = _model_cfg(case)
+    tokens, targets = _batch(case.vocab)
+    torch.manual_seed(SEED)
+    ref = build_model(cfg)
+    ref_loss = ref(tokens, targets)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ref_norm = sum(g.pow(2).sum() for g in ref_grads.values())
+
+    groups = _groups(Layout(dp=case.dp, tp=case.tp))
+    torch.manual_seed(SEED)
+    pmodel = apply_tensor_1d(build_model(cfg), groups, _Parallel(case.sp))
+    sync = GradSync(pmodel.parameters(), groups.dp)
+    d, rows = groups.coord(Axis.DATA), BATCH // case.dp
+    mine = slice(d * rows, (d + 1) * rows)  # this data-parallel rank's rows of the batch
+
+    comm.STATS.reset()
+    sync.arm()
+    loss = pmodel(tokens[mine], targets[mine])
+    loss.backward()
+    tensor_stats = {k: (comm.STATS.calls[k], b) for k, b in comm.STATS.bytes.items() if k[1] == "tensor"}
+    others = {g for (_, g) in comm.STATS.bytes if g not in ("tensor", "data")}
+    sync.finish()
+    comm.all_reduce(loss := loss.detach().clone(), groups.dp)
+    loss /= case.dp
+
+    errors = []
+    expected = tensor_1d_comm(cfg, rows, SEQ, case.tp, case.sp)
+    if tensor_stats != {(k, "tensor"): v for k, v in expected.items()}:
+        errors.append(f"{name}: comm {tensor_stats} != formula {expected}")
+    if others:
+        errors.append(f"{name}: unexpected groups {others}")
+    if abs(loss.item() - ref_loss.item()) > LOSS_RTOL * abs(ref_loss.item()):
+        errors.append(f"{name}: loss {loss.item()} != {ref_loss.item()}")
+    grads = pmodel.full_parameters(grad=True)
+    if set(grads) != set(ref_grads):
+        errors.append(f"{name}: parameter names {set(grads) ^ set(ref_grads)}")
+    floor = ZERO_GRAD * max(g.abs().max().item() for g in ref_grads.values())
+    errors += [
+        f"{name}: grad {n} rel err {_rel(grads[n], g, floor):.2e}"
+        for n, g in ref_grads.items()
+        if n in grads and _rel(grads[n], g, floor) > GRAD_TOL
+    ]
+    full = pmodel.full_parameters()
+    errors += [
+        f"{name}: weight {n} not restored"
+        for n, p in ref.named_parameters()
+        if n in full and (full[n] - p).abs().max().item() > EXACT
+    ]
+    if case.dp == 1:  # with dp the local gradients are dp-averaged, and so is ref_norm's batch
+        norm = pmodel.grad_norm_sq()
+        if abs(norm.item() - ref_norm.item()) > NORM_RTOL * ref_norm.item():
+            errors.append(f"{name}: grad_norm_sq {norm.item()} != {ref_norm.item()}")
+    sync.remove()
+    return errors
+
+
+def _worker(rank: int, world: int) -> dict[str, list[str]]:
+    return {name: _run_case(name, case) for name, case in LAYOUTS[world].items()}
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_matches_single_device(world: int) -> None:
+    results = run_distributed(_worker, world, timeout=240)
+    errors = sorted({e for r in results for errs in r.values() for e in errs})
+    assert not errors, "\n".join(errors)
+
+
+def test_formula_shape() -> None:
+    """The formula's structure: SP trades each all-reduce of X for an all-gather plus a reduce-scatter of X."""
+    cfg = ModelConfig(family="llama", n_layers=3, d_model=16, n_heads=4, seq_len=8)
+    plain = tensor_1d_comm(cfg, 2, 8, 4, False)
+    sp = tensor_1d_comm(cfg, 2, 8, 4, True)
+    x, n = 2 * 8 * 16 * 4, 2 * 8
+    assert plain == {"all_reduce": (4 * 3 + 4, (4 * 3 + 2) * x + 3 * n * 4)}
+    assert sp["all_gather"] == sp["reduce_scatter"] == (4 * 3 + 2, (4 * 3 + 2) * x)
+    assert sp["all_reduce"] == (2 + 2 * 3 + 1, 3 * n * 4 + (2 * 3 + 1) * 16 * 4)
+    assert tensor_1d_comm(cfg, 2, 8, 1, True) == {}
+
+
+def test_padded_vocab() -> None:
+    assert [padded_vocab(257, t) for t in (1, 2, 4)] == [257, 258, 260]
+
+
+def test_kv_heads_not_divisible_is_a_clear_error() -> None:
+    cfg = ModelConfig(family="llama", d_model=32, n_heads=8, n_kv_heads=2, seq_len=SEQ)
+    with pytest.raises(ConfigError, match=r"n_kv_heads = 2 is not divisible by tensor size 4"):
+        check_tensor_1d(cfg, 4)
+    check_tensor_1d(cfg, 2)  # divides everything: no error

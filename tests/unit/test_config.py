@@ -1,0 +1,122 @@
+"""Config loading, overrides and validation, for many world sizes, without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tessera.cli import main
+from tessera.config import Config, load_config, parse_tensor
+from tessera.errors import ConfigError
+
+BROKEN = """
+[model]
+size = "llama-tiny"
+n_heads = 6          # 32 % 6 != 0
+n_kv_heads = 4       # 6 % 4 != 0
+[parallel]
+tensor = 4
+pipeline = 4         # 2 layers < 4 stages
+[train]
+global_batch = 10    # not a multiple of micro_batch 4 × dp
+micro_batch = 4
+"""
+
+
+def test_config_imports_without_torch() -> None:
+    code = "import sys, tessera.config, tessera.layout; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_toml_and_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[model]\nsize = "gpt2-124m"\n[train]\nlr = 1e-3\n')
+    cfg = load_config(f, ["train.lr=3e-4", "--parallel.tensor=2x2", "model.n_layers=6"])
+    assert cfg.train.lr == 3e-4
+    assert cfg.parallel.tensor_shape() == (1, 2)
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.vocab_size) == (6, 768, 50257)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(1, (1, 1)), (4, (4, 1)), ("2x2", (1, 2)), ("3×3", (1, 3)), ("8", (8, 1))]
+)
+def test_parse_tensor(value: int | str, expected: tuple[int, int]) -> None:
+    assert parse_tensor(value) == expected
+
+
+@pytest.mark.parametrize("value", ["2x3", "abc", 0, True])
+def test_parse_tensor_rejects(value: object) -> None:
+    with pytest.raises(ConfigError):
+        parse_tensor(value)  # type: ignore[arg-type]
+
+
+def test_every_violation_listed_at_once(tmp_path: Path) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text(BROKEN)
+    rules = {v.rule for v in load_config(f).check(world_size=6)}
+    assert {"model.heads", "model.kv_heads", "world_size", "tensor.divisibility", "pipeline.layers"} <= rules
+
+
+def test_batch_rule_suggests_multiples() -> None:
+    cfg = load_config(None, ["train.global_batch=10", "train.micro_batch=2", "parallel.data=4"])
+    (v,) = [v for v in cfg.check(world_size=4) if v.rule == "batch"]
+    assert "8 or 16" in v.fix
+
+
+@pytest.mark.parametrize("world", range(1, 17))
+def test_default_config_valid_for_any_world_size(world: int) -> None:
+    cfg = Config()
+    cfg.train.global_batch = 16 * 9 * 5 * 7 * 11 * 13
+    assert cfg.check(world) == []
+
+
+@pytest.mark.parametrize(
+    ("world", "tensor", "ok"), [(8, 2, True), (8, 3, False), (9, "3x3", True), (8, "2x2", True)]
+)
+def test_world_size_rule(world: int, tensor: int | str, ok: bool) -> None:
+    cfg = load_config(
+        None,
+        [
+            "model.n_heads=6",
+            "model.d_model=72",
+            "model.n_layers=2",
+            "train.global_batch=144",
+            "train.micro_batch=6",
+        ],
+    )
+    cfg.parallel.tensor = tensor
+    cfg.parallel.data = None if ok else 2
+    assert (not [v for v in cfg.check(world) if v.rule == "world_size"]) == ok
+
+
+def test_unknown_keys_and_types_are_reported(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[model]\nn_layer = 3\nd_model = "big"\n[trian]\nlr = 1\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    msg = str(e.value)
+    assert "model.n_layer; did you mean n_layers" in msg
+    assert "model.d_model = 'big' should be of type int" in msg
+    assert "unknown section [trian]" in msg
+
+
+def test_validate_cli_lists_all_and_exits_nonzero(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text(BROKEN)
+    assert main(["validate", str(f), "--world-size", "6"]) == 1
+    out = capsys.readouterr().out
+    assert "Traceback" not in out
+    assert out.count("fix:") >= 5
+
+
+def test_validate_cli_ok(capsys: pytest.CaptureFixture) -> None:
+    assert main(["validate", "configs/demo.toml", "--world-size", "2"]) == 0
+    assert "data 2 × pipeline 1 × tensor 1 = 2 ranks" in capsys.readouterr().out
+
+
+def test_missing_config_file_is_a_message(capsys: pytest.CaptureFixture) -> None:
+    assert main(["validate", "nope.toml", "--world-size", "1"]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,115 @@
+"""Simulator against hand-computed bubbles, costs and memory; text and image rendering; show_schedule."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from tessera.pipeline import Action, ActionKind, ScheduleError, build_schedule, lower
+from tessera.sim import CostTable, render_image, render_text, show_schedule, simulate
+
+EXACT = 1e-12  # unit durations are small integers: results are exact up to float summation
+
+
+def _bubble(name: str, p: int, m: int, v: int = 1, **options: object) -> float:
+    return simulate(lower(build_schedule(name, p, m, v, **options), p), p).bubble_fraction
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), [(1, 4), (2, 1), (2, 4), (4, 4), (4, 8)])
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(name: str, p: int, m: int) -> None:
+    assert _bubble(name, p, m) == pytest.approx(float(Fraction(p - 1, m + p - 1)), abs=EXACT)
+
+
+@pytest.mark.parametrize("name", ["interleaved_1f1b", "breadth_first"])
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3)])
+def test_looped_bubble_is_p_minus_1_over_vm_plus_p_minus_1(name: str, p: int, m: int, v: int) -> None:
+    assert _bubble(name, p, m, v) == pytest.approx(float(Fraction(p - 1, v * m + p - 1)), abs=EXACT)
+
+
+def test_breadth_first_stalls_when_m_below_p() -> None:
+    # p=4, m=2, v=2: each of the v-1 wrap-arounds waits (p - m)·t_f forward and (p - m)·t_b backward.
+    result = simulate(lower(build_schedule("breadth_first", 4, 2, 2), 4), 4)
+    assert result.step_time == 3 * (2 * 2 + 4 - 1) + 3 * (4 - 2)
+
+
+def test_breadth_first_beats_1f1b_at_p4_m4_v2() -> None:
+    bf, one = _bubble("breadth_first", 4, 4, 2), _bubble("1f1b", 4, 4)
+    assert bf == pytest.approx(3 / 11, abs=EXACT) and one == pytest.approx(3 / 7, abs=EXACT)
+    assert bf < one
+
+
+def test_gpipe_step_time_and_per_rank_numbers() -> None:
+    result = simulate(lower(build_schedule("gpipe", 2, 2), 2), 2)
+    assert result.step_time == 9  # (m + p - 1)·(t_f + t_b) = 3·3
+    assert result.compute == [6, 6] and result.idle == [3, 3]
+    assert result.bubble == pytest.approx([1 / 3, 1 / 3], abs=EXACT)
+    assert result.peak_activations == [2, 2]
+    first = [
+        (str(e.action), e.start, e.end) for e in result.timeline if e.rank == 0 and e.action.kind.is_compute
+    ]
+    assert first == [("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 5, 7), ("0B1", 7, 9)]
+
+
+def test_peak_activations_by_schedule_and_weighted_by_bytes() -> None:
+    assert simulate(lower(build_schedule("1f1b", 4, 8), 4), 4).peak_activations == [4, 3, 2, 1]
+    assert simulate(lower(build_schedule("breadth_first", 2, 4, 2), 2), 2).peak_activations == [8, 8]
+    weighted = simulate(lower(build_schedule("gpipe", 2, 2), 2), 2, activation_bytes={0: 10.0, 1: 3.0})
+    assert weighted.peak_activations == [20, 6]
+
+
+def test_comm_latency_and_costs() -> None:
+    lowered = lower(build_schedule("gpipe", 2, 1), 2)
+    # F0 on r0 [0,1], arrives at 1.5, F on r1 [1.5, 2.5], B [2.5, 4.5], arrives 5, B on r0 [5, 7].
+    assert simulate(lowered, 2, comm_latency=0.5).step_time == 7
+    slow = CostTable(forward=2.0, send=0.25, reduce=1.0)
+    # r0: F [0,2] send [2,2.25]; r1: F [2.25,4.25] B [4.25,8.25] send ->8.5, reduce; r0: B [8.5,12.5] reduce 13.5
+    result = simulate(lowered, 2, slow)
+    assert result.step_time == 13.5
+    assert result.busy[0] == 2 + 0.25 + 4 + 1 and result.compute[0] == 6
+
+
+def test_measured_timings_by_stage_and_kind() -> None:
+    lowered = lower(build_schedule("gpipe", 2, 1), 2)
+    measured = {(0, "F"): 1.0, (0, "B"): 3.0, (1, ActionKind.FORWARD): 2.0, (1, "B"): 2.0}
+    assert simulate(lowered, 2, measured).step_time == 1 + 2 + 2 + 3
+    with pytest.raises(ScheduleError, match="no measured duration for stage 1"):
+        simulate(lowered, 2, {(0, "F"): 1.0, (0, "B"): 3.0})
+
+
+def test_callable_durations_and_split_backward() -> None:
+    k = ActionKind
+    schedule = [[Action(0, k.FORWARD, 0), Action(0, k.BACKWARD_INPUT, 0), Action(0, k.BACKWARD_WEIGHT, 0)]]
+    result = simulate(lower(schedule, 1), 1, lambda action, rank: 1.0 if action.kind.is_compute else 0.0)
+    assert result.step_time == 3 and result.peak_activations == [1]
+
+
+def test_simulator_refuses_an_invalid_schedule() -> None:
+    with pytest.raises(ScheduleError, match="missing"):
+        simulate([[Action(0, ActionKind.FORWARD, 0)]], 1)
+
+
+def test_render_text_rows_and_columns() -> None:
+    result = simulate(lower(build_schedule("gpipe", 2, 2), 2), 2)
+    lines = render_text(result.timeline, 2).splitlines()
+    assert lines[0].split() == ["r0", "0F0", "0F1", ".", ".", ".", "0B0", "---", "0B1", "---"]
+    assert lines[1].split() == ["r1", ".", "1F0", "1F1", "1B0", "---", "1B1", "---", ".", "."]
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg"])
+def test_show_schedule_writes_a_picture(tmp_path: Path, suffix: str) -> None:
+    out = tmp_path / f"bf{suffix}"
+    text = show_schedule("breadth_first", 4, 4, 2, out=str(out))
+    assert text.splitlines()[0].startswith("breadth_first p=4 m=4 v=2: 8 stages, step time 33")
+    assert "bubble 27.3%" in text.splitlines()[0]
+    assert len(text.splitlines()) == 1 + 4
+    assert out.stat().st_size > 1000
+    head = out.read_bytes()[:8]
+    assert head.startswith(b"\x89PNG") if suffix == ".png" else b"<?xml" in out.read_bytes()[:100]
+
+
+def test_render_image_rejects_unknown_extension(tmp_path: Path) -> None:
+    with pytest.raises(ScheduleError, match=r"\.png or \.svg"):
+        render_image([], 1, tmp_path / "x.jpg")
