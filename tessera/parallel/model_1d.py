@@ -32,7 +32,7 @@ from tessera.parallel.tensor_1d import (
     SequenceParallelNorm,
     VocabParallelEmbedding,
     VocabParallelOutput,
-    enter_tensor_region,
+    column_parallel,
     group_rank,
 )
 
@@ -46,7 +46,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.head_dim = attn.head_dim
-        col = {"enter": False}
+        col = {"sequence_parallel": sequence_parallel}
         self.wq = ColumnParallelLinear.from_linear(attn.wq, group, **col)
         self.wk = ColumnParallelLinear.from_linear(attn.wk, group, **col)
         self.wv = ColumnParallelLinear.from_linear(attn.wv, group, **col)
@@ -55,11 +55,11 @@ class ParallelAttention(nn.Module):
         self.rope = attn.rope
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tensor_region(x, self.group, self.sequence_parallel)  # x: [b, s, h]
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # q: [b, nh/t, s, hd]
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # k: [b, nkv/t, s, hd]
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # v: [b, nkv/t, s, hd]
+        q, k, v = column_parallel(x, (self.wq, self.wk, self.wv), self.group, self.sequence_parallel)
+        b, s, _ = q.shape  # q: [b, s, nh·hd/t] (the full sequence, also with SP)
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)  # q: [b, nh/t, s, hd]
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # k: [b, nkv/t, s, hd]
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)  # v: [b, nkv/t, s, hd]
         if self.rope is not None:
             q, k = self.rope(q, k)  # full sequence here, so positions 0..s-1 as in the plain model
         y = self.core(q, k, v)  # y: [b, nh/t, s, hd]
@@ -86,13 +86,13 @@ class ParallelLlamaMLP(nn.Module):
     def __init__(self, mlp: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.w_gate = ColumnParallelLinear.from_linear(mlp.w_gate, group, enter=False)
-        self.w_up = ColumnParallelLinear.from_linear(mlp.w_up, group, enter=False)
+        self.w_gate = ColumnParallelLinear.from_linear(mlp.w_gate, group, sequence_parallel=sequence_parallel)
+        self.w_up = ColumnParallelLinear.from_linear(mlp.w_up, group, sequence_parallel=sequence_parallel)
         self.w_down = RowParallelLinear.from_linear(mlp.w_down, group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tensor_region(x, self.group, self.sequence_parallel)  # x: [b, s, h]
-        x = F.silu(self.w_gate(x)) * self.w_up(x)  # x: [b, s, ffn/t]
+        gate, up = column_parallel(x, (self.w_gate, self.w_up), self.group, self.sequence_parallel)
+        x = F.silu(gate) * up  # x: [b, s, ffn/t]
         return self.w_down(x)  # [b, s, h] or [b, s/t, h]
 
 
@@ -171,13 +171,15 @@ class TensorParallel1D(nn.Module):
             raise RuntimeError(
                 f"tensor-1d parameter names drifted from the plain model: {set(plain) ^ set(mine)}"
             )
-        split = {}
-        for name, p in mine.items():
-            full = plain[name].shape
-            if tuple(p.shape) != tuple(full):
-                dim = next(d for d in range(p.dim()) if p.shape[d] != full[d])
-                split[name] = (dim, full[dim])
-        return split
+        dims = {}
+        for mod in self.modules():
+            if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding, VocabParallelOutput)):
+                dims[id(mod.weight)] = 0
+                if getattr(mod, "bias", None) is not None:
+                    dims[id(mod.bias)] = 0
+            elif isinstance(mod, RowParallelLinear):
+                dims[id(mod.weight)] = 1  # its bias is replicated
+        return {n: (dims[id(p)], plain[n].shape[dims[id(p)]]) for n, p in mine.items() if id(p) in dims}
 
     def tie_weights(self) -> None:
         """Re-share the output projection with the token embedding shard (if tied and both present)."""
@@ -294,7 +296,8 @@ def tensor_1d_comm(
     X = b·s·h·act_bytes is one hidden-state tensor, N = b·s tokens, L layers. Without SP: 4 all-reduces of X per
     layer (enter/exit of attention and MLP, forward or backward) + 1 (embedding exit) + 1 (head entry, backward),
     and the loss's 2 all-reduces (max [N], then [Σexp, target] [2N], fp32). With SP every X all-reduce becomes an
-    all-gather + a reduce-scatter, and the replicated parameters used on sequence shards add one all-reduce of
+    all-gather + a reduce-scatter, each entry's backward all-gathers its saved shard again (2L + 1 more
+    all-gathers of X; Megatron does the same to avoid keeping the gathered input), and the replicated parameters used on sequence shards add one all-reduce of
     their gradient each: norms (GPT weight+bias, Llama weight), row-parallel biases (GPT), GPT's position table.
     """
     if t == 1:
@@ -305,13 +308,14 @@ def tensor_1d_comm(
     loss = (2, 3 * n_tok * 4)
     if not sequence_parallel:
         return {"all_reduce": (regions + loss[0], regions * x + loss[1])}
+    regathers = 2 * L + 1  # backward re-gathers the saved shard at each entry: attention, MLP, head
     gpt = model_cfg.family == "gpt"
     vectors = (6 if gpt else 2) * L + (2 if gpt else 1)  # h-sized replicated parameters on sequence shards
     calls, nbytes = loss[0] + vectors, loss[1] + vectors * h * param_bytes
     if gpt:
         calls, nbytes = calls + 1, nbytes + model_cfg.seq_len * h * param_bytes  # position table
     return {
-        "all_gather": (regions, regions * x),
+        "all_gather": (regions + regathers, (regions + regathers) * x),
         "reduce_scatter": (regions, regions * x),
         "all_reduce": (calls, nbytes),
     }

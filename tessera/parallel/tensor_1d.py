@@ -25,6 +25,8 @@ Shapes in comments: b batch, s sequence, h hidden, t tensor-group size, V vocabu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -39,7 +41,7 @@ __all__ = [
     "SequenceParallelNorm",
     "VocabParallelEmbedding",
     "VocabParallelOutput",
-    "enter_tensor_region",
+    "column_parallel",
     "exit_tensor_region",
     "group_rank",
     "padded_vocab",
@@ -74,13 +76,6 @@ def group_rank(group: dist.ProcessGroup) -> int:
     return dist.get_rank(group) if comm.group_size(group) > 1 else 0
 
 
-def enter_tensor_region(x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
-    """Residual stream → input of column-parallel layers: [b, s, h] (or [b, s/t, h] with SP) → [b, s, h]."""
-    if sequence_parallel:
-        return comm.all_gather_to_region(x, SEQ_DIM, group)  # backward: reduce-scatter
-    return comm.copy_to_region(x, group)  # backward: all-reduce
-
-
 def exit_tensor_region(x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
     """Partial sums [b, s, h] of a row-parallel layer → residual stream [b, s, h] (or [b, s/t, h] with SP)."""
     if sequence_parallel:
@@ -88,11 +83,61 @@ def exit_tensor_region(x: torch.Tensor, group: dist.ProcessGroup, sequence_paral
     return comm.reduce_from_region(x, group)  # backward: identity
 
 
+class _GatheredLinears(torch.autograd.Function):
+    """Sequence-parallel entry fused with the column-parallel linears reading it (Korthikanti et al. §4.2.2).
+
+    Forward all-gathers x [b, s/t, h] → [b, s, h] and applies each linear. Only the shard is saved: backward
+    all-gathers it again for the weight gradients, then reduce-scatters the input gradient. Saving the gathered
+    input instead would keep a full [b, s, h] per region and undo sequence parallelism's memory saving.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, *params):  # params: w0, b0, w1, b1, ... (a bias may be None)
+        full = comm.all_gather(x, SEQ_DIM, group)  # full: [b, s, h]
+        outs = tuple(F.linear(full, params[i], params[i + 1]) for i in range(0, len(params), 2))
+        ctx.save_for_backward(x, *params)
+        ctx.group = group
+        return outs  # each [b, s, out_i/t]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *params = ctx.saved_tensors
+        full = comm.all_gather(x, SEQ_DIM, ctx.group)  # full: [b, s, h], gathered again
+        gx, gparams = None, []
+        for g, w, b in zip(grads, params[0::2], params[1::2], strict=True):
+            if g is None:  # this output did not reach the loss
+                gparams += [None, None]
+                continue
+            g = g.contiguous()  # g: [b, s, out/t]
+            part = g.matmul(w.to(g.dtype))  # part: [b, s, h]
+            gx = part if gx is None else gx + part
+            g2 = g.flatten(0, -2)  # g2: [b·s, out/t]
+            gw = g2.t().matmul(full.flatten(0, -2).to(g.dtype)).to(w.dtype)  # gw: [out/t, h]
+            gparams += [gw, None if b is None else g2.sum(0).to(b.dtype)]
+        if gx is None:
+            gx = torch.zeros_like(full)
+        return comm.reduce_scatter(gx, SEQ_DIM, ctx.group).to(x.dtype), None, *gparams
+
+
+def column_parallel(
+    x: torch.Tensor, linears: Sequence[nn.Module], group: dist.ProcessGroup, sequence_parallel: bool
+) -> tuple[torch.Tensor, ...]:
+    """Enter the tensor region once and apply column-parallel linears (``.weight`` [out/t, in], ``.bias``) to it.
+
+    Several linears reading one input (wq, wk, wv; w_gate, w_up) share one entry, so their input gradients are
+    summed before one collective. x: [b, s, h] (replicated) or [b, s/t, h] (SP) → outputs [b, s, out_i/t].
+    """
+    if sequence_parallel and comm.group_size(group) > 1:
+        params = [p for lin in linears for p in (lin.weight, lin.bias)]
+        return _GatheredLinears.apply(x, group, *params)
+    x = comm.copy_to_region(x, group)  # backward: all-reduce
+    return tuple(F.linear(x, lin.weight, lin.bias) for lin in linears)
+
+
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_rᵀ + b_r, with W_r the r-th block of rows (output features) of W: output [.., out/t].
 
-    ``enter=False`` when the caller has already entered the region once for several linears reading the same
-    input (wq, wk, wv; or w_gate, w_up), so their backward contributions are summed before one collective.
+    Calling it enters the region on its own; to share one entry between several linears use `column_parallel`.
     """
 
     def __init__(
@@ -102,7 +147,6 @@ class ColumnParallelLinear(nn.Module):
         bias: bool,
         group: dist.ProcessGroup,
         *,
-        enter: bool = True,
         sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
@@ -111,7 +155,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(
                 f"column-parallel linear: {out_features} output features not divisible by t = {t}"
             )
-        self.group, self.enter, self.sequence_parallel = group, enter, sequence_parallel
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features))  # [out/t, in]
         self.bias = nn.Parameter(torch.zeros(out_features // t)) if bias else None  # [out/t]
@@ -126,9 +170,7 @@ class ColumnParallelLinear(nn.Module):
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.enter:
-            x = enter_tensor_region(x, self.group, self.sequence_parallel)  # x: [b, s, in]
-        return F.linear(x, self.weight, self.bias)  # [b, s, out/t]
+        return column_parallel(x, (self,), self.group, self.sequence_parallel)[0]  # [b, s, out/t]
 
 
 class RowParallelLinear(nn.Module):
@@ -298,6 +340,7 @@ class VocabParallelOutput(nn.Module):
         self.rows = padded_vocab(vocab_size, t) // t
         self.start = group_rank(group) * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, dim))  # [Vl, h]
+        self.bias = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: dist.ProcessGroup, **kwargs) -> VocabParallelOutput:
@@ -307,8 +350,7 @@ class VocabParallelOutput(nn.Module):
         return mod
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = enter_tensor_region(x, self.group, self.sequence_parallel)  # x: [b, s, h]
-        logits = F.linear(x, self.weight)  # logits: [b, s, Vl]
+        (logits,) = column_parallel(x, (self,), self.group, self.sequence_parallel)  # logits: [b, s, Vl]
         if targets is not None:
             return vocab_parallel_cross_entropy(logits, targets, self.group, self.start, self.vocab_size)
         full = comm.gather_from_region(logits, -1, self.group)  # full: [b, s, V_pad]

@@ -25,6 +25,7 @@ from tessera.errors import ConfigError, DataError
 from tessera.groups import Groups, build_groups
 from tessera.layout import Axis, Layout
 from tessera.model.build import build_model
+from tessera.parallel.apply import parallelize
 from tessera.parallel.data import GradSync
 from tessera.train import checkpoint as ckpt
 from tessera.train.data import TokenDataset, ensure_default_corpus, get_batch
@@ -108,10 +109,10 @@ class _Run:
         self.cfg, self.rank, self.world = cfg, rank, world
         cfg.validate(world)
         self.layout = Layout.from_config(cfg.parallel, world)
-        if self.layout.pp > 1 or self.layout.tensor_size > 1:
+        if self.layout.pp > 1:
             raise ConfigError(
-                f"layout {self.layout.describe()}: this version trains data-parallel layouts only; tensor and "
-                "pipeline parallelism are not available yet. Set parallel.tensor = 1 and parallel.pipeline = 1."
+                f"layout {self.layout.describe()}: pipeline parallelism is not wired into the trainer yet; "
+                "set parallel.pipeline = 1"
             )
         self.device = resolve_device(cfg.train.device)
         self.groups: Groups | None = (
@@ -126,8 +127,12 @@ class _Run:
                 f"{cfg.model.vocab_size}; set model.vocab_size >= {self.data.vocab_size}"
             )
         torch.manual_seed(cfg.train.seed)  # identical on every rank: replicas start equal without a broadcast
-        self.model = build_model(cfg.model).to(self.device)
+        # Tensor parallelism cuts this rank's shards from the identical full model (parallel/apply.py).
+        plain = build_model(cfg.model).to(self.device)
+        self.flops_per_token = plain.flops_per_token()
+        self.model = parallelize(plain, self.layout, self.groups, cfg)
         self.optimizer = make_optimizer(self.model, cfg.train)
+        self.shard_id = f"tp{rank % self.layout.tensor_size}" if self.layout.tensor_size > 1 else None
         self.sync = GradSync(self.model.parameters(), self.dp_group, int(cfg.train.bucket_mb * 2**20))
         self.n_micro = cfg.train.micro_batches(self.layout.dp)
         self.run_dir = Path(cfg.log.run_dir)
@@ -169,9 +174,16 @@ class _Run:
         return total.item() / self.layout.dp, norm
 
     def _clip(self) -> float:
+        """Clip to train.grad_clip by the global norm; sharded models count every shard once."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
+        if not hasattr(self.model, "grad_norm_sq"):
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
+        norm = float(self.model.grad_norm_sq().sqrt())
+        if norm > max_norm:
+            for p in params:
+                p.grad.mul_(max_norm / (norm + 1e-6))
+        return norm
 
     def save(self, step: int) -> None:
         extra = {"step": step, "samples": step * self.cfg.train.global_batch}
@@ -186,7 +198,9 @@ class _Run:
         path = ckpt.latest_checkpoint(self.ckpt_dir)
         if path is None:
             return 0
-        extra = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        extra = ckpt.load_checkpoint(
+            path, self.model, self.optimizer, shard_id=self.shard_id, layout=self.layout.describe()
+        )
         ckpt.restore_rng(extra)
         return int(extra["step"])
 
@@ -203,7 +217,6 @@ def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
     logger = MetricsLogger(run.run_dir, rank, tensorboard=cfg.log.tensorboard)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     peak = peak_flops_for(run.device, cfg.train.dtype)
-    flops_per_token = run.model.flops_per_token()
     with Progress(cfg.train.steps, enabled=cfg.log.progress and rank == 0) as progress:
         if start:
             progress.update(start, {"resumed_from": start})
@@ -225,7 +238,7 @@ def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
                 **comm.STATS.as_metrics(),
             }
             if peak:
-                metrics["mfu"] = tps * flops_per_token / (peak * world)
+                metrics["mfu"] = tps * run.flops_per_token / (peak * world)
             if step % cfg.log.every == 0 or step == cfg.train.steps - 1:
                 logger.log(metrics)
             progress.update(step + 1, metrics)
