@@ -42,25 +42,56 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _relaunch_with_torchrun(nproc: int) -> int:
-    """``--nproc N`` on one machine: re-run this very command under torch.distributed.run."""
-    import subprocess
+    """``--nproc N`` on one machine: run this command in N local ranks (the environment torchrun would set).
 
-    argv = [a for a in sys.argv[1:] if not a.startswith("--nproc")]
-    if "--nproc" in sys.argv:
-        i = sys.argv.index("--nproc")
-        argv = sys.argv[1:i] + sys.argv[i + 2 :]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "tessera",
-        *argv,
+    Unlike torchrun, a failing rank ends the others at once and the user sees one line naming it, after that
+    rank's own error message, instead of a launcher traceback.
+    """
+    import subprocess
+    import time
+
+    from tessera.train.launch import free_port
+
+    i = sys.argv.index("--nproc") if "--nproc" in sys.argv else None
+    argv = (
+        sys.argv[1:i] + sys.argv[i + 2 :]
+        if i is not None
+        else [a for a in sys.argv[1:] if not a.startswith("--nproc")]
+    )
+    base = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tessera", *argv], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}
+        )
+        for r in range(nproc)
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                for p in procs:
+                    p.terminate()
+                print(
+                    f"error: rank {rank} exited with status {code}; the other ranks were stopped",
+                    file=sys.stderr,
+                )
+                return code
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        raise
 
 
 def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
@@ -171,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return fn(args, extra)
     except TesseraError as e:
-        print(f"error: {e}", file=sys.stderr)
+        multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        prefix = f"[rank {os.environ.get('RANK', '?')}] " if multi else ""
+        sys.stderr.write(f"{prefix}error: {e}\n")  # one write, so ranks' lines do not interleave
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -82,28 +82,6 @@ def _to_col(x: torch.Tensor, grid: Grid2D) -> torch.Tensor:
     return x if grid.q == 1 else comm.copy_to_region(x, grid.col)
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """Forward all-reduce, backward all-reduce: a replicated sum whose every replica feeds partitioned work."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous().clone()
-        comm.all_reduce(x, group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        g = g.contiguous().clone()
-        comm.all_reduce(g, ctx.group)
-        return g, None
-
-
-def _row_sum(x: torch.Tensor, grid: Grid2D) -> torch.Tensor:
-    """Sum the per-rank partial feature sums x [b/q, s, 1] over the row group (all hidden slices of a token)."""
-    return x if grid.q == 1 else _SumOverGroup.apply(x, grid.row)
-
-
 class Linear2D(nn.Module):
     """y = x·W + b with SUMMA.  x: [b/q, s, h_in/q] → [b/q, s, h_out/q]; W block [h_in/q, h_out/q]."""
 
@@ -124,8 +102,54 @@ class Linear2D(nn.Module):
         return y if self.bias is None else y + _to_col(self.bias, self.grid)
 
 
+class _Norm2D(torch.autograd.Function):
+    """LayerNorm (``centre=True``) or RMSNorm over features split across the row group, with weight (and bias).
+
+    Forward: row all-reduces of per-token sums [b/q, s, 1] (LayerNorm: Σx, then Σ(x−mean)² — two-pass, as
+    accurate as the fused kernel; RMSNorm: Σx²). Saves only x̂ and 1/σ. Backward needs the full-width means of
+    ĝ = g·w and ĝ·x̂ (LayerNorm) or of ĝ·x̂ (RMSNorm): one row all-reduce of the stacked sums; the weight/bias
+    gradients (this grid row's tokens only) are summed over the column group in one all-reduce.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dim, eps, centre, grid):
+        xf = x.float()  # xf: [b/q, s, h/q]
+        if centre:
+            xf = xf - _all_reduce(xf.sum(-1, keepdim=True), grid.row, grid.q) / dim  # centred
+        var = _all_reduce(xf.pow(2).sum(-1, keepdim=True), grid.row, grid.q) / dim  # var: [b/q, s, 1]
+        rstd = torch.rsqrt(var + eps)
+        xhat = xf * rstd  # xhat: [b/q, s, h/q]
+        ctx.save_for_backward(xhat, rstd, weight)
+        ctx.dim, ctx.centre, ctx.grid, ctx.has_bias = dim, centre, grid, bias is not None
+        y = xhat.to(x.dtype) * weight
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        xhat, rstd, weight = ctx.saved_tensors
+        grid, gf = ctx.grid, g.float()
+        gxhat = gf * weight.float()  # gxhat: [b/q, s, h/q]
+        sums = [(gxhat * xhat).sum(-1, keepdim=True)] + ([gxhat.sum(-1, keepdim=True)] if ctx.centre else [])
+        sums = _all_reduce(torch.cat(sums, dim=-1), grid.row, grid.q) / ctx.dim  # sums: [b/q, s, 1 or 2]
+        dx = gxhat - xhat * sums[..., :1]
+        if ctx.centre:
+            dx = dx - sums[..., 1:]
+        dx = (dx * rstd).to(g.dtype)
+        flat_g, flat_x = gf.reshape(-1, gf.shape[-1]), xhat.reshape(-1, xhat.shape[-1])
+        params = [(flat_g * flat_x).sum(0)] + ([flat_g.sum(0)] if ctx.has_bias else [])  # [h/q] each
+        params = _all_reduce(torch.stack(params), grid.col, grid.q).to(weight.dtype)  # this grid column's sum
+        return dx, params[0], params[1] if ctx.has_bias else None, None, None, None, None
+
+
+def _all_reduce(t: torch.Tensor, group, q: int) -> torch.Tensor:
+    t = t.contiguous()
+    if q > 1:
+        comm.all_reduce(t, group)
+    return t
+
+
 class LayerNorm2D(nn.Module):
-    """LayerNorm over the hidden dim split across the row group: two row all-reduces of [b/q, s, 1] forward."""
+    """LayerNorm over the hidden dim split across the row group.  x: [b/q, s, h/q] → [b/q, s, h/q]."""
 
     def __init__(self, norm: nn.LayerNorm, grid: Grid2D) -> None:
         super().__init__()
@@ -136,15 +160,11 @@ class LayerNorm2D(nn.Module):
         self.bias = _param(norm.bias, grid, self.shards["bias"])  # [h/q]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mean = _row_sum(x.sum(-1, keepdim=True), self.grid) / self.dim  # mean: [b/q, s, 1]
-        xc = x - mean  # xc: [b/q, s, h/q]
-        var = _row_sum(xc.pow(2).sum(-1, keepdim=True), self.grid) / self.dim  # var: [b/q, s, 1]
-        y = xc * torch.rsqrt(var + self.eps)  # y: [b/q, s, h/q]
-        return y * _to_col(self.weight, self.grid) + _to_col(self.bias, self.grid)
+        return _Norm2D.apply(x, self.weight, self.bias, self.dim, self.eps, True, self.grid)
 
 
 class RMSNorm2D(nn.Module):
-    """RMSNorm over the hidden dim split across the row group: one row all-reduce of [b/q, s, 1] forward."""
+    """RMSNorm over the hidden dim split across the row group.  x: [b/q, s, h/q] → [b/q, s, h/q]."""
 
     def __init__(self, norm: nn.Module, grid: Grid2D) -> None:
         super().__init__()
@@ -154,10 +174,7 @@ class RMSNorm2D(nn.Module):
         self.weight = _param(norm.weight, grid, self.shards["weight"])  # [h/q]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # xf: [b/q, s, h/q]
-        ms = _row_sum(xf.pow(2).sum(-1, keepdim=True), self.grid) / self.dim  # ms: [b/q, s, 1]
-        y = (xf * torch.rsqrt(ms + self.eps)).to(x.dtype)  # y: [b/q, s, h/q]
-        return y * _to_col(self.weight, self.grid)
+        return _Norm2D.apply(x, self.weight, None, self.dim, self.eps, False, self.grid)
 
 
 class Attention2D(nn.Module):

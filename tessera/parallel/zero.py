@@ -1,0 +1,421 @@
+"""ZeRO-1/2/3 over the data-parallel group, driven per pipeline stage by the schedule's GATHER/FREE/REDUCE actions.
+
+Every stage's parameters live in one flat fp32 buffer, padded to a multiple of the data-parallel size d and cut
+into d equal shards; rank r owns shard r. The buffer maps 1:1 onto the IR (docs/zero.md explains why this and not
+FSDP2):
+
+- ``reduce(s)`` (REDUCE): flatten stage s's gradients, reduce-scatter them asynchronously and keep only this rank's
+  shard (ZeRO-2/3 drop the full gradients at once; ZeRO-1 keeps them, as its memory formula says).
+- ``gather(s)`` / ``wait_gather(s)`` (GATHER, ZeRO-3): re-allocate the flat buffer's storage and all-gather the
+  shards into it; the module's parameters are views of that buffer, so they come back to life in place.
+- ``free(s)`` (FREE, ZeRO-3): resize the storage to 0 bytes. Tensors saved for backward keep referring to the same
+  storage, which the backward phase's GATHER refills before use (FSDP1's trick).
+- ``finish()``: wait for every reduction; the averaged gradient shards are ready for `ShardedAdamW`.
+
+Accumulation order decides how often the collectives run. Layered: REDUCE once per stage per step. Depth-first:
+the runtime calls ``reduce`` after each micro-batch group; ZeRO-2/3 reduce-scatter every time into an accumulating
+shard (volume × m), ZeRO-1 keeps full gradients and reduce-scatters once in ``finish`` (volume independent of m).
+
+Collectives are counted in ``tessera.comm.STATS`` with comm's byte rules (all-gather: output bytes,
+reduce-scatter: input bytes). They are issued here with ``async_op=True`` because comm.py's helpers are
+synchronous; the counting is identical.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera import comm
+
+__all__ = ["ACCUMULATION", "FlatStage", "ShardedAdamW", "ZeroStageComm"]
+
+ACCUMULATION = ("layered", "depth_first")
+
+
+def _group_rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return comm.group_size(group) if dist.is_initialized() else 1
+
+
+def _all_gather_async(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> Any:
+    comm.STATS.record("all_gather", comm.group_name(group), out.numel() * out.element_size())
+    return dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
+
+
+def _reduce_scatter_async(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> Any:
+    comm.STATS.record("reduce_scatter", comm.group_name(group), full.numel() * full.element_size())
+    return dist.reduce_scatter_tensor(out, full, group=group, async_op=True)
+
+
+class FlatStage:
+    """One stage's parameters as a flat padded fp32 buffer and this rank's shard of it.
+
+    ``full``: the padded flat buffer; every parameter's ``.data`` is a view of it. ``shard``: this rank's
+    ``[rank·n, (rank+1)·n)`` slice — a view of ``full`` (ZeRO-1/2, or d = 1), or its own tensor (ZeRO-3, d > 1,
+    when ``full``'s storage is released between phases). ``grad_shard``: the reduced gradient shard (fp32).
+    """
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None, zero_stage: int) -> None:
+        self.params, self.group, self.zero_stage = params, group, zero_stage
+        self.world, self.rank = _size(group), _group_rank(group)
+        self.numel = sum(p.numel() for p in params)
+        self.padded = math.ceil(max(self.numel, 1) / self.world) * self.world
+        self.shard_numel = self.padded // self.world
+        ref = params[0] if params else torch.empty(0)
+        self.full = torch.zeros(self.padded, dtype=torch.float32, device=ref.device)
+        self.offsets: list[int] = []
+        offset = 0
+        for p in params:
+            if p.dtype != torch.float32:
+                raise TypeError(
+                    f"ZeRO keeps fp32 master weights in the parameters; got a {p.dtype} parameter. Build the model "
+                    "in fp32 and use train.dtype = 'bf16'/'fp16' (autocast) for lower-precision compute"
+                )
+            self.full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.full[offset : offset + p.numel()].view_as(p)
+            self.offsets.append(offset)
+            offset += p.numel()
+        lo = self.rank * self.shard_numel
+        self.shard = self.full[lo : lo + self.shard_numel]
+        self.sharded_params = zero_stage >= 3 and self.world > 1
+        if self.sharded_params:
+            self.shard = self.shard.clone()
+            self._release()
+        self.grad_shard: torch.Tensor | None = None
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._gather_work: Any = None
+        self.gathered = not self.sharded_params
+        self.users = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the padded full buffer (what one all-gather produces / one reduce-scatter consumes)."""
+        return self.padded * 4
+
+    def segments(self) -> list[tuple[nn.Parameter, int, int]]:
+        """(parameter, start, end) of each parameter's part inside this rank's shard (empty parts left out)."""
+        lo, hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        out = []
+        for p, off in zip(self.params, self.offsets, strict=True):
+            start, end = max(lo, off), min(hi, off + p.numel())
+            if start < end:
+                out.append((p, start - lo, end - lo))
+        return out
+
+    # --- parameters (ZeRO-3) ------------------------------------------------------------------------------
+
+    def _release(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def launch_gather(self) -> None:
+        if self.gathered or self._gather_work is not None:
+            return
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        self._gather_work = _all_gather_async(self.full, self.shard, self.group)
+
+    def wait_gather(self) -> None:
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+            self.gathered = True
+
+    def release(self) -> None:
+        if self.sharded_params and self.gathered:
+            self._release()
+
+    def all_gather_params(self) -> None:
+        """After the optimizer updated ``shard`` in place (ZeRO-1/2): refresh every rank's full copy."""
+        if self.world > 1 and not self.sharded_params:
+            shard = self.shard.clone()  # the input must not alias the output
+            _all_gather_async(self.full, shard, self.group).wait()
+
+    # --- gradients ----------------------------------------------------------------------------------------
+
+    def flat_grads(self, dtype: torch.dtype) -> torch.Tensor:
+        flat = torch.zeros(self.padded, dtype=dtype, device=self.full.device)
+        for p, off in zip(self.params, self.offsets, strict=True):
+            if p.grad is not None:
+                flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
+        return flat
+
+    def launch_reduce(self, dtype: torch.dtype, drop_grads: bool) -> None:
+        """Reduce-scatter the current gradients (async); with ``drop_grads`` free the full gradients now."""
+        flat = self.flat_grads(dtype)
+        if drop_grads:
+            for p in self.params:
+                p.grad = None
+        if self.world == 1:
+            self._pending.append((None, flat))
+            return
+        out = torch.empty(self.shard_numel, dtype=dtype, device=flat.device)
+        self._pending.append((_reduce_scatter_async(out, flat, self.group), out))
+
+    def wait_reduce(self) -> None:
+        """Wait for launched reductions; add their average over the group into ``grad_shard`` (fp32)."""
+        for work, out in self._pending:
+            if work is not None:
+                work.wait()
+            part = out.float()
+            if self.world > 1:
+                part.div_(self.world)
+            if self.grad_shard is None:
+                self.grad_shard = part if part.dtype == torch.float32 and part is not out or self.world == 1 else part
+            else:
+                self.grad_shard.add_(part)
+        self._pending.clear()
+
+
+def _stage_items(stages: Mapping[int, nn.Module] | Sequence[nn.Module]) -> list[tuple[int, nn.Module]]:
+    if isinstance(stages, Mapping):
+        return sorted(stages.items())
+    return list(enumerate(stages))
+
+
+class ZeroStageComm:
+    """The StageComm of the pipeline runtime for ZeRO stage 1, 2 or 3 over ``dp_group`` (see module doc).
+
+    ``stages``: this rank's stages, ``{global_stage: module}`` or a list indexed by stage. A parameter shared by
+    several stages (tied embedding and head on one rank) belongs to the lowest stage, whose backward finishes
+    last in every schedule; gathering any stage that uses it gathers the owner's buffer too (reference-counted).
+    ``reduce_dtype``: dtype of the gradient reduce-scatter (fp32 default; bf16 halves the traffic).
+    """
+
+    def __init__(
+        self,
+        stages: Mapping[int, nn.Module] | Sequence[nn.Module],
+        dp_group: dist.ProcessGroup | None,
+        zero_stage: int,
+        accumulation: str = "layered",
+        *,
+        reduce_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if zero_stage not in (1, 2, 3):
+            raise ValueError(
+                f"ZeroStageComm needs zero_stage 1, 2 or 3, got {zero_stage}; for parallel.zero = 0 use the "
+                "runtime's DataParallelStageComm"
+            )
+        if accumulation not in ACCUMULATION:
+            raise ValueError(f"accumulation must be one of {ACCUMULATION}, got {accumulation!r}")
+        self.group, self.zero_stage, self.accumulation = dp_group, zero_stage, accumulation
+        self.reduce_dtype = reduce_dtype
+        self.world = _size(dp_group)
+        owner: dict[int, int] = {}
+        self.uses: dict[int, list[int]] = {}
+        items = _stage_items(stages)
+        by_stage: dict[int, list[nn.Parameter]] = {s: [] for s, _ in items}
+        for s, module in items:
+            self.uses[s] = []
+            for p in module.parameters():
+                if not p.requires_grad:
+                    continue
+                if id(p) not in owner:
+                    owner[id(p)] = s
+                    by_stage[s].append(p)
+                if owner[id(p)] not in self.uses[s]:
+                    self.uses[s].append(owner[id(p)])
+        self.flats: dict[int, FlatStage] = {
+            s: FlatStage(ps, dp_group, zero_stage) for s, ps in by_stage.items() if ps
+        }
+        self.uses = {s: [o for o in owners if o in self.flats] for s, owners in self.uses.items()}
+        self._pending_reduce: set[int] = set()
+
+    # --- StageComm protocol -------------------------------------------------------------------------------
+
+    def gather(self, stage: int) -> None:
+        """GATHER: start all-gathering the parameters stage ``stage`` computes with (ZeRO-3; else a no-op)."""
+        if self.zero_stage < 3:
+            return
+        for owner in self.uses.get(stage, []):
+            flat = self.flats[owner]
+            flat.users += 1
+            flat.launch_gather()
+
+    def wait_gather(self, stage: int) -> None:
+        if self.zero_stage < 3:
+            return
+        for owner in self.uses.get(stage, []):
+            self.flats[owner].wait_gather()
+
+    def free(self, stage: int) -> None:
+        """FREE: release gathered parameters no stage in a running phase still uses (ZeRO-3)."""
+        if self.zero_stage < 3:
+            return
+        for owner in self.uses.get(stage, []):
+            flat = self.flats[owner]
+            flat.users = max(0, flat.users - 1)
+            if flat.users == 0:
+                flat.wait_gather()
+                flat.release()
+
+    def reduce(self, stage: int) -> None:
+        """REDUCE: stage ``stage``'s gradients of this sweep are complete; launch their reduce-scatter."""
+        if stage not in self.flats:
+            return
+        if self.zero_stage == 1 and self.accumulation == "depth_first":
+            self._pending_reduce.add(stage)  # full gradients stay; one reduce-scatter in finish()
+            return
+        self.flats[stage].launch_reduce(self.reduce_dtype, drop_grads=self.zero_stage >= 2)
+
+    def finish(self) -> None:
+        """Before the optimizer step: launch deferred reductions and wait for every one."""
+        for stage in sorted(self._pending_reduce):
+            self.flats[stage].launch_reduce(self.reduce_dtype, drop_grads=False)
+        self._pending_reduce.clear()
+        for flat in self.flats.values():
+            flat.wait_reduce()
+
+    # --- helpers for the trainer --------------------------------------------------------------------------
+
+    def params(self) -> list[nn.Parameter]:
+        """Every parameter this object manages, each once."""
+        return [p for flat in self.flats.values() for p in flat.params]
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [f.grad_shard for f in self.flats.values() if f.grad_shard is not None]
+
+    def zero_grad(self) -> None:
+        """Drop gradient shards and any full gradients left (ZeRO-1)."""
+        for flat in self.flats.values():
+            flat.grad_shard = None
+            for p in flat.params:
+                p.grad = None
+
+    def gather_all(self) -> None:
+        """Materialise every stage's full parameters (ZeRO-3), e.g. to evaluate or export; undo with free_all."""
+        for s in self.flats:
+            self.gather(s)
+        for s in self.flats:
+            self.wait_gather(s)
+
+    def free_all(self) -> None:
+        for s in self.flats:
+            self.free(s)
+
+    def shard_module(self) -> nn.Module:
+        """An ``nn.Module`` whose parameters are this rank's shards (``stage{s}``), for rank-local checkpoints."""
+        return _ShardModule(self)
+
+
+class _ShardModule(nn.Module):
+    def __init__(self, zero: ZeroStageComm) -> None:
+        super().__init__()
+        self.shards = nn.ParameterDict(
+            {f"stage{s}": nn.Parameter(flat.shard, requires_grad=True) for s, flat in zero.flats.items()}
+        )
+        for s, flat in zero.flats.items():  # share storage: the optimizer updates the live shard
+            flat.shard_param = self.shards[f"stage{s}"]
+
+
+def _default_decay(p: nn.Parameter) -> bool:
+    """Weight decay on matrices only (as the trainer's make_optimizer): norms, biases, 1-D tensors are not."""
+    return p.dim() >= 2
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """AdamW on this rank's shards of every stage's flat buffer, then (ZeRO-1/2) an all-gather of the params.
+
+    The per-element maths are those of ``torch.optim.AdamW(foreach=False)``, applied in the same order on the
+    shard (weight decay per parameter segment), so with one data-parallel rank the update equals torch's
+    exactly. The optimizer's parameters are the shard tensors (``zero.shard_module().parameters()``), so its
+    ``state_dict`` holds only this rank's moments: checkpoint it with ``shard_id`` naming the rank.
+    """
+
+    def __init__(
+        self,
+        zero: ZeroStageComm,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        decay: Callable[[nn.Parameter], bool] = _default_decay,
+        norm_groups: Iterable[dist.ProcessGroup] = (),
+    ) -> None:
+        self.zero = zero
+        self.module = zero.shard_module()
+        self.norm_groups = list(norm_groups)
+        self._decay = {id(p): decay(p) for p in zero.params()}
+        shards = list(self.module.parameters())
+        super().__init__(shards, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self._flat_of = {id(flat.shard_param): flat for flat in zero.flats.values()}
+
+    def _attach_grads(self) -> None:
+        for flat in self.zero.flats.values():
+            g = flat.grad_shard
+            flat.shard_param.grad = g if g is not None else torch.zeros_like(flat.shard)
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the reduced gradients: sum of squares over shards, all-reduced over dp and
+        ``norm_groups`` (e.g. the pipeline group whose ranks hold other stages)."""
+        sq = torch.zeros((), dtype=torch.float32, device=self._device())
+        for g in self.zero.grad_shards():
+            sq += g.float().pow(2).sum()
+        if self.zero.world > 1:
+            comm.all_reduce(sq, self.zero.group)
+        for group in self.norm_groups:
+            comm.all_reduce(sq, group)
+        return float(sq.sqrt())
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale the gradient shards so the global norm is at most ``max_norm`` (torch's rule: coefficient
+        max_norm / (norm + 1e-6), clamped to 1); returns the norm before clipping."""
+        norm = self.grad_norm()
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in self.zero.grad_shards():
+                g.mul_(coef)
+        return norm
+
+    def _device(self) -> torch.device:
+        flats = list(self.zero.flats.values())
+        return flats[0].shard.device if flats else torch.device("cpu")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        """One AdamW update of the shards from ``zero``'s reduced gradient shards, then refresh the params."""
+        if closure is not None:
+            raise ValueError("ShardedAdamW.step takes no closure")
+        self._attach_grads()
+        for group in self.param_groups:
+            for shard in group["params"]:
+                self._update(shard, group)
+        for flat in self.zero.flats.values():
+            flat.all_gather_params()
+
+    def _update(self, shard: torch.Tensor, group: dict[str, Any]) -> None:
+        flat = self._flat_of[id(shard)]
+        grad = shard.grad
+        state = self.state[shard]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(shard, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(shard, memory_format=torch.preserve_format)
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        state["step"] += 1
+        step = state["step"].item()
+        for p, start, end in flat.segments():  # decoupled decay, per parameter like torch's param groups
+            if self._decay[id(p)]:
+                shard[start:end].mul_(1 - lr * wd)
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = lr / bias_correction1
+        denom = (v.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+        shard.addcdiv_(m, denom, value=-step_size)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero.zero_grad()
+        for p in self.module.parameters():
+            p.grad = None

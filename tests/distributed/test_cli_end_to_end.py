@@ -1,0 +1,79 @@
+"""The CLI as a user runs it: prepare → train --nproc 2 → plot → generate, in subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _tessera(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TESSERA_CACHE": str(cwd / "cache")}
+    return subprocess.run(
+        [sys.executable, "-m", "tessera", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cli")
+
+
+def test_prepare_train_plot_generate(workdir: Path) -> None:
+    texts = workdir / "texts"
+    texts.mkdir()
+    for i in range(3):
+        (texts / f"doc{i}.txt").write_text(("the quick brown fox jumps over the lazy dog. " * 40) + str(i))
+    out = _tessera("prepare", str(texts), "--out", "data/tokens.bin", cwd=workdir)
+    assert out.returncode == 0, out.stderr
+    assert "tokens to data/tokens.bin" in out.stdout
+
+    overrides = [
+        "--model.size=gpt2-tiny",
+        "--train.steps=6",
+        "--train.global_batch=4",
+        "--train.micro_batch=2",
+        "--train.warmup_steps=1",
+        "--data.path=data/tokens.bin",
+        "--log.run_dir=runs/cli",
+        "--log.progress=false",
+        "--checkpoint.every=3",
+    ]
+    out = _tessera("train", "--nproc", "2", *overrides, cwd=workdir)
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "done: loss" in out.stdout
+    run = workdir / "runs" / "cli"
+    assert (run / "metrics.jsonl").read_text().count("\n") == 6
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000003", "step_00000006"]
+
+    out = _tessera("plot", "runs/cli", cwd=workdir)
+    assert out.returncode == 0 and (run / "curves.png").stat().st_size > 1000, out.stderr
+
+    out = _tessera("generate", "runs/cli", "--prompt", "the ", "--tokens", "20", cwd=workdir)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("the ") and len(out.stdout) >= 10
+
+
+def test_bad_input_is_a_message_not_a_traceback(workdir: Path) -> None:
+    cases = [
+        ("train", "--model.n_heads=5", "--train.steps=1"),  # d_model 64 not divisible by 5
+        ("train", "--data.path=missing.bin"),
+        ("generate", "no_such_run"),
+        ("plot", "no_such_run"),
+        ("prepare", "missing_dir", "--out", "x.bin"),
+        ("train", "--nproc", "2", "--parallel.tensor=3"),
+        ("train", "--nproc", "2", "--data.path=missing.bin"),
+    ]
+    for args in cases:
+        out = _tessera(*args, cwd=workdir)
+        assert out.returncode != 0, args
+        assert "Traceback" not in out.stderr + out.stdout, (args, out.stderr)
+        assert "error:" in out.stderr, (args, out.stderr)
