@@ -26,6 +26,7 @@ __all__ = [
     "all_gather_to_region",
     "all_reduce",
     "all_reduce_max",
+    "batch_p2p",
     "broadcast",
     "copy_to_region",
     "gather_from_region",
@@ -36,7 +37,9 @@ __all__ = [
     "reduce_from_region",
     "reduce_scatter",
     "reduce_scatter_to_region",
+    "recv",
     "scatter_to_region",
+    "send",
 ]
 
 
@@ -130,6 +133,26 @@ def reduce(t: torch.Tensor, dst_group_rank: int, group: dist.ProcessGroup, async
         return None
     STATS.record("reduce", group_name(group), _nbytes(t))
     return dist.reduce(t, group_dst=dst_group_rank, group=group, async_op=async_op)
+
+
+def send(t: torch.Tensor, group_peer: int, group: dist.ProcessGroup | None, tag: int = 0) -> dist.P2POp:
+    """A counted non-blocking send of ``t`` to group rank ``group_peer``, to issue with ``batch_p2p``."""
+    STATS.record("send", group_name(group), _nbytes(t))
+    return dist.P2POp(dist.isend, t, group=group, tag=tag, group_peer=group_peer)
+
+
+def recv(t: torch.Tensor, group_peer: int, group: dist.ProcessGroup | None, tag: int = 0) -> dist.P2POp:
+    """A counted non-blocking receive into ``t`` from group rank ``group_peer``, to issue with ``batch_p2p``."""
+    STATS.record("recv", group_name(group), _nbytes(t))
+    return dist.P2POp(dist.irecv, t, group=group, tag=tag, group_peer=group_peer)
+
+
+def batch_p2p(ops: list[dist.P2POp]) -> list[dist.Work]:
+    """Issue point-to-point ops together (coalesced on NCCL, one by one on gloo); one Work per op on gloo.
+
+    Gloo matches messages by tag, NCCL by issue order per pair of ranks: callers keep both ends' orders equal.
+    """
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def all_gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:

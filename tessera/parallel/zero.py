@@ -95,6 +95,7 @@ class FlatStage:
         self._gather_work: Any = None
         self.gathered = not self.sharded_params
         self.users = 0
+        self.shard_param: nn.Parameter | None = None
 
     @property
     def nbytes(self) -> int:
@@ -169,7 +170,7 @@ class FlatStage:
             if self.world > 1:
                 part.div_(self.world)
             if self.grad_shard is None:
-                self.grad_shard = part if part.dtype == torch.float32 and part is not out or self.world == 1 else part
+                self.grad_shard = part  # a fresh buffer (the flattened copy or the collective's output)
             else:
                 self.grad_shard.add_(part)
         self._pending.clear()
@@ -228,6 +229,7 @@ class ZeroStageComm:
         }
         self.uses = {s: [o for o in owners if o in self.flats] for s, owners in self.uses.items()}
         self._pending_reduce: set[int] = set()
+        self._shard_module: nn.Module | None = None
 
     # --- StageComm protocol -------------------------------------------------------------------------------
 
@@ -302,8 +304,11 @@ class ZeroStageComm:
             self.free(s)
 
     def shard_module(self) -> nn.Module:
-        """An ``nn.Module`` whose parameters are this rank's shards (``stage{s}``), for rank-local checkpoints."""
-        return _ShardModule(self)
+        """An ``nn.Module`` whose parameters are this rank's shards (``stage{s}``), for rank-local checkpoints;
+        built once, its parameters share storage with the live shards."""
+        if self._shard_module is None:
+            self._shard_module = _ShardModule(self)
+        return self._shard_module
 
 
 class _ShardModule(nn.Module):
@@ -405,14 +410,14 @@ class ShardedAdamW(torch.optim.Optimizer):
         state["step"] += 1
         step = state["step"].item()
         for p, start, end in flat.segments():  # decoupled decay, per parameter like torch's param groups
-            if self._decay[id(p)]:
+            if wd != 0 and self._decay[id(p)]:
                 shard[start:end].mul_(1 - lr * wd)
         m.lerp_(grad, 1 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
         step_size = lr / bias_correction1
-        denom = (v.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+        denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
         shard.addcdiv_(m, denom, value=-step_size)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

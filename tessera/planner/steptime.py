@@ -1,0 +1,347 @@
+"""Step time of one layout: the pipeline simulator on the lowered schedule IR, timed with the cost model.
+
+Per-action durations (all from `tessera.planner.cost`):
+
+- ``F`` of a chunk: its L/(p·v) blocks' forward compute + exposed tensor-parallel time (`stage_time`); the last
+  global stage adds the output layer and loss (`logits_time`). ``B``: backward + recompute + exposed TP (+ logits
+  backward on the last stage).
+- ``SEND``/``RECV``: free on the rank; the transfer (`p2p_time_per_microbatch`) is the simulator's
+  ``comm_latency`` between a SEND's end and the earliest end of its RECV (asynchronous p2p, exposed only when a
+  rank has nothing else to do).
+- ``REDUCE``: free on the rank; its data-parallel reduction is queued on the rank's DP channel, released layer by
+  layer during the stage's last backward (bucketed overlap), and only what is still running after the rank's
+  last compute is exposed (`dp_exposure`). Parameter all-gathers (ZeRO-1/2 after the update, ZeRO-3 before each
+  use) go through the same queue, released evenly over the step (prefetch).
+- The optimizer step (`optimizer_time`) follows, unoverlapped.
+
+Two ways to get the number, which agree (tests/unit/test_search.py checks them against each other):
+
+- `simulate_step`: builds, lowers and simulates the exact schedule (used for the reported top layouts and
+  pictures; cost grows with p·v·m actions).
+- `fast_step`: closed forms checked against the simulator for equal chunk costs. With f, b the forward and
+  backward (incl. recompute and TP) of one chunk and k the number of p2p transfers on the critical path:
+  ``T_pipe = (v·m + p − 1 + (v − 1)·max(0, p − m))·(f + b) + m·(f_out + b_out) + k·t_p2p``, where the
+  ``(v − 1)(p − m)`` stall exists only for breadth-first with m < p, and k = 2(p − 1) for GPipe and breadth-first
+  with m ≥ p, 2(p·v − 1) for interleaved and breadth-first with m < p, and max(2(p − 1), (2 − 2/p)·m + 2(p − 2))
+  for 1F1B (its F/B pairs wait for each transfer in steady state). The DP queue is the same function fed with
+  release times derived from the schedule's order. This is what the search uses (microseconds per layout).
+
+Breakdown (seconds on the critical rank; the parts add up to the step time): compute (F/B incl. recompute and
+the output layer), exposed TP, bubble (idle time of the pipeline with free p2p), PP (extra time the p2p transfers
+add), DP (exposed data-parallel traffic), optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from tessera.pipeline.passes import lower
+from tessera.pipeline.schedules import build_schedule
+from tessera.planner.cost import (
+    OPTIMIZER_BYTES_PER_PARAM,
+    LayerTime,
+    ModelShape,
+    Plan,
+    all_gather_time,
+    all_reduce_time,
+    dp_volume,
+    group_bandwidth,
+    layer_time,
+    logits_time,
+    p2p_time_per_microbatch,
+    params_per_rank,
+    reduce_scatter_time,
+    tp_comm_time_per_layer,
+)
+from tessera.planner.hardware import DTYPE_BYTES, Hardware
+from tessera.sim.simulator import SimResult, simulate
+
+__all__ = [
+    "CONFIG_TO_IR",
+    "FP32_OPTIMIZER_BYTES_PER_PARAM",
+    "ChunkCosts",
+    "StepBreakdown",
+    "chunk_costs",
+    "dp_exposure",
+    "dp_parts",
+    "fast_step",
+    "inflight_microbatches",
+    "optimizer_time",
+    "pipeline_units",
+    "p2p_hops",
+    "simulate_step",
+]
+
+CONFIG_TO_IR = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved": "interleaved_1f1b", "breadth_first": "breadth_first"}
+"""Schedule names of `tessera.config` → names of the schedule registry (`tessera.pipeline.schedules`)."""
+
+FP32_OPTIMIZER_BYTES_PER_PARAM = 28
+"""Plain fp32 AdamW: read param, grad, m, v (16) and write param, m, v (12). Assumption, like the mixed value."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StepBreakdown:
+    """Seconds of one optimizer step on the critical rank; the six parts add up to `step_time`."""
+
+    compute: float
+    tp_comm: float
+    bubble: float
+    pp_comm: float
+    dp_comm: float
+    optimizer: float
+
+    @property
+    def step_time(self) -> float:
+        return self.compute + self.tp_comm + self.bubble + self.pp_comm + self.dp_comm + self.optimizer
+
+    def as_dict(self) -> dict[str, float]:
+        """The parts by name plus ``step_time``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"step_time": self.step_time}
+
+    @property
+    def parts(self) -> dict[str, float]:
+        """The six parts by name (no total)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ChunkCosts:
+    """Per-micro-batch seconds of one chunk (L/(p·v) blocks) on one rank, and of the other step pieces."""
+
+    fwd_compute: float
+    bwd_compute: float
+    """Backward + recompute."""
+    fwd_tp: float
+    bwd_tp: float
+    """Exposed tensor-parallel time in backward, incl. replayed forward collectives under full recompute."""
+    out_fwd: float
+    out_bwd: float
+    """Output layer + loss on the last global stage."""
+    p2p: float
+    """One boundary transfer, one direction."""
+    layers: int
+    """Blocks per chunk."""
+
+    @property
+    def fwd(self) -> float:
+        return self.fwd_compute + self.fwd_tp
+
+    @property
+    def bwd(self) -> float:
+        return self.bwd_compute + self.bwd_tp
+
+
+def _per_layer(shape: ModelShape, hw: Hardware, plan: Plan) -> tuple[LayerTime, LayerTime, LayerTime, float]:
+    return (
+        layer_time(shape, hw, plan),
+        tp_comm_time_per_layer(shape, hw, plan),
+        logits_time(shape, hw, plan),
+        p2p_time_per_microbatch(shape, hw, plan),
+    )
+
+
+def chunk_costs(shape: ModelShape, hw: Hardware, plan: Plan) -> ChunkCosts:
+    """Durations of one chunk's F and B for one micro-batch (see the module docstring)."""
+    layers = shape.n_layers // (plan.pp * plan.virtual_stages)
+    lt, tp, lg, p2p = _per_layer(shape, hw, plan)
+    return ChunkCosts(
+        fwd_compute=layers * lt.forward,
+        bwd_compute=layers * (lt.backward + lt.recompute),
+        fwd_tp=layers * tp.forward,
+        bwd_tp=layers * (tp.backward + tp.recompute),
+        out_fwd=lg.forward,
+        out_bwd=lg.backward,
+        p2p=p2p,
+        layers=max(1, layers),
+    )
+
+
+def inflight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> float:
+    """Peak stored activations of pipeline rank `stage`, in units of all its L/p blocks for one micro-batch
+    (the `inflight_microbatches` argument of `memory_per_rank`). Checked against the simulator's peak count:
+    1F1B min(p − r, m); GPipe m; interleaved min(2(p−1−r) + (v−1)p + 1, v·m)/v; breadth-first m."""
+    if schedule == "1f1b":
+        return float(min(p - stage, m))
+    if schedule == "interleaved":
+        return min(2 * (p - 1 - stage) + (v - 1) * p + 1, v * m) / v
+    return float(m)
+
+
+def pipeline_units(schedule: str, p: int, m: int, v: int) -> float:
+    """Pipeline length in chunk (f + b) units with equal chunks and free p2p (exact vs the simulator)."""
+    stall = (v - 1) * max(0, p - m) if schedule == "breadth_first" else 0
+    return v * m + p - 1 + stall
+
+
+def p2p_hops(schedule: str, p: int, m: int, v: int) -> float:
+    """Transfers on the critical path: d(step time)/d(p2p time) of the simulator (module docstring)."""
+    if p <= 1:
+        return 0.0
+    if schedule == "gpipe" or (schedule == "breadth_first" and m >= p):
+        return 2.0 * (p - 1)
+    if schedule in ("interleaved", "breadth_first"):
+        return 2.0 * (p * v - 1)
+    return max(2.0 * (p - 1), (2 - 2 / p) * m + 2 * (p - 2))
+
+
+def dp_parts(params_local: float, hw: Hardware, plan: Plan) -> tuple[float, float]:
+    """(reduction, parameter all-gather) seconds per step of `params_local` parameters over the data group.
+
+    `dp_volume` priced on the data group (stride t): ZeRO-0 all-reduce; ZeRO-1/2 reduce-scatter + all-gather;
+    ZeRO-3 reduce-scatter + two all-gathers (×m with depth-first accumulation). Gradients and parameters in the
+    compute dtype's width."""
+    if plan.dp <= 1:
+        return 0.0, 0.0
+    width = DTYPE_BYTES[plan.dtype]
+    vol = dp_volume(params_local, plan, grad_bytes=width, param_bytes=width)
+    bw, lat = group_bandwidth(hw, plan.dp, plan.tp)
+    reps = plan.n_microbatches if plan.accumulation == "depth_first" and plan.zero_stage >= 2 else 1
+    reduce = all_reduce_time(vol.all_reduce, plan.dp, bw, lat) + reduce_scatter_time(
+        vol.reduce_scatter, plan.dp, bw, lat * reps
+    )
+    gathers = reps * (2 if plan.zero_stage == 3 else 1)
+    gather = all_gather_time(vol.all_gather, plan.dp, bw, lat * gathers) if vol.all_gather else 0.0
+    return reduce, gather
+
+
+def dp_exposure(items: list[tuple[float, float]], end: float) -> float:
+    """Exposed seconds of a FIFO communication channel: `items` are (release time, duration), served in release
+    order, one at a time; whatever is still running after `end` (the rank's last compute) is exposed."""
+    clock = 0.0
+    for release, duration in sorted(items):
+        clock = max(clock, release) + duration
+    return max(0.0, clock - end)
+
+
+def optimizer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> float:
+    """Adam step, memory bound: Ψ_local (÷d with ZeRO ≥ 1) × bytes per parameter / HBM bandwidth, on the rank
+    with the most parameters (first or last stage)."""
+    psi = max(params_per_rank(shape, plan, 0), params_per_rank(shape, plan, plan.pp - 1))
+    if plan.zero_stage >= 1:
+        psi /= plan.dp
+    per = FP32_OPTIMIZER_BYTES_PER_PARAM if plan.dtype == "fp32" else OPTIMIZER_BYTES_PER_PARAM
+    return psi * per / hw.hbm_bandwidth
+
+
+def _gather_items(gather: float, end: float, pieces: int) -> list[tuple[float, float]]:
+    """Parameter gathers spread evenly over the step (prefetched one piece ahead)."""
+    if gather <= 0:
+        return []
+    return [(k * end / pieces, gather / pieces) for k in range(pieces)]
+
+
+def _reduce_items(release_end: float, bwd: float, layers: int, total: float) -> list[tuple[float, float]]:
+    """A chunk's reduction released layer by layer during its last backward [release_end − bwd, release_end]."""
+    start = release_end - bwd
+    return [(start + (i + 1) * bwd / layers, total / layers) for i in range(layers)]
+
+
+def fast_step(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str) -> StepBreakdown:
+    """Closed-form step time (module docstring); `schedule` is a config name (1f1b, gpipe, interleaved,
+    breadth_first)."""
+    return _fast(shape, hw, plan, schedule, chunk_costs(shape, hw, plan))
+
+
+def _fast(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, c: ChunkCosts) -> StepBreakdown:
+    p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
+    units = pipeline_units(schedule, p, m, v)
+    compute = m * v * (c.fwd_compute + c.bwd_compute) + m * (c.out_fwd + c.out_bwd)
+    tp = m * v * (c.fwd_tp + c.bwd_tp)
+    pipe = units * (c.fwd + c.bwd) + m * (c.out_fwd + c.out_bwd)
+    pp = p2p_hops(schedule, p, m, v) * c.p2p
+    end = pipe + pp
+    dp = _fast_dp(shape, hw, plan, schedule, c, end)
+    return StepBreakdown(
+        compute=compute,
+        tp_comm=tp,
+        bubble=max(0.0, pipe - compute - tp),
+        pp_comm=pp,
+        dp_comm=dp,
+        optimizer=optimizer_time(shape, hw, plan),
+    )
+
+
+def _fast_dp(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, c: ChunkCosts, end: float) -> float:
+    """DP exposure of rank 0 with release times from the schedule order: local chunk j's last backward is
+    followed by j·K backwards of earlier chunks (K = p interleaved, m breadth-first, 0 otherwise)."""
+    if plan.dp <= 1:
+        return 0.0
+    p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
+    psi = max(params_per_rank(shape, plan, 0), params_per_rank(shape, plan, p - 1))
+    reduce, gather = dp_parts(psi, hw, plan)
+    after = {"interleaved": p, "breadth_first": m}.get(schedule, 0)
+    items: list[tuple[float, float]] = []
+    for j in range(v):
+        items += _reduce_items(end - j * after * c.bwd, c.bwd, c.layers, reduce / v)
+    pieces = 2 * v * (m if plan.accumulation == "depth_first" and plan.zero_stage == 3 else 1)
+    items += _gather_items(gather, end, min(pieces, 64))
+    return dp_exposure(items, end)
+
+
+def _durations(shape: ModelShape, plan: Plan, c: ChunkCosts):
+    last = plan.pp * plan.virtual_stages - 1
+
+    def duration(action, rank: int) -> float:
+        kind = action.kind.value
+        if kind == "F":
+            return c.fwd + (c.out_fwd if action.stage == last else 0.0)
+        if kind == "B":
+            return c.bwd + (c.out_bwd if action.stage == last else 0.0)
+        return 0.0
+
+    return duration
+
+
+def simulate_step(
+    shape: ModelShape, hw: Hardware, plan: Plan, schedule: str
+) -> tuple[StepBreakdown, SimResult]:
+    """Step time by simulating the lowered schedule (module docstring); also returns the timeline."""
+    c = chunk_costs(shape, hw, plan)
+    p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
+    ir = build_schedule(CONFIG_TO_IR[schedule], p, m, v)
+    lowered = lower(ir, p, zero3=plan.zero_stage == 3 and plan.dp > 1)
+    durations = _durations(shape, plan, c)
+    with_p2p = simulate(lowered, p, durations, comm_latency=c.p2p, check=True)
+    free = simulate(lowered, p, durations, comm_latency=0.0, check=False) if c.p2p > 0 else with_p2p
+    compute = m * v * (c.fwd_compute + c.bwd_compute) + m * (c.out_fwd + c.out_bwd)
+    tp = m * v * (c.fwd_tp + c.bwd_tp)
+    exposed = _simulated_dp(shape, hw, plan, with_p2p, c)
+    breakdown = StepBreakdown(
+        compute=compute,
+        tp_comm=tp,
+        bubble=max(0.0, free.step_time - compute - tp),
+        pp_comm=max(0.0, with_p2p.step_time - free.step_time),
+        dp_comm=exposed,
+        optimizer=optimizer_time(shape, hw, plan),
+    )
+    return breakdown, with_p2p
+
+
+def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, c: ChunkCosts) -> float:
+    """Per rank: reductions released from the timeline's REDUCE actions (layer by layer during the stage's last
+    backward), gathers spread over the step; the worst rank's lateness past the step end is exposed."""
+    if plan.dp <= 1:
+        return 0.0
+    p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
+    worst = 0.0
+    for rank in range(p):
+        entries = [e for e in sim.timeline if e.rank == rank]
+        end = max(e.end for e in entries if e.action.kind.is_compute)
+        reduce, gather = dp_parts(params_per_rank(shape, plan, rank), hw, plan)
+        last_b: dict[int, tuple[float, float]] = {}
+        items: list[tuple[float, float]] = []
+        for e in entries:
+            if e.action.kind.value == "B":
+                last_b[e.action.stage] = (e.start, e.end)
+            elif e.action.kind.value == "REDUCE":
+                start, stop = last_b[e.action.stage]
+                items += _reduce_items(stop, stop - start, c.layers, reduce / v)
+        pieces = 2 * v * (m if plan.accumulation == "depth_first" and plan.zero_stage == 3 else 1)
+        items += _gather_items(gather, end, min(pieces, 64))
+        worst = max(worst, end + dp_exposure(items, end))
+    return max(0.0, worst - sim.step_time)
+
+
+def normalized(plan: Plan) -> Plan:
+    """`plan` with the fields that per-layer costs do not depend on reset (a cache key for `chunk_costs`)."""
+    return replace(plan, dp=1, pp=1, zero_stage=0, n_microbatches=1, virtual_stages=1, accumulation="layered")

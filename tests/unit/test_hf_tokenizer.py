@@ -1,0 +1,33 @@
+"""A local Hugging Face tokenizers JSON file, trained here from text (no download), drives `prepare`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tessera.train.data import TokenDataset, prepare
+from tessera.train.tokenizer import load_tokenizer
+
+
+def _train_bpe(path: Path, text: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<|endoftext|>"])
+    tok.train_from_iterator([text], trainer)
+    tok.save(str(path))
+
+
+def test_prepare_with_hf_tokenizer(tmp_path: Path) -> None:
+    text = "def add(a, b):\n    return a + b\n" * 50
+    _train_bpe(tmp_path / "tok.json", text)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text(text)
+    info = prepare([tmp_path / "src"], tmp_path / "t.bin", str(tmp_path / "tok.json"))
+    tok = load_tokenizer(str(tmp_path / "tok.json"))
+    assert info["vocab_size"] == tok.vocab_size <= 300
+    ds = TokenDataset(tmp_path / "t.bin")
+    ids = ds.tokens[: ds.n_tokens].tolist()
+    assert len(ids) < len(text)  # BPE merges: fewer tokens than bytes
+    assert text.startswith(tok.decode(ids[:20]))
