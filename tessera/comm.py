@@ -33,11 +33,11 @@ __all__ = [
     "group_name",
     "group_size",
     "name_group",
+    "recv",
     "reduce",
     "reduce_from_region",
     "reduce_scatter",
     "reduce_scatter_to_region",
-    "recv",
     "scatter_to_region",
     "send",
 ]

@@ -14,6 +14,7 @@ whose loss is vocabulary-parallel.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,15 @@ from torch.utils.checkpoint import checkpoint
 
 from tessera.errors import ConfigError
 
-__all__ = ["CHECKPOINT_MODES", "Stage", "TiedParameter", "even_split", "split_stages", "tied_parameters"]
+__all__ = [
+    "CHECKPOINT_MODES",
+    "Stage",
+    "TiedParameter",
+    "boundary_shape",
+    "even_split",
+    "split_stages",
+    "tied_parameters",
+]
 
 CHECKPOINT_MODES = ("none", "full", "selective")
 """none; full = recompute every block in backward; selective = recompute only the attention core."""
@@ -32,6 +41,23 @@ def even_split(n_layers: int, n_stages: int) -> list[int]:
     """Blocks per stage for an even split; the first ``n_layers % n_stages`` stages get one more."""
     base, extra = divmod(n_layers, n_stages)
     return [base + (1 if s < extra else 0) for s in range(n_stages)]
+
+
+def boundary_shape(model: nn.Module) -> Callable[[torch.Size], tuple[int, ...]] | None:
+    """Shape of the tensor between two stages for a micro-batch of tokens [b, s]: (b, s, h) for a plain model,
+    the rank's block (b/q, s, h/q) for the Optimus 2D model (it has a ``grid``); None if the model has no
+    ``cfg.d_model`` (then give the engine ``activation_shape``)."""
+    cfg = getattr(model, "plain_config", None) or getattr(model, "cfg", None)
+    hidden = getattr(cfg, "d_model", None)
+    if hidden is None:
+        return None
+    grid = getattr(model, "grid", None)
+    q = grid.q if grid is not None else 1
+
+    def shape(tokens: torch.Size) -> tuple[int, ...]:
+        return (tokens[0] // q, tokens[1], hidden // q)  # [b/q, s, h/q]; q = 1 without 2D tensor parallelism
+
+    return shape
 
 
 class _Checkpointed(nn.Module):
@@ -87,6 +113,8 @@ class Stage(nn.Module):
         object.__setattr__(self, "_front", _model_part(model, True, False) if self.is_first else None)
         object.__setattr__(self, "_tail", _model_part(model, False, True) if self.is_last else None)
         self._runs = [self._wrap(block) for block in self.blocks.values()]
+        self.boundary_shape = boundary_shape(model)
+        """tokens shape [b, s] → shape of this stage's input/output hidden tensor (None if unknown)."""
 
     def _wrap(self, block: nn.Module) -> nn.Module:
         if self.checkpointing == "full":

@@ -33,7 +33,7 @@ add), DP (exposed data-parallel traffic), optimizer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from tessera.pipeline.passes import lower
 from tessera.pipeline.schedules import build_schedule
@@ -230,10 +230,16 @@ def _gather_items(gather: float, end: float, pieces: int) -> list[tuple[float, f
     return [(k * end / pieces, gather / pieces) for k in range(pieces)]
 
 
+REDUCE_PIECES = 8
+"""At most this many buckets per chunk: a chunk's reduction is released in min(layers, 8) equal pieces."""
+
+
 def _reduce_items(release_end: float, bwd: float, layers: int, total: float) -> list[tuple[float, float]]:
-    """A chunk's reduction released layer by layer during its last backward [release_end − bwd, release_end]."""
+    """A chunk's reduction released bucket by bucket (≤ one per layer) during its last backward
+    [release_end − bwd, release_end]."""
+    n = min(layers, REDUCE_PIECES)
     start = release_end - bwd
-    return [(start + (i + 1) * bwd / layers, total / layers) for i in range(layers)]
+    return [(start + (i + 1) * bwd / n, total / n) for i in range(n)]
 
 
 def fast_step(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str) -> StepBreakdown:
@@ -340,8 +346,3 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, c
         items += _gather_items(gather, end, min(pieces, 64))
         worst = max(worst, end + dp_exposure(items, end))
     return max(0.0, worst - sim.step_time)
-
-
-def normalized(plan: Plan) -> Plan:
-    """`plan` with the fields that per-layer costs do not depend on reset (a cache key for `chunk_costs`)."""
-    return replace(plan, dp=1, pp=1, zero_stage=0, n_microbatches=1, virtual_stages=1, accumulation="layered")

@@ -27,6 +27,7 @@ from tessera.layout import Axis, Layout
 from tessera.model.build import build_model
 from tessera.parallel.apply import parallelize
 from tessera.parallel.data import GradSync
+from tessera.parallel.memory import SavedActivationCounter
 from tessera.train import checkpoint as ckpt
 from tessera.train.data import TokenDataset, ensure_default_corpus, get_batch
 from tessera.train.metrics import MetricsLogger, Progress, memory_bytes, peak_flops_for
@@ -143,6 +144,7 @@ class _Run:
         cfg, tr = self.cfg, self.cfg.train
         seed = cfg.data.seed if cfg.data.seed is not None else tr.seed
         total = torch.zeros((), device=self.device)
+        self.saved_bytes = 0  # the largest micro-batch's bytes saved for backward on this rank
         for micro in range(self.n_micro):
             x, y = get_batch(
                 self.data,
@@ -158,8 +160,9 @@ class _Run:
             x, y = x.to(self.device), y.to(self.device)
             if micro == self.n_micro - 1:
                 self.sync.arm()
-            with _autocast(tr.dtype, self.device):
+            with _autocast(tr.dtype, self.device), SavedActivationCounter(self.model) as saved:
                 loss = self.model(x, y) / self.n_micro
+            self.saved_bytes = max(self.saved_bytes, saved.bytes)
             loss.backward()
             total += loss.detach().float()
         self.sync.finish()
@@ -234,6 +237,7 @@ def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
                 "grad_norm": norm,
                 "tokens_per_s": tps,
                 "step_time": dt,
+                "saved_activation_bytes": run.saved_bytes,
                 "mem_bytes": memory_bytes(run.device),
                 **comm.STATS.as_metrics(),
             }

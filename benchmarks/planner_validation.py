@@ -1,0 +1,195 @@
+"""Planner validation: predicted vs measured step time of real tessera runs on this CPU machine, and the
+published Megatron-LM Table 1 comparison.
+
+    python benchmarks/planner_validation.py            # writes benchmarks/results/planner_validation.md
+                                                        # and benchmarks/results/planner_megatron.md
+
+Steps: (1) `tessera calibrate` in-process (GEMM curve, memory bandwidth, gloo all-reduce/all-gather fit);
+(2) for each layout, predict the step with `predict_trainer_step` and measure it with `measure_trainer_step`
+(`tessera.train.trainer.train` on d gloo processes, one thread each, median step time after 2 warm-up steps);
+(3) report the error per layout and the fraction within ACCEPT_ERROR.
+
+Only data-parallel layouts are measured: the trainer rejects tensor and pipeline layouts in this version
+(`tessera.train.trainer._Run`), so those parts of the model are validated only against published numbers.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tessera.config import from_dict  # noqa: E402
+from tessera.planner.calibrate import calibrate, measure_trainer_step, predict_trainer_step  # noqa: E402
+from tessera.planner.hardware import save_hardware  # noqa: E402
+from tessera.planner.megatron_table import MEGATRON_README_2020, write_report  # noqa: E402
+from tessera.planner.hardware import load_hardware  # noqa: E402
+
+ACCEPT_ERROR = 0.20
+"""A prediction counts as accurate within ±20 % of the measured median step time."""
+ACCEPT_FRACTION = 0.80
+"""Acceptance: at least 80 % of the layouts accurate."""
+STEPS = 7
+WARMUP = 2
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured layout: model shape, data-parallel size, micro-batch size and count."""
+
+    name: str
+    family: str
+    d_model: int
+    n_layers: int
+    dp: int
+    micro_batch: int
+    microbatches: int
+    seq_len: int = 128
+
+
+CASES = (
+    Case("gpt-d256-dp1-b8", "gpt", 256, 4, 1, 8, 1),
+    Case("gpt-d256-dp1-b8x2", "gpt", 256, 4, 1, 8, 2),
+    Case("gpt-d256-dp1-b4x4", "gpt", 256, 4, 1, 4, 4),
+    Case("gpt-d256-dp2-b8", "gpt", 256, 4, 2, 8, 1),
+    Case("gpt-d256-dp2-b8x2", "gpt", 256, 4, 2, 8, 2),
+    Case("gpt-d256-dp2-b4x4", "gpt", 256, 4, 2, 4, 4),
+    Case("gpt-d512-dp1-b8", "gpt", 512, 4, 1, 8, 1),
+    Case("gpt-d512-dp2-b8x2", "gpt", 512, 4, 2, 8, 2),
+    Case("gpt-d384-L8-dp2-b4x2", "gpt", 384, 8, 2, 4, 2),
+    Case("llama-d256-dp1-b8", "llama", 256, 4, 1, 8, 1),
+    Case("llama-d256-dp2-b8x2", "llama", 256, 4, 2, 8, 2),
+    Case("gpt-d256-dp4-b8 (4 procs on 2 cores)", "gpt", 256, 4, 4, 8, 1),
+)
+
+
+def case_config(case: Case, data_path: Path, run_dir: Path):
+    """The tessera Config of one case (byte vocabulary, no checkpoints or progress output)."""
+    model = {
+        "family": case.family,
+        "n_layers": case.n_layers,
+        "d_model": case.d_model,
+        "n_heads": case.d_model // 64,
+        "vocab_size": 256,
+        "seq_len": case.seq_len,
+    }
+    if case.family == "llama":
+        model["n_kv_heads"] = max(1, case.d_model // 128)
+    return from_dict(
+        {
+            "model": model,
+            "parallel": {"data": case.dp},
+            "train": {
+                "steps": STEPS,
+                "global_batch": case.dp * case.micro_batch * case.microbatches,
+                "micro_batch": case.micro_batch,
+                "warmup_steps": 1,
+                "device": "cpu",
+            },
+            "data": {"path": str(data_path)},
+            "checkpoint": {"dir": str(run_dir / "ckpt"), "every": 10_000, "keep": 1},
+            "log": {"run_dir": str(run_dir), "progress": False, "tensorboard": False},
+        }
+    )
+
+
+def prepare_data(directory: Path) -> Path:
+    """A small byte-level token file from a few standard-library sources (no download)."""
+    import json as _json
+
+    from tessera.train.data import prepare
+
+    out = directory / "tokens.bin"
+    prepare([Path(_json.__file__).parent], out, "byte")
+    return out
+
+
+@dataclass(frozen=True)
+class Row:
+    case: Case
+    predicted: float
+    measured: float
+    spread: float
+    """(max − min) / median of the measured steps: run-to-run noise."""
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.measured - 1
+
+
+def validate_cases(cases: tuple[Case, ...], hw, workdir: Path) -> list[Row]:
+    """Predict and measure every case."""
+    data = prepare_data(workdir)
+    rows = []
+    for i, case in enumerate(cases):
+        cfg = case_config(case, data, workdir / f"run{i}")
+        predicted = predict_trainer_step(cfg, case.dp, hw).step_time
+        steps = measure_trainer_step(cfg, case.dp, warmup=WARMUP)
+        median = statistics.median(steps)
+        rows.append(Row(case, predicted, median, (max(steps) - min(steps)) / median))
+    return rows
+
+
+def report(rows: list[Row], calibration: str, seconds: float) -> str:
+    ok = [r for r in rows if abs(r.error) <= ACCEPT_ERROR]
+    lines = [
+        "# Planner validation on this CPU machine",
+        "",
+        "Command: `python benchmarks/planner_validation.py` "
+        f"({seconds:.0f} s). Calibration (`tessera calibrate`, in-process):",
+        "",
+        "```",
+        calibration,
+        "```",
+        "",
+        "| layout | d | b × m | predicted s/step | measured s/step (median) | step spread | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = r.case
+        lines.append(
+            f"| {c.name} | {c.dp} | {c.micro_batch} × {c.microbatches} | {r.predicted:.3f} | {r.measured:.3f} | "
+            f"{r.spread:.0%} | {r.error:+.1%} |"
+        )
+    verdict = "PASS" if len(ok) >= ACCEPT_FRACTION * len(rows) else "FAIL"
+    lines += [
+        "",
+        f"Within ±{ACCEPT_ERROR:.0%}: {len(ok)} of {len(rows)} layouts ({len(ok) / len(rows):.0%}); "
+        f"acceptance (≥ {ACCEPT_FRACTION:.0%}): **{verdict}**. Median absolute error "
+        f"{statistics.median(abs(r.error) for r in rows):.1%}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    results = ROOT / "benchmarks" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    hw, calibration = calibrate("this-cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hardware(hw, Path(tmp) / "this-cpu.toml")
+        rows = validate_cases(CASES, hw, Path(tmp))
+    text = report(rows, calibration, time.perf_counter() - start)
+    (results / "planner_validation.md").write_text(text)
+    print(text)
+    megatron = (
+        "# Cost model vs published Megatron-LM numbers\n\n"
+        "Command: `python benchmarks/planner_validation.py` (writes this file with "
+        "`tessera.planner.megatron_table.write_report`).\n\n"
+        "## Narayanan et al. 2021, Table 1 (A100 80GB, s = 2048)\n\n"
+        + write_report()
+        + "\n## Megatron-LM README, Sept 2020 (A100 40GB, s = 1024)\n\n"
+        + write_report(rows=MEGATRON_README_2020, hw=load_hardware("a100-40gb"))
+    )
+    (results / "planner_megatron.md").write_text(megatron)
+    print(megatron)
+
+
+if __name__ == "__main__":
+    main()

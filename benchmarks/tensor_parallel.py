@@ -1,0 +1,543 @@
+"""Tensor parallelism benchmark: tessera 1D (Megatron) vs 2D (Optimus/SUMMA) vs PyTorch DTensor 1D, one run.
+
+    python benchmarks/tensor_parallel.py                # full run (~5-8 min on 2 CPU cores), writes results
+    python benchmarks/tensor_parallel.py --quick        # smoke run (tiny model, 1 timed step), no files written
+
+At each world size every layout trains the *same* plain model (same seed) on the *same* micro-batch, in one
+multi-process gloo job on CPU spawned by this script:
+
+- world 4: tessera 1D t=4, tessera 1D t=4 + sequence parallelism, tessera 2D 2x2, and PyTorch's own tensor
+  parallelism (`parallelize_module` with ColwiseParallel / RowwiseParallel on wq, wk, wv / wo and w_gate, w_up /
+  w_down, a vocabulary-parallel embedding and output with `loss_parallel`) on the plain tessera model;
+- world 9: tessera 1D t=9 vs tessera 2D 3x3 (a model whose heads, KV heads, hidden and MLP widths divide 9 and 3).
+
+Per layout and rank it measures:
+
+- step time: median over the timed steps of forward + backward (no optimizer), barrier to barrier, rank 0's clock;
+- bytes communicated per rank per step, by kind and group: tessera from `comm.STATS` (one step), DTensor with a
+  `CommDebugMode` subclass that also sums the bytes handed to each functional collective, with comm.py's
+  conventions (all_reduce: tensor, all_gather: output, reduce_scatter: input);
+- saved-activation bytes per rank: `SavedActivationCounter` around one forward (DTensor: the local shards);
+- the largest micro-batch that fits a per-rank memory budget: state = 16 B per local parameter (fp32 parameter,
+  gradient, Adam m and v) plus saved activations, measured at two micro-batch sizes b/2 and b and extrapolated
+  linearly (a + c·b ≤ budget − state); 2D micro-batches are rounded down to a multiple of q.
+
+The machine this was written for has 2 CPU cores, so 4 and 9 processes are oversubscribed: absolute times are
+dominated by time-slicing and gloo latency; compare ratios between layouts at the same world size only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere: import the repository's tessera
+    sys.path.insert(0, str(ROOT))
+
+from tessera import comm  # noqa: E402
+from tessera.config import ModelConfig  # noqa: E402
+from tessera.groups import build_groups  # noqa: E402
+from tessera.layout import Layout  # noqa: E402
+from tessera.model.build import build_model  # noqa: E402
+from tessera.parallel.memory import SavedActivationCounter  # noqa: E402
+
+__all__ = ["LayoutSpec", "main", "max_micro_batch"]
+
+SEED = 1234
+STATE_BYTES_PER_PARAM = 16  # fp32 parameter + gradient + Adam exp_avg + exp_avg_sq
+MIB = 1 << 20
+
+# world 4: activations dominate (b·s = 2048 tokens, h = 256); Llama with GQA, untied embeddings (so that DTensor
+# can shard embedding and output independently, as torchtitan does).
+MODEL_4 = dict(
+    family="llama", d_model=256, n_heads=8, n_kv_heads=4, n_layers=4, vocab_size=1024, seq_len=256,
+    tie_embeddings=False,
+)  # fmt: skip
+# world 9: heads 18, KV heads 9, hidden 144, MLP 432, all divisible by 9 (1D t=9) and 3 (2D 3x3).
+MODEL_9 = dict(
+    family="llama", d_model=144, n_heads=18, n_kv_heads=9, ffn_hidden=432, n_layers=4, vocab_size=1024,
+    seq_len=128, tie_embeddings=False,
+)  # fmt: skip
+QUICK_4 = dict(MODEL_4, d_model=64, n_layers=2, seq_len=32, vocab_size=128)
+QUICK_9 = dict(MODEL_9, d_model=36, n_heads=9, ffn_hidden=72, n_layers=1, seq_len=16, vocab_size=128)
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutSpec:
+    """One row of the benchmark: which implementation, its tensor size, the model and micro-batch."""
+
+    name: str
+    kind: str  # "1d", "1d_sp", "2d" or "dtensor"
+    size: int  # t for 1D / DTensor, q for 2D
+    model: dict = field(default_factory=dict)
+    batch: int = 8
+
+    @property
+    def world(self) -> int:
+        return self.size * self.size if self.kind == "2d" else self.size
+
+    @property
+    def batch_multiple(self) -> int:
+        """Micro-batch sizes must be multiples of this (2D splits the batch over the q grid rows)."""
+        return self.size if self.kind == "2d" else 1
+
+
+# --- DTensor helpers ------------------------------------------------------------------------------------------
+
+
+def _dtensor_plan(cfg: ModelConfig) -> dict[str, Any]:
+    """Megatron-style plan for `parallelize_module` on the plain tessera model (names from tessera/model)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    mlp_in, mlp_out = (("w_gate", "w_up"), "w_down") if cfg.family == "llama" else (("fc",), "proj")
+    plan: dict[str, Any] = {
+        # vocabulary-parallel lookup (masked partial sums, then all-reduce) and output (logits stay sharded)
+        f"embed.{'tok' if cfg.family == 'llama' else 'wte'}": RowwiseParallel(input_layouts=Replicate()),
+        "head.out": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(cfg.n_layers):
+        for name in ("wq", "wk", "wv"):
+            plan[f"blocks.{i}.attn.{name}"] = ColwiseParallel()
+        plan[f"blocks.{i}.attn.wo"] = RowwiseParallel()
+        for name in mlp_in:
+            plan[f"blocks.{i}.mlp.{name}"] = ColwiseParallel()
+        plan[f"blocks.{i}.mlp.{mlp_out}"] = RowwiseParallel()
+    return plan
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _LocalSavedActivationCounter(SavedActivationCounter):
+    """`SavedActivationCounter` that also sees DTensors: it counts (and excludes parameters by) local shards."""
+
+    def __init__(self, *modules: torch.nn.Module) -> None:
+        super().__init__()
+        self._state = {
+            key
+            for m in modules
+            for t in (*m.parameters(), *m.buffers())
+            if (key := _storage_key(_unwrap(t.detach()))) is not None
+        }
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        super()._pack(_unwrap(t))
+        return t
+
+
+def _unwrap(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor(s) inside a wrapper subclass (DTensor's local shard, a pending collective's result)."""
+    while type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and hasattr(t, "__tensor_flatten__"):
+        attrs, _ = t.__tensor_flatten__()
+        t = getattr(t, attrs[0])
+    return t
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    from tessera.parallel.memory import _storage_key as key
+
+    return key(t)
+
+
+class _CollectiveBytes(TorchDispatchMode):
+    """Counts the functional collectives DTensor issues: calls and bytes per kind (comm.py's conventions).
+
+    Like `torch.distributed.tensor.debug.CommDebugMode` it returns NotImplemented for ops on tensor subclasses,
+    so DTensor first lowers them to plain-tensor collectives, which it then sees. CommDebugMode itself is not used:
+    its module tracker breaks on a module called more than once per forward (tessera's shared `Rope`), raising
+    IndexError in `_fw_set_module_hook`; and it counts calls only, not bytes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        funcol = torch.ops._c10d_functional
+        self._kinds = {
+            funcol.all_reduce: ("all_reduce", lambda a: _nbytes(a[0])),
+            funcol.all_gather_into_tensor: ("all_gather", lambda a: _nbytes(a[0]) * int(a[1])),
+            funcol.reduce_scatter_tensor: ("reduce_scatter", lambda a: _nbytes(a[0])),
+            funcol.all_to_all_single: ("all_to_all", lambda a: _nbytes(a[0])),
+            funcol.broadcast: ("broadcast", lambda a: _nbytes(a[0])),
+        }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(t is not torch.Tensor and t is not torch.nn.Parameter for t in types):
+            return NotImplemented  # let the subclass (DTensor) desugar into plain ops first
+        packet = getattr(func, "_overloadpacket", None)
+        if packet in self._kinds:
+            kind, size = self._kinds[packet]
+            self.calls[kind] += 1
+            self.bytes[kind] += size(args)
+        return func(*args, **kwargs)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --- one layout on one rank ---------------------------------------------------------------------------------
+
+
+def _data(cfg: ModelConfig, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(SEED + 1)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]  # [b, s] each, identical on every rank
+
+
+def _build(spec: LayoutSpec, cfg: ModelConfig) -> torch.nn.Module:
+    """The module this rank trains for ``spec`` (collective: builds the layout's process groups)."""
+    torch.manual_seed(SEED)
+    model = build_model(cfg)
+    if spec.kind == "2d":
+        from tessera.parallel.model_2d import apply_tensor_2d
+
+        return apply_tensor_2d(model, build_groups(Layout(q=spec.size)))
+    groups = build_groups(Layout(tp=spec.size))
+    if spec.kind in ("1d", "1d_sp"):
+        from tessera.config import ParallelConfig
+        from tessera.parallel.model_1d import apply_tensor_1d
+
+        parallel = ParallelConfig(tensor=spec.size, sequence_parallel=spec.kind == "1d_sp")
+        return apply_tensor_1d(model, groups, parallel)
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(model, groups.mesh["tensor"], _dtensor_plan(cfg))
+
+
+def _loss_context(spec: LayoutSpec):
+    if spec.kind == "dtensor":
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _step(spec: LayoutSpec, model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    """Forward + backward; gradients are dropped first so every step does the same work. Returns the loss."""
+    for p in model.parameters():
+        p.grad = None
+    with _loss_context(spec):
+        loss = model(tokens, targets)
+        loss.backward()
+    return float(_local(loss.detach()).item())
+
+
+def _saved_bytes(spec: LayoutSpec, model: torch.nn.Module, cfg: ModelConfig, batch: int) -> int:
+    tokens, targets = _data(cfg, batch)
+    with _loss_context(spec), _LocalSavedActivationCounter(model) as saved:
+        loss = model(tokens, targets)
+    del loss
+    return saved.bytes
+
+
+def _comm(spec: LayoutSpec, model: torch.nn.Module, tokens, targets) -> dict[str, Any]:
+    """Bytes and calls of one forward + backward, keyed "kind/group"."""
+    if spec.kind == "dtensor":
+        with _CollectiveBytes() as mode:
+            _step(spec, model, tokens, targets)
+        return {
+            "bytes": {f"{k}/tensor": v for k, v in mode.bytes.items()},
+            "calls": {f"{k}/tensor": v for k, v in mode.calls.items()},
+        }
+    comm.STATS.reset()
+    _step(spec, model, tokens, targets)
+    out = {
+        "bytes": {f"{k}/{g}": v for (k, g), v in comm.STATS.bytes.items()},
+        "calls": {f"{k}/{g}": v for (k, g), v in comm.STATS.calls.items()},
+    }
+    comm.STATS.reset()
+    return out
+
+
+def run_layout(spec: LayoutSpec, warmup: int, steps: int) -> dict[str, Any]:
+    """Measure one layout on this rank (every rank of the world calls it)."""
+    cfg = ModelConfig(**spec.model)
+    model = _build(spec, cfg)
+    tokens, targets = _data(cfg, spec.batch)
+    losses, times = [], []
+    for k in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(_step(spec, model, tokens, targets))
+        dist.barrier()
+        if k >= warmup:
+            times.append(time.perf_counter() - t0)
+    small = max(spec.batch_multiple, spec.batch // 2 - spec.batch // 2 % spec.batch_multiple)
+    sizes = (small, spec.batch) if small < spec.batch else (spec.batch, 2 * spec.batch)
+    result = {
+        "spec": asdict(spec),
+        "loss": losses[0],
+        "step_s": statistics.median(times),
+        "step_times_s": times,
+        "params_local": sum(_local(p.detach()).numel() for p in model.parameters()),
+        "saved": {b: _saved_bytes(spec, model, cfg, b) for b in sizes},
+        "comm": _comm(spec, model, tokens, targets),
+    }
+    del model
+    dist.barrier()
+    return result
+
+
+def _worker(rank: int, world: int, port: int, specs: list[LayoutSpec], warmup: int, steps: int, out: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # 2 cores shared by up to 9 processes
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = [run_layout(spec, warmup, steps) for spec in specs]
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(specs: list[LayoutSpec], warmup: int, steps: int) -> list[dict[str, Any]]:
+    """Spawn one gloo process per rank and run every spec (all of the same world size) in that job."""
+    import socket
+
+    world = specs[0].world
+    if any(s.world != world for s in specs):
+        raise ValueError(f"all layouts of one job need the same world size, got {[s.world for s in specs]}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.json")
+        mp.spawn(_worker, args=(world, port, specs, warmup, steps, out), nprocs=world, join=True)
+        return json.loads(Path(out).read_text())
+
+
+# --- analysis and report -----------------------------------------------------------------------------------
+
+
+def max_micro_batch(state: int, saved: dict[int, int], budget: int, multiple: int) -> tuple[int, float, float]:
+    """Largest micro-batch b (a multiple of ``multiple``) with state + a + c·b ≤ budget.
+
+    ``saved`` maps two measured micro-batch sizes to saved-activation bytes; a (intercept) and c (bytes per
+    sequence) come from the line through them. Returns (b, a, c); b = 0 when even the state does not fit.
+    """
+    (b1, s1), (b2, s2) = sorted(saved.items())
+    c = (s2 - s1) / (b2 - b1)
+    a = s1 - c * b1
+    room = budget - state - a
+    b = max(0, math.floor(room / c)) if c > 0 else 0
+    return b - b % multiple, a, c
+
+
+def _summarise(r: dict[str, Any], budget: int) -> dict[str, Any]:
+    spec = LayoutSpec(**r["spec"])
+    saved = {int(k): v for k, v in r["saved"].items()}
+    state = STATE_BYTES_PER_PARAM * r["params_local"]
+    mb, _, per_seq = max_micro_batch(state, saved, budget, spec.batch_multiple)
+    return {
+        "name": spec.name,
+        "kind": spec.kind,
+        "world": spec.world,
+        "loss": r["loss"],
+        "step_s": r["step_s"],
+        "comm_bytes": sum(r["comm"]["bytes"].values()),
+        "comm_calls": sum(r["comm"]["calls"].values()),
+        "comm": r["comm"],
+        "saved": saved[spec.batch],
+        "per_seq": per_seq,
+        "state": state,
+        "max_mb": mb,
+        "batch": spec.batch,
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / MIB:,.2f} MiB" if n >= MIB else f"{n / 1024:,.1f} KiB"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else "n/a"
+
+
+def report(rows: list[dict[str, Any]], budget: int, command: str, args: argparse.Namespace) -> str:
+    """The markdown results page."""
+    lines = [
+        "# Tensor parallelism: tessera 1D vs 2D vs PyTorch DTensor",
+        "",
+        f"Command: `{command}` (one run, all layouts; generated by benchmarks/tensor_parallel.py).",
+        "",
+        f"Machine: {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), torch "
+        f"{torch.__version__}, gloo on CPU, fp32, `torch.set_num_threads(1)` per rank. **Oversubscribed**: 4 "
+        "and 9 processes share 2 cores, so absolute times mostly measure time-slicing and gloo latency; compare "
+        "ratios between layouts at the same world size, not absolute seconds.",
+        "",
+        f"Step = forward + backward of one micro-batch (no optimizer), median of {args.steps} timed steps after "
+        f"{args.warmup} warm-up, barrier to barrier. Comm = bytes this rank hands to collectives in one step "
+        "(comm.py conventions: all_reduce the tensor, all_gather the output, reduce_scatter the input, SUMMA "
+        "broadcast/reduce the block). Saved = activation bytes kept for backward by one forward on rank 0 "
+        "(`SavedActivationCounter`, unique storages, parameters excluded). Max micro-batch: state (16 B per "
+        "local parameter: fp32 weight, grad, Adam m, v) + saved(b) ≤ budget "
+        f"{_fmt_bytes(budget)} per rank, with saved(b) = a + c·b fitted through measurements at b/2 and b "
+        "(linear extrapolation); 2D rounded down to a multiple of q.",
+        "",
+    ]
+    for world in sorted({r["world"] for r in rows}):
+        group = [r for r in rows if r["world"] == world]
+        spec = next(s for s in group)
+        model = _model_of(args, world)
+        lines += [
+            f"## World {world}",
+            "",
+            f"Model: {_describe(model)}; micro-batch {spec['batch']}.",
+            "",
+            "| layout | loss (step 0) | step time | comm / rank / step | collective calls | saved act. / rank "
+            "| act. / sequence | state / rank | max micro-batch |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in group:
+            lines.append(
+                f"| {r['name']} | {r['loss']:.6f} | {r['step_s']:.3f} s | {_fmt_bytes(r['comm_bytes'])} "
+                f"| {r['comm_calls']} | {_fmt_bytes(r['saved'])} | {_fmt_bytes(r['per_seq'])} "
+                f"| {_fmt_bytes(r['state'])} | {r['max_mb']} |"
+            )
+        lines += ["", *_ratio_table(group), "", "Communication by kind and group (bytes per rank per step):", ""]
+        for r in group:
+            parts = ", ".join(f"{k} {v:,}" for k, v in sorted(r["comm"]["bytes"].items()))
+            lines.append(f"- {r['name']}: {parts or 'none'}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _ratio_table(group: list[dict[str, Any]]) -> list[str]:
+    by_kind = {r["kind"]: r for r in group}
+    pairs = []
+    if "2d" in by_kind and "1d" in by_kind:
+        pairs.append(("2D / 1D", by_kind["2d"], by_kind["1d"]))
+    if "2d" in by_kind and "1d_sp" in by_kind:
+        pairs.append(("2D / 1D+SP", by_kind["2d"], by_kind["1d_sp"]))
+    if "1d" in by_kind and "dtensor" in by_kind:
+        pairs.append(("tessera 1D / DTensor 1D", by_kind["1d"], by_kind["dtensor"]))
+    out = ["| ratio | step time | comm bytes | saved activations | max micro-batch |", "|---|---|---|---|---|"]
+    for label, a, b in pairs:
+        out.append(
+            f"| {label} | {_ratio(a['step_s'], b['step_s'])} | {_ratio(a['comm_bytes'], b['comm_bytes'])} "
+            f"| {_ratio(a['saved'], b['saved'])} | {_ratio(a['max_mb'], b['max_mb'])} |"
+        )
+    return out
+
+
+def _model_of(args: argparse.Namespace, world: int) -> dict:
+    if args.quick:
+        return QUICK_4 if world == 4 else QUICK_9
+    return MODEL_4 if world == 4 else MODEL_9
+
+
+def _describe(model: dict) -> str:
+    cfg = ModelConfig(**model)
+    return (
+        f"{cfg.family}, d_model {cfg.d_model}, {cfg.n_heads} heads ({cfg.kv_heads} KV), ffn {cfg.ffn}, "
+        f"{cfg.n_layers} layers, vocab {cfg.vocab_size}, seq {cfg.seq_len}, "
+        f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings"
+    )
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Four bar panels (step time, comm bytes, saved activations, max micro-batch), layouts grouped by world."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("step time (s)", lambda r: r["step_s"]),
+        ("comm / rank / step (MiB)", lambda r: r["comm_bytes"] / MIB),
+        ("saved activations / rank (MiB)", lambda r: r["saved"] / MIB),
+        ("max micro-batch in budget", lambda r: r["max_mb"]),
+    ]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.8))
+    labels = [f"w{r['world']}\n{r['name'].replace('tessera ', '')}" for r in rows]
+    colors = {"1d": "tab:blue", "1d_sp": "tab:cyan", "2d": "tab:orange", "dtensor": "tab:gray"}
+    for ax, (title, value) in zip(axes, panels, strict=True):
+        vals = [value(r) for r in rows]
+        ax.bar(range(len(rows)), vals, color=[colors[r["kind"]] for r in rows])
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_title(title, fontsize=10)
+        for x, v in enumerate(vals):
+            ax.annotate(f"{v:.3g}", (x, v), ha="center", va="bottom", fontsize=7)
+    fig.suptitle("tessera tensor parallelism on 2 CPU cores (gloo, oversubscribed: compare ratios)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _specs(args: argparse.Namespace) -> list[list[LayoutSpec]]:
+    m4, m9 = _model_of(args, 4), _model_of(args, 9)
+    b4, b9 = (4, 3) if args.quick else (args.batch4, args.batch9)
+    jobs = [
+        [
+            LayoutSpec("tessera 1D t=4", "1d", 4, m4, b4),
+            LayoutSpec("tessera 1D t=4 + SP", "1d_sp", 4, m4, b4),
+            LayoutSpec("tessera 2D 2x2", "2d", 2, m4, b4),
+            LayoutSpec("DTensor 1D t=4", "dtensor", 4, m4, b4),
+        ]
+    ]
+    if not args.skip_9:
+        jobs.append([LayoutSpec("tessera 1D t=9", "1d", 9, m9, b9), LayoutSpec("tessera 2D 3x3", "2d", 3, m9, b9)])
+    return jobs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (world 4)")
+    parser.add_argument("--steps9", type=int, default=3, help="timed steps per layout (world 9)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--batch4", type=int, default=8, help="micro-batch at world 4 (divisible by 2)")
+    parser.add_argument("--batch9", type=int, default=6, help="micro-batch at world 9 (divisible by 3)")
+    parser.add_argument("--budget-mib", type=float, default=64.0, help="per-rank memory budget for max micro-batch")
+    parser.add_argument("--skip-9", action="store_true", help="only world 4")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1 step, no files written")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps = args.steps9 = 1
+    budget = int(args.budget_mib * MIB)
+    rows = []
+    for specs in _specs(args):
+        steps = args.steps if specs[0].world == 4 else args.steps9
+        t0 = time.perf_counter()
+        results = run_world(specs, args.warmup, steps)
+        print(f"world {specs[0].world}: {time.perf_counter() - t0:.0f} s", flush=True)
+        rows += [_summarise(r, budget) for r in results]
+    command = "python benchmarks/tensor_parallel.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = report(rows, budget, command.strip(), args)
+    print(text)
+    if not args.quick:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "tensor_parallel.md").write_text(text + "\n")
+        plot(rows, args.out / "tensor_parallel.png")
+        print(f"wrote {args.out / 'tensor_parallel.md'} and {args.out / 'tensor_parallel.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,500 @@
+"""The pipeline runtime: execute this rank's lowered action list (the IR the validator and simulator see).
+
+One engine runs every schedule — GPipe, 1F1B, interleaved, breadth-first (layered gradient accumulation, also
+on one rank with p = 1) and hand-written CSV schedules — because it only interprets actions:
+
+- ``F``: run the stage on its input (tokens, a received activation, or the previous local stage's output); the
+  last stage returns the micro-batch loss, divided by m so the accumulated gradient is the batch mean. The
+  stage's input and output are kept until its backward.
+- ``B``: ``torch.autograd.backward(output, grad)`` (the loss itself on the last stage); the input's ``.grad`` is
+  what ``SEND_B`` sends or the previous local stage uses. ``I`` / ``W`` split it: ``I`` computes only the input
+  gradient (graph kept), ``W`` then the weight gradients.
+- ``SEND_*`` / ``RECV_*``: non-blocking P2P through the pipeline group (``tessera.comm.send/recv``, counted).
+  Receives are posted ``recv_ahead`` compute actions early so the transfer overlaps compute; a ``RECV`` action
+  waits for its data. Sends never block; they are waited for (and their buffers dropped) once complete.
+- ``REDUCE`` / ``GATHER`` / ``FREE``: the ``StageComm`` hooks (data-parallel reduction, ZeRO-3 gather/free).
+
+Deadlock freedom: the lowered lists are validated before anything runs, under exactly these rules (sends
+buffered, receives blocking), and posting a receive early never blocks. Gloo matches messages by tag (each
+message of a step has its own), NCCL by issue order per pair of ranks, which the engine checks for non-gloo
+backends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera import comm
+from tessera.errors import ConfigError
+from tessera.layout import Axis
+from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, infer_stage_ranks
+from tessera.pipeline.passes import lower
+from tessera.pipeline.schedules import build_schedule
+from tessera.pipeline.stage import Stage, TiedParameter, split_stages, tied_parameters
+from tessera.pipeline.validate import validate
+
+__all__ = [
+    "DataParallelStageComm",
+    "PipelineEngine",
+    "StageComm",
+    "TimedAction",
+    "build_pipeline",
+    "lowered_schedule",
+]
+
+_K = ActionKind
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class StageComm(Protocol):
+    """Hooks the engine calls for the stage-level actions (see RUNTIME_CONTRACT / docs/pipeline-runtime.md)."""
+
+    def gather(self, stage: int) -> None:
+        """GATHER: start the ZeRO-3 all-gather of the stage's parameters (may be asynchronous)."""
+
+    def wait_gather(self, stage: int) -> None:
+        """Called before the stage's next compute after ``gather``: the parameters must be complete."""
+
+    def free(self, stage: int) -> None:
+        """FREE: drop the gathered full parameters."""
+
+    def reduce(self, stage: int) -> None:
+        """REDUCE: the stage's gradients are final for this step; launch the data-parallel reduction."""
+
+    def finish(self) -> None:
+        """Before the optimizer step: wait for every reduction."""
+
+
+class DataParallelStageComm:
+    """Plain data parallelism: ``reduce(stage)`` launches an async all-reduce of the stage's flattened
+    gradients over ``dp_group`` (None: no data parallelism); ``finish`` waits and writes back the average.
+    gather/free are no-ops.
+
+    A Parameter held by two local stages (a tied embedding on one rank) is reduced with the lower-index stage,
+    whose backward finishes last.
+    """
+
+    def __init__(self, stages: dict[int, Stage], dp_group: dist.ProcessGroup | None) -> None:
+        self.group = dp_group
+        self.size = comm.group_size(dp_group) if dp_group is not None else 1  # None: no data parallelism
+        seen: set[int] = set()
+        self.params: dict[int, list[nn.Parameter]] = {}
+        for index in sorted(stages):
+            own = [p for p in stages[index].parameters() if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in own)
+            self.params[index] = own
+        self._pending: list[tuple[int, torch.Tensor, dist.Work | None]] = []
+
+    def gather(self, stage: int) -> None:
+        pass
+
+    def wait_gather(self, stage: int) -> None:
+        pass
+
+    def free(self, stage: int) -> None:
+        pass
+
+    def reduce(self, stage: int) -> None:
+        params = self.params.get(stage, [])
+        if self.size == 1 or not params:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        self._pending.append((stage, flat, comm.all_reduce(flat, self.group, async_op=True)))
+
+    def finish(self) -> None:
+        for stage, flat, work in self._pending:
+            if work is not None:
+                work.wait()
+            flat.div_(self.size)
+            offset = 0
+            for p in self.params[stage]:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        self._pending.clear()
+
+
+class TimedAction(tuple):
+    """(action, start, end) in seconds since the step began; recorded when ``record=True``."""
+
+    __slots__ = ()
+
+    def __new__(cls, action: Action, start: float, end: float) -> TimedAction:
+        return super().__new__(cls, (action, start, end))
+
+    action = property(lambda self: self[0])
+    start = property(lambda self: self[1])
+    end = property(lambda self: self[2])
+
+
+@dataclass
+class _StepState:
+    """Tensors of one step, keyed by (stage, micro-batch) or by message; empty again at the end of a step."""
+
+    batches: Sequence[Batch]
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    split: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    posted: dict[tuple, tuple[torch.Tensor, list[dist.Work]]] = field(default_factory=dict)
+    received: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    sends: list[tuple[torch.Tensor, list[dist.Work]]] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    gathering: set[int] = field(default_factory=set)
+
+
+class PipelineEngine:
+    """Runs rank ``rank_in_pp``'s list of a lowered schedule, one optimizer step per ``step`` call.
+
+    ``stages`` are this rank's stages by global index. ``activation_shape(tokens_shape)`` gives the shape of a
+    stage boundary tensor (default ``(b, s, hidden)`` from the first stage's model config); ``dtype`` its type.
+    ``tied`` lists parameters shared by two stages (``tied_parameters``): when the stages sit on different
+    ranks, their gradients are exchanged and summed at the end of the step, before those stages' REDUCE.
+    """
+
+    def __init__(
+        self,
+        stages: dict[int, Stage],
+        lowered: Schedule,
+        rank_in_pp: int,
+        pp_group: dist.ProcessGroup | None,
+        comm: StageComm,
+        *,
+        microbatches: int | None = None,
+        activation_shape: Callable[[torch.Size], tuple[int, ...]] | None = None,
+        dtype: torch.dtype = torch.float32,
+        tied: Iterable[TiedParameter] = (),
+        recv_ahead: int = 2,
+        record: bool = False,
+    ) -> None:
+        p = len(lowered)
+        validate(lowered, p, microbatches=microbatches)
+        self.owner = infer_stage_ranks(lowered)
+        self.n_stages = len(self.owner)
+        local = sorted(s for s, r in self.owner.items() if r == rank_in_pp)
+        if sorted(stages) != local:
+            raise ScheduleError(
+                f"pipeline rank {rank_in_pp} runs stages {local} in this schedule but was given stages "
+                f"{sorted(stages)}; build the stages with the schedule's placement"
+            )
+        if pp_group is not None and _group_size(pp_group) != p:
+            raise ScheduleError(f"the schedule has {p} pipeline ranks but the pipeline group has {_group_size(pp_group)}")
+        seen = [a.microbatch for actions in lowered for a in actions if a.microbatch is not None]
+        self.m = microbatches if microbatches is not None else max(seen, default=-1) + 1
+        self.stages, self.rank, self.p, self.group, self.comm = stages, rank_in_pp, p, pp_group, comm
+        self.actions = lowered[rank_in_pp]
+        self.dtype, self.recv_ahead, self.record = dtype, recv_ahead, record
+        self.activation_shape = activation_shape or _default_activation_shape(stages)
+        self.tied = [t for t in tied if self.owner[t.stage_a] != self.owner[t.stage_b]]
+        self.deferred = {s for t in self.tied for s in (t.stage_a, t.stage_b) if s in stages}
+        self.post_at = _recv_post_positions(self.actions, recv_ahead)
+        self.timeline: list[TimedAction] = []
+        if pp_group is not None and dist.get_backend(pp_group) != "gloo":
+            _check_p2p_order(lowered)
+
+    # --- one step ------------------------------------------------------------------------------------------
+
+    def step(self, batches: Sequence[Batch]) -> float | None:
+        """Run this rank's actions for one optimizer step over ``m`` micro-batches ``(tokens, targets)``.
+
+        Gradients accumulate in the stages' parameters (final and data-parallel reduced on return: the
+        StageComm's ``finish`` has run). Returns the mean loss over micro-batches, broadcast to every pipeline
+        rank (None only if this engine has no pipeline group and no last stage).
+        """
+        if len(batches) != self.m:
+            raise ValueError(f"the schedule has {self.m} micro-batches but step got {len(batches)} batches")
+        state = _StepState(batches)
+        self.timeline = []
+        t0 = time.perf_counter()
+        for index, action in enumerate(self.actions):
+            if index in self.post_at:
+                self._post_recvs(state, self.post_at[index])
+            start = time.perf_counter()
+            self._run(state, action)
+            if self.record:
+                self.timeline.append(TimedAction(action, start - t0, time.perf_counter() - t0))
+            state.sends = [(t, w) for t, w in state.sends if not all(x.is_completed() for x in w)]
+        for _, works in state.sends:
+            for work in works:
+                work.wait()
+        self._exchange_tied()
+        for stage in sorted(self.deferred, reverse=True):
+            self.comm.reduce(stage)
+        self.comm.finish()
+        self._check_drained(state)
+        return self._mean_loss(state)
+
+    def _run(self, state: _StepState, action: Action) -> None:
+        kind = action.kind
+        if kind is _K.FORWARD:
+            self._forward(state, action.stage, action.microbatch)
+        elif kind in (_K.BACKWARD, _K.BACKWARD_INPUT):
+            self._backward(state, action.stage, action.microbatch, split=kind is _K.BACKWARD_INPUT)
+        elif kind is _K.BACKWARD_WEIGHT:
+            self._weight(state, action.stage, action.microbatch)
+        elif kind.is_send:
+            self._send(state, action)
+        elif kind.is_recv:
+            self._wait_recv(state, action)
+        elif kind is _K.REDUCE_GRAD:
+            if action.stage not in self.deferred:
+                self.comm.reduce(action.stage)
+        elif kind is _K.GATHER_PARAMS:
+            self.comm.gather(action.stage)
+            state.gathering.add(action.stage)
+        elif kind is _K.FREE_PARAMS:
+            self.comm.free(action.stage)
+
+    # --- compute -------------------------------------------------------------------------------------------
+
+    def _ready(self, state: _StepState, stage: int) -> None:
+        if stage in state.gathering:
+            self.comm.wait_gather(stage)
+            state.gathering.discard(stage)
+
+    def _forward(self, state: _StepState, s: int, j: int) -> None:
+        self._ready(state, s)
+        tokens, targets = state.batches[j]
+        if s == 0:
+            x = tokens
+        elif self.owner[s - 1] == self.rank:
+            x = state.outputs[(s - 1, j)].detach().requires_grad_()
+        else:
+            x = state.received.pop(("act", s - 1, j)).requires_grad_()
+        if s == self.n_stages - 1:
+            out = self.stages[s](x, targets) / self.m  # mean over micro-batches = mean over the batch
+            state.losses.append(out.detach())
+        else:
+            out = self.stages[s](x)
+        state.inputs[(s, j)], state.outputs[(s, j)] = x, out
+
+    def _output_grad(self, state: _StepState, s: int, j: int) -> torch.Tensor | None:
+        if s == self.n_stages - 1:
+            return None  # the output is the loss
+        if self.owner[s + 1] == self.rank:
+            return state.input_grads.pop((s + 1, j))
+        return state.received.pop(("grad", s + 1, j))
+
+    def _backward(self, state: _StepState, s: int, j: int, split: bool) -> None:
+        self._ready(state, s)
+        out, grad = state.outputs.pop((s, j)), self._output_grad(state, s, j)
+        x = state.inputs.pop((s, j))
+        if not split:
+            torch.autograd.backward(out, grad)
+        elif s > 0:  # input gradient only; the graph stays for W
+            (x.grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+        if split:
+            state.split[(s, j)] = (out, grad)
+        if s > 0:
+            if x.grad is None:
+                raise RuntimeError(f"stage {s} produced no gradient for its input (micro-batch {j})")
+            state.input_grads[(s, j)] = x.grad
+
+    def _weight(self, state: _StepState, s: int, j: int) -> None:
+        self._ready(state, s)
+        out, grad = state.split.pop((s, j))
+        params = [p for p in self.stages[s].parameters() if p.requires_grad]
+        torch.autograd.backward(out, grad, inputs=params)
+
+    # --- point-to-point ------------------------------------------------------------------------------------
+
+    def _tag(self, message: tuple) -> int:
+        """A tag unique to each message of a step: (kind, producer stage, micro-batch)."""
+        what, stage, mb = message
+        return (stage * 2 + (what == "grad")) * self.m + mb
+
+    def _post_recvs(self, state: _StepState, recvs: list[Action]) -> None:
+        ops, keys = [], []
+        for action in recvs:
+            shape = self.activation_shape(state.batches[action.microbatch][0].shape)
+            buffer = torch.empty(shape, dtype=self.dtype, device=_device(self.stages))
+            ops.append(comm.recv(buffer, action.peer, self.group, self._tag(action.message)))
+            keys.append((action.message, buffer))
+        works = comm.batch_p2p(ops)
+        for i, (message, buffer) in enumerate(keys):
+            state.posted[message] = (buffer, [works[i]] if len(works) == len(ops) else works)
+
+    def _wait_recv(self, state: _StepState, action: Action) -> None:
+        buffer, works = state.posted.pop(action.message)
+        for work in works:
+            work.wait()
+        state.received[action.message] = buffer
+
+    def _send(self, state: _StepState, action: Action) -> None:
+        key = (action.stage, action.microbatch)
+        if action.kind is _K.SEND_F:
+            tensor = state.outputs[key].detach()
+        else:
+            tensor = state.input_grads.pop(key)
+        tensor = tensor.to(self.dtype).contiguous()
+        op = comm.send(tensor, action.peer, self.group, self._tag(action.message))
+        state.sends.append((tensor, comm.batch_p2p([op])))
+
+    # --- end of step ---------------------------------------------------------------------------------------
+
+    def _exchange_tied(self) -> None:
+        """Sum the two gradient contributions of every parameter tied across pipeline ranks, on both ranks."""
+        for index, tie in enumerate(self.tied):
+            mine = [(tie.stage_a, tie.name_a, tie.stage_b), (tie.stage_b, tie.name_b, tie.stage_a)]
+            for stage, name, other in mine:
+                if stage not in self.stages:
+                    continue
+                param = self.stages[stage].get_parameter(name)
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                theirs = torch.empty_like(grad)
+                peer = self.owner[other]
+                tag = 2 * self.n_stages * self.m + index  # above every activation/gradient tag
+                works = comm.batch_p2p(
+                    [comm.send(grad.contiguous(), peer, self.group, tag), comm.recv(theirs, peer, self.group, tag)]
+                )
+                for work in works:
+                    work.wait()
+                # Same two addends on both ranks (a + b == b + a exactly): the copies stay identical.
+                param.grad = grad + theirs if stage < other else theirs + grad
+
+    def _check_drained(self, state: _StepState) -> None:
+        left = {
+            "inputs": state.inputs,
+            "outputs": state.outputs,
+            "input gradients": state.input_grads,
+            "received": state.received,
+            "posted receives": state.posted,
+        }
+        leftover = {name: sorted(map(str, d)) for name, d in left.items() if d}
+        if leftover:
+            raise ScheduleError(f"pipeline step ended with unconsumed tensors {leftover}; the schedule is incomplete")
+
+    def _mean_loss(self, state: _StepState) -> float | None:
+        last = self.n_stages - 1
+        total = torch.stack(state.losses).sum() if state.losses else torch.zeros(())
+        total = total.detach().to(device=_device(self.stages), dtype=torch.float32)
+        if self.group is None or self.p == 1:
+            return float(total) if last in self.stages else None
+        comm.broadcast(total, self.owner[last], self.group)
+        return float(total)
+
+
+def _group_size(group: dist.ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def _device(stages: dict[int, Stage]) -> torch.device:
+    for stage in stages.values():
+        for tensor in stage.parameters():
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _default_activation_shape(stages: dict[int, Stage]) -> Callable[[torch.Size], tuple[int, ...]]:
+    shape = next(iter(stages.values())).boundary_shape
+    if shape is None:
+        raise ConfigError(
+            "cannot infer the shape of the tensors between stages (the model has no .cfg.d_model); pass "
+            "activation_shape= to PipelineEngine"
+        )
+    return shape
+
+
+def _recv_post_positions(actions: list[Action], ahead: int) -> dict[int, list[Action]]:
+    """Index of the action before which each RECV is posted: ``ahead`` compute actions before it (list order)."""
+    computes = [i for i, a in enumerate(actions) if a.kind.is_compute]
+    post: dict[int, list[Action]] = {}
+    for index, action in enumerate(actions):
+        if not action.kind.is_recv:
+            continue
+        before = [c for c in computes if c < index]
+        at = before[-ahead] if ahead and len(before) >= ahead else (0 if ahead else index)
+        post.setdefault(at, []).append(action)
+    return post
+
+
+def _check_p2p_order(lowered: Schedule) -> None:
+    """NCCL matches P2P messages by issue order: every channel's send order must equal its receive order."""
+    for a, actions in enumerate(lowered):
+        for b in range(len(lowered)):
+            sends = [x.message for x in actions if x.kind.is_send and x.peer == b]
+            recvs = [x.message for x in lowered[b] if x.kind.is_recv and x.peer == a]
+            if sends != recvs:
+                raise ScheduleError(
+                    f"rank {a} sends to rank {b} in a different order than rank {b} receives; this backend "
+                    "matches messages by order (use gloo, or reorder the hand-written schedule)"
+                )
+
+
+# --- building a pipeline from a plain model ----------------------------------------------------------------
+
+
+def lowered_schedule(
+    schedule_name: str,
+    p: int,
+    m: int,
+    v: int = 1,
+    *,
+    zero3: bool = False,
+    accumulation: str = "layered",
+    **options: Any,
+) -> tuple[Schedule, str]:
+    """Build, lower and validate a named schedule; returns (lowered lists, placement).
+
+    ``accumulation = "depth_first"`` runs breadth_first one micro-batch at a time (``consecutive = 1``).
+    """
+    if accumulation not in ("layered", "depth_first"):
+        raise ConfigError(f"unknown accumulation {accumulation!r}; choose layered or depth_first")
+    placement = str(options.get("placement", "loop"))
+    if accumulation == "depth_first" and schedule_name in ("breadth_first", "bf", "bfs"):
+        options = {**options, "consecutive": 1}
+    compute = build_schedule(schedule_name, p, m, v, **options)
+    lowered = lower(compute, p, placement, zero3=zero3)
+    validate(lowered, p, microbatches=m)
+    return lowered, placement
+
+
+def build_pipeline(
+    model: nn.Module,
+    layout: Any,
+    groups: Any,
+    cfg: Any,
+    schedule_name: str | None = None,
+    m: int | None = None,
+    *,
+    stage_comm: Callable[[dict[int, Stage]], StageComm] | None = None,
+    record: bool = False,
+    **schedule_options: Any,
+) -> PipelineEngine:
+    """A ``PipelineEngine`` for this rank from a plain (or tensor-parallel) ``model`` built identically on
+    every rank: split into ``p·v`` stages (``cfg.parallel.stage_layers``, ``checkpointing``), keep this rank's,
+    lower and validate the schedule (``cfg.parallel.schedule`` unless ``schedule_name``), attach the StageComm
+    (``stage_comm(stages)``, default ``DataParallelStageComm`` over the data-parallel group).
+
+    ``cfg`` is the run Config (``cfg.parallel``, ``cfg.train``); ``m`` defaults to the micro-batches per step.
+    """
+    par = cfg.parallel
+    p, v = layout.pp, par.stages_per_rank
+    name = schedule_name or par.schedule
+    m = m if m is not None else cfg.train.micro_batches(layout.dp)
+    lowered, placement = lowered_schedule(
+        name, p, m, v, zero3=par.zero == 3, accumulation=par.accumulation, **schedule_options
+    )
+    all_stages = split_stages(model, p * v, par.stage_layers, par.checkpointing)
+    rank = groups.coord(Axis.PIPE) if groups is not None else 0
+    owner = infer_stage_ranks(lowered)
+    stages = {s.index: s for s in all_stages if owner[s.index] == rank}
+    pp_group = groups.pp if groups is not None and p > 1 else None
+    dp_group = groups.dp if groups is not None and layout.dp > 1 else None
+    hooks = stage_comm(stages) if stage_comm is not None else DataParallelStageComm(stages, dp_group)
+    return PipelineEngine(
+        stages,
+        lowered,
+        rank,
+        pp_group,
+        hooks,
+        microbatches=m,
+        tied=tied_parameters(all_stages),
+        record=record,
+    )

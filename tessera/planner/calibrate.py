@@ -1,0 +1,277 @@
+"""`tessera calibrate`: measure this machine into a `Hardware` profile (the same TOML format as the shipped ones).
+
+Measured, each on one process with one thread (one CPU core plays the part of one device; `gpus_per_node` is the
+number of cores):
+
+- GEMM efficiency curve: fp32 `torch.matmul` of square sizes; peak = the best rate seen, each size's point is
+  (FLOPs of the call, rate / peak). The curve then prices the planner's GEMMs exactly as on a GPU.
+- Memory bandwidth: a large tensor copy (read + write bytes / time) → `hbm_bandwidth`.
+- Collectives: `world` gloo processes on localhost run all-reduce and all-gather over a size sweep; a least-squares
+  fit of t = c_bytes·bytes/bw + c_lat·latency, with the ring coefficients of `cost.all_reduce_time` /
+  `all_gather_time`, gives (bandwidth, latency). Inside and across "nodes" are the same on one machine.
+- Memory capacity: physical RAM divided by the cores.
+
+Takes a few seconds (`quick`) to about half a minute.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tessera.planner.hardware import Hardware
+
+__all__ = [
+    "calibrate",
+    "fit_collectives",
+    "measure_collectives",
+    "measure_gemm",
+    "measure_memory_bandwidth",
+    "measure_trainer_step",
+    "predict_trainer_step",
+]
+
+GEMM_SIZES = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+GEMM_SIZES_QUICK = (16, 32, 64, 128, 256, 512)
+COLLECTIVE_BYTES = tuple(2**k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB
+COLLECTIVE_BYTES_QUICK = tuple(2**k for k in range(10, 23, 3))  # 1 KiB .. 4 MiB
+
+
+def _best_time(fn: Any, min_seconds: float, max_repeats: int = 200) -> float:
+    """Best of repeated timings (at least two runs, until `min_seconds` spent)."""
+    fn()  # warm-up
+    best, spent, runs = float("inf"), 0.0, 0
+    while runs < 2 or (spent < min_seconds and runs < max_repeats):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best, spent, runs = min(best, dt), spent + dt, runs + 1
+    return best
+
+
+def measure_gemm(sizes: tuple[int, ...] = GEMM_SIZES, min_seconds: float = 0.15) -> list[tuple[float, float]]:
+    """(FLOPs per call, achieved FLOP/s) of fp32 square matmuls on one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = []
+        for n in sizes:
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            t = _best_time(lambda a=a, b=b: torch.matmul(a, b), min_seconds)
+            out.append((2.0 * n**3, 2.0 * n**3 / t))
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_memory_bandwidth(nbytes: int = 64 * 2**20, min_seconds: float = 0.2) -> float:
+    """Bytes/s of a large fp32 copy on one thread (read + write)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.randn(nbytes // 4)
+        dst = torch.empty_like(src)
+        return 2 * nbytes / _best_time(lambda: dst.copy_(src), min_seconds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _collective_worker() -> None:
+    """Entry point of one collective-sweep process (env: RANK, WORLD_SIZE, MASTER_PORT, SIZES, REPEATS); rank 0
+    prints one JSON list of [collective, bytes, best seconds] rows."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    sizes = [int(x) for x in os.environ["TESSERA_CAL_SIZES"].split(",")]
+    repeats = int(os.environ["TESSERA_CAL_REPEATS"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rows = []
+        for nbytes in sizes:
+            x = torch.ones(nbytes // 4)
+            parts = [torch.empty(nbytes // 4 // world) for _ in range(world)]
+            for name in ("all_reduce", "all_gather"):
+                best = float("inf")
+                for _ in range(repeats + 1):  # the first call warms up the connection
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    if name == "all_reduce":
+                        dist.all_reduce(x)
+                    else:
+                        dist.all_gather(parts, parts[rank].clone())
+                    best = min(best, time.perf_counter() - t0)
+                rows.append([name, nbytes, best])
+        if rank == 0:
+            print(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_collectives(
+    world: int = 2, sizes: tuple[int, ...] = COLLECTIVE_BYTES, repeats: int = 5, timeout: float = 60.0
+) -> list[tuple[str, int, float]]:
+    """(collective, full buffer bytes, best seconds) over `world` gloo processes on localhost (subprocesses, so
+    no main-module import guard is needed in the caller)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = "from tessera.planner.calibrate import _collective_worker; _collective_worker()"
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "TESSERA_CAL_SIZES": ",".join(map(str, sizes)),
+            "TESSERA_CAL_REPEATS": str(repeats),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    failed = [(i, err) for i, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)) if p.returncode]
+    if failed:
+        rank, err = failed[0]
+        raise RuntimeError(f"collective calibration failed on rank {rank}:\n{err[-2000:]}")
+    return [(str(n), int(b), float(t)) for n, b, t in json.loads(outputs[0][0].strip().splitlines()[-1])]
+
+
+def fit_collectives(rows: list[tuple[str, int, float]], world: int) -> tuple[float, float]:
+    """Least-squares (bandwidth bytes/s, latency s per ring step) with the ring formulas: all-reduce
+    2(n−1)/n·B/bw + 2(n−1)·lat, all-gather (n−1)/n·B/bw + (n−1)·lat. Rows are weighted by 1/t so small and
+    large messages count alike."""
+    n = world
+    a, y = [], []
+    for name, nbytes, t in rows:
+        k = 2.0 if name == "all_reduce" else 1.0
+        a.append([k * (n - 1) / n * nbytes / t, k * (n - 1) / t])
+        y.append(1.0)
+    (inv_bw, lat), *_ = np.linalg.lstsq(np.array(a), np.array(y), rcond=None)
+    bandwidth = 1.0 / inv_bw if inv_bw > 0 else float("inf")
+    return float(bandwidth), float(max(lat, 1e-7))
+
+
+def calibrate(name: str = "this-cpu", *, quick: bool = False, world: int = 2) -> tuple[Hardware, str]:
+    """Measure this machine; returns the profile and a short text report of what was measured."""
+    gemm = measure_gemm(GEMM_SIZES_QUICK if quick else GEMM_SIZES, 0.05 if quick else 0.15)
+    peak = max(rate for _, rate in gemm)
+    hbm = measure_memory_bandwidth(min_seconds=0.05 if quick else 0.2)
+    rows = measure_collectives(world, COLLECTIVE_BYTES_QUICK if quick else COLLECTIVE_BYTES, 3 if quick else 5)
+    bandwidth, latency = fit_collectives(rows, world)
+    cores = os.cpu_count() or 1
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    hw = Hardware(
+        name=name,
+        peak_flops={"fp32": peak},
+        memory_bytes=float(ram / cores),
+        hbm_bandwidth=hbm,
+        gpus_per_node=cores,
+        intra_node_bandwidth=bandwidth,
+        intra_node_latency=latency,
+        inter_node_bandwidth=bandwidth,
+        inter_node_latency=latency,
+        gemm_efficiency=[(f, min(1.0, max(rate / peak, 1e-3))) for f, rate in gemm],
+    )
+    lines = [
+        f"GEMM fp32, one thread: peak {peak / 1e9:.1f} GFLOP/s; efficiency "
+        + ", ".join(f"{f:.0e}: {r / peak:.2f}" for f, r in gemm),
+        f"memory copy bandwidth {hbm / 1e9:.2f} GB/s",
+        f"gloo over {world} processes: bandwidth {bandwidth / 1e9:.3f} GB/s, latency {latency * 1e6:.0f} µs per step",
+    ]
+    return hw, "\n".join(lines)
+
+
+def predict_trainer_step(cfg: Any, world: int, hw: Hardware, *, flash_attention: bool = True) -> Any:
+    """Predicted `StepBreakdown` of `tessera.train.trainer.train(cfg)` on `world` data-parallel ranks: fp32,
+    ZeRO-0, depth-first accumulation (bucketed all-reduce overlapped with the last micro-batch's backward)."""
+    from tessera.planner.cost import ModelShape, Plan
+    from tessera.planner.steptime import fast_step
+
+    tr, par = cfg.train, cfg.parallel
+    plan = Plan(
+        dp=world,
+        micro_batch=tr.micro_batch,
+        n_microbatches=tr.micro_batches(world),
+        recompute=par.checkpointing,
+        accumulation="depth_first",
+        dtype=tr.dtype,
+        flash_attention=flash_attention,
+    )
+    return fast_step(ModelShape.from_config(cfg.model), hw, plan, "1f1b")
+
+
+def _trainer_worker() -> None:
+    """One rank of `measure_trainer_step` (config JSON in TESSERA_CAL_CONFIG)."""
+    import json
+
+    import torch
+
+    from tessera.config import from_dict
+    from tessera.train.trainer import train
+
+    torch.set_num_threads(1)
+    train(from_dict(json.loads(os.environ["TESSERA_CAL_CONFIG"])))
+
+
+def measure_trainer_step(cfg: Any, world: int, *, warmup: int = 2, timeout: float = 300.0) -> list[float]:
+    """Run `train(cfg)` on `world` gloo processes (one thread each) and return the step times after `warmup`
+    steps, read from rank 0's metrics.jsonl."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = "from tessera.planner.calibrate import _trainer_worker; _trainer_worker()"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TESSERA_CAL_CONFIG": json.dumps(cfg.to_dict())}
+    env |= {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=env | {"RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        errors = [p.communicate(timeout=timeout)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    bad = [(r, e) for r, (p, e) in enumerate(zip(procs, errors, strict=True)) if p.returncode]
+    if bad:
+        raise RuntimeError(f"training run failed on rank {bad[0][0]}:\n{bad[0][1][-3000:]}")
+    rows = [json.loads(line) for line in (Path(cfg.log.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["step_time"] for r in rows if r["step"] >= warmup]

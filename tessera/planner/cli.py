@@ -1,0 +1,105 @@
+"""`tessera plan` and `tessera calibrate`: argument parsers and command functions.
+
+`tessera.cli` calls `add_plan_parsers(subparsers)`; each command is registered with
+``set_defaults(fn=...)`` taking ``(args, extra)`` like the other subcommands.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tessera.errors import ConfigError, TesseraError
+
+__all__ = ["add_plan_parsers", "cmd_calibrate", "cmd_plan"]
+
+
+def _model_arg(text: str):
+    """A planner model name, or a TOML config file whose [model] section is used."""
+    if text.endswith(".toml") or Path(text).is_file():
+        from tessera.config import load_config
+
+        return load_config(text).model
+    return text
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Search layouts, print the top ones with breakdowns and reasons; optionally write JSON/TOML/PNG."""
+    from tessera.planner.hardware import load_hardware
+    from tessera.planner.report import explain, render_picture, render_text, to_json, write_config
+    from tessera.planner.search import SearchSpace, search
+
+    if args.global_batch is not None and args.critical_batch:
+        raise ConfigError("give either --global-batch N or --critical-batch, not both")
+    hw = load_hardware(args.hardware)
+    space = SearchSpace(dtype=args.dtype, flash_attention=not args.no_flash_attention)
+    try:
+        result = search(
+            _model_arg(args.model), args.gpus, hw, args.global_batch, space=space, target_loss=args.target_loss
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not result.candidates:
+        raise ConfigError(result.no_fit_message())
+    entries = explain(result, args.top)
+    print(to_json(result, entries) if args.json else render_text(result, entries))
+    best = entries[0].candidate
+    if args.out:
+        write_config(result, best, args.out)
+        if not args.json:
+            print(f"\nwrote {args.out} (runnable: tessera train {args.out} --nproc {args.gpus})")
+    if args.picture:
+        render_picture(result, entries, args.picture)
+        if not args.json:
+            print(f"wrote {args.picture}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure this machine and write a hardware TOML usable with `tessera plan --hardware FILE`."""
+    from tessera.planner.calibrate import calibrate
+    from tessera.planner.hardware import save_hardware
+
+    hw, report = calibrate(name=args.name or Path(args.out).stem, quick=args.quick, world=args.processes)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    save_hardware(hw, args.out)
+    print(report)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _no_extra(fn):
+    def run(args: argparse.Namespace, extra: list[str]) -> int:
+        if extra:
+            raise TesseraError(f"unrecognised arguments {extra}")
+        return fn(args)
+
+    return run
+
+
+def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Register `plan` and `calibrate` on the `tessera` subcommand parser."""
+    p = subparsers.add_parser("plan", help="search parallel layouts for a model and GPU count")
+    p.add_argument("--model", required=True, help="model name (e.g. llama-70b, megatron-1t) or a config TOML")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--hardware", default="a100-80gb", help="shipped hardware name or a TOML file")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch", type=int, default=None, help="sequences per step")
+    batch.add_argument(
+        "--critical-batch", action="store_true", help="use Kaplan's critical batch (the default without a batch)"
+    )
+    p.add_argument("--target-loss", type=float, default=None, help="loss target for the critical batch (nats)")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--out", default=None, help="write the best layout as a tessera config TOML")
+    p.add_argument("--picture", default=None, help="write a PNG of the step-time breakdowns")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--no-flash-attention", action="store_true", help="count the s×s attention scores")
+    p.set_defaults(fn=_no_extra(cmd_plan))
+
+    c = subparsers.add_parser("calibrate", help="measure this machine into a hardware TOML")
+    c.add_argument("--out", required=True, help="hardware TOML to write, e.g. hardware/this-cpu.toml")
+    c.add_argument("--name", default=None)
+    c.add_argument("--processes", type=int, default=2, help="gloo processes for the collective sweep")
+    c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a few seconds)")
+    c.set_defaults(fn=_no_extra(cmd_calibrate))

@@ -1,0 +1,334 @@
+"""Output of `tessera plan`: text tables, JSON, the chosen layout as a config TOML, and a breakdown picture.
+
+`explain` re-times the top layouts of a search with the simulator (`steptime.simulate_step`) when the schedule is
+small enough (`SIM_ACTION_LIMIT`), re-ranks them, and attaches a one-sentence reason to every runner-up: its
+largest loss component against the winner, with the layout choice that causes it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tessera.config import load_config
+from tessera.errors import ConfigError
+from tessera.planner.search import Candidate, SearchResult
+from tessera.planner.steptime import StepBreakdown, p2p_hops, simulate_step
+
+__all__ = [
+    "COMPONENT_NAMES",
+    "SIM_ACTION_LIMIT",
+    "Explained",
+    "config_toml",
+    "explain",
+    "render_picture",
+    "render_text",
+    "to_json",
+    "write_config",
+]
+
+SIM_ACTION_LIMIT = 40_000
+"""Re-time a layout with the simulator only if its schedule has at most this many compute actions (2·p·v·m);
+bigger ones keep the closed form (same model, checked against the simulator in the tests)."""
+
+COMPONENT_NAMES = {
+    "compute": "compute",
+    "tp_comm": "exposed tensor-parallel communication",
+    "bubble": "pipeline bubble",
+    "pp_comm": "pipeline p2p communication",
+    "dp_comm": "exposed data-parallel communication",
+    "optimizer": "optimizer step",
+}
+_COLORS = {
+    "compute": "#4c72b0",
+    "tp_comm": "#dd8452",
+    "bubble": "#c7c7c7",
+    "pp_comm": "#55a868",
+    "dp_comm": "#c44e52",
+    "optimizer": "#8172b3",
+}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Explained:
+    """A reported layout: the candidate (with its re-timed breakdown), how it was timed, and why it loses."""
+
+    candidate: Candidate
+    timed_by: str
+    """"simulator" or "closed form"."""
+    reason: str | None
+    """For runner-ups: one sentence comparing its largest loss component to the winner's."""
+
+
+def _retime(result: SearchResult, cand: Candidate) -> tuple[Candidate, str]:
+    pl = cand.plan
+    if 2 * pl.pp * pl.virtual_stages * pl.n_microbatches > SIM_ACTION_LIMIT:
+        return cand, "closed form"
+    bd, _ = simulate_step(result.shape, result.hardware, pl, cand.schedule)
+    tokens = cand.global_batch * result.shape.seq_len / bd.step_time
+    mfu = cand.mfu * cand.step_time / bd.step_time
+    return replace(cand, breakdown=bd, tokens_per_s=tokens, mfu=mfu), "simulator"
+
+
+def _objective(result: SearchResult, cand: Candidate) -> float:
+    return cand.training_time if result.objective == "training_time" and cand.steps else cand.step_time
+
+
+def _distinct(result: SearchResult, top: int) -> list[Candidate]:
+    """The best candidate of each structural layout (d, p, tensor, schedule), best first: runner-ups that differ
+    from the winner in more than v, the micro-batch or the checkpointing mode."""
+    seen: set[tuple] = set()
+    out: list[Candidate] = []
+    for c in result.candidates:
+        pl = c.plan
+        key = (pl.dp, pl.pp, pl.tp, pl.tp_kind, c.schedule)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+        if len(out) == top:
+            break
+    return out
+
+
+def explain(result: SearchResult, top: int = 5) -> list[Explained]:
+    """The best layout and the best of the next `top − 1` distinct layouts (`_distinct`), re-timed with the
+    simulator where small enough, re-ranked, with a reason for each runner-up."""
+    timed = [_retime(result, c) for c in _distinct(result, max(top, 1))]
+    timed.sort(key=lambda ct: _objective(result, ct[0]))
+    if not timed:
+        return []
+    winner = timed[0][0]
+    out = [Explained(candidate=timed[0][0], timed_by=timed[0][1], reason=None)]
+    out += [Explained(candidate=c, timed_by=how, reason=_reason(result, winner, c)) for c, how in timed[1:]]
+    return out
+
+
+def _reason(result: SearchResult, win: Candidate, run: Candidate) -> str:
+    slower = _objective(result, run) / _objective(result, win) - 1
+    wp, rp = win.breakdown.parts, run.breakdown.parts
+    part = max(rp, key=lambda k: rp[k] - wp[k])
+    delta = rp[part] - wp[part]
+    head = f"{slower:+.1%} {'training time' if result.objective == 'training_time' else 'step time'}"
+    if result.objective == "training_time" and run.steps and win.steps and run.global_batch != win.global_batch:
+        head += f" (batch {run.global_batch} vs {win.global_batch} sequences: {run.steps:,.0f} vs {win.steps:,.0f} steps)"
+    if delta <= 0:
+        return f"{head}: ties the winner on every component"
+    return (
+        f"{head}: its {COMPONENT_NAMES[part]} is {rp[part]:.3g} s vs {wp[part]:.3g} s (+{delta:.3g} s), "
+        f"{_why(part, win, run)}"
+    )
+
+
+def _why(part: str, win: Candidate, run: Candidate) -> str:
+    w, r = win.plan, run.plan
+    if part == "bubble":
+        ideal = (r.pp - 1) / (r.virtual_stages * r.n_microbatches + r.pp - 1)
+        return (
+            f"because {run.schedule} with p={r.pp}, m={r.n_microbatches}, v={r.virtual_stages} idles "
+            f"≈{ideal:.1%} of the pipeline (winner: p={w.pp}, m={w.n_microbatches}, v={w.virtual_stages})"
+        )
+    if part == "compute":
+        if r.recompute != w.recompute:
+            return f"because checkpointing '{r.recompute}' recomputes more of the forward (winner: '{w.recompute}')"
+        return (
+            f"because its GEMMs are smaller and less efficient (micro-batch {r.micro_batch}, tensor {r.tp} "
+            f"{r.tp_kind}; winner: micro-batch {w.micro_batch}, tensor {w.tp} {w.tp_kind})"
+        )
+    if part == "tp_comm":
+        return (
+            f"from {r.tp_kind} tensor parallelism over {r.tp} ranks with micro-batch {r.micro_batch} "
+            f"(winner: {w.tp_kind} over {w.tp})"
+        )
+    if part == "pp_comm":
+        hops = p2p_hops(run.schedule, r.pp, r.n_microbatches, r.virtual_stages)
+        return f"from ≈{hops:.0f} pipeline transfers on the critical path ({run.schedule}, p={r.pp}, v={r.virtual_stages})"
+    if part == "dp_comm":
+        return (
+            f"because ZeRO-{r.zero_stage} traffic over d={r.dp} with {r.accumulation.replace('_', '-')} "
+            f"accumulation is not hidden behind the backward (winner: ZeRO-{w.zero_stage}, d={w.dp})"
+        )
+    return f"because ZeRO-{r.zero_stage} shards the optimizer state less (winner: ZeRO-{w.zero_stage})"
+
+
+def _fmt_time(seconds: float) -> str:
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f} days"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds:.3g} s"
+
+
+def render_text(result: SearchResult, entries: list[Explained]) -> str:
+    """The human-readable plan: header, top layouts, per-layout breakdown, why the runner-ups lose."""
+    hw, shape = result.hardware, result.shape
+    lines = [
+        f"plan for {result.model or 'model'} ({shape.n_params() / 1e9:.3g}B parameters) on {result.gpus} × "
+        f"{hw.name}; searched {result.enumerated:,} valid layouts in {result.seconds:.2f} s, "
+        f"{result.rejected_memory:,} did not fit in memory",
+    ]
+    if result.global_batch is not None:
+        lines.append(f"global batch {result.global_batch} sequences × {shape.seq_len} tokens; ranked by step time")
+    else:
+        lines.append(
+            f"critical batch B_crit = {result.critical_batch_tokens / 1e6:.2f} M tokens at target loss "
+            f"{result.target_loss:.3f} nats (Kaplan); ranked by training time = steps × step time"
+        )
+    lines += ["", "| # | layout | step time | MFU | tokens/s | memory/GPU | timed by |", "|---|---|---|---|---|---|---|"]
+    for i, e in enumerate(entries, 1):
+        c = e.candidate
+        lines.append(
+            f"| {i} | {c.label} | {c.step_time:.3g} s | {c.mfu:.1%} | {c.tokens_per_s:,.0f} | "
+            f"{c.memory.total / 1e9:.1f} GB | {e.timed_by} |"
+        )
+    lines += ["", "Breakdown (seconds per step on the critical rank):", ""]
+    names = list(COMPONENT_NAMES)
+    lines.append("| # | " + " | ".join(names) + " | total |")
+    lines.append("|---" * (len(names) + 2) + "|")
+    for i, e in enumerate(entries, 1):
+        parts = e.candidate.breakdown.parts
+        lines.append(f"| {i} | " + " | ".join(f"{parts[n]:.3g}" for n in names) + f" | {e.candidate.step_time:.3g} |")
+    if entries and entries[0].candidate.steps:
+        best = entries[0].candidate
+        lines += [
+            "",
+            f"training time of #1: {best.steps:,.0f} steps × {best.step_time:.3g} s = "
+            f"{_fmt_time(best.training_time or 0.0)} at batch {best.global_batch} sequences",
+        ]
+    if len(entries) > 1:
+        lines += ["", "Why the runner-ups lose:"]
+        lines += [f"  #{i} {e.reason}" for i, e in enumerate(entries[1:], 2)]
+    return "\n".join(lines)
+
+
+def _candidate_json(c: Candidate, timed_by: str, reason: str | None) -> dict[str, Any]:
+    pl = c.plan
+    return {
+        "label": c.label,
+        "data": pl.dp,
+        "pipeline": pl.pp,
+        "tensor": f"{pl.q}x{pl.q}" if pl.tp_kind == "2d" else pl.tp,
+        "sequence_parallel": pl.sequence_parallel,
+        "schedule": c.schedule,
+        "stages_per_rank": pl.virtual_stages,
+        "zero": pl.zero_stage,
+        "checkpointing": pl.recompute,
+        "micro_batch": pl.micro_batch,
+        "microbatches": pl.n_microbatches,
+        "global_batch": c.global_batch,
+        "step_time_s": c.step_time,
+        "mfu": c.mfu,
+        "tokens_per_s": c.tokens_per_s,
+        "memory_per_gpu_bytes": c.memory.total,
+        "memory_breakdown_bytes": {
+            k: getattr(c.memory, k)
+            for k in ("params", "grads", "optimizer", "activations", "working", "comm_buffers")
+        },
+        "breakdown_s": c.breakdown.parts,
+        "steps": c.steps,
+        "training_time_s": c.training_time,
+        "timed_by": timed_by,
+        "why_it_loses": reason,
+    }
+
+
+def to_json(result: SearchResult, entries: list[Explained]) -> str:
+    """Machine-readable plan."""
+    doc = {
+        "model": result.model,
+        "params": result.shape.n_params(),
+        "gpus": result.gpus,
+        "hardware": result.hardware.name,
+        "global_batch": result.global_batch,
+        "critical_batch_tokens": result.critical_batch_tokens,
+        "target_loss": result.target_loss,
+        "objective": result.objective,
+        "searched": result.enumerated,
+        "rejected_memory": result.rejected_memory,
+        "search_seconds": result.seconds,
+        "layouts": [_candidate_json(e.candidate, e.timed_by, e.reason) for e in entries],
+    }
+    return json.dumps(doc, indent=2)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    return repr(v)
+
+
+def config_toml(result: SearchResult, cand: Candidate) -> str:
+    """A runnable tessera config for `cand` (model, parallel layout, batch, dtype)."""
+    cfg, pl = result.model_config, cand.plan
+    if result.model is not None:
+        model = {"size": result.model}
+    else:
+        model = {
+            k: getattr(cfg, k)
+            for k in ("family", "n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "tie_embeddings")
+        }
+        model |= {"n_kv_heads": cfg.kv_heads, "ffn_hidden": cfg.ffn}
+    parallel = {
+        "data": pl.dp,
+        "tensor": f"{pl.q}x{pl.q}" if pl.tp_kind == "2d" else pl.tp,
+        "sequence_parallel": pl.sequence_parallel,
+        "pipeline": pl.pp,
+        "schedule": cand.schedule,
+        "stages_per_rank": pl.virtual_stages,
+        "zero": pl.zero_stage,
+        "accumulation": pl.accumulation,
+        "checkpointing": pl.recompute,
+    }
+    train = {"global_batch": cand.global_batch, "micro_batch": pl.micro_batch, "dtype": pl.dtype}
+    lines = [
+        f"# Written by `tessera plan` for {result.gpus} × {result.hardware.name}: {cand.label}",
+        f"# predicted step {cand.step_time:.4g} s, MFU {cand.mfu:.1%}, {cand.memory.total / 1e9:.1f} GB per GPU",
+    ]
+    for section, values in (("model", model), ("parallel", parallel), ("train", train)):
+        lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_config(result: SearchResult, cand: Candidate, path: str | Path) -> Path:
+    """Write `config_toml` and check it loads and validates for the searched world size."""
+    path = Path(path)
+    path.write_text(config_toml(result, cand))
+    cfg = load_config(path)
+    problems = cfg.check(result.gpus)
+    if problems:
+        raise ConfigError(f"planner wrote an invalid config {path} (a bug): " + "; ".join(map(str, problems)))
+    return path
+
+
+def render_picture(result: SearchResult, entries: list[Explained], path: str | Path) -> Path:
+    """Stacked horizontal bars of each reported layout's step-time breakdown (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * len(entries)))
+    labels = [f"#{i} {e.candidate.label}" for i, e in enumerate(entries, 1)]
+    for row, e in enumerate(entries):
+        left = 0.0
+        for name, value in e.candidate.breakdown.parts.items():
+            ax.barh(row, value, left=left, color=_COLORS[name], label=COMPONENT_NAMES[name] if row == 0 else None)
+            left += value
+    ax.set_yticks(range(len(entries)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step")
+    ax.set_title(f"{result.model or 'model'} on {result.gpus} × {result.hardware.name}", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def breakdown_fractions(bd: StepBreakdown) -> dict[str, float]:
+    """Each part as a fraction of the step."""
+    return {k: v / bd.step_time for k, v in bd.parts.items()}

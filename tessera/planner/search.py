@@ -1,0 +1,449 @@
+"""Layout search: enumerate every valid layout for a model, a GPU count and a batch; prune what does not fit in
+memory; rank the rest by step time (fixed batch) or by time to the target loss (critical batch).
+
+Space: data × pipeline × tensor (1D t, or a 2D q×q grid), ZeRO stage 0–3, schedule (1F1B, GPipe, interleaved v,
+breadth-first v), micro-batch size, checkpointing mode, sequence parallelism. Validity follows the config rules
+(`tessera.config`): heads, KV heads, d_model and ffn_hidden divisible by t (or q), seq_len by t with sequence
+parallelism, the micro-batch by q in 2D, layers by p·v, the global batch by micro-batch × d, m a multiple of p for
+interleaved. Memory is `cost.memory_per_rank` on the first and last pipeline rank with the schedule's in-flight
+micro-batches (`steptime.inflight_microbatches`); a layout fits when its worse rank needs at most
+`memory_fraction` of the device. Step time is `steptime.fast_step` (closed forms checked against the simulator);
+the top layouts are re-timed with the simulator by `tessera.planner.report`.
+
+Pure Python, no torch: runs anywhere the planner is installed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tessera.config import ModelConfig
+from tessera.model.sizes import SIZES
+from tessera.planner.cost import (
+    MemoryBreakdown,
+    ModelShape,
+    Plan,
+    activation_bytes_per_layer,
+    layer_time,
+    logits_time,
+    memory_per_rank,
+    model_flops_per_token,
+    p2p_time_per_microbatch,
+    tp_comm_time_per_layer,
+)
+from tessera.planner.hardware import Hardware
+from tessera.planner.megatron_table import MEGATRON_TABLE1
+from tessera.planner.scaling import ALPHA_N, ALPHA_S, critical_batch, loss_from_params, steps_for_batch
+from tessera.planner.steptime import ChunkCosts, StepBreakdown, _fast, inflight_microbatches
+
+__all__ = [
+    "PLANNER_SIZES",
+    "Candidate",
+    "SearchResult",
+    "SearchSpace",
+    "default_target_loss",
+    "model_config",
+    "search",
+]
+
+SCHEDULE_NAMES = ("1f1b", "interleaved", "breadth_first", "gpipe")
+MAX_CRITICAL_BATCH_FACTOR = 4.0
+"""With the critical batch, a layout whose smallest batch (d × micro-batch) exceeds this × B_crit is skipped."""
+
+
+def _megatron_sizes() -> dict[str, dict[str, Any]]:
+    """GPT shapes of Narayanan 2021 Table 1 as planner model names: megatron-1.7b ... megatron-1t."""
+    out = {}
+    for row in MEGATRON_TABLE1:
+        name = "megatron-1t" if row.params_b > 1000 else f"megatron-{row.params_b:g}b"
+        out[name] = dict(
+            family="gpt",
+            n_layers=row.layers,
+            d_model=row.hidden,
+            n_heads=row.heads,
+            vocab_size=row.vocab,
+            seq_len=row.seq_len,
+        )
+    return out
+
+
+PLANNER_SIZES: dict[str, dict[str, Any]] = {**SIZES, **_megatron_sizes()}
+"""Model names the planner accepts: the training registry plus the GPT shapes of Megatron's Table 1."""
+
+
+def model_config(model: str | ModelConfig) -> tuple[str | None, ModelConfig]:
+    """(registry name or None, ModelConfig) from a name in `PLANNER_SIZES` or a ModelConfig."""
+    if isinstance(model, ModelConfig):
+        return model.size, model
+    if model not in PLANNER_SIZES:
+        raise ValueError(f"unknown model {model!r}; known: {', '.join(PLANNER_SIZES)} (or pass a config file)")
+    return model, ModelConfig(**PLANNER_SIZES[model])
+
+
+def default_target_loss(shape: ModelShape) -> float:
+    """Kaplan's compute-efficient stopping point: (1 + α_N/α_S)·L(N), 10 % above the converged loss."""
+    return (1 + ALPHA_N / ALPHA_S) * loss_from_params(shape.n_params_non_embedding())
+
+
+@dataclass(kw_only=True, slots=True)
+class SearchSpace:
+    """Which options the search may combine (defaults: all of them)."""
+
+    tensor_1d: tuple[int, ...] | None = None
+    """1D tensor sizes to try; None: every valid t ≤ max_tensor."""
+    tensor_2d: tuple[int, ...] | None = None
+    """2D grid sides q to try; None: every valid q with q² ≤ max_tensor_2d. Empty tuple: no 2D."""
+    max_tensor: int | None = None
+    """Largest 1D tensor size; None: the hardware's GPUs per node."""
+    max_tensor_2d: int | None = None
+    """Largest 2D grid q²; None: twice the GPUs per node."""
+    pipeline: tuple[int, ...] | None = None
+    """Pipeline sizes to try; None: every p dividing the layers."""
+    schedules: tuple[str, ...] = SCHEDULE_NAMES
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    checkpointing: tuple[str, ...] = ("none", "selective", "full")
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    micro_batches: tuple[int, ...] | None = None
+    """Micro-batch sizes to try; None: every divisor of the per-replica batch up to max_micro_batch."""
+    max_micro_batch: int = 16
+    max_virtual: int | None = None
+    """Largest v (chunks per pipeline rank); None: up to one layer per chunk."""
+    dtype: str = "bf16"
+    flash_attention: bool = True
+    memory_fraction: float = 0.95
+    """Usable fraction of device memory (headroom for fragmentation, CUDA context, NCCL buffers)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Candidate:
+    """One fitting layout with its predicted step, memory and (critical batch) training time."""
+
+    plan: Plan
+    schedule: str
+    global_batch: int
+    """Sequences per optimizer step."""
+    breakdown: StepBreakdown
+    memory: MemoryBreakdown
+    """The rank needing the most memory (first or last pipeline rank)."""
+    memory_stage: int
+    tokens_per_s: float
+    mfu: float
+    steps: float | None = None
+    """Optimizer steps to the target loss (critical-batch mode)."""
+
+    @property
+    def step_time(self) -> float:
+        return self.breakdown.step_time
+
+    @property
+    def training_time(self) -> float | None:
+        """Seconds to the target loss (steps × step time), when steps are known."""
+        return None if self.steps is None else self.steps * self.step_time
+
+    @property
+    def label(self) -> str:
+        """One-line description, e.g. ``d64 p8 t8+SP | interleaved v2 | b1 m24 | ZeRO-1 | selective``."""
+        pl = self.plan
+        tensor = f"{pl.q}x{pl.q}" if pl.tp_kind == "2d" else f"t{pl.tp}" + ("+SP" if pl.sequence_parallel else "")
+        sched = self.schedule + (f" v{pl.virtual_stages}" if pl.virtual_stages > 1 else "")
+        return (
+            f"d{pl.dp} p{pl.pp} {tensor} | {sched} | b{pl.micro_batch} m{pl.n_microbatches} | "
+            f"ZeRO-{pl.zero_stage} | ckpt {pl.recompute}"
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class SearchResult:
+    """Ranked fitting layouts (best first, at most `keep`) and what the search looked at."""
+
+    model: str | None
+    model_config: ModelConfig
+    shape: ModelShape
+    gpus: int
+    hardware: Hardware
+    global_batch: int | None
+    """Fixed batch in sequences, or None when each layout rounds the critical batch."""
+    critical_batch_tokens: float | None
+    target_loss: float | None
+    objective: str
+    """"step_time" (fixed batch) or "training_time" (critical batch)."""
+    candidates: list[Candidate] = field(default_factory=list)
+    enumerated: int = 0
+    rejected_memory: int = 0
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> Candidate:
+        if not self.candidates:
+            raise ValueError(self.no_fit_message())
+        return self.candidates[0]
+
+    def no_fit_message(self) -> str:
+        batch = f"global batch {self.global_batch}" if self.global_batch else "the critical batch"
+        if self.enumerated == 0:
+            return (
+                f"no valid layout of {self.model or 'the model'} on {self.gpus} GPUs with {batch}: the GPU count "
+                "must factor into data × pipeline × tensor sizes the model divides; try a power-of-two GPU count "
+                "or a batch that is a multiple of the data-parallel size"
+            )
+        return (
+            f"none of the {self.enumerated} valid layouts of {self.model or 'the model'} fits in "
+            f"{self.hardware.memory_bytes / 1e9:.0f} GB on {self.gpus} GPUs; use more GPUs, ZeRO-3, full "
+            "checkpointing, or a device with more memory"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tensor_options(cfg: ModelConfig, gpus: int, hw: Hardware, space: SearchSpace) -> list[tuple[str, int, bool]]:
+    """(kind, tensor ranks, sequence parallel) triples that the config rules accept."""
+    sizes = (cfg.n_heads, cfg.kv_heads, cfg.d_model, cfg.ffn)
+    max_t = space.max_tensor or hw.gpus_per_node
+    ts = space.tensor_1d or tuple(t for t in _divisors(max_t) if t <= max_t)
+    out: list[tuple[str, int, bool]] = []
+    for t in ts:
+        if gpus % t or any(x % t for x in sizes):
+            continue
+        for sp in space.sequence_parallel:
+            if t == 1 and sp or sp and cfg.seq_len % t:
+                continue
+            out.append(("1d", t, sp))
+    max_q2 = space.max_tensor_2d or 2 * hw.gpus_per_node
+    qs = space.tensor_2d if space.tensor_2d is not None else tuple(q for q in range(2, 64) if q * q <= max_q2)
+    for q in qs:
+        if q > 1 and gpus % (q * q) == 0 and not any(x % q for x in sizes):
+            out.append(("2d", q * q, False))
+    return out
+
+
+def _schedule_options(space: SearchSpace, layers: int, p: int, m: int) -> list[tuple[str, int]]:
+    per_rank = layers // p
+    vs = [v for v in _divisors(per_rank) if space.max_virtual is None or v <= space.max_virtual]
+    out: list[tuple[str, int]] = []
+    for name in space.schedules:
+        if p == 1:  # no pipeline: depth-first accumulation, or layered accumulation one layer at a time
+            if name == "1f1b":
+                out.append(("1f1b", 1))
+            elif name == "breadth_first" and per_rank > 1 and (space.max_virtual or per_rank) >= per_rank:
+                out.append(("breadth_first", per_rank))
+        elif name in ("1f1b", "gpipe"):
+            out.append((name, 1))
+        elif name == "interleaved" and m % p == 0:
+            out += [("interleaved", v) for v in vs if v > 1]
+        elif name == "breadth_first":
+            out += [("breadth_first", v) for v in vs]
+    return out
+
+
+@dataclass(slots=True)
+class _Ctx:
+    shape: ModelShape
+    hw: Hardware
+    space: SearchSpace
+    limit: float
+    flops_token: float
+    peak_total: float
+    layer_cache: dict = field(default_factory=dict)
+    mem_cache: dict = field(default_factory=dict)
+
+
+def _layer_parts(ctx: _Ctx, plan: Plan) -> tuple:
+    """Per-layer compute, TP, output layer and activation bytes: depend only on the tensor/micro-batch choices."""
+    key = (plan.tp, plan.tp_kind, plan.sequence_parallel, plan.micro_batch, plan.recompute)
+    if key not in ctx.layer_cache:
+        base = replace(plan, dp=1, pp=1, zero_stage=0, n_microbatches=1, virtual_stages=1)
+        ctx.layer_cache[key] = (
+            layer_time(ctx.shape, ctx.hw, base),
+            tp_comm_time_per_layer(ctx.shape, ctx.hw, base),
+            logits_time(ctx.shape, ctx.hw, base),
+            activation_bytes_per_layer(ctx.shape, base),
+        )
+    return ctx.layer_cache[key]
+
+
+def _base_memory(ctx: _Ctx, plan: Plan, stage: int) -> MemoryBreakdown:
+    """`memory_per_rank` without stored activations (they scale with the schedule's in-flight count)."""
+    key = (plan.dp, plan.pp, plan.tp, plan.tp_kind, plan.sequence_parallel, plan.micro_batch, plan.recompute)
+    key += (plan.zero_stage, stage)
+    if key not in ctx.mem_cache:
+        ctx.mem_cache[key] = memory_per_rank(ctx.shape, plan, inflight_microbatches=0, stage=stage)
+    return ctx.mem_cache[key]
+
+
+def _memory(ctx: _Ctx, plan: Plan, schedule: str, act_layer: float) -> tuple[MemoryBreakdown, int]:
+    """Worse of the first and last pipeline rank: same numbers as `memory_per_rank` with the in-flight count."""
+    p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
+    worst, worst_stage = None, 0
+    for stage in sorted({0, p - 1}):
+        base = _base_memory(ctx, plan, stage)
+        acts = act_layer * (ctx.shape.n_layers / p) * inflight_microbatches(schedule, p, m, v, stage)
+        mem = replace(base, activations=acts)
+        if worst is None or mem.total > worst.total:
+            worst, worst_stage = mem, stage
+    assert worst is not None
+    return worst, worst_stage
+
+
+def _evaluate(ctx: _Ctx, plan: Plan, schedule: str, batch: int, p2p: float) -> Candidate | None:
+    lt, tp, lg, act_layer = _layer_parts(ctx, plan)
+    mem, stage = _memory(ctx, plan, schedule, act_layer)
+    if mem.total > ctx.limit:
+        return None
+    layers = ctx.shape.n_layers // (plan.pp * plan.virtual_stages)
+    chunk = ChunkCosts(
+        fwd_compute=layers * lt.forward,
+        bwd_compute=layers * (lt.backward + lt.recompute),
+        fwd_tp=layers * tp.forward,
+        bwd_tp=layers * (tp.backward + tp.recompute),
+        out_fwd=lg.forward,
+        out_bwd=lg.backward,
+        p2p=p2p,
+        layers=max(1, layers),
+    )
+    bd = _fast(ctx.shape, ctx.hw, plan, schedule, chunk)
+    tokens = batch * ctx.shape.seq_len / bd.step_time
+    return Candidate(
+        plan=plan,
+        schedule=schedule,
+        global_batch=batch,
+        breakdown=bd,
+        memory=mem,
+        memory_stage=stage,
+        tokens_per_s=tokens,
+        mfu=tokens * ctx.flops_token / ctx.peak_total,
+    )
+
+
+def _batches(
+    fixed: int | None, crit_seq: float | None, dp: int, space: SearchSpace, q: int
+) -> list[tuple[int, int]]:
+    """(global batch, micro-batch) pairs for data-parallel size dp."""
+    out = []
+    if fixed is not None:
+        if fixed % dp:
+            return []
+        per = fixed // dp
+        options = space.micro_batches or tuple(b for b in _divisors(per) if b <= space.max_micro_batch)
+        return [(fixed, b) for b in options if per % b == 0 and b % q == 0]
+    assert crit_seq is not None
+    options = space.micro_batches or tuple(b for b in range(1, space.max_micro_batch + 1) if b & (b - 1) == 0)
+    for b in options:
+        if b % q:
+            continue
+        unit = dp * b
+        if unit > MAX_CRITICAL_BATCH_FACTOR * crit_seq:
+            continue
+        out.append((unit * max(1, round(crit_seq / unit)), b))
+    return out
+
+
+def search(
+    model: str | ModelConfig,
+    gpus: int,
+    hw: Hardware,
+    global_batch: int | None = None,
+    *,
+    space: SearchSpace | None = None,
+    target_loss: float | None = None,
+    keep: int = 50,
+) -> SearchResult:
+    """Enumerate, prune and rank layouts (module docstring). `global_batch` in sequences; None uses the critical
+    batch B_crit(target_loss) (default target: `default_target_loss`), rounded per layout to a multiple of
+    d × micro-batch, and ranks by training time = steps(B) × step time (Kaplan/McCandlish trade-off)."""
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    space = space or SearchSpace()
+    name, cfg = model_config(model)
+    shape = ModelShape.from_config(cfg)
+    shape = replace(shape, n_kv_heads=cfg.kv_heads)
+    start = time.perf_counter()
+    crit_tokens = crit_seq = None
+    loss = target_loss
+    if global_batch is None:
+        loss = loss or default_target_loss(shape)
+        crit_tokens = critical_batch(loss)
+        crit_seq = crit_tokens / shape.seq_len
+    result = SearchResult(
+        model=name,
+        model_config=cfg,
+        shape=shape,
+        gpus=gpus,
+        hardware=hw,
+        global_batch=global_batch,
+        critical_batch_tokens=crit_tokens,
+        target_loss=loss,
+        objective="step_time" if global_batch is not None else "training_time",
+    )
+    ctx = _Ctx(
+        shape=shape,
+        hw=hw,
+        space=space,
+        limit=space.memory_fraction * hw.memory_bytes,
+        flops_token=model_flops_per_token(shape),
+        peak_total=hw.peak(space.dtype) * gpus,
+    )
+    found: list[Candidate] = []
+    for kind, tp, sp in _tensor_options(cfg, gpus, hw, space):
+        for p in space.pipeline or _divisors(shape.n_layers):
+            if (gpus // tp) % p or shape.n_layers % p:
+                continue
+            dp = gpus // (tp * p)
+            q = round(tp**0.5) if kind == "2d" else 1
+            for batch, b in _batches(global_batch, crit_seq, dp, space, q):
+                found += _search_layout(ctx, result, kind, tp, sp, p, dp, batch, b)
+    if crit_tokens is not None and loss is not None:
+        found = [_with_steps(c, shape, loss, crit_tokens) for c in found]
+    found.sort(key=lambda c: c.training_time if c.steps is not None else c.step_time)
+    result.candidates = found[:keep]
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _search_layout(
+    ctx: _Ctx, result: SearchResult, kind: str, tp: int, sp: bool, p: int, dp: int, batch: int, b: int
+) -> list[Candidate]:
+    m = batch // (dp * b)
+    out: list[Candidate] = []
+    base = Plan(
+        dp=dp,
+        pp=p,
+        tp=tp,
+        tp_kind=kind,
+        sequence_parallel=sp,
+        micro_batch=b,
+        n_microbatches=m,
+        dtype=ctx.space.dtype,
+        flash_attention=ctx.space.flash_attention,
+    )
+    p2p = p2p_time_per_microbatch(ctx.shape, ctx.hw, base)
+    schedules = _schedule_options(ctx.space, ctx.shape.n_layers, p, m)
+    zeros = [z for z in ctx.space.zero_stages if dp > 1 or z == 0] or [0]
+    for recompute in ctx.space.checkpointing:
+        for zero in zeros:
+            for schedule, v in schedules:
+                plan = replace(
+                    base,
+                    recompute=recompute,
+                    zero_stage=zero,
+                    virtual_stages=v,
+                    accumulation="layered" if schedule == "breadth_first" else "depth_first",
+                )
+                result.enumerated += 1
+                cand = _evaluate(ctx, plan, schedule, batch, p2p)
+                if cand is None:
+                    result.rejected_memory += 1
+                else:
+                    out.append(cand)
+    return out
+
+
+def _with_steps(c: Candidate, shape: ModelShape, loss: float, crit_tokens: float) -> Candidate:
+    from tessera.planner.scaling import min_steps
+
+    s_min = min_steps(shape.n_params_non_embedding(), loss)
+    steps = steps_for_batch(s_min, c.global_batch * shape.seq_len, crit_tokens)
+    return replace(c, steps=steps)

@@ -1,0 +1,285 @@
+"""ZeRO-1/2/3 with layered and depth-first accumulation against the single-device reference (gloo, fp32).
+
+Each data-parallel case checks the loss, EVERY gradient (the reduced shards gathered back to full) and every
+parameter after one AdamW step against one process running the whole global batch with torch.optim.AdamW. The
+counter tests check that layered accumulation moves the same bytes for any micro-batch count m while depth-first
+grows linearly in m, against ``tessera.planner.cost.dp_volume`` and the GATHER count of the lowered schedule.
+
+One spawn per world size: every (ZeRO stage, accumulation) case runs inside the same worker.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera import comm
+from tessera.config import ModelConfig
+from tessera.model.build import build_model
+from tessera.parallel.zero import ShardedAdamW, ZeroStageComm
+from tessera.pipeline.ir import ActionKind
+from tessera.pipeline.passes import lower
+from tessera.pipeline.schedules import breadth_first
+from tessera.pipeline.stage import split_stages
+from tests.harness import run_distributed
+
+LOSS_ATOL = 1e-5
+"""fp32: data-parallel reduction changes only the summation order of the loss average."""
+GRAD_ATOL, GRAD_RTOL = 2e-6, 1e-4
+"""fp32 gradients of a tiny model: summation-order differences are ~1e-7 absolute."""
+PARAM_ATOL = 2e-6
+"""After one AdamW step (lr 1e-2): the update is lr·m/(sqrt(v)+eps), sign-stable; differences ~1e-7."""
+
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
+SEQ, MICRO = 8, 2
+
+
+def _cfg(tied: bool = True) -> ModelConfig:
+    return ModelConfig(n_layers=2, d_model=16, n_heads=2, vocab_size=32, seq_len=SEQ, tie_embeddings=tied)
+
+
+def _model(cfg: ModelConfig) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(cfg)
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randint(0, 32, (MICRO, SEQ), generator=g), torch.randint(0, 32, (MICRO, SEQ), generator=g))
+        for _ in range(n)
+    ]
+
+
+def run_layered(actions, stages, zero, batches, m: int) -> float:
+    """Execute one rank's lowered p = 1 schedule (F/B/REDUCE/GATHER/FREE) with each micro-batch loss divided by
+    the step's micro-batch count ``m``; returns the summed scaled loss."""
+    last = len(stages) - 1
+    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    grads: dict[tuple[int, int], torch.Tensor] = {}
+    total = 0.0
+    for a in actions:
+        s, j = a.stage, a.microbatch
+        if a.kind is ActionKind.GATHER_PARAMS:
+            zero.gather(s)
+            zero.wait_gather(s)
+        elif a.kind is ActionKind.FREE_PARAMS:
+            zero.free(s)
+        elif a.kind is ActionKind.REDUCE_GRAD:
+            zero.reduce(s)
+        elif a.kind is ActionKind.FORWARD:
+            x = batches[j][0] if s == 0 else saved[(s - 1, j)][1].detach().requires_grad_()
+            out = stages[s](x, batches[j][1] if s == last else None)
+            if s == last:
+                out = out / m
+                total += out.item()
+            saved[(s, j)] = (x, out)
+        elif a.kind is ActionKind.BACKWARD:
+            x, out = saved.pop((s, j))
+            out.backward(None if s == last else grads.pop((s, j)))
+            if s > 0:
+                grads[(s - 1, j)] = x.grad
+    return total
+
+
+def zero_step(stages, zero, batches, accumulation: str) -> float:
+    """One accumulation step: layered = one breadth-first sweep over all m micro-batches; depth-first = m
+    sweeps of one micro-batch each (REDUCE, GATHER, FREE per micro-batch)."""
+    v, z3 = len(stages), zero.zero_stage == 3
+    groups = [batches] if accumulation == "layered" else [[b] for b in batches]
+    total = 0.0
+    for group in groups:
+        actions = lower(breadth_first(1, len(group), v), 1, zero3=z3)[0]
+        total += run_layered(actions, stages, zero, group, len(batches))
+    zero.finish()
+    return total
+
+
+def _full_grads(zero: ZeroStageComm) -> dict[int, torch.Tensor]:
+    """Every managed parameter's reduced gradient, gathered from the shards (id(param) -> grad)."""
+    out = {}
+    for flat in zero.flats.values():
+        full = torch.empty(flat.padded)
+        dist.all_gather_into_tensor(full, flat.grad_shard.contiguous(), group=zero.group)
+        for p, off in zip(flat.params, flat.offsets, strict=True):
+            out[id(p)] = full[off : off + p.numel()].view_as(p)
+    return out
+
+
+def _reference(cfg: ModelConfig, batches) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model = _model(cfg)
+    total = 0.0
+    for x, y in batches:
+        loss = model(x, y) / len(batches)
+        loss.backward()
+        total += loss.item()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WD}, {"params": other, "weight_decay": 0.0}],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        foreach=False,
+    )
+    opt.step()
+    return total, grads, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _check_case(rank: int, world: int, zero_stage: int, accumulation: str, m: int) -> None:
+    cfg = _cfg()
+    batches = _batches(world * m)
+    ref_loss, ref_grads, ref_params = _reference(cfg, batches)
+    model = _model(cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    stages = split_stages(model, cfg.n_layers)
+    zero = ZeroStageComm(stages, None, zero_stage, accumulation)
+    opt = ShardedAdamW(zero, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    mine = batches[rank * m : (rank + 1) * m]  # this data-parallel rank's micro-batches
+    loss = torch.tensor(zero_step(stages, zero, mine, accumulation))
+    comm.all_reduce(loss, None)
+    case = f"dp{world} z{zero_stage} {accumulation}"
+    assert abs(loss.item() / world - ref_loss) < LOSS_ATOL, f"{case}: loss {loss.item() / world} vs {ref_loss}"
+    for pid, g in _full_grads(zero).items():
+        torch.testing.assert_close(g, ref_grads[names[pid]], atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda e: f"{case} grad {names[pid]}: {e}")
+    opt.step()
+    zero.gather_all()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref_params[n], atol=PARAM_ATOL, rtol=0, msg=lambda e: f"{case} param {n}: {e}")
+    zero.free_all()
+
+
+def _matrix(rank: int, world: int) -> int:
+    for zero_stage in (1, 2, 3):
+        for accumulation in ("layered", "depth_first"):
+            _check_case(rank, world, zero_stage, accumulation, m=2)
+    return 0
+
+
+def _step_bytes(zero_stage: int, accumulation: str, m: int) -> tuple[int, int, dict[int, int]]:
+    """(reduce-scatter bytes, all-gather bytes, {stage: flat-buffer bytes}) of one step with m micro-batches."""
+    cfg = _cfg(tied=False)
+    stages = split_stages(_model(cfg), cfg.n_layers)
+    zero = ZeroStageComm(stages, None, zero_stage, accumulation)
+    opt = ShardedAdamW(zero, lr=LR)
+    comm.STATS.reset()
+    zero_step(stages, zero, _batches(m), accumulation)
+    opt.step()
+    sizes = {s: f.nbytes for s, f in zero.flats.items()}
+    return comm.STATS.total("reduce_scatter"), comm.STATS.total("all_gather"), sizes
+
+
+def _counters(rank: int, world: int) -> dict:
+    return {
+        (z, acc, m): _step_bytes(z, acc, m)
+        for z in (1, 2, 3)
+        for acc in ("layered", "depth_first")
+        for m in (1, 2, 4, 8)
+    }
+
+
+def test_zero_dp2_matches_reference() -> None:
+    run_distributed(_matrix, 2, timeout=120)
+
+
+def test_layered_bytes_independent_of_m_depth_first_linear() -> None:
+    """Layered: one reduce-scatter per stage per step and (ZeRO-3) one gather per phase, for every m;
+    depth-first: ZeRO-2/3 reduce-scatter and ZeRO-3 gather per micro-batch, so bytes = m × bytes(m = 1).
+    ZeRO-1 keeps full gradients and reduce-scatters once per step in either order."""
+    got = run_distributed(_counters, 2, timeout=120)[0]
+    v = _cfg(tied=False).n_layers
+    for z in (1, 2, 3):
+        sizes = got[(z, "layered", 1)][2]
+        psi = sum(sizes.values())  # padded flat bytes of all stages: Ψ·4 of cost.dp_volume
+        sweep = lower(breadth_first(1, 1, v), 1, zero3=True)[0]  # GATHERs per sweep (same for any m)
+        gathered = sum(sizes[a.stage] for a in sweep if a.kind is ActionKind.GATHER_PARAMS)
+        for m in (1, 2, 4, 8):
+            rs_l, ag_l, _ = got[(z, "layered", m)]
+            rs_d, ag_d, _ = got[(z, "depth_first", m)]
+            assert rs_l == psi, f"z{z} layered m={m}: reduce-scatter {rs_l} B, expected {psi}"
+            assert rs_d == (psi if z == 1 else m * psi), f"z{z} depth-first m={m}: reduce-scatter {rs_d} B"
+            if z < 3:  # one all-gather of the updated parameters per step
+                assert ag_l == ag_d == psi, f"z{z} m={m}: all-gather {ag_l}/{ag_d} B, expected {psi}"
+            else:
+                assert ag_l == gathered, f"z3 layered m={m}: all-gather {ag_l} B, expected {gathered}"
+                assert ag_d == m * gathered, f"z3 depth-first m={m}: all-gather {ag_d} B, expected {m * gathered}"
+
+
+def test_zero_dp4_matches_reference() -> None:
+    run_distributed(_matrix, 4, timeout=120)
+
+
+def test_sharded_adamw_on_one_rank_equals_torch_adamw_exactly() -> None:
+    """d = 1: the shard is the whole flat buffer and the update is torch.optim.AdamW's, bit for bit."""
+    cfg = _cfg()
+    ref, model = _model(cfg), _model(cfg)
+    decay = [p for p in ref.parameters() if p.dim() >= 2]
+    other = [p for p in ref.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": WD}, {"params": other, "weight_decay": 0.0}]
+    torch_opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, foreach=False)
+    zero = ZeroStageComm([model], None, 2)
+    opt = ShardedAdamW(zero, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    for x, y in _batches(3):
+        ref(x, y).backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+        model(x, y).backward()
+        zero.reduce(0)
+        zero.finish()
+        opt.step()
+        opt.zero_grad()
+        for (n, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
+            assert torch.equal(a, b), f"{n} differs from torch.optim.AdamW"
+
+
+def _pp2_zero3(rank: int, world: int) -> float:
+    from tessera.config import Config, ParallelConfig, TrainConfig
+    from tessera.groups import build_groups
+    from tessera.layout import Layout
+    from tessera.pipeline.runtime import build_pipeline
+
+    cfg = Config(
+        model=_cfg(),
+        parallel=ParallelConfig(pipeline=2, schedule="breadth_first", zero=3, accumulation="layered"),
+        train=TrainConfig(global_batch=2 * 2 * MICRO, micro_batch=MICRO),
+    )
+    layout = Layout.from_config(cfg.parallel, world)
+    groups = build_groups(layout)
+    dp = layout.dp
+    m = cfg.train.micro_batches(dp)
+    batches = _batches(dp * m)
+    ref_loss, ref_grads, ref_params = _reference(cfg.model, batches)
+    model = _model(cfg.model)
+    holder: dict[str, ZeroStageComm] = {}
+
+    def make(stages):
+        holder["zero"] = ZeroStageComm(stages, groups.dp, 3, "layered")
+        return holder["zero"]
+
+    engine = build_pipeline(model, layout, groups, cfg, stage_comm=make)
+    zero = holder["zero"]
+    opt = ShardedAdamW(zero, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    from tessera.layout import Axis
+
+    d = groups.coord(Axis.DATA)
+    loss = torch.tensor(engine.step(batches[d * m : (d + 1) * m]))
+    comm.all_reduce(loss, groups.dp)
+    assert abs(loss.item() / dp - ref_loss) < LOSS_ATOL, f"pp2 dp2 z3: loss {loss.item() / dp} vs {ref_loss}"
+    names = {id(p): n for s in engine.stages.values() for n, p in s.named_parameters()}
+    grads = _full_grads(zero)
+    for pid, g in grads.items():
+        n = names[pid]
+        torch.testing.assert_close(g, ref_grads[n], atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda e: f"{rank} {n}: {e}")
+    opt.step()
+    zero.gather_all()
+    for s in engine.stages.values():
+        for n, p in s.named_parameters():
+            torch.testing.assert_close(p.detach(), ref_params[n], atol=PARAM_ATOL, rtol=0)
+    return len(grads)
+
+
+def test_zero3_layered_dp2_pp2_matches_reference() -> None:
+    counts = run_distributed(_pp2_zero3, 4, timeout=120)
+    assert all(c > 0 for c in counts)
