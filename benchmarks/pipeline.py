@@ -12,7 +12,7 @@ Two workloads, for p ∈ {2, 4} and m ∈ {p, 2p, 4p}:
 For each case the simulator times the same lowered IR with the fixed costs and the measured one-way P2P latency.
 Writes benchmarks/results/pipeline.md, pipeline.json and PNG plots.
 
-    python benchmarks/pipeline.py                # full run (about 6-8 minutes on 2 cores)
+    python benchmarks/pipeline.py                # full run (about 7 minutes on 2 cores)
     python benchmarks/pipeline.py --quick        # p = 2 only, fewer steps (smoke test)
 """
 
@@ -134,7 +134,10 @@ def _batches(m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, VOCAB, (m * MICRO_BATCH, SEQ), generator=g)
     y = torch.randint(0, VOCAB, (m * MICRO_BATCH, SEQ), generator=g)
-    return [(x[j * MICRO_BATCH : (j + 1) * MICRO_BATCH], y[j * MICRO_BATCH : (j + 1) * MICRO_BATCH]) for j in range(m)]
+    return [
+        (x[j * MICRO_BATCH : (j + 1) * MICRO_BATCH], y[j * MICRO_BATCH : (j + 1) * MICRO_BATCH])
+        for j in range(m)
+    ]
 
 
 def _timed(fn, group: dist.ProcessGroup, params: list[nn.Parameter]) -> tuple[float, float]:
@@ -176,7 +179,13 @@ def _tessera_engine(model: nn.Module, schedule: str, p: int, m: int, v: int, opt
     rank = groups.coord(Axis.PIPE)
     mine = {s.index: s for s in stages if s.index % p == rank}
     engine = PipelineEngine(
-        mine, lowered, rank, groups.pp, DataParallelStageComm(mine, None), tied=tied_parameters(stages), record=True
+        mine,
+        lowered,
+        rank,
+        groups.pp,
+        DataParallelStageComm(mine, None),
+        tied=tied_parameters(stages),
+        record=True,
     )
     return engine, lowered
 
@@ -215,7 +224,9 @@ def _bench_rank(rank: int, p: int, cfg: dict) -> dict:
     for workload in cfg["workloads"]:
         for m in (p, 2 * p, 4 * p):
             for label, name, v, options, torch_name in SCHEDULES:
-                out["cases"].append(_bench_case(rank, p, m, workload, label, name, v, options, torch_name, cfg, groups))
+                out["cases"].append(
+                    _bench_case(rank, p, m, workload, label, name, v, options, torch_name, cfg, groups)
+                )
     return out
 
 
@@ -225,7 +236,8 @@ def _make_model(workload: str, p: int, t_block: float) -> nn.Module:
 
 
 def _bench_case(rank, p, m, workload, label, name, v, options, torch_name, cfg, groups) -> dict:
-    group, steps = groups.pp, cfg["steps"]
+    # Real-model steps take milliseconds and are noisy: time more of them.
+    group, steps = groups.pp, cfg["steps"] * (1 if workload == "synthetic" else 5)
     batches = _batches(m)
     model = _make_model(workload, p, cfg["t_block"])
     params = list(model.parameters())
@@ -233,8 +245,13 @@ def _bench_case(rank, p, m, workload, label, name, v, options, torch_name, cfg, 
     engine.step(batches)  # warm-up
     runs = [_timed(lambda: engine.step(batches), group, params) for _ in range(steps)]
     case = {
-        "workload": workload, "label": label, "p": p, "m": m, "v": v,
-        "tessera": [t for t, _ in runs], "compute": [c for _, c in runs],
+        "workload": workload,
+        "label": label,
+        "p": p,
+        "m": m,
+        "v": v,
+        "tessera": [t for t, _ in runs],
+        "compute": [c for _, c in runs],
         "timeline": [(str(a.action), a.start, a.end) for a in engine.timeline],  # the last step
         "fb": _fb_durations(engine),
     }
@@ -363,20 +380,22 @@ def _report(rows: list[dict], latencies: dict[int, float], args: argparse.Namesp
         f"{2e3 * args.t_block:.0f} ms (v = 1 stages hold 2 blocks, v = 2 stages 1 block, so every schedule does "
         "the same work per rank). Step time = median over steps of the slowest rank; bubble = 1 − Σ compute / "
         "(p · step time), compute = time in the blocks. Simulated = `tessera.sim.simulate` on the same lowered "
-        "IR with the fixed costs and the measured latency. torch = `torch.distributed.pipelining` with the same "
+        "IR with the fixed costs and the measured latency; 'sim (measured F/B)' uses the measured mean duration of "
+        "each stage's F and B instead (sleep overshoot and Python overhead included). torch = `torch.distributed.pipelining` with the same "
         "stages (GPipe, 1F1B, Interleaved1F1B, LoopedBFS); ratio = tessera / torch (< 1: tessera faster).",
         "",
         "## (a) Fixed-cost synthetic stages",
         "",
-        "| p | m | schedule | v | tessera ms | simulated ms | sim error | bubble measured | bubble simulated | torch ms | ratio | torch bubble |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| p | m | schedule | v | tessera ms | simulated ms | sim error | sim (measured F/B) ms | bubble measured "
+        "| bubble simulated | torch ms | ratio | torch bubble |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in (r for r in rows if r["workload"] == "synthetic"):
         err = (r["tessera_s"] - r["sim_s"]) / r["sim_s"]
         ratio = r["tessera_s"] / r["torch_s"] if "torch_s" in r else None
         lines.append(
             f"| {r['p']} | {r['m']} | {r['label']} | {r['v']} | {_fmt(r['tessera_s'])} | {_fmt(r['sim_s'])} | "
-            f"{100 * err:+.1f}% | {_fmt(r['bubble'], True)} | {_fmt(r['sim_bubble'], True)} | "
+            f"{100 * err:+.1f}% | {_fmt(r['sim_calibrated_s'])} | {_fmt(r['bubble'], True)} | {_fmt(r['sim_bubble'], True)} | "
             f"{_fmt(r.get('torch_s'))} | {'—' if ratio is None else f'{ratio:.2f}'} | {_fmt(r.get('torch_bubble'), True)} |"
         )
     real = [r for r in rows if r["workload"] == "real"]
@@ -386,7 +405,8 @@ def _report(rows: list[dict], latencies: dict[int, float], args: argparse.Namesp
             "## (b) Real model (GPT, gpt2-tiny shapes, 2p layers, micro-batch 2 × 16 tokens)",
             "",
             "Compute per block is a few milliseconds and 4 processes share 2 cores at p = 4, so these numbers are "
-            "dominated by CPU contention and Python overhead; simulated uses the measured mean F/B time per stage.",
+            "dominated by CPU contention and Python overhead; simulated uses the measured mean F/B time per stage. "
+            "Median of 5× as many steps as the synthetic runs.",
             "",
             "| p | m | schedule | v | tessera ms | simulated (measured costs) ms | torch ms | ratio |",
             "|---|---|---|---|---|---|---|---|",
@@ -397,7 +417,7 @@ def _report(rows: list[dict], latencies: dict[int, float], args: argparse.Namesp
                 f"| {r['p']} | {r['m']} | {r['label']} | {r['v']} | {_fmt(r['tessera_s'])} | "
                 f"{_fmt(r['sim_calibrated_s'])} | {_fmt(r.get('torch_s'))} | {'—' if ratio is None else f'{ratio:.2f}'} |"
             )
-    lines += ["", "## Acceptance", ""] + _acceptance(rows)
+    lines += ["", "## Acceptance", "", *_acceptance(rows)]
     lines += [
         "",
         "Plots: `pipeline_bubble.png` (bubble vs m), `pipeline_sim_vs_measured.png`, `pipeline_vs_torch.png`, "
@@ -409,8 +429,10 @@ def _report(rows: list[dict], latencies: dict[int, float], args: argparse.Namesp
 def _acceptance(rows: list[dict]) -> list[str]:
     synth = [r for r in rows if r["workload"] == "synthetic"]
     errs = [abs(r["tessera_s"] - r["sim_s"]) / r["sim_s"] for r in synth]
-    out = [f"- Simulated vs measured step time, fixed-cost: max |error| {100 * max(errs):.1f}% over {len(errs)} cases "
-           f"(mean {100 * statistics.mean(errs):.1f}%): {'PASS' if max(errs) <= 0.15 else 'FAIL'} (≤ 15%)."]
+    out = [
+        f"- Simulated vs measured step time, fixed-cost: max |error| {100 * max(errs):.1f}% over {len(errs)} cases "
+        f"(mean {100 * statistics.mean(errs):.1f}%): {'PASS' if max(errs) <= 0.15 else 'FAIL'} (≤ 15%)."
+    ]
     key = {(r["p"], r["m"], r["label"]): r for r in synth}
     bf, one = key.get((4, 4, "breadth_first_v2")), key.get((4, 4, "1f1b"))
     if bf and one:
@@ -429,7 +451,7 @@ def _acceptance(rows: list[dict]) -> list[str]:
     return out
 
 
-def _plots(rows: list[dict], out: Path) -> None:
+def _plots(rows: list[dict], out: Path, t_block: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -440,12 +462,18 @@ def _plots(rows: list[dict], out: Path) -> None:
     fig, axes = plt.subplots(1, len(ps), figsize=(6 * len(ps), 4), squeeze=False)
     for ax, p in zip(axes[0], ps, strict=True):
         for label, *_ in SCHEDULES:
-            pts = sorted((r["m"], r["bubble"], r["sim_bubble"]) for r in synth if r["p"] == p and r["label"] == label)
+            pts = sorted(
+                (r["m"], r["bubble"], r["sim_bubble"]) for r in synth if r["p"] == p and r["label"] == label
+            )
             if not pts:
                 continue
             line = ax.plot([x[0] for x in pts], [100 * x[1] for x in pts], "o-", label=f"{label}")[0]
             ax.plot([x[0] for x in pts], [100 * x[2] for x in pts], "x--", color=line.get_color())
-        ax.set(title=f"p = {p}: bubble (solid measured, dashed simulated)", xlabel="micro-batches m", ylabel="bubble %")
+        ax.set(
+            title=f"p = {p}: bubble (solid measured, dashed simulated)",
+            xlabel="micro-batches m",
+            ylabel="bubble %",
+        )
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "pipeline_bubble.png", dpi=110)
@@ -458,7 +486,11 @@ def _plots(rows: list[dict], out: Path) -> None:
     hi = max(sim + meas) * 1.05
     ax.plot([0, hi], [0, hi], "k-", lw=0.8)
     ax.fill_between([0, hi], [0, 0.85 * hi], [0, 1.15 * hi], color="grey", alpha=0.15, label="±15%")
-    ax.set(xlabel="simulated step time (ms)", ylabel="measured step time (ms)", title="fixed-cost: simulated vs measured")
+    ax.set(
+        xlabel="simulated step time (ms)",
+        ylabel="measured step time (ms)",
+        title="fixed-cost: simulated vs measured",
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "pipeline_sim_vs_measured.png", dpi=110)
@@ -466,12 +498,22 @@ def _plots(rows: list[dict], out: Path) -> None:
 
     pairs = [r for r in rows if "torch_s" in r]
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(pairs)), 4))
-    ax.bar(range(len(pairs)), [r["tessera_s"] / r["torch_s"] for r in pairs],
-           color=["#4c72b0" if r["workload"] == "synthetic" else "#dd8452" for r in pairs])
+    ax.bar(
+        range(len(pairs)),
+        [r["tessera_s"] / r["torch_s"] for r in pairs],
+        color=["#4c72b0" if r["workload"] == "synthetic" else "#dd8452" for r in pairs],
+    )
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(pairs)), [f"{r['workload'][:5]} p{r['p']} m{r['m']} {r['label']}" for r in pairs],
-                  rotation=90, fontsize=7)
-    ax.set(ylabel="tessera / torch step time", title="tessera vs torch.distributed.pipelining (blue synthetic, orange real)")
+    ax.set_xticks(
+        range(len(pairs)),
+        [f"{r['workload'][:5]} p{r['p']} m{r['m']} {r['label']}" for r in pairs],
+        rotation=90,
+        fontsize=7,
+    )
+    ax.set(
+        ylabel="tessera / torch step time",
+        title="tessera vs torch.distributed.pipelining (blue synthetic, orange real)",
+    )
     fig.tight_layout()
     fig.savefig(out / "pipeline_vs_torch.png", dpi=110)
     plt.close(fig)
@@ -479,27 +521,43 @@ def _plots(rows: list[dict], out: Path) -> None:
     from tessera.pipeline.ir import Action
 
     for r in synth:
-        if r["p"] == 4 and r["m"] == 4 and r["label"] in ("1f1b", "breadth_first_v2") and all(r["timeline"][0]):
-            entries = [
-                TimelineEntry(rank, Action.parse(a), s, e)
+        if (
+            r["p"] == 4
+            and r["m"] == 4
+            and r["label"] in ("1f1b", "breadth_first_v2")
+            and all(r["timeline"][0])
+        ):
+            entries = [  # time in units of one block's forward, the picture's natural scale
+                TimelineEntry(rank, Action.parse(a), s / t_block, e / t_block)
                 for rank, tl in enumerate(r["timeline"][0])
                 for a, s, e in tl
                 if Action.parse(a).kind.is_compute
             ]
-            render_image(entries, 4, out / f"pipeline_timeline_p4_m4_{r['label']}.png",
-                         f"measured tessera {r['label']} p=4 m=4 (bubble {100 * r['bubble']:.1f}%)")
+            render_image(
+                entries,
+                4,
+                out / f"pipeline_timeline_p4_m4_{r['label']}.png",
+                f"measured tessera {r['label']} p=4 m=4, time in units of t_block = {1e3 * t_block:.0f} ms "
+                f"(bubble {100 * r['bubble']:.1f}%)",
+            )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="p = 2 only, synthetic only")
-    parser.add_argument("--t-block", type=float, default=0.01, help="forward seconds of one synthetic block")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per case (after one warm-up)")
+    parser.add_argument("--t-block", type=float, default=0.015, help="forward seconds of one synthetic block")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per case (after one warm-up)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    cfg = {"steps": args.steps, "t_block": args.t_block, "workloads": ["synthetic"] if args.quick else ["synthetic", "real"]}
+    cfg = {
+        "steps": args.steps,
+        "t_block": args.t_block,
+        "workloads": ["synthetic"] if args.quick else ["synthetic", "real"],
+    }
     rows, latencies = [], {}
     for p in (2,) if args.quick else (2, 4):
         per_rank = _launch(p, cfg)
@@ -513,7 +571,7 @@ def main() -> None:
     report = _report(rows, latencies, args, wall)
     name = "pipeline_quick.md" if args.quick else "pipeline.md"
     (args.out / name).write_text(report)
-    _plots(rows, args.out)
+    _plots(rows, args.out, args.t_block)
     print(report)
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "RMSNorm2D",
     "Shard",
     "VocabEmbedding2D",
+    "output_logits_2d",
     "shard_block",
     "vocab_parallel_cross_entropy_2d",
 ]
@@ -281,21 +282,25 @@ class _VocabParallelCE(torch.autograd.Function):
         z = logits.float()  # z: [m, V_pad/q]
         cols = torch.arange(start, start + z.shape[-1], device=z.device)  # cols: [V_pad/q] global ids
         z = z.masked_fill(cols >= vocab, float("-inf"))  # padding never wins probability
-        hit = targets.unsqueeze(-1) == cols  # hit: [m, V_pad/q], at most one True per row
+        local = targets - start  # local: [m], the target's column in this slice if it falls here
+        mine = (local >= 0) & (local < z.shape[-1])
+        local = local.masked_fill(~mine, 0)
         lse = torch.logsumexp(z, dim=-1)  # lse: [m]
-        tgt = torch.where(hit, z, 0.0).sum(-1)  # tgt: [m]
+        tgt = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)  # tgt: [m]
         pair = torch.stack((lse, tgt)).unsqueeze(0)  # pair: [1, 2, m]
         if group is not None:
             pair = comm.all_gather(pair, 0, group)  # pair: [q, 2, m]
         lse_all = torch.logsumexp(pair[:, 0], dim=0)  # [m]
-        ctx.save_for_backward(z, hit, lse_all)
+        ctx.save_for_backward(z, local.masked_fill(~mine, -1), lse_all)  # [m] ids, not an [m, V_pad/q] mask
         ctx.dtype = logits.dtype
         return lse_all - pair[:, 1].sum(0)  # [m]
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        z, hit, lse = ctx.saved_tensors
-        grad = (z - lse.unsqueeze(-1)).exp() - hit.float()  # grad: [m, V_pad/q]
+        z, local, lse = ctx.saved_tensors
+        grad = (z - lse.unsqueeze(-1)).exp()  # grad: [m, V_pad/q], the softmax slice
+        rows = (local >= 0).nonzero().squeeze(-1)
+        grad[rows, local[rows]] -= 1.0  # minus the one-hot of targets in this slice
         return (grad * g.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
 
 

@@ -198,19 +198,32 @@ class _MatmulATB(torch.autograd.Function):
         return da, db, None
 
 
+def _same_dtype(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cast both operands as autocast would cast a matmul's (differentiably), else to their common dtype.
+
+    The blocks travel in this dtype, so under bf16 autocast SUMMA moves bf16 blocks, like F.linear computes in it.
+    """
+    device = a.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = torch.promote_types(a.dtype, b.dtype)
+    return a.to(dtype), b.to(dtype)
+
+
 def matmul_ab_2d(a: torch.Tensor, b: torch.Tensor, grid: Grid2D) -> torch.Tensor:
     """Block (i, j) of A·B.  a: [..., K/q] block of A [M, K] (tokens by i); b: [K/q, N/q] → [..., N/q]."""
-    return _MatmulAB.apply(a, b, grid)
+    return _MatmulAB.apply(*_same_dtype(a, b), grid)
 
 
 def matmul_abt_2d(a: torch.Tensor, b: torch.Tensor, grid: Grid2D) -> torch.Tensor:
     """Block (i, j) of A·Bᵀ.  a: [..., N/q] block of A [M, N]; b: [K/q, N/q] block of B [K, N] → [..., K/q]."""
-    return _MatmulABT.apply(a, b, grid)
+    return _MatmulABT.apply(*_same_dtype(a, b), grid)
 
 
 def matmul_atb_2d(a: torch.Tensor, b: torch.Tensor, grid: Grid2D) -> torch.Tensor:
     """Block (i, j) of Aᵀ·B.  a: [..., K/q] block of A [M, K]; b: [..., N/q] block of B [M, N] → [K/q, N/q]."""
-    return _MatmulATB.apply(a, b, grid)
+    return _MatmulATB.apply(*_same_dtype(a, b), grid)
 
 
 def summa_bytes(op: str, m: int, k: int, n: int, q: int, elem: int = 4) -> dict[tuple[str, str], int]:

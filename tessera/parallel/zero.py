@@ -229,6 +229,7 @@ class ZeroStageComm:
         }
         self.uses = {s: [o for o in owners if o in self.flats] for s, owners in self.uses.items()}
         self._pending_reduce: set[int] = set()
+        self._inflight: list[FlatStage] = []
         self._shard_module: nn.Module | None = None
 
     # --- StageComm protocol -------------------------------------------------------------------------------
@@ -266,13 +267,22 @@ class ZeroStageComm:
         if self.zero_stage == 1 and self.accumulation == "depth_first":
             self._pending_reduce.add(stage)  # full gradients stay; one reduce-scatter in finish()
             return
-        self.flats[stage].launch_reduce(self.reduce_dtype, drop_grads=self.zero_stage >= 2)
+        self._launch(self.flats[stage], drop_grads=self.zero_stage >= 2)
+
+    def _launch(self, flat: FlatStage, drop_grads: bool) -> None:
+        # One reduction in flight: it overlaps the next stage's backward, and only one flattened gradient copy
+        # exists at a time (the memory estimate's communication buffer).
+        for earlier in self._inflight:
+            earlier.wait_reduce()
+        flat.launch_reduce(self.reduce_dtype, drop_grads=drop_grads)
+        self._inflight = [flat]
 
     def finish(self) -> None:
         """Before the optimizer step: launch deferred reductions and wait for every one."""
-        for stage in sorted(self._pending_reduce):
-            self.flats[stage].launch_reduce(self.reduce_dtype, drop_grads=False)
+        for stage in sorted(self._pending_reduce, reverse=True):
+            self._launch(self.flats[stage], drop_grads=False)
         self._pending_reduce.clear()
+        self._inflight = []
         for flat in self.flats.values():
             flat.wait_reduce()
 

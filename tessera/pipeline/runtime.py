@@ -105,7 +105,9 @@ class DataParallelStageComm:
         params = self.params.get(stage, [])
         if self.size == 1 or not params:
             return
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
         self._pending.append((stage, flat, comm.all_reduce(flat, self.group, async_op=True)))
 
     def finish(self) -> None:
@@ -184,7 +186,9 @@ class PipelineEngine:
                 f"{sorted(stages)}; build the stages with the schedule's placement"
             )
         if pp_group is not None and _group_size(pp_group) != p:
-            raise ScheduleError(f"the schedule has {p} pipeline ranks but the pipeline group has {_group_size(pp_group)}")
+            raise ScheduleError(
+                f"the schedule has {p} pipeline ranks but the pipeline group has {_group_size(pp_group)}"
+            )
         seen = [a.microbatch for actions in lowered for a in actions if a.microbatch is not None]
         self.m = microbatches if microbatches is not None else max(seen, default=-1) + 1
         self.stages, self.rank, self.p, self.group, self.comm = stages, rank_in_pp, p, pp_group, comm
@@ -197,6 +201,26 @@ class PipelineEngine:
         self.timeline: list[TimedAction] = []
         if pp_group is not None and dist.get_backend(pp_group) != "gloo":
             _check_p2p_order(lowered)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's trainable parameters, each once (a tied Parameter of two local stages counted once)."""
+        unique = {
+            id(p): p for s in sorted(self.stages) for p in self.stages[s].parameters() if p.requires_grad
+        }
+        return list(unique.values())
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Sum of squared gradients of ``parameters()``, the copy of a Parameter tied across ranks counted
+        only on the rank of its lower stage; sum it over the pipeline group for the global norm."""
+        skip = set()
+        for tie in self.tied:
+            if tie.stage_b in self.stages and tie.stage_a not in self.stages:
+                skip.add(id(self.stages[tie.stage_b].get_parameter(tie.name_b)))
+        total = torch.zeros((), dtype=torch.float32, device=_device(self.stages))
+        for p in self.parameters():
+            if p.grad is not None and id(p) not in skip:
+                total += p.grad.detach().float().pow(2).sum()
+        return total
 
     # --- one step ------------------------------------------------------------------------------------------
 
@@ -328,10 +352,7 @@ class PipelineEngine:
 
     def _send(self, state: _StepState, action: Action) -> None:
         key = (action.stage, action.microbatch)
-        if action.kind is _K.SEND_F:
-            tensor = state.outputs[key].detach()
-        else:
-            tensor = state.input_grads.pop(key)
+        tensor = state.outputs[key].detach() if action.kind is _K.SEND_F else state.input_grads.pop(key)
         tensor = tensor.to(self.dtype).contiguous()
         op = comm.send(tensor, action.peer, self.group, self._tag(action.message))
         state.sends.append((tensor, comm.batch_p2p([op])))
@@ -351,7 +372,10 @@ class PipelineEngine:
                 peer = self.owner[other]
                 tag = 2 * self.n_stages * self.m + index  # above every activation/gradient tag
                 works = comm.batch_p2p(
-                    [comm.send(grad.contiguous(), peer, self.group, tag), comm.recv(theirs, peer, self.group, tag)]
+                    [
+                        comm.send(grad.contiguous(), peer, self.group, tag),
+                        comm.recv(theirs, peer, self.group, tag),
+                    ]
                 )
                 for work in works:
                     work.wait()
@@ -368,7 +392,9 @@ class PipelineEngine:
         }
         leftover = {name: sorted(map(str, d)) for name, d in left.items() if d}
         if leftover:
-            raise ScheduleError(f"pipeline step ended with unconsumed tensors {leftover}; the schedule is incomplete")
+            raise ScheduleError(
+                f"pipeline step ended with unconsumed tensors {leftover}; the schedule is incomplete"
+            )
 
     def _mean_loss(self, state: _StepState) -> float | None:
         last = self.n_stages - 1
@@ -478,7 +504,7 @@ def build_pipeline(
     p, v = layout.pp, par.stages_per_rank
     name = schedule_name or par.schedule
     m = m if m is not None else cfg.train.micro_batches(layout.dp)
-    lowered, placement = lowered_schedule(
+    lowered, _ = lowered_schedule(
         name, p, m, v, zero3=par.zero == 3, accumulation=par.accumulation, **schedule_options
     )
     all_stages = split_stages(model, p * v, par.stage_layers, par.checkpointing)

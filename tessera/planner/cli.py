@@ -35,7 +35,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     space = SearchSpace(dtype=args.dtype, flash_attention=not args.no_flash_attention)
     try:
         result = search(
-            _model_arg(args.model), args.gpus, hw, args.global_batch, space=space, target_loss=args.target_loss
+            _model_arg(args.model),
+            args.gpus,
+            hw,
+            args.global_batch,
+            space=space,
+            target_loss=args.target_loss,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -60,7 +65,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from tessera.planner.calibrate import calibrate
     from tessera.planner.hardware import save_hardware
 
-    hw, report = calibrate(name=args.name or Path(args.out).stem, quick=args.quick, world=args.processes)
+    try:
+        hw, report = calibrate(name=args.name or Path(args.out).stem, quick=args.quick, world=args.processes)
+    except (RuntimeError, TimeoutError) as e:  # a collective process failed or hung
+        raise TesseraError(f"calibration failed: {e}") from None
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     save_hardware(hw, args.out)
     print(report)
@@ -86,9 +94,13 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=int, default=None, help="sequences per step")
     batch.add_argument(
-        "--critical-batch", action="store_true", help="use Kaplan's critical batch (the default without a batch)"
+        "--critical-batch",
+        action="store_true",
+        help="use Kaplan's critical batch (the default without a batch)",
     )
-    p.add_argument("--target-loss", type=float, default=None, help="loss target for the critical batch (nats)")
+    p.add_argument(
+        "--target-loss", type=float, default=None, help="loss target for the critical batch (nats)"
+    )
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--out", default=None, help="write the best layout as a tessera config TOML")

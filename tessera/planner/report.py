@@ -111,7 +111,12 @@ def _reason(result: SearchResult, win: Candidate, run: Candidate) -> str:
     part = max(rp, key=lambda k: rp[k] - wp[k])
     delta = rp[part] - wp[part]
     head = f"{slower:+.1%} {'training time' if result.objective == 'training_time' else 'step time'}"
-    if result.objective == "training_time" and run.steps and win.steps and run.global_batch != win.global_batch:
+    if (
+        result.objective == "training_time"
+        and run.steps
+        and win.steps
+        and run.global_batch != win.global_batch
+    ):
         head += f" (batch {run.global_batch} vs {win.global_batch} sequences: {run.steps:,.0f} vs {win.steps:,.0f} steps)"
     if delta <= 0:
         return f"{head}: ties the winner on every component"
@@ -169,13 +174,19 @@ def render_text(result: SearchResult, entries: list[Explained]) -> str:
         f"{result.rejected_memory:,} did not fit in memory",
     ]
     if result.global_batch is not None:
-        lines.append(f"global batch {result.global_batch} sequences × {shape.seq_len} tokens; ranked by step time")
+        lines.append(
+            f"global batch {result.global_batch} sequences × {shape.seq_len} tokens; ranked by step time"
+        )
     else:
         lines.append(
             f"critical batch B_crit = {result.critical_batch_tokens / 1e6:.2f} M tokens at target loss "
             f"{result.target_loss:.3f} nats (Kaplan); ranked by training time = steps × step time"
         )
-    lines += ["", "| # | layout | step time | MFU | tokens/s | memory/GPU | timed by |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| # | layout | step time | MFU | tokens/s | memory/GPU | timed by |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for i, e in enumerate(entries, 1):
         c = e.candidate
         lines.append(
@@ -188,7 +199,9 @@ def render_text(result: SearchResult, entries: list[Explained]) -> str:
     lines.append("|---" * (len(names) + 2) + "|")
     for i, e in enumerate(entries, 1):
         parts = e.candidate.breakdown.parts
-        lines.append(f"| {i} | " + " | ".join(f"{parts[n]:.3g}" for n in names) + f" | {e.candidate.step_time:.3g} |")
+        lines.append(
+            f"| {i} | " + " | ".join(f"{parts[n]:.3g}" for n in names) + f" | {e.candidate.step_time:.3g} |"
+        )
     if entries and entries[0].candidate.steps:
         best = entries[0].candidate
         lines += [
@@ -316,7 +329,9 @@ def render_picture(result: SearchResult, entries: list[Explained], path: str | P
     for row, e in enumerate(entries):
         left = 0.0
         for name, value in e.candidate.breakdown.parts.items():
-            ax.barh(row, value, left=left, color=_COLORS[name], label=COMPONENT_NAMES[name] if row == 0 else None)
+            ax.barh(
+                row, value, left=left, color=_COLORS[name], label=COMPONENT_NAMES[name] if row == 0 else None
+            )
             left += value
     ax.set_yticks(range(len(entries)), labels, fontsize=7)
     ax.invert_yaxis()

@@ -76,9 +76,11 @@ PLANNER_SIZES: dict[str, dict[str, Any]] = {**SIZES, **_megatron_sizes()}
 def model_config(model: str | ModelConfig) -> tuple[str | None, ModelConfig]:
     """(registry name or None, ModelConfig) from a name in `PLANNER_SIZES` or a ModelConfig."""
     if isinstance(model, ModelConfig):
-        return model.size, model
+        return None, model  # fields may override the registry entry: configs spell them out
     if model not in PLANNER_SIZES:
-        raise ValueError(f"unknown model {model!r}; known: {', '.join(PLANNER_SIZES)} (or pass a config file)")
+        raise ValueError(
+            f"unknown model {model!r}; known: {', '.join(PLANNER_SIZES)} (or pass a config file)"
+        )
     return model, ModelConfig(**PLANNER_SIZES[model])
 
 
@@ -146,7 +148,9 @@ class Candidate:
     def label(self) -> str:
         """One-line description, e.g. ``d64 p8 t8+SP | interleaved v2 | b1 m24 | ZeRO-1 | selective``."""
         pl = self.plan
-        tensor = f"{pl.q}x{pl.q}" if pl.tp_kind == "2d" else f"t{pl.tp}" + ("+SP" if pl.sequence_parallel else "")
+        tensor = (
+            f"{pl.q}x{pl.q}" if pl.tp_kind == "2d" else f"t{pl.tp}" + ("+SP" if pl.sequence_parallel else "")
+        )
         sched = self.schedule + (f" v{pl.virtual_stages}" if pl.virtual_stages > 1 else "")
         return (
             f"d{pl.dp} p{pl.pp} {tensor} | {sched} | b{pl.micro_batch} m{pl.n_microbatches} | "
@@ -173,6 +177,9 @@ class SearchResult:
     enumerated: int = 0
     rejected_memory: int = 0
     seconds: float = 0.0
+    """Wall-clock seconds of the search."""
+    cpu_seconds: float = 0.0
+    """CPU seconds of the search (this process; equals wall time on an idle core)."""
 
     @property
     def best(self) -> Candidate:
@@ -199,7 +206,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _tensor_options(cfg: ModelConfig, gpus: int, hw: Hardware, space: SearchSpace) -> list[tuple[str, int, bool]]:
+def _tensor_options(
+    cfg: ModelConfig, gpus: int, hw: Hardware, space: SearchSpace
+) -> list[tuple[str, int, bool]]:
     """(kind, tensor ranks, sequence parallel) triples that the config rules accept."""
     sizes = (cfg.n_heads, cfg.kv_heads, cfg.d_model, cfg.ffn)
     max_t = space.max_tensor or hw.gpus_per_node
@@ -209,7 +218,7 @@ def _tensor_options(cfg: ModelConfig, gpus: int, hw: Hardware, space: SearchSpac
         if gpus % t or any(x % t for x in sizes):
             continue
         for sp in space.sequence_parallel:
-            if t == 1 and sp or sp and cfg.seq_len % t:
+            if (t == 1 and sp) or (sp and cfg.seq_len % t):
                 continue
             out.append(("1d", t, sp))
     max_q2 = space.max_tensor_2d or 2 * hw.gpus_per_node
@@ -360,7 +369,7 @@ def search(
     name, cfg = model_config(model)
     shape = ModelShape.from_config(cfg)
     shape = replace(shape, n_kv_heads=cfg.kv_heads)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     crit_tokens = crit_seq = None
     loss = target_loss
     if global_batch is None:
@@ -400,6 +409,7 @@ def search(
     found.sort(key=lambda c: c.training_time if c.steps is not None else c.step_time)
     result.candidates = found[:keep]
     result.seconds = time.perf_counter() - start
+    result.cpu_seconds = time.process_time() - cpu_start
     return result
 
 

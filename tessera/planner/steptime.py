@@ -20,11 +20,13 @@ Two ways to get the number, which agree (tests/unit/test_search.py checks them a
   pictures; cost grows with p·v·m actions).
 - `fast_step`: closed forms checked against the simulator for equal chunk costs. With f, b the forward and
   backward (incl. recompute and TP) of one chunk and k the number of p2p transfers on the critical path:
-  ``T_pipe = (v·m + p − 1 + (v − 1)·max(0, p − m))·(f + b) + m·(f_out + b_out) + k·t_p2p``, where the
-  ``(v − 1)(p − m)`` stall exists only for breadth-first with m < p, and k = 2(p − 1) for GPipe and breadth-first
-  with m ≥ p, 2(p·v − 1) for interleaved and breadth-first with m < p, and max(2(p − 1), (2 − 2/p)·m + 2(p − 2))
-  for 1F1B (its F/B pairs wait for each transfer in steady state). The DP queue is the same function fed with
-  release times derived from the schedule's order. This is what the search uses (microseconds per layout).
+  ``T_pipe = (v·m + p − 1)·(f + b) + m·(f_out + b_out) + k·t_p2p`` for GPipe, 1F1B and interleaved, with
+  k = 2(p − 1) (GPipe), 2(p·v − 1) (interleaved), max(2(p − 1), (2 − 2/p)·m + 2(p − 2)) (1F1B: its F/B pairs
+  wait for each transfer in steady state; exact for m ≥ p). Breadth-first:
+  ``(v·m + p − 1)(f + b) + 2(p − 1)·t + (v − 1)·[max(0, p(f + t) − m·f) + max(0, p(b + t) − m·b)] + m·(f_out +
+  b_out)``: each of the v − 1 wrap-arounds stalls until the first micro-batch has looped through the p ranks
+  (exact vs the simulator, including m < p). The DP queue is the same function fed with release times derived
+  from the schedule's order. This is what the search uses (microseconds per layout).
 
 Breakdown (seconds on the critical rank; the parts add up to the step time): compute (F/B incl. recompute and
 the output layer), exposed TP, bubble (idle time of the pipeline with free p2p), PP (extra time the p2p transfers
@@ -67,12 +69,18 @@ __all__ = [
     "fast_step",
     "inflight_microbatches",
     "optimizer_time",
-    "pipeline_units",
     "p2p_hops",
+    "pipeline_time",
+    "pipeline_units",
     "simulate_step",
 ]
 
-CONFIG_TO_IR = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved": "interleaved_1f1b", "breadth_first": "breadth_first"}
+CONFIG_TO_IR = {
+    "1f1b": "1f1b",
+    "gpipe": "gpipe",
+    "interleaved": "interleaved_1f1b",
+    "breadth_first": "breadth_first",
+}
 """Schedule names of `tessera.config` → names of the schedule registry (`tessera.pipeline.schedules`)."""
 
 FP32_OPTIMIZER_BYTES_PER_PARAM = 28
@@ -159,10 +167,13 @@ def chunk_costs(shape: ModelShape, hw: Hardware, plan: Plan) -> ChunkCosts:
 def inflight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> float:
     """Peak stored activations of pipeline rank `stage`, in units of all its L/p blocks for one micro-batch
     (the `inflight_microbatches` argument of `memory_per_rank`). Checked against the simulator's peak count:
-    1F1B min(p − r, m); GPipe m; interleaved min(2(p−1−r) + (v−1)p + 1, v·m)/v; breadth-first m."""
+    1F1B min(p − r, m); GPipe m; interleaved min(2(p−1−r) + (v−1)p + 1, v·m)/v (m when m = p);
+    breadth-first m."""
     if schedule == "1f1b":
         return float(min(p - stage, m))
     if schedule == "interleaved":
+        if m == p:  # Megatron's rule: with m == p every rank runs all forwards first
+            return float(m)
         return min(2 * (p - 1 - stage) + (v - 1) * p + 1, v * m) / v
     return float(m)
 
@@ -171,6 +182,16 @@ def pipeline_units(schedule: str, p: int, m: int, v: int) -> float:
     """Pipeline length in chunk (f + b) units with equal chunks and free p2p (exact vs the simulator)."""
     stall = (v - 1) * max(0, p - m) if schedule == "breadth_first" else 0
     return v * m + p - 1 + stall
+
+
+def pipeline_time(schedule: str, p: int, m: int, v: int, f: float, b: float, t: float) -> float:
+    """Pipeline length with equal chunks (f, b) and p2p time t, without the output layer (module docstring)."""
+    t = t if p > 1 else 0.0  # one rank: no transfers
+    if schedule == "breadth_first":
+        hops = 2 * (p - 1) * t if p > 1 else 0.0
+        stall = (v - 1) * (max(0.0, p * (f + t) - m * f) + max(0.0, p * (b + t) - m * b))
+        return (v * m + p - 1) * (f + b) + hops + stall
+    return pipeline_units(schedule, p, m, v) * (f + b) + p2p_hops(schedule, p, m, v) * t
 
 
 def p2p_hops(schedule: str, p: int, m: int, v: int) -> float:
@@ -250,11 +271,11 @@ def fast_step(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str) -> Ste
 
 def _fast(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, c: ChunkCosts) -> StepBreakdown:
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
-    units = pipeline_units(schedule, p, m, v)
     compute = m * v * (c.fwd_compute + c.bwd_compute) + m * (c.out_fwd + c.out_bwd)
     tp = m * v * (c.fwd_tp + c.bwd_tp)
-    pipe = units * (c.fwd + c.bwd) + m * (c.out_fwd + c.out_bwd)
-    pp = p2p_hops(schedule, p, m, v) * c.p2p
+    free = pipeline_time(schedule, p, m, v, c.fwd, c.bwd, 0.0)
+    pipe = free + m * (c.out_fwd + c.out_bwd)
+    pp = pipeline_time(schedule, p, m, v, c.fwd, c.bwd, c.p2p) - free
     end = pipe + pp
     dp = _fast_dp(shape, hw, plan, schedule, c, end)
     return StepBreakdown(

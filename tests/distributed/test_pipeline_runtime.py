@@ -48,10 +48,11 @@ class Case:
     checkpointing: str = "none"
     options: dict[str, Any] = field(default_factory=dict)
     split_backward: bool = False  # hand-made schedule: every B replaced by I then W
+    q: int = 1  # Optimus 2D tensor-parallel grid side
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp
+        return self.dp * self.pp * self.q * self.q
 
 
 CASES = [
@@ -80,6 +81,8 @@ CASES = [
     Case("pp4_llama_interleaved_v2", "interleaved_1f1b", 4, v=2, family="llama"),
     Case("dp2_pp2_1f1b", "1f1b", 2, dp=2),
     Case("dp2_pp2_bf_v2", "breadth_first", 2, v=2, dp=2),
+    # pp2 × Optimus 2D 2×2 (world 8)
+    Case("pp2_tp2x2_1f1b", "1f1b", 2, q=2, n_layers=4),
 ]
 BY_NAME = {case.name: case for case in CASES}
 
@@ -87,7 +90,10 @@ BY_NAME = {case.name: case for case in CASES}
 def _config(case: Case) -> Config:
     return from_dict(
         {
-            "model": {"size": f"{case.family if case.family == 'llama' else 'gpt2'}-tiny", "n_layers": case.n_layers},
+            "model": {
+                "size": f"{case.family if case.family == 'llama' else 'gpt2'}-tiny",
+                "n_layers": case.n_layers,
+            },
             "parallel": {
                 "pipeline": case.pp,
                 "data": case.dp,
@@ -143,23 +149,37 @@ def _run_cases(rank: int, world: int, names: list[str]) -> dict[str, tuple]:
     groups_by_layout: dict[Layout, Any] = {}
     for name in names:
         case = BY_NAME[name]
-        layout = Layout(dp=case.dp, pp=case.pp)
+        layout = Layout(dp=case.dp, pp=case.pp, q=case.q)
         if layout not in groups_by_layout:
             groups_by_layout[layout] = build_groups(layout)
         groups = groups_by_layout[layout]
         torch.manual_seed(SEED)
         model = build_model(_config(case).model)
+        if case.q > 1:
+            from tessera.parallel.model_2d import apply_tensor_2d
+
+            model = apply_tensor_2d(model, groups)
         engine = _engine(case, model, layout, groups)
         x, y = _data(case)
         batches = _micro_batches(case, x, y, groups.coord(Axis.DATA))
         loss = engine.step(batches)
-        grads = {n: p.grad.clone() for s in engine.stages.values() for n, p in s.named_parameters()}
-        out[name] = (loss, grads, groups.coord(Axis.DATA))
+        norm_sq = float(engine.grad_norm_sq()) if case.q == 1 else None
+        out[name] = (loss, _stage_grads(engine, model, case), groups.coord(Axis.DATA), norm_sq)
     return out
 
 
 def _reference(case: Case) -> tuple[float, dict[str, torch.Tensor]]:
     return _reference_for(case.family, case.n_layers, case.dp, case.m)
+
+
+def _stage_grads(engine: PipelineEngine, model: torch.nn.Module, case: Case) -> dict[str, torch.Tensor]:
+    """Gradients of this rank's stage parameters by plain name (full, unsharded tensors under 2D)."""
+    named = [(n, p) for s in engine.stages.values() for n, p in s.named_parameters(remove_duplicate=False)]
+    if case.q == 1:
+        return {n: p.grad.clone() for n, p in named}
+    full = model.full_parameters(grad=True)  # collective over the grid
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return {n: full[name_of[id(p)]] for n, p in named}
 
 
 @cache
@@ -180,7 +200,7 @@ def _names(world: int) -> list[str]:
 @pytest.fixture(scope="module")
 def results() -> dict[int, list[dict[str, tuple]]]:
     torch.set_num_threads(1)
-    return {world: run_distributed(_run_cases, world, _names(world), timeout=180) for world in (2, 4)}
+    return {world: run_distributed(_run_cases, world, _names(world), timeout=180) for world in (2, 4, 8)}
 
 
 @pytest.mark.parametrize("name", [c.name for c in CASES])
@@ -188,18 +208,25 @@ def test_pipeline_matches_single_device(results: dict[int, list[dict[str, tuple]
     case = BY_NAME[name]
     ref_loss, ref_grads = _reference(case)
     per_rank = [r[name] for r in results[case.world]]
-    losses = [loss for loss, _, _ in per_rank]
-    for loss in losses:  # every pipeline rank gets its replica's loss; replicas average to the batch loss
+    for (
+        loss,
+        *_,
+    ) in per_rank:  # every pipeline rank gets its replica's loss; replicas average to the batch loss
         assert loss is not None
-    by_replica: dict[int, float] = {dp_rank: loss for loss, _, dp_rank in per_rank}
+    by_replica: dict[int, float] = {dp_rank: loss for loss, _, dp_rank, _ in per_rank}
     mean_loss = sum(by_replica.values()) / case.dp
     torch.testing.assert_close(mean_loss, ref_loss, rtol=LOSS_RTOL, atol=LOSS_ATOL)
     seen: set[str] = set()
-    for _, grads, _ in per_rank:
+    for _, grads, _, _ in per_rank:
         for pname, grad in grads.items():
             torch.testing.assert_close(grad, ref_grads[pname], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=pname)
             seen.add(pname)
     assert seen == set(ref_grads), f"parameters without a pipeline gradient: {sorted(set(ref_grads) - seen)}"
+    if case.q == 1:  # the global norm: per-rank sums of squares over one replica's pipeline, tied copy once
+        unique = {id(g): g for g in ref_grads.values()}
+        ref_norm = sum(float(g.pow(2).sum()) for g in unique.values()) ** 0.5
+        norm = sum(sq for _, _, dp_rank, sq in per_rank if dp_rank == 0) ** 0.5
+        torch.testing.assert_close(norm, ref_norm, rtol=GRAD_RTOL, atol=GRAD_ATOL)
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])

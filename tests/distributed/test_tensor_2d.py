@@ -16,7 +16,9 @@ from tessera.groups import build_groups
 from tessera.layout import Axis, Layout
 from tessera.model.build import build_model
 from tessera.parallel.data import GradSync
+from tessera.parallel.layers_2d import shard_block
 from tessera.parallel.model_2d import apply_tensor_2d, comm_bytes_2d
+from tessera.parallel.tensor_2d import Grid2D, matmul_ab_2d, matmul_abt_2d, matmul_atb_2d
 from tests.harness import run_distributed
 
 # fp32 on CPU: SUMMA sums the same products in a different order (q partial GEMMs, reductions), so results agree
@@ -25,6 +27,7 @@ LOSS_RTOL = 1e-5
 GRAD_TOL_REL_MAX = 1e-5
 GRAD_ATOL = 1e-9  # floor for gradients that are exactly 0 in theory (key biases: softmax ignores them)
 GRAD_NORM_RTOL = 1e-5
+OPS_TOL = 1e-12  # SUMMA ops alone in float64 on O(1) entries: sums of ≤ 15 products, rounding ~1e-15
 SEED = 1234
 SEQ = 8
 
@@ -89,9 +92,39 @@ def _reference(cfg: ModelConfig, batch: int) -> tuple[float, dict[str, torch.Ten
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _worker_2d(rank: int, world: int, model_names: list[str], layout_name: str) -> list[dict]:
+def _worker_2d(
+    rank: int, world: int, model_names: list[str], layout_name: str, saved_families: list[str]
+) -> dict[str, list]:
+    """One launch per layout: every model's run, plus (tp2x2) the saved-activation measurement."""
     groups = build_groups(LAYOUTS[layout_name])
-    return [_run_one(rank, world, groups, name, layout_name) for name in model_names]
+    runs = [_run_one(rank, world, groups, name, layout_name) for name in model_names]
+    saved = [_saved_bytes_2d(groups, family) for family in saved_families]
+    return {"runs": runs, "saved": saved, "ops": _summa_ops_errors(Grid2D.from_groups(groups))}
+
+
+def _summa_ops_errors(grid: Grid2D) -> dict[str, float]:
+    """Each SUMMA op and its gradients against the full float64 product, on non-square blocks."""
+    g = torch.Generator().manual_seed(SEED)
+    M, K, N = 4 * grid.q, 3 * grid.q, 5 * grid.q
+    shapes = {"ab": ((M, K), (K, N)), "abt": ((M, N), (K, N)), "atb": ((M, K), (M, N))}
+    maths = {"ab": lambda a, b: a @ b, "abt": lambda a, b: a @ b.t(), "atb": lambda a, b: a.t() @ b}
+    ops = {"ab": matmul_ab_2d, "abt": matmul_abt_2d, "atb": matmul_atb_2d}
+    errors = {}
+    for name, (sa, sb) in shapes.items():
+        a = torch.randn(*sa, generator=g, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(*sb, generator=g, dtype=torch.float64, requires_grad=True)
+        c = maths[name](a, b)
+        dc = torch.randn(c.shape, generator=g, dtype=torch.float64)
+        c.backward(dc)
+        la, lb = (shard_block(t, grid, 1, 0).requires_grad_() for t in (a, b))
+        lc = ops[name](la, lb, grid)
+        lc.backward(shard_block(dc, grid, 1, 0))
+        errors[name] = max(
+            (lc - shard_block(c, grid, 1, 0)).abs().max().item(),
+            (la.grad - shard_block(a.grad, grid, 1, 0)).abs().max().item(),
+            (lb.grad - shard_block(b.grad, grid, 1, 0)).abs().max().item(),
+        )
+    return errors
 
 
 def _run_one(rank: int, world: int, groups, model_name: str, layout_name: str) -> dict:
@@ -120,11 +153,18 @@ def _run_one(rank: int, world: int, groups, model_name: str, layout_name: str) -
     return out
 
 
-def _check(model_names: list[str], layout_name: str) -> None:
+def _launch(model_names: list[str], layout_name: str, saved_families: tuple[str, ...] = ()) -> list[dict]:
     layout = LAYOUTS[layout_name]
-    per_rank = run_distributed(_worker_2d, layout.world_size, model_names, layout_name, timeout=300)
+    args = (model_names, layout_name, list(saved_families))
+    return run_distributed(_worker_2d, layout.world_size, *args, timeout=300)
+
+
+def _check(model_names: list[str], layout_name: str, per_rank: list[dict] | None = None) -> None:
+    per_rank = per_rank or _launch(model_names, layout_name)
+    for r in per_rank:
+        assert max(r["ops"].values()) <= OPS_TOL, f"SUMMA op differs from the full product: {r['ops']}"
     for k, name in enumerate(model_names):
-        _check_one(name, layout_name, [r[k] for r in per_rank])
+        _check_one(name, layout_name, [r["runs"][k] for r in per_rank])
 
 
 def _check_one(model_name: str, layout_name: str, results: list[dict]) -> None:
@@ -152,9 +192,19 @@ def _check_one(model_name: str, layout_name: str, results: list[dict]) -> None:
         assert r["norm_sq"] == pytest.approx(want_sq, rel=GRAD_NORM_RTOL)
 
 
-def test_tp2x2_gpt_llama_and_vocab_257() -> None:
+TP2X2_MODELS = ["gpt", "llama", "gpt_v257", "llama_v257"]
+SAVED_FAMILIES = ["gpt", "llama"]
+
+
+@pytest.fixture(scope="module")
+def tp2x2_results() -> list[dict]:
+    """One 4-rank launch shared by the tp2x2 tests (spawning ranks costs more than the models on 2 cores)."""
+    return _launch(TP2X2_MODELS, "tp2x2", SAVED_FAMILIES)
+
+
+def test_tp2x2_gpt_llama_and_vocab_257(tp2x2_results: list[dict]) -> None:
     """GPT and Llama (GQA, RoPE), and vocabulary 257 on q = 2 (padded to 258 inside, invisible outside)."""
-    _check(["gpt", "llama", "gpt_v257", "llama_v257"], "tp2x2")
+    _check(TP2X2_MODELS, "tp2x2", tp2x2_results)
 
 
 def test_dp2_tp2x2_matches_single_device() -> None:
@@ -192,20 +242,15 @@ def saved_activation_bytes(model, tokens: torch.Tensor, targets: torch.Tensor) -
     return sum(seen.values())
 
 
-def _saved_worker(rank: int, world: int, families: list[str]) -> list[int]:
-    groups = build_groups(Layout(q=2))
-    out = []
-    for family in families:
-        cfg = ModelConfig(family=family, **SAVED_MODEL)
-        out.append(saved_activation_bytes(apply_tensor_2d(_model(cfg), groups), *_data(cfg, SAVED_BATCH)))
-    return out
+def _saved_bytes_2d(groups, family: str) -> int:
+    cfg = ModelConfig(family=family, **SAVED_MODEL)
+    return saved_activation_bytes(apply_tensor_2d(_model(cfg), groups), *_data(cfg, SAVED_BATCH))
 
 
-def test_saved_activation_bytes_per_rank_2x2() -> None:
-    families = ["gpt", "llama"]
-    per_rank = run_distributed(_saved_worker, 4, families, timeout=300)
-    for k, family in enumerate(families):
+def test_saved_activation_bytes_per_rank_2x2(tp2x2_results: list[dict]) -> None:
+    for k, family in enumerate(SAVED_FAMILIES):
         cfg = ModelConfig(family=family, **SAVED_MODEL)
         plain = saved_activation_bytes(_model(cfg), *_data(cfg, SAVED_BATCH))
-        for r in per_rank:
-            assert r[k] <= SAVED_RATIO_MAX * plain, f"{family}: 2D saves {r[k]} B/rank, plain {plain} B"
+        for r in tp2x2_results:
+            got = r["saved"][k]
+            assert got <= SAVED_RATIO_MAX * plain, f"{family}: 2D saves {got} B/rank, plain {plain} B"

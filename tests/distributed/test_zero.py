@@ -10,6 +10,8 @@ One spawn per world size: every (ZeRO stage, accumulation) case runs inside the 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -52,7 +54,7 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def run_layered(actions, stages, zero, batches, m: int) -> float:
+def run_layered(actions, stages, zero, batches, m: int, counter=None) -> float:
     """Execute one rank's lowered p = 1 schedule (F/B/REDUCE/GATHER/FREE) with each micro-batch loss divided by
     the step's micro-batch count ``m``; returns the summed scaled loss."""
     last = len(stages) - 1
@@ -70,7 +72,8 @@ def run_layered(actions, stages, zero, batches, m: int) -> float:
             zero.reduce(s)
         elif a.kind is ActionKind.FORWARD:
             x = batches[j][0] if s == 0 else saved[(s - 1, j)][1].detach().requires_grad_()
-            out = stages[s](x, batches[j][1] if s == last else None)
+            with counter if counter is not None else contextlib.nullcontext():
+                out = stages[s](x, batches[j][1] if s == last else None)
             if s == last:
                 out = out / m
                 total += out.item()
@@ -83,7 +86,7 @@ def run_layered(actions, stages, zero, batches, m: int) -> float:
     return total
 
 
-def zero_step(stages, zero, batches, accumulation: str) -> float:
+def zero_step(stages, zero, batches, accumulation: str, counter=None) -> float:
     """One accumulation step: layered = one breadth-first sweep over all m micro-batches; depth-first = m
     sweeps of one micro-batch each (REDUCE, GATHER, FREE per micro-batch)."""
     v, z3 = len(stages), zero.zero_stage == 3
@@ -91,7 +94,7 @@ def zero_step(stages, zero, batches, accumulation: str) -> float:
     total = 0.0
     for group in groups:
         actions = lower(breadth_first(1, len(group), v), 1, zero3=z3)[0]
-        total += run_layered(actions, stages, zero, group, len(batches))
+        total += run_layered(actions, stages, zero, group, len(batches), counter)
     zero.finish()
     return total
 
@@ -141,13 +144,23 @@ def _check_case(rank: int, world: int, zero_stage: int, accumulation: str, m: in
     loss = torch.tensor(zero_step(stages, zero, mine, accumulation))
     comm.all_reduce(loss, None)
     case = f"dp{world} z{zero_stage} {accumulation}"
-    assert abs(loss.item() / world - ref_loss) < LOSS_ATOL, f"{case}: loss {loss.item() / world} vs {ref_loss}"
+    assert abs(loss.item() / world - ref_loss) < LOSS_ATOL, (
+        f"{case}: loss {loss.item() / world} vs {ref_loss}"
+    )
     for pid, g in _full_grads(zero).items():
-        torch.testing.assert_close(g, ref_grads[names[pid]], atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda e: f"{case} grad {names[pid]}: {e}")
+        torch.testing.assert_close(
+            g,
+            ref_grads[names[pid]],
+            atol=GRAD_ATOL,
+            rtol=GRAD_RTOL,
+            msg=lambda e, n=names[pid]: f"{case} grad {n}: {e}",
+        )
     opt.step()
     zero.gather_all()
     for n, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), ref_params[n], atol=PARAM_ATOL, rtol=0, msg=lambda e: f"{case} param {n}: {e}")
+        torch.testing.assert_close(
+            p.detach(), ref_params[n], atol=PARAM_ATOL, rtol=0, msg=lambda e, n=n: f"{case} param {n}: {e}"
+        )
     zero.free_all()
 
 
@@ -180,15 +193,22 @@ def _counters(rank: int, world: int) -> dict:
     }
 
 
-def test_zero_dp2_matches_reference() -> None:
-    run_distributed(_matrix, 2, timeout=120)
+def _matrix_and_counters(rank: int, world: int) -> dict:
+    _matrix(rank, world)
+    return _counters(rank, world)
 
 
-def test_layered_bytes_independent_of_m_depth_first_linear() -> None:
+def test_zero_dp2_matches_reference_and_counts_bytes() -> None:
+    """dp2 × ZeRO 1/2/3 × layered/depth-first against the reference, then the byte counters (one spawn:
+    starting gloo workers costs ~10 s on two cores)."""
+    got = run_distributed(_matrix_and_counters, 2, timeout=180)[0]
+    _check_counters(got)
+
+
+def _check_counters(got: dict) -> None:
     """Layered: one reduce-scatter per stage per step and (ZeRO-3) one gather per phase, for every m;
     depth-first: ZeRO-2/3 reduce-scatter and ZeRO-3 gather per micro-batch, so bytes = m × bytes(m = 1).
     ZeRO-1 keeps full gradients and reduce-scatters once per step in either order."""
-    got = run_distributed(_counters, 2, timeout=120)[0]
     v = _cfg(tied=False).n_layers
     for z in (1, 2, 3):
         sizes = got[(z, "layered", 1)][2]
@@ -204,7 +224,9 @@ def test_layered_bytes_independent_of_m_depth_first_linear() -> None:
                 assert ag_l == ag_d == psi, f"z{z} m={m}: all-gather {ag_l}/{ag_d} B, expected {psi}"
             else:
                 assert ag_l == gathered, f"z3 layered m={m}: all-gather {ag_l} B, expected {gathered}"
-                assert ag_d == m * gathered, f"z3 depth-first m={m}: all-gather {ag_d} B, expected {m * gathered}"
+                assert ag_d == m * gathered, (
+                    f"z3 depth-first m={m}: all-gather {ag_d} B, expected {m * gathered}"
+                )
 
 
 def test_zero_dp4_matches_reference() -> None:
@@ -271,7 +293,9 @@ def _pp2_zero3(rank: int, world: int) -> float:
     grads = _full_grads(zero)
     for pid, g in grads.items():
         n = names[pid]
-        torch.testing.assert_close(g, ref_grads[n], atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda e: f"{rank} {n}: {e}")
+        torch.testing.assert_close(
+            g, ref_grads[n], atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda e, n=n: f"rank {rank} {n}: {e}"
+        )
     opt.step()
     zero.gather_all()
     for s in engine.stages.values():
@@ -283,3 +307,25 @@ def _pp2_zero3(rank: int, world: int) -> float:
 def test_zero3_layered_dp2_pp2_matches_reference() -> None:
     counts = run_distributed(_pp2_zero3, 4, timeout=120)
     assert all(c > 0 for c in counts)
+
+
+def test_dynamic_loss_scaler_skips_on_overflow_and_grows() -> None:
+    from tessera.parallel.precision import DynamicLossScaler
+
+    scaler = DynamicLossScaler(init_scale=8.0, growth_interval=2)
+    grads = [torch.tensor([8.0, 16.0])]
+    assert scaler.unscale_and_check(grads)
+    assert torch.equal(grads[0], torch.tensor([1.0, 2.0]))  # unscaled in place
+    scaler.update(True)
+    assert scaler.scale == 8.0
+    scaler.update(True)
+    assert scaler.scale == 16.0  # grown after growth_interval clean steps
+    bad = [torch.tensor([1.0, float("inf")])]
+    assert not scaler.unscale_and_check(bad)
+    scaler.update(False)
+    assert scaler.scale == 8.0 and scaler.good_steps == 0 and scaler.skipped == 1
+    assert not scaler.unscale_and_check([torch.tensor([float("nan")])])
+    state = scaler.state_dict()
+    other = DynamicLossScaler()
+    other.load_state_dict(state)
+    assert other.scale == scaler.scale

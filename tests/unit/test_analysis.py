@@ -1,0 +1,81 @@
+"""Training-time analysis: critical batch, steps, per-family shortest time and its GPU count."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.planner.analysis import (
+    METHOD_FAMILIES,
+    analyse_model,
+    analysis_table,
+    format_duration,
+    layouts_table,
+)
+from tessera.planner.cost import ModelShape
+from tessera.planner.hardware import load_hardware
+from tessera.planner.scaling import ALPHA_B, B_STAR, loss_from_params, min_steps, steps_for_batch
+from tessera.planner.search import default_target_loss, model_config
+
+A100 = load_hardware("a100-80gb")
+GPU_COUNTS = (8, 64, 512)
+
+
+@pytest.fixture(scope="module")
+def analysis():
+    return analyse_model("megatron-1.7b", A100, gpu_counts=GPU_COUNTS)
+
+
+def test_target_loss_and_critical_batch(analysis) -> None:
+    shape = ModelShape.from_config(model_config("megatron-1.7b")[1])
+    converged = loss_from_params(shape.n_params_non_embedding())
+    assert analysis.target_loss == pytest.approx(1.1 * converged)  # 1 + α_N/α_S = 1.1
+    assert analysis.target_loss == pytest.approx(default_target_loss(shape))
+    assert analysis.critical_batch_tokens == pytest.approx(B_STAR / analysis.target_loss ** (1 / ALPHA_B))
+
+
+def test_training_time_is_steps_times_step_time(analysis) -> None:
+    best = analysis.best["all methods"].candidate
+    assert best is not None
+    s_min = min_steps(analysis.shape.n_params_non_embedding(), analysis.target_loss)
+    tokens = best.global_batch * analysis.shape.seq_len
+    assert best.steps == pytest.approx(steps_for_batch(s_min, tokens, analysis.critical_batch_tokens))
+    assert best.training_time == pytest.approx(best.steps * best.step_time)
+
+
+def test_every_family_has_a_best_and_all_methods_is_the_minimum(analysis) -> None:
+    assert set(analysis.best) == set(METHOD_FAMILIES)
+    overall = analysis.best["all methods"].days
+    for name, fb in analysis.best.items():
+        assert fb.candidate is not None and fb.gpus in GPU_COUNTS, name
+        assert METHOD_FAMILIES[name](fb.candidate)
+        assert overall <= fb.days + 1e-12
+        assert min(d for _, d in analysis.curve[name]) == pytest.approx(fb.days)
+
+
+def test_family_filters() -> None:
+    best = analyse_model("megatron-1.7b", A100, gpu_counts=(64,)).best
+    dp = best["data parallel + ZeRO"].candidate
+    assert dp.plan.pp == 1 and dp.plan.tp == 1
+    bf = best["modular breadth-first + ZeRO-3"].candidate
+    assert bf.schedule == "breadth_first" and bf.plan.zero_stage == 3 and bf.plan.accumulation == "layered"
+    two_d = best["2D tensor + 1F1B"].candidate
+    assert two_d.plan.tp_kind == "2d" or two_d.plan.tp == 1
+
+
+def test_more_gpus_do_not_help_past_the_critical_batch(analysis) -> None:
+    # 1.7B at B_crit ≈ 1.2k sequences: 512 GPUs still help over 8, but time per GPU count is finite and positive
+    curve = dict(analysis.curve["all methods"])
+    assert curve[512] < curve[8]
+    assert all(d > 0 for d in curve.values())
+
+
+def test_tables(analysis) -> None:
+    table = analysis_table([analysis])
+    assert "megatron-1.7b" in table and all(name in table for name in METHOD_FAMILIES)
+    assert "@ " in table
+    assert "ZeRO" in layouts_table([analysis])
+    assert (
+        format_duration(0.01) == "14 min"
+        and format_duration(0.5) == "12.0 h"
+        and format_duration(3) == "3.0 d"
+    )

@@ -1,0 +1,68 @@
+"""tessera.memory.estimate on hand-computed cases, and explain_overflow's advice."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from tessera.memory import estimate, stage_params
+from tessera.planner.cost import ModelShape
+
+MODEL = ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=128, seq_len=32, tie_embeddings=False)
+REL = 1e-9
+"""Pure arithmetic: equal up to float rounding."""
+
+
+def _cfg(**parallel) -> Config:
+    par = {"schedule": "breadth_first", "stages_per_rank": 4, **parallel}
+    return Config(
+        model=MODEL, parallel=ParallelConfig(**par), train=TrainConfig(global_batch=8, micro_batch=2)
+    )
+
+
+def test_model_state_follows_zero_formulas() -> None:
+    """fp32 master weights: 4Ψ params + 4Ψ grads + 8Ψ Adam; ZeRO-1/2/3 divide optimizer / grads / params by d."""
+    psi = ModelShape.from_config(MODEL).n_params()
+    for z, (p, g, o) in {0: (4, 4, 8), 1: (4, 4, 4), 2: (4, 2, 4), 3: (2, 2, 4)}.items():
+        bd = estimate(_cfg(zero=z), 2).breakdown
+        assert (bd.params, bd.grads, bd.optimizer) == pytest.approx((p * psi, g * psi, o * psi), rel=REL), z
+
+
+def test_layered_keeps_all_microbatches_depth_first_one() -> None:
+    """p = 1, v = L, m = 8 / 2 = 4: layered holds all 4 micro-batches of every layer, depth-first one."""
+    layered = estimate(_cfg(accumulation="layered"), 1)
+    depth = estimate(_cfg(accumulation="depth_first"), 1)
+    assert layered.inflight == pytest.approx(4.0) and depth.inflight == pytest.approx(1.0)
+    # activations = per-layer bytes × L × in-flight + head terms ∝ in-flight micro-batches
+    assert layered.breakdown.activations == pytest.approx(4 * depth.breakdown.activations, rel=REL)
+
+
+def test_checkpointing_full_stores_only_block_inputs() -> None:
+    """Full recompute keeps 2·s·b·h·(bytes/2) per layer (fp32: 4·s·b·h): 4·32·2·64 × 4 layers × 4 mb."""
+    none = estimate(_cfg(checkpointing="none"), 1).breakdown.activations
+    full = estimate(_cfg(checkpointing="full"), 1).breakdown.activations
+    head = 4 * (2 * 32 * 2 * 64 * 4 + 4 * 32 * 2 * 128)  # 4 mb × (norm + head inputs, fp32 logits)
+    assert full - head == pytest.approx(4 * 32 * 2 * 64 * 4 * 4, rel=REL)
+    assert none > 5 * full
+
+
+def test_stage_params_sum_to_model() -> None:
+    shape = ModelShape.from_config(MODEL)
+    plan = estimate(_cfg(), 1).plan
+    assert sum(stage_params(shape, plan)) == pytest.approx(shape.n_params(), rel=REL)
+
+
+def test_explain_overflow_names_component_and_fix() -> None:
+    big = Config(
+        model=ModelConfig(n_layers=8, d_model=1024, n_heads=8, vocab_size=256, seq_len=2048),
+        parallel=ParallelConfig(schedule="breadth_first", stages_per_rank=8),
+        train=TrainConfig(global_batch=32, micro_batch=4),
+    )
+    est = estimate(big, 1)
+    assert est.explain_overflow(est.total * 2) is None
+    msg = est.explain_overflow(est.total / 4)
+    assert msg is not None and "activations" in msg and "parallel.checkpointing = 'full'" in msg
+    assert "train.micro_batch" in msg
+    state_heavy = estimate(_cfg(zero=0), 4)
+    advice = state_heavy.explain_overflow(state_heavy.total / 10)
+    assert advice is not None and ("parallel.zero" in advice or "checkpointing" in advice)
