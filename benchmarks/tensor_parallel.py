@@ -1,22 +1,24 @@
 """Tensor parallelism benchmark: tessera 1D (Megatron) vs 2D (Optimus/SUMMA) vs PyTorch DTensor 1D, one run.
 
-    python benchmarks/tensor_parallel.py                # full run (~5-8 min on 2 CPU cores), writes results
+    python benchmarks/tensor_parallel.py                # full run (~3 min on 2 CPU cores), writes results
     python benchmarks/tensor_parallel.py --quick        # smoke run (tiny model, 1 timed step), no files written
 
 At each world size every layout trains the *same* plain model (same seed) on the *same* micro-batch, in one
 multi-process gloo job on CPU spawned by this script:
 
-- world 4: tessera 1D t=4, tessera 1D t=4 + sequence parallelism, tessera 2D 2x2, and PyTorch's own tensor
+- world 4: tessera 1D t=4 (with and without sequence parallelism), tessera 2D 2x2, and PyTorch's own tensor
   parallelism (`parallelize_module` with ColwiseParallel / RowwiseParallel on wq, wk, wv / wo and w_gate, w_up /
-  w_down, a vocabulary-parallel embedding and output with `loss_parallel`) on the plain tessera model;
+  w_down, a vocabulary-parallel embedding and output with `loss_parallel`; and torchtitan's sequence-parallel
+  variant) on the plain tessera model;
 - world 9: tessera 1D t=9 vs tessera 2D 3x3 (a model whose heads, KV heads, hidden and MLP widths divide 9 and 3).
 
 Per layout and rank it measures:
 
 - step time: median over the timed steps of forward + backward (no optimizer), barrier to barrier, rank 0's clock;
+  the layouts' steps are interleaved round-robin so that outside load hits them alike;
 - bytes communicated per rank per step, by kind and group: tessera from `comm.STATS` (one step), DTensor with a
-  `CommDebugMode` subclass that also sums the bytes handed to each functional collective, with comm.py's
-  conventions (all_reduce: tensor, all_gather: output, reduce_scatter: input);
+  TorchDispatchMode that sums the bytes handed to each functional collective, with comm.py's conventions
+  (all_reduce: tensor, all_gather: output, reduce_scatter: input); tessera's are checked against its formulas;
 - saved-activation bytes per rank: `SavedActivationCounter` around one forward (DTensor: the local shards);
 - the largest micro-batch that fits a per-rank memory budget: state = 16 B per local parameter (fp32 parameter,
   gradient, Adam m and v) plus saved activations, measured at two micro-batch sizes b/2 and b and extrapolated
@@ -628,26 +630,30 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ("saved activations / rank (MiB)", lambda r: r["saved"] / MIB),
         ("max micro-batch in budget", lambda r: r["max_mb"]),
     ]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.8))
-    labels = [f"w{r['world']}\n{r['name'].replace('tessera ', '')}" for r in rows]
-    colors = {
-        "1d": "tab:blue",
-        "1d_sp": "tab:cyan",
-        "2d": "tab:orange",
-        "dtensor": "tab:gray",
-        "dtensor_sp": "tab:olive",
+    fig, axes = plt.subplots(1, 4, figsize=(18, 5.2))
+    names = {
+        "1d": "tessera 1D",
+        "1d_sp": "tessera 1D + SP",
+        "2d": "tessera 2D",
+        "dtensor": "DTensor 1D",
+        "dtensor_sp": "DTensor 1D + SP",
     }
+    colors = dict(zip(names, ("tab:blue", "tab:cyan", "tab:orange", "tab:gray", "tab:olive"), strict=True))
+    labels = [f"w{r['world']} {names[r['kind']].removeprefix('tessera ')}" for r in rows]
     for ax, (title, value) in zip(axes, panels, strict=True):
         vals = [value(r) for r in rows]
         ax.bar(range(len(rows)), vals, color=[colors[r["kind"]] for r in rows])
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_xticks(range(len(rows)), labels, fontsize=8, rotation=35, ha="right")
         ax.set_title(title, fontsize=10)
         for x, v in enumerate(vals):
             ax.annotate(f"{v:.3g}", (x, v), ha="center", va="bottom", fontsize=7)
+    kinds = [k for k in names if any(r["kind"] == k for r in rows)]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in kinds]
+    fig.legend(handles, [names[k] for k in kinds], loc="lower center", ncol=len(kinds), fontsize=9)
     fig.suptitle(
         "tessera tensor parallelism on 2 CPU cores (gloo, oversubscribed: compare ratios)", fontsize=11
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -86,8 +86,8 @@ def main() -> None:
         "Target loss (1 + α_N/α_S)·L(N) (Kaplan's compute-efficient stopping point), batch = the critical batch "
         "rounded per layout, steps from S = S_min(1 + B_crit/B), GPU counts 8 … 65,536 (powers of two), "
         f"{hw.name} ({hw.memory_bytes / 1e9:.0f} GB, layouts must fit in 95 %). "
-        "Cell: shortest training time @ the GPU count reaching it. Method: tessera/planner/analysis.py, "
-        "docs/planner.md.\n\n"
+        "Cell: shortest training time @ the GPU count reaching it; @ 65536 means the cap was binding (the time "
+        "was still falling). Method: tessera/planner/analysis.py, docs/planner.md.\n\n"
         + analysis_table(analyses)
         + "\n## Winning layouts (all methods)\n\n"
         + layouts_table(analyses)

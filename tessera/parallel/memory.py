@@ -26,9 +26,15 @@ __all__ = ["SavedActivationCounter"]
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
     """(device, data pointer) of t's storage, or None for tensors without real storage (meta, empty)."""
+    local = getattr(t, "_local_tensor", None)  # a DTensor saves its local shard
+    if isinstance(local, torch.Tensor):
+        t = local
     if t.is_meta or t.layout != torch.strided:
         return None
-    storage = t.untyped_storage()
+    try:
+        storage = t.untyped_storage()
+    except RuntimeError:  # wrapper tensors without a storage of their own (e.g. a pending async collective)
+        return None
     if storage.nbytes() == 0:
         return None
     return (str(t.device), storage.data_ptr())

@@ -192,7 +192,7 @@ class PipelineEngine:
         seen = [a.microbatch for actions in lowered for a in actions if a.microbatch is not None]
         self.m = microbatches if microbatches is not None else max(seen, default=-1) + 1
         self.stages, self.rank, self.p, self.group, self.comm = stages, rank_in_pp, p, pp_group, comm
-        self.actions = lowered[rank_in_pp]
+        self.lowered, self.actions = lowered, lowered[rank_in_pp]
         self.dtype, self.recv_ahead, self.record = dtype, recv_ahead, record
         self.activation_shape = activation_shape or _default_activation_shape(stages)
         self.tied = [t for t in tied if self.owner[t.stage_a] != self.owner[t.stage_b]]

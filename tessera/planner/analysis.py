@@ -152,7 +152,7 @@ def analysis_table(analyses: list[ModelAnalysis]) -> str:
                 "no fit" if fb.candidate is None else f"{format_duration(fb.days or 0.0)} @ {fb.gpus}"
             )
         lines.append(
-            f"| {a.model} | {a.shape.n_params() / 1e9:.3g}B | {a.target_loss:.3f} | "
+            f"| {a.model} | {a.shape.n_params() / 1e9:,.1f}B | {a.target_loss:.3f} | "
             f"{a.critical_batch_tokens / 1e6:.2f} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines) + "\n"

@@ -324,7 +324,7 @@ def render_picture(result: SearchResult, entries: list[Explained], path: str | P
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * len(entries)))
+    fig, ax = plt.subplots(figsize=(10, 2.0 + 0.55 * len(entries)))
     labels = [f"#{i} {e.candidate.label}" for i, e in enumerate(entries, 1)]
     for row, e in enumerate(entries):
         left = 0.0
@@ -337,7 +337,7 @@ def render_picture(result: SearchResult, entries: list[Explained], path: str | P
     ax.invert_yaxis()
     ax.set_xlabel("seconds per step")
     ax.set_title(f"{result.model or 'model'} on {result.gpus} × {result.hardware.name}", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

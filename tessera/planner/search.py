@@ -358,7 +358,7 @@ def search(
     *,
     space: SearchSpace | None = None,
     target_loss: float | None = None,
-    keep: int = 50,
+    keep: int = 1000,
 ) -> SearchResult:
     """Enumerate, prune and rank layouts (module docstring). `global_batch` in sequences; None uses the critical
     batch B_crit(target_loss) (default target: `default_target_loss`), rounded per layout to a multiple of

@@ -144,7 +144,10 @@ def test_search_candidates_are_valid_configs(small_search, tmp_path) -> None:
     assert {"1f1b", "gpipe", "interleaved", "breadth_first"} <= {k[0] for k in seen_kinds}
     assert {"1d", "2d"} <= {k[1] for k in seen_kinds}
     step = max(1, len(res.candidates) // 60)
-    for i, cand in enumerate(res.candidates[::step]):
+    sample = {
+        (c.schedule, c.plan.tp_kind, c.plan.zero_stage, c.plan.sequence_parallel): c for c in res.candidates
+    }
+    for i, cand in enumerate([*res.candidates[::step], *sample.values()]):
         path = tmp_path / f"c{i}.toml"
         path.write_text(config_toml(res, cand))
         cfg = load_config(path)
@@ -248,3 +251,16 @@ def test_plan_cli_errors_are_config_errors() -> None:
         _cli(["plan", "--model", "llama-7b", "--gpus", "8"])
     with pytest.raises(ConfigError, match="no valid layout"):
         _cli(["plan", "--model", "llama-8b", "--gpus", "7", "--global-batch", "64"])
+
+
+def test_planner_modules_do_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import tessera.planner.analysis, tessera.planner.calibrate, tessera.planner.cli\n"
+        "import tessera.planner.report, tessera.planner.search, tessera.planner.steptime\n"
+        "assert 'torch' not in sys.modules, 'planner imported torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
