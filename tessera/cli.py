@@ -192,6 +192,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--stages-per-rank", type=int, default=1)
     s.add_argument("--out", default=None, help="PNG or SVG file to write")
     s.set_defaults(fn=cmd_schedule)
+
+    from tessera.planner.cli import add_plan_parsers
+
+    add_plan_parsers(sub)  # plan, calibrate
     return ap
 
 

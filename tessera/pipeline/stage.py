@@ -45,17 +45,19 @@ def even_split(n_layers: int, n_stages: int) -> list[int]:
 
 def boundary_shape(model: nn.Module) -> Callable[[torch.Size], tuple[int, ...]] | None:
     """Shape of the tensor between two stages for a micro-batch of tokens [b, s]: (b, s, h) for a plain model,
-    the rank's block (b/q, s, h/q) for the Optimus 2D model (it has a ``grid``); None if the model has no
-    ``cfg.d_model`` (then give the engine ``activation_shape``)."""
+    the rank's block (b/q, s, h/q) for the Optimus 2D model (it has a ``grid``), (b, s/t, h) for the 1D model
+    with sequence parallelism; None if the model has no ``cfg.d_model`` (then give the engine
+    ``activation_shape``)."""
     cfg = getattr(model, "plain_config", None) or getattr(model, "cfg", None)
     hidden = getattr(cfg, "d_model", None)
     if hidden is None:
         return None
     grid = getattr(model, "grid", None)
     q = grid.q if grid is not None else 1
+    t = getattr(model, "tp", 1) if getattr(model, "sequence_parallel", False) else 1
 
     def shape(tokens: torch.Size) -> tuple[int, ...]:
-        return (tokens[0] // q, tokens[1], hidden // q)  # [b/q, s, h/q]; q = 1 without 2D tensor parallelism
+        return (tokens[0] // q, tokens[1] // t, hidden // q)  # [b/q, s/t, h/q]
 
     return shape
 

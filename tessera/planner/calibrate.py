@@ -263,7 +263,7 @@ def calibrate(
         hw.gemm_efficiency = [(f, min(1.0, max(e * factor, 1e-3))) for f, e in hw.gemm_efficiency]
     lines = [
         f"GEMM fp32, one thread: peak {peak / 1e9:.1f} GFLOP/s; efficiency "
-        + ", ".join(f"{f:.0e}: {r / peak:.2f}" for f, r in gemm),
+        + ", ".join(f"{f:.0e}: {min(1.0, r / peak):.2f}" for f, r in gemm),
         f"memory copy bandwidth {hbm / 1e9:.2f} GB/s",
         f"gloo over {world} processes: bandwidth {bandwidth / 1e9:.3f} GB/s, latency {latency * 1e6:.0f} µs per step",
         f"end-to-end factor on the reference step (GEMM curve scaled by it): {factor:.3f}",
@@ -272,16 +272,22 @@ def calibrate(
 
 
 def predict_trainer_step(cfg: Any, world: int, hw: Hardware, *, flash_attention: bool = True) -> Any:
-    """Predicted `StepBreakdown` of `tessera.train.trainer.train(cfg)` on `world` data-parallel ranks: fp32,
-    ZeRO-0, depth-first accumulation (bucketed all-reduce overlapped with the last micro-batch's backward)."""
+    """Predicted `StepBreakdown` of `tessera.train.trainer.train(cfg)` on `world` ranks (data × tensor, 1D with
+    or without sequence parallelism, or 2D): no pipeline, ZeRO-0, depth-first accumulation (bucketed
+    all-reduce overlapped with the last micro-batch's backward), the config's dtype and checkpointing."""
     from tessera.planner.cost import ModelShape, Plan
     from tessera.planner.steptime import fast_step
 
     tr, par = cfg.train, cfg.parallel
+    t, q = par.tensor_shape()
+    dp = par.data_size(world)
     plan = Plan(
-        dp=world,
+        dp=dp,
+        tp=t * q * q,
+        tp_kind="2d" if q > 1 else "1d",
+        sequence_parallel=par.sequence_parallel,
         micro_batch=tr.micro_batch,
-        n_microbatches=tr.micro_batches(world),
+        n_microbatches=tr.micro_batches(dp),
         recompute=par.checkpointing,
         accumulation="depth_first",
         dtype=tr.dtype,

@@ -52,7 +52,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.out:
         write_config(result, best, args.out)
         if not args.json:
-            print(f"\nwrote {args.out} (runnable: tessera train {args.out} --nproc {args.gpus})")
+            print(f"\nwrote {args.out} (check: tessera validate {args.out} --world-size {args.gpus})")
     if args.picture:
         render_picture(result, entries, args.picture)
         if not args.json:

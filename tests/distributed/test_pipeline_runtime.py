@@ -18,6 +18,7 @@ from tessera.config import Config, from_dict
 from tessera.groups import build_groups
 from tessera.layout import Axis, Layout
 from tessera.model.build import build_model
+from tessera.parallel.apply import parallelize
 from tessera.pipeline import ScheduleError, build_schedule, lower
 from tessera.pipeline.ir import Action, ActionKind
 from tessera.pipeline.runtime import DataParallelStageComm, PipelineEngine, build_pipeline
@@ -49,10 +50,16 @@ class Case:
     options: dict[str, Any] = field(default_factory=dict)
     split_backward: bool = False  # hand-made schedule: every B replaced by I then W
     q: int = 1  # Optimus 2D tensor-parallel grid side
+    tp: int = 1  # Megatron 1D tensor-parallel size
+    sequence_parallel: bool = False
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.q * self.q
+        return self.dp * self.pp * self.tp * self.q * self.q
+
+    @property
+    def tensor(self) -> bool:
+        return self.tp > 1 or self.q > 1
 
 
 CASES = [
@@ -81,7 +88,9 @@ CASES = [
     Case("pp4_llama_interleaved_v2", "interleaved_1f1b", 4, v=2, family="llama"),
     Case("dp2_pp2_1f1b", "1f1b", 2, dp=2),
     Case("dp2_pp2_bf_v2", "breadth_first", 2, v=2, dp=2),
-    # pp2 × Optimus 2D 2×2 (world 8)
+    Case("pp2_tp2_1f1b", "1f1b", 2, tp=2, n_layers=4),
+    Case("pp2_tp2_sp_bf_v2", "breadth_first", 2, v=2, tp=2, n_layers=4, sequence_parallel=True),
+    # pp2 × Optimus 2D 2×2 (world 8); the 1D cases above share the world-4 processes
     Case("pp2_tp2x2_1f1b", "1f1b", 2, q=2, n_layers=4),
 ]
 BY_NAME = {case.name: case for case in CASES}
@@ -100,6 +109,8 @@ def _config(case: Case) -> Config:
                 "stages_per_rank": case.v,
                 "stage_layers": list(case.stage_layers) if case.stage_layers else None,
                 "checkpointing": case.checkpointing,
+                "tensor": f"{case.q}x{case.q}" if case.q > 1 else case.tp,
+                "sequence_parallel": case.sequence_parallel,
             },
             "train": {"global_batch": case.dp * case.m * MICRO_BATCH, "micro_batch": MICRO_BATCH},
         }
@@ -149,21 +160,19 @@ def _run_cases(rank: int, world: int, names: list[str]) -> dict[str, tuple]:
     groups_by_layout: dict[Layout, Any] = {}
     for name in names:
         case = BY_NAME[name]
-        layout = Layout(dp=case.dp, pp=case.pp, q=case.q)
+        layout = Layout(dp=case.dp, pp=case.pp, tp=case.tp, q=case.q)
         if layout not in groups_by_layout:
             groups_by_layout[layout] = build_groups(layout)
         groups = groups_by_layout[layout]
         torch.manual_seed(SEED)
         model = build_model(_config(case).model)
-        if case.q > 1:
-            from tessera.parallel.model_2d import apply_tensor_2d
-
-            model = apply_tensor_2d(model, groups)
+        if case.tensor:
+            model = parallelize(model, layout, groups, _config(case))
         engine = _engine(case, model, layout, groups)
         x, y = _data(case)
         batches = _micro_batches(case, x, y, groups.coord(Axis.DATA))
         loss = engine.step(batches)
-        norm_sq = float(engine.grad_norm_sq()) if case.q == 1 else None
+        norm_sq = None if case.tensor else float(engine.grad_norm_sq())
         out[name] = (loss, _stage_grads(engine, model, case), groups.coord(Axis.DATA), norm_sq)
     return out
 
@@ -173,11 +182,11 @@ def _reference(case: Case) -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def _stage_grads(engine: PipelineEngine, model: torch.nn.Module, case: Case) -> dict[str, torch.Tensor]:
-    """Gradients of this rank's stage parameters by plain name (full, unsharded tensors under 2D)."""
+    """Gradients of this rank's stage parameters by plain name (full, unsharded tensors under 1D/2D)."""
     named = [(n, p) for s in engine.stages.values() for n, p in s.named_parameters(remove_duplicate=False)]
-    if case.q == 1:
+    if not case.tensor:
         return {n: p.grad.clone() for n, p in named}
-    full = model.full_parameters(grad=True)  # collective over the grid
+    full = model.full_parameters(grad=True)  # collective over the tensor group
     name_of = {id(p): n for n, p in model.named_parameters()}
     return {n: full[name_of[id(p)]] for n, p in named}
 
@@ -222,7 +231,7 @@ def test_pipeline_matches_single_device(results: dict[int, list[dict[str, tuple]
             torch.testing.assert_close(grad, ref_grads[pname], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=pname)
             seen.add(pname)
     assert seen == set(ref_grads), f"parameters without a pipeline gradient: {sorted(set(ref_grads) - seen)}"
-    if case.q == 1:  # the global norm: per-rank sums of squares over one replica's pipeline, tied copy once
+    if not case.tensor:  # the global norm: per-rank sums of squares over one replica's pipeline, tied copy once
         unique = {id(g): g for g in ref_grads.values()}
         ref_norm = sum(float(g.pow(2).sum()) for g in unique.values()) ** 0.5
         norm = sum(sq for _, _, dp_rank, sq in per_rank if dp_rank == 0) ** 0.5
