@@ -148,6 +148,28 @@ def cmd_schedule(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_memory(args: argparse.Namespace, extra: list[str]) -> int:
+    from tessera.memory import estimate
+
+    cfg = _load(args, extra)
+    cfg.validate(args.world_size)
+    device = args.device_memory * 2**30 if args.device_memory else None
+    if args.hardware:
+        from tessera.planner.hardware import load_hardware
+
+        device = load_hardware(args.hardware).memory_bytes
+    est = estimate(cfg, args.world_size, device)
+    print(f"per-rank memory estimate for {args.config or 'the defaults'} at world size {args.world_size}:")
+    print(f"  {est.describe()}")
+    problem = est.explain_overflow(device)
+    if problem:
+        print(problem)
+        return 1
+    if device:
+        print(f"  fits: {est.total / 2**30:.2f} GiB of {device / 2**30:.2f} GiB")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tessera", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -161,6 +183,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?")
     p.add_argument("--world-size", type=int, required=True)
     p.set_defaults(fn=cmd_validate)
+
+    p = sub.add_parser(
+        "memory", help="estimate per-rank memory before launch; says what to change if it does not fit"
+    )
+    p.add_argument("config", nargs="?")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--device-memory", type=float, default=None, help="GiB per device")
+    p.add_argument("--hardware", default=None, help="a hardware name (a100-80gb, h100, ...) for its memory")
+    p.set_defaults(fn=cmd_memory)
 
     p = sub.add_parser("prepare", help="tokenize text files or directories into a token file")
     p.add_argument("inputs", nargs="*", help="files or directories (default: the Python standard library)")

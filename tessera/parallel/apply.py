@@ -8,13 +8,14 @@ by the trainer (tessera/parallel/data.py), because when it fires depends on the 
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
 from tessera.config import Config
 from tessera.groups import Groups
 from tessera.layout import Layout
 
-__all__ = ["parallelize"]
+__all__ = ["norm_weights", "parallelize", "tensor_groups"]
 
 
 def parallelize(model: nn.Module, layout: Layout, groups: Groups | None, cfg: Config) -> nn.Module:
@@ -29,3 +30,32 @@ def parallelize(model: nn.Module, layout: Layout, groups: Groups | None, cfg: Co
     from tessera.parallel.model_1d import apply_tensor_1d
 
     return apply_tensor_1d(model, groups, cfg)
+
+
+def tensor_groups(layout: Layout, groups: Groups | None) -> list:
+    """The groups a gradient norm must be summed over to cover the tensor-parallel shards."""
+    if groups is None or layout.tensor_size == 1:
+        return []
+    return [groups.tp_row, groups.tp_col] if layout.is_2d else [groups.tp]
+
+
+def norm_weights(module: nn.Module) -> dict[int, float]:
+    """Weight of each parameter's squared gradient in the global norm, keyed by ``id(param)``.
+
+    A tensor held identically by r ranks of the tensor group gets 1/r, so summing ``w·‖g‖²`` over the tensor
+    group counts it once; shards get 1. Empty for a module without tensor parallelism.
+    """
+    from tessera.parallel.model_1d import TensorParallel1D
+    from tessera.parallel.model_2d import Model2D
+
+    if isinstance(module, TensorParallel1D):
+        t = dist.get_world_size(module.group)
+        return {id(p): 1.0 if n in module._split else 1.0 / t for n, p in module.named_parameters()}
+    if isinstance(module, Model2D):
+        q = module.grid.q
+        # tensors without a row split (biases, norm weights, positions) are copied down each grid column
+        return {
+            id(p): 1.0 if module._shards[n].dim_i is not None else 1.0 / q
+            for n, p in module.named_parameters()
+        }
+    return {}

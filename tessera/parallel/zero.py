@@ -355,10 +355,12 @@ class ShardedAdamW(torch.optim.Optimizer):
         *,
         decay: Callable[[nn.Parameter], bool] = _default_decay,
         norm_groups: Iterable[dist.ProcessGroup] = (),
+        norm_weights: dict[int, float] | None = None,
     ) -> None:
         self.zero = zero
         self.module = zero.shard_module()
         self.norm_groups = list(norm_groups)
+        self.norm_weights = norm_weights or {}
         self._decay = {id(p): decay(p) for p in zero.params()}
         shards = list(self.module.parameters())
         super().__init__(shards, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
@@ -373,8 +375,15 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Global L2 norm of the reduced gradients: sum of squares over shards, all-reduced over dp and
         ``norm_groups`` (e.g. the pipeline group whose ranks hold other stages)."""
         sq = torch.zeros((), dtype=torch.float32, device=self._device())
-        for g in self.zero.grad_shards():
-            sq += g.float().pow(2).sum()
+        for flat in self.zero.flats.values():
+            g = flat.grad_shard
+            if g is None:
+                continue
+            if not self.norm_weights:
+                sq += g.float().pow(2).sum()
+                continue
+            for p, a, b in flat.segments():  # replicated tensors weighted 1/r, so each is counted once
+                sq += self.norm_weights.get(id(p), 1.0) * g[a:b].float().pow(2).sum()
         if self.zero.world > 1:
             comm.all_reduce(sq, self.zero.group)
         for group in self.norm_groups:

@@ -75,7 +75,8 @@ class StageComm(Protocol):
 class DataParallelStageComm:
     """Plain data parallelism: ``reduce(stage)`` launches an async all-reduce of the stage's flattened
     gradients over ``dp_group`` (None: no data parallelism); ``finish`` waits and writes back the average.
-    gather/free are no-ops.
+    gather/free are no-ops. Several calls per step (depth-first accumulation) reduce the gradient accumulated
+    since the previous call each time and add the results.
 
     A Parameter held by two local stages (a tied embedding on one rank) is reduced with the lower-index stage,
     whose backward finishes last.
@@ -108,12 +109,18 @@ class DataParallelStageComm:
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
         )
+        for p in params:  # later micro-batches (depth-first: one reduce per micro-batch) accumulate afresh
+            p.grad = None
         self._pending.append((stage, flat, comm.all_reduce(flat, self.group, async_op=True)))
 
     def finish(self) -> None:
+        """Wait for every reduction; add a stage's reduced parts (one per call) and write back the average."""
+        total: dict[int, torch.Tensor] = {}
         for stage, flat, work in self._pending:
             if work is not None:
                 work.wait()
+            total[stage] = flat if stage not in total else total[stage].add_(flat)
+        for stage, flat in total.items():
             flat.div_(self.size)
             offset = 0
             for p in self.params[stage]:
@@ -155,7 +162,8 @@ class PipelineEngine:
     """Runs rank ``rank_in_pp``'s list of a lowered schedule, one optimizer step per ``step`` call.
 
     ``stages`` are this rank's stages by global index. ``activation_shape(tokens_shape)`` gives the shape of a
-    stage boundary tensor (default ``(b, s, hidden)`` from the first stage's model config); ``dtype`` its type.
+    stage boundary tensor (default: the stage's ``boundary_shape``); ``dtype`` its type (default: the
+    parameters' type). ``accumulation = "depth_first"`` also calls ``comm.reduce`` after every micro-batch.
     ``tied`` lists parameters shared by two stages (``tied_parameters``): when the stages sit on different
     ranks, their gradients are exchanged and summed at the end of the step, before those stages' REDUCE.
     """
@@ -170,11 +178,14 @@ class PipelineEngine:
         *,
         microbatches: int | None = None,
         activation_shape: Callable[[torch.Size], tuple[int, ...]] | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         tied: Iterable[TiedParameter] = (),
         recv_ahead: int = 2,
         record: bool = False,
+        accumulation: str = "layered",
     ) -> None:
+        if accumulation not in ("layered", "depth_first"):
+            raise ConfigError(f"unknown accumulation {accumulation!r}; choose layered or depth_first")
         p = len(lowered)
         validate(lowered, p, microbatches=microbatches)
         self.owner = infer_stage_ranks(lowered)
@@ -193,11 +204,16 @@ class PipelineEngine:
         self.m = microbatches if microbatches is not None else max(seen, default=-1) + 1
         self.stages, self.rank, self.p, self.group, self.comm = stages, rank_in_pp, p, pp_group, comm
         self.lowered, self.actions = lowered, lowered[rank_in_pp]
-        self.dtype, self.recv_ahead, self.record = dtype, recv_ahead, record
+        self.dtype = dtype or _param_dtype(stages)
+        self.recv_ahead, self.record = recv_ahead, record
         self.activation_shape = activation_shape or _default_activation_shape(stages)
         self.tied = [t for t in tied if self.owner[t.stage_a] != self.owner[t.stage_b]]
         self.deferred = {s for t in self.tied for s in (t.stage_a, t.stage_b) if s in stages}
         self.post_at = _recv_post_positions(self.actions, recv_ahead)
+        self.accumulation = accumulation
+        self.reduce_after = (
+            _group_reductions(self.actions, self.deferred) if accumulation == "depth_first" else {}
+        )
         self.timeline: list[TimedAction] = []
         if pp_group is not None and dist.get_backend(pp_group) != "gloo":
             _check_p2p_order(lowered)
@@ -209,17 +225,24 @@ class PipelineEngine:
         }
         return list(unique.values())
 
-    def grad_norm_sq(self) -> torch.Tensor:
-        """Sum of squared gradients of ``parameters()``, the copy of a Parameter tied across ranks counted
-        only on the rank of its lower stage; sum it over the pipeline group for the global norm."""
+    def remote_tied_copies(self) -> set[int]:
+        """ids of local Parameters that are copies of a tie whose lower stage lives on another rank."""
         skip = set()
         for tie in self.tied:
             if tie.stage_b in self.stages and tie.stage_a not in self.stages:
                 skip.add(id(self.stages[tie.stage_b].get_parameter(tie.name_b)))
+        return skip
+
+    def grad_norm_sq(self, weights: dict[int, float] | None = None) -> torch.Tensor:
+        """Sum of ``weight·‖grad‖²`` over ``parameters()`` (weight 1 by default), the copy of a Parameter tied
+        across ranks counted only on the rank of its lower stage; sum it over the pipeline group (and the tensor
+        group, with tensor-parallel weights) for the global norm."""
+        skip = self.remote_tied_copies()
+        weights = weights or {}
         total = torch.zeros((), dtype=torch.float32, device=_device(self.stages))
         for p in self.parameters():
             if p.grad is not None and id(p) not in skip:
-                total += p.grad.detach().float().pow(2).sum()
+                total += weights.get(id(p), 1.0) * p.grad.detach().float().pow(2).sum()
         return total
 
     # --- one step ------------------------------------------------------------------------------------------
@@ -241,6 +264,8 @@ class PipelineEngine:
                 self._post_recvs(state, self.post_at[index])
             start = time.perf_counter()
             self._run(state, action)
+            for stage in self.reduce_after.get(index, ()):
+                self.comm.reduce(stage)
             if self.record:
                 self.timeline.append(TimedAction(action, start - t0, time.perf_counter() - t0))
             state.sends = [(t, w) for t, w in state.sends if not all(x.is_completed() for x in w)]
@@ -410,6 +435,16 @@ def _group_size(group: dist.ProcessGroup) -> int:
     return dist.get_world_size(group)
 
 
+def _param_dtype(stages: dict[int, Stage]) -> torch.dtype:
+    """The type of the tensors between stages by default: the stages' floating parameter type (fp32 under
+    autocast, bf16 for a model cast to bf16)."""
+    for stage in stages.values():
+        for tensor in stage.parameters():
+            if tensor.is_floating_point():
+                return tensor.dtype
+    return torch.float32
+
+
 def _device(stages: dict[int, Stage]) -> torch.device:
     for stage in stages.values():
         for tensor in stage.parameters():
@@ -438,6 +473,27 @@ def _recv_post_positions(actions: list[Action], ahead: int) -> dict[int, list[Ac
         at = before[-ahead] if ahead and len(before) >= ahead else (0 if ahead else index)
         post.setdefault(at, []).append(action)
     return post
+
+
+def _group_reductions(actions: list[Action], deferred: set[int]) -> dict[int, list[int]]:
+    """Depth-first accumulation: reduce each stage after every micro-batch's backward, not only after the last
+    (that one is the IR's REDUCE). Keyed by the index after which to call ``reduce``: past the backward's SENDs,
+    so the gradient for the previous stage leaves first. Stages in ``deferred`` (tied across ranks) reduce once."""
+    weight_kinds = (_K.BACKWARD, _K.BACKWARD_WEIGHT)
+    last = {a.stage: i for i, a in enumerate(actions) if a.kind in weight_kinds}
+    after: dict[int, list[int]] = {}
+    for index, action in enumerate(actions):
+        if action.kind not in weight_kinds or last[action.stage] == index or action.stage in deferred:
+            continue
+        end = index
+        while end + 1 < len(actions) and actions[end + 1].kind.is_send and _same(actions[end + 1], action):
+            end += 1
+        after.setdefault(end, []).append(action.stage)
+    return after
+
+
+def _same(a: Action, b: Action) -> bool:
+    return (a.stage, a.microbatch) == (b.stage, b.microbatch)
 
 
 def _check_p2p_order(lowered: Schedule) -> None:
@@ -523,4 +579,5 @@ def build_pipeline(
         microbatches=m,
         tied=tied_parameters(all_stages),
         record=record,
+        accumulation=par.accumulation,
     )

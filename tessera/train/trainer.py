@@ -26,13 +26,12 @@ from tessera.groups import Groups, build_groups
 from tessera.layout import Axis, Layout
 from tessera.model.build import build_model
 from tessera.parallel.apply import parallelize
-from tessera.parallel.data import GradSync
-from tessera.parallel.memory import SavedActivationCounter
 from tessera.train import checkpoint as ckpt
 from tessera.train.data import TokenDataset, ensure_default_corpus, get_batch
 from tessera.train.metrics import MetricsLogger, Progress, memory_bytes, peak_flops_for
+from tessera.train.steppers import make_optimizer, make_stepper
 
-__all__ = ["StepHook", "TrainResult", "init_distributed", "lr_at", "train"]
+__all__ = ["StepHook", "TrainResult", "init_distributed", "lr_at", "make_optimizer", "train"]
 
 StepHook = Callable[[int, nn.Module], None]
 
@@ -75,21 +74,6 @@ def lr_at(step: int, tr: TrainConfig) -> float:
     return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def make_optimizer(model: nn.Module, tr: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (norm weights, biases and 1-D tensors are not decayed)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    other = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": tr.weight_decay}, {"params": other, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, foreach=False)
-
-
-def _autocast(dtype: str, device: torch.device):
-    if dtype == "fp32":
-        return torch.autocast(device.type, enabled=False)
-    return torch.autocast(device.type, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
-
-
 def _open_data(cfg: Config, rank: int) -> TokenDataset:
     if cfg.data.path is not None:
         return TokenDataset(Path(cfg.data.path))
@@ -110,11 +94,6 @@ class _Run:
         self.cfg, self.rank, self.world = cfg, rank, world
         cfg.validate(world)
         self.layout = Layout.from_config(cfg.parallel, world)
-        if self.layout.pp > 1:
-            raise ConfigError(
-                f"layout {self.layout.describe()}: pipeline parallelism is not wired into the trainer yet; "
-                "set parallel.pipeline = 1"
-            )
         self.device = resolve_device(cfg.train.device)
         self.groups: Groups | None = (
             build_groups(self.layout, self.device.type) if dist.is_initialized() else None
@@ -128,23 +107,26 @@ class _Run:
                 f"{cfg.model.vocab_size}; set model.vocab_size >= {self.data.vocab_size}"
             )
         torch.manual_seed(cfg.train.seed)  # identical on every rank: replicas start equal without a broadcast
-        # Tensor parallelism cuts this rank's shards from the identical full model (parallel/apply.py).
         plain = build_model(cfg.model).to(self.device)
         self.flops_per_token = plain.flops_per_token()
+        # Order: tensor parallelism cuts this rank's shards from the identical full model (parallel/apply.py);
+        # the stepper then adds checkpointing, pipeline stages and ZeRO, or plain data-parallel sync.
         self.model = parallelize(plain, self.layout, self.groups, cfg)
-        self.optimizer = make_optimizer(self.model, cfg.train)
-        self.shard_id = f"tp{rank % self.layout.tensor_size}" if self.layout.tensor_size > 1 else None
-        self.sync = GradSync(self.model.parameters(), self.dp_group, int(cfg.train.bucket_mb * 2**20))
+        self.stepper = make_stepper(self.model, cfg, self.layout, self.groups)
+        self.optimizer = self.stepper.optimizer
         self.n_micro = cfg.train.micro_batches(self.layout.dp)
         self.run_dir = Path(cfg.log.run_dir)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
 
-    def step(self, step: int, hook: StepHook | None) -> tuple[float, float]:
-        """One optimizer step: accumulate micro-batches, synchronise, clip, update; returns (loss, grad norm)."""
+    @property
+    def saved_bytes(self) -> int:
+        return self.stepper.saved_bytes
+
+    def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This data-parallel rank's micro-batches of ``step``: a pure function of (seed, global sample index)."""
         cfg, tr = self.cfg, self.cfg.train
         seed = cfg.data.seed if cfg.data.seed is not None else tr.seed
-        total = torch.zeros((), device=self.device)
-        self.saved_bytes = 0  # the largest micro-batch's bytes saved for backward on this rank
+        out = []
         for micro in range(self.n_micro):
             x, y = get_batch(
                 self.data,
@@ -157,41 +139,38 @@ class _Run:
                 cfg.model.seq_len,
                 seed,
             )
-            x, y = x.to(self.device), y.to(self.device)
-            if micro == self.n_micro - 1:
-                self.sync.arm()
-            with _autocast(tr.dtype, self.device), SavedActivationCounter(self.model) as saved:
-                loss = self.model(x, y) / self.n_micro
-            self.saved_bytes = max(self.saved_bytes, saved.bytes)
-            loss.backward()
-            total += loss.detach().float()
-        self.sync.finish()
+            out.append((x.to(self.device), y.to(self.device)))
+        return out
+
+    def step(self, step: int, hook: StepHook | None) -> tuple[float, float]:
+        """One optimizer step: accumulate micro-batches, synchronise, clip, update; returns (loss, grad norm)."""
+        tr = self.cfg.train
+        total = torch.tensor(self.stepper.run(self.batches(step)), device=self.device)
         comm.all_reduce(total, self.dp_group)
         if hook is not None:
             hook(step, self.model)
-        norm = self._clip()
+        norm = self.stepper.clip(tr.grad_clip if tr.grad_clip > 0 else float("inf"))
         for g in self.optimizer.param_groups:
             g["lr"] = lr_at(step, tr)
-        self.optimizer.step()
+        if not self.stepper.skip_step:  # fp16 overflow: skip this update on every rank
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total.item() / self.layout.dp, norm
 
-    def _clip(self) -> float:
-        """Clip to train.grad_clip by the global norm; sharded models count every shard once."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-        if not hasattr(self.model, "grad_norm_sq"):
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
-        norm = float(self.model.grad_norm_sq().sqrt())
-        if norm > max_norm:
-            for p in params:
-                p.grad.mul_(max_norm / (norm + 1e-6))
-        return norm
-
     def save(self, step: int) -> None:
         extra = {"step": step, "samples": step * self.cfg.train.global_batch}
+        scaler = getattr(self.stepper, "scaler", None)
+        if scaler is not None:
+            extra["loss_scale"] = scaler.state_dict()
         ckpt.save_checkpoint(
-            self.ckpt_dir, step, self.model, self.optimizer, extra, keep=self.cfg.checkpoint.keep
+            self.ckpt_dir,
+            step,
+            self.stepper.state_module,
+            self.optimizer,
+            extra,
+            keep=self.cfg.checkpoint.keep,
+            shard_id=self.stepper.shard_id,
+            layout=self.layout.describe(),
         )
 
     def resume(self) -> int:
@@ -202,9 +181,16 @@ class _Run:
         if path is None:
             return 0
         extra = ckpt.load_checkpoint(
-            path, self.model, self.optimizer, shard_id=self.shard_id, layout=self.layout.describe()
+            path,
+            self.stepper.state_module,
+            self.optimizer,
+            shard_id=self.stepper.shard_id,
+            layout=self.layout.describe(),
         )
         ckpt.restore_rng(extra)
+        scaler = getattr(self.stepper, "scaler", None)
+        if scaler is not None and "loss_scale" in extra:
+            scaler.load_state_dict(extra["loss_scale"])
         return int(extra["step"])
 
 
@@ -250,5 +236,5 @@ def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
             if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
                 run.save(done)
     logger.close()
-    run.sync.remove()
+    run.stepper.close()
     return result

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from tessera import comm
 from tessera.config import Config, from_dict
 from tessera.groups import build_groups
 from tessera.layout import Axis, Layout
@@ -47,6 +48,7 @@ class Case:
     n_layers: int = 8
     stage_layers: tuple[int, ...] | None = None
     checkpointing: str = "none"
+    accumulation: str = "layered"
     options: dict[str, Any] = field(default_factory=dict)
     split_backward: bool = False  # hand-made schedule: every B replaced by I then W
     q: int = 1  # Optimus 2D tensor-parallel grid side
@@ -88,6 +90,7 @@ CASES = [
     Case("pp4_llama_interleaved_v2", "interleaved_1f1b", 4, v=2, family="llama"),
     Case("dp2_pp2_1f1b", "1f1b", 2, dp=2),
     Case("dp2_pp2_bf_v2", "breadth_first", 2, v=2, dp=2),
+    Case("dp2_pp2_bf_v2_depth_first", "breadth_first", 2, v=2, dp=2, accumulation="depth_first"),
     Case("pp2_tp2_1f1b", "1f1b", 2, tp=2, n_layers=4),
     Case("pp2_tp2_sp_bf_v2", "breadth_first", 2, v=2, tp=2, n_layers=4, sequence_parallel=True),
     # pp2 × Optimus 2D 2×2 (world 8); the 1D cases above share the world-4 processes
@@ -109,6 +112,7 @@ def _config(case: Case) -> Config:
                 "stages_per_rank": case.v,
                 "stage_layers": list(case.stage_layers) if case.stage_layers else None,
                 "checkpointing": case.checkpointing,
+                "accumulation": case.accumulation,
                 "tensor": f"{case.q}x{case.q}" if case.q > 1 else case.tp,
                 "sequence_parallel": case.sequence_parallel,
             },
@@ -171,7 +175,14 @@ def _run_cases(rank: int, world: int, names: list[str]) -> dict[str, tuple]:
         engine = _engine(case, model, layout, groups)
         x, y = _data(case)
         batches = _micro_batches(case, x, y, groups.coord(Axis.DATA))
+        comm.STATS.reset()
         loss = engine.step(batches)
+        reduces = comm.STATS.calls.get(("all_reduce", "data"), 0)
+        # Layered: one REDUCE per stage per step; depth-first: one per micro-batch (tied stages once, at the end).
+        per_stage = [
+            1 if case.accumulation == "layered" or s in engine.deferred else case.m for s in engine.stages
+        ]
+        assert case.dp == 1 or reduces == sum(per_stage), (reduces, per_stage)
         norm_sq = None if case.tensor else float(engine.grad_norm_sq())
         out[name] = (loss, _stage_grads(engine, model, case), groups.coord(Axis.DATA), norm_sq)
     return out
@@ -231,7 +242,8 @@ def test_pipeline_matches_single_device(results: dict[int, list[dict[str, tuple]
             torch.testing.assert_close(grad, ref_grads[pname], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=pname)
             seen.add(pname)
     assert seen == set(ref_grads), f"parameters without a pipeline gradient: {sorted(set(ref_grads) - seen)}"
-    if not case.tensor:  # the global norm: per-rank sums of squares over one replica's pipeline, tied copy once
+    # The global norm: per-rank sums of squares over one replica's pipeline, the tied copy once.
+    if not case.tensor:
         unique = {id(g): g for g in ref_grads.values()}
         ref_norm = sum(float(g.pow(2).sum()) for g in unique.values()) ** 0.5
         norm = sum(sq for _, _, dp_rank, sq in per_rank if dp_rank == 0) ** 0.5

@@ -30,7 +30,9 @@ from tessera.parallel.model_2d import apply_tensor_2d
 from tests.harness import run_distributed
 
 Q = 2
-MAX_2D_OVER_PLAIN = 1.05 / Q**2  # every saved tensor is partitioned over the q×q grid; 5% for replicated token ids
+MAX_2D_OVER_PLAIN = (
+    1.05 / Q**2
+)  # every saved tensor is partitioned over the q×q grid; 5% for replicated token ids
 SEED = 1234
 BATCH = 8  # divisible by q = 2
 TIMEOUT_S = 120.0
@@ -78,7 +80,9 @@ def measured() -> list[dict[str, tuple[int, int, int]]]:
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
-def test_2d_partitions_activations_by_q_squared(measured: list[dict[str, tuple[int, int, int]]], family: str) -> None:
+def test_2d_partitions_activations_by_q_squared(
+    measured: list[dict[str, tuple[int, int, int]]], family: str
+) -> None:
     bytes_1d = max(r[family][0] for r in measured)
     bytes_2d = max(r[family][1] for r in measured)
     plain = measured[0][family][2]

@@ -36,11 +36,13 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "tokens.bin"
 
 
-def _config(token_file: Path, run_dir: Path, family: str, dp: int, **train: object) -> dict:
+def _config(
+    token_file: Path, run_dir: Path, family: str, dp: int, accumulation: str = "layered", **train: object
+) -> dict:
     size = "gpt2-tiny" if family == "gpt" else "llama-tiny"
     return {
         "model": {"size": size},
-        "parallel": {"data": dp},
+        "parallel": {"data": dp, "accumulation": accumulation},
         "train": {
             "steps": STEPS,
             "global_batch": 8,
@@ -71,7 +73,9 @@ def _train_recording(
     ("family", "dp"), [("gpt", 2), ("gpt", 4), ("llama", 2)], ids=["gpt_dp2", "gpt_dp4", "llama_dp2"]
 )
 def test_data_parallel_matches_single_device(token_file: Path, tmp_path: Path, family: str, dp: int) -> None:
-    ref_losses, ref_grads = _train_recording(0, 1, _config(token_file, tmp_path / "ref", family, dp=1))
+    # the reference: the plain model, micro-batches one after another, no schedule runtime
+    ref = _config(token_file, tmp_path / "ref", family, dp=1, accumulation="depth_first")
+    ref_losses, ref_grads = _train_recording(0, 1, ref)
     results = run_distributed(
         _train_recording, dp, _config(token_file, tmp_path / "dp", family, dp=dp), timeout=240
     )

@@ -68,7 +68,9 @@ def _record(rank: int, world: int, raw: dict) -> tuple[dict[int, float], list[di
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_tensor_parallel_training_matches_reference(token_file: Path, tmp_path: Path, name: str) -> None:
     world, parallel = LAYOUTS[name]
-    ref_losses, ref_grads = _record(0, 1, _config(token_file, tmp_path / "ref", {}))
+    ref_losses, ref_grads = _record(
+        0, 1, _config(token_file, tmp_path / "ref", {"accumulation": "depth_first"})
+    )
     losses, grads = run_distributed(
         _record, world, _config(token_file, tmp_path / name, parallel), timeout=240
     )[0]

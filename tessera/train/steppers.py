@@ -1,0 +1,211 @@
+"""How one rank turns a step's micro-batches into gradients, in two shapes the trainer picks between.
+
+- ``DirectStepper``: no pipeline and no ZeRO. The (possibly tensor-parallel) module runs the micro-batches one
+  after another and ``GradSync`` all-reduces data-parallel gradients in buckets overlapped with the last backward.
+- ``PipelineStepper``: a pipeline, or ZeRO. The schedule IR runtime executes the step; with one pipeline rank the
+  model is cut into one stage per block and run breadth-first, which *is* layered gradient accumulation, so that
+  ZeRO's gathers and reduce-scatters happen once per block per step (docs/zero.md).
+
+Both expose the same small surface: ``run(batches)``, ``clip(max_norm)``, ``optimizer``, ``state_module`` (what a
+checkpoint saves) and ``shard_id`` (which rank-local shard that is).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from tessera import comm
+from tessera.config import Config, TrainConfig
+from tessera.errors import ConfigError
+from tessera.groups import Groups
+from tessera.layout import Axis, Layout
+from tessera.parallel.apply import norm_weights, tensor_groups
+from tessera.parallel.checkpointing import apply_checkpointing
+from tessera.parallel.data import GradSync
+from tessera.parallel.memory import SavedActivationCounter
+from tessera.parallel.precision import DynamicLossScaler, autocast
+from tessera.parallel.zero import ShardedAdamW, ZeroStageComm
+from tessera.pipeline.runtime import DataParallelStageComm, build_pipeline
+
+__all__ = ["DirectStepper", "PipelineStepper", "make_optimizer", "make_stepper"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_optimizer(params: list[nn.Parameter], tr: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (norm weights, biases and 1-D tensors are not decayed)."""
+    decay = [p for p in params if p.dim() >= 2]
+    other = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": tr.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, foreach=False)
+
+
+def _shard_id(layout: Layout, groups: Groups | None, zero: int) -> str | None:
+    """Names this rank's slice of model-parallel (or ZeRO-sharded) state; None when every rank holds all of it."""
+    if groups is None:
+        return None
+    parts = []
+    if layout.pp > 1:
+        parts.append(f"pp{groups.coord(Axis.PIPE)}")
+    if layout.tensor_size > 1:
+        parts.append(f"tp{groups.rank % layout.tensor_size}")
+    if zero > 0 and layout.dp > 1:
+        parts.append(f"dp{groups.coord(Axis.DATA)}")
+    return ".".join(parts) or None
+
+
+def _clip_by(norm: float, params: list[nn.Parameter], max_norm: float) -> float:
+    """torch's rule: scale by max_norm / (norm + 1e-6) when that is below 1; returns the norm before clipping."""
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
+
+
+class DirectStepper:
+    """Micro-batches one after another through the module; data-parallel sync overlapped with the last backward."""
+
+    def __init__(self, module: nn.Module, cfg: Config, layout: Layout, groups: Groups | None) -> None:
+        try:
+            apply_checkpointing(module, cfg.parallel.checkpointing)
+        except TypeError as e:
+            raise ConfigError(f"parallel.checkpointing = {cfg.parallel.checkpointing!r}: {e}") from None
+        self.module = self.state_module = module
+        self.dtype = cfg.train.dtype
+        # fp16 needs loss scaling; every group that holds gradients votes on an overflow
+        self.scaler = DynamicLossScaler() if self.dtype == "fp16" else None
+        self.overflow_groups = [
+            g for g in [*tensor_groups(layout, groups), groups and groups.dp] if g is not None
+        ]
+        self.skip_step = False
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(self.params, cfg.train)
+        dp_group = groups.dp if groups is not None else None
+        self.sync = GradSync(self.params, dp_group, int(cfg.train.bucket_mb * 2**20))
+        self.shard_id = _shard_id(layout, groups, 0)
+        self.saved_bytes = 0
+
+    def run(self, batches: list[Batch]) -> float:
+        """Accumulate every micro-batch's gradient; returns this replica's mean loss."""
+        losses, m = [], len(batches)
+        self.saved_bytes = 0  # the largest micro-batch's bytes saved for backward on this rank
+        for i, (x, y) in enumerate(batches):
+            if i == m - 1:
+                self.sync.arm()
+            with autocast(self.dtype, x.device), SavedActivationCounter(self.module) as saved:
+                loss = self.module(x, y) / m
+            self.saved_bytes = max(self.saved_bytes, saved.bytes)
+            (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
+            losses.append(loss.detach().float())
+        self.sync.finish()
+        if self.scaler is not None:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            ok = self.scaler.unscale_and_check(grads, self.overflow_groups)
+            self.scaler.update(ok)
+            self.skip_step = not ok  # an overflow skips the update on every rank; the scale backs off
+        return float(torch.stack(losses).sum())  # one host sync per step, not one per micro-batch
+
+    def clip(self, max_norm: float) -> float:
+        """Clip to max_norm by the global norm; tensor-parallel modules count every shard once."""
+        if not hasattr(self.module, "grad_norm_sq"):
+            grads = [p for p in self.params if p.grad is not None]
+            return float(torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=False))
+        return _clip_by(float(self.module.grad_norm_sq().sqrt()), self.params, max_norm)
+
+    def close(self) -> None:
+        self.sync.remove()
+
+
+class PipelineStepper:
+    """The schedule IR runtime runs the step: pipeline schedules, layered accumulation and ZeRO."""
+
+    def __init__(self, module: nn.Module, cfg: Config, layout: Layout, groups: Groups | None) -> None:
+        par = cfg.parallel
+        if cfg.train.dtype == "fp16":
+            raise ConfigError(
+                "train.dtype = 'fp16' (dynamic loss scaling) is supported without pipeline and ZeRO only; use "
+                "train.dtype = 'bf16', which needs no loss scaling, or set parallel.pipeline = 1 and parallel.zero = 0"
+            )
+        if layout.pp == 1 and par.stages_per_rank == 1:
+            # Layered accumulation on one pipeline rank: one stage per block, every stage breadth-first.
+            par = dataclasses.replace(
+                par, schedule="breadth_first", stages_per_rank=cfg.model.n_layers, stage_layers=None
+            )
+            cfg = dataclasses.replace(cfg, parallel=par)
+        self.dtype = cfg.train.dtype
+        dp_group = groups.dp if groups is not None and layout.dp > 1 else None
+        self.zero: ZeroStageComm | None = None
+
+        def stage_comm(stages: dict) -> DataParallelStageComm | ZeroStageComm:
+            if par.zero == 0:
+                return DataParallelStageComm(stages, dp_group)
+            self.zero = ZeroStageComm(stages, dp_group, par.zero, par.accumulation)
+            return self.zero
+
+        m = cfg.train.micro_batches(layout.dp)
+        self.engine = build_pipeline(module, layout, groups, cfg, m=m, stage_comm=stage_comm)
+        self.norm_groups = tensor_groups(layout, groups) + (
+            [groups.pp] if groups is not None and layout.pp > 1 else []
+        )
+        self.weights = norm_weights(module)
+        for pid in self.engine.remote_tied_copies():
+            self.weights[pid] = 0.0  # the other pipeline rank's copy is the one counted
+        if self.zero is not None:
+            self.optimizer = ShardedAdamW(
+                self.zero,
+                lr=cfg.train.lr,
+                betas=(cfg.train.beta1, cfg.train.beta2),
+                eps=cfg.train.eps,
+                weight_decay=cfg.train.weight_decay,
+                norm_groups=self.norm_groups,
+                norm_weights=self.weights,
+            )
+            self.state_module: nn.Module = self.optimizer.module
+        else:
+            self.optimizer = make_optimizer(self.engine.parameters(), cfg.train)
+            self.state_module = nn.ModuleDict({str(s): st for s, st in self.engine.stages.items()})
+        self.shard_id = _shard_id(layout, groups, par.zero)
+        self.module = module
+        self.saved_bytes = 0
+        self.skip_step = False
+
+    def run(self, batches: list[Batch]) -> float:
+        """Execute this rank's lowered schedule for one step; returns this replica's mean loss."""
+        with autocast(self.dtype, batches[0][0].device), SavedActivationCounter(self.module) as saved:
+            loss = self.engine.step(batches)
+        self.saved_bytes = (
+            saved.bytes
+        )  # breadth-first keeps every micro-batch until its backward: the step total
+        return float(loss)
+
+    def clip(self, max_norm: float) -> float:
+        if self.zero is not None:
+            return self.optimizer.clip_grad_norm_(max_norm)
+        sq = self.engine.grad_norm_sq(self.weights)
+        for group in self.norm_groups:
+            comm.all_reduce(sq, group)
+        return _clip_by(math.sqrt(float(sq)), self.engine.parameters(), max_norm)
+
+    def close(self) -> None:
+        pass
+
+
+def make_stepper(
+    module: nn.Module, cfg: Config, layout: Layout, groups: Groups | None
+) -> DirectStepper | PipelineStepper:
+    """The schedule runtime for a pipeline, ZeRO or layered accumulation of several micro-batches; else direct.
+
+    Depth-first accumulation (or a single micro-batch) without pipeline and ZeRO needs no schedule: the direct
+    loop keeps one micro-batch in flight and overlaps the bucketed all-reduce with the last backward.
+    """
+    par = cfg.parallel
+    layered = par.accumulation == "layered" and cfg.train.micro_batches(layout.dp) > 1
+    if layout.pp > 1 or par.zero > 0 or layered:
+        return PipelineStepper(module, cfg, layout, groups)
+    return DirectStepper(module, cfg, layout, groups)
