@@ -71,6 +71,10 @@ class CommStats:
 
 STATS = CommStats()
 
+# torch 2.13 renamed the flat collectives (the old names warn); keep working on the older releases we support.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _NAMES: dict[int, str] = {}
 
 
@@ -163,7 +167,7 @@ def all_gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Ten
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=t.dtype, device=t.device)
     STATS.record("all_gather", group_name(group), _nbytes(out))
-    dist.all_gather_into_tensor(out, moved, group=group)
+    all_gather_into(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -179,7 +183,7 @@ def reduce_scatter(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch
     moved = t.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=t.dtype, device=t.device)
     STATS.record("reduce_scatter", group_name(group), _nbytes(moved))
-    dist.reduce_scatter_tensor(out, moved, group=group)
+    reduce_scatter_into(out, moved, group=group)
     return out.movedim(0, dim)
 
 

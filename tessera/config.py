@@ -250,6 +250,10 @@ class TrainConfig:
     """Compute dtype: fp32, bf16 (autocast where supported) or fp16."""
     device: str = "auto"
     """cpu, cuda or auto (cuda when available)."""
+    grad_reduce_dtype: str = "fp32"
+    """dtype of the ZeRO gradient reduce-scatter: fp32 (exact accumulation) or bf16 (half the traffic)."""
+    fp16_init_scale: float = 65536.0
+    """Initial dynamic loss scale for train.dtype = 'fp16' (halved on overflow, doubled every 2000 good steps)."""
     bucket_mb: float = 25.0
     """Size of data-parallel gradient all-reduce buckets, in MiB."""
 
@@ -264,6 +268,14 @@ class TrainConfig:
                     rule="train.dtype",
                     problem=f"train.dtype = {self.dtype!r} is unknown",
                     fix=f"use one of {', '.join(DTYPES)}",
+                )
+            )
+        if self.grad_reduce_dtype not in ("fp32", "bf16"):
+            v.append(
+                Violation(
+                    rule="train.grad_reduce_dtype",
+                    problem=f"train.grad_reduce_dtype = {self.grad_reduce_dtype!r} is unknown",
+                    fix="use fp32 or bf16",
                 )
             )
         if self.device not in ("auto", "cpu", "cuda"):

@@ -48,12 +48,12 @@ def _size(group: dist.ProcessGroup | None) -> int:
 
 def _all_gather_async(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> Any:
     comm.STATS.record("all_gather", comm.group_name(group), out.numel() * out.element_size())
-    return dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
+    return comm.all_gather_into(out, shard, group=group, async_op=True)
 
 
 def _reduce_scatter_async(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> Any:
     comm.STATS.record("reduce_scatter", comm.group_name(group), full.numel() * full.element_size())
-    return dist.reduce_scatter_tensor(out, full, group=group, async_op=True)
+    return comm.reduce_scatter_into(out, full, group=group, async_op=True)
 
 
 class FlatStage:

@@ -211,6 +211,7 @@ class PipelineEngine:
         self.deferred = {s for t in self.tied for s in (t.stage_a, t.stage_b) if s in stages}
         self.post_at = _recv_post_positions(self.actions, recv_ahead)
         self.accumulation = accumulation
+        self.loss_scale = 1.0  # set by the trainer for fp16 dynamic loss scaling
         self.reduce_after = (
             _group_reductions(self.actions, self.deferred) if accumulation == "depth_first" else {}
         )
@@ -319,6 +320,8 @@ class PipelineEngine:
         if s == self.n_stages - 1:
             out = self.stages[s](x, targets) / self.m  # mean over micro-batches = mean over the batch
             state.losses.append(out.detach())
+            if self.loss_scale != 1.0:
+                out = out * self.loss_scale  # fp16: backward runs on the scaled loss
         else:
             out = self.stages[s](x)
         state.inputs[(s, j)], state.outputs[(s, j)] = x, out

@@ -27,7 +27,7 @@ from tessera.parallel.apply import norm_weights, tensor_groups
 from tessera.parallel.checkpointing import apply_checkpointing
 from tessera.parallel.data import GradSync
 from tessera.parallel.memory import SavedActivationCounter
-from tessera.parallel.precision import DynamicLossScaler, autocast
+from tessera.parallel.precision import DynamicLossScaler, autocast, reduce_dtype
 from tessera.parallel.zero import ShardedAdamW, ZeroStageComm
 from tessera.pipeline.runtime import DataParallelStageComm, build_pipeline
 
@@ -79,7 +79,7 @@ class DirectStepper:
         self.module = self.state_module = module
         self.dtype = cfg.train.dtype
         # fp16 needs loss scaling; every group that holds gradients votes on an overflow
-        self.scaler = DynamicLossScaler() if self.dtype == "fp16" else None
+        self.scaler = DynamicLossScaler(cfg.train.fp16_init_scale) if self.dtype == "fp16" else None
         self.overflow_groups = [
             g for g in [*tensor_groups(layout, groups), groups and groups.dp] if g is not None
         ]
@@ -127,11 +127,6 @@ class PipelineStepper:
 
     def __init__(self, module: nn.Module, cfg: Config, layout: Layout, groups: Groups | None) -> None:
         par = cfg.parallel
-        if cfg.train.dtype == "fp16":
-            raise ConfigError(
-                "train.dtype = 'fp16' (dynamic loss scaling) is supported without pipeline and ZeRO only; use "
-                "train.dtype = 'bf16', which needs no loss scaling, or set parallel.pipeline = 1 and parallel.zero = 0"
-            )
         if layout.pp == 1 and par.stages_per_rank == 1:
             # Layered accumulation on one pipeline rank: one stage per block, every stage breadth-first.
             par = dataclasses.replace(
@@ -145,7 +140,8 @@ class PipelineStepper:
         def stage_comm(stages: dict) -> DataParallelStageComm | ZeroStageComm:
             if par.zero == 0:
                 return DataParallelStageComm(stages, dp_group)
-            self.zero = ZeroStageComm(stages, dp_group, par.zero, par.accumulation)
+            reduce = reduce_dtype(cfg.train.grad_reduce_dtype)
+            self.zero = ZeroStageComm(stages, dp_group, par.zero, par.accumulation, reduce_dtype=reduce)
             return self.zero
 
         m = cfg.train.micro_batches(layout.dp)
@@ -173,16 +169,28 @@ class PipelineStepper:
         self.shard_id = _shard_id(layout, groups, par.zero)
         self.module = module
         self.saved_bytes = 0
+        self.scaler = DynamicLossScaler(cfg.train.fp16_init_scale) if self.dtype == "fp16" else None
+        self.overflow_groups = [g for g in [dp_group, *self.norm_groups] if g is not None]
         self.skip_step = False
 
     def run(self, batches: list[Batch]) -> float:
         """Execute this rank's lowered schedule for one step; returns this replica's mean loss."""
+        if self.scaler is not None:
+            self.engine.loss_scale = self.scaler.scale
         with autocast(self.dtype, batches[0][0].device), SavedActivationCounter(self.module) as saved:
             loss = self.engine.step(batches)
-        self.saved_bytes = (
-            saved.bytes
-        )  # breadth-first keeps every micro-batch until its backward: the step total
+        # breadth-first keeps every micro-batch until its backward: the step's total is its peak
+        self.saved_bytes = saved.bytes
+        if self.scaler is not None:
+            ok = self.scaler.unscale_and_check(self._grads(), self.overflow_groups)
+            self.scaler.update(ok)
+            self.skip_step = not ok  # an overflow anywhere skips the update on every rank
         return float(loss)
+
+    def _grads(self) -> list[torch.Tensor]:
+        if self.zero is not None:
+            return self.zero.grad_shards()
+        return [p.grad for p in self.engine.parameters() if p.grad is not None]
 
     def clip(self, max_norm: float) -> float:
         if self.zero is not None:

@@ -227,6 +227,9 @@ def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
                 "mem_bytes": memory_bytes(run.device),
                 **comm.STATS.as_metrics(),
             }
+            scaler = getattr(run.stepper, "scaler", None)
+            if scaler is not None:
+                metrics["loss_scale"], metrics["skipped_steps"] = scaler.scale, scaler.skipped
             if peak:
                 metrics["mfu"] = tps * run.flops_per_token / (peak * world)
             if step % cfg.log.every == 0 or step == cfg.train.steps - 1:
