@@ -13,8 +13,8 @@ import torch
 
 from tessera.config import Config, from_dict
 from tessera.errors import DataError
-from tessera.train.data import prepare
 from tessera.train.trainer import train
+from tests.distributed.conftest import trainer_config
 from tests.harness import run_distributed
 
 # fp32 on CPU; data-parallel runs sum the same per-sample gradients in a different order (micro-batches vs ranks),
@@ -28,33 +28,12 @@ class Interrupt(Exception):
     """Stands for a crash between a checkpoint and the end of the run."""
 
 
-@pytest.fixture(scope="module")
-def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    sources = sorted(Path(__file__).resolve().parents[2].joinpath("tessera").rglob("*.py"))
-    prepare(sources, root / "tokens.bin", "byte")
-    return root / "tokens.bin"
-
-
 def _config(
     token_file: Path, run_dir: Path, family: str, dp: int, accumulation: str = "layered", **train: object
 ) -> dict:
-    size = "gpt2-tiny" if family == "gpt" else "llama-tiny"
-    return {
-        "model": {"size": size},
-        "parallel": {"data": dp, "accumulation": accumulation},
-        "train": {
-            "steps": STEPS,
-            "global_batch": 8,
-            "micro_batch": 2,
-            "warmup_steps": 1,
-            "lr": 1e-2,
-            **train,
-        },
-        "data": {"path": str(token_file)},
-        "checkpoint": {"every": 0, "resume": False},
-        "log": {"run_dir": str(run_dir), "progress": False, "tensorboard": False},
-    }
+    model = {"size": "gpt2-tiny" if family == "gpt" else "llama-tiny"}
+    parallel = {"data": dp, "accumulation": accumulation}
+    return trainer_config(token_file, run_dir, model, parallel, **{"steps": STEPS, **train})
 
 
 def _train_recording(
@@ -69,16 +48,22 @@ def _train_recording(
     return result.losses, grads
 
 
-@pytest.mark.parametrize(
-    ("family", "dp"), [("gpt", 2), ("gpt", 4), ("llama", 2)], ids=["gpt_dp2", "gpt_dp4", "llama_dp2"]
-)
-def test_data_parallel_matches_single_device(token_file: Path, tmp_path: Path, family: str, dp: int) -> None:
+LAYOUTS = {  # name: (family, dp, accumulation); layered with several micro-batches runs the schedule runtime
+    "gpt_dp2_layered": ("gpt", 2, "layered"),
+    "gpt_dp2_depth_first": ("gpt", 2, "depth_first"),
+    "gpt_dp4": ("gpt", 4, "layered"),
+    "llama_dp2_layered": ("llama", 2, "layered"),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_data_parallel_matches_single_device(token_file: Path, tmp_path: Path, name: str) -> None:
+    family, dp, accumulation = LAYOUTS[name]
     # the reference: the plain model, micro-batches one after another, no schedule runtime
     ref = _config(token_file, tmp_path / "ref", family, dp=1, accumulation="depth_first")
     ref_losses, ref_grads = _train_recording(0, 1, ref)
-    results = run_distributed(
-        _train_recording, dp, _config(token_file, tmp_path / "dp", family, dp=dp), timeout=240
-    )
+    raw = _config(token_file, tmp_path / "dp", family, dp=dp, accumulation=accumulation)
+    results = run_distributed(_train_recording, dp, raw, timeout=240)
     for losses, grads in results:  # every rank holds the same averaged gradients
         for step in range(STEPS):
             torch.testing.assert_close(losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tessera.config import from_dict
-from tessera.train.data import prepare
 from tessera.train.trainer import train
+from tests.distributed.conftest import trainer_config
 from tests.harness import run_distributed
 
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
@@ -42,24 +42,9 @@ LAYOUTS = {  # name: (world size, parallel section)
 }
 
 
-@pytest.fixture(scope="module")
-def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    sources = sorted(Path(__file__).resolve().parents[2].joinpath("tessera").rglob("*.py"))
-    prepare(sources, root / "tokens.bin", "byte")
-    return root / "tokens.bin"
-
-
-def _config(token_file: Path, run_dir: Path, parallel: dict, **train_extra: object) -> dict:
-    return {
-        "model": {"size": "gpt2-tiny", "n_layers": 4},
-        "parallel": parallel,
-        "train": {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "warmup_steps": 1, "lr": 1e-2,
-                  "grad_clip": 0.5, **train_extra},
-        "data": {"path": str(token_file)},
-        "checkpoint": {"every": 0, "resume": False},
-        "log": {"run_dir": str(run_dir), "progress": False, "tensorboard": False},
-    }  # fmt: skip
+def _config(token_file: Path, run_dir: Path, parallel: dict, **train: object) -> dict:
+    model = {"size": "gpt2-tiny", "n_layers": 4}
+    return trainer_config(token_file, run_dir, model, parallel, **{"steps": STEPS, "grad_clip": 0.5, **train})
 
 
 def _run_all(rank: int, world: int, configs: list[dict]) -> list[tuple[dict[int, float], list[dict]]]:

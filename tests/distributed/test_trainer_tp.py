@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tessera.config import from_dict
-from tessera.train.data import prepare
 from tessera.train.trainer import train
+from tests.distributed.conftest import trainer_config
 from tests.harness import run_distributed
 
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
@@ -27,31 +27,10 @@ LAYOUTS = {  # name: (world size, parallel section)
 }
 
 
-@pytest.fixture(scope="module")
-def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    sources = sorted(Path(__file__).resolve().parents[2].joinpath("tessera").rglob("*.py"))
-    prepare(sources, root / "tokens.bin", "byte")
-    return root / "tokens.bin"
-
-
 def _config(token_file: Path, run_dir: Path, parallel: dict) -> dict:
-    return {
-        "model": {"size": "llama-tiny", "n_heads": 4, "n_kv_heads": 2, "d_model": 32, "ffn_hidden": 64},
-        "parallel": parallel,
-        # a low clip threshold makes clipping fire, so the sharded global norm is exercised
-        "train": {
-            "steps": STEPS,
-            "global_batch": 8,
-            "micro_batch": 2,
-            "warmup_steps": 1,
-            "lr": 1e-2,
-            "grad_clip": 0.5,
-        },
-        "data": {"path": str(token_file)},
-        "checkpoint": {"every": 0, "resume": False},
-        "log": {"run_dir": str(run_dir), "progress": False, "tensorboard": False},
-    }
+    model = {"size": "llama-tiny", "n_heads": 4, "n_kv_heads": 2, "d_model": 32, "ffn_hidden": 64}
+    # a low clip threshold makes clipping fire, so the sharded global norm is exercised
+    return trainer_config(token_file, run_dir, model, parallel, steps=STEPS, grad_clip=0.5)
 
 
 def _record(rank: int, world: int, raw: dict) -> tuple[dict[int, float], list[dict[str, torch.Tensor]]]:
