@@ -158,7 +158,7 @@ class ParallelConfig:
     pipeline: int = 1
     """Pipeline-parallel size p."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved or breadth_first."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved, breadth_first, or a CSV file of your own (pipeline/csvio.py)."""
     stages_per_rank: int = 1
     """Virtual stages per pipeline rank v (interleaved and breadth_first)."""
     stage_layers: list[int] | None = None
@@ -191,7 +191,11 @@ class ParallelConfig:
             self.tensor_shape()
         except ConfigError as e:
             v.append(Violation(rule="parallel.tensor", problem=str(e), fix='use an int such as 4, or "2x2"'))
-        choices = {"schedule": SCHEDULES, "accumulation": ACCUMULATION, "checkpointing": CHECKPOINTING}
+        choices = {"accumulation": ACCUMULATION, "checkpointing": CHECKPOINTING}
+        if not self.schedule.endswith(
+            ".csv"
+        ):  # a .csv file is a user's own schedule (tessera.pipeline.csvio)
+            choices["schedule"] = SCHEDULES
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 v.append(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -34,7 +35,8 @@ from torch import nn
 from tessera import comm
 from tessera.errors import ConfigError
 from tessera.layout import Axis
-from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, infer_stage_ranks
+from tessera.pipeline.csvio import from_csv
+from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, infer_stage_ranks, stage_to_rank
 from tessera.pipeline.passes import lower
 from tessera.pipeline.schedules import build_schedule
 from tessera.pipeline.stage import Stage, TiedParameter, split_stages, tied_parameters
@@ -532,12 +534,45 @@ def lowered_schedule(
     if accumulation not in ("layered", "depth_first"):
         raise ConfigError(f"unknown accumulation {accumulation!r}; choose layered or depth_first")
     placement = str(options.get("placement", "loop"))
-    if accumulation == "depth_first" and schedule_name in ("breadth_first", "bf", "bfs"):
-        options = {**options, "consecutive": 1}
-    compute = build_schedule(schedule_name, p, m, v, **options)
+    if schedule_name.endswith(".csv"):
+        compute = _schedule_from_file(schedule_name, p, m, v)
+        placement = _placement_of(compute, p)
+    else:
+        if accumulation == "depth_first" and schedule_name in ("breadth_first", "bf", "bfs"):
+            options = {**options, "consecutive": 1}
+        compute = build_schedule(schedule_name, p, m, v, **options)
     lowered = lower(compute, p, placement, zero3=zero3)
     validate(lowered, p, microbatches=m)
     return lowered, placement
+
+
+def _schedule_from_file(path: str, p: int, m: int, v: int) -> Schedule:
+    """A user's own compute schedule from CSV (tessera.pipeline.csvio format), checked against p, m and v."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(
+            f"parallel.schedule = {path!r}: no such file; write one with tessera.pipeline.csvio.to_csv"
+        )
+    compute = from_csv(file.read_text(), p)
+    stages = {a.stage for rank in compute for a in rank}
+    batches = {a.microbatch for rank in compute for a in rank if a.microbatch is not None}
+    if stages != set(range(p * v)) or batches != set(range(m)):
+        raise ConfigError(
+            f"schedule file {path}: it has stages {sorted(stages)} and micro-batches {sorted(batches)}, but this run "
+            f"has pipeline {p} × stages_per_rank {v} = {p * v} stages and {m} micro-batches per step"
+        )
+    return compute
+
+
+def _placement_of(compute: Schedule, p: int) -> str:
+    """The placement (loop or vshape) whose stage → rank map the schedule follows."""
+    owner = infer_stage_ranks(compute)
+    for placement in ("loop", "vshape"):
+        if all(stage_to_rank(s, p, placement) == r for s, r in owner.items()):
+            return placement
+    raise ConfigError(
+        f"schedule file puts stages on ranks {owner}, which is neither the loop nor the vshape placement"
+    )
 
 
 def build_pipeline(

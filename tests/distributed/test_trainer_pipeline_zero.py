@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from tessera.config import from_dict
+from tessera.pipeline.csvio import to_csv
+from tessera.pipeline.schedules import build_schedule
 from tessera.train.trainer import train
 from tests.distributed.conftest import trainer_config
 from tests.harness import run_distributed
@@ -88,6 +90,16 @@ def test_layouts_match_single_device(token_file: Path, tmp_path: Path, world: in
                 torch.testing.assert_close(
                     g, ref_grads[step][n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=f"{name} {n}"
                 )
+
+
+def test_users_csv_schedule_trains_like_the_builtin(token_file: Path, tmp_path: Path) -> None:
+    """A schedule written to CSV (here 1F1B, p=2, m=4) and passed as parallel.schedule runs like the named one."""
+    csv = tmp_path / "my_1f1b.csv"
+    csv.write_text(to_csv(build_schedule("1f1b", 2, 4)))
+    named = _config(token_file, tmp_path / "named", {"pipeline": 2, "schedule": "1f1b"})
+    custom = _config(token_file, tmp_path / "custom", {"pipeline": 2, "schedule": str(csv)})
+    (named_losses, _), (custom_losses, _) = run_distributed(_run_all, 2, [named, custom], timeout=300)[0]
+    assert custom_losses == named_losses
 
 
 def _comm_bytes(run_dir: Path) -> dict[str, int]:
