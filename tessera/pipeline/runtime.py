@@ -35,6 +35,7 @@ from torch import nn
 from tessera import comm
 from tessera.errors import ConfigError
 from tessera.layout import Axis
+from tessera.parallel.memory import SavedActivationCounter
 from tessera.pipeline.csvio import from_csv
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, infer_stage_ranks, stage_to_rank
 from tessera.pipeline.passes import lower
@@ -158,6 +159,7 @@ class _StepState:
     sends: list[tuple[torch.Tensor, list[dist.Work]]] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
     gathering: set[int] = field(default_factory=set)
+    saved: dict[tuple[int, int], int] = field(default_factory=dict)  # bytes each F keeps until its backward
 
 
 class PipelineEngine:
@@ -214,6 +216,8 @@ class PipelineEngine:
         self.post_at = _recv_post_positions(self.actions, recv_ahead)
         self.accumulation = accumulation
         self.loss_scale = 1.0  # set by the trainer for fp16 dynamic loss scaling
+        self.peak_saved_bytes = 0
+        self.track_saved = True  # count activation bytes held for backward (metrics: saved_activation_bytes)
         self.reduce_after = (
             _group_reductions(self.actions, self.deferred) if accumulation == "depth_first" else {}
         )
@@ -261,6 +265,7 @@ class PipelineEngine:
             raise ValueError(f"the schedule has {self.m} micro-batches but step got {len(batches)} batches")
         state = _StepState(batches)
         self.timeline = []
+        self.peak_saved_bytes = 0  # most activation bytes held for backward at once on this rank, this step
         t0 = time.perf_counter()
         for index, action in enumerate(self.actions):
             if index in self.post_at:
@@ -319,6 +324,18 @@ class PipelineEngine:
             x = state.outputs[(s - 1, j)].detach().requires_grad_()
         else:
             x = state.received.pop(("act", s - 1, j)).requires_grad_()
+        if not self.track_saved:  # e.g. a caller measuring with its own saved-tensor hooks (they do not nest)
+            out = self._stage_forward(state, s, x, targets)
+        else:
+            with SavedActivationCounter(self.stages[s]) as saved:
+                out = self._stage_forward(state, s, x, targets)
+            state.saved[(s, j)] = saved.bytes
+            self.peak_saved_bytes = max(self.peak_saved_bytes, sum(state.saved.values()))
+        state.inputs[(s, j)], state.outputs[(s, j)] = x, out
+
+    def _stage_forward(
+        self, state: _StepState, s: int, x: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
         if s == self.n_stages - 1:
             out = self.stages[s](x, targets) / self.m  # mean over micro-batches = mean over the batch
             state.losses.append(out.detach())
@@ -326,7 +343,7 @@ class PipelineEngine:
                 out = out * self.loss_scale  # fp16: backward runs on the scaled loss
         else:
             out = self.stages[s](x)
-        state.inputs[(s, j)], state.outputs[(s, j)] = x, out
+        return out
 
     def _output_grad(self, state: _StepState, s: int, j: int) -> torch.Tensor | None:
         if s == self.n_stages - 1:
@@ -341,6 +358,7 @@ class PipelineEngine:
         x = state.inputs.pop((s, j))
         if not split:
             torch.autograd.backward(out, grad)
+            state.saved.pop((s, j), None)  # autograd has freed what this F saved
         elif s > 0:  # input gradient only; the graph stays for W
             (x.grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
         if split:
@@ -355,6 +373,7 @@ class PipelineEngine:
         out, grad = state.split.pop((s, j))
         params = [p for p in self.stages[s].parameters() if p.requires_grad]
         torch.autograd.backward(out, grad, inputs=params)
+        state.saved.pop((s, j), None)
 
     # --- point-to-point ------------------------------------------------------------------------------------
 

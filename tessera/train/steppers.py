@@ -80,9 +80,7 @@ class DirectStepper:
         self.dtype = cfg.train.dtype
         # fp16 needs loss scaling; every group that holds gradients votes on an overflow
         self.scaler = DynamicLossScaler(cfg.train.fp16_init_scale) if self.dtype == "fp16" else None
-        self.overflow_groups = [
-            g for g in [*tensor_groups(layout, groups), groups and groups.dp] if g is not None
-        ]
+        self.overflow_groups = tensor_groups(layout, groups) + ([groups.dp] if groups is not None else [])
         self.skip_step = False
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, cfg.train)
@@ -165,8 +163,11 @@ class PipelineStepper:
             self.state_module: nn.Module = self.optimizer.module
         else:
             self.optimizer = make_optimizer(self.engine.parameters(), cfg.train)
-            self.state_module = nn.ModuleDict({str(s): st for s, st in self.engine.stages.items()})
+            # one pipeline rank holds every stage: save the model under its plain names (generate, export)
+            stages = nn.ModuleDict({str(s): st for s, st in self.engine.stages.items()})
+            self.state_module = module if layout.pp == 1 else stages
         self.shard_id = _shard_id(layout, groups, par.zero)
+        self._release_remote_stages(module)
         self.module = module
         self.saved_bytes = 0
         self.scaler = DynamicLossScaler(cfg.train.fp16_init_scale) if self.dtype == "fp16" else None
@@ -177,15 +178,21 @@ class PipelineStepper:
         """Execute this rank's lowered schedule for one step; returns this replica's mean loss."""
         if self.scaler is not None:
             self.engine.loss_scale = self.scaler.scale
-        with autocast(self.dtype, batches[0][0].device), SavedActivationCounter(self.module) as saved:
+        with autocast(self.dtype, batches[0][0].device):
             loss = self.engine.step(batches)
-        # breadth-first keeps every micro-batch until its backward: the step's total is its peak
-        self.saved_bytes = saved.bytes
+        self.saved_bytes = self.engine.peak_saved_bytes
         if self.scaler is not None:
             ok = self.scaler.unscale_and_check(self._grads(), self.overflow_groups)
             self.scaler.update(ok)
             self.skip_step = not ok  # an overflow anywhere skips the update on every rank
         return float(loss)
+
+    def _release_remote_stages(self, module: nn.Module) -> None:
+        """Drop the weights of stages other pipeline ranks own: every rank built the whole model to cut its own."""
+        local = {id(p) for p in self.engine.parameters()}
+        for p in module.parameters():
+            if id(p) not in local:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def _grads(self) -> list[torch.Tensor]:
         if self.zero is not None:

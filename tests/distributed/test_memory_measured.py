@@ -5,12 +5,18 @@ the end of the step, before zero_grad) + activations saved for backward during t
 (SavedActivationCounter; with layered accumulation on one pipeline rank every forward precedes every backward,
 so the sum is the peak) + ZeRO's transient buffers (one stage's flattened gradients, with ZeRO-2/3 a stage's
 full gradients, with ZeRO-3 a stage's gathered parameters: sized from the live flat buffers).
+
+Pipeline layouts run the trainer's PipelineStepper on every rank and take the peak of the bytes alive during
+``engine.step`` (`_LivePeak`: saved activations of in-flight micro-batches + held boundary tensors); the estimate,
+for the fullest rank, is compared with the fullest measured rank. Not counted: the other ranks' stages, which the
+trainer keeps referenced (`PipelineStepper.module` holds the whole model; see docs/memory.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
@@ -178,3 +184,129 @@ def test_apply_checkpointing_cuts_saved_bytes_keeps_gradients() -> None:
         for n, g in grads[mode].items():
             torch.testing.assert_close(g, grads["none"][n], atol=GRAD_ATOL, rtol=0)
     assert saved["full"] < 0.5 * saved["none"] and saved["selective"] <= saved["none"]
+
+
+# --- pipeline layouts: the trainer's stepper on every pipeline rank ----------------------------------------
+
+PIPE_M = 4
+"""Micro-batches per step: more than p, so 1F1B (≤ p in flight) and breadth-first (all m) differ."""
+PIPE_LAYOUTS = {  # name: (world size, parallel section)
+    "pp2_1f1b": (2, {"pipeline": 2, "schedule": "1f1b"}),
+    "pp2_bf_v2": (2, {"pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 2}),
+    "dp2_pp2_z3_bf": (
+        4,
+        {"data": 2, "pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 2, "zero": 3},
+    ),
+}
+
+
+def _pipe_cfg(name: str) -> Config:
+    world, parallel = PIPE_LAYOUTS[name]
+    dp = world // parallel["pipeline"]
+    return Config(
+        model=ModelConfig(n_layers=4, d_model=32, n_heads=2, vocab_size=64, seq_len=32, tie_embeddings=False),
+        parallel=ParallelConfig(**parallel),
+        train=TrainConfig(global_batch=MICRO * PIPE_M * dp, micro_batch=MICRO),
+    )
+
+
+class _LivePeak:
+    """Wraps a PipelineEngine's action interpreter to track the peak of the bytes alive during ``step``.
+
+    Every F runs under its own counter, so its saved storages are known per (stage, micro-batch) and leave the
+    live set at that pair's B (autograd frees them then). After every action the live bytes are the union of the
+    in-flight pairs' saved storages and of the step's boundary tensors the engine still holds that autograd did
+    not save (a stage's output kept until its backward, received and posted buffers, pending sends, input
+    gradients): the saved part is the estimate's ``activations``, the rest its pipeline boundary buffers.
+    """
+
+    def __init__(self, engine, model: torch.nn.Module, zero: ZeroStageComm | None) -> None:
+        from tessera.pipeline.ir import ActionKind
+
+        self.kinds = ActionKind
+        self.model, self.zero = model, zero
+        self.saved: dict[tuple[int, int], dict] = {}
+        self.peak = {"activations": 0, "boundary": 0}
+        self._inner = engine._run
+        engine._run = self._run
+        engine.track_saved = False  # saved-tensor hooks do not nest: this tracker counts instead
+
+    def _counter(self) -> SavedActivationCounter:
+        return _ZeroAwareCounter(self.model, self.zero) if self.zero else SavedActivationCounter(self.model)
+
+    def _run(self, state, action) -> None:
+        key = (action.stage, action.microbatch)
+        if action.kind is self.kinds.FORWARD:
+            with self._counter() as counter:
+                self._inner(state, action)
+            self.saved[key] = dict(counter._seen)
+        else:
+            self._inner(state, action)
+            if action.kind is self.kinds.BACKWARD:
+                self.saved.pop(key)
+        live = {k: n for per in self.saved.values() for k, n in per.items()}
+        held = [
+            *state.outputs.values(),
+            *state.received.values(),
+            *state.input_grads.values(),
+            *(buf for buf, _ in state.posted.values()),
+            *(t for t, _ in state.sends),
+        ]
+        boundary = {}
+        for t in held:
+            st = t.untyped_storage()
+            if (str(t.device), st.data_ptr()) not in live:
+                boundary[st.data_ptr()] = st.nbytes()
+        acts, extra = sum(live.values()), sum(boundary.values())
+        if acts + extra > sum(self.peak.values()):
+            self.peak = {"activations": acts, "boundary": extra}
+
+
+def measure_pipeline(name: str, world: int) -> dict[str, int]:
+    """One trainer step (make_stepper → PipelineStepper → build_pipeline) on this rank; bytes by component."""
+    from tessera.groups import build_groups
+    from tessera.layout import Layout
+    from tessera.train.steppers import PipelineStepper, make_stepper
+
+    torch.set_num_threads(1)
+    cfg = _pipe_cfg(name)
+    layout = Layout.from_config(cfg.parallel, world)
+    groups = build_groups(layout, "cpu")
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    stepper = make_stepper(model, cfg, layout, groups)
+    assert isinstance(stepper, PipelineStepper), name
+    tracker = _LivePeak(stepper.engine, model, stepper.zero)
+    stepper.run(_batches(PIPE_M))
+    stepper.optimizer.step()
+    opt, zero = stepper.optimizer, stepper.zero
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+    if zero is None:
+        params = stepper.engine.parameters()
+        model_state = _storages([*params, *(p.grad for p in params), *state])
+        buffers = 0
+    else:
+        grads = [p.grad for p in zero.params()] + zero.grad_shards()
+        flats = zero.flats.values()
+        params = [f.shard for f in flats] if zero.zero_stage == 3 else [f.full for f in flats]
+        model_state = _storages([*params, *grads, *state])
+        biggest = max(f.nbytes for f in flats)
+        buffers = biggest * (1 + (zero.zero_stage >= 2) + (zero.zero_stage >= 3))
+    return {"state": model_state, **tracker.peak, "buffers": buffers}
+
+
+def _pipelines(rank: int, world: int, names: list[str]) -> dict[str, dict[str, int]]:
+    return {name: measure_pipeline(name, world) for name in names}
+
+
+@pytest.mark.parametrize("world", sorted({w for w, _ in PIPE_LAYOUTS.values()}))
+def test_estimate_within_10_percent_pipeline_layouts(world: int) -> None:
+    """The estimate (fullest pipeline rank) against the largest measured rank of each pipeline layout."""
+    names = [n for n, (w, _) in PIPE_LAYOUTS.items() if w == world]
+    per_rank = run_distributed(_pipelines, world, names, timeout=120)
+    for name in names:
+        fullest = max((r[name] for r in per_rank), key=lambda parts: sum(parts.values()))
+        _check(fullest, _pipe_cfg(name), world, f"{name} (ranks {[r[name] for r in per_rank]})")
+    if world == 2:  # the tracker sees the schedules: rank 0 keeps ≤ p micro-batches with 1F1B, all m with BF
+        acts = {n: per_rank[0][n]["activations"] for n in names}
+        assert acts["pp2_1f1b"] < 0.6 * acts["pp2_bf_v2"], acts
