@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import numpy as np
 from tessera.planner.hardware import Hardware
 
 __all__ = [
+    "MeasuredSteps",
     "calibrate",
     "fit_collectives",
     "measure_collectives",
@@ -35,6 +37,8 @@ __all__ = [
     "measure_memory_bandwidth",
     "measure_trainer_step",
     "predict_trainer_step",
+    "run_queue_wait",
+    "trainer_plan",
 ]
 
 GEMM_SIZES = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -271,34 +275,75 @@ def calibrate(
     return hw, "\n".join(lines)
 
 
-def predict_trainer_step(cfg: Any, world: int, hw: Hardware, *, flash_attention: bool = True) -> Any:
-    """Predicted `StepBreakdown` of `tessera.train.trainer.train(cfg)` on `world` ranks (data × tensor, 1D with
-    or without sequence parallelism, or 2D): no pipeline, ZeRO-0, depth-first accumulation (bucketed
-    all-reduce overlapped with the last micro-batch's backward), the config's dtype and checkpointing."""
-    from tessera.planner.cost import ModelShape, Plan
-    from tessera.planner.steptime import fast_step
+def trainer_plan(cfg: Any, world: int, *, flash_attention: bool = True) -> tuple[Any, str]:
+    """The cost model's (`Plan`, schedule name) for what `tessera.train.trainer.train(cfg)` runs on `world` ranks.
+
+    Mirrors `tessera.train.steppers.make_stepper`: a pipeline runs its configured schedule with v stages per
+    rank; without a pipeline, ZeRO or layered accumulation of several micro-batches runs breadth-first with one
+    stage per block (v = n_layers, so each block's reduction is released after its last backward); otherwise the
+    direct loop runs depth-first (bucketed all-reduce overlapped with the last micro-batch's backward)."""
+    from tessera.planner.cost import Plan
+    from tessera.planner.steptime import CONFIG_TO_IR
 
     tr, par = cfg.train, cfg.parallel
     t, q = par.tensor_shape()
     dp = par.data_size(world)
+    m = tr.micro_batches(dp)
+    schedule, v, accumulation = par.schedule, par.stages_per_rank, par.accumulation
+    if par.pipeline == 1:
+        if par.zero > 0 or (accumulation == "layered" and m > 1):
+            schedule, v = "breadth_first", (v if v > 1 else cfg.model.n_layers)
+        else:
+            schedule, v, accumulation = "1f1b", 1, "depth_first"
+    if schedule not in CONFIG_TO_IR:
+        raise ValueError(
+            f"parallel.schedule = {schedule!r} has no closed-form prediction; use one of "
+            f"{', '.join(CONFIG_TO_IR)} to predict the step time"
+        )
+    if par.stage_layers is not None:
+        raise ValueError(
+            "parallel.stage_layers (uneven stages) is not predicted; remove it to predict the step"
+        )
     plan = Plan(
         dp=dp,
+        pp=par.pipeline,
         tp=t * q * q,
         tp_kind="2d" if q > 1 else "1d",
         sequence_parallel=par.sequence_parallel,
+        virtual_stages=v,
+        zero_stage=par.zero if dp > 1 else 0,
         micro_batch=tr.micro_batch,
-        n_microbatches=tr.micro_batches(dp),
+        n_microbatches=m,
         recompute=par.checkpointing,
-        accumulation="depth_first",
+        accumulation=accumulation,
         dtype=tr.dtype,
         flash_attention=flash_attention,
     )
-    return fast_step(ModelShape.from_config(cfg.model), hw, plan, "1f1b")
+    return plan, schedule
+
+
+def predict_trainer_step(cfg: Any, world: int, hw: Hardware, *, flash_attention: bool = True) -> Any:
+    """Predicted `StepBreakdown` of `tessera.train.trainer.train(cfg)` on `world` ranks: data × pipeline ×
+    tensor (1D with or without sequence parallelism, or 2D), any ZeRO stage, the schedule and accumulation order
+    the trainer runs (`trainer_plan`), the config's dtype and checkpointing."""
+    from tessera.planner.cost import ModelShape
+    from tessera.planner.steptime import fast_step
+
+    plan, schedule = trainer_plan(cfg, world, flash_attention=flash_attention)
+    return fast_step(ModelShape.from_config(cfg.model), hw, plan, schedule)
+
+
+def run_queue_wait() -> float:
+    """Seconds the calling thread has spent runnable but waiting for a core (Linux schedstat; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def _trainer_worker() -> None:
-    """One rank of `measure_trainer_step` (config JSON in TESSERA_CAL_CONFIG): trains and writes the CPU time
-    of this process at every step's hook to TESSERA_CAL_OUT.<rank>.json."""
+    """One rank of `measure_trainer_step` (config JSON in TESSERA_CAL_CONFIG): trains and writes, at every step's
+    hook, [process CPU time, wall time, run-queue wait] of this process to TESSERA_CAL_OUT.<rank>.json."""
     import json
 
     import torch
@@ -307,20 +352,31 @@ def _trainer_worker() -> None:
     from tessera.train.trainer import train
 
     torch.set_num_threads(1)
-    marks: list[float] = []
+    marks: list[tuple[float, float, float]] = []
     train(
         from_dict(json.loads(os.environ["TESSERA_CAL_CONFIG"])),
-        lambda step, model: marks.append(time.process_time()),
+        lambda step, model: marks.append((time.process_time(), time.perf_counter(), run_queue_wait())),
     )
     Path(f"{os.environ['TESSERA_CAL_OUT']}.{os.environ['RANK']}.json").write_text(json.dumps(marks))
 
 
-def measure_trainer_step(
-    cfg: Any, world: int, *, warmup: int = 2, timeout: float = 300.0
-) -> tuple[list[float], list[float]]:
-    """Run `train(cfg)` on `world` gloo processes (one thread each). Returns (wall seconds per step from rank 0's
-    metrics.jsonl, CPU seconds per step of rank 0's process between consecutive step hooks), after `warmup`
-    steps. On a shared machine the CPU time is the fair measure: wall time then includes waiting for a core."""
+@dataclass(frozen=True)
+class MeasuredSteps:
+    """Per-step seconds of rank 0 after the warm-up steps, three ways."""
+
+    wall: list[float]
+    """Wall-clock step time from metrics.jsonl (includes waiting for a core on a shared machine)."""
+    cpu: list[float]
+    """CPU time of the process between consecutive step hooks: its own work, without any time blocked (waiting
+    for a pipeline neighbour or a collective) or waiting for a core."""
+    on_core: list[float]
+    """Wall time between step hooks minus the main thread's run-queue wait: running or blocked, not waiting for
+    a core. The step as it would take with a dedicated core, *if* the other ranks were not delayed either."""
+
+
+def measure_trainer_step(cfg: Any, world: int, *, warmup: int = 2, timeout: float = 300.0) -> MeasuredSteps:
+    """Run `train(cfg)` on `world` gloo processes (one thread each) and time rank 0's steps after `warmup` steps
+    (`MeasuredSteps`). On a shared machine wall time includes waiting for a core; CPU and on-core time do not."""
     import json
     import socket
     import subprocess
@@ -355,6 +411,10 @@ def measure_trainer_step(
     if bad:
         raise RuntimeError(f"training run failed on rank {bad[0][0]}:\n{bad[0][1][-3000:]}")
     rows = [json.loads(line) for line in (Path(cfg.log.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    cpu = json.loads(Path(f"{marks}.0.json").read_text())
-    cpu_steps = [b - a for a, b in itertools.pairwise(cpu)][max(0, warmup - 1) :]
-    return [r["step_time"] for r in rows if r["step"] >= warmup], cpu_steps
+    hooks = json.loads(Path(f"{marks}.0.json").read_text())
+    steps = list(itertools.pairwise(hooks))[max(0, warmup - 1) :]
+    return MeasuredSteps(
+        wall=[r["step_time"] for r in rows if r["step"] >= warmup],
+        cpu=[b[0] - a[0] for a, b in steps],
+        on_core=[(b[1] - a[1]) - (b[2] - a[2]) for a, b in steps],
+    )

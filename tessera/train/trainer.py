@@ -1,7 +1,7 @@
 """The training loop: config → layout → groups → parallelized model → steps → metrics → checkpoints.
 
 One code path for one process and many: with no torch.distributed environment the run is the single-device
-reference; under torchrun the same loop runs data parallel. Every rank seeds identically so initial weights
+reference; under torchrun the same loop runs any layout. Every rank seeds identically so initial weights
 agree without a broadcast, and the data order depends only on (seed, global sample index).
 """
 
