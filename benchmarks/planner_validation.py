@@ -40,6 +40,8 @@ ACCEPT_FRACTION = 0.80
 """Acceptance: at least 80 % of the layouts accurate."""
 STEPS = 7
 WARMUP = 2
+NOISY_SPREAD = 0.25
+"""Rows whose (max − min) / median step time exceeds this are flagged as noisy in the report."""
 
 
 @dataclass(frozen=True)
@@ -327,6 +329,15 @@ def report(rows: list[Row], calibration: str, seconds: float) -> str:
         if kind == "tensor" and statistics.median(r.error for r in group) < -ACCEPT_ERROR:
             line += _TP_NOTE
         lines.append(line)
+    noisy = [r for r in rows if r.spread > NOISY_SPREAD]
+    if noisy:
+        lines += [
+            "",
+            f"Noisy rows (step spread > {NOISY_SPREAD:.0%}, the shared machine's load): "
+            + ", ".join(r.case.name for r in noisy)
+            + ". Pipeline rows' CPU column (no bubble) is shown for comparison only: it is the wrong measure for a"
+            " pipeline, whose bubble is time blocked on the neighbour.",
+        ]
     return "\n".join(lines) + "\n"
 
 
