@@ -36,7 +36,7 @@ from tessera.planner.cost import (
 from tessera.planner.hardware import Hardware
 from tessera.planner.megatron_table import MEGATRON_TABLE1
 from tessera.planner.scaling import ALPHA_N, ALPHA_S, critical_batch, loss_from_params, steps_for_batch
-from tessera.planner.steptime import ChunkCosts, StepBreakdown, _fast, inflight_microbatches
+from tessera.planner.steptime import StepBreakdown, _fast, chunk_from_layer, inflight_microbatches
 
 __all__ = [
     "PLANNER_SIZES",
@@ -302,17 +302,7 @@ def _evaluate(ctx: _Ctx, plan: Plan, schedule: str, batch: int, p2p: float) -> C
     mem, stage = _memory(ctx, plan, schedule, act_layer)
     if mem.total > ctx.limit:
         return None
-    layers = ctx.shape.n_layers // (plan.pp * plan.virtual_stages)
-    chunk = ChunkCosts(
-        fwd_compute=layers * lt.forward,
-        bwd_compute=layers * (lt.backward + lt.recompute),
-        fwd_tp=layers * tp.forward,
-        bwd_tp=layers * (tp.backward + tp.recompute),
-        out_fwd=lg.forward,
-        out_bwd=lg.backward,
-        p2p=p2p,
-        layers=max(1, layers),
-    )
+    chunk = chunk_from_layer(ctx.shape.n_layers // (plan.pp * plan.virtual_stages), lt, tp, lg, p2p)
     bd = _fast(ctx.shape, ctx.hw, plan, schedule, chunk)
     tokens = batch * ctx.shape.seq_len / bd.step_time
     return Candidate(

@@ -64,6 +64,7 @@ __all__ = [
     "ChunkCosts",
     "StepBreakdown",
     "chunk_costs",
+    "chunk_from_layer",
     "dp_exposure",
     "dp_parts",
     "fast_step",
@@ -150,8 +151,13 @@ def _per_layer(shape: ModelShape, hw: Hardware, plan: Plan) -> tuple[LayerTime, 
 
 def chunk_costs(shape: ModelShape, hw: Hardware, plan: Plan) -> ChunkCosts:
     """Durations of one chunk's F and B for one micro-batch (see the module docstring)."""
-    layers = shape.n_layers // (plan.pp * plan.virtual_stages)
     lt, tp, lg, p2p = _per_layer(shape, hw, plan)
+    return chunk_from_layer(shape.n_layers // (plan.pp * plan.virtual_stages), lt, tp, lg, p2p)
+
+
+def chunk_from_layer(layers: int, lt: LayerTime, tp: LayerTime, lg: LayerTime, p2p: float) -> ChunkCosts:
+    """A chunk of ``layers`` layers from one layer's compute ``lt`` and exposed TP time ``tp``, plus the output
+    layer ``lg`` (charged on the last stage) and one boundary transfer ``p2p``."""
     return ChunkCosts(
         fwd_compute=layers * lt.forward,
         bwd_compute=layers * (lt.backward + lt.recompute),
