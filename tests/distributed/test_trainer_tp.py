@@ -24,6 +24,10 @@ LAYOUTS = {  # name: (world size, parallel section)
     "tp1d_2": (2, {"tensor": 2}),
     "dp2_tp1d_2_sp": (4, {"tensor": 2, "data": 2, "sequence_parallel": True}),
     "tp2x2": (4, {"tensor": "2x2"}),
+    # recomputation replays the blocks' collectives in backward: every rank must replay the same ones
+    "tp1d_2_sp_full_ckpt": (2, {"tensor": 2, "sequence_parallel": True, "checkpointing": "full"}),
+    "tp2x2_full_ckpt": (4, {"tensor": "2x2", "checkpointing": "full"}),
+    "tp2x2_selective_ckpt": (4, {"tensor": "2x2", "checkpointing": "selective"}),
 }
 
 
