@@ -313,6 +313,18 @@ class ZeroStageComm:
         for s in self.flats:
             self.free(s)
 
+    def refresh_params(self) -> None:
+        """Rebuild the parameters from the shards after the shards were overwritten (a checkpoint load);
+        collective. ZeRO-1/2 keep full copies between steps: without this every rank would train on its own
+        fresh shard and the other ranks' stale slices. ZeRO-3 re-gathers only what is currently gathered."""
+        for flat in self.flats.values():
+            if not flat.sharded_params:
+                flat.all_gather_params()
+            elif flat.gathered:
+                flat.gathered = False
+                flat.launch_gather()
+                flat.wait_gather()
+
     def shard_module(self) -> nn.Module:
         """An ``nn.Module`` whose parameters are this rank's shards (``stage{s}``), for rank-local checkpoints;
         built once, its parameters share storage with the live shards."""
@@ -329,6 +341,8 @@ class _ShardModule(nn.Module):
         )
         for s, flat in zero.flats.items():  # share storage: the optimizer updates the live shard
             flat.shard_param = self.shards[f"stage{s}"]
+        # loading a checkpoint writes the shards only; the parameters must follow on every rank
+        self.register_load_state_dict_post_hook(lambda module, keys: zero.refresh_params())
 
 
 def _default_decay(p: nn.Parameter) -> bool:
