@@ -130,6 +130,25 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
+    from tessera.train.export import export_weights, source_checkpoint, wrong_world_size
+
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    if "RANK" not in os.environ:
+        meta = source_checkpoint(Path(args.run), checkpoint)
+        sharded = any(s is not None for s in meta.get("shard_ids") or [])
+        if sharded and args.nproc not in (None, meta.get("world_size")):
+            raise TesseraError(wrong_world_size(Path(args.run), meta, args.nproc))
+        nproc = args.nproc or (meta.get("world_size") if sharded else 1)
+        if nproc > 1:
+            print(f"exporting {meta['path']} ({meta.get('layout')}) on {nproc} local processes", flush=True)
+            return _relaunch_with_torchrun(nproc)
+    path = export_weights(Path(args.run), checkpoint)
+    if path is not None:
+        print(f"exported the plain model's weights to {path}; `tessera generate {args.run}` reads them")
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     from tessera.train.plot import plot_run
 
@@ -208,6 +227,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser(
+        "export", help="merge a run's sharded checkpoint (tensor/pipeline/ZeRO) into one copy of the weights"
+    )
+    p.add_argument("run", help="run directory (holds config.json and checkpoints/); writes RUN/export/step_N")
+    p.add_argument("--checkpoint", default=None, help="a checkpoint folder (default: the run's newest)")
+    p.add_argument(
+        "--nproc", type=int, default=None, help="local processes (default: as many as saved the checkpoint)"
+    )
+    p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("plot", help="draw loss and throughput curves of a run as a PNG")
     p.add_argument("run_dir")

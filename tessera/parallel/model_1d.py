@@ -212,9 +212,13 @@ class TensorParallel1D(nn.Module):
         return self.head(x, targets)
 
     def full_parameters(self, grad: bool = False) -> dict[str, torch.Tensor]:
-        """Full, unpadded parameters (or gradients) keyed like the plain model; collective over the tensor group."""
+        """Full, unpadded parameters (or gradients) keyed like the plain model; collective over the tensor group.
+
+        Parameters released on this rank (stages other pipeline ranks own: empty tensors) are left out."""
         out = {}
         for name, p in self.named_parameters():
+            if p.numel() == 0:
+                continue
             x = p.grad if grad else p.detach()
             if x is None:
                 x = torch.zeros_like(p)

@@ -170,9 +170,13 @@ class Model2D(nn.Module):
     # --- the contract with the trainer, tests and checkpoints ------------------------------------------------
 
     def full_parameters(self, grad: bool = False) -> dict[str, torch.Tensor]:
-        """Full, unpadded parameters (or gradients) by plain name; collective over the grid (row then column)."""
+        """Full, unpadded parameters (or gradients) by plain name; collective over the grid (row then column).
+
+        Parameters released on this rank (stages other pipeline ranks own: empty tensors) are left out."""
         out: dict[str, torch.Tensor] = {}
         for name, p in self.named_parameters():
+            if p.numel() == 0:
+                continue
             t = p.detach() if not grad else (p.grad if p.grad is not None else torch.zeros_like(p))
             out[name] = self._unshard(t, self._shards[name])
         return out

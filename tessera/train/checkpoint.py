@@ -49,11 +49,13 @@ from tessera.errors import CheckpointError
 
 __all__ = [
     "capture_rng",
+    "checkpoint_meta",
     "latest_checkpoint",
     "load_checkpoint",
     "load_model_weights",
     "restore_rng",
     "save_checkpoint",
+    "save_model_weights",
 ]
 
 _META = "meta.json"
@@ -122,6 +124,36 @@ def save_checkpoint(
     elif world > 1:
         _gather_shard_ids(shard_id, world)
     _barrier()  # no rank returns before the checkpoint is published
+    return final
+
+
+def save_model_weights(ckpt_dir: Path, step: int, model: nn.Module, source: dict[str, Any]) -> Path:
+    """Save only ``model``'s weights as ``ckpt_dir/step_{step:08d}``, from this process alone (no collectives).
+
+    For `tessera export`: the result holds one unsharded copy of the plain model, which `load_model_weights`
+    (and so `tessera generate`) reads in any world size. ``source`` (JSON) records what it was exported from.
+    Written atomically like `save_checkpoint`; it has no optimizer state, RNG streams or data position, so
+    `load_checkpoint` refuses to resume from it.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    final = ckpt_dir / f"{_PREFIX}{step:08d}"
+    tmp = ckpt_dir / f"{final.name}{_TMP}"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(ckpt_dir)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
+        dcp.save({"model": get_model_state_dict(model)}, storage_writer=FileSystemWriter(tmp), no_dist=True)
+    meta = {
+        "format": _FORMAT,
+        "step": step,
+        "world_size": 1,
+        "layout": None,
+        "shard_ids": [None],
+        "weights_only": True,
+        "exported_from": source,
+        "complete": True,
+    }
+    _commit(tmp, final, meta)
     return final
 
 
@@ -258,6 +290,12 @@ def load_checkpoint(
     """
     path = _resolve(Path(path))
     meta = _read_meta(path)
+    if meta.get("weights_only"):
+        raise CheckpointError(
+            f"checkpoint {path} holds exported weights only (no optimizer state, RNG streams or data position), "
+            "so training cannot resume from it\n    fix: resume from the training checkpoint it was exported "
+            "from (RUN_DIR/checkpoints)"
+        )
     rank, world = _rank_world()
     _check_layout(path, meta, world, layout)
     metadata = read_metadata_safely(path)
@@ -292,8 +330,9 @@ def load_model_weights(path: Path, model: nn.Module) -> int:
     meta = _read_meta(path)
     if any(s is not None for s in meta.get("shard_ids") or []):
         raise CheckpointError(
-            f"checkpoint {path} holds model-parallel shards ({sorted(set(meta['shard_ids']))}); load it with "
-            "the layout that saved it\n    fix: run `tessera generate` from a data-parallel run's checkpoint"
+            f"checkpoint {path} holds model-parallel shards ({sorted(set(meta['shard_ids']))}); its weights "
+            "exist only split over the ranks that saved it\n    fix: merge them first with `tessera export "
+            f"RUN_DIR` (it starts the {meta.get('world_size')} ranks it needs), then load the export"
         )
     metadata = read_metadata_safely(path)
     state = {"model": get_model_state_dict(model)}
@@ -303,6 +342,13 @@ def load_model_weights(path: Path, model: nn.Module) -> int:
         dcp.load(state, storage_reader=_SafeReader(path, metadata), planner=_SafeLoadPlanner())
     set_model_state_dict(model, state["model"])
     return int(meta["step"])
+
+
+def checkpoint_meta(path: Path) -> dict[str, Any]:
+    """meta.json of a complete checkpoint folder (or of the newest one in a checkpoint directory), with its
+    resolved ``"path"``: step, world size, layout, shard ids, ``weights_only`` for exports."""
+    path = _resolve(Path(path))
+    return {**_read_meta(path), "path": str(path)}
 
 
 def _last_line(e: BaseException) -> str:

@@ -31,7 +31,7 @@ from tessera.train.data import TokenDataset, ensure_default_corpus, get_batch
 from tessera.train.metrics import MetricsLogger, Progress, memory_bytes, peak_flops_for
 from tessera.train.steppers import make_optimizer, make_stepper
 
-__all__ = ["StepHook", "TrainResult", "init_distributed", "lr_at", "make_optimizer", "train"]
+__all__ = ["StepHook", "TrainResult", "TrainingRun", "init_distributed", "lr_at", "make_optimizer", "train"]
 
 StepHook = Callable[[int, nn.Module], None]
 
@@ -87,10 +87,10 @@ def _open_data(cfg: Config, rank: int) -> TokenDataset:
     return TokenDataset(path)
 
 
-class _Run:
+class TrainingRun:
     """State of one training run on one rank."""
 
-    def __init__(self, cfg: Config, rank: int, world: int) -> None:
+    def __init__(self, cfg: Config, rank: int, world: int, *, with_data: bool = True) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
         cfg.validate(world)
         self.layout = Layout.from_config(cfg.parallel, world)
@@ -100,8 +100,8 @@ class _Run:
         )
         self.dp_rank = self.groups.coord(Axis.DATA) if self.groups else 0
         self.dp_group = self.groups.dp if self.groups else None
-        self.data = _open_data(cfg, rank)
-        if self.data.vocab_size > cfg.model.vocab_size:
+        self.data = _open_data(cfg, rank) if with_data else None  # export needs only the model
+        if self.data is not None and self.data.vocab_size > cfg.model.vocab_size:
             raise DataError(
                 f"the data's tokenizer has {self.data.vocab_size} tokens but model.vocab_size = "
                 f"{cfg.model.vocab_size}; set model.vocab_size >= {self.data.vocab_size}"
@@ -197,7 +197,7 @@ class _Run:
 def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
     """Run training as configured; ``hook(step, model)`` sees the synchronised gradients before each update."""
     rank, world = init_distributed()
-    run = _Run(cfg, rank, world)
+    run = TrainingRun(cfg, rank, world)
     result = TrainResult(run_dir=run.run_dir)
     start = result.resumed_from = run.resume()
     if rank == 0:

@@ -248,3 +248,16 @@ def test_rng_files_hold_no_objects(tmp_path: Path) -> None:
     assert isinstance(state["torch"], torch.Tensor) and state["torch"].dtype == torch.uint8
     buf = io.BytesIO((path / "rng_rank0.pt").read_bytes())
     assert torch.equal(torch.load(buf, weights_only=True)["torch"], state["torch"])
+
+
+def test_exported_weights_load_for_inference_but_refuse_resume(tmp_path: Path) -> None:
+    model = _model()
+    _train(model, _opt(model), 2)
+    path = ckpt.save_model_weights(tmp_path / "export", 7, model, {"layout": "test"})
+    assert latest_checkpoint(tmp_path / "export") == path and path.name == "step_00000007"
+    assert ckpt.checkpoint_meta(path)["weights_only"] is True
+    fresh = _model(seed=1)
+    assert ckpt.load_model_weights(path, fresh) == 7
+    _assert_same(model, fresh)
+    with pytest.raises(CheckpointError, match="exported weights only"):
+        load_checkpoint(path, fresh, _opt(fresh))

@@ -1,4 +1,5 @@
-"""The CLI as a user runs it: prepare → train --nproc 2 → plot → generate, in subprocesses."""
+"""The CLI as a user runs it: prepare → train --nproc 2 → plot → generate (and export for a sharded run), in
+subprocesses."""
 
 from __future__ import annotations
 
@@ -62,11 +63,41 @@ def test_prepare_train_plot_generate(workdir: Path) -> None:
     assert out.stdout.startswith("the ") and len(out.stdout) >= 10
 
 
+def test_sharded_run_exports_then_generates(workdir: Path) -> None:
+    """2D tensor parallelism checkpoints shards; generate asks for an export, export merges them."""
+    assert (workdir / "data" / "tokens.bin").is_file(), "runs after test_prepare_train_plot_generate"
+    overrides = [
+        "--model.size=llama-tiny",
+        "--model.n_kv_heads=2",
+        "--parallel.tensor=2x2",
+        "--train.steps=2",
+        "--train.global_batch=4",
+        "--train.micro_batch=2",
+        "--data.path=data/tokens.bin",
+        "--log.run_dir=runs/tp",
+        "--log.progress=false",
+    ]
+    out = _tessera("train", "--nproc", "4", *overrides, cwd=workdir)
+    assert out.returncode == 0, out.stderr + out.stdout
+    out = _tessera("generate", "runs/tp", "--tokens", "5", cwd=workdir)
+    assert out.returncode == 2 and "run `tessera export runs/tp` first" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+    out = _tessera("export", "runs/tp", cwd=workdir)  # starts the 4 ranks that saved the checkpoint
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "on 4 local processes" in out.stdout and "export/step_00000002" in out.stdout, out.stdout
+    out = _tessera("generate", "runs/tp", "--prompt", "the ", "--tokens", "20", cwd=workdir)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("the ")
+
+
 def test_bad_input_is_a_message_not_a_traceback(workdir: Path) -> None:
     cases = [
         ("train", "--model.n_heads=5", "--train.steps=1"),  # d_model 64 not divisible by 5
         ("train", "--data.path=missing.bin"),
         ("generate", "no_such_run"),
+        ("export", "no_such_run"),
+        ("export", "runs/tp", "--nproc", "2"),  # saved by 4 ranks
         ("plot", "no_such_run"),
         ("prepare", "missing_dir", "--out", "x.bin"),
         ("train", "--nproc", "2", "--parallel.tensor=3"),
