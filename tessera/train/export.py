@@ -30,7 +30,14 @@ from tessera.model.build import build_model
 from tessera.train import checkpoint as ckpt
 from tessera.train.trainer import TrainingRun, init_distributed
 
-__all__ = ["EXPORT_DIR", "export_weights", "run_config", "source_checkpoint", "wrong_world_size"]
+__all__ = [
+    "EXPORT_DIR",
+    "checkpoint_dir",
+    "export_weights",
+    "run_config",
+    "source_checkpoint",
+    "wrong_world_size",
+]
 
 EXPORT_DIR = "export"
 """Exports go to RUN_DIR/export/step_N, next to RUN_DIR/checkpoints."""
@@ -46,10 +53,14 @@ def run_config(run_dir: Path) -> Config:
     return from_dict(json.loads(config_file.read_text()))
 
 
+def checkpoint_dir(run_dir: Path, cfg: Config) -> Path:
+    """Where the run's training checkpoints are: checkpoint.dir, or RUN_DIR/checkpoints."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
 def source_checkpoint(run_dir: Path, checkpoint: Path | None = None) -> dict:
     """meta.json (+ "path") of ``checkpoint``, or of the run's newest complete training checkpoint."""
-    cfg = run_config(run_dir)
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+    ckpt_dir = checkpoint_dir(run_dir, run_config(run_dir))
     path = Path(checkpoint) if checkpoint is not None else ckpt.latest_checkpoint(ckpt_dir)
     if path is None:
         raise CheckpointError(

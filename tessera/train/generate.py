@@ -9,7 +9,7 @@ import torch
 from tessera.errors import CheckpointError
 from tessera.model.build import build_model, generate
 from tessera.train import checkpoint as ckpt
-from tessera.train.export import EXPORT_DIR, run_config
+from tessera.train.export import EXPORT_DIR, checkpoint_dir, run_config
 from tessera.train.tokenizer import load_tokenizer
 
 __all__ = ["generate_text", "newest_weights"]
@@ -32,8 +32,7 @@ def newest_weights(run_dir: Path) -> Path:
     """The run's newest checkpoint that one process can load: its newest training checkpoint when every rank
     saved the whole model, else the export of that step (``tessera export``)."""
     run_dir = Path(run_dir)
-    cfg = run_config(run_dir)
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    ckpt_dir = checkpoint_dir(run_dir, run_config(run_dir))
     trained = ckpt.latest_checkpoint(ckpt_dir)
     exported = ckpt.latest_checkpoint(run_dir / EXPORT_DIR) if (run_dir / EXPORT_DIR).is_dir() else None
     if trained is None and exported is None:
