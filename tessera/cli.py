@@ -131,12 +131,13 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
+    from tessera.train.checkpoint import is_sharded
     from tessera.train.export import export_weights, source_checkpoint, wrong_world_size
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     if "RANK" not in os.environ:
         meta = source_checkpoint(Path(args.run), checkpoint)
-        sharded = any(s is not None for s in meta.get("shard_ids") or [])
+        sharded = is_sharded(meta)
         if sharded and args.nproc not in (None, meta.get("world_size")):
             raise TesseraError(wrong_world_size(Path(args.run), meta, args.nproc))
         nproc = args.nproc or (meta.get("world_size") if sharded else 1)

@@ -50,6 +50,7 @@ from tessera.errors import CheckpointError
 __all__ = [
     "capture_rng",
     "checkpoint_meta",
+    "is_sharded",
     "latest_checkpoint",
     "load_checkpoint",
     "load_model_weights",
@@ -328,7 +329,7 @@ def load_model_weights(path: Path, model: nn.Module) -> int:
     """
     path = _resolve(Path(path))
     meta = _read_meta(path)
-    if any(s is not None for s in meta.get("shard_ids") or []):
+    if is_sharded(meta):
         raise CheckpointError(
             f"checkpoint {path} holds model-parallel shards ({sorted(set(meta['shard_ids']))}); its weights "
             "exist only split over the ranks that saved it\n    fix: merge them first with `tessera export "
@@ -349,6 +350,12 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
     resolved ``"path"``: step, world size, layout, shard ids, ``weights_only`` for exports."""
     path = _resolve(Path(path))
     return {**_read_meta(path), "path": str(path)}
+
+
+def is_sharded(meta: dict[str, Any]) -> bool:
+    """Whether a checkpoint's ranks saved different slices of the model (tensor, pipeline or ZeRO shards), so
+    only its own layout can load it; False when every rank saved the whole model."""
+    return any(s is not None for s in meta.get("shard_ids") or [])
 
 
 def _last_line(e: BaseException) -> str:

@@ -28,11 +28,10 @@ from tessera.errors import CheckpointError
 from tessera.layout import Axis
 from tessera.model.build import build_model
 from tessera.train import checkpoint as ckpt
-from tessera.train.trainer import TrainingRun, init_distributed
+from tessera.train.trainer import TrainingRun, checkpoint_dir, init_distributed
 
 __all__ = [
     "EXPORT_DIR",
-    "checkpoint_dir",
     "export_weights",
     "run_config",
     "source_checkpoint",
@@ -51,11 +50,6 @@ def run_config(run_dir: Path) -> Config:
             f"{run_dir} has no config.json; pass the run directory that `tessera train` wrote"
         )
     return from_dict(json.loads(config_file.read_text()))
-
-
-def checkpoint_dir(run_dir: Path, cfg: Config) -> Path:
-    """Where the run's training checkpoints are: checkpoint.dir, or RUN_DIR/checkpoints."""
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
 
 
 def source_checkpoint(run_dir: Path, checkpoint: Path | None = None) -> dict:
@@ -82,7 +76,7 @@ def export_weights(run_dir: Path, checkpoint: Path | None = None) -> Path | None
     out_dir = run_dir / EXPORT_DIR
     if meta.get("weights_only"):
         raise CheckpointError(f"{meta['path']} is already an export; pass a training checkpoint")
-    sharded = any(s is not None for s in meta.get("shard_ids") or [])
+    sharded = ckpt.is_sharded(meta)
     rank, world = init_distributed()
     if not sharded and rank == 0:  # every rank saved the whole model: one process suffices
         plain = build_model(cfg.model)

@@ -9,8 +9,9 @@ import torch
 from tessera.errors import CheckpointError
 from tessera.model.build import build_model, generate
 from tessera.train import checkpoint as ckpt
-from tessera.train.export import EXPORT_DIR, checkpoint_dir, run_config
+from tessera.train.export import EXPORT_DIR, run_config
 from tessera.train.tokenizer import load_tokenizer
+from tessera.train.trainer import checkpoint_dir
 
 __all__ = ["generate_text", "newest_weights"]
 
@@ -42,7 +43,7 @@ def newest_weights(run_dir: Path) -> Path:
     if trained is None:
         return exported
     meta = ckpt.checkpoint_meta(trained)
-    if not any(s is not None for s in meta.get("shard_ids") or []):
+    if not ckpt.is_sharded(meta):
         return trained
     export_step = ckpt.checkpoint_meta(exported)["step"] if exported is not None else None
     if export_step == meta["step"]:

@@ -31,7 +31,16 @@ from tessera.train.data import TokenDataset, ensure_default_corpus, get_batch
 from tessera.train.metrics import MetricsLogger, Progress, memory_bytes, peak_flops_for
 from tessera.train.steppers import make_optimizer, make_stepper
 
-__all__ = ["StepHook", "TrainResult", "TrainingRun", "init_distributed", "lr_at", "make_optimizer", "train"]
+__all__ = [
+    "StepHook",
+    "TrainResult",
+    "TrainingRun",
+    "checkpoint_dir",
+    "init_distributed",
+    "lr_at",
+    "make_optimizer",
+    "train",
+]
 
 StepHook = Callable[[int, nn.Module], None]
 
@@ -87,6 +96,11 @@ def _open_data(cfg: Config, rank: int) -> TokenDataset:
     return TokenDataset(path)
 
 
+def checkpoint_dir(run_dir: Path, cfg: Config) -> Path:
+    """Where a run's training checkpoints go: ``checkpoint.dir``, or RUN_DIR/checkpoints."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
 class TrainingRun:
     """State of one training run on one rank."""
 
@@ -116,7 +130,7 @@ class TrainingRun:
         self.optimizer = self.stepper.optimizer
         self.n_micro = cfg.train.micro_batches(self.layout.dp)
         self.run_dir = Path(cfg.log.run_dir)
-        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.ckpt_dir = checkpoint_dir(self.run_dir, cfg)
 
     @property
     def saved_bytes(self) -> int:
