@@ -22,18 +22,15 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -47,6 +44,7 @@ from tessera.model.build import build_model  # noqa: E402
 from tessera.pipeline.runtime import DataParallelStageComm, PipelineEngine, lowered_schedule  # noqa: E402
 from tessera.pipeline.stage import split_stages, tied_parameters  # noqa: E402
 from tessera.sim import CostTable, TimelineEntry, render_image, simulate  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402  (one rank per process, gloo, tracebacks surfaced)
 
 # (label, tessera schedule, v, options, torch class name or None)
 SCHEDULES = [
@@ -212,20 +210,6 @@ def _torch_schedule(model: nn.Module, cls_name: str, p: int, m: int, v: int, gro
     return schedule, holds_first, holds_last
 
 
-def _worker(rank: int, world: int, port: int, cfg: dict, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = _bench_rank(rank, world, cfg)
-        queue.put((rank, "ok", json.dumps(result)))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _bench_rank(rank: int, p: int, cfg: dict) -> dict:
     groups = build_groups(Layout(pp=p))
     group = groups.pp
@@ -291,36 +275,6 @@ def _fb_durations(engine: PipelineEngine) -> dict[str, float]:
         if a.action.kind.is_compute:
             sums.setdefault(f"{a.action.stage},{a.action.kind.value}", []).append(a.end - a.start)
     return {k: statistics.mean(v) for k, v in sums.items()}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(p: int, cfg: dict, timeout: float = 900) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, p, port, cfg, queue), daemon=True) for r in range(p)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, dict] = {}
-    deadline = time.monotonic() + timeout
-    while len(results) < p:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"benchmark p={p} timed out")
-        if queue.empty():
-            time.sleep(0.05)
-            continue
-        rank, status, payload = queue.get()
-        if status == "error":
-            raise RuntimeError(f"rank {rank} failed:\n{payload}")
-        results[rank] = json.loads(payload)
-    for proc in procs:
-        proc.join(timeout=10)
-    return [results[r] for r in range(p)]
 
 
 # --- analysis --------------------------------------------------------------------------------------------------
@@ -575,7 +529,7 @@ def main() -> None:
     }
     rows, latencies = [], {}
     for p in (2,) if args.quick else (2, 4):
-        per_rank = _launch(p, cfg)
+        per_rank = run_distributed(_bench_rank, p, cfg, timeout=900)
         latencies[p] = per_rank[0]["latency"]
         rows += _analyse(per_rank, p, args.t_block)
         print(f"p={p} done after {time.perf_counter() - t0:.0f} s", flush=True)

@@ -35,13 +35,11 @@ dominated by time-slicing and gloo latency; compare ratios between layouts at th
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -50,7 +48,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +60,8 @@ from tessera.groups import build_groups  # noqa: E402
 from tessera.layout import Layout  # noqa: E402
 from tessera.model.build import build_model  # noqa: E402
 from tessera.parallel.checkpointing import apply_checkpointing  # noqa: E402
-from tessera.parallel.memory import SavedActivationCounter  # noqa: E402
+from tessera.parallel.memory import SavedActivationCounter, _storage_key  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402  (one rank per process, gloo, tracebacks surfaced)
 
 __all__ = ["LayoutSpec", "main", "max_micro_batch"]
 
@@ -191,12 +189,6 @@ def _unwrap(t: torch.Tensor) -> torch.Tensor:
         attrs, _ = t.__tensor_flatten__()
         t = getattr(t, attrs[0])
     return t
-
-
-def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
-    from tessera.parallel.memory import _storage_key as key
-
-    return key(t)
 
 
 class _CollectiveBytes(TorchDispatchMode):
@@ -359,32 +351,16 @@ def run_layouts(specs: list[LayoutSpec], warmup: int, steps: int) -> list[dict[s
     return results
 
 
-def _worker(rank: int, world: int, port: int, specs: list[LayoutSpec], warmup: int, steps: int, out: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)  # 2 cores shared by up to 9 processes
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results = run_layouts(specs, warmup, steps)
-        if rank == 0:
-            Path(out).write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, world: int, specs: list[LayoutSpec], warmup: int, steps: int) -> list[dict[str, Any]]:
+    return run_layouts(specs, warmup, steps)
 
 
 def run_world(specs: list[LayoutSpec], warmup: int, steps: int) -> list[dict[str, Any]]:
-    """Spawn one gloo process per rank and run every spec (all of the same world size) in that job."""
-    import socket
-
+    """One gloo process per rank runs every spec (all of the same world size) in one job; rank 0's results."""
     world = specs[0].world
     if any(s.world != world for s in specs):
         raise ValueError(f"all layouts of one job need the same world size, got {[s.world for s in specs]}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.json")
-        mp.spawn(_worker, args=(world, port, specs, warmup, steps, out), nprocs=world, join=True)
-        return json.loads(Path(out).read_text())
+    return run_distributed(_rank, world, specs, warmup, steps, timeout=1800)[0]
 
 
 # --- analysis and report -----------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -17,18 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedTestError", "free_port", "run_distributed"]
+from tessera.train.launch import free_port
+
+__all__ = ["DistributedTestError", "run_distributed"]
 
 
 class DistributedTestError(AssertionError):
     """A rank failed or timed out; the message holds that rank's traceback."""
-
-
-def free_port() -> int:
-    """Ask the OS for a free TCP port on localhost."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:

@@ -132,46 +132,46 @@ def measure_collectives(
     """(collective, full buffer bytes, best seconds) over `world` gloo processes on localhost (subprocesses, so
     no main-module import guard is needed in the caller)."""
     import json
-    import socket
+
+    env = {"TESSERA_CAL_SIZES": ",".join(map(str, sizes)), "TESSERA_CAL_REPEATS": str(repeats)}
+    code = "from tessera.planner.calibrate import _collective_worker; _collective_worker()"
+    outputs = _run_ranks(code, world, env, timeout, "collective calibration", keep_stdout=True)
+    return [(str(n), int(b), float(t)) for n, b, t in json.loads(outputs[0].strip().splitlines()[-1])]
+
+
+def _run_ranks(
+    code: str, world: int, env: dict[str, str], timeout: float, what: str, *, keep_stdout: bool = False
+) -> list[str]:
+    """Run ``python -c code`` as `world` local gloo ranks (one thread each); each rank's stdout ("" unless
+    ``keep_stdout``). A failing rank raises RuntimeError with the end of its stderr; stragglers are killed."""
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    code = "from tessera.planner.calibrate import _collective_worker; _collective_worker()"
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "TESSERA_CAL_SIZES": ",".join(map(str, sizes)),
-            "TESSERA_CAL_REPEATS": str(repeats),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", code],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+    from tessera.train.launch import free_port
+
+    base = {**os.environ, **env, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
+    base |= {"MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=base | {"RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE if keep_stdout else subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
+        for r in range(world)
+    ]
     try:
         outputs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    failed = [(i, err) for i, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)) if p.returncode]
+    failed = [(r, err) for r, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)) if p.returncode]
     if failed:
         rank, err = failed[0]
-        raise RuntimeError(f"collective calibration failed on rank {rank}:\n{err[-2000:]}")
-    return [(str(n), int(b), float(t)) for n, b, t in json.loads(outputs[0][0].strip().splitlines()[-1])]
+        raise RuntimeError(f"{what} failed on rank {rank}:\n{err[-3000:]}")
+    return [out or "" for out, _ in outputs]
 
 
 def fit_collectives(rows: list[tuple[str, int, float]], world: int) -> tuple[float, float]:
@@ -378,38 +378,12 @@ def measure_trainer_step(cfg: Any, world: int, *, warmup: int = 2, timeout: floa
     """Run `train(cfg)` on `world` gloo processes (one thread each) and time rank 0's steps after `warmup` steps
     (`MeasuredSteps`). On a shared machine wall time includes waiting for a core; CPU and on-core time do not."""
     import json
-    import socket
-    import subprocess
-    import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     code = "from tessera.planner.calibrate import _trainer_worker; _trainer_worker()"
     marks = Path(cfg.log.run_dir) / "cpu_marks"
     Path(cfg.log.run_dir).mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TESSERA_CAL_CONFIG": json.dumps(cfg.to_dict())}
-    env["TESSERA_CAL_OUT"] = str(marks)
-    env |= {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code],
-            env=env | {"RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    try:
-        errors = [p.communicate(timeout=timeout)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    bad = [(r, e) for r, (p, e) in enumerate(zip(procs, errors, strict=True)) if p.returncode]
-    if bad:
-        raise RuntimeError(f"training run failed on rank {bad[0][0]}:\n{bad[0][1][-3000:]}")
+    env = {"TESSERA_CAL_CONFIG": json.dumps(cfg.to_dict()), "TESSERA_CAL_OUT": str(marks)}
+    _run_ranks(code, world, env, timeout, "training run")
     rows = [json.loads(line) for line in (Path(cfg.log.run_dir) / "metrics.jsonl").read_text().splitlines()]
     hooks = json.loads(Path(f"{marks}.0.json").read_text())
     steps = list(itertools.pairwise(hooks))[max(0, warmup - 1) :]
