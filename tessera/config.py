@@ -26,6 +26,7 @@ __all__ = [
     "TrainConfig",
     "Violation",
     "apply_overrides",
+    "even_split",
     "load_config",
     "parse_tensor",
 ]
@@ -541,7 +542,7 @@ def _check_pipeline(cfg: Config) -> list[Violation]:
                     problem=f"parallel.stage_layers = {p.stage_layers} "
                     f"must have pipeline × stages_per_rank = {stages} non-negative entries summing to "
                     f"model.n_layers = {layers}",
-                    fix=f"e.g. {_even_split(layers, stages)}",
+                    fix=f"e.g. {even_split(layers, stages)}",
                 )
             ]
         return []
@@ -560,15 +561,16 @@ def _check_pipeline(cfg: Config) -> list[Violation]:
                 rule="pipeline.layers",
                 problem=f"model.n_layers = {layers} is not divisible by {stages} stages",
                 fix=f"set model.n_layers = {_multiple_near(layers, stages)} or give "
-                f"parallel.stage_layers explicitly, e.g. {_even_split(layers, stages)}",
+                f"parallel.stage_layers explicitly, e.g. {even_split(layers, stages)}",
             )
         ]
     return []
 
 
-def _even_split(layers: int, stages: int) -> list[int]:
-    base, extra = divmod(layers, stages)
-    return [base + (1 if i < extra else 0) for i in range(stages)]
+def even_split(n_layers: int, n_stages: int) -> list[int]:
+    """Blocks per stage for an even split; the first ``n_layers % n_stages`` stages get one more."""
+    base, extra = divmod(n_layers, n_stages)
+    return [base + (1 if s < extra else 0) for s in range(n_stages)]
 
 
 def _check_batch(tr: TrainConfig, dp: int) -> list[Violation]:

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tessera.config import Config
+from tessera.config import Config, even_split
 from tessera.pipeline.ir import ActionKind, rank_stages
 from tessera.pipeline.passes import lower
 from tessera.pipeline.schedules import build_schedule
-from tessera.planner.cost import MemoryBreakdown, ModelShape, Plan, memory_per_rank
+from tessera.planner.cost import MemoryBreakdown, ModelShape, Plan, memory_per_rank, model_state_bytes
 from tessera.sim.simulator import simulate
 
 __all__ = ["COMPONENTS", "MemoryEstimate", "estimate", "plan_from_config", "stage_params"]
@@ -128,7 +128,7 @@ def stage_params(shape: ModelShape, plan: Plan, stage_layers: list[int] | None =
     when the head's stage is on another pipeline rank, its own copy of the tied embedding).
     """
     n = plan.pp * plan.virtual_stages
-    layers = stage_layers or [shape.n_layers // n + (1 if s < shape.n_layers % n else 0) for s in range(n)]
+    layers = stage_layers or even_split(shape.n_layers, n)
     h, V = shape.d_model, shape.vocab_size
     out = [count * shape.layer_params() for count in layers]
     out[0] += V * h + (0 if shape.swiglu else shape.seq_len * h)
@@ -167,9 +167,7 @@ def estimate(cfg: Config, world_size: int, device_memory: float | None = None) -
     shape = ModelShape.from_config(cfg.model)
     plan = plan_from_config(cfg, world_size)
     n = plan.pp * plan.virtual_stages
-    layers = cfg.parallel.stage_layers or [
-        shape.n_layers // n + (1 if s < shape.n_layers % n else 0) for s in range(n)
-    ]
+    layers = cfg.parallel.stage_layers or even_split(shape.n_layers, n)
     per_stage = stage_params(shape, plan, layers)
     peaks, last_mb = _inflight_layers(cfg, plan, layers)
     best: MemoryEstimate | None = None
@@ -194,14 +192,7 @@ def _adjust(
 ) -> MemoryBreakdown:
     """tessera-specific terms: exact per-rank parameters, the head's per-micro-batch activations, and the
     buffers of tessera's ZeRO implementation (see the module docstring)."""
-    psi = sum(stage_psi)
-    params, grads, optimizer = psi * 4.0, psi * 4.0, psi * 8.0
-    if plan.zero_stage >= 1:
-        optimizer /= plan.dp
-    if plan.zero_stage >= 2:
-        grads /= plan.dp
-    if plan.zero_stage >= 3:
-        params /= plan.dp
+    params, grads, optimizer = model_state_bytes(sum(stage_psi), plan.dp, plan.zero_stage, "fp32")
     sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
     logits = 4 * shape.seq_len * plan.micro_batch * shape.vocab_size / plan.tp
     head = last_inflight * (2 * sbh + logits)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tessera.config import even_split
 from tessera.errors import ConfigError
 
 __all__ = [
@@ -35,12 +36,6 @@ __all__ = [
 
 CHECKPOINT_MODES = ("none", "full", "selective")
 """none; full = recompute every block in backward; selective = recompute only the attention core."""
-
-
-def even_split(n_layers: int, n_stages: int) -> list[int]:
-    """Blocks per stage for an even split; the first ``n_layers % n_stages`` stages get one more."""
-    base, extra = divmod(n_layers, n_stages)
-    return [base + (1 if s < extra else 0) for s in range(n_stages)]
 
 
 def boundary_shape(model: nn.Module) -> Callable[[torch.Size], tuple[int, ...]] | None:
