@@ -6,8 +6,11 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
+from tessera.config import from_dict
 from tessera.train.data import prepare
+from tessera.train.trainer import train
 
 CORPUS_SEED = 1234
 CORPUS_SENTENCES = 6000
@@ -56,3 +59,23 @@ def trainer_config(token_file: Path, run_dir: Path, model: dict, parallel: dict,
         "checkpoint": {"every": 0, "resume": False},
         "log": {"run_dir": str(run_dir), "progress": False, "tensorboard": False},
     }
+
+
+def train_losses(rank: int, world: int, raw: dict) -> dict[int, float]:
+    """`train` a raw config on this rank (a `run_distributed` target); its loss per step."""
+    return train(from_dict(raw)).losses
+
+
+def train_recording(
+    rank: int, world: int, raw: dict
+) -> tuple[dict[int, float], list[dict[str, torch.Tensor]]]:
+    """`train` a raw config; its losses and, per step, every full gradient by plain name as the trainer's hook
+    sees it before the update (tensor-parallel models are unsharded with ``full_parameters``)."""
+    grads: list[dict[str, torch.Tensor]] = []
+
+    def hook(step: int, model: torch.nn.Module) -> None:
+        full = model.full_parameters(grad=True) if hasattr(model, "full_parameters") else None
+        full = full or {n: p.grad for n, p in model.named_parameters()}
+        grads.append({n: g.detach().clone() for n, g in full.items()})
+
+    return train(from_dict(raw), hook).losses, grads

@@ -16,7 +16,7 @@ import pytest
 from tessera.config import from_dict
 from tessera.train.metrics import read_metrics
 from tessera.train.trainer import train
-from tests.distributed.conftest import trainer_config
+from tests.distributed.conftest import train_losses, trainer_config
 from tests.harness import run_distributed
 
 STEPS = 4
@@ -44,10 +44,6 @@ class Interrupt(Exception):
     """Stands for a crash between a checkpoint and the end of the run."""
 
 
-def _losses(rank: int, world: int, raw: dict) -> dict[int, float]:
-    return train(from_dict(raw)).losses
-
-
 def _interrupted_then_resumed(rank: int, world: int, raw: dict) -> dict[int, float]:
     def crash(step: int, model: object) -> None:
         if step == CRASH_AT:
@@ -69,7 +65,7 @@ def test_resume_reproduces_losses_exactly(token_file: Path, tmp_path: Path, name
     world, size, parallel, *train = LAYOUTS[name]
     full = _config(token_file, tmp_path / "full", size, parallel, *train or [{}])
     cut = _config(token_file, tmp_path / "cut", size, parallel, *train or [{}])
-    expected = run_distributed(_losses, world, full, timeout=240)[0]
+    expected = run_distributed(train_losses, world, full, timeout=240)[0]
     resumed = run_distributed(_interrupted_then_resumed, world, cut, timeout=240)[0]
     if train:  # fp16: the scale must have backed off before the checkpoint and allowed an update after it
         skipped = [m["skipped_steps"] for m in read_metrics(tmp_path / "full")]

@@ -14,7 +14,7 @@ import torch
 from tessera.config import from_dict
 from tessera.errors import DataError
 from tessera.train.trainer import train
-from tests.distributed.conftest import trainer_config
+from tests.distributed.conftest import train_recording, trainer_config
 from tests.harness import run_distributed
 
 # fp32 on CPU; data-parallel runs sum the same per-sample gradients in a different order (micro-batches vs ranks),
@@ -36,18 +36,6 @@ def _config(
     return trainer_config(token_file, run_dir, model, parallel, **{"steps": STEPS, **train})
 
 
-def _train_recording(
-    rank: int, world: int, raw: dict
-) -> tuple[dict[int, float], list[dict[str, torch.Tensor]]]:
-    grads: list[dict[str, torch.Tensor]] = []
-
-    def hook(step: int, model: torch.nn.Module) -> None:
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-
-    result = train(from_dict(raw), hook)
-    return result.losses, grads
-
-
 LAYOUTS = {  # name: (family, dp, accumulation); layered with several micro-batches runs the schedule runtime
     "gpt_dp2_layered": ("gpt", 2, "layered"),
     "gpt_dp2_depth_first": ("gpt", 2, "depth_first"),
@@ -61,9 +49,9 @@ def test_data_parallel_matches_single_device(token_file: Path, tmp_path: Path, n
     family, dp, accumulation = LAYOUTS[name]
     # the reference: the plain model, micro-batches one after another, no schedule runtime
     ref = _config(token_file, tmp_path / "ref", family, dp=1, accumulation="depth_first")
-    ref_losses, ref_grads = _train_recording(0, 1, ref)
+    ref_losses, ref_grads = train_recording(0, 1, ref)
     raw = _config(token_file, tmp_path / "dp", family, dp=dp, accumulation=accumulation)
-    results = run_distributed(_train_recording, dp, raw, timeout=240)
+    results = run_distributed(train_recording, dp, raw, timeout=240)
     for losses, grads in results:  # every rank holds the same averaged gradients
         for step in range(STEPS):
             torch.testing.assert_close(losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL)
@@ -93,7 +81,7 @@ def test_resume_reproduces_losses_exactly(token_file: Path, tmp_path: Path, dp: 
         expected = train(from_dict(full)).losses
         resumed = _interrupted_then_resumed(0, 1, cut)
     else:
-        expected = run_distributed(_train_recording, dp, full, timeout=240)[0][0]
+        expected = run_distributed(train_recording, dp, full, timeout=240)[0][0]
         resumed = run_distributed(_interrupted_then_resumed, dp, cut, timeout=240)[0]
     assert sorted(resumed) == [4, 5]  # steps 0-3 came from the checkpoint written after step 3
     for step in (4, 5):

@@ -15,7 +15,7 @@ import torch
 from tessera.config import from_dict
 from tessera.train.metrics import read_metrics
 from tessera.train.trainer import train
-from tests.distributed.conftest import trainer_config
+from tests.distributed.conftest import train_losses, train_recording, trainer_config
 from tests.harness import run_distributed
 
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
@@ -39,25 +39,14 @@ def _config(token_file: Path, run_dir: Path, parallel: dict) -> dict:
     return trainer_config(token_file, run_dir, model, parallel, steps=STEPS, grad_clip=0.5)
 
 
-def _record(rank: int, world: int, raw: dict) -> tuple[dict[int, float], list[dict[str, torch.Tensor]]]:
-    grads: list[dict[str, torch.Tensor]] = []
-
-    def hook(step: int, model: torch.nn.Module) -> None:
-        full = model.full_parameters(grad=True) if hasattr(model, "full_parameters") else None
-        full = full or {n: p.grad for n, p in model.named_parameters()}
-        grads.append({n: g.detach().clone() for n, g in full.items()})
-
-    return train(from_dict(raw), hook).losses, grads
-
-
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_tensor_parallel_training_matches_reference(token_file: Path, tmp_path: Path, name: str) -> None:
     world, parallel = LAYOUTS[name]
-    ref_losses, ref_grads = _record(
+    ref_losses, ref_grads = train_recording(
         0, 1, _config(token_file, tmp_path / "ref", {"accumulation": "depth_first"})
     )
     losses, grads = run_distributed(
-        _record, world, _config(token_file, tmp_path / name, parallel), timeout=240
+        train_recording, world, _config(token_file, tmp_path / name, parallel), timeout=240
     )[0]
     for step in range(STEPS):
         torch.testing.assert_close(losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL)
@@ -92,17 +81,15 @@ ZERO_LAYOUTS = {  # ZeRO-2/3 keep only reduced gradient shards: compared by loss
 }
 
 
-def _losses(rank: int, world: int, raw: dict) -> dict[int, float]:
-    return train(from_dict(raw)).losses
-
-
 @pytest.mark.parametrize("name", ZERO_LAYOUTS)
 def test_tensor_parallel_with_zero_matches_reference(token_file: Path, tmp_path: Path, name: str) -> None:
     world, parallel = ZERO_LAYOUTS[name]
     ref_losses = train(
         from_dict(_config(token_file, tmp_path / "ref", {"accumulation": "depth_first"}))
     ).losses
-    losses = run_distributed(_losses, world, _config(token_file, tmp_path / name, parallel), timeout=240)[0]
+    losses = run_distributed(
+        train_losses, world, _config(token_file, tmp_path / name, parallel), timeout=240
+    )[0]
     for step in range(STEPS):
         torch.testing.assert_close(losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL)
     _assert_same_grad_norms(tmp_path / name, tmp_path / "ref")
