@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 
@@ -79,3 +80,20 @@ def train_recording(
         grads.append({n: g.detach().clone() for n, g in full.items()})
 
     return train(from_dict(raw), hook).losses, grads
+
+
+class Interrupt(Exception):
+    """Stands for a crash between a checkpoint and the end of a run."""
+
+
+def interrupted_then_resumed(rank: int, world: int, raw: dict, crash_at: int) -> dict[int, float]:
+    """Train ``raw`` until step ``crash_at`` fails, then train it again (it resumes from the newest checkpoint);
+    the second run's loss per step."""
+
+    def crash(step: int, model: torch.nn.Module) -> None:
+        if step == crash_at:
+            raise Interrupt
+
+    with contextlib.suppress(Interrupt):
+        train(from_dict(raw), crash)
+    return train(from_dict(raw)).losses

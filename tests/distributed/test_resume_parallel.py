@@ -8,15 +8,12 @@ other pipeline ranks) is rebuilt before the next step.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
 
-from tessera.config import from_dict
 from tessera.train.metrics import read_metrics
-from tessera.train.trainer import train
-from tests.distributed.conftest import train_losses, trainer_config
+from tests.distributed.conftest import interrupted_then_resumed, train_losses, trainer_config
 from tests.harness import run_distributed
 
 STEPS = 4
@@ -40,20 +37,6 @@ LAYOUTS = {  # name: (world size, model size, parallel section[, train section])
 }
 
 
-class Interrupt(Exception):
-    """Stands for a crash between a checkpoint and the end of the run."""
-
-
-def _interrupted_then_resumed(rank: int, world: int, raw: dict) -> dict[int, float]:
-    def crash(step: int, model: object) -> None:
-        if step == CRASH_AT:
-            raise Interrupt
-
-    with contextlib.suppress(Interrupt):
-        train(from_dict(raw), crash)
-    return train(from_dict(raw)).losses
-
-
 def _config(token_file: Path, run_dir: Path, size: str, parallel: dict, train: dict) -> dict:
     raw = trainer_config(token_file, run_dir, {"size": size}, parallel, steps=STEPS, **train)
     raw["checkpoint"] = {"every": 2, "resume": True}
@@ -66,7 +49,7 @@ def test_resume_reproduces_losses_exactly(token_file: Path, tmp_path: Path, name
     full = _config(token_file, tmp_path / "full", size, parallel, *train or [{}])
     cut = _config(token_file, tmp_path / "cut", size, parallel, *train or [{}])
     expected = run_distributed(train_losses, world, full, timeout=240)[0]
-    resumed = run_distributed(_interrupted_then_resumed, world, cut, timeout=240)[0]
+    resumed = run_distributed(interrupted_then_resumed, world, cut, CRASH_AT, timeout=240)[0]
     if train:  # fp16: the scale must have backed off before the checkpoint and allowed an update after it
         skipped = [m["skipped_steps"] for m in read_metrics(tmp_path / "full")]
         assert skipped[CRASH_AT - 1] >= 1 and skipped[-1] < STEPS, (

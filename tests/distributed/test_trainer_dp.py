@@ -5,7 +5,6 @@ Also: a run interrupted after a checkpoint and resumed reproduces the uninterrup
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from tessera.config import from_dict
 from tessera.errors import DataError
 from tessera.train.trainer import train
-from tests.distributed.conftest import train_recording, trainer_config
+from tests.distributed.conftest import interrupted_then_resumed, train_recording, trainer_config
 from tests.harness import run_distributed
 
 # fp32 on CPU; data-parallel runs sum the same per-sample gradients in a different order (micro-batches vs ranks),
@@ -22,10 +21,6 @@ from tests.harness import run_distributed
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 STEPS = 3
-
-
-class Interrupt(Exception):
-    """Stands for a crash between a checkpoint and the end of the run."""
 
 
 def _config(
@@ -61,16 +56,6 @@ def test_data_parallel_matches_single_device(token_file: Path, tmp_path: Path, n
     assert ref_losses[STEPS - 1] < ref_losses[0]
 
 
-def _interrupted_then_resumed(rank: int, world: int, raw: dict) -> dict[int, float]:
-    def crash(step: int, model: torch.nn.Module) -> None:
-        if step == 4:
-            raise Interrupt
-
-    with contextlib.suppress(Interrupt):
-        train(from_dict(raw), crash)
-    return train(from_dict(raw)).losses
-
-
 @pytest.mark.parametrize("dp", [1, 2], ids=["dp1", "dp2"])
 def test_resume_reproduces_losses_exactly(token_file: Path, tmp_path: Path, dp: int) -> None:
     ckpt = {"every": 2, "resume": True}
@@ -79,10 +64,10 @@ def test_resume_reproduces_losses_exactly(token_file: Path, tmp_path: Path, dp: 
     full["checkpoint"] = cut["checkpoint"] = ckpt
     if dp == 1:
         expected = train(from_dict(full)).losses
-        resumed = _interrupted_then_resumed(0, 1, cut)
+        resumed = interrupted_then_resumed(0, 1, cut, 4)
     else:
         expected = run_distributed(train_recording, dp, full, timeout=240)[0][0]
-        resumed = run_distributed(_interrupted_then_resumed, dp, cut, timeout=240)[0]
+        resumed = run_distributed(interrupted_then_resumed, dp, cut, 4, timeout=240)[0]
     assert sorted(resumed) == [4, 5]  # steps 0-3 came from the checkpoint written after step 3
     for step in (4, 5):
         assert resumed[step] == expected[step]  # bit for bit
