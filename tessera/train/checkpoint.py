@@ -94,8 +94,7 @@ def save_checkpoint(
         raise ValueError(f"keep = {keep} must be at least 1 (the checkpoint just written)")
     ckpt_dir = Path(ckpt_dir)
     rank, world = _rank_world()
-    final = ckpt_dir / f"{_PREFIX}{step:08d}"
-    tmp = ckpt_dir / f"{final.name}{_TMP}"
+    final, tmp = _step_dirs(ckpt_dir, step)
     json_extra, tensor_paths, tensors = _split_extra(extra)
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -137,8 +136,7 @@ def save_model_weights(ckpt_dir: Path, step: int, model: nn.Module, source: dict
     `load_checkpoint` refuses to resume from it.
     """
     ckpt_dir = Path(ckpt_dir)
-    final = ckpt_dir / f"{_PREFIX}{step:08d}"
-    tmp = ckpt_dir / f"{final.name}{_TMP}"
+    final, tmp = _step_dirs(ckpt_dir, step)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(ckpt_dir)
     with warnings.catch_warnings():
@@ -156,6 +154,12 @@ def save_model_weights(ckpt_dir: Path, step: int, model: nn.Module, source: dict
     }
     _commit(tmp, final, meta)
     return final
+
+
+def _step_dirs(ckpt_dir: Path, step: int) -> tuple[Path, Path]:
+    """(the published folder ``step_N``, the folder a save writes into before its atomic rename)."""
+    final = ckpt_dir / f"{_PREFIX}{step:08d}"
+    return final, ckpt_dir / f"{final.name}{_TMP}"
 
 
 def _wrap(state: dict[str, Any], shard_id: str | None) -> dict[str, Any]:
