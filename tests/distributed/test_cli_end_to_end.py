@@ -28,14 +28,19 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cli")
 
 
-def test_prepare_train_plot_generate(workdir: Path) -> None:
+@pytest.fixture(scope="module")
+def prepared(workdir: Path) -> subprocess.CompletedProcess:
+    """`tessera prepare` of three small text files into workdir/data/tokens.bin, once for the module."""
     texts = workdir / "texts"
     texts.mkdir()
     for i in range(3):
         (texts / f"doc{i}.txt").write_text(("the quick brown fox jumps over the lazy dog. " * 40) + str(i))
-    out = _tessera("prepare", str(texts), "--out", "data/tokens.bin", cwd=workdir)
-    assert out.returncode == 0, out.stderr
-    assert "tokens to data/tokens.bin" in out.stdout
+    return _tessera("prepare", str(texts), "--out", "data/tokens.bin", cwd=workdir)
+
+
+def test_prepare_train_plot_generate(workdir: Path, prepared: subprocess.CompletedProcess) -> None:
+    assert prepared.returncode == 0, prepared.stderr
+    assert "tokens to data/tokens.bin" in prepared.stdout
 
     overrides = [
         "--model.size=gpt2-tiny",
@@ -63,9 +68,9 @@ def test_prepare_train_plot_generate(workdir: Path) -> None:
     assert out.stdout.startswith("the ") and len(out.stdout) >= 10
 
 
-def test_sharded_run_exports_then_generates(workdir: Path) -> None:
+def test_sharded_run_exports_then_generates(workdir: Path, prepared: subprocess.CompletedProcess) -> None:
     """2D tensor parallelism checkpoints shards; generate asks for an export, export merges them."""
-    assert (workdir / "data" / "tokens.bin").is_file(), "runs after test_prepare_train_plot_generate"
+    assert prepared.returncode == 0, prepared.stderr
     overrides = [
         "--model.size=llama-tiny",
         "--model.n_kv_heads=2",
@@ -83,6 +88,8 @@ def test_sharded_run_exports_then_generates(workdir: Path) -> None:
     assert out.returncode == 2 and "run `tessera export runs/tp` first" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
 
+    out = _tessera("export", "runs/tp", "--nproc", "2", cwd=workdir)  # saved by 4 ranks: refused up front
+    assert out.returncode == 2 and "--nproc 4" in out.stderr and "Traceback" not in out.stderr, out.stderr
     out = _tessera("export", "runs/tp", cwd=workdir)  # starts the 4 ranks that saved the checkpoint
     assert out.returncode == 0, out.stderr + out.stdout
     assert "on 4 local processes" in out.stdout and "export/step_00000002" in out.stdout, out.stdout
@@ -97,7 +104,6 @@ def test_bad_input_is_a_message_not_a_traceback(workdir: Path) -> None:
         ("train", "--data.path=missing.bin"),
         ("generate", "no_such_run"),
         ("export", "no_such_run"),
-        ("export", "runs/tp", "--nproc", "2"),  # saved by 4 ranks
         ("plot", "no_such_run"),
         ("prepare", "missing_dir", "--out", "x.bin"),
         ("train", "--nproc", "2", "--parallel.tensor=3"),
