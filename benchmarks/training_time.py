@@ -3,7 +3,7 @@
     python benchmarks/training_time.py [--hardware a100-80gb]
     # writes benchmarks/results/planner_training_time.md and planner_training_time.png
 
-Method: tessera/planner/analysis.py (layered-pipeline.md §2.4): critical batch at Kaplan's compute-efficient
+Method: tessera/planner/analysis.py (Lamy-Poirier 2021, arXiv 2106.02679; docs/planner.md §4): critical batch at Kaplan's compute-efficient
 target loss, steps from the steps/data trade-off, a full layout search per GPU count (8 … 65,536), each method
 family a filter on the searched layouts.
 """

@@ -2,7 +2,7 @@
 
 Every collective tessera issues goes through this module so that it is counted per step by kind, group and bytes
 (``STATS``). The byte count of one call is the size of the buffer the rank hands to the collective, defined per
-kind so the analytical formulas in docs/communication.md can be compared exactly:
+kind so the analytical traffic formulas of docs/cost-model.md §5 can be compared exactly:
 
 - all_reduce, reduce, broadcast, send, recv: the tensor's bytes;
 - all_gather: the gathered (output) bytes; reduce_scatter: the input (unscattered) bytes.

@@ -1,4 +1,4 @@
-"""Training-time analysis (layered-pipeline.md §2.4): the shortest time to train each model size with each family
+"""Training-time analysis (Lamy-Poirier 2021, arXiv 2106.02679; docs/planner.md §4): the shortest time to train each model size with each family
 of parallel methods, and the GPU count that achieves it.
 
 Method, per model size:

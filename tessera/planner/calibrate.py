@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from tessera.planner.hardware import Hardware
+from tessera.planner.network import TESSERA_ORDER
 
 __all__ = [
     "MeasuredSteps",
@@ -318,6 +319,7 @@ def trainer_plan(cfg: Any, world: int, *, flash_attention: bool = True) -> tuple
         accumulation=accumulation,
         dtype=tr.dtype,
         flash_attention=flash_attention,
+        rank_order=TESSERA_ORDER,  # the trainer lays ranks out with tessera.layout
     )
     return plan, schedule
 

@@ -19,6 +19,14 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from tessera.planner.hardware import DTYPE_BYTES, Hardware
+from tessera.planner.network import (
+    MEGATRON_ORDER,
+    Placement,
+    axis_stride,
+    bus_bandwidth,
+    collective_time,
+    placement,
+)
 
 __all__ = [
     "CommVolume",
@@ -30,11 +38,13 @@ __all__ = [
     "all_gather_time",
     "all_reduce_time",
     "broadcast_time",
+    "dp_collective_times",
     "dp_time",
     "dp_volume",
     "elementwise_bytes_per_layer",
     "gemm_time",
     "group_bandwidth",
+    "group_placement",
     "hardware_flops_per_token",
     "layer_forward_flops",
     "layer_time",
@@ -221,8 +231,9 @@ def _check_recompute(recompute: str) -> None:
 class Plan:
     """One parallel layout + execution choice, as the cost model sees it (no ranks, no groups).
 
-    Rank order assumed for topology: tensor innermost (stride 1; 2D rows stride 1, columns stride q), then data
-    (stride t), then pipeline (stride t·d) — Megatron's default order.
+    Rank order for topology: `rank_order`, outermost first; tensor is innermost in both orders used (1D stride 1;
+    2D rows stride 1, columns stride q). Default: Megatron's order (data stride t, pipeline stride t·d); the
+    search plans tessera runs with `network.TESSERA_ORDER` (`tessera.layout`: pipeline stride t, data t·p).
     """
 
     dp: int = 1
@@ -243,6 +254,8 @@ class Plan:
     dtype: str = "bf16"
     flash_attention: bool = False
     """Fused attention: no s×s score tensor in HBM (drops the 5as/h activation term and its traffic)."""
+    rank_order: tuple[str, ...] = MEGATRON_ORDER
+    """Parallel axes outermost first ("data", "pipe", "tensor"): decides which groups share a node."""
 
     @property
     def q(self) -> int:
@@ -356,15 +369,30 @@ def logits_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
 def group_bandwidth(hw: Hardware, group_size: int, stride: int = 1) -> tuple[float, float]:
     """(bandwidth per rank per direction, latency per step) of a group of `group_size` ranks `stride` apart.
 
-    Intra-node iff stride × group_size ≤ gpus_per_node (the group fits in one node, assuming aligned start).
-    Otherwise the ring crosses nodes: k = min(group_size, gpus_per_node // stride) members share each node, NCCL
-    runs one ring channel per NIC and the intra-node hops ride NVLink, so the per-rank bandwidth is the k NICs of
-    a node, k × inter_node_bandwidth (capped by the intra-node bandwidth); k = 1 when stride ≥ gpus_per_node.
+    Intra-node iff the group's ranks share one node (`network.placement`). Otherwise the ring crosses nodes: with
+    k members per node the k NICs of a node carry its node-crossing traffic (NCCL runs one ring channel per NIC,
+    intra-node hops on NVLink), so the per-rank bandwidth is k × inter_node_bandwidth capped by NVLink
+    (`network.bus_bandwidth`); k = 1 when stride ≥ gpus_per_node.
     """
-    if stride * group_size <= hw.gpus_per_node:
-        return hw.intra_node_bandwidth, hw.intra_node_latency
-    per_node = max(1, min(group_size, hw.gpus_per_node // stride))
-    return min(hw.intra_node_bandwidth, per_node * hw.inter_node_bandwidth), hw.inter_node_latency
+    pl = placement(group_size, stride, hw.gpus_per_node)
+    latency = hw.intra_node_latency if pl.intra_node else hw.inter_node_latency
+    return bus_bandwidth(hw, pl), latency
+
+
+def group_placement(hw: Hardware, plan: Plan, axis: str) -> Placement:
+    """Where the group along `axis` sits: "tensor" (1D group, or the 2D row group: stride 1, q members),
+    "tensor_col" (2D column group, stride q), "data" (d members), "pipe" (two pipeline neighbours). Strides
+    follow `plan.rank_order`."""
+    G = hw.gpus_per_node
+    if axis == "tensor":
+        return placement(plan.q if plan.tp_kind == "2d" else plan.tp, 1, G)
+    if axis == "tensor_col":
+        return placement(plan.q, plan.q, G)
+    sizes = {"data": plan.dp, "pipe": plan.pp, "tensor": plan.tp}
+    if axis not in ("data", "pipe"):
+        raise ValueError(f"axis must be tensor, tensor_col, data or pipe, got {axis!r}")
+    size = plan.dp if axis == "data" else min(2, plan.pp)
+    return placement(size, axis_stride(plan.rank_order, sizes, axis), G)
 
 
 def all_reduce_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
@@ -470,7 +498,7 @@ def tp2d_layer_volume(shape: ModelShape, plan: Plan) -> CommVolume:
     """Optimus 2D (SUMMA) tensor parallelism, one block, one micro-batch, per rank.
 
     Sum of `_summa_linear` over QKV, proj, fc1(+gate), fc2: for GPT wire (q−1)/q²·(21·M·h + 36·h²) elements
-    (optimus-2d.md §1.6), M = b·s. Full recompute replays the forward broadcasts. Plus LayerNorm statistics:
+    (Xu et al. 2021, derived in docs/cost-model.md §5), M = b·s. Full recompute replays the forward broadcasts. Plus LayerNorm statistics:
     per norm an all-reduce of 2 fp32 values per local token (M/q) along the row, forward and backward.
     """
     q = plan.q
@@ -548,23 +576,24 @@ def tp_comm_time_per_layer(shape: ModelShape, hw: Hardware, plan: Plan) -> Layer
     """
     if plan.tp <= 1:
         return LayerTime(forward=0.0, backward=0.0, recompute=0.0)
+    group = group_placement(hw, plan, "tensor")
     if plan.tp_kind == "1d":
-        bw, lat = group_bandwidth(hw, plan.tp, 1)
         nbytes = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
         one = (
-            all_gather_time(nbytes, plan.tp, bw, lat) + reduce_scatter_time(nbytes, plan.tp, bw, lat)
+            collective_time(hw, "all_gather", nbytes, group)
+            + collective_time(hw, "reduce_scatter", nbytes, group)
             if plan.sequence_parallel
-            else all_reduce_time(nbytes, plan.tp, bw, lat)
+            else collective_time(hw, "all_reduce", nbytes, group)
         )
         fwd, bwd = 2 * one, 2 * one
     else:
-        q = plan.q
-        row, col = group_bandwidth(hw, q, 1), group_bandwidth(hw, q, q)
+        q, cols = plan.q, group_placement(hw, plan, "tensor_col")
         M, nb = shape.seq_len * plan.micro_batch, plan.act_bytes
         fwd = bwd = 0.0
         for k_in, n_out in _linears(shape):
             act, wgt = M * k_in / q**2 * nb, k_in * n_out / q**2 * nb
-            a_t, w_t = broadcast_time(act, q, *row), broadcast_time(wgt, q, *col)
+            a_t = collective_time(hw, "broadcast", act, group)
+            w_t = collective_time(hw, "broadcast", wgt, cols)
             fwd += q * (a_t + w_t)
             bwd += q * 2 * (a_t + w_t)
     return LayerTime(forward=fwd, backward=bwd, recompute=fwd if plan.recompute == "full" else 0.0)
@@ -587,36 +616,67 @@ def stage_time(
 
 def p2p_time_per_microbatch(shape: ModelShape, hw: Hardware, plan: Plan) -> float:
     """Seconds to move one micro-batch's boundary tensor (b·s·h, /t with scatter/gather) across one stage
-    boundary in one direction. Pipeline neighbours are t·d ranks apart (stride), so they share a node only if
-    t·d·2 ≤ gpus_per_node. With 1D tensor parallelism (no SP) the scatter/gather optimisation sends 1/t and
-    re-assembles with an intra-node all-gather (Narayanan §4.1)."""
+    boundary in one direction. Pipeline neighbours sit `axis_stride(rank_order, "pipe")` ranks apart (t·d in
+    Megatron's order, t in tessera's), so they share a node only if that fits in one node. With 1D tensor
+    parallelism (no SP) the scatter/gather optimisation sends 1/t and re-assembles with an all-gather on the
+    tensor group (Narayanan §4.1)."""
     if plan.pp <= 1:
         return 0.0
     full = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
-    bw, lat = group_bandwidth(hw, 2, plan.tp * plan.dp)
-    t = p2p_time(full / plan.tp, bw, lat)
+    pair = group_placement(hw, plan, "pipe")
+    latency = hw.intra_node_latency if pair.intra_node else hw.inter_node_latency
+    t = p2p_time(full / plan.tp, bus_bandwidth(hw, pair), latency)
     if plan.tp_kind == "1d" and not plan.sequence_parallel and plan.tp > 1:
-        t += all_gather_time(full, plan.tp, *group_bandwidth(hw, plan.tp, 1))
+        t += collective_time(hw, "all_gather", full, group_placement(hw, plan, "tensor"))
     return t
+
+
+def dp_collective_times(
+    params_local: float,
+    hw: Hardware,
+    plan: Plan,
+    *,
+    grad_bytes: int = 2,
+    param_bytes: int = 2,
+    buckets: int = 1,
+) -> tuple[float, float]:
+    """(gradient reduction, parameter all-gather) seconds per step of `params_local` parameters on the data
+    group, placed by `plan.rank_order`: the collectives of `dp_volume` (ZeRO-0 one all-reduce; ZeRO ≥ 1 a
+    reduce-scatter, ×m with depth-first ZeRO-2/3; all-gathers once, twice for ZeRO-3, ×m depth-first), each
+    split into `buckets` calls (one per layer in the trainer) and priced by `network.collective_time`, so the
+    latency terms count every call."""
+    if plan.dp <= 1:
+        return 0.0, 0.0
+    group = group_placement(hw, plan, "data")
+    m = plan.n_microbatches if plan.accumulation == "depth_first" else 1
+    g, w = params_local * grad_bytes, params_local * param_bytes
+    if plan.zero_stage == 0:
+        calls = [("all_reduce", g, 1)]
+    elif plan.zero_stage in (1, 2, 3):
+        reps = m if plan.zero_stage >= 2 else 1
+        calls = [("reduce_scatter", g, reps)]
+    else:
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {plan.zero_stage}")
+    gathers = {0: 0, 1: 1, 2: 1, 3: 2 * m}[plan.zero_stage]
+    buckets = max(1, buckets)
+
+    def price(kind: str, total: float, reps: int) -> float:
+        return reps * buckets * collective_time(hw, kind, total / buckets, group)
+
+    reduce = sum(price(*c) for c in calls)
+    gather = price("all_gather", w, gathers) if gathers else 0.0
+    return reduce, gather
 
 
 def dp_time(
     params_local: float, hw: Hardware, plan: Plan, *, grad_bytes: int = 2, param_bytes: int = 2
 ) -> float:
-    """Seconds of this stage's data-parallel traffic per step (`dp_volume` on the data group, stride t), not
+    """Seconds of this stage's data-parallel traffic per step (`dp_collective_times`, one bucket), not
     overlapped. The caller decides how much of it hides behind backward (schedule dependent)."""
-    if plan.dp <= 1:
-        return 0.0
-    vol = dp_volume(params_local, plan, grad_bytes=grad_bytes, param_bytes=param_bytes)
-    bw, lat = group_bandwidth(hw, plan.dp, plan.tp)
-    n = plan.dp
-    steps = vol.calls
-    return (
-        all_reduce_time(vol.all_reduce, n, bw, 0)
-        + reduce_scatter_time(vol.reduce_scatter, n, bw, 0)
-        + all_gather_time(vol.all_gather, n, bw, 0)
-        + steps * (n - 1) * lat * (2 if plan.zero_stage == 0 else 1)
+    reduce, gather = dp_collective_times(
+        params_local, hw, plan, grad_bytes=grad_bytes, param_bytes=param_bytes
     )
+    return reduce + gather
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 # log10(FLOPs). ASSUMPTION, not a measurement of ours: the shape follows public cuBLAS/A100 GEMM benchmarks
 # (tiny calls are launch/latency bound, efficiency saturates for calls above ~1e11 FLOPs) and the plateau (0.65)
 # is the end-to-end achieved GEMM efficiency inside a training framework, calibrated on ONE published point:
-# the single-GPU A100 row of the Megatron-LM Sept 2020 README table (formulas-hardware.md §3.5; 149.8 TFLOP/s,
+# the single-GPU A100 row of the Megatron-LM Sept 2020 README table (docs/cost-model.md §1; 149.8 TFLOP/s,
 # no communication). See docs/cost-model.md "GEMM efficiency".
 DEFAULT_GEMM_EFFICIENCY: tuple[tuple[float, float], ...] = (
     (1e6, 0.02),
@@ -69,6 +69,12 @@ class Hardware:
     """Per GPU, per direction, bytes/s, to devices of other nodes (NIC bandwidth per GPU)."""
     inter_node_latency: float
     """Per collective step (one ring hop), seconds, across nodes."""
+    topology: str = "rail-optimized fat tree"
+    """How nodes connect (descriptive; the pricing uses `pod_gpus` and `oversubscription`)."""
+    pod_gpus: int = 0
+    """GPUs reachable at full bisection bandwidth (one pod); 0: the whole cluster is non-blocking."""
+    oversubscription: float = 1.0
+    """Bandwidth reduction for traffic between pods (e.g. 7 for a 1:7 aggregation layer)."""
     gemm_efficiency: list[tuple[float, float]] = field(default_factory=lambda: list(DEFAULT_GEMM_EFFICIENCY))
     """(FLOPs of one GEMM call, achieved fraction of peak) points, interpolated in log10(FLOPs), clamped."""
 
@@ -100,6 +106,10 @@ class Hardware:
             if not getattr(self, key) > 0
         ]
         problems += [f"peak_flops[{k!r}] must be > 0" for k, v in self.peak_flops.items() if not v > 0]
+        if self.pod_gpus < 0 or not self.oversubscription >= 1:
+            problems.append(
+                f"pod_gpus must be >= 0 and oversubscription >= 1 (got {self.pod_gpus}, {self.oversubscription})"
+            )
         if not self.gemm_efficiency:
             problems.append("gemm_efficiency needs at least one (flops, efficiency) point")
         problems += [
@@ -109,6 +119,10 @@ class Hardware:
         ]
         if problems:
             raise ConfigError(f"hardware {self.name!r} is invalid:\n  " + "\n  ".join(problems))
+
+
+OPTIONAL_KEYS = frozenset({"gemm_efficiency", "topology", "pod_gpus", "oversubscription"})
+"""Hardware keys a file may omit (they have defaults)."""
 
 
 def _shipped_dir() -> Any:
@@ -143,7 +157,7 @@ def _from_dict(raw: dict[str, Any], default_name: str) -> Hardware:
     raw.setdefault("name", default_name)
     known = set(Hardware.__dataclass_fields__)
     unknown = sorted(set(raw) - known)
-    missing = sorted(k for k in known - {"gemm_efficiency"} if k not in raw)
+    missing = sorted(k for k in known - OPTIONAL_KEYS if k not in raw)
     if unknown or missing:
         raise ConfigError(
             f"hardware {raw['name']!r}: unknown keys {unknown}, missing keys {missing}; "
@@ -166,8 +180,11 @@ def save_hardware(hw: Hardware, path: str | Path) -> None:
         "intra_node_latency",
         "inter_node_bandwidth",
         "inter_node_latency",
+        "pod_gpus",
+        "oversubscription",
     ):
         lines.append(f"{key} = {getattr(hw, key)!r}")
+    lines.append(f"topology = {_toml_str(hw.topology)}")
     points = ", ".join(f"[{f!r}, {e!r}]" for f, e in hw.gemm_efficiency)
     lines.append(f"gemm_efficiency = [{points}]")
     lines.append("")

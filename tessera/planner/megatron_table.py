@@ -75,7 +75,7 @@ class MegatronRow:
         return self.gpus // (self.tp * self.pp)
 
 
-# Narayanan et al. 2021 Table 1 (formulas-hardware.md §3.1): A100 80GB, s = 2048, V = 51,200.
+# Narayanan et al. 2021 Table 1 (arXiv 2104.04473 §5.1; docs/cost-model.md §9): A100 80GB, s = 2048, V = 51,200.
 MEGATRON_TABLE1: tuple[MegatronRow, ...] = (
     MegatronRow(
         params_b=1.7, heads=24, hidden=2304, layers=24, tp=1, pp=1, gpus=32, batch=512, tflops_per_gpu=137
@@ -149,7 +149,7 @@ MEGATRON_TABLE1: tuple[MegatronRow, ...] = (
     ),
 )
 
-# Megatron-LM README, Sept 2020 (formulas-hardware.md §3.5): 1B model on ONE A100 (no communication), s = 1024,
+# Megatron-LM README, Sept 2020 (docs/cost-model.md §1, "GEMM efficiency"): 1B model on ONE A100 (no communication), s = 1024,
 # B = 16, 149.8 TFLOP/s. The only point the GEMM-efficiency plateau was calibrated on; not part of the validation.
 CALIBRATION_ROW = MegatronRow(
     params_b=1.16,
@@ -162,7 +162,7 @@ CALIBRATION_ROW = MegatronRow(
     batch=16,
     tflops_per_gpu=149.8,
     seq_len=1024,
-    micro_batch=16,  # single replica: the whole batch is one micro-batch (formulas-hardware.md §3.5)
+    micro_batch=16,  # single replica: the whole batch is one micro-batch (docs/cost-model.md §9)
 )
 
 
@@ -184,7 +184,7 @@ def _readme_row(
     )
 
 
-# Megatron-LM README Sept 2020 (formulas-hardware.md §3.5), DGX A100 (40GB), s = 1024, 16 sequences per replica:
+# Megatron-LM README Sept 2020 (NVIDIA/Megatron-LM commit 5281919; docs/cost-model.md §9), DGX A100 (40GB), s = 1024, 16 sequences per replica:
 # the TP-scaling rows (one node) and the 128-way data-parallel rows. A second, older out-of-sample check.
 MEGATRON_README_2020: tuple[MegatronRow, ...] = (
     _readme_row(2.03, 18, 2304, 30, 2, 2, 16, 136.8),

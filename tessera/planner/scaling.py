@@ -1,7 +1,7 @@
 """Scaling-law helpers: converged loss vs model size, critical batch size, and the steps/data trade-off.
 
 Kaplan et al. 2020, "Scaling Laws for Neural Language Models" (arXiv 2001.08361), with the McCandlish et al.
-2018 batch-size trade-off as used there; constants from formulas-hardware.md §4.1. The fits are for Kaplan's
+2018 batch-size trade-off as used there; constants as listed, with their source, in docs/cost-model.md §8. The fits are for Kaplan's
 WebText2 data and tokenizer (loss in nats per token), so absolute values transfer only roughly to other data; the
 planner uses them to choose a batch size near B_crit and to turn a loss target into steps and tokens.
 """

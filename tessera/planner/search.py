@@ -35,6 +35,7 @@ from tessera.planner.cost import (
 )
 from tessera.planner.hardware import Hardware
 from tessera.planner.megatron_table import MEGATRON_TABLE1
+from tessera.planner.network import TESSERA_ORDER
 from tessera.planner.scaling import ALPHA_N, ALPHA_S, critical_batch, loss_from_params, steps_for_batch
 from tessera.planner.steptime import StepBreakdown, _fast, chunk_from_layer, inflight_microbatches
 
@@ -418,6 +419,7 @@ def _search_layout(
         n_microbatches=m,
         dtype=ctx.space.dtype,
         flash_attention=ctx.space.flash_attention,
+        rank_order=TESSERA_ORDER,  # the trainer lays ranks out with tessera.layout
     )
     p2p = p2p_time_per_microbatch(ctx.shape, ctx.hw, base)
     schedules = _schedule_options(ctx.space, ctx.shape.n_layers, p, m)

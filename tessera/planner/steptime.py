@@ -44,15 +44,11 @@ from tessera.planner.cost import (
     LayerTime,
     ModelShape,
     Plan,
-    all_gather_time,
-    all_reduce_time,
-    dp_volume,
-    group_bandwidth,
+    dp_collective_times,
     layer_time,
     logits_time,
     p2p_time_per_microbatch,
     params_per_rank,
-    reduce_scatter_time,
     tp_comm_time_per_layer,
 )
 from tessera.planner.hardware import DTYPE_BYTES, Hardware
@@ -211,24 +207,12 @@ def p2p_hops(schedule: str, p: int, m: int, v: int) -> float:
     return max(2.0 * (p - 1), (2 - 2 / p) * m + 2 * (p - 2))
 
 
-def dp_parts(params_local: float, hw: Hardware, plan: Plan) -> tuple[float, float]:
-    """(reduction, parameter all-gather) seconds per step of `params_local` parameters over the data group.
-
-    `dp_volume` priced on the data group (stride t): ZeRO-0 all-reduce; ZeRO-1/2 reduce-scatter + all-gather;
-    ZeRO-3 reduce-scatter + two all-gathers (×m with depth-first accumulation). Gradients and parameters in the
-    compute dtype's width."""
-    if plan.dp <= 1:
-        return 0.0, 0.0
+def dp_parts(params_local: float, hw: Hardware, plan: Plan, buckets: int = 1) -> tuple[float, float]:
+    """(reduction, parameter all-gather) seconds per step of `params_local` parameters over the data group:
+    `cost.dp_collective_times` with gradients and parameters in the compute dtype's width, one call per bucket
+    (the search and the simulator pass the rank's layer count: the trainer reduces and gathers per block)."""
     width = DTYPE_BYTES[plan.dtype]
-    vol = dp_volume(params_local, plan, grad_bytes=width, param_bytes=width)
-    bw, lat = group_bandwidth(hw, plan.dp, plan.tp)
-    reps = plan.n_microbatches if plan.accumulation == "depth_first" and plan.zero_stage >= 2 else 1
-    reduce = all_reduce_time(vol.all_reduce, plan.dp, bw, lat) + reduce_scatter_time(
-        vol.reduce_scatter, plan.dp, bw, lat * reps
-    )
-    gathers = reps * (2 if plan.zero_stage == 3 else 1)
-    gather = all_gather_time(vol.all_gather, plan.dp, bw, lat * gathers) if vol.all_gather else 0.0
-    return reduce, gather
+    return dp_collective_times(params_local, hw, plan, grad_bytes=width, param_bytes=width, buckets=buckets)
 
 
 def dp_exposure(items: list[tuple[float, float]], end: float) -> float:
@@ -301,7 +285,7 @@ def _fast_dp(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, c: Chun
         return 0.0
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
     psi = max(params_per_rank(shape, plan, 0), params_per_rank(shape, plan, p - 1))
-    reduce, gather = dp_parts(psi, hw, plan)
+    reduce, gather = dp_parts(psi, hw, plan, buckets=c.layers * v)
     after = {"interleaved": p, "breadth_first": m}.get(schedule, 0)
     items: list[tuple[float, float]] = []
     for j in range(v):
@@ -360,7 +344,7 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, c
     for rank in range(p):
         entries = [e for e in sim.timeline if e.rank == rank]
         end = max(e.end for e in entries if e.action.kind.is_compute)
-        reduce, gather = dp_parts(params_per_rank(shape, plan, rank), hw, plan)
+        reduce, gather = dp_parts(params_per_rank(shape, plan, rank), hw, plan, buckets=c.layers * v)
         last_b: dict[int, tuple[float, float]] = {}
         items: list[tuple[float, float]] = []
         for e in entries:

@@ -19,7 +19,7 @@ from tessera.planner.megatron_table import (
 ACCEPTANCE_MEDIAN_ABS_ERROR = 0.15  # project acceptance target for the Table 1 validation
 CALIBRATION_TOLERANCE = 0.03  # the GEMM plateau was chosen to reproduce this single point
 PARAMS_ABS_B = 0.1  # Table 1 parameter counts are printed to 0.1B
-DERIVED_REL = 0.005  # iteration times in formulas-hardware.md are rounded to 3-4 digits
+DERIVED_REL = 0.005  # derived iteration times (F / (n·X), docs/cost-model.md §9) are rounded to 3-4 digits
 
 DERIVED_DP = [32, 32, 32, 32, 32, 32, 24, 15, 9, 6]
 DERIVED_ITER_S = [3.53, 3.70, 3.70, 9.40, 14.45, 16.06, 24.82, 37.61, 54.08, 102.63]

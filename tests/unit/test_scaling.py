@@ -1,4 +1,4 @@
-"""Kaplan scaling-law helpers against hand-computed values (formulas-hardware.md §4.1, layered-pipeline.md §2.4)."""
+"""Kaplan scaling-law helpers against hand-computed values (Kaplan et al. 2020; docs/cost-model.md §8)."""
 
 from __future__ import annotations
 
