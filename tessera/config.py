@@ -7,6 +7,7 @@ machines with no PyTorch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -48,6 +49,103 @@ class Violation:
 
     def __str__(self) -> str:
         return f"[{self.rule}] {self.problem}\n    fix: {self.fix}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Range:
+    """Allowed values of one number: lo <= x < hi (open ends as flagged); NaN is never inside."""
+
+    lo: float
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = True
+
+    def holds(self, x: float) -> bool:
+        above = x > self.lo if self.lo_open else x >= self.lo
+        below = x < self.hi if self.hi_open else x <= self.hi
+        return above and below
+
+    def describe(self) -> str:
+        lo = f"> {self.lo:g}" if self.lo_open else f">= {self.lo:g}"
+        if self.hi == math.inf:
+            return f"a finite number {lo}" if self.lo_open or isinstance(self.lo, float) else lo
+        return f"{lo} and {'<' if self.hi_open else '<='} {self.hi:g}"
+
+
+_POSITIVE, _NON_NEGATIVE = _Range(1), _Range(0)
+_POSITIVE_REAL, _NON_NEGATIVE_REAL = _Range(0.0, lo_open=True), _Range(0.0)
+MAX_MICRO_BATCHES = 2**20
+"""Micro-batches per step above which a config is refused: keeps every schedule built from it small."""
+
+# Every number a run divides by, allocates or feeds to the optimizer, with its allowed range; None is allowed
+# wherever the field's type allows it. Checked before any rule that does arithmetic with them.
+_RANGES: dict[str, dict[str, _Range]] = {
+    "model": {
+        **dict.fromkeys(
+            ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size"), _POSITIVE
+        ),
+        "seq_len": _POSITIVE,
+        "norm_eps": _POSITIVE_REAL,
+        "rope_theta": _POSITIVE_REAL,
+        "init_std": _NON_NEGATIVE_REAL,
+    },
+    "parallel": {"data": _POSITIVE, "pipeline": _POSITIVE, "stages_per_rank": _POSITIVE},
+    "train": {
+        **dict.fromkeys(("steps", "global_batch", "micro_batch"), _POSITIVE),
+        "warmup_steps": _NON_NEGATIVE,
+        "lr": _POSITIVE_REAL,
+        "min_lr": _NON_NEGATIVE_REAL,
+        "weight_decay": _NON_NEGATIVE_REAL,
+        "beta1": _Range(0.0, 1.0),
+        "beta2": _Range(0.0, 1.0),
+        "eps": _POSITIVE_REAL,
+        "grad_clip": _NON_NEGATIVE_REAL,
+        "fp16_init_scale": _POSITIVE_REAL,
+        "bucket_mb": _POSITIVE_REAL,
+    },
+    "data": {"default_corpus_mb": _POSITIVE_REAL},
+    "checkpoint": {"every": _NON_NEGATIVE, "keep": _POSITIVE},
+    "log": {"every": _POSITIVE},
+}
+_ARITHMETIC_RULES = frozenset(
+    [f"{s}.{n}" for s, fields in _RANGES.items() for n in fields] + ["parallel.tensor", "train.micro_batches"]
+)
+
+
+def _out_of_range(section: str, obj: Any) -> list[Violation]:
+    """A violation for each number of ``section`` outside its `_RANGES` entry (NaN and infinity included)."""
+    v = []
+    for name, allowed in _RANGES[section].items():
+        value = getattr(obj, name)
+        if value is None or allowed.holds(value):
+            continue
+        default = next(f.default for f in dataclasses.fields(obj) if f.name == name)
+        v.append(
+            Violation(
+                rule=f"{section}.{name}",
+                problem=f"{section}.{name} = {value!r} must be {allowed.describe()}",
+                fix=f"set {section}.{name} = {default!r} (the default)"
+                if default is not None
+                else f"set {section}.{name} to a value {allowed.describe()}, or leave it unset",
+            )
+        )
+    return v
+
+
+_MAX_PATH, _MAX_NAME = 4096, 255  # Linux's PATH_MAX and NAME_MAX
+
+
+def _bad_path(rule: str, value: str | None) -> list[Violation]:
+    """A path the operating system would refuse: a NUL byte, or a name longer than Linux allows."""
+    if value is None:
+        return []
+    if "\0" in value:
+        problem = f"{rule} contains a NUL byte, which no file name may hold"
+    elif len(value.encode()) > _MAX_PATH or any(len(p.encode()) > _MAX_NAME for p in value.split("/")):
+        problem = f"{rule} ({value[:40]!r}..., {len(value)} characters) is longer than a path may be"
+    else:
+        return []
+    return [Violation(rule=rule, problem=problem, fix=f"set {rule} to an ordinary path")]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,7 +196,7 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     def check(self) -> list[Violation]:
-        v: list[Violation] = []
+        v = _out_of_range("model", self)
         if self.family not in FAMILIES:
             v.append(
                 Violation(
@@ -107,6 +205,8 @@ class ModelConfig:
                     fix=f"use one of {', '.join(FAMILIES)}",
                 )
             )
+        if v:
+            return v  # the divisibility rules below need positive sizes
         if self.d_model % self.n_heads:
             v.append(
                 Violation(
@@ -134,15 +234,6 @@ class ModelConfig:
                     fix="choose d_model and n_heads so that d_model / n_heads is even",
                 )
             )
-        for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len"):
-            if getattr(self, name) < 1:
-                v.append(
-                    Violation(
-                        rule=f"model.{name}",
-                        problem=f"model.{name} = {getattr(self, name)} must be positive",
-                        fix=f"set model.{name} to at least 1",
-                    )
-                )
         return v
 
 
@@ -182,8 +273,11 @@ class ParallelConfig:
         return t * q * q
 
     def data_size(self, world_size: int) -> int:
+        # max(1, ...): stays defined while check() reports a zero pipeline size
         return (
-            self.data if self.data is not None else max(1, world_size // (self.pipeline * self.tensor_ranks))
+            self.data
+            if self.data is not None
+            else max(1, world_size // max(1, self.pipeline * self.tensor_ranks))
         )
 
     def check(self) -> list[Violation]:
@@ -214,16 +308,7 @@ class ParallelConfig:
                     fix="use 0, 1, 2 or 3",
                 )
             )
-        for name in ("pipeline", "stages_per_rank"):
-            if getattr(self, name) < 1:
-                v.append(
-                    Violation(
-                        rule=f"parallel.{name}",
-                        problem=f"parallel.{name} = {getattr(self, name)} must be at least 1",
-                        fix=f"set parallel.{name} = 1",
-                    )
-                )
-        return v
+        return v + _out_of_range("parallel", self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -291,16 +376,20 @@ class TrainConfig:
                     fix="use auto, cpu or cuda",
                 )
             )
-        for name in ("steps", "global_batch", "micro_batch"):
-            if getattr(self, name) < 1:
-                v.append(
-                    Violation(
-                        rule=f"train.{name}",
-                        problem=f"train.{name} = {getattr(self, name)} must be at least 1",
-                        fix=f"set train.{name} to a positive integer",
-                    )
+        v.extend(_out_of_range("train", self))
+        if not v and self.global_batch // self.micro_batch > MAX_MICRO_BATCHES:
+            # bounds the schedule the estimator and the runtime build (p × m actions)
+            v.append(
+                Violation(
+                    rule="train.micro_batches",
+                    problem=f"train.global_batch / train.micro_batch = {self.global_batch // self.micro_batch} "
+                    f"micro-batches per step is more than {MAX_MICRO_BATCHES}",
+                    fix="raise train.micro_batch or lower train.global_batch",
                 )
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            )
+        if any(x.rule in ("train.lr", "train.min_lr") for x in v):
+            return v
+        if self.min_lr > self.lr:
             v.append(
                 Violation(
                     rule="train.lr",
@@ -326,8 +415,10 @@ class DataConfig:
     """How many MiB of standard-library sources the default corpus takes (a deterministic subset)."""
 
     def check(self) -> list[Violation]:
-        v: list[Violation] = []
-        if self.path is not None and not Path(self.path).exists():
+        v = _out_of_range("data", self) + _bad_path("data.path", self.path)
+        if self.tokenizer != "byte":
+            v.extend(_bad_path("data.tokenizer", self.tokenizer))
+        if not v and self.path is not None and not Path(self.path).exists():
             v.append(
                 Violation(
                     rule="data.path",
@@ -353,16 +444,7 @@ class CheckpointConfig:
     """Resume from the latest complete checkpoint in dir, if there is one."""
 
     def check(self) -> list[Violation]:
-        if self.every < 0 or self.keep < 1:
-            return [
-                Violation(
-                    rule="checkpoint",
-                    problem=f"checkpoint.every = {self.every} and checkpoint.keep = "
-                    f"{self.keep}: every must be >= 0 and keep >= 1",
-                    fix="e.g. every = 100, keep = 2",
-                )
-            ]
-        return []
+        return _out_of_range("checkpoint", self) + _bad_path("checkpoint.dir", self.dir)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -379,13 +461,7 @@ class LogConfig:
     """Also write TensorBoard events when tensorboard is installed."""
 
     def check(self) -> list[Violation]:
-        if self.every < 1:
-            return [
-                Violation(
-                    rule="log.every", problem=f"log.every = {self.every} must be >= 1", fix="log.every = 1"
-                )
-            ]
-        return []
+        return _out_of_range("log", self) + _bad_path("log.run_dir", self.run_dir)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -407,6 +483,16 @@ class Config:
         v: list[Violation] = []
         for section in (self.model, self.parallel, self.train, self.data, self.checkpoint, self.log):
             v.extend(section.check())
+        if world_size < 1:
+            v.append(
+                Violation(
+                    rule="world_size",
+                    problem=f"world size {world_size} must be at least 1",
+                    fix="pass the number of processes, e.g. --world-size 8",
+                )
+            )
+        if world_size < 1 or any(x.rule in _ARITHMETIC_RULES for x in v):
+            return v  # the cross-section rules divide by these numbers
         v.extend(_check_layout(self, world_size))
         return v
 
@@ -439,9 +525,14 @@ def parse_tensor(value: int | str) -> tuple[int, int]:
     return 1, rows
 
 
-def _divisors_near(n: int, target: int, count: int = 3) -> list[int]:
-    divs = [d for d in range(1, n + 1) if n % d == 0]
-    return sorted(sorted(divs, key=lambda d: (abs(d - target), d))[:count])
+def _divisors_near(n: int, target: int, count: int = 3, tries: int = 4096) -> list[int]:
+    """Up to ``count`` divisors of n closest to target; looks at most ``tries`` candidates each side of target
+    (and always 1 and n), so a huge n answers at once."""
+    found = {1, n}
+    for d in range(max(1, target - tries), min(n, target + tries) + 1):
+        if n % d == 0:
+            found.add(d)
+    return sorted(sorted(found, key=lambda d: (abs(d - target), d))[:count])
 
 
 def _multiple_near(n: int, k: int) -> int:
@@ -602,19 +693,33 @@ _SECTION_TYPES = {
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a TOML file (or the defaults), apply dotted overrides like ``train.lr=3e-4``, resolve model.size."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(
-                f"config file {str(p)!r} does not exist; pass a TOML file such as configs/demo.toml"
-            )
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    raw = _read_toml(Path(path)) if path is not None else {}
     apply_overrides(raw, overrides or [])
     return from_dict(raw)
+
+
+def _read_toml(p: Path) -> dict[str, Any]:
+    name = f"{str(p)[:80]!r}" + ("..." if len(str(p)) > 80 else "")
+    try:
+        data = p.read_bytes()
+    except (OSError, ValueError) as e:  # missing, a directory, a name too long, a NUL byte
+        reason = (
+            "does not exist"
+            if isinstance(e, FileNotFoundError)
+            else f"cannot be read ({e.__class__.__name__})"
+        )
+        raise ConfigError(
+            f"config file {name} {reason}; pass a TOML file such as configs/demo.toml"
+        ) from None
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {name} is not UTF-8 text (byte {e.start}: {data[e.start : e.start + 1]!r}); "
+            "TOML files must be UTF-8"
+        ) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {name} is not valid TOML: {e}") from None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
@@ -624,7 +729,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
         if not sep or "." not in key:
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.lr=3e-4")
         section, name = key.split(".", 1)
-        raw.setdefault(section, {})[name] = _parse_value(text)
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"override {item[:80]!r}: [{section}] in the config file is not a table")
+        table[name] = _parse_value(text)
 
 
 def _parse_value(text: str) -> Any:
@@ -642,7 +750,11 @@ def from_dict(raw: dict[str, Any]) -> Config:
     ]
     sections: dict[str, Any] = {}
     for name, cls in _SECTION_TYPES.items():
-        values = dict(raw.get(name, {}))
+        section = raw.get(name, {})
+        if not isinstance(section, dict):
+            problems.append(f"[{name}] must be a table of keys, got {name} = {section!r:.60}")
+            section = {}
+        values = dict(section)
         if name == "model":
             values = _resolve_size(values, problems)
         valid = {f.name for f in dataclasses.fields(cls)}
@@ -660,7 +772,10 @@ def from_dict(raw: dict[str, Any]) -> Config:
         fields = {f.name: f.type for f in dataclasses.fields(cls)}
         for key, value in list(values.items()):
             if key in fields and not _type_ok(value, str(fields[key])):
-                problems.append(f"{name}.{key} = {value!r} should be of type {fields[key]}")
+                problems.append(f"{name}.{key} = {value!r:.60} should be of type {fields[key]}")
+                values.pop(key)
+            elif _too_big(value):
+                problems.append(f"{name}.{key} = {value!r:.60} is outside TOML's 64-bit integer range")
                 values.pop(key)
         sections[name] = cls(**values)
     if problems:
@@ -687,11 +802,17 @@ def _type_ok(value: Any, annotation: str) -> bool:
     return False
 
 
+def _too_big(value: Any) -> bool:
+    """An integer TOML could not hold (tomllib accepts any size): it would overflow float() and torch."""
+    items = value if isinstance(value, list) else [value]
+    return any(isinstance(x, int) and not -(2**63) <= x < 2**63 for x in items)
+
+
 def _resolve_size(values: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     size = values.get("size")
     if size is None:
         return values
-    if size not in SIZES:
-        problems.append(f"unknown model.size {size!r}; known sizes: {', '.join(SIZES)}")
-        return values
+    if not isinstance(size, str) or size not in SIZES:
+        problems.append(f"unknown model.size {size!r:.60}; known sizes: {', '.join(SIZES)}")
+        return {k: v for k, v in values.items() if k != "size"}
     return {**SIZES[size], **values}
