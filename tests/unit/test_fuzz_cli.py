@@ -171,7 +171,7 @@ def test_fuzzed_configs_and_cli_never_raise(tmp_path: Path) -> None:
         except _Hang:
             failures.append(f"case {case}: no answer within {CASE_BOUND_S}s: {argv} {text!r}")
             continue
-        except Exception as e:  # noqa: BLE001 - the point of the test: report every uncaught exception
+        except Exception as e:  # the point of the test: report every uncaught exception
             where = traceback.extract_tb(e.__traceback__)[-1]
             failures.append(
                 f"case {case}: {type(e).__name__} at {where.name}:{where.lineno}: {e!s:.120} <- {argv} {text!r:.300}"
@@ -179,7 +179,9 @@ def test_fuzzed_configs_and_cli_never_raise(tmp_path: Path) -> None:
             continue
         statuses[status] = statuses.get(status, 0) + 1
     causes = sorted({f.split(": ", 2)[1] for f in failures})
-    assert not failures, f"{len(failures)} of {CASES} cases failed, causes {causes}:\n" + "\n".join(failures[:8])
+    assert not failures, f"{len(failures)} of {CASES} cases failed, causes {causes}:\n" + "\n".join(
+        failures[:8]
+    )
     # the generator must produce both accepted and refused configs, or it is not exercising anything
     assert statuses.get(0, 0) > 50 and statuses.get(1, 0) + statuses.get(2, 0) > 500, statuses
 
@@ -187,7 +189,7 @@ def test_fuzzed_configs_and_cli_never_raise(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "overrides", "world", "needle"),
     [
-        (b"[model]\nsize = \"gpt2-mini\" # \xff\n", [], "2", "not UTF-8"),
+        (b'[model]\nsize = "gpt2-mini" # \xff\n', [], "2", "not UTF-8"),
         (b"model = 3\n", [], "2", "[model] must be a table"),
         (b"[parallel]\npipeline = 0\n", [], "2", "parallel.pipeline = 0"),
         (b"[parallel]\nstages_per_rank = 0\n", [], "2", "parallel.stages_per_rank = 0"),
@@ -197,13 +199,13 @@ def test_fuzzed_configs_and_cli_never_raise(tmp_path: Path) -> None:
         (b"[model]\ninit_std = -1.0\n", [], "1", "model.init_std"),
         (b"[model]\nn_kv_heads = -2\n", [], "1", "model.n_kv_heads"),
         (b"[model]\nffn_hidden = -4\n", [], "1", "model.ffn_hidden"),
-        (b"[checkpoint]\ndir = \"a\\u0000b\"\n", [], "1", "checkpoint.dir"),
+        (b'[checkpoint]\ndir = "a\\u0000b"\n', [], "1", "checkpoint.dir"),
         (b"[train]\nlr = nan\n", [], "1", "train.lr"),
         (b"[train]\nbeta2 = 1e15\n", [], "1", "train.beta2"),
         (b"[train]\nfp16_init_scale = 0.0\n", [], "1", "train.fp16_init_scale"),
         (b"[train]\nwarmup_steps = -3\n", [], "1", "train.warmup_steps"),
         (b"", [], "-4", "world size -4"),
-        (b"", ["--data.path=\"" + "d" * 5000 + "\""], "1", "data.path"),
+        (b"", ['--data.path="' + "d" * 5000 + '"'], "1", "data.path"),
     ],
 )
 def test_each_known_cause_is_a_message(
