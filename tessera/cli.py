@@ -7,8 +7,12 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tessera.errors import TesseraError
+
+if TYPE_CHECKING:
+    from tessera.config import Config
 
 __all__ = ["main"]
 
@@ -106,12 +110,28 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
         for i, v in enumerate(violations, 1):
             print(f"  {i}. {v}")
         return 1
+    if args.data:
+        _check_data(cfg)
     print(
         f"ok: {Layout.from_config(cfg.parallel, args.world_size).describe()}; "
         f"{cfg.train.micro_batches(cfg.parallel.data_size(args.world_size))} micro-batches of "
         f"{cfg.train.micro_batch} per data-parallel rank"
     )
     return 0
+
+
+def _check_data(cfg: Config) -> None:
+    """`validate --data`: the token file's checksum and its ids against the model's vocabulary."""
+    from tessera.train.data import TokenDataset
+
+    if cfg.data.path is None:
+        raise TesseraError(
+            "--data checks data.path, which is unset (the default corpus is checked when built)"
+        )
+    data = TokenDataset(cfg.data.path)
+    data.verify()
+    data.check_vocab(cfg.model.vocab_size)
+    print(f"data ok: {data.n_tokens:,} tokens, checksum verified, ids < {data.max_token_id + 1}")
 
 
 def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
@@ -202,6 +222,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check a config for a world size; lists every problem")
     p.add_argument("config", nargs="?")
     p.add_argument("--world-size", type=int, required=True)
+    p.add_argument(
+        "--data", action="store_true", help="also verify data.path's checksum and token ids (reads the file)"
+    )
     p.set_defaults(fn=cmd_validate)
 
     p = sub.add_parser(

@@ -176,11 +176,15 @@ def prepare(
     has one. Binary, unreadable and non-UTF-8 files are skipped with a warning. Returns the metadata written.
     """
     out = Path(out)
+    if out.is_dir():
+        raise DataError(
+            f"--out {str(out)!r} is a directory; pass a file name such as {str(out / 'tokens.bin')!r}"
+        )
     tok = load_tokenizer(tokenizer_spec)
     files = _expand(list(inputs))
     dtype = _token_dtype(tok.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
-    sha, counts = hashlib.sha256(), {"tokens": 0, "sources": 0, "skipped": 0}
+    sha, counts = hashlib.sha256(), {"tokens": 0, "sources": 0, "skipped": 0, "max_id": 0}
 
     def chunks() -> Iterator[bytes]:
         for path in files:
@@ -194,6 +198,7 @@ def prepare(
             data = ids.astype(dtype).tobytes()
             sha.update(data)
             counts["tokens"] += len(ids)
+            counts["max_id"] = max(counts["max_id"], int(ids.max()))
             counts["sources"] += 1
             yield data
 
@@ -212,6 +217,7 @@ def prepare(
         "tokenizer": tok.spec,
         "eot": tok.eot,
         "sha256": sha.hexdigest(),
+        "max_token_id": counts["max_id"],
         "n_sources": counts["sources"],
         "n_skipped": counts["skipped"],
         **(extra_meta or {}),
@@ -232,6 +238,10 @@ class TokenDataset:
         dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
         expected = self.meta["n_tokens"] * dtype.itemsize
         actual = self.path.stat().st_size
+        if self.meta["n_tokens"] <= 0:
+            raise DataError(
+                f"token file {str(self.path)!r} holds no tokens; re-run `tessera prepare` on text files"
+            )
         if actual != expected:
             raise DataError(
                 f"token file {str(self.path)!r} has {actual} bytes but its metadata says "
@@ -270,6 +280,30 @@ class TokenDataset:
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
+
+    @property
+    def max_token_id(self) -> int:
+        """The largest token id in the file: recorded by `prepare`, else found by one pass over the file."""
+        if "max_token_id" not in self.meta:  # files prepared before it was recorded
+            step = 1 << 24
+            self.meta["max_token_id"] = max(
+                int(self.tokens[i : i + step].max()) for i in range(0, self.n_tokens, step)
+            )
+        return int(self.meta["max_token_id"])
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse ids the embedding cannot index (an IndexError on CPU, a device-side assert on a GPU)."""
+        if self.vocab_size > vocab_size:
+            raise DataError(
+                f"the data's tokenizer has {self.vocab_size} tokens but model.vocab_size = "
+                f"{vocab_size}; set model.vocab_size >= {self.vocab_size}"
+            )
+        if self.max_token_id >= vocab_size:
+            raise DataError(
+                f"token file {str(self.path)!r} holds token id {self.max_token_id}, but model.vocab_size = "
+                f"{vocab_size} allows ids up to {vocab_size - 1}; set model.vocab_size >= "
+                f"{self.max_token_id + 1} or re-run `tessera prepare` with the model's tokenizer"
+            )
 
     def verify(self) -> None:
         """Check the tokens' sha256 against the metadata (reads the whole file); DataError if they differ."""

@@ -127,6 +127,8 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # append: a resumed run continues the same file; closed in close()
         self._file = open(self.run_dir / METRICS_FILE, "a")  # noqa: SIM115
+        if self._file.tell() and not _ends_with_newline(self.run_dir / METRICS_FILE):
+            self._file.write("\n")  # a crash tore the last record: keep it on its own line, not glued to ours
         if tensorboard:
             self._tb = _tensorboard_writer(self.run_dir / "tensorboard")
 
@@ -171,14 +173,21 @@ def _tensorboard_writer(log_dir: Path) -> Any:
     return SummaryWriter(log_dir=str(log_dir))
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """All records of ``run_dir/metrics.jsonl``; a torn last line (a crash mid-write) is skipped."""
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def read_metrics(run_dir: Path, *, skip_bad: bool = False) -> list[dict[str, Any]]:
+    """All records of ``run_dir/metrics.jsonl``; a torn last line (a crash mid-write) is skipped, and so is any
+    line that is not JSON when ``skip_bad`` (a torn record a resumed run wrote after, in older files)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise DataError(
             f"{path} does not exist\n    fix: pass the run directory of a run that logged metrics"
         )
-    lines = path.read_text().splitlines()
+    lines = path.read_text(errors="replace").splitlines()  # a torn write may split a character
     out: list[dict[str, Any]] = []
     for i, line in enumerate(lines):
         if not line.strip():
@@ -186,8 +195,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         try:
             out.append(json.loads(line))
         except ValueError:
-            if i == len(lines) - 1:
-                break
+            if i == len(lines) - 1 or skip_bad:
+                continue
             raise DataError(f"{path}:{i + 1} is not a JSON object: {line[:80]!r}") from None
     return out
 

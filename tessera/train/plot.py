@@ -21,7 +21,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     from matplotlib.figure import Figure
 
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
+    records = read_metrics(run_dir, skip_bad=True)  # plot what survives of a crashed and resumed run
     loss = _series(records, "loss")
     if not loss:
         raise DataError(
@@ -51,4 +51,10 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
 
 
 def _series(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
-    return [(r["step"], r[key]) for r in records if r.get(key) is not None and "step" in r]
+    return [
+        (r["step"], r[key])
+        for r in records
+        if isinstance(r, dict)
+        and isinstance(r.get(key), int | float)
+        and isinstance(r.get("step"), int | float)
+    ]

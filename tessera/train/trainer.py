@@ -21,7 +21,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.config import Config, TrainConfig
-from tessera.errors import ConfigError, DataError
+from tessera.errors import ConfigError
 from tessera.groups import Groups, build_groups
 from tessera.layout import Axis, Layout
 from tessera.model.build import build_model
@@ -115,11 +115,8 @@ class TrainingRun:
         self.dp_rank = self.groups.coord(Axis.DATA) if self.groups else 0
         self.dp_group = self.groups.dp if self.groups else None
         self.data = _open_data(cfg, rank) if with_data else None  # export needs only the model
-        if self.data is not None and self.data.vocab_size > cfg.model.vocab_size:
-            raise DataError(
-                f"the data's tokenizer has {self.data.vocab_size} tokens but model.vocab_size = "
-                f"{cfg.model.vocab_size}; set model.vocab_size >= {self.data.vocab_size}"
-            )
+        if self.data is not None:
+            self.data.check_vocab(cfg.model.vocab_size)
         torch.manual_seed(cfg.train.seed)  # identical on every rank: replicas start equal without a broadcast
         plain = build_model(cfg.model).to(self.device)
         self.flops_per_token = plain.flops_per_token()
