@@ -301,10 +301,6 @@ def trainer_plan(cfg: Any, world: int, *, flash_attention: bool = True) -> tuple
             f"parallel.schedule = {schedule!r} has no closed-form prediction; use one of "
             f"{', '.join(CONFIG_TO_IR)} to predict the step time"
         )
-    if par.stage_layers is not None:
-        raise ValueError(
-            "parallel.stage_layers (uneven stages) is not predicted; remove it to predict the step"
-        )
     plan = Plan(
         dp=dp,
         pp=par.pipeline,
@@ -320,6 +316,8 @@ def trainer_plan(cfg: Any, world: int, *, flash_attention: bool = True) -> tuple
         dtype=tr.dtype,
         flash_attention=flash_attention,
         rank_order=TESSERA_ORDER,  # the trainer lays ranks out with tessera.layout
+        # the single-rank switch to breadth-first drops stage_layers (train/steppers.py), so do we
+        stage_layers=None if par.stage_layers is None or par.pipeline == 1 else tuple(par.stage_layers),
     )
     return plan, schedule
 

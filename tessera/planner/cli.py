@@ -32,7 +32,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.global_batch is not None and args.critical_batch:
         raise ConfigError("give either --global-batch N or --critical-batch, not both")
     hw = load_hardware(args.hardware)
-    space = SearchSpace(dtype=args.dtype, flash_attention=not args.no_flash_attention)
+    space = SearchSpace(
+        dtype=args.dtype,
+        flash_attention=not args.no_flash_attention,
+        uneven_pipelines=args.uneven_pipelines,
+    )
     try:
         result = search(
             _model_arg(args.model),
@@ -107,6 +111,11 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--picture", default=None, help="write a PNG of the step-time breakdowns")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--no-flash-attention", action="store_true", help="count the s×s attention scores")
+    p.add_argument(
+        "--uneven-pipelines",
+        action="store_true",
+        help="also try pipeline sizes that do not divide the layers (balanced uneven stage_layers)",
+    )
     p.set_defaults(fn=_no_extra(cmd_plan))
 
     c = subparsers.add_parser("calibrate", help="measure this machine into a hardware TOML")

@@ -42,12 +42,14 @@ __all__ = [
     "dp_time",
     "dp_volume",
     "elementwise_bytes_per_layer",
+    "embedding_time",
     "gemm_time",
     "group_bandwidth",
     "group_placement",
     "hardware_flops_per_token",
     "layer_forward_flops",
     "layer_time",
+    "layers_per_stage",
     "logits_forward_flops",
     "logits_time",
     "memory_per_rank",
@@ -256,6 +258,9 @@ class Plan:
     """Fused attention: no s×s score tensor in HBM (drops the 5as/h activation term and its traffic)."""
     rank_order: tuple[str, ...] = MEGATRON_ORDER
     """Parallel axes outermost first ("data", "pipe", "tensor"): decides which groups share a node."""
+    stage_layers: tuple[int, ...] | None = None
+    """Blocks per global stage (p·v entries, 0 allowed), as the trainer's `parallel.stage_layers`; None: an
+    even split, which requires p·v to divide the layer count (`layers_per_stage`)."""
 
     @property
     def q(self) -> int:
@@ -350,6 +355,48 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     selective = attn + score_bytes / plan.tp / hw.hbm_bandwidth  # QKᵀ, softmax(+dropout), A·V replayed
     recompute = {"none": 0.0, "selective": selective, "full": fwd}[plan.recompute]
     return LayerTime(forward=fwd, backward=2 * fwd, recompute=recompute)
+
+
+def layers_per_stage(shape: ModelShape, plan: Plan) -> tuple[int, ...]:
+    """Blocks of each global stage (chunk c of pipeline rank r is global stage c·p + r): `plan.stage_layers`, or
+    the even split. A layer count that p·v does not divide, without `stage_layers`, is an error (never rounded)."""
+    n = plan.pp * plan.virtual_stages
+    if plan.stage_layers is not None:
+        counts = tuple(plan.stage_layers)
+        if len(counts) != n or sum(counts) != shape.n_layers or min(counts) < 0:
+            raise ValueError(
+                f"stage_layers {list(counts)} must have p·v = {n} non-negative entries summing to the "
+                f"{shape.n_layers} layers"
+            )
+        return counts
+    if shape.n_layers % n:
+        from tessera.config import even_split  # torch-free; the one place that splits layers evenly
+
+        raise ValueError(
+            f"{shape.n_layers} layers do not split evenly over p·v = {plan.pp}·{plan.virtual_stages} = {n} stages; "
+            f"pass stage_layers explicitly (e.g. {even_split(shape.n_layers, n)}) or use a p·v that divides "
+            f"{shape.n_layers}"
+        )
+    return (shape.n_layers // n,) * n
+
+
+def embedding_time(shape: ModelShape, hw: Hardware, plan: Plan) -> tuple[LayerTime, LayerTime]:
+    """(compute, exposed tensor-parallel) seconds of the input embedding for one micro-batch on the first stage.
+
+    Memory bound: the lookup reads b·s rows of h and writes the b·s·h output (GPT adds the learned positions:
+    another read and an add), 2·b·s·h·bytes (4 with positions), backward 2× (the scatter-add into the gradient).
+    With a vocabulary-parallel embedding (1D) each rank writes a partial output that is all-reduced over the tensor
+    group (reduce-scattered with sequence parallelism): one collective of b·s·h forward, none backward."""
+    sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
+    nbytes = sbh * (2 if shape.swiglu else 4)
+    shard = plan.tp if plan.tp_kind == "2d" else 1
+    fwd = nbytes / shard / hw.hbm_bandwidth
+    comm = 0.0
+    if plan.tp > 1 and plan.tp_kind == "1d":
+        kind = "reduce_scatter" if plan.sequence_parallel else "all_reduce"
+        comm = collective_time(hw, kind, sbh, group_placement(hw, plan, "tensor"))
+    compute = LayerTime(forward=fwd, backward=2 * fwd, recompute=0.0)
+    return compute, LayerTime(forward=comm, backward=0.0, recompute=0.0)
 
 
 def logits_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:

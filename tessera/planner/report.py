@@ -225,6 +225,7 @@ def _candidate_json(c: Candidate, timed_by: str, reason: str | None) -> dict[str
         "sequence_parallel": pl.sequence_parallel,
         "schedule": c.schedule,
         "stages_per_rank": pl.virtual_stages,
+        "stage_layers": None if pl.stage_layers is None else list(pl.stage_layers),
         "zero": pl.zero_stage,
         "checkpointing": pl.recompute,
         "micro_batch": pl.micro_batch,
@@ -295,6 +296,8 @@ def config_toml(result: SearchResult, cand: Candidate) -> str:
         "accumulation": pl.accumulation,
         "checkpointing": pl.recompute,
     }
+    if pl.stage_layers is not None:  # uneven stages: the trainer needs the split the plan was timed with
+        parallel["stage_layers"] = list(pl.stage_layers)
     train = {"global_batch": cand.global_batch, "micro_batch": pl.micro_batch, "dtype": pl.dtype}
     lines = [
         f"# Written by `tessera plan` for {result.gpus} × {result.hardware.name}: {cand.label}",

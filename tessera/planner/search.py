@@ -4,8 +4,9 @@ memory; rank the rest by step time (fixed batch) or by time to the target loss (
 Space: data × pipeline × tensor (1D t, or a 2D q×q grid), ZeRO stage 0–3, schedule (1F1B, GPipe, interleaved v,
 breadth-first v), micro-batch size, checkpointing mode, sequence parallelism. Validity follows the config rules
 (`tessera.config`): heads, KV heads, d_model and ffn_hidden divisible by t (or q), seq_len by t with sequence
-parallelism, the micro-batch by q in 2D, layers by p·v, the global batch by micro-batch × d, m a multiple of p for
-interleaved. Memory is `cost.memory_per_rank` on the first and last pipeline rank with the schedule's in-flight
+parallelism, the micro-batch by q in 2D, layers by p·v or explicit uneven `stage_layers` (one chunk per rank: the
+end stages lightened by the embedding's and head's work, `steptime.balanced_stage_layers`), the global batch by
+micro-batch × d, m a multiple of p for interleaved. Memory is `cost.memory_per_rank` on the first and last pipeline rank with the schedule's in-flight
 micro-batches (`steptime.inflight_microbatches`); a layout fits when its worse rank needs at most
 `memory_fraction` of the device. Step time is `steptime.fast_step` (closed forms checked against the simulator);
 the top layouts are re-timed with the simulator by `tessera.planner.report`.
@@ -26,7 +27,9 @@ from tessera.planner.cost import (
     ModelShape,
     Plan,
     activation_bytes_per_layer,
+    embedding_time,
     layer_time,
+    layers_per_stage,
     logits_time,
     memory_per_rank,
     model_flops_per_token,
@@ -37,7 +40,13 @@ from tessera.planner.hardware import Hardware
 from tessera.planner.megatron_table import MEGATRON_TABLE1
 from tessera.planner.network import TESSERA_ORDER
 from tessera.planner.scaling import ALPHA_N, ALPHA_S, critical_batch, loss_from_params, steps_for_batch
-from tessera.planner.steptime import StepBreakdown, _fast, chunk_from_layer, inflight_microbatches
+from tessera.planner.steptime import (
+    StepBreakdown,
+    _fast,
+    balanced_stage_layers,
+    inflight_microbatches,
+    pipeline_from_layer,
+)
 
 __all__ = [
     "PLANNER_SIZES",
@@ -103,7 +112,10 @@ class SearchSpace:
     max_tensor_2d: int | None = None
     """Largest 2D grid q²; None: twice the GPUs per node."""
     pipeline: tuple[int, ...] | None = None
-    """Pipeline sizes to try; None: every p dividing the layers."""
+    """Pipeline sizes to try; None: every p dividing the layers (plus the others with `uneven_pipelines`)."""
+    uneven_pipelines: bool = False
+    """Also try pipeline sizes that do not divide the layers, with a balanced uneven split (one chunk per rank).
+    Off by default: it grows the search and such layouts idle the lighter ranks."""
     schedules: tuple[str, ...] = SCHEDULE_NAMES
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     checkpointing: tuple[str, ...] = ("none", "selective", "full")
@@ -153,6 +165,9 @@ class Candidate:
             f"{pl.q}x{pl.q}" if pl.tp_kind == "2d" else f"t{pl.tp}" + ("+SP" if pl.sequence_parallel else "")
         )
         sched = self.schedule + (f" v{pl.virtual_stages}" if pl.virtual_stages > 1 else "")
+        if pl.stage_layers is not None:
+            c = pl.stage_layers
+            sched += " stages " + (",".join(map(str, c)) if len(c) <= 4 else f"{c[0]},{c[1]},…,{c[-1]}")
         return (
             f"d{pl.dp} p{pl.pp} {tensor} | {sched} | b{pl.micro_batch} m{pl.n_microbatches} | "
             f"ZeRO-{pl.zero_stage} | ckpt {pl.recompute}"
@@ -230,7 +245,16 @@ def _tensor_options(
     return out
 
 
+def _pipeline_sizes(layers: int, ranks: int, uneven: bool) -> list[int]:
+    """Pipeline sizes to try: every divisor of the layers (even stages), and with `uneven` every divisor of the
+    ranks left after the tensor axis with at least two blocks per stage (`balanced_stage_layers`)."""
+    extra = {p for p in _divisors(ranks) if 2 * p <= layers} if uneven else set()
+    return sorted(set(_divisors(layers)) | extra)
+
+
 def _schedule_options(space: SearchSpace, layers: int, p: int, m: int) -> list[tuple[str, int]]:
+    if layers % p:  # uneven stages: one chunk per rank
+        return [(name, 1) for name in space.schedules if name in ("1f1b", "gpipe")]
     per_rank = layers // p
     vs = [v for v in _divisors(per_rank) if space.max_virtual is None or v <= space.max_virtual]
     out: list[tuple[str, int]] = []
@@ -271,6 +295,7 @@ def _layer_parts(ctx: _Ctx, plan: Plan) -> tuple:
             tp_comm_time_per_layer(ctx.shape, ctx.hw, base),
             logits_time(ctx.shape, ctx.hw, base),
             activation_bytes_per_layer(ctx.shape, base),
+            embedding_time(ctx.shape, ctx.hw, base),
         )
     return ctx.layer_cache[key]
 
@@ -299,12 +324,12 @@ def _memory(ctx: _Ctx, plan: Plan, schedule: str, act_layer: float) -> tuple[Mem
 
 
 def _evaluate(ctx: _Ctx, plan: Plan, schedule: str, batch: int, p2p: float) -> Candidate | None:
-    lt, tp, lg, act_layer = _layer_parts(ctx, plan)
+    lt, tp, lg, act_layer, (emb, emb_tp) = _layer_parts(ctx, plan)
     mem, stage = _memory(ctx, plan, schedule, act_layer)
     if mem.total > ctx.limit:
         return None
-    chunk = chunk_from_layer(ctx.shape.n_layers // (plan.pp * plan.virtual_stages), lt, tp, lg, p2p)
-    bd = _fast(ctx.shape, ctx.hw, plan, schedule, chunk)
+    counts = layers_per_stage(ctx.shape, plan)
+    bd = _fast(ctx.shape, ctx.hw, plan, schedule, pipeline_from_layer(counts, lt, tp, lg, p2p, emb, emb_tp))
     tokens = batch * ctx.shape.seq_len / bd.step_time
     return Candidate(
         plan=plan,
@@ -388,8 +413,8 @@ def search(
     )
     found: list[Candidate] = []
     for kind, tp, sp in _tensor_options(cfg, gpus, hw, space):
-        for p in space.pipeline or _divisors(shape.n_layers):
-            if (gpus // tp) % p or shape.n_layers % p:
+        for p in space.pipeline or _pipeline_sizes(shape.n_layers, gpus // tp, space.uneven_pipelines):
+            if (gpus // tp) % p:
                 continue
             dp = gpus // (tp * p)
             q = round(tp**0.5) if kind == "2d" else 1
@@ -434,13 +459,30 @@ def _search_layout(
                     virtual_stages=v,
                     accumulation="layered" if schedule == "breadth_first" else "depth_first",
                 )
-                result.enumerated += 1
-                cand = _evaluate(ctx, plan, schedule, batch, p2p)
-                if cand is None:
-                    result.rejected_memory += 1
-                else:
-                    out.append(cand)
+                for split in _splits(ctx, plan, p2p):
+                    result.enumerated += 1
+                    cand = _evaluate(ctx, replace(plan, stage_layers=split), schedule, batch, p2p)
+                    if cand is None:
+                        result.rejected_memory += 1
+                    else:
+                        out.append(cand)
     return out
+
+
+def _splits(ctx: _Ctx, plan: Plan, p2p: float) -> list[tuple[int, ...] | None]:
+    """Stage splits to try: the even one (None) when p·v divides the layers, and with one chunk per rank the
+    split that offloads the embedding's and the head's work from the end stages (`balanced_stage_layers`)."""
+    L, p = ctx.shape.n_layers, plan.pp
+    even = [None] if L % (p * plan.virtual_stages) == 0 else []
+    if p == 1 or plan.virtual_stages > 1:
+        return even
+    lt, tp, lg, _, (emb, emb_tp) = _layer_parts(ctx, plan)
+    block = lt.forward + lt.backward + lt.recompute + tp.forward + tp.backward + tp.recompute
+    first = (emb.forward + emb.backward + emb_tp.forward) / block
+    split = balanced_stage_layers(L, p, first, (lg.forward + lg.backward) / block)
+    if even and split == (L // p,) * p:
+        return even
+    return [*even, split]
 
 
 def _with_steps(c: Candidate, shape: ModelShape, loss: float, crit_tokens: float) -> Candidate:

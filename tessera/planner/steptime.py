@@ -36,6 +36,7 @@ add), DP (exposed data-parallel traffic), optimizer.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import lru_cache
 
 from tessera.pipeline.passes import lower
 from tessera.pipeline.schedules import build_schedule
@@ -45,7 +46,9 @@ from tessera.planner.cost import (
     ModelShape,
     Plan,
     dp_collective_times,
+    embedding_time,
     layer_time,
+    layers_per_stage,
     logits_time,
     p2p_time_per_microbatch,
     params_per_rank,
@@ -58,7 +61,9 @@ __all__ = [
     "CONFIG_TO_IR",
     "FP32_OPTIMIZER_BYTES_PER_PARAM",
     "ChunkCosts",
+    "PipelineCosts",
     "StepBreakdown",
+    "balanced_stage_layers",
     "chunk_costs",
     "chunk_from_layer",
     "dp_exposure",
@@ -67,8 +72,11 @@ __all__ = [
     "inflight_microbatches",
     "optimizer_time",
     "p2p_hops",
+    "pipeline_costs",
+    "pipeline_from_layer",
     "pipeline_time",
     "pipeline_units",
+    "rank_blocks",
     "simulate_step",
 ]
 
@@ -146,9 +154,122 @@ def _per_layer(shape: ModelShape, hw: Hardware, plan: Plan) -> tuple[LayerTime, 
 
 
 def chunk_costs(shape: ModelShape, hw: Hardware, plan: Plan) -> ChunkCosts:
-    """Durations of one chunk's F and B for one micro-batch (see the module docstring)."""
+    """Durations of one chunk's F and B for one micro-batch with equal stages (module docstring); raises when
+    the layers do not split evenly (use `pipeline_costs`, which honours `plan.stage_layers`)."""
     lt, tp, lg, p2p = _per_layer(shape, hw, plan)
-    return chunk_from_layer(shape.n_layers // (plan.pp * plan.virtual_stages), lt, tp, lg, p2p)
+    return chunk_from_layer(layers_per_stage(shape, plan)[0], lt, tp, lg, p2p)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PipelineCosts:
+    """Per-micro-batch costs of every global stage: `counts[s]` blocks of `block` each, the embedding on global
+    stage 0 and the output layer (`block.out_fwd/out_bwd`) on the last one."""
+
+    block: ChunkCosts
+    """One block (layers = 1), the output layer and one p2p transfer."""
+    counts: tuple[int, ...]
+    """Blocks per global stage (c·p + r is chunk c of pipeline rank r)."""
+    emb: LayerTime
+    """Embedding compute on global stage 0."""
+    emb_tp: LayerTime
+    """Embedding's exposed tensor-parallel collective on global stage 0."""
+
+    def forward(self, stage: int) -> float:
+        """F duration of global stage `stage`."""
+        t = self.counts[stage] * self.block.fwd
+        t += self.emb.forward + self.emb_tp.forward if stage == 0 else 0.0
+        return t + (self.block.out_fwd if stage == len(self.counts) - 1 else 0.0)
+
+    def backward(self, stage: int) -> float:
+        """B duration of global stage `stage` (backward + recompute + exposed TP)."""
+        t = self.counts[stage] * self.block.bwd
+        t += self.emb.backward + self.emb_tp.backward if stage == 0 else 0.0
+        return t + (self.block.out_bwd if stage == len(self.counts) - 1 else 0.0)
+
+    def rank_parts(self, p: int, rank: int) -> tuple[float, float]:
+        """(compute, exposed TP) seconds of pipeline rank `rank` for one micro-batch over all its chunks."""
+        blocks = rank_blocks(self.counts, p)[rank]
+        b = self.block
+        compute = blocks * (b.fwd_compute + b.bwd_compute)
+        tp = blocks * (b.fwd_tp + b.bwd_tp)
+        if rank == 0:
+            compute, tp = compute + self.emb.forward + self.emb.backward, tp + self.emb_tp.forward
+        if rank == p - 1:
+            compute += b.out_fwd + b.out_bwd
+        return compute, tp
+
+    def critical_rank(self, p: int) -> int:
+        """The pipeline rank with the most work per micro-batch (the last one on ties: it holds the head)."""
+        loads = [sum(self.rank_parts(p, r)) for r in _ends_or_all(self.counts, p)]
+        ranks = _ends_or_all(self.counts, p)
+        return max(zip(loads, ranks, strict=True))[1]
+
+    def chunk(self, p: int, v: int) -> ChunkCosts:
+        """An average chunk (the rank's blocks / v), for the closed forms' fill terms and the DP queue."""
+        blocks = sum(self.counts) / (p * v)
+        b = self.block
+        return ChunkCosts(
+            fwd_compute=blocks * b.fwd_compute,
+            bwd_compute=blocks * b.bwd_compute,
+            fwd_tp=blocks * b.fwd_tp,
+            bwd_tp=blocks * b.bwd_tp,
+            out_fwd=b.out_fwd,
+            out_bwd=b.out_bwd,
+            p2p=b.p2p,
+            layers=max(1, round(blocks)),
+        )
+
+
+@lru_cache(maxsize=4096)
+def rank_blocks(counts: tuple[int, ...], p: int) -> tuple[int, ...]:
+    """Blocks held by each pipeline rank: the sum over its chunks c·p + r."""
+    return tuple(sum(counts[r::p]) for r in range(p))
+
+
+def _ends_or_all(counts: tuple[int, ...], p: int) -> list[int]:
+    """Ranks that can be critical: with equal per-rank blocks only the first and last (embedding, head)."""
+    blocks = rank_blocks(counts, p)
+    if blocks.count(blocks[0]) == len(blocks):
+        return sorted({0, p - 1})
+    return list(range(p))
+
+
+def balanced_stage_layers(n_layers: int, p: int, first_extra: float, last_extra: float) -> tuple[int, ...]:
+    """Blocks per stage (one chunk per rank) that even out the work when the first stage also runs the embedding
+    and the last the output layer and loss, `first_extra`/`last_extra` in units of one block's work: the ends get
+    round(target − extra) blocks (≥ 0), target = (L + extras)/p, and the middle stages share the rest evenly."""
+    from tessera.config import even_split  # torch-free; the one place that splits layers evenly
+
+    if p <= 1:
+        return (n_layers,)
+    target = (n_layers + first_extra + last_extra) / p
+    first = min(n_layers, max(0, round(target - first_extra)))
+    if p == 2:
+        return (first, n_layers - first)
+    last = min(n_layers - first, max(0, round(target - last_extra)))
+    return (first, *even_split(n_layers - first - last, p - 2), last)
+
+
+def pipeline_costs(shape: ModelShape, hw: Hardware, plan: Plan) -> PipelineCosts:
+    """Every global stage's costs for `plan` (`layers_per_stage`: `stage_layers` or an even split)."""
+    lt, tp, lg, p2p = _per_layer(shape, hw, plan)
+    emb, emb_tp = embedding_time(shape, hw, plan)
+    return pipeline_from_layer(layers_per_stage(shape, plan), lt, tp, lg, p2p, emb, emb_tp)
+
+
+def pipeline_from_layer(
+    counts: tuple[int, ...],
+    lt: LayerTime,
+    tp: LayerTime,
+    lg: LayerTime,
+    p2p: float,
+    emb: LayerTime,
+    emb_tp: LayerTime,
+) -> PipelineCosts:
+    """`PipelineCosts` from one block's compute and TP time, the output layer, one transfer and the embedding."""
+    return PipelineCosts(
+        block=chunk_from_layer(1, lt, tp, lg, p2p), counts=tuple(counts), emb=emb, emb_tp=emb_tp
+    )
 
 
 def chunk_from_layer(layers: int, lt: LayerTime, tp: LayerTime, lg: LayerTime, p2p: float) -> ChunkCosts:
@@ -256,26 +377,44 @@ def _reduce_items(release_end: float, bwd: float, layers: int, total: float) -> 
 def fast_step(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str) -> StepBreakdown:
     """Closed-form step time (module docstring); `schedule` is a config name (1f1b, gpipe, interleaved,
     breadth_first)."""
-    return _fast(shape, hw, plan, schedule, chunk_costs(shape, hw, plan))
+    return _fast(shape, hw, plan, schedule, pipeline_costs(shape, hw, plan))
 
 
-def _fast(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, c: ChunkCosts) -> StepBreakdown:
+def _fast(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, pc: PipelineCosts) -> StepBreakdown:
+    """With W_r the work of pipeline rank r per micro-batch (its blocks, + embedding on rank 0, + head on rank
+    p − 1): pipeline = m·max W + (ΣW − max W)/v (+ breadth-first's wrap-around stall), which is
+    (v·m + p − 1)(f + b) + m·(head) for equal stages; transfers add `p2p_hops`·t on the average chunk."""
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
-    compute = m * v * (c.fwd_compute + c.bwd_compute) + m * (c.out_fwd + c.out_bwd)
-    tp = m * v * (c.fwd_tp + c.bwd_tp)
-    free = pipeline_time(schedule, p, m, v, c.fwd, c.bwd, 0.0)
-    pipe = free + m * (c.out_fwd + c.out_bwd)
-    pp = pipeline_time(schedule, p, m, v, c.fwd, c.bwd, c.p2p) - free
-    end = pipe + pp
-    dp = _fast_dp(shape, hw, plan, schedule, c, end)
+    c = pc.chunk(p, v)
+    crit = pc.critical_rank(p)
+    compute, tp = (m * x for x in pc.rank_parts(p, crit))
+    loads = _rank_loads(pc, p)
+    stall = pipeline_time(schedule, p, m, v, c.fwd, c.bwd, 0.0) - pipeline_units(schedule, p, m, v) * (
+        c.fwd + c.bwd
+    )
+    free = m * max(loads) + (sum(loads) - max(loads)) / v + stall
+    pp = pipeline_time(schedule, p, m, v, c.fwd, c.bwd, c.p2p) - pipeline_time(
+        schedule, p, m, v, c.fwd, c.bwd, 0.0
+    )
+    dp = _fast_dp(shape, hw, plan, schedule, c, free + pp)
     return StepBreakdown(
         compute=compute,
         tp_comm=tp,
-        bubble=max(0.0, pipe - compute - tp),
+        bubble=max(0.0, free - compute - tp),
         pp_comm=pp,
         dp_comm=dp,
         optimizer=optimizer_time(shape, hw, plan),
     )
+
+
+def _rank_loads(pc: PipelineCosts, p: int) -> list[float]:
+    """W_r for every rank; with equal per-rank blocks computed from the first and last rank only."""
+    ends = _ends_or_all(pc.counts, p)
+    if len(ends) == p:
+        return [sum(pc.rank_parts(p, r)) for r in range(p)]
+    first, last = sum(pc.rank_parts(p, 0)), sum(pc.rank_parts(p, p - 1))
+    middle = rank_blocks(pc.counts, p)[0] * (pc.block.fwd + pc.block.bwd)
+    return [first, *([middle] * (p - 2)), last]
 
 
 def _fast_dp(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, c: ChunkCosts, end: float) -> float:
@@ -295,15 +434,13 @@ def _fast_dp(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, c: Chun
     return dp_exposure(items, end)
 
 
-def _durations(shape: ModelShape, plan: Plan, c: ChunkCosts):
-    last = plan.pp * plan.virtual_stages - 1
-
+def _durations(pc: PipelineCosts):
     def duration(action, rank: int) -> float:
         kind = action.kind.value
         if kind == "F":
-            return c.fwd + (c.out_fwd if action.stage == last else 0.0)
+            return pc.forward(action.stage)
         if kind == "B":
-            return c.bwd + (c.out_bwd if action.stage == last else 0.0)
+            return pc.backward(action.stage)
         return 0.0
 
     return duration
@@ -312,17 +449,18 @@ def _durations(shape: ModelShape, plan: Plan, c: ChunkCosts):
 def simulate_step(
     shape: ModelShape, hw: Hardware, plan: Plan, schedule: str
 ) -> tuple[StepBreakdown, SimResult]:
-    """Step time by simulating the lowered schedule (module docstring); also returns the timeline."""
-    c = chunk_costs(shape, hw, plan)
+    """Step time by simulating the lowered schedule (module docstring); also returns the timeline. Stages may
+    be uneven (`plan.stage_layers`): each F/B lasts its own stage's time."""
+    pc = pipeline_costs(shape, hw, plan)
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
     ir = build_schedule(CONFIG_TO_IR[schedule], p, m, v)
     lowered = lower(ir, p, zero3=plan.zero_stage == 3 and plan.dp > 1)
-    durations = _durations(shape, plan, c)
-    with_p2p = simulate(lowered, p, durations, comm_latency=c.p2p, check=True)
-    free = simulate(lowered, p, durations, comm_latency=0.0, check=False) if c.p2p > 0 else with_p2p
-    compute = m * v * (c.fwd_compute + c.bwd_compute) + m * (c.out_fwd + c.out_bwd)
-    tp = m * v * (c.fwd_tp + c.bwd_tp)
-    exposed = _simulated_dp(shape, hw, plan, with_p2p, c)
+    durations = _durations(pc)
+    p2p = pc.block.p2p
+    with_p2p = simulate(lowered, p, durations, comm_latency=p2p, check=True)
+    free = simulate(lowered, p, durations, comm_latency=0.0, check=False) if p2p > 0 else with_p2p
+    compute, tp = (m * x for x in pc.rank_parts(p, pc.critical_rank(p)))
+    exposed = _simulated_dp(shape, hw, plan, with_p2p, pc)
     breakdown = StepBreakdown(
         compute=compute,
         tp_comm=tp,
@@ -334,9 +472,10 @@ def simulate_step(
     return breakdown, with_p2p
 
 
-def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, c: ChunkCosts) -> float:
+def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, pc: PipelineCosts) -> float:
     """Per rank: reductions released from the timeline's REDUCE actions (layer by layer during the stage's last
-    backward), gathers spread over the step; the worst rank's lateness past the step end is exposed."""
+    backward, each stage's share in proportion to its blocks), gathers spread over the step; the worst rank's
+    lateness past the step end is exposed."""
     if plan.dp <= 1:
         return 0.0
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
@@ -344,7 +483,8 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, c
     for rank in range(p):
         entries = [e for e in sim.timeline if e.rank == rank]
         end = max(e.end for e in entries if e.action.kind.is_compute)
-        reduce, gather = dp_parts(params_per_rank(shape, plan, rank), hw, plan, buckets=c.layers * v)
+        blocks = rank_blocks(pc.counts, p)[rank]
+        reduce, gather = dp_parts(params_per_rank(shape, plan, rank), hw, plan, buckets=max(1, blocks))
         last_b: dict[int, tuple[float, float]] = {}
         items: list[tuple[float, float]] = []
         for e in entries:
@@ -352,7 +492,9 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, c
                 last_b[e.action.stage] = (e.start, e.end)
             elif e.action.kind.value == "REDUCE":
                 start, stop = last_b[e.action.stage]
-                items += _reduce_items(stop, stop - start, c.layers, reduce / v)
+                layers = pc.counts[e.action.stage]
+                share = reduce * layers / blocks if blocks else 0.0
+                items += _reduce_items(stop, stop - start, max(1, layers), share)
         pieces = 2 * v * (m if plan.accumulation == "depth_first" and plan.zero_stage == 3 else 1)
         items += _gather_items(gather, end, min(pieces, 64))
         worst = max(worst, end + dp_exposure(items, end))
