@@ -10,9 +10,11 @@ Per-action durations (all from `tessera.planner.cost`):
   rank has nothing else to do).
 - ``REDUCE``: free on the rank; its data-parallel reduction is queued on the rank's DP channel, released layer by
   layer during the stage's last backward (bucketed overlap), and only what is still running after the rank's
-  last compute is exposed (`dp_exposure`). Parameter all-gathers (ZeRO-1/2 after the update, ZeRO-3 before each
-  use) go through the same queue, released evenly over the step (prefetch).
-- The optimizer step (`optimizer_time`) follows, unoverlapped.
+  last compute is exposed (`dp_exposure`). ZeRO-3's parameter gathers (before each use) go through the same
+  queue, released evenly over the step (prefetch), except the first, which is exposed; ZeRO-1/2's all-gather of
+  the updated parameters runs inside the optimizer step and is exposed in full (`_gathers`, as
+  `parallel/zero.py` does it). Data-parallel collectives are issued per block (`dp_parts` buckets).
+- Gradient clipping's norm all-reduce and the optimizer step (`optimizer_time`) follow, unoverlapped.
 
 Two ways to get the number, which agree (tests/unit/test_search.py checks them against each other):
 
@@ -55,6 +57,7 @@ from tessera.planner.cost import (
     tp_comm_time_per_layer,
 )
 from tessera.planner.hardware import DTYPE_BYTES, Hardware
+from tessera.planner.network import collective_time, placement
 from tessera.sim.simulator import SimResult, simulate
 
 __all__ = [
@@ -66,6 +69,7 @@ __all__ = [
     "balanced_stage_layers",
     "chunk_costs",
     "chunk_from_layer",
+    "clip_norm_time",
     "dp_exposure",
     "dp_parts",
     "fast_step",
@@ -346,20 +350,34 @@ def dp_exposure(items: list[tuple[float, float]], end: float) -> float:
 
 
 def optimizer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> float:
-    """Adam step, memory bound: Ψ_local (÷d with ZeRO ≥ 1) × bytes per parameter / HBM bandwidth, on the rank
-    with the most parameters (first or last stage)."""
+    """Per-step fixed work after the last backward, unoverlapped: gradient clipping's norm (an all-reduce of one
+    fp32 over all ranks: pure latency, `clip_norm_time`) and the Adam step, memory bound: Ψ_local (÷d with
+    ZeRO ≥ 1) × bytes per parameter / HBM bandwidth, on the rank with the most parameters (first or last
+    stage)."""
     psi = max(params_per_rank(shape, plan, 0), params_per_rank(shape, plan, plan.pp - 1))
     if plan.zero_stage >= 1:
         psi /= plan.dp
     per = FP32_OPTIMIZER_BYTES_PER_PARAM if plan.dtype == "fp32" else OPTIMIZER_BYTES_PER_PARAM
-    return psi * per / hw.hbm_bandwidth
+    return psi * per / hw.hbm_bandwidth + clip_norm_time(hw, plan)
 
 
-def _gather_items(gather: float, end: float, pieces: int) -> list[tuple[float, float]]:
-    """Parameter gathers spread evenly over the step (prefetched one piece ahead)."""
+def clip_norm_time(hw: Hardware, plan: Plan) -> float:
+    """Gradient clipping's global norm: partial sums of squares all-reduced over every rank (data, tensor and
+    pipeline groups together, ZeRO shards included), 4 bytes: the collective's latency on the whole world."""
+    return collective_time(hw, "all_reduce", 4.0, placement(plan.world_size, 1, hw.gpus_per_node))
+
+
+def _gathers(plan: Plan, gather: float, end: float, pieces: int) -> tuple[list[tuple[float, float]], float]:
+    """(queued gathers, exposed gather seconds) of a step, as the trainer runs them (`parallel/zero.py`):
+    ZeRO-3 gathers each stage's parameters at its GATHER action, prefetched, so they queue evenly over the step —
+    except the first, which nothing can hide (the step starts with it); ZeRO-1/2 all-gather the updated
+    parameters inside the optimizer step and wait for them, so all of it is exposed."""
     if gather <= 0:
-        return []
-    return [(k * end / pieces, gather / pieces) for k in range(pieces)]
+        return [], 0.0
+    if plan.zero_stage < 3:
+        return [], gather
+    piece = gather / pieces
+    return [(k * end / pieces, piece) for k in range(1, pieces)], piece
 
 
 REDUCE_PIECES = 8
@@ -430,8 +448,8 @@ def _fast_dp(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, c: Chun
     for j in range(v):
         items += _reduce_items(end - j * after * c.bwd, c.bwd, c.layers, reduce / v)
     pieces = 2 * v * (m if plan.accumulation == "depth_first" and plan.zero_stage == 3 else 1)
-    items += _gather_items(gather, end, min(pieces, 64))
-    return dp_exposure(items, end)
+    queued, exposed = _gathers(plan, gather, end, min(pieces, 64))
+    return dp_exposure(items + queued, end) + exposed
 
 
 def _durations(pc: PipelineCosts):
@@ -496,6 +514,6 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, p
                 share = reduce * layers / blocks if blocks else 0.0
                 items += _reduce_items(stop, stop - start, max(1, layers), share)
         pieces = 2 * v * (m if plan.accumulation == "depth_first" and plan.zero_stage == 3 else 1)
-        items += _gather_items(gather, end, min(pieces, 64))
-        worst = max(worst, end + dp_exposure(items, end))
+        queued, exposed = _gathers(plan, gather, end, min(pieces, 64))
+        worst = max(worst, end + dp_exposure(items + queued, end) + exposed)
     return max(0.0, worst - sim.step_time)
