@@ -75,6 +75,9 @@ class Hardware:
     """GPUs reachable at full bisection bandwidth (one pod); 0: the whole cluster is non-blocking."""
     oversubscription: float = 1.0
     """Bandwidth reduction for traffic between pods (e.g. 7 for a 1:7 aggregation layer)."""
+    best_published_mfu: float = 0.0
+    """Highest model-FLOPs utilisation published for large-model training on this device (0: unknown); the
+    planner flags predictions above it (sources in docs/cost-model.md §1)."""
     gemm_efficiency: list[tuple[float, float]] = field(default_factory=lambda: list(DEFAULT_GEMM_EFFICIENCY))
     """(FLOPs of one GEMM call, achieved fraction of peak) points, interpolated in log10(FLOPs), clamped."""
 
@@ -106,6 +109,8 @@ class Hardware:
             if not getattr(self, key) > 0
         ]
         problems += [f"peak_flops[{k!r}] must be > 0" for k, v in self.peak_flops.items() if not v > 0]
+        if not 0 <= self.best_published_mfu <= 1:
+            problems.append(f"best_published_mfu must be in [0, 1] (got {self.best_published_mfu})")
         if self.pod_gpus < 0 or not self.oversubscription >= 1:
             problems.append(
                 f"pod_gpus must be >= 0 and oversubscription >= 1 (got {self.pod_gpus}, {self.oversubscription})"
@@ -121,7 +126,9 @@ class Hardware:
             raise ConfigError(f"hardware {self.name!r} is invalid:\n  " + "\n  ".join(problems))
 
 
-OPTIONAL_KEYS = frozenset({"gemm_efficiency", "topology", "pod_gpus", "oversubscription"})
+OPTIONAL_KEYS = frozenset(
+    {"gemm_efficiency", "topology", "pod_gpus", "oversubscription", "best_published_mfu"}
+)
 """Hardware keys a file may omit (they have defaults)."""
 
 
@@ -182,6 +189,7 @@ def save_hardware(hw: Hardware, path: str | Path) -> None:
         "inter_node_latency",
         "pod_gpus",
         "oversubscription",
+        "best_published_mfu",
     ):
         lines.append(f"{key} = {getattr(hw, key)!r}")
     lines.append(f"topology = {_toml_str(hw.topology)}")

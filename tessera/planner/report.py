@@ -15,7 +15,7 @@ from typing import Any
 from tessera.config import load_config
 from tessera.errors import ConfigError
 from tessera.planner.search import Candidate, SearchResult
-from tessera.planner.steptime import StepBreakdown, p2p_hops, simulate_step
+from tessera.planner.steptime import StepBreakdown, p2p_hops, pipeline_costs, rank_blocks, simulate_step
 
 __all__ = [
     "COMPONENT_NAMES",
@@ -23,6 +23,7 @@ __all__ = [
     "Explained",
     "config_toml",
     "explain",
+    "mfu_warning",
     "render_picture",
     "render_text",
     "to_json",
@@ -122,11 +123,61 @@ def _reason(result: SearchResult, win: Candidate, run: Candidate) -> str:
         return f"{head}: ties the winner on every component"
     return (
         f"{head}: its {COMPONENT_NAMES[part]} is {rp[part]:.3g} s vs {wp[part]:.3g} s (+{delta:.3g} s), "
-        f"{_why(part, win, run)}"
+        f"{_why(part, win, run, result)}"
     )
 
 
-def _why(part: str, win: Candidate, run: Candidate) -> str:
+def _compute_parts(result: SearchResult, cand: Candidate) -> dict[str, float]:
+    """The critical rank's compute per step split by cause: "blocks" (the transformer blocks it runs: per
+    sequence-block work × sequence-blocks), "output layer" (the head and loss, once per micro-batch on the last
+    stage) and "embedding" (first stage); plus the two factors of "blocks" for the explanation."""
+    pl = cand.plan
+    pc = pipeline_costs(result.shape, result.hardware, pl)
+    rank = pc.critical_rank(pl.pp)
+    b, m = pc.block, pl.n_microbatches
+    seq_blocks = m * rank_blocks(pc.counts, pl.pp)[rank] * pl.micro_batch
+    per = (b.fwd_compute + b.bwd_compute) / pl.micro_batch
+    return {
+        "blocks": per * seq_blocks,
+        "output layer": m * (b.out_fwd + b.out_bwd) if rank == pl.pp - 1 else 0.0,
+        "embedding": m * (pc.emb.forward + pc.emb.backward) if rank == 0 else 0.0,
+        "per_sequence_block": per,
+        "sequence_blocks": seq_blocks,
+    }
+
+
+def _why_compute(result: SearchResult, win: Candidate, run: Candidate) -> str:
+    """Name the largest of: more recompute or less efficient GEMMs (work per sequence-block), more blocks ×
+    micro-batches on the critical rank, the output layer or the embedding run for more micro-batches."""
+    w, r = _compute_parts(result, win), _compute_parts(result, run)
+    wp, rp = win.plan, run.plan
+    effects = {
+        "work": (r["per_sequence_block"] - w["per_sequence_block"]) * r["sequence_blocks"],
+        "count": w["per_sequence_block"] * (r["sequence_blocks"] - w["sequence_blocks"]),
+        "output layer": r["output layer"] - w["output layer"],
+        "embedding": r["embedding"] - w["embedding"],
+    }
+    cause = max(effects, key=lambda k: effects[k])
+    amount = f"{effects[cause]:+.3g} s"
+    if cause == "work" and rp.recompute != wp.recompute:
+        return f"because checkpointing '{rp.recompute}' recomputes more of the forward ({amount}; winner: '{wp.recompute}')"
+    if cause == "work":
+        return (
+            f"because each block's GEMMs run less efficiently ({amount}): micro-batch {rp.micro_batch}, tensor "
+            f"{rp.tp} {rp.tp_kind} vs the winner's micro-batch {wp.micro_batch}, tensor {wp.tp} {wp.tp_kind}"
+        )
+    if cause == "count":
+        return (
+            f"because its busiest pipeline rank runs {r['sequence_blocks']:,.0f} sequence-blocks per step vs "
+            f"{w['sequence_blocks']:,.0f} ({amount})"
+        )
+    return (
+        f"because its {cause} runs on the critical rank for {rp.n_microbatches} micro-batches vs "
+        f"{wp.n_microbatches} ({amount})"
+    )
+
+
+def _why(part: str, win: Candidate, run: Candidate, result: SearchResult) -> str:
     w, r = win.plan, run.plan
     if part == "bubble":
         ideal = (r.pp - 1) / (r.virtual_stages * r.n_microbatches + r.pp - 1)
@@ -135,12 +186,7 @@ def _why(part: str, win: Candidate, run: Candidate) -> str:
             f"≈{ideal:.1%} of the pipeline (winner: p={w.pp}, m={w.n_microbatches}, v={w.virtual_stages})"
         )
     if part == "compute":
-        if r.recompute != w.recompute:
-            return f"because checkpointing '{r.recompute}' recomputes more of the forward (winner: '{w.recompute}')"
-        return (
-            f"because its GEMMs are smaller and less efficient (micro-batch {r.micro_batch}, tensor {r.tp} "
-            f"{r.tp_kind}; winner: micro-batch {w.micro_batch}, tensor {w.tp} {w.tp_kind})"
-        )
+        return _why_compute(result, win, run)
     if part == "tp_comm":
         return (
             f"from {r.tp_kind} tensor parallelism over {r.tp} ranks with micro-batch {r.micro_batch} "
@@ -163,6 +209,19 @@ def _fmt_time(seconds: float) -> str:
     if seconds >= 3600:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds:.3g} s"
+
+
+def mfu_warning(result: SearchResult, entries: list[Explained]) -> str | None:
+    """A warning when a listed layout's predicted MFU exceeds the best MFU published for this hardware
+    (`Hardware.best_published_mfu`, sources in docs/cost-model.md §1): the prediction is then optimistic."""
+    best = result.hardware.best_published_mfu
+    over = [i for i, e in enumerate(entries, 1) if best and e.candidate.mfu > best]
+    if not over:
+        return None
+    return (
+        f"WARNING: predicted MFU of #{', #'.join(map(str, over))} exceeds the best published MFU on "
+        f"{result.hardware.name} ({best:.1%}); treat these step times as optimistic"
+    )
 
 
 def render_text(result: SearchResult, entries: list[Explained]) -> str:
@@ -209,6 +268,9 @@ def render_text(result: SearchResult, entries: list[Explained]) -> str:
             f"training time of #1: {best.steps:,.0f} steps × {best.step_time:.3g} s = "
             f"{_fmt_time(best.training_time or 0.0)} at batch {best.global_batch} sequences",
         ]
+    flag = mfu_warning(result, entries)
+    if flag:
+        lines += ["", flag]
     if len(entries) > 1:
         lines += ["", "Why the runner-ups lose:"]
         lines += [f"  #{i} {e.reason}" for i, e in enumerate(entries[1:], 2)]

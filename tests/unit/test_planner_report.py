@@ -1,0 +1,47 @@
+"""`tessera plan`'s explanations: runner-up reasons from the actual breakdown difference, the MFU flag."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tessera.planner.hardware import load_hardware
+from tessera.planner.report import _why_compute, explain, mfu_warning
+from tessera.planner.search import SearchSpace, search
+
+A100 = load_hardware("a100-80gb")
+
+
+@pytest.fixture(scope="module")
+def two_pipelines():
+    """llama-8b on 64 GPUs, t = 8 + SP, micro-batch 1, 1F1B: p = 2 (m = 64) and p = 4 (m = 128) run the same
+    sequence-blocks per rank (16 × 64 = 8 × 128); only the output layer runs twice as often on p = 4."""
+    space = SearchSpace(
+        tensor_1d=(8,),
+        tensor_2d=(),
+        pipeline=(2, 4),
+        schedules=("1f1b",),
+        zero_stages=(1,),
+        checkpointing=("none",),
+        sequence_parallel=(True,),
+        micro_batches=(1,),
+    )
+    return search("llama-8b", 64, A100, 256, space=space)
+
+
+def test_compute_reason_names_the_output_layer_not_smaller_gemms(two_pipelines) -> None:
+    by_p = {c.plan.pp: c for c in two_pipelines.candidates}
+    reason = _why_compute(two_pipelines, by_p[2], by_p[4])
+    assert "output layer" in reason and "128 micro-batches vs 64" in reason
+    assert "GEMM" not in reason
+
+
+def test_mfu_above_the_best_published_is_flagged(two_pipelines) -> None:
+    entries = explain(two_pipelines, 2)
+    above = any(e.candidate.mfu > A100.best_published_mfu for e in entries)
+    assert (mfu_warning(two_pipelines, entries) is not None) == above
+    low = dataclasses.replace(two_pipelines, hardware=dataclasses.replace(A100, best_published_mfu=0.01))
+    assert "#1, #2" in (mfu_warning(low, entries) or "")
+    unknown = dataclasses.replace(two_pipelines, hardware=dataclasses.replace(A100, best_published_mfu=0.0))
+    assert mfu_warning(unknown, entries) is None
