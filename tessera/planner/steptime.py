@@ -445,11 +445,21 @@ def _fast_dp(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, c: Chun
     reduce, gather = dp_parts(psi, hw, plan, buckets=c.layers * v)
     after = {"interleaved": p, "breadth_first": m}.get(schedule, 0)
     items: list[tuple[float, float]] = []
-    for j in range(v):
-        items += _reduce_items(end - j * after * c.bwd, c.bwd, c.layers, reduce / v)
+    if _per_microbatch_reduce(plan):  # one reduce-scatter per micro-batch, under that micro-batch's backward
+        for k in range(m):
+            items += _reduce_items(end - k * v * (c.fwd + c.bwd), v * c.bwd, c.layers * v, reduce / m)
+    else:
+        for j in range(v):
+            items += _reduce_items(end - j * after * c.bwd, c.bwd, c.layers, reduce / v)
     pieces = 2 * v * (m if plan.accumulation == "depth_first" and plan.zero_stage == 3 else 1)
     queued, exposed = _gathers(plan, gather, end, min(pieces, 64))
     return dp_exposure(items + queued, end) + exposed
+
+
+def _per_microbatch_reduce(plan: Plan) -> bool:
+    """Depth-first accumulation with ZeRO-2/3 reduce-scatters every micro-batch's gradients (sharded gradient
+    buffers cannot accumulate the full gradient), each overlapping that micro-batch's backward."""
+    return plan.accumulation == "depth_first" and plan.zero_stage >= 2
 
 
 def _durations(pc: PipelineCosts):
@@ -508,10 +518,15 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, p
         reduce, gather = dp_parts(params_per_rank(shape, plan, rank), hw, plan, buckets=max(1, blocks))
         last_b: dict[int, tuple[float, float]] = {}
         items: list[tuple[float, float]] = []
+        every_b = _per_microbatch_reduce(plan)
         for e in entries:
             if e.action.kind.value == "B":
                 last_b[e.action.stage] = (e.start, e.end)
-            elif e.action.kind.value == "REDUCE":
+                if every_b and blocks:  # depth-first ZeRO-2/3: this micro-batch's share, during this backward
+                    layers = pc.counts[e.action.stage]
+                    share = reduce * layers / blocks / m
+                    items += _reduce_items(e.end, e.end - e.start, max(1, layers), share)
+            elif e.action.kind.value == "REDUCE" and not every_b:
                 start, stop = last_b[e.action.stage]
                 layers = pc.counts[e.action.stage]
                 share = reduce * layers / blocks if blocks else 0.0

@@ -1,0 +1,222 @@
+"""Planner validation against published large-scale runs (issue #15 item 7): predicted vs published throughput,
+each case in its source's own convention, nothing fitted to any case.
+
+    python benchmarks/planner_published.py     # writes benchmarks/results/planner_published.md
+
+Sources (full configurations; see the report for the per-case table):
+
+- MosaicML llm-foundry, `scripts/train/benchmarking/README.md` (commit 061f2c7): MPT models trained with PyTorch
+  FSDP FULL_SHARD (= ZeRO-3, depth-first gradient accumulation: one reduce-scatter per micro-batch), on A100
+  80GB and A100 40GB nodes with "1600 Gbps node-node interconnect" (8 × 200 Gb/s, our a100 files' 25 GB/s per
+  GPU). Model shape, sequence length, GPUs, micro-batch, gradient-accumulation steps and activation
+  checkpointing are listed per row; the row's NumParams is reproduced exactly by our GPT shape (biases, learned
+  positions, tied head), which checks the transcription. Compared: tokens/s/GPU (their "Throughput (T/s/GPU)"),
+  so the error equals the MFU error in their convention (MFU = (6·N·s + 12·L·h·s²)·sequences/s / (GPUs·peak)).
+- Megatron-LM README, Sept 2020 (NVIDIA/Megatron-LM commit 5281919): 1D tensor parallelism in one DGX A100 and
+  128-way data parallelism (no overlap of the all-reduce), TFLOP/s in Narayanan's convention (with recompute).
+- Narayanan et al. 2021 (arXiv 2104.04473) Table 1: tensor + pipeline + data parallelism up to 3,072 A100s.
+
+The hardware files and the GEMM curve are the shipped ones; the GEMM plateau was fitted on one point that is not
+in this set (the one-GPU row of the 2020 README, `megatron_table.CALIBRATION_ROW`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tessera.planner.cost import ModelShape, Plan  # noqa: E402
+from tessera.planner.hardware import load_hardware  # noqa: E402
+from tessera.planner.megatron_table import MEGATRON_README_2020, MEGATRON_TABLE1, compare_table  # noqa: E402
+from tessera.planner.steptime import fast_step  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "planner_published.md"
+MPT_SHAPES = {  # (layers, d_model, heads), llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml; V = 50,368
+    "1b": (24, 2048, 16),
+    "3b": (32, 2560, 20),
+    "7b": (32, 4096, 32),
+    "13b": (40, 5120, 40),
+    "30b": (48, 7168, 56),
+    "70b": (80, 8192, 64),
+}
+
+
+@dataclass(frozen=True)
+class FsdpRow:
+    """One MosaicML benchmark row: hardware, model, seq len, GPUs, micro-batch, grad accumulation, activation
+    checkpointing, published tokens/s/GPU and MFU (%), NumParams."""
+
+    hardware: str
+    model: str
+    seq_len: int
+    gpus: int
+    micro_batch: int
+    accumulation: int
+    checkpointing: bool
+    tokens_per_gpu: float
+    mfu: float
+    n_params: int
+
+
+MOSAIC_ROWS = (
+    FsdpRow("a100-80gb", "70b", 2048, 64, 8, 4, True, 410, 53.33, 64862437376),
+    FsdpRow("a100-80gb", "70b", 2048, 32, 2, 16, True, 373, 48.56, 64862437376),
+    FsdpRow("a100-80gb", "30b", 2048, 8, 3, 21, True, 916, 55.3, 29975214080),
+    FsdpRow("a100-80gb", "13b", 2048, 8, 2, 3, False, 2262, 59.57, 12853954560),
+    FsdpRow("a100-80gb", "7b", 2048, 8, 6, 2, False, 4641, 64.23, 6658859008),
+    FsdpRow("a100-80gb", "3b", 2048, 8, 10, 2, False, 10811, 62.11, 2651837440),
+    FsdpRow("a100-80gb", "1b", 2048, 8, 14, 4, False, 20513, 59.86, 1315950592),
+    FsdpRow("a100-40gb", "70b", 2048, 128, 4, 1, True, 376, 48.91, 64862437376),
+    FsdpRow("a100-40gb", "70b", 2048, 64, 2, 1, True, 276, 35.87, 64862437376),
+    FsdpRow("a100-40gb", "30b", 2048, 128, 6, 1, True, 865, 52.25, 29975214080),
+    FsdpRow("a100-40gb", "30b", 2048, 32, 4, 1, True, 857, 51.74, 29975214080),
+    FsdpRow("a100-40gb", "13b", 2048, 16, 10, 1, True, 1993, 52.5, 12853954560),
+    FsdpRow("a100-40gb", "13b", 2048, 32, 14, 1, True, 1998, 52.62, 12853954560),
+    FsdpRow("a100-40gb", "13b", 2048, 64, 16, 1, True, 1976, 52.04, 12853954560),
+    FsdpRow("a100-40gb", "13b", 2048, 128, 16, 1, True, 1972, 51.93, 12853954560),
+    FsdpRow("a100-40gb", "7b", 2048, 16, 16, 1, True, 3645, 50.44, 6658859008),
+    FsdpRow("a100-40gb", "7b", 2048, 32, 18, 1, True, 3725, 51.55, 6658859008),
+    FsdpRow("a100-40gb", "7b", 2048, 64, 18, 1, True, 3665, 50.73, 6658859008),
+    FsdpRow("a100-40gb", "7b", 2048, 128, 18, 1, True, 3623, 50.14, 6658859008),
+)
+DP_SCALING = {("7b", "a100-40gb"), ("13b", "a100-40gb")}
+"""Series run at 16 → 128 GPUs with the per-GPU batch (nearly) fixed: the data-parallel scaling cases."""
+
+
+READING = [
+    "Reading it. The FSDP rows with activation checkpointing are under-predicted by 6-13 % throughout: MosaicML",
+    "reaches ~70 % hardware-FLOP utilisation there, above the 0.65 GEMM plateau fitted on Megatron's 2020 row,",
+    "so the error is the one-plateau GEMM model (issue #15 item 3, a per-shape efficiency, not done), not the",
+    "network: the exposed ZeRO-3 traffic is 1-6 % of these steps. The one outlier, MPT-70B on 64 A100-40GB at",
+    "micro-batch 2 (+24 %), runs near the memory limit (16 bytes/param sharded over 64 = 16 GB of 40 plus",
+    "activations), where allocator retries and FSDP's rate-limited all-gathers cost time the model does not",
+    "price. Coverage: FSDP up to 128 GPUs (16 nodes), data parallelism up to 128-way; no H100 rows (the",
+    "benchmark does not state the H100 network); no data-parallel strong scaling at a fixed global batch was",
+    "found with full configurations, so the DP-scaling series keep the per-GPU batch (nearly) fixed.",
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    group: str
+    label: str
+    published: float
+    predicted: float
+    unit: str
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.published - 1
+
+
+def mpt_shape(row: FsdpRow) -> ModelShape:
+    """MPT as benchmarked: GPT blocks with biases, learned positions, tied head; checked against NumParams."""
+    layers, h, heads = MPT_SHAPES[row.model]
+    shape = ModelShape(
+        n_layers=layers,
+        d_model=h,
+        n_heads=heads,
+        n_kv_heads=heads,
+        ffn_hidden=4 * h,
+        vocab_size=50368,
+        seq_len=row.seq_len,
+    )
+    if shape.n_params() != row.n_params:
+        raise ValueError(
+            f"MPT-{row.model}: our shape has {shape.n_params()} parameters, the row {row.n_params}"
+        )
+    return shape
+
+
+def predict_fsdp(row: FsdpRow) -> float:
+    """Tokens/s/GPU of FSDP FULL_SHARD = ZeRO-3 with depth-first accumulation, flash attention, bf16."""
+    plan = Plan(
+        dp=row.gpus,
+        zero_stage=3,
+        micro_batch=row.micro_batch,
+        n_microbatches=row.accumulation,
+        recompute="full" if row.checkpointing else "none",
+        accumulation="depth_first",
+        flash_attention=True,
+    )
+    step = fast_step(mpt_shape(row), load_hardware(row.hardware), plan, "1f1b").step_time
+    return row.micro_batch * row.accumulation * row.seq_len / step
+
+
+def _group(row: FsdpRow) -> str:
+    if (row.model, row.hardware) in DP_SCALING:
+        return "DP scaling (FSDP, 16→128 GPUs)"
+    return "ZeRO-3 across nodes (FSDP)" if row.gpus > 8 else "ZeRO-3 in one node (FSDP)"
+
+
+def cases() -> list[Case]:
+    out = [
+        Case(
+            _group(r),
+            f"MosaicML MPT-{r.model} s{r.seq_len} {r.gpus}×{r.hardware} b{r.micro_batch}×{r.accumulation}"
+            + (" ckpt" if r.checkpointing else ""),
+            r.tokens_per_gpu,
+            predict_fsdp(r),
+            "tokens/s/GPU",
+        )
+        for r in MOSAIC_ROWS
+    ]
+    readme = compare_table(load_hardware("a100-40gb"), MEGATRON_README_2020)
+    for p in readme:
+        group = "DP scaling (Megatron 2020, 128-way)" if p.row.dp > 1 else "Megatron 2020 TP in one node"
+        label = f"Megatron 2020 {p.row.params_b:g}B t{p.row.tp} d{p.row.dp}"
+        out.append(Case(group, label, p.row.tflops_per_gpu, p.tflops_per_gpu, "TFLOP/s/GPU (Narayanan)"))
+    for p in compare_table(load_hardware("a100-80gb"), MEGATRON_TABLE1):
+        label = f"Narayanan 2021 {p.row.params_b:g}B t{p.row.tp} p{p.row.pp} d{p.row.dp}"
+        out.append(
+            Case("Megatron 2021 Table 1", label, p.row.tflops_per_gpu, p.tflops_per_gpu, "TFLOP/s/GPU")
+        )
+    return out
+
+
+def _stats(errors: list[float]) -> str:
+    a = [abs(e) for e in errors]
+    return f"{len(a)} cases, median |error| {statistics.median(a):.1%}, worst {max(a):.1%}"
+
+
+def report() -> str:
+    all_cases = cases()
+    groups = list(dict.fromkeys(c.group for c in all_cases))
+    lines = [
+        "# Planner vs published runs",
+        "",
+        "Generated by `python benchmarks/planner_published.py`; sources and conventions in its docstring.",
+        "Nothing is fitted to these cases (the only fitted constant, the GEMM plateau, comes from the one-GPU",
+        "row of the 2020 README, not listed here).",
+        "",
+        f"**All: {_stats([c.error for c in all_cases])}.**",
+        "",
+        "| group | cases | median abs. error | worst |",
+        "|---|---|---|---|",
+    ]
+    for g in groups:
+        errs = [abs(c.error) for c in all_cases if c.group == g]
+        lines.append(f"| {g} | {len(errs)} | {statistics.median(errs):.1%} | {max(errs):.1%} |")
+    lines += [
+        "",
+        *READING,
+        "",
+        "| group | case | published | predicted | unit | error |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {c.group} | {c.label} | {c.published:,.1f} | {c.predicted:,.1f} | {c.unit} | {c.error:+.1%} |"
+        for c in all_cases
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    text = report()
+    OUT.write_text(text)
+    print(text)
