@@ -143,10 +143,22 @@ def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
+def cmd_generate(args: argparse.Namespace) -> int:
     from tessera.train.generate import generate_text
 
-    print(generate_text(Path(args.run), args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise TesseraError(f"--top-p {args.top_p} must be in (0, 1], e.g. 0.9")
+    text = generate_text(
+        Path(args.run),
+        args.prompt,
+        args.tokens,
+        args.temperature,
+        args.top_k,
+        args.seed,
+        args.top_p,
+        not args.no_kv_cache,
+    )
+    print(text)
     return 0
 
 
@@ -164,13 +176,16 @@ def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
         if nproc > 1:
             print(f"exporting {meta['path']} ({meta.get('layout')}) on {nproc} local processes", flush=True)
             return _relaunch_with_torchrun(nproc)
-    path = export_weights(Path(args.run), checkpoint)
-    if path is not None:
+    out = Path(args.out) if args.out else None
+    path = export_weights(Path(args.run), checkpoint, args.format, out)
+    if path is not None and args.format == "hf":
+        print(f"exported a Hugging Face folder to {path}; AutoModelForCausalLM.from_pretrained reads it")
+    elif path is not None:
         print(f"exported the plain model's weights to {path}; `tessera generate {args.run}` reads them")
     return 0
 
 
-def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
+def cmd_plot(args: argparse.Namespace) -> int:
     from tessera.train.plot import plot_run
 
     out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
@@ -211,6 +226,8 @@ def cmd_memory(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from tessera.planner.cli import _no_extra  # the one "no overrides here" wrapper, shared with plan
+
     ap = argparse.ArgumentParser(prog="tessera", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -239,7 +256,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="tokenize text files or directories into a token file")
     p.add_argument("inputs", nargs="*", help="files or directories (default: the Python standard library)")
     p.add_argument("--out", required=True, help="token file to write")
-    p.add_argument("--tokenizer", default="byte", help='"byte" or a tokenizers JSON file')
+    p.add_argument("--tokenizer", default="byte", help='"byte", a tokenizers JSON file, or an HF folder')
     p.add_argument("--default-mb", type=float, default=8.0, help="size of the default corpus, MiB")
     p.set_defaults(fn=cmd_prepare)
 
@@ -249,8 +266,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep tokens up to this mass")
+    p.add_argument(
+        "--no-kv-cache", action="store_true", help="re-run the model on the whole context per token"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(fn=cmd_generate)
+    p.set_defaults(fn=_no_extra(cmd_generate))
 
     p = sub.add_parser(
         "export", help="merge a run's sharded checkpoint (tensor/pipeline/ZeRO) into one copy of the weights"
@@ -260,12 +281,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nproc", type=int, default=None, help="local processes (default: as many as saved the checkpoint)"
     )
+    p.add_argument(
+        "--format",
+        choices=("dcp", "hf"),
+        default="dcp",
+        help="dcp: tessera weights for `generate`; hf: config.json + safetensors for transformers",
+    )
+    p.add_argument("--out", default=None, help="folder to write (--format hf; default RUN/export/hf_step_N)")
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("plot", help="draw loss and throughput curves of a run as a PNG")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None)
-    p.set_defaults(fn=cmd_plot)
+    p.set_defaults(fn=_no_extra(cmd_plot))
 
     p = sub.add_parser("schedule", help="pipeline schedules")
     ssub = p.add_subparsers(dest="schedule_command", required=True)

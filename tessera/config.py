@@ -178,6 +178,9 @@ class ModelConfig:
     """RoPE base (Llama only)."""
     init_std: float = 0.02
     """Std of the normal initialisation of weights."""
+    init: str | None = None
+    """Initial weights: "hf:DIR", a Hugging Face `save_pretrained` folder; the shape fields are then derived
+    from DIR/config.json (tessera/hf/config.py). None: random initialisation."""
 
     @property
     def kv_heads(self) -> int:
@@ -408,7 +411,8 @@ class DataConfig:
     path: str | None = None
     """Token file written by `tessera prepare`; None prepares the default corpus into the run directory."""
     tokenizer: str = "byte"
-    """"byte" (no files needed) or a path to a Hugging Face tokenizers JSON file."""
+    """"byte" (no files needed), a Hugging Face tokenizers JSON file, or a `save_pretrained` folder holding one
+    (its EOS token separates documents)."""
     seed: int | None = None
     """Seed of the sample order; None means train.seed."""
     default_corpus_mb: float = 8.0
@@ -756,7 +760,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
             section = {}
         values = dict(section)
         if name == "model":
-            values = _resolve_size(values, problems)
+            values = _resolve_init(_resolve_size(values, problems), problems)
         valid = {f.name for f in dataclasses.fields(cls)}
         for key in sorted(set(values) - valid):
             close = [k for k in valid if k.startswith(key[:3])]
@@ -816,3 +820,18 @@ def _resolve_size(values: dict[str, Any], problems: list[str]) -> dict[str, Any]
         problems.append(f"unknown model.size {size!r:.60}; known sizes: {', '.join(SIZES)}")
         return {k: v for k, v in values.items() if k != "size"}
     return {**SIZES[size], **values}
+
+
+def _resolve_init(values: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """Fill the model's shape from ``model.init = "hf:DIR"``; explicit keys that contradict it are problems."""
+    init = values.get("init")
+    if not isinstance(init, str):
+        return values
+    if values.get("size") is not None:
+        problems.append("model.size and model.init both give the model's shape; set only one of them")
+        return values
+    from tessera.hf.config import derive_model  # torch-free
+
+    derived, found = derive_model(init, values)
+    problems.extend(found)
+    return {**derived, **values}

@@ -8,7 +8,7 @@ import torch
 
 from tessera.errors import ConfigError
 from tessera.model.gpt import GPT
-from tessera.model.layers import TransformerLM
+from tessera.model.layers import KVCache, TransformerLM
 from tessera.model.llama import Llama
 
 if TYPE_CHECKING:
@@ -46,27 +46,42 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    top_p: float | None = None,
+    kv_cache: bool = True,
 ) -> torch.Tensor:
     """Sample max_new_tokens continuations of tokens [b, t]; returns [b, t + max_new_tokens].
 
-    No KV cache: each step re-runs the model on the last model.cfg.seq_len tokens. temperature <= 0 means
-    greedy (argmax); top_k keeps only the k most likely tokens before sampling. The model's train/eval mode is
-    restored.
+    With ``kv_cache`` each step runs the model on the new token only, attending to the cached keys and values
+    of the earlier ones; once the text outgrows model.cfg.seq_len (no positions left) and without the cache,
+    each step re-runs the model on the last seq_len tokens. temperature <= 0 means greedy (argmax); top_k keeps
+    the k most likely tokens, top_p the smallest set of most likely tokens whose probability reaches p (nucleus
+    sampling, Holtzman et al. 2020), before sampling. The model's train/eval mode is restored.
     """
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p = {top_p} must be in (0, 1]")
     was_training = model.training
     model.eval()
+    cache = KVCache(model.cfg.n_layers) if kv_cache else None
     try:
         for _ in range(max_new_tokens):
-            context = tokens[:, -model.cfg.seq_len :]  # context: [b, ≤s]
-            logits = model(context)[:, -1, :].float()  # logits: [b, V]
-            tokens = torch.cat((tokens, _pick(logits, temperature, top_k, generator)), dim=1)  # [b, t+1]
+            if cache is not None and tokens.shape[1] <= model.cfg.seq_len:
+                logits = model(tokens[:, cache.length :], cache=cache)[:, -1, :].float()  # logits: [b, V]
+            else:
+                context = tokens[:, -model.cfg.seq_len :]  # context: [b, ≤s]
+                logits = model(context)[:, -1, :].float()  # logits: [b, V]
+            next_token = _pick(logits, temperature, top_k, top_p, generator)  # [b, 1]
+            tokens = torch.cat((tokens, next_token), dim=1)  # [b, t+1]
     finally:
         model.train(was_training)
     return tokens
 
 
 def _pick(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
 ) -> torch.Tensor:
     """Next token [b, 1] from last-position logits [b, V]."""
     if temperature <= 0:
@@ -76,4 +91,14 @@ def _pick(
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # kth: [b, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # probs: [b, V]
+    if top_p is not None:
+        probs = _nucleus(probs, top_p)
     return torch.multinomial(probs, 1, generator=generator)  # [b, 1]
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [b, V] restricted to the most likely tokens whose mass first reaches top_p (the top one always)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # sorted_probs, order: [b, V]
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # before: [b, V], mass of the more likely tokens
+    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)  # [b, V], unnormalised is fine

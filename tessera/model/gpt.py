@@ -24,11 +24,12 @@ class GPTEmbedding(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]  # tokens: [b, s]
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """tokens [b, s] at positions start..start+s-1 (start > 0 when decoding after cached tokens)."""
+        s = start + tokens.shape[1]  # tokens: [b, s - start]
         if s > self.wpe.num_embeddings:
             raise ValueError(f"sequence length {s} exceeds model.seq_len = {self.wpe.num_embeddings}")
-        pos = torch.arange(s, device=tokens.device)  # pos: [s]
+        pos = torch.arange(start, s, device=tokens.device)  # pos: [s - start]
         return self.wte(tokens) + self.wpe(pos)  # [b, s, h]
 
 

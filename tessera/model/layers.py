@@ -30,6 +30,8 @@ __all__ = [
     "AttentionCore",
     "Block",
     "Head",
+    "KVCache",
+    "LayerKV",
     "RMSNorm",
     "Rope",
     "TransformerLM",
@@ -99,13 +101,14 @@ class Rope(nn.Module):
             self.cos.copy_(cos)
             self.sin.copy_(sin)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k, whose first position is ``start`` (> 0 when decoding after cached tokens)."""
         s = q.shape[2]
-        if s > self.seq_len:
+        if start + s > self.seq_len:
             raise ValueError(
-                f"sequence length {s} exceeds the RoPE table length model.seq_len = {self.seq_len}"
+                f"sequence length {start + s} exceeds the RoPE table length model.seq_len = {self.seq_len}"
             )
-        cos, sin = self.cos[:s], self.sin[:s]  # cos, sin: [s, hd/2]
+        cos, sin = self.cos[start : start + s], self.sin[start : start + s]  # cos, sin: [s, hd/2]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [b, nh, s, hd], [b, nkv, s, hd]
 
 
@@ -114,15 +117,52 @@ class AttentionCore(nn.Module):
 
     q is [b, n_heads, s, hd] and k, v are [b, n_kv_heads, s, hd]; grouped-query attention repeats each KV head
     n_heads / n_kv_heads times (consecutive query heads share a KV head). Head counts come from the tensors,
-    so a tensor-parallel rank holding a subset of heads uses it unchanged.
+    so a tensor-parallel rank holding a subset of heads uses it unchanged. With fewer queries than keys
+    (decoding after cached tokens) the queries are the last positions: query j sees keys up to S - L + j.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)  # k: [b, nh, s, hd]
-            v = v.repeat_interleave(n_rep, dim=1)  # v: [b, nh, s, hd]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, nh, s, hd]
+            k = k.repeat_interleave(n_rep, dim=1)  # k: [b, nh, S, hd]
+            v = v.repeat_interleave(n_rep, dim=1)  # v: [b, nh, S, hd]
+        L, S = q.shape[2], k.shape[2]
+        if L == S:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, nh, s, hd]
+        # SDPA's is_causal aligns the mask top-left when L != S; cached decoding needs it bottom-right
+        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)  # mask: [L, S]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [b, nh, L, hd]
+
+
+class LayerKV:
+    """One block's cached keys and values [b, nkv, cached, hd] (post-RoPE), grown by `append`."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Positions cached so far; the next token's position."""
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the new positions' k, v [b, nkv, s, hd]; returns all cached k, v [b, nkv, cached + s, hd]."""
+        self.k = k if self.k is None else torch.cat((self.k, k), dim=2)
+        self.v = v if self.v is None else torch.cat((self.v, v), dim=2)
+        return self.k, self.v
+
+
+class KVCache:
+    """Per-block `LayerKV`s for incremental decoding (`tessera.model.build.generate`): a forward with a cache
+    processes only the new tokens, at positions continuing from `length`."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.layers = [LayerKV() for _ in range(n_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
 
 
 class Attention(nn.Module):
@@ -139,13 +179,16 @@ class Attention(nn.Module):
         self.core = AttentionCore()
         self.rope = rope
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
+        """x [b, s, h] -> [b, s, h]; with ``cache``, x holds the positions after the cached ones."""
         b, s, _ = x.shape  # x: [b, s, h]
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # q: [b, nh, s, hd]
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # k: [b, nkv, s, hd]
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # v: [b, nkv, s, hd]
         if self.rope is not None:
-            q, k = self.rope(q, k)  # q: [b, nh, s, hd], k: [b, nkv, s, hd]
+            q, k = self.rope(q, k, cache.length if cache is not None else 0)  # q: [b, nh, s, hd]
+        if cache is not None:
+            k, v = cache.append(k, v)  # k, v: [b, nkv, cached + s, hd]
         y = self.core(q, k, v)  # y: [b, nh, s, hd]
         y = y.transpose(1, 2).reshape(b, s, -1)  # y: [b, s, nh·hd]
         return self.wo(y)  # [b, s, h]
@@ -158,8 +201,9 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))  # x: [b, s, h]
+    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
+        h = self.attn_norm(x)  # h: [b, s, h]
+        x = x + (self.attn(h) if cache is None else self.attn(h, cache))  # x: [b, s, h]
         return x + self.mlp(self.mlp_norm(x))  # [b, s, h]
 
 
@@ -207,11 +251,21 @@ class TransformerLM(nn.Module):
 
     # --- forward -------------------------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [b, s, V]; or, given targets [b, s], the mean cross-entropy over all tokens (a scalar)."""
-        x = self.embed(tokens) if self.embed is not None else tokens  # x: [b, s, h]
-        for block in self.blocks.values():
-            x = block(x)  # x: [b, s, h]
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """Logits [b, s, V]; or, given targets [b, s], the mean cross-entropy over all tokens (a scalar).
+
+        With a ``cache`` (decoding), tokens are the positions after the cached ones, which the cache then holds.
+        """
+        if cache is None:
+            x = self.embed(tokens) if self.embed is not None else tokens  # x: [b, s, h]
+            for block in self.blocks.values():
+                x = block(x)  # x: [b, s, h]
+        else:
+            x = self.embed(tokens, cache.length)  # x: [b, s, h]
+            for block, kv in zip(self.blocks.values(), cache.layers, strict=True):
+                x = block(x, kv)  # x: [b, s, h]
         if self.head is None:
             if targets is not None:
                 raise ValueError(

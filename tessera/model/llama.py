@@ -23,7 +23,8 @@ class LlamaEmbedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        del start  # positions enter through RoPE (the attention's cache knows them)
         return self.tok(tokens)  # tokens: [b, s] -> [b, s, h]
 
 

@@ -63,8 +63,11 @@ def source_checkpoint(run_dir: Path, checkpoint: Path | None = None) -> dict:
     return ckpt.checkpoint_meta(path)
 
 
-def export_weights(run_dir: Path, checkpoint: Path | None = None) -> Path | None:
-    """Write the plain model's weights of ``checkpoint`` (default: the newest) to RUN_DIR/export/step_N.
+def export_weights(
+    run_dir: Path, checkpoint: Path | None = None, fmt: str = "dcp", out: Path | None = None
+) -> Path | None:
+    """Write the plain model's weights of ``checkpoint`` (default: the newest) to RUN_DIR/export/step_N, or
+    with ``fmt = "hf"`` as a Hugging Face folder ``out`` (default RUN_DIR/export/hf_step_N).
 
     Collective when the checkpoint holds shards: call it on as many ranks as saved it (``tessera export``
     starts them). Returns the export folder on rank 0, None elsewhere.
@@ -81,7 +84,7 @@ def export_weights(run_dir: Path, checkpoint: Path | None = None) -> Path | None
     if not sharded and rank == 0:  # every rank saved the whole model: one process suffices
         plain = build_model(cfg.model)
         ckpt.load_model_weights(Path(meta["path"]), plain)
-        return ckpt.save_model_weights(out_dir, int(meta["step"]), plain, source)
+        return _save(plain, cfg, fmt, out, out_dir, int(meta["step"]), source)
     if not sharded:
         return None
     if world != meta.get("world_size"):
@@ -91,9 +94,19 @@ def export_weights(run_dir: Path, checkpoint: Path | None = None) -> Path | None
     if rank == 0:
         plain = build_model(cfg.model)
         _fill(plain, weights)
-        path = ckpt.save_model_weights(out_dir, int(meta["step"]), plain, source)
+        path = _save(plain, cfg, fmt, out, out_dir, int(meta["step"]), source)
     dist.barrier()  # no rank reports success before the export is on disk
     return path
+
+
+def _save(plain: nn.Module, cfg: Config, fmt: str, out: Path | None, out_dir: Path, step: int, source: dict):
+    """Write the filled plain model as a tessera weights checkpoint, or (fmt "hf") a Hugging Face folder."""
+    if fmt == "hf":
+        from tessera.hf.export import save_hf
+
+        params = dict(plain.named_parameters())
+        return save_hf(out or out_dir / f"hf_step_{step:08d}", cfg, params.__getitem__)
+    return ckpt.save_model_weights(out_dir, step, plain, source)
 
 
 def wrong_world_size(run_dir: Path, meta: dict, world: int) -> str:

@@ -17,7 +17,14 @@ __all__ = ["generate_text", "newest_weights"]
 
 
 def generate_text(
-    run_dir: Path, prompt: str, tokens: int, temperature: float = 0.8, top_k: int | None = None, seed: int = 0
+    run_dir: Path,
+    prompt: str,
+    tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+    seed: int = 0,
+    top_p: float | None = None,
+    kv_cache: bool = True,
 ) -> str:
     """Load ``run_dir``'s config and newest weights in one process and continue ``prompt``."""
     cfg = run_config(run_dir)
@@ -25,7 +32,9 @@ def generate_text(
     ckpt.load_model_weights(newest_weights(run_dir), model)
     tok = load_tokenizer(cfg.data.tokenizer)
     ids = torch.tensor([tok.encode(prompt) or [0]], dtype=torch.long)
-    out = generate(model, ids, tokens, temperature, top_k, torch.Generator().manual_seed(seed))
+    out = generate(
+        model, ids, tokens, temperature, top_k, torch.Generator().manual_seed(seed), top_p, kv_cache
+    )
     return tok.decode(out[0].tolist())
 
 

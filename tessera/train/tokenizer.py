@@ -7,6 +7,7 @@ file containing NUL as binary and skips it), so the separator is unambiguous and
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Protocol
 
@@ -45,7 +46,9 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A local Hugging Face `tokenizers` JSON file (tokenizer.json); needs `pip install 'tessera[hf]'`."""
+    """A local Hugging Face `tokenizers` JSON file (tokenizer.json), or a `save_pretrained` folder holding one;
+    needs `pip install 'tessera[hf]'`. A folder's EOS token (tokenizer_config.json, else config.json's
+    eos_token_id) is the document separator; otherwise the first of `_EOT_NAMES` in the vocabulary."""
 
     def __init__(self, path: str | Path) -> None:
         try:
@@ -55,17 +58,22 @@ class HFTokenizer:
                 f"tokenizer {str(path)!r} needs the `tokenizers` package, which is not installed; "
                 "run `pip install 'tessera[hf]'`, or use data.tokenizer = \"byte\""
             ) from None
-        p = Path(path)
+        folder = Path(path) if Path(path).is_dir() else None
+        p = folder / "tokenizer.json" if folder is not None else Path(path)
         if not p.is_file():
-            raise DataError(f'tokenizer file {str(p)!r} does not exist; pass a tokenizer.json path or "byte"')
+            raise DataError(
+                f"tokenizer {str(p)!r} does not exist; pass a tokenizer.json file, a folder holding one "
+                '(as `save_pretrained` writes it), or "byte"'
+            )
         try:
             self._tok = _HF.from_file(str(p))
         except Exception as e:  # the Rust library raises its own exception type
             raise DataError(f"tokenizer file {str(p)!r} could not be loaded: {e}") from None
-        self.spec = str(p.resolve())
+        self.spec = str((folder or p).resolve())
         self.vocab_size = self._tok.get_vocab_size()
         vocab = self._tok.get_vocab()
-        self.eot = next((vocab[n] for n in _EOT_NAMES if n in vocab), None)
+        eos = _folder_eos(folder, vocab) if folder is not None else None
+        self.eot = eos if eos is not None else next((vocab[n] for n in _EOT_NAMES if n in vocab), None)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -74,8 +82,28 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
 
+def _folder_eos(folder: Path, vocab: dict[str, int]) -> int | None:
+    """The EOS id a `save_pretrained` folder declares: tokenizer_config.json's eos_token, else the model's
+    config.json eos_token_id (the first, when it lists several); None when neither says."""
+    config = _read_json(folder / "tokenizer_config.json")
+    token = config.get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    if isinstance(token, str) and token in vocab:
+        return vocab[token]
+    eos_id = _read_json(folder / "config.json").get("eos_token_id")
+    eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
+    return eos_id if isinstance(eos_id, int) else None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} is not valid JSON: {e}") from None
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer named by spec: "byte", or otherwise the path of a tokenizers JSON file."""
+    """The tokenizer named by spec: "byte", or the path of a tokenizers JSON file or of a folder holding one."""
     if spec == "byte":
         return ByteTokenizer()
     return HFTokenizer(spec)

@@ -119,6 +119,13 @@ class TrainingRun:
             self.data.check_vocab(cfg.model.vocab_size)
         torch.manual_seed(cfg.train.seed)  # identical on every rank: replicas start equal without a broadcast
         plain = build_model(cfg.model).to(self.device)
+        if cfg.model.init:
+            # TEMPORARY until construction is per-parameter: every rank fills the whole plain model from the
+            # HF folder (reading all of it) before parallelize cuts its shard. With sharded construction the
+            # same `HFCheckpoint` is the value source and each rank reads only its slices.
+            from tessera.hf.weights import load_init
+
+            load_init(plain, cfg.model.init)
         self.flops_per_token = plain.flops_per_token()
         # Order: tensor parallelism cuts this rank's shards from the identical full model (parallel/apply.py);
         # the stepper then adds checkpointing, pipeline stages and ZeRO, or plain data-parallel sync.

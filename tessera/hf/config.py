@@ -1,0 +1,189 @@
+"""HF ``config.json`` ↔ tessera `ModelConfig`; torch-free (tessera.config derives ``model.init = "hf:DIR"``).
+
+Import derives every shape field from the HF config; an explicit ``[model]`` key that disagrees is a problem,
+not an override. What tessera would compute differently is refused by name, never approximated: RoPE scaling
+(llama3, linear, dynamic, yarn, ...), sliding-window or mixed attention, mixture-of-experts, quantized
+weights, a head dim other than hidden/heads, and the per-architecture settings of `HFFamily.required`
+(e.g. Llama's attention_bias, GPT-2's activation). Dropout probabilities are not part of the function a model
+computes and are ignored (tessera trains without dropout).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tessera.errors import ConfigError
+from tessera.hf.families import FAMILIES, HFFamily, family_for_model_type, family_for_tessera
+
+if TYPE_CHECKING:
+    from tessera.config import ModelConfig
+
+__all__ = ["PREFIX", "derive_model", "hf_config", "init_folder", "read_hf_config", "refusals"]
+
+PREFIX = "hf:"
+"""``model.init`` values naming a Hugging Face folder start with this."""
+
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+_DERIVED = ("family", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "seq_len")
+
+
+def init_folder(init: str) -> Path:
+    """The folder of ``model.init = "hf:DIR"``; ConfigError for any other form."""
+    if not init.startswith(PREFIX) or not init[len(PREFIX) :]:
+        raise ConfigError(
+            f'model.init = {init!r} is not understood\n    fix: use "hf:DIR" with DIR a folder written by '
+            "`save_pretrained` (config.json and *.safetensors)"
+        )
+    return Path(init[len(PREFIX) :]).expanduser()
+
+
+def read_hf_config(folder: Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of an HF folder."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"{folder} has no config.json; pass a folder written by `save_pretrained` (config.json, "
+            "model.safetensors or model.safetensors.index.json with its shards)"
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+
+
+def _family(hf: dict[str, Any]) -> HFFamily:
+    from tessera.config import FAMILIES as TESSERA_FAMILIES
+
+    model_type = hf.get("model_type")
+    fam = family_for_model_type(str(model_type))
+    usable = [f.model_type for f in FAMILIES if f.family in TESSERA_FAMILIES]
+    if fam is None or fam.family not in TESSERA_FAMILIES:
+        why = "" if fam is None else f" (tessera has no {fam.family!r} model family yet)"
+        raise ConfigError(
+            f"HF model_type {model_type!r} is not supported{why}; tessera imports {', '.join(usable)}"
+        )
+    return fam
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, list[str]]:
+    """(rope theta, refusals): both the transformers 5 ``rope_parameters`` and the older top-level keys."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    if params and "rope_theta" not in params and all(isinstance(v, dict) for v in params.values()):
+        return 0.0, [f"per-layer-type RoPE parameters ({', '.join(params)}) are not implemented by tessera"]
+    kinds = [d.get("rope_type") or d.get("type") for d in (params, scaling)]
+    refused = [
+        f"RoPE scaling type {kind!r} is not implemented by tessera (its RoPE is the unscaled one); "
+        "only rope_type 'default' imports"
+        for kind in kinds
+        if kind not in (None, "default")
+    ]
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), refused
+
+
+def refusals(hf: dict[str, Any], fam: HFFamily) -> list[str]:
+    """Everything in ``hf`` that tessera's model would compute differently, each named."""
+    out = []
+    for key, allowed in fam.required.items():
+        if hf.get(key, allowed[0]) not in allowed:
+            out.append(
+                f"{key} = {hf[key]!r} is not supported for {fam.model_type}; tessera computes {allowed}"
+            )
+    if fam.rope:
+        out += _rope(hf)[1]
+    if hf.get("use_sliding_window") or ("use_sliding_window" not in hf and hf.get("sliding_window")):
+        out.append(
+            f"sliding-window attention (sliding_window = {hf.get('sliding_window')}) is not implemented"
+        )
+    kinds = set(hf.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        out.append(f"layer_types {sorted(kinds)}: only full attention in every layer is implemented")
+    moe = [k for k in _MOE_KEYS if hf.get(k)]
+    if moe:
+        out.append(f"mixture-of-experts ({', '.join(f'{k} = {hf[k]}' for k in moe)}) is not implemented")
+    if hf.get("quantization_config"):
+        out.append("quantized weights (quantization_config) cannot be imported; use an unquantized folder")
+    heads, hidden = hf.get(fam.keys["n_heads"]), hf.get(fam.keys["d_model"])
+    if hf.get("head_dim") not in (None, hidden // heads if heads else None):
+        out.append(f"head_dim = {hf['head_dim']} differs from hidden size / heads = {hidden}/{heads}")
+    return out
+
+
+def _values(hf: dict[str, Any], fam: HFFamily) -> dict[str, Any]:
+    """tessera ModelConfig values of an HF config, every shape field concrete."""
+    values: dict[str, Any] = {"family": fam.family}
+    for name, key in fam.keys.items():
+        if hf.get(key) is None and name not in ("n_kv_heads", "ffn_hidden"):
+            raise ConfigError(f"HF config.json has no {key!r}, which {fam.model_type} needs")
+        values[name] = hf.get(key)
+    values["n_kv_heads"] = values.get("n_kv_heads") or values["n_heads"]
+    values["ffn_hidden"] = values["ffn_hidden"] or 4 * values["d_model"]  # GPT-2's n_inner = null
+    values["tie_embeddings"] = bool(hf.get("tie_word_embeddings", fam.tie_default))
+    if fam.rope:
+        values["rope_theta"] = _rope(hf)[0]
+    return values
+
+
+def derive_model(init: str, explicit: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(the [model] values derived from ``init``'s config.json, problems): refusals and explicit keys that
+    contradict it. A folder that is gone is tolerated when ``explicit`` already holds every shape field (the
+    resolved config a finished run saved)."""
+    try:
+        folder = init_folder(init)
+        if not folder.is_dir() and all(explicit.get(k) is not None for k in _DERIVED):
+            return {}, []
+        hf = read_hf_config(folder)
+        fam = _family(hf)
+        problems = [f"model.init = {init!r}: {r}" for r in refusals(hf, fam)]
+        values = _values(hf, fam)
+    except ConfigError as e:
+        return {}, [str(e)]
+    for name, value in values.items():
+        if name not in explicit or explicit[name] == value:
+            continue
+        if name == "seq_len" and fam.rope and 0 < explicit[name] <= value:
+            continue  # a shorter training context is fine with RoPE; learned positions fix it
+        problems.append(
+            f"model.{name} = {explicit[name]!r} contradicts {init} (config.json {fam.keys.get(name, name)} "
+            f"gives {value!r})\n    fix: remove model.{name}; model.init derives it"
+        )
+    return values, problems
+
+
+def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None, dtype: str = "float32") -> dict[str, Any]:
+    """An HF config.json for a tessera model; ``base`` (the imported folder's config) keeps the keys tessera
+    does not own (token ids, positions beyond the training context, ...)."""
+    fam = family_for_tessera(cfg.family)
+    if fam is None:
+        raise ConfigError(f"model.family = {cfg.family!r} has no Hugging Face export")
+    if not fam.rope and cfg.kv_heads != cfg.n_heads:
+        raise ConfigError(
+            f"{fam.model_type} has no grouped-query attention, but model.n_kv_heads = {cfg.kv_heads} "
+            f"differs from model.n_heads = {cfg.n_heads}; this model cannot be exported as {fam.model_type}"
+        )
+    out = dict(base or {}) if (base or {}).get("model_type") == fam.model_type else {}
+    out.update(architectures=[fam.architecture], model_type=fam.model_type, dtype=dtype)
+    resolved = {**_fields(cfg), "n_kv_heads": cfg.kv_heads, "ffn_hidden": cfg.ffn}
+    for name, key in fam.keys.items():
+        out[key] = resolved[name]
+    out["tie_word_embeddings"] = cfg.tie_embeddings
+    for key, allowed in fam.required.items():
+        out.setdefault(key, allowed[0])
+    if fam.rope:
+        seq_key = fam.keys["seq_len"]
+        out[seq_key] = max(cfg.seq_len, int((base or {}).get(seq_key) or 0))
+        out["head_dim"] = cfg.head_dim
+        out["rope_theta"] = cfg.rope_theta  # the pre-5 spelling, next to transformers 5's rope_parameters
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        out.pop("rope_scaling", None)
+    if "torch_dtype" in out:
+        out["torch_dtype"] = dtype
+    return out
+
+
+def _fields(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        name: getattr(cfg, name) for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len")
+    } | {"norm_eps": cfg.norm_eps}

@@ -1,0 +1,183 @@
+"""Supported Hugging Face architectures, one `HFFamily` table entry each; pure data, no torch.
+
+An entry says which HF ``config.json`` key holds each tessera `ModelConfig` field, which HF settings must have
+one exact value (anything else is refused by name: tessera would compute something else), and how every
+weight is named and laid out. Adding an architecture whose blocks tessera already computes is one entry here.
+
+Weight layout: an `HFTensor` is the concatenation, along its output dimension, of one or more tessera
+parameters (GPT-2's fused ``c_attn`` = wq, wk, wv). ``conv1d`` marks GPT-2's Conv1D, which stores a Linear's
+weight transposed ([in, out]). Names carry ``{i}`` for the block index. An entry whose tessera parameter the
+model does not have (the output projection when it is tied to the embedding) is left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FAMILIES", "HFFamily", "HFTensor", "family_for_model_type", "family_for_tessera"]
+
+
+@dataclass(frozen=True, slots=True)
+class HFTensor:
+    """One tensor of an HF checkpoint and the tessera parameters it holds."""
+
+    hf: str
+    """HF name, e.g. "model.layers.{i}.self_attn.q_proj.weight"."""
+    parts: tuple[str, ...]
+    """tessera parameter names concatenated along the HF tensor's output dimension (usually one)."""
+    conv1d: bool = False
+    """Stored [in, out] (GPT-2 Conv1D) rather than nn.Linear's [out, in]; only matters for 2-D weights."""
+
+
+@dataclass(frozen=True, slots=True)
+class HFFamily:
+    """An HF architecture tessera represents exactly."""
+
+    model_type: str
+    """HF ``config.json`` "model_type", e.g. "llama"."""
+    architecture: str
+    """The ``AutoModelForCausalLM`` class name written to "architectures"."""
+    family: str
+    """tessera's `ModelConfig.family`."""
+    keys: dict[str, str]
+    """tessera ModelConfig field -> HF config key. A null or absent HF value falls back (see config.py)."""
+    tie_default: bool
+    """HF's default of "tie_word_embeddings" for this architecture."""
+    required: dict[str, tuple[Any, ...]]
+    """HF config key -> the values tessera computes exactly; absent keys take HF's default (the first value)."""
+    tensors: tuple[HFTensor, ...]
+    """Every weight, block weights with "{i}"."""
+    rope: bool = False
+    """Whether the architecture uses rotary embeddings (rope_theta / rope_parameters apply)."""
+    ignored: tuple[str, ...] = field(default=())
+    """HF tensor names that are buffers, not weights (present in some old saves); skipped on import."""
+
+
+def _t(hf: str, *parts: str, conv1d: bool = False) -> HFTensor:
+    return HFTensor(hf=hf, parts=parts, conv1d=conv1d)
+
+
+_GPT2_TENSORS = (
+    _t("transformer.wte.weight", "embed.wte.weight"),
+    _t("transformer.wpe.weight", "embed.wpe.weight"),
+    _t("transformer.h.{i}.ln_1.weight", "blocks.{i}.attn_norm.weight"),
+    _t("transformer.h.{i}.ln_1.bias", "blocks.{i}.attn_norm.bias"),
+    _t(
+        "transformer.h.{i}.attn.c_attn.weight",
+        "blocks.{i}.attn.wq.weight",
+        "blocks.{i}.attn.wk.weight",
+        "blocks.{i}.attn.wv.weight",
+        conv1d=True,
+    ),
+    _t(
+        "transformer.h.{i}.attn.c_attn.bias",
+        "blocks.{i}.attn.wq.bias",
+        "blocks.{i}.attn.wk.bias",
+        "blocks.{i}.attn.wv.bias",
+        conv1d=True,
+    ),
+    _t("transformer.h.{i}.attn.c_proj.weight", "blocks.{i}.attn.wo.weight", conv1d=True),
+    _t("transformer.h.{i}.attn.c_proj.bias", "blocks.{i}.attn.wo.bias", conv1d=True),
+    _t("transformer.h.{i}.ln_2.weight", "blocks.{i}.mlp_norm.weight"),
+    _t("transformer.h.{i}.ln_2.bias", "blocks.{i}.mlp_norm.bias"),
+    _t("transformer.h.{i}.mlp.c_fc.weight", "blocks.{i}.mlp.fc.weight", conv1d=True),
+    _t("transformer.h.{i}.mlp.c_fc.bias", "blocks.{i}.mlp.fc.bias", conv1d=True),
+    _t("transformer.h.{i}.mlp.c_proj.weight", "blocks.{i}.mlp.proj.weight", conv1d=True),
+    _t("transformer.h.{i}.mlp.c_proj.bias", "blocks.{i}.mlp.proj.bias", conv1d=True),
+    _t("transformer.ln_f.weight", "head.norm.weight"),
+    _t("transformer.ln_f.bias", "head.norm.bias"),
+    _t("lm_head.weight", "head.out.weight"),
+)
+
+_LLAMA_TENSORS = (
+    _t("model.embed_tokens.weight", "embed.tok.weight"),
+    _t("model.layers.{i}.input_layernorm.weight", "blocks.{i}.attn_norm.weight"),
+    _t("model.layers.{i}.self_attn.q_proj.weight", "blocks.{i}.attn.wq.weight"),
+    _t("model.layers.{i}.self_attn.k_proj.weight", "blocks.{i}.attn.wk.weight"),
+    _t("model.layers.{i}.self_attn.v_proj.weight", "blocks.{i}.attn.wv.weight"),
+    _t("model.layers.{i}.self_attn.o_proj.weight", "blocks.{i}.attn.wo.weight"),
+    _t("model.layers.{i}.post_attention_layernorm.weight", "blocks.{i}.mlp_norm.weight"),
+    _t("model.layers.{i}.mlp.gate_proj.weight", "blocks.{i}.mlp.w_gate.weight"),
+    _t("model.layers.{i}.mlp.up_proj.weight", "blocks.{i}.mlp.w_up.weight"),
+    _t("model.layers.{i}.mlp.down_proj.weight", "blocks.{i}.mlp.w_down.weight"),
+    _t("model.norm.weight", "head.norm.weight"),
+    _t("lm_head.weight", "head.out.weight"),
+)
+
+_LLAMA_KEYS = {
+    "n_layers": "num_hidden_layers",
+    "d_model": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_hidden": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "seq_len": "max_position_embeddings",
+    "norm_eps": "rms_norm_eps",
+}
+
+FAMILIES: tuple[HFFamily, ...] = (
+    HFFamily(
+        model_type="gpt2",
+        architecture="GPT2LMHeadModel",
+        family="gpt",
+        keys={
+            "n_layers": "n_layer",
+            "d_model": "n_embd",
+            "n_heads": "n_head",
+            "ffn_hidden": "n_inner",
+            "vocab_size": "vocab_size",
+            "seq_len": "n_positions",
+            "norm_eps": "layer_norm_epsilon",
+        },
+        tie_default=True,
+        required={
+            # tessera's GPT MLP is GELU with the tanh approximation ("gelu_new" = "gelu_pytorch_tanh")
+            "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+            "scale_attn_weights": (True,),
+            "scale_attn_by_inverse_layer_idx": (False,),
+            "reorder_and_upcast_attn": (False,),
+            "add_cross_attention": (False,),
+        },
+        tensors=_GPT2_TENSORS,
+        ignored=(".attn.bias", ".attn.masked_bias"),
+    ),
+    HFFamily(
+        model_type="llama",
+        architecture="LlamaForCausalLM",
+        family="llama",
+        keys=_LLAMA_KEYS,
+        tie_default=False,
+        required={"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,)},
+        tensors=_LLAMA_TENSORS,
+        rope=True,
+        ignored=(".rotary_emb.inv_freq",),
+    ),
+    # Qwen2 is Llama plus q/k/v biases; it becomes usable when tessera has a "qwen2" family (see config.py).
+    HFFamily(
+        model_type="qwen2",
+        architecture="Qwen2ForCausalLM",
+        family="qwen2",
+        keys=_LLAMA_KEYS,
+        tie_default=False,
+        required={"hidden_act": ("silu",)},
+        tensors=(
+            *_LLAMA_TENSORS,
+            _t("model.layers.{i}.self_attn.q_proj.bias", "blocks.{i}.attn.wq.bias"),
+            _t("model.layers.{i}.self_attn.k_proj.bias", "blocks.{i}.attn.wk.bias"),
+            _t("model.layers.{i}.self_attn.v_proj.bias", "blocks.{i}.attn.wv.bias"),
+        ),
+        rope=True,
+        ignored=(".rotary_emb.inv_freq",),
+    ),
+)
+
+
+def family_for_model_type(model_type: str) -> HFFamily | None:
+    """The entry for an HF "model_type", or None."""
+    return next((f for f in FAMILIES if f.model_type == model_type), None)
+
+
+def family_for_tessera(family: str) -> HFFamily | None:
+    """The entry an export of a tessera family writes, or None."""
+    return next((f for f in FAMILIES if f.family == family), None)

@@ -1,0 +1,233 @@
+"""Weights of a Hugging Face folder by tessera name and slice, and tessera weights by HF name.
+
+`HFCheckpoint` is a value source ``(global_name, slices) -> tensor``: asked for any slice of any tessera
+parameter (global shape, plain-model name), it reads exactly those bytes with safetensors'
+``safe_open(...).get_slice`` (memory-mapped), so a rank that materializes only its shard reads only its shard.
+`hf_tensors` runs the mapping the other way for the export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from tessera.errors import CheckpointError
+from tessera.hf.families import HFFamily, HFTensor, family_for_tessera
+from tessera.model.build import build_model
+from tessera.model.layers import TransformerLM
+
+if TYPE_CHECKING:
+    from tessera.config import ModelConfig
+
+__all__ = [
+    "HFCheckpoint",
+    "HFPlanned",
+    "hf_tensors",
+    "load_hf_weights",
+    "load_init",
+    "meta_model",
+    "plan_tensors",
+]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+Slices = tuple[slice, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HFPlanned:
+    """One HF tensor of a concrete model: its name, shape and the tessera parameters it holds."""
+
+    name: str
+    shape: tuple[int, ...]
+    parts: tuple[str, ...]
+    part_sizes: tuple[int, ...]
+    """Each part's size along the HF tensor's output dimension, in order."""
+    conv1d: bool
+
+    @property
+    def out_dim(self) -> int:
+        """The dimension the parts are concatenated along (Conv1D weights are stored [in, out])."""
+        return 1 if self.conv1d and len(self.shape) == 2 else 0
+
+
+def _family(model: TransformerLM) -> HFFamily:
+    fam = family_for_tessera(model.cfg.family)
+    if fam is None:
+        raise CheckpointError(f"model family {model.cfg.family!r} has no Hugging Face mapping")
+    return fam
+
+
+def plan_tensors(model: TransformerLM) -> list[HFPlanned]:
+    """The HF tensors of ``model`` (plain, any device incl. meta), in the family table's order per block."""
+    fam = _family(model)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    planned = []
+    for spec in _expand(fam.tensors, model.cfg.n_layers):
+        if not all(p in shapes for p in spec.parts):
+            continue  # e.g. lm_head when the output projection is the (tied) embedding
+        first = shapes[spec.parts[0]]
+        sizes = tuple(shapes[p][0] for p in spec.parts)
+        shape = (sum(sizes), *first[1:])
+        if spec.conv1d and len(shape) == 2:
+            shape = shape[::-1]
+        planned.append(HFPlanned(spec.hf, shape, spec.parts, sizes, spec.conv1d))
+    return planned
+
+
+def _expand(tensors: tuple[HFTensor, ...], n_layers: int) -> Iterator[HFTensor]:
+    for spec in tensors:
+        if "{i}" not in spec.hf:
+            yield spec
+            continue
+        for i in range(n_layers):
+            yield HFTensor(spec.hf.format(i=i), tuple(p.format(i=i) for p in spec.parts), spec.conv1d)
+
+
+def _files(folder: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (sharded via the index, or one file)."""
+    index, single = folder / INDEX, folder / SINGLE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    raise CheckpointError(
+        f"{folder} has neither {SINGLE} nor {INDEX}; tessera reads safetensors weights only (re-save with "
+        "`save_pretrained(DIR, safe_serialization=True)`)"
+    )
+
+
+class HFCheckpoint:
+    """A `save_pretrained` folder as a value source for ``model``'s parameters (names and global shapes of the
+    plain model; ``model`` may live on the meta device). Call it as ``source(name, slices)``; close it after.
+    """
+
+    def __init__(self, folder: Path, model: TransformerLM) -> None:
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise CheckpointError(
+                "model.init = hf:... needs the `safetensors` package; run `pip install 'tessera[hf]'`"
+            ) from None
+        self.folder, self._open = Path(folder), safe_open
+        self._files = _files(self.folder)
+        self._where: dict[str, tuple[HFPlanned, int]] = {}
+        for planned in plan_tensors(model):
+            offset = 0
+            for part, size in zip(planned.parts, planned.part_sizes, strict=True):
+                self._where[part] = (planned, offset)
+                offset += size
+        self._handles: dict[Path, object] = {}
+        self._stack = contextlib.ExitStack()
+        self._check_names(_family(model))
+
+    def _check_names(self, fam: HFFamily) -> None:
+        """Every tessera tensor is in the folder with its shape, and every weight of the folder is used."""
+        wanted = {planned.name: planned for planned, _ in self._where.values()}
+        missing = sorted(set(wanted) - set(self._files))
+        if missing:
+            raise CheckpointError(
+                f"{self.folder} lacks {len(missing)} weight(s) the model needs: {missing[:5]}"
+            )
+        for name, planned in wanted.items():
+            shape = tuple(self._handle(name).get_slice(name).get_shape())
+            if shape != planned.shape:
+                raise CheckpointError(
+                    f"{self.folder}: {name} has shape {shape}, config.json implies {planned.shape}"
+                )
+        tied_head = "lm_head.weight"  # saved by some versions next to the embedding it is tied to
+        extra = [n for n in self._files if n not in wanted and n != tied_head and not n.endswith(fam.ignored)]
+        if extra:
+            raise CheckpointError(
+                f"{self.folder} holds weight(s) tessera's {fam.model_type} has no place for: {sorted(extra)[:5]}; "
+                "refusing to drop them"
+            )
+
+    def _handle(self, hf_name: str):
+        path = self._files[hf_name]
+        if path not in self._handles:
+            self._handles[path] = self._stack.enter_context(self._open(str(path), framework="pt"))
+        return self._handles[path]
+
+    def __call__(self, name: str, slices: Slices | None = None) -> torch.Tensor:
+        """The ``slices`` (one per dimension, global coordinates; None: all) of tessera parameter ``name``."""
+        if name not in self._where:
+            raise CheckpointError(f"no Hugging Face tensor maps to tessera parameter {name!r}")
+        planned, offset = self._where[name]
+        size = planned.part_sizes[planned.parts.index(name)]
+        ndim = len(planned.shape)
+        slices = tuple(slices) if slices is not None else (slice(None),) * ndim
+        dims = [_bounds(s, size if d == 0 else _tessera_dim(planned, d)) for d, s in enumerate(slices)]
+        # tessera dim 0 is the HF output dim; shift it to this part's rows of a fused tensor
+        hf_dims = [(dims[0][0] + offset, dims[0][1] + offset), *dims[1:]]
+        if planned.out_dim == 1:
+            hf_dims = hf_dims[::-1]
+        window = self._handle(planned.name).get_slice(planned.name)[tuple(slice(a, b) for a, b in hf_dims)]
+        return window.t().contiguous() if planned.out_dim == 1 else window
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def __enter__(self) -> HFCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _tessera_dim(planned: HFPlanned, d: int) -> int:
+    """Size of tessera dimension d > 0 of a part (the HF tensor's non-output dimension)."""
+    return planned.shape[0] if planned.out_dim == 1 else planned.shape[d]
+
+
+def _bounds(s: slice, size: int) -> tuple[int, int]:
+    start, stop, step = s.indices(size)
+    if step != 1:
+        raise ValueError(f"HF slices must be contiguous, got step {step}")
+    return start, stop
+
+
+def load_hf_weights(model: TransformerLM, folder: Path) -> None:
+    """Copy a whole HF folder into the plain ``model`` (every rank reads everything: see the trainer)."""
+    with HFCheckpoint(folder, model) as source, torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(source(name))
+
+
+def load_init(model: TransformerLM, init: str) -> None:
+    """Fill the plain ``model`` from ``model.init`` ("hf:DIR")."""
+    from tessera.hf.config import init_folder
+
+    load_hf_weights(model, init_folder(init))
+
+
+def hf_tensors(model: nn.Module, get: Callable[[str], torch.Tensor]) -> Iterator[tuple[HFPlanned, Callable]]:
+    """(planned HF tensor, a function building it) for ``model`` (plain; meta is fine), where ``get(name)``
+    returns a full tessera parameter; the export asks for one HF tensor at a time."""
+    for planned in plan_tensors(model):
+
+        def build(planned: HFPlanned = planned) -> torch.Tensor:
+            parts = [get(p).detach() for p in planned.parts]
+            t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            return t.t().contiguous() if planned.out_dim == 1 else t.contiguous()
+
+        yield planned, build
+
+
+def meta_model(cfg: ModelConfig) -> TransformerLM:
+    """The plain model of ``cfg`` on the meta device: names and global shapes, no memory."""
+    with torch.device("meta"):
+        return build_model(cfg)

@@ -1,0 +1,189 @@
+"""Hugging Face import and export in one process: random-weight models made with `transformers` here (no
+downloads), loaded through ``model.init = "hf:DIR"``, compared with transformers' own logits; exports load in
+transformers; import → export → import is bit-exact; what tessera cannot represent is refused by name.
+
+Tolerance: tessera and transformers compute the same fp32 arithmetic in a different order (fused vs separate
+projections, SDPA kernels), measured at ~2e-7 relative; the stated 1e-5 is the issue's bound. A mis-mapped
+weight (a transposed Conv1D, k and v swapped, a head order change) moves logits by their own size, since the
+weights are drawn with std 0.2 so that logits are O(1).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from tessera.config import load_config  # noqa: E402
+from tessera.errors import CheckpointError, ConfigError  # noqa: E402
+from tessera.hf.export import save_hf  # noqa: E402
+from tessera.hf.weights import HFCheckpoint, load_init  # noqa: E402
+from tessera.model.build import build_model  # noqa: E402
+
+LOGIT_RTOL = 1e-5
+VOCAB = 259  # not divisible by 2 or 4: tensor-parallel vocabulary padding is exercised
+
+
+def hf_config(kind: str, **over: object):
+    """A tiny transformers config; ``kind`` is gpt2, gpt2_untied, llama (GQA, untied) or llama_tied."""
+    common = dict(vocab_size=VOCAB, initializer_range=0.2, bos_token_id=0, eos_token_id=1)
+    if kind.startswith("gpt2"):
+        return transformers.GPT2Config(
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=32,
+            tie_word_embeddings=kind == "gpt2",
+            **common,
+            **over,
+        )
+    return transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=kind == "llama_tied",
+        rope_theta=50000.0,
+        **common,
+        **over,
+    )
+
+
+def make_hf(folder: Path, kind: str, seed: int = 0):
+    """A random-weight transformers model saved to ``folder``; returned in eval mode."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(kind)).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def imported(folder: Path, *overrides: str):
+    cfg = load_config(None, [f'model.init="hf:{folder}"', *overrides])
+    model = build_model(cfg.model)
+    load_init(model, cfg.model.init)
+    return cfg, model.eval()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+KINDS = ["gpt2", "gpt2_untied", "llama", "llama_tied"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_imported_logits_equal_transformers(tmp_path: Path, kind: str) -> None:
+    hf = make_hf(tmp_path / "hf", kind)
+    cfg, model = imported(tmp_path / "hf")
+    assert cfg.model.vocab_size == VOCAB and cfg.model.tie_embeddings == (kind in ("gpt2", "llama_tied"))
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = hf(tokens).logits, model(tokens)
+    assert float(expected.std()) > 0.5  # logits of order one: a mis-mapped weight would show
+    assert rel_err(got, expected) < LOGIT_RTOL
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_round_trip_is_bit_exact_and_export_loads_in_transformers(tmp_path: Path, kind: str) -> None:
+    make_hf(tmp_path / "a", kind)
+    cfg, first = imported(tmp_path / "a")
+    params = dict(first.named_parameters())
+    # a small shard limit forces several files and the index, as a multi-GB model gets
+    save_hf(tmp_path / "b", cfg, params.__getitem__, max_shard_bytes=40_000)
+    assert (tmp_path / "b" / "model.safetensors.index.json").is_file()
+    _, second = imported(tmp_path / "b")
+    for name, p in second.named_parameters():
+        assert torch.equal(p, params[name]), name
+    from safetensors.torch import load_file
+
+    original = load_file(tmp_path / "a" / "model.safetensors")
+    index = json.loads((tmp_path / "b" / "model.safetensors.index.json").read_text())
+    for name, file in index["weight_map"].items():
+        assert torch.equal(load_file(tmp_path / "b" / file)[name], original[name]), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel_err(reloaded(tokens).logits, first(tokens)) < LOGIT_RTOL
+
+
+def test_value_source_reads_slices_of_fused_and_transposed_weights(tmp_path: Path) -> None:
+    make_hf(tmp_path / "hf", "gpt2")
+    _, model = imported(tmp_path / "hf")
+    with HFCheckpoint(tmp_path / "hf", model) as source:
+        for name in ("blocks.1.attn.wk.weight", "blocks.0.attn.wv.bias", "blocks.0.mlp.fc.weight"):
+            full = dict(model.named_parameters())[name]
+            window = (slice(5, 17),) + ((slice(3, 30),) if full.dim() == 2 else ())
+            assert torch.equal(source(name, window), full[window]), name
+
+
+def test_explicit_keys_that_contradict_the_folder_are_reported(tmp_path: Path) -> None:
+    make_hf(tmp_path / "gpt", "gpt2")
+    make_hf(tmp_path / "llama", "llama")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f'model.init="hf:{tmp_path / "gpt"}"', "model.n_layers=3", "model.seq_len=16"])
+    assert "model.n_layers = 3 contradicts" in str(e.value) and "n_layer" in str(e.value)
+    assert "model.seq_len = 16 contradicts" in str(e.value)  # learned positions fix the context
+    cfg = load_config(None, [f'model.init="hf:{tmp_path / "llama"}"', "model.seq_len=16", "model.n_layers=2"])
+    assert cfg.model.seq_len == 16 and cfg.model.n_kv_heads == 2  # RoPE: a shorter training context is fine
+
+
+REFUSED = {
+    "rope_scaling_llama3": (
+        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+        "RoPE scaling type 'llama3'",
+    ),
+    "old_rope_scaling": ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling type 'linear'"),
+    "attention_bias": ({"attention_bias": True}, "attention_bias = True"),
+    "activation": ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+    "sliding_window": ({"sliding_window": 4096}, "sliding-window attention"),
+    "moe": ({"num_local_experts": 8}, "mixture-of-experts (num_local_experts = 8)"),
+    "head_dim": ({"head_dim": 16}, "head_dim = 16"),
+    "unknown_architecture": ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_what_tessera_cannot_represent_is_refused_by_name(tmp_path: Path, name: str) -> None:
+    change, message = REFUSED[name]
+    raw = hf_config("llama").to_dict()
+    raw.update(change)
+    tmp_path.joinpath("config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f'model.init="hf:{tmp_path}"'])
+    assert message in str(e.value)
+
+
+def test_gpt2_activation_and_extra_weights_are_refused(tmp_path: Path) -> None:
+    raw = hf_config("gpt2").to_dict() | {"activation_function": "relu"}
+    tmp_path.joinpath("config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="activation_function = 'relu'"):
+        load_config(None, [f'model.init="hf:{tmp_path}"'])
+    # a folder whose weights include something tessera's model has no place for is refused, not trimmed
+    hf = make_hf(tmp_path / "hf", "llama")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
+    from safetensors.torch import save_file
+
+    save_file(state, tmp_path / "hf" / "model.safetensors")
+    cfg = load_config(None, [f'model.init="hf:{tmp_path / "hf"}"'])
+    with pytest.raises(CheckpointError, match=r"q_proj\.bias"):
+        load_init(build_model(cfg.model), cfg.model.init)
+
+
+def test_missing_weights_and_bad_init_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match='use "hf:DIR"'):
+        load_config(None, ["model.init=/some/dir"])
+    with pytest.raises(ConfigError, match=r"has no config\.json"):
+        load_config(None, [f'model.init="hf:{tmp_path / "nothing"}"'])
+    make_hf(tmp_path / "hf", "llama")
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    cfg = load_config(None, [f'model.init="hf:{tmp_path / "hf"}"'])
+    with pytest.raises(CheckpointError, match=r"neither model\.safetensors"):
+        load_init(build_model(cfg.model), cfg.model.init)
