@@ -15,53 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-
-from tessera.config import load_config  # noqa: E402
-from tessera.errors import CheckpointError, ConfigError  # noqa: E402
-from tessera.hf.export import save_hf  # noqa: E402
-from tessera.hf.weights import HFCheckpoint, load_init  # noqa: E402
-from tessera.model.build import build_model  # noqa: E402
+from tessera.config import load_config
+from tessera.errors import CheckpointError, ConfigError
+from tessera.hf.export import save_hf
+from tessera.hf.weights import HFCheckpoint, load_init
+from tessera.model.build import build_model
+from tests.hf_models import KINDS, VOCAB, hf_config, make_hf, rel_err
 
 LOGIT_RTOL = 1e-5
-VOCAB = 259  # not divisible by 2 or 4: tensor-parallel vocabulary padding is exercised
-
-
-def hf_config(kind: str, **over: object):
-    """A tiny transformers config; ``kind`` is gpt2, gpt2_untied, llama (GQA, untied) or llama_tied."""
-    common = dict(vocab_size=VOCAB, initializer_range=0.2, bos_token_id=0, eos_token_id=1)
-    if kind.startswith("gpt2"):
-        return transformers.GPT2Config(
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            n_positions=32,
-            tie_word_embeddings=kind == "gpt2",
-            **common,
-            **over,
-        )
-    return transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=kind == "llama_tied",
-        rope_theta=50000.0,
-        **common,
-        **over,
-    )
-
-
-def make_hf(folder: Path, kind: str, seed: int = 0):
-    """A random-weight transformers model saved to ``folder``; returned in eval mode."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(kind)).eval()
-    model.save_pretrained(folder)
-    return model
 
 
 def imported(folder: Path, *overrides: str):
@@ -69,13 +32,6 @@ def imported(folder: Path, *overrides: str):
     model = build_model(cfg.model)
     load_init(model, cfg.model.init)
     return cfg, model.eval()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
-KINDS = ["gpt2", "gpt2_untied", "llama", "llama_tied"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,0 +1,59 @@
+"""Tiny random-weight `transformers` models saved as `save_pretrained` folders (no downloads), for the HF tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+__all__ = ["KINDS", "VOCAB", "hf_config", "make_hf", "rel_err"]
+
+VOCAB = 259
+"""Not divisible by 2 or 4, so tensor-parallel vocabulary padding is exercised; covers the byte data (256)."""
+
+KINDS = ("gpt2", "gpt2_untied", "llama", "llama_tied")
+"""gpt2 (tied), gpt2_untied, llama (grouped-query attention, untied), llama_tied."""
+
+
+def hf_config(kind: str, **over: object):
+    """A tiny transformers config of ``kind``; weights drawn with std 0.2 so that logits are of order one."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, initializer_range=0.2, bos_token_id=0, eos_token_id=1)
+    if kind.startswith("gpt2"):
+        return transformers.GPT2Config(
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=32,
+            tie_word_embeddings=kind == "gpt2",
+            **common,
+            **over,
+        )
+    return transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=kind == "llama_tied",
+        rope_theta=50000.0,
+        **common,
+        **over,
+    )
+
+
+def make_hf(folder: Path, kind: str, seed: int = 0):
+    """A random-weight transformers model of ``kind`` saved to ``folder``; returned in eval mode."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(kind)).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference relative to the largest magnitude of b."""
+    return float((a - b).abs().max() / b.abs().max())
