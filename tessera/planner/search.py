@@ -461,7 +461,8 @@ def _search_layout(
                 )
                 for split in _splits(ctx, plan, p2p):
                     result.enumerated += 1
-                    cand = _evaluate(ctx, replace(plan, stage_layers=split), schedule, batch, p2p)
+                    split_plan = plan if split is None else replace(plan, stage_layers=split)
+                    cand = _evaluate(ctx, split_plan, schedule, batch, p2p)
                     if cand is None:
                         result.rejected_memory += 1
                     else:

@@ -446,8 +446,10 @@ def _fast_dp(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, c: Chun
     after = {"interleaved": p, "breadth_first": m}.get(schedule, 0)
     items: list[tuple[float, float]] = []
     if _per_microbatch_reduce(plan):  # one reduce-scatter per micro-batch, under that micro-batch's backward
-        for k in range(m):
-            items += _reduce_items(end - k * v * (c.fwd + c.bwd), v * c.bwd, c.layers * v, reduce / m)
+        period = v * (c.fwd + c.bwd)
+        # the earlier micro-batches as one item each, released when their backward ends (O(m), not O(m·L))
+        items += [(end - k * period, reduce / m) for k in range(1, m)]
+        items += _reduce_items(end, v * c.bwd, c.layers * v, reduce / m)
     else:
         for j in range(v):
             items += _reduce_items(end - j * after * c.bwd, c.bwd, c.layers, reduce / v)
