@@ -25,7 +25,11 @@ __all__ = ["SavedActivationCounter"]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
-    """(device, data pointer) of t's storage, or None for tensors without real storage (meta, empty)."""
+    """(device, storage identity) of t's storage, or None for tensors without real storage (meta, empty).
+
+    The identity is the storage object's address (``_cdata``), not its data pointer: fake tensors (the dry run,
+    tessera/fake.py) have no data, so every data pointer reads 0 there.
+    """
     local = getattr(t, "_local_tensor", None)  # a DTensor saves its local shard
     if isinstance(local, torch.Tensor):
         t = local
@@ -37,7 +41,7 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
         return None
     if storage.nbytes() == 0:
         return None
-    return (str(t.device), storage.data_ptr())
+    return (str(t.device), storage._cdata)
 
 
 class SavedActivationCounter:
