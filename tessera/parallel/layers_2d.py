@@ -299,8 +299,10 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         z, local, lse = ctx.saved_tensors
         grad = (z - lse.unsqueeze(-1)).exp()  # grad: [m, V_pad/q], the softmax slice
-        rows = (local >= 0).nonzero().squeeze(-1)
-        grad[rows, local[rows]] -= 1.0  # minus the one-hot of targets in this slice
+        # minus the one-hot of targets in this slice; a scatter of 0 or 1 per row instead of indexing the rows
+        # that hit, so the shapes do not depend on the data (no host sync; fake tensors can run it)
+        hit = (local >= 0).to(grad.dtype).unsqueeze(-1)  # hit: [m, 1]
+        grad.scatter_add_(-1, local.clamp(min=0).unsqueeze(-1), -hit)
         return (grad * g.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
 
 
