@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tessera.comm import name_group
@@ -63,7 +64,8 @@ def build_groups(layout: Layout, device_type: str = "cpu") -> Groups:
             f"layout {layout.describe()} needs {layout.world_size} ranks, but world size is {world}"
         )
     names = tuple(a.value for a in layout.axes)
-    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=names)
+    with unset_fake_temporarily():  # the mesh's rank table holds real ranks even inside a dry run's fake mode
+        mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=names)
     for name in names:
         name_group(mesh.get_group(name), name)
     return Groups(layout=layout, mesh=mesh, rank=dist.get_rank())
