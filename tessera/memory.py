@@ -162,8 +162,11 @@ def _inflight_layers(cfg: Config, plan: Plan, layers: list[int]) -> tuple[list[f
     ]
 
 
-def estimate(cfg: Config, world_size: int, device_memory: float | None = None) -> MemoryEstimate:
-    """Peak memory per rank for ``cfg`` on ``world_size`` ranks: the fullest pipeline rank's breakdown."""
+def estimate(
+    cfg: Config, world_size: int, device_memory: float | None = None, *, stage: int | None = None
+) -> MemoryEstimate:
+    """Peak memory per rank for ``cfg`` on ``world_size`` ranks: the fullest pipeline rank's breakdown, or that
+    of pipeline position ``stage`` when given (the dry run compares rank by rank)."""
     shape = ModelShape.from_config(cfg.model)
     plan = plan_from_config(cfg, world_size)
     n = plan.pp * plan.virtual_stages
@@ -171,7 +174,7 @@ def estimate(cfg: Config, world_size: int, device_memory: float | None = None) -
     per_stage = stage_params(shape, plan, layers)
     peaks, last_mb = _inflight_layers(cfg, plan, layers)
     best: MemoryEstimate | None = None
-    for rank in range(plan.pp):
+    for rank in range(plan.pp) if stage is None else [stage]:
         mine = rank_stages(rank, plan.pp, plan.virtual_stages)
         share = sum(layers[s] for s in mine) or 1
         # memory_per_rank multiplies by L/p layers; peaks[rank] already counts (layer × micro-batch) pairs
