@@ -89,6 +89,14 @@ SIZES: dict[str, dict[str, Any]] = {
         tie_embeddings=False,
         rope_theta=500000.0,
     ),
+    # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, h 12288, 96 heads of 128, context 2048; GPT-2's BPE
+    # vocabulary padded to 51200 (a multiple of 1024, as Megatron-LM pads it), tied embeddings.
+    "gpt3-175b": dict(family="gpt", n_layers=96, d_model=12288, n_heads=96, vocab_size=51200, seq_len=2048),
+    # Megatron-LM's 1T model (Narayanan et al. 2021, Table 1): 128 layers, h 25600, 160 heads, s 2048, V 51200;
+    # the planner's Megatron table validates against it (tessera/planner/megatron_table.py).
+    "megatron-1t": dict(
+        family="gpt", n_layers=128, d_model=25600, n_heads=160, vocab_size=51200, seq_len=2048
+    ),
 }
 
 

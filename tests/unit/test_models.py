@@ -61,6 +61,8 @@ def test_every_size_builds_with_formula_param_count(name):
         ("gpt2-124m", 124_439_808),  # GPT-2 small with wpe, tied (nanoGPT: 123.65M + 0.79M positions)
         ("llama-1b", 1_235_814_400),  # Llama 3.2 1B, tied
         ("llama-8b", 8_030_261_248),  # Llama 3 8B, untied
+        ("gpt3-175b", 174_615_846_912),  # GPT-3 175B shape with V padded to 51200, tied, learned positions
+        ("megatron-1t", 1_008_038_758_400),  # Narayanan 2021 Table 1: 1008.0 billion
     ],
 )
 def test_known_parameter_counts(name, count):
