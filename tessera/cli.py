@@ -225,6 +225,28 @@ def cmd_memory(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_dryrun(args: argparse.Namespace, extra: list[str]) -> int:
+    from tessera.dryrun import dry_run, estimated_memory, format_rank, formula_traffic, parse_ranks
+    from tessera.layout import Layout
+
+    cfg = _load(args, extra)
+    cfg.validate(args.world_size)
+    layout = Layout.from_config(cfg.parallel, args.world_size)
+    try:
+        ranks = parse_ranks(args.ranks, layout)
+    except ValueError as e:
+        raise TesseraError(str(e)) from None
+    print(f"dry run of {args.config or 'the defaults'}: {layout.describe()}, ranks {ranks}", flush=True)
+    for rank in ranks:
+        result = dry_run(cfg, args.world_size, rank)
+        est, traffic = (
+            estimated_memory(cfg, args.world_size, rank),
+            formula_traffic(cfg, args.world_size, rank),
+        )
+        print(format_rank(result, est, traffic), flush=True)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     from tessera.planner.cli import _no_extra  # the one "no overrides here" wrapper, shared with plan
 
@@ -252,6 +274,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory", type=float, default=None, help="GiB per device")
     p.add_argument("--hardware", default=None, help="a hardware name (a100-80gb, h100, ...) for its memory")
     p.set_defaults(fn=cmd_memory)
+
+    p = sub.add_parser(
+        "dryrun",
+        help="build and step chosen ranks of a real-size layout on fake tensors; compare memory and traffic",
+    )
+    p.add_argument("config", nargs="?")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument(
+        "--ranks",
+        default=None,
+        help="comma-separated ranks (default: first and last pipeline rank of replica 0)",
+    )
+    p.set_defaults(fn=cmd_dryrun)
 
     p = sub.add_parser("prepare", help="tokenize text files or directories into a token file")
     p.add_argument("inputs", nargs="*", help="files or directories (default: the Python standard library)")

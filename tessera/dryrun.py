@@ -1,0 +1,270 @@
+"""The dry run: one rank of a real-size job, built and stepped by the real runtime on fake tensors.
+
+For each chosen rank, in this one process: join a fake process group of the real world size as that rank, build
+its model with the trainer (`TrainingRun`) under fake tensors, and run training steps through the same path as
+`tessera train` — forward, backward, pipeline schedule, ZeRO gathers and reduce-scatters, clipping, optimizer —
+on random token batches. Nothing is allocated, so a 1T-parameter layout runs on a laptop; the shapes, the
+schedule and every collective's size are the real ones. Reported per rank (docs/dryrun.md):
+
+- memory, in bytes, from the allocator's view (`tessera.fake.FakeRank`): parameters, gradients and optimizer
+  state (the distinct storages held by the runtime's own objects), activations saved for backward (the
+  runtime's own counter), the peak of the step and the peak while building;
+- communication: `comm.STATS`, bytes per collective kind and group, for one step.
+
+One step is run; its peak is stated for a steady step (the optimizer's state, made by the first update, is
+alive through every later step's forward and backward; see `dry_run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tessera import comm
+from tessera.config import Config
+from tessera.fake import FakeRank, fake_process_group
+from tessera.layout import Axis, Layout
+
+__all__ = [
+    "RankResult",
+    "default_ranks",
+    "dry_run",
+    "estimated_memory",
+    "format_rank",
+    "formula_traffic",
+    "measure_step",
+    "parse_ranks",
+]
+
+Traffic = dict[tuple[str, str], int]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankResult:
+    """What one rank holds and sends in one training step (bytes)."""
+
+    rank: int
+    coords: dict[str, int]
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    peak: int
+    build_peak: int
+    comm: Traffic = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def default_ranks(layout: Layout) -> list[int]:
+    """The first and the last pipeline rank of the first replica (tensor coordinates 0)."""
+    return sorted({layout.rank({Axis.PIPE: 0}), layout.rank({Axis.PIPE: layout.pp - 1})})
+
+
+def parse_ranks(text: str | None, layout: Layout) -> list[int]:
+    """``"0,127"`` → [0, 127]; None → `default_ranks`. Raises ValueError naming a bad entry."""
+    if not text:
+        return default_ranks(layout)
+    out = []
+    for item in text.split(","):
+        if not item.strip().isdigit() or not 0 <= int(item) < layout.world_size:
+            raise ValueError(
+                f"--ranks entry {item!r} is not a rank of {layout.describe()}; "
+                f"give comma-separated integers in 0..{layout.world_size - 1}"
+            )
+        out.append(int(item))
+    return out
+
+
+def _dry_config(cfg: Config) -> Config:
+    """The config as the dry run executes it: on the fake CPU device, writing nothing, never resuming."""
+    train = dataclasses.replace(cfg.train, device="cpu")
+    log = dataclasses.replace(cfg.log, progress=False, tensorboard=False)
+    ckpt = dataclasses.replace(cfg.checkpoint, resume=False)
+    return dataclasses.replace(cfg, train=train, log=log, checkpoint=ckpt)
+
+
+def _storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and flat-buffer slices counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def _state_tensors(run: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(parameters, optimizer state) the run holds: the model's and, under ZeRO, the flat shards'."""
+    params = [*run.model.parameters(), *run.stepper.state_module.parameters()]
+    for group in run.optimizer.param_groups:
+        params.extend(group["params"])
+    state = [v for s in run.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return params, state
+
+
+def _grad_tensors(run: Any) -> list[torch.Tensor]:
+    """Gradients held after the step's backward: every parameter's ``.grad`` and ZeRO's reduced shards."""
+    params, _ = _state_tensors(run)
+    zero = getattr(run.stepper, "zero", None)
+    shards = list(zero.grad_shards()) if zero is not None else []
+    return [p.grad for p in params if p.grad is not None] + shards
+
+
+def _fake_batches(run: Any, cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (cfg.train.micro_batch, cfg.model.seq_len)
+    v = cfg.model.vocab_size
+    return [(torch.randint(0, v, shape), torch.randint(0, v, shape)) for _ in range(run.n_micro)]
+
+
+def measure_step(cfg: Config, world_size: int, rank: int, tracker: FakeRank | None = None) -> RankResult:
+    """Build this rank's `TrainingRun` in the current process group and run one step on random tokens.
+
+    Works on a real process group as on a fake one (the test compares the two); ``tracker`` supplies the
+    allocator's peaks under fake tensors. The step's peak is that of a steady step: the optimizer's state, made
+    by the first update, is added to the forward/backward phase's peak, as it is alive there from the second
+    step on (everything else a step allocates is freed before the next one: gradients are set to None).
+    """
+    from tessera.train.trainer import TrainingRun  # torch-heavy: imported only when a dry run happens
+
+    cfg = _dry_config(cfg)
+    t0 = time.perf_counter()
+    phase: dict[str, int] = {}
+    peak = (lambda: tracker.peak) if tracker is not None else (lambda: 0)
+    run = TrainingRun(cfg, rank, world_size, with_data=False)
+    phase["build_peak"] = peak()
+    batches = _fake_batches(run, cfg)
+    run.batches = lambda step: batches  # type: ignore[method-assign]  # random tokens, no corpus
+
+    def after_backward(step: int, model: object) -> None:
+        phase["backward_peak"], phase["grads"] = peak(), _storage_bytes(_grad_tensors(run))
+        if tracker is not None:
+            tracker.reset_peak()
+
+    if tracker is not None:
+        tracker.reset_peak()
+    comm.STATS.reset()
+    run.step(0, after_backward)
+    params, state = _state_tensors(run)
+    optimizer = _storage_bytes(state)
+    run.stepper.close()
+    return RankResult(
+        rank=rank,
+        coords={str(a): c for a, c in run.layout.coords(rank).items()},
+        params=_storage_bytes(params),
+        grads=phase["grads"],
+        optimizer=optimizer,
+        activations=run.saved_bytes,
+        peak=max(phase["backward_peak"] + optimizer, peak()),
+        build_peak=phase["build_peak"],
+        comm=dict(comm.STATS.bytes),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def dry_run(cfg: Config, world_size: int, rank: int) -> RankResult:
+    """Rank ``rank`` of ``world_size``, built and stepped under fake tensors and a fake process group."""
+    with fake_process_group(rank, world_size), FakeRank() as tracker:
+        return measure_step(cfg, world_size, rank, tracker)
+
+
+# --- comparison with the estimator and the cost model's traffic formulas ------------------------------------
+
+_AXIS_OF_GROUP = {
+    "tensor_row": "tensor",
+    "tensor_col": "tensor",
+    "tensor": "tensor",
+    "pipe": "pipe",
+    "data": "data",
+}
+
+
+def estimated_memory(cfg: Config, world_size: int, rank: int) -> dict[str, float]:
+    """`tessera memory`'s breakdown for this rank's pipeline position, plus its ``peak`` (the total)."""
+    from tessera.memory import estimate
+
+    stage = Layout.from_config(cfg.parallel, world_size).coords(rank)[Axis.PIPE]
+    est = estimate(cfg, world_size, stage=stage)
+    return {**est.components(), "peak": est.total}
+
+
+def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, str], float]:
+    """The cost model's payload bytes per (collective kind, axis) for this rank's step (tessera.planner.cost).
+
+    Tensor: the per-block volume (`tp1d_layer_volume` / `tp2d_layer_volume`) × this rank's blocks × micro-batches;
+    pipeline: `pp_p2p_volume`; data: `dp_volume` on this rank's parameters with fp32 master weights and the
+    configured gradient-reduction dtype. The 2D row and column groups are summed under "tensor".
+    """
+    from tessera.config import even_split
+    from tessera.memory import plan_from_config, stage_params
+    from tessera.pipeline.ir import rank_stages
+    from tessera.planner.cost import (
+        ModelShape,
+        dp_volume,
+        pp_p2p_volume,
+        tp1d_layer_volume,
+        tp2d_layer_volume,
+    )
+
+    shape, plan = ModelShape.from_config(cfg.model), plan_from_config(cfg, world_size)
+    stage = Layout.from_config(cfg.parallel, world_size).coords(rank)[Axis.PIPE]
+    layers = cfg.parallel.stage_layers or even_split(shape.n_layers, plan.pp * plan.virtual_stages)
+    mine = rank_stages(stage, plan.pp, plan.virtual_stages)
+    blocks = sum(layers[s] for s in mine)
+    per_block = tp2d_layer_volume(shape, plan) if plan.tp_kind == "2d" else tp1d_layer_volume(shape, plan)
+    psi = sum(stage_params(shape, plan, layers)[s] for s in mine)
+    grad_bytes = 2 if cfg.train.grad_reduce_dtype == "bf16" else 4
+    volumes = {
+        "tensor": per_block.scaled(blocks * plan.n_microbatches),
+        "pipe": pp_p2p_volume(shape, plan, stage),
+        "data": dp_volume(psi, plan, grad_bytes=grad_bytes, param_bytes=4),
+    }
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "recv")
+    return {(k, axis): getattr(v, k) for axis, v in volumes.items() for k in kinds if getattr(v, k)}
+
+
+def measured_by_axis(result: RankResult) -> dict[tuple[str, str], int]:
+    """The dry run's bytes per (kind, axis): 2D row and column groups summed under "tensor"."""
+    out: dict[tuple[str, str], int] = {}
+    for (kind, group), nbytes in result.comm.items():
+        key = (kind, _AXIS_OF_GROUP.get(group, group))
+        out[key] = out.get(key, 0) + nbytes
+    return out
+
+
+def _unit(nbytes: float) -> tuple[str, int]:
+    """GiB for real sizes, MiB below 1 GiB so that test-sized runs read sensibly."""
+    return ("GiB", 2**30) if nbytes >= 2**30 else ("MiB", 2**20)
+
+
+def _pct(measured: float, other: float) -> str:
+    return f"{100 * (other - measured) / measured:+7.1f}%" if measured else "      —"
+
+
+def format_rank(result: RankResult, estimate: dict[str, float], traffic: dict[tuple[str, str], float]) -> str:
+    """A text report of one rank: memory dry run vs estimate, traffic (bytes) dry run vs formula; a diff is
+    (other − dry run) / dry run."""
+    where = ", ".join(f"{a} {c}" for a, c in result.coords.items())
+    lines = [
+        f"rank {result.rank} ({where}), {result.seconds:.1f} s",
+    ]
+    unit, scale = _unit(result.peak)
+    lines.append(f"  {'memory, ' + unit:<16}{'dry run':>10}{'estimate':>10}{'diff':>9}")
+    rows = [
+        ("params", result.params, estimate["params"]),
+        ("grads", result.grads, estimate["grads"]),
+        ("optimizer", result.optimizer, estimate["optimizer"]),
+        ("activations", result.activations, estimate["activations"]),
+        ("peak", result.peak, estimate["peak"]),
+    ]
+    lines += [f"  {name:<16}{m / scale:10.3f}{e / scale:10.3f}{_pct(m, e):>9}" for name, m, e in rows]
+    lines.append(f"  {'build peak':<16}{result.build_peak / scale:10.3f}")
+    lines.append(f"  {'traffic, bytes':<26}{'dry run':>16}{'formula':>16}{'diff':>9}")
+    measured = measured_by_axis(result)
+    for key in sorted(set(measured) | set(traffic)):
+        m, f = measured.get(key, 0), traffic.get(key, 0.0)
+        lines.append(f"  {key[0] + '/' + key[1]:<26}{m:>16,}{round(f):>16,}{_pct(m, f):>9}")
+    return "\n".join(lines)
