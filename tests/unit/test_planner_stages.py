@@ -121,3 +121,15 @@ def test_search_offers_uneven_stages_when_the_layers_do_not_divide() -> None:
     assert all(c.schedule in ("1f1b", "gpipe") for c in uneven)
     plain = search("llama-8b", 24, load_hardware("a100-80gb"), 48, keep=10**9)
     assert not [c for c in plain.candidates if c.plan.pp == 3]  # opt-in only
+
+
+def test_an_uneven_plan_is_written_as_a_valid_config(tmp_path) -> None:
+    from tessera.config import load_config
+    from tessera.planner.report import write_config
+
+    space = SearchSpace(pipeline=(3,), uneven_pipelines=True)
+    res = search("llama-8b", 24, load_hardware("a100-80gb"), 48, space=space)
+    best = res.best
+    assert best.plan.stage_layers is not None
+    cfg = load_config(write_config(res, best, tmp_path / "uneven.toml"))  # write_config validates it too
+    assert list(cfg.parallel.stage_layers) == list(best.plan.stage_layers)
