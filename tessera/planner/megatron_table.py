@@ -247,6 +247,8 @@ def predict_row(row: MegatronRow, hw: Hardware) -> Prediction:
     one device's L/p blocks for one micro-batch (compute + exposed TP all-reduces + p2p per chunk), the last device
     also the output layer; T_dp the fp16 gradient all-reduce; T_opt = Ψ_local·32 B / HBM bandwidth (fused Adam).
     """
+    if row.layers % row.pp:  # the formula prices L/p blocks per stage; never round a layer count silently
+        raise ValueError(f"{row.layers} layers do not split over {row.pp} pipeline stages")
     shape = _shape(row)
     micro_batch = row.micro_batch
     m = row.batch // (micro_batch * row.dp)
