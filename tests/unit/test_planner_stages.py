@@ -133,3 +133,22 @@ def test_an_uneven_plan_is_written_as_a_valid_config(tmp_path) -> None:
     assert best.plan.stage_layers is not None
     cfg = load_config(write_config(res, best, tmp_path / "uneven.toml"))  # write_config validates it too
     assert list(cfg.parallel.stage_layers) == list(best.plan.stage_layers)
+
+
+def test_trainer_prediction_honours_stage_layers() -> None:
+    from tessera.config import from_dict
+    from tessera.planner.calibrate import predict_trainer_step, trainer_plan
+
+    cfg = from_dict(
+        {
+            "model": {"size": "gpt2-mini"},
+            "parallel": {"pipeline": 2, "stage_layers": [1, 3]},
+            "train": {"global_batch": 4, "micro_batch": 1},
+        }
+    )
+    plan, schedule = trainer_plan(cfg, 2)
+    assert plan.stage_layers == (1, 3) and schedule == "1f1b"
+    hw = load_hardware("a100-80gb")
+    even = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, stage_layers=None))
+    # the heavier second stage makes the uneven split slower than the even one
+    assert predict_trainer_step(cfg, 2, hw).step_time > predict_trainer_step(even, 2, hw).step_time
