@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KINDS", "VOCAB", "hf_config", "make_hf", "rel_err"]
+__all__ = ["KINDS", "VOCAB", "hf_config", "make_hf", "rel_err", "train_bpe"]
 
 VOCAB = 259
 """Not divisible by 2 or 4, so tensor-parallel vocabulary padding is exercised; covers the byte data (256)."""
@@ -57,3 +57,15 @@ def make_hf(folder: Path, kind: str, seed: int = 0):
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest absolute difference relative to the largest magnitude of b."""
     return float((a - b).abs().max() / b.abs().max())
+
+
+def train_bpe(path: Path, text: str, vocab_size: int = 300) -> None:
+    """Train a byte-level BPE tokenizer on ``text`` (specials [UNK] = 0, <|endoftext|> = 1) and save it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[UNK]", "<|endoftext|>"])
+    tok.train_from_iterator([text], trainer)
+    tok.save(str(path))

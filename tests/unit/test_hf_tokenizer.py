@@ -6,22 +6,12 @@ from pathlib import Path
 
 from tessera.train.data import TokenDataset, prepare
 from tessera.train.tokenizer import load_tokenizer
-
-
-def _train_bpe(path: Path, text: str) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<|endoftext|>"])
-    tok.train_from_iterator([text], trainer)
-    tok.save(str(path))
+from tests.hf_models import train_bpe
 
 
 def test_prepare_with_hf_tokenizer(tmp_path: Path) -> None:
     text = "def add(a, b):\n    return a + b\n" * 50
-    _train_bpe(tmp_path / "tok.json", text)
+    train_bpe(tmp_path / "tok.json", text)
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.py").write_text(text)
     info = prepare([tmp_path / "src"], tmp_path / "t.bin", str(tmp_path / "tok.json"))
@@ -37,7 +27,7 @@ def test_a_save_pretrained_folder_is_a_tokenizer_with_its_eos_as_separator(tmp_p
     text = "def add(a, b):\n    return a + b\n" * 50
     folder = tmp_path / "hf"
     folder.mkdir()
-    _train_bpe(folder / "tokenizer.json", text)
+    train_bpe(folder / "tokenizer.json", text)
     # the folder's declared EOS wins over the built-in guess (<|endoftext|> is also in this vocabulary)
     (folder / "tokenizer_config.json").write_text('{"eos_token": {"content": "[UNK]"}}')
     tok = load_tokenizer(str(folder))
