@@ -162,7 +162,8 @@ class HFCheckpoint:
         return self._handles[path]
 
     def __call__(self, name: str, slices: Slices | None = None) -> torch.Tensor:
-        """The ``slices`` (one per dimension, global coordinates; None: all) of tessera parameter ``name``."""
+        """The ``slices`` (one per dimension, global coordinates; None: all) of tessera parameter ``name``, as
+        a CPU fp32 tensor (bf16/fp16 files are upcast exactly)."""
         if name not in self._where:
             raise CheckpointError(f"no Hugging Face tensor maps to tessera parameter {name!r}")
         planned, offset = self._where[name]
@@ -175,6 +176,7 @@ class HFCheckpoint:
         if planned.out_dim == 1:
             hf_dims = hf_dims[::-1]
         window = self._handle(planned.name).get_slice(planned.name)[tuple(slice(a, b) for a, b in hf_dims)]
+        window = window.to(torch.float32)
         return window.t().contiguous() if planned.out_dim == 1 else window
 
     def close(self) -> None:
