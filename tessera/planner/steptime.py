@@ -204,9 +204,7 @@ class PipelineCosts:
 
     def critical_rank(self, p: int) -> int:
         """The pipeline rank with the most work per micro-batch (the last one on ties: it holds the head)."""
-        loads = [sum(self.rank_parts(p, r)) for r in _ends_or_all(self.counts, p)]
-        ranks = _ends_or_all(self.counts, p)
-        return max(zip(loads, ranks, strict=True))[1]
+        return max((sum(self.rank_parts(p, r)), r) for r in _ends_or_all(self.counts, p))[1]
 
     def chunk(self, p: int, v: int) -> ChunkCosts:
         """An average chunk (the rank's blocks / v), for the closed forms' fill terms and the DP queue."""

@@ -8,7 +8,6 @@ import pytest
 
 from tessera.layout import Axis, Layout
 from tessera.planner.cost import Plan, group_placement
-from tessera.planner.hardware import Hardware
 from tessera.planner.network import (
     TESSERA_ORDER,
     Placement,
@@ -17,21 +16,9 @@ from tessera.planner.network import (
     collective_time,
     placement,
 )
+from tests.planner_hardware import LEVELS as HW
 
 REL = 1e-9
-
-# 8 GPUs per node, NVLink 100 GB/s and 1 µs per hop, NIC share 10 GB/s and 10 µs per hop.
-HW = Hardware(
-    name="levels",
-    peak_flops={"bf16": 100e12},
-    memory_bytes=80e9,
-    hbm_bandwidth=1e12,
-    gpus_per_node=8,
-    intra_node_bandwidth=100e9,
-    intra_node_latency=1e-6,
-    inter_node_bandwidth=10e9,
-    inter_node_latency=1e-5,
-)
 
 
 def test_placement_counts_nodes_and_members_per_node() -> None:

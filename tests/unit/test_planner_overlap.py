@@ -6,22 +6,11 @@ from __future__ import annotations
 import pytest
 
 from tessera.planner.cost import ModelShape, Plan
-from tessera.planner.hardware import Hardware
 from tessera.planner.network import TESSERA_ORDER
 from tessera.planner.steptime import clip_norm_time, dp_parts, fast_step, simulate_step
+from tests.planner_hardware import LEVELS as HW
 
 REL = 1e-9
-HW = Hardware(
-    name="levels",
-    peak_flops={"bf16": 100e12},
-    memory_bytes=80e9,
-    hbm_bandwidth=1e12,
-    gpus_per_node=8,
-    intra_node_bandwidth=100e9,
-    intra_node_latency=1e-6,
-    inter_node_bandwidth=10e9,
-    inter_node_latency=1e-5,
-)
 GPT = ModelShape(
     n_layers=8, d_model=2048, n_heads=16, n_kv_heads=16, ffn_hidden=8192, vocab_size=32000, seq_len=2048
 )
