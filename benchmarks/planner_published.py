@@ -15,6 +15,11 @@ Sources (full configurations; see the report for the per-case table):
 - Megatron-LM README, Sept 2020 (NVIDIA/Megatron-LM commit 5281919): 1D tensor parallelism in one DGX A100 and
   128-way data parallelism (no overlap of the all-reduce), TFLOP/s in Narayanan's convention (with recompute).
 - Narayanan et al. 2021 (arXiv 2104.04473) Table 1: tensor + pipeline + data parallelism up to 3,072 A100s.
+- BigScience BLOOM-176B (bigscience-workshop/bigscience `train/tr11-176B-ml/README.md` and `chronicles.md`,
+  2022-03-18 log: 105.22 s per iteration at global batch 2048): Megatron-DeepSpeed, 384 A100-80GB, TP 4, PP 12
+  with uneven stages (embedding | 5 blocks, 10 × 6 blocks, 5 blocks | head: 70 layers), DP 8 with ZeRO-1, micro-
+  batch 2, full recompute, no flash attention; 4 × 100 Gb/s Omni-Path per 8-GPU node (6.25 GB/s per GPU).
+  Compared: tokens/s/GPU from the iteration time.
 
 The hardware files and the GEMM curve are the shipped ones; the GEMM plateau was fitted on one point that is not
 in this set (the one-GPU row of the 2020 README, `megatron_table.CALIBRATION_ROW`).
@@ -22,6 +27,7 @@ in this set (the one-GPU row of the 2020 README, `megatron_table.CALIBRATION_ROW
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 from dataclasses import dataclass
@@ -33,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from tessera.planner.cost import ModelShape, Plan  # noqa: E402
 from tessera.planner.hardware import load_hardware  # noqa: E402
 from tessera.planner.megatron_table import MEGATRON_README_2020, MEGATRON_TABLE1, compare_table  # noqa: E402
-from tessera.planner.steptime import fast_step  # noqa: E402
+from tessera.planner.steptime import fast_step, simulate_step  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "planner_published.md"
 MPT_SHAPES = {  # (layers, d_model, heads), llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml; V = 50,368
@@ -154,6 +160,39 @@ def _group(row: FsdpRow) -> str:
     return "ZeRO-3 across nodes (FSDP)" if row.gpus > 8 else "ZeRO-3 in one node (FSDP)"
 
 
+BLOOM_ITERATION_S = 105.22
+BLOOM_STAGES = (5, *([6] * 10), 5)
+
+
+def predict_bloom() -> float:
+    """Tokens/s/GPU of BLOOM-176B's layout (docstring), timed by the simulator on its uneven stages."""
+    hw = dataclasses.replace(load_hardware("a100-80gb"), name="jean-zay-a100", inter_node_bandwidth=50e9 / 8)
+    h = 14336
+    shape = ModelShape(
+        n_layers=70,
+        d_model=h,
+        n_heads=112,
+        n_kv_heads=112,
+        ffn_hidden=4 * h,
+        vocab_size=250880,
+        seq_len=2048,
+        dropout=True,
+    )
+    plan = Plan(
+        dp=8,
+        pp=12,
+        tp=4,
+        micro_batch=2,
+        n_microbatches=128,
+        recompute="full",
+        zero_stage=1,
+        stage_layers=BLOOM_STAGES,
+        accumulation="depth_first",
+    )
+    step = simulate_step(shape, hw, plan, "1f1b")[0].step_time
+    return 2048 * 2048 / step / 384
+
+
 def cases() -> list[Case]:
     out = [
         Case(
@@ -166,6 +205,16 @@ def cases() -> list[Case]:
         )
         for r in MOSAIC_ROWS
     ]
+    bloom = 2048 * 2048 / BLOOM_ITERATION_S / 384
+    out.append(
+        Case(
+            "TP + uneven PP + ZeRO-1 (BLOOM)",
+            "BLOOM-176B 384×A100 t4 p12 d8",
+            bloom,
+            predict_bloom(),
+            "tokens/s/GPU",
+        )
+    )
     readme = compare_table(load_hardware("a100-40gb"), MEGATRON_README_2020)
     for p in readme:
         group = "DP scaling (Megatron 2020, 128-way)" if p.row.dp > 1 else "Megatron 2020 TP in one node"
