@@ -99,24 +99,25 @@ def _relaunch_with_torchrun(nproc: int) -> int:
 
 
 def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
-    from tessera.layout import Layout
+    from tessera.execution import resolve, violations
 
     cfg = _load(args, extra)
-    violations = cfg.check(args.world_size)
-    if violations:
+    problems = violations(cfg, args.world_size)
+    if problems:
         print(
-            f"{len(violations)} problem(s) with {args.config or 'the defaults'} at world size {args.world_size}:"
+            f"{len(problems)} problem(s) with {args.config or 'the defaults'} at world size {args.world_size}:"
         )
-        for i, v in enumerate(violations, 1):
+        for i, v in enumerate(problems, 1):
             print(f"  {i}. {v}")
         return 1
     if args.data:
         _check_data(cfg)
+    plan = resolve(cfg, args.world_size)
     print(
-        f"ok: {Layout.from_config(cfg.parallel, args.world_size).describe()}; "
-        f"{cfg.train.micro_batches(cfg.parallel.data_size(args.world_size))} micro-batches of "
-        f"{cfg.train.micro_batch} per data-parallel rank"
+        f"ok: {plan.layout.describe()}; {plan.micro_batches} micro-batches of {plan.micro_batch} per "
+        "data-parallel rank"
     )
+    print("\n".join(f"  {line}" for line in plan.describe().splitlines()))
     return 0
 
 
@@ -207,7 +208,6 @@ def cmd_memory(args: argparse.Namespace, extra: list[str]) -> int:
     from tessera.memory import estimate
 
     cfg = _load(args, extra)
-    cfg.validate(args.world_size)
     device = args.device_memory * 2**30 if args.device_memory else None
     if args.hardware:
         from tessera.planner.hardware import load_hardware

@@ -16,6 +16,7 @@ from typing import Any
 
 from tessera.errors import ConfigError
 from tessera.model.sizes import SIZES
+from tessera.modes import ACCUMULATION, CHECKPOINTING, DTYPES, FAMILIES, SCHEDULES
 
 __all__ = [
     "CheckpointConfig",
@@ -31,12 +32,6 @@ __all__ = [
     "load_config",
     "parse_tensor",
 ]
-
-FAMILIES = ("gpt", "llama")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
-CHECKPOINTING = ("none", "full", "selective")
-DTYPES = ("fp32", "bf16", "fp16")
-ACCUMULATION = ("layered", "depth_first")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -107,7 +102,7 @@ _RANGES: dict[str, dict[str, _Range]] = {
     "checkpoint": {"every": _NON_NEGATIVE, "keep": _POSITIVE},
     "log": {"every": _POSITIVE},
 }
-_ARITHMETIC_RULES = frozenset(
+ARITHMETIC_RULES = frozenset(  # rules whose violation stops the cross-section checks (tessera.execution)
     [f"{s}.{n}" for s, fields in _RANGES.items() for n in fields] + ["parallel.tensor", "train.micro_batches"]
 )
 
@@ -483,31 +478,20 @@ class Config:
         return dataclasses.asdict(self)
 
     def check(self, world_size: int) -> list[Violation]:
-        """Every violated rule, for this world size; an empty list means the config is valid."""
-        v: list[Violation] = []
-        for section in (self.model, self.parallel, self.train, self.data, self.checkpoint, self.log):
-            v.extend(section.check())
-        if world_size < 1:
-            v.append(
-                Violation(
-                    rule="world_size",
-                    problem=f"world size {world_size} must be at least 1",
-                    fix="pass the number of processes, e.g. --world-size 8",
-                )
-            )
-        if world_size < 1 or any(x.rule in _ARITHMETIC_RULES for x in v):
-            return v  # the cross-section rules divide by these numbers
-        v.extend(_check_layout(self, world_size))
-        return v
+        """Every violated rule, for this world size; an empty list means the config is valid.
+
+        The per-section field rules live in each section's ``check``; the rules across sections (world size,
+        divisibility, batch arithmetic, the schedule that will run) in `tessera.execution`, which resolves the
+        config into the plan a run executes."""
+        from tessera.execution import violations
+
+        return violations(self, world_size)
 
     def validate(self, world_size: int) -> None:
-        """Raise ConfigError listing every violation at once."""
-        violations = self.check(world_size)
-        if violations:
-            lines = "\n".join(f"  {i + 1}. {x}" for i, x in enumerate(violations))
-            raise ConfigError(
-                f"{len(violations)} configuration problem(s) for world size {world_size}:\n{lines}"
-            )
+        """Raise ConfigError listing every violation at once (`tessera.execution.resolve`)."""
+        from tessera.execution import resolve
+
+        resolve(self, world_size)
 
 
 def parse_tensor(value: int | str) -> tuple[int, int]:
@@ -543,144 +527,10 @@ def _multiple_near(n: int, k: int) -> int:
     return max(k, k * round(n / k))
 
 
-def _check_layout(cfg: Config, world_size: int) -> list[Violation]:
-    """Cross-section rules: world size, tensor and pipeline divisibility, batch arithmetic."""
-    p = cfg.parallel
-    try:
-        t, q = p.tensor_shape()
-    except ConfigError:
-        return []  # already reported by ParallelConfig.check
-    v: list[Violation] = []
-    tp = t * q * q
-    dp = p.data_size(world_size)
-    if dp * p.pipeline * tp != world_size:
-        fits = world_size // (p.pipeline * tp) if world_size % (p.pipeline * tp) == 0 else None
-        fix = (
-            f"set parallel.data = {fits}"
-            if fits
-            else f"use a world size that is a multiple of pipeline·tensor = {p.pipeline * tp}, e.g. "
-            f"{_multiple_near(world_size, p.pipeline * tp)}"
-        )
-        v.append(
-            Violation(
-                rule="world_size",
-                problem=f"world size {world_size} != data {dp} × pipeline "
-                f"{p.pipeline} × tensor {tp} = {dp * p.pipeline * tp}",
-                fix=fix,
-            )
-        )
-    v.extend(_check_tensor(cfg.model, t, q, p.sequence_parallel))
-    v.extend(_check_pipeline(cfg))
-    v.extend(_check_batch(cfg.train, dp))
-    if q > 1 and cfg.train.micro_batch % q:
-        # 2D partitions activations as [b/q, s, h/q]: the micro-batch splits over the grid's rows.
-        v.append(
-            Violation(
-                rule="tensor.batch",
-                problem=f"train.micro_batch = {cfg.train.micro_batch} is not divisible by the 2D grid side {q}",
-                fix=f"set train.micro_batch = {_multiple_near(cfg.train.micro_batch, q)}",
-            )
-        )
-    return v
-
-
-def _check_tensor(m: ModelConfig, t: int, q: int, sequence_parallel: bool) -> list[Violation]:
-    v: list[Violation] = []
-    # 1D splits heads, KV heads and the MLP over t ranks; 2D splits them over the q columns and the batch over q rows.
-    split, name = (t, f"tensor {t}") if q == 1 else (q, f"2D grid {q}x{q}")
-    for field_name, value in (
-        ("n_heads", m.n_heads),
-        ("n_kv_heads", m.kv_heads),
-        ("d_model", m.d_model),
-        ("ffn_hidden", m.ffn),
-    ):
-        if split > 1 and value % split:
-            v.append(
-                Violation(
-                    rule="tensor.divisibility",
-                    problem=f"model.{field_name} = {value} is not divisible by {name} ({split})",
-                    fix=f"make model.{field_name} a multiple of {split}, e.g. "
-                    f"{_multiple_near(value, split)}, or use a tensor size that divides it: "
-                    f"{[d for d in _divisors_near(value, split) if d > 1] or [1]}",
-                )
-            )
-    if sequence_parallel and q > 1:
-        v.append(
-            Violation(
-                rule="tensor.sequence_parallel",
-                problem="parallel.sequence_parallel applies to 1D "
-                "tensor parallelism only; 2D already partitions activations",
-                fix="set parallel.sequence_parallel = false, or use a 1D tensor size",
-            )
-        )
-    if sequence_parallel and t > 1 and m.seq_len % t:
-        v.append(
-            Violation(
-                rule="tensor.sequence_parallel",
-                problem=f"model.seq_len = {m.seq_len} is not divisible by tensor {t}",
-                fix=f"set model.seq_len = {_multiple_near(m.seq_len, t)}",
-            )
-        )
-    return v
-
-
-def _check_pipeline(cfg: Config) -> list[Violation]:
-    p, layers = cfg.parallel, cfg.model.n_layers
-    stages = p.pipeline * p.stages_per_rank
-    if p.pipeline == 1 and p.stages_per_rank == 1:
-        return []
-    if p.stage_layers is not None:
-        if len(p.stage_layers) != stages or sum(p.stage_layers) != layers or min(p.stage_layers) < 0:
-            return [
-                Violation(
-                    rule="pipeline.stage_layers",
-                    problem=f"parallel.stage_layers = {p.stage_layers} "
-                    f"must have pipeline × stages_per_rank = {stages} non-negative entries summing to "
-                    f"model.n_layers = {layers}",
-                    fix=f"e.g. {even_split(layers, stages)}",
-                )
-            ]
-        return []
-    if layers < stages:
-        return [
-            Violation(
-                rule="pipeline.layers",
-                problem=f"model.n_layers = {layers} is fewer than pipeline "
-                f"{p.pipeline} × stages_per_rank {p.stages_per_rank} = {stages} stages",
-                fix=f"set parallel.pipeline·stages_per_rank <= {layers}, or model.n_layers >= {stages}",
-            )
-        ]
-    if layers % stages:
-        return [
-            Violation(
-                rule="pipeline.layers",
-                problem=f"model.n_layers = {layers} is not divisible by {stages} stages",
-                fix=f"set model.n_layers = {_multiple_near(layers, stages)} or give "
-                f"parallel.stage_layers explicitly, e.g. {even_split(layers, stages)}",
-            )
-        ]
-    return []
-
-
 def even_split(n_layers: int, n_stages: int) -> list[int]:
     """Blocks per stage for an even split; the first ``n_layers % n_stages`` stages get one more."""
     base, extra = divmod(n_layers, n_stages)
     return [base + (1 if s < extra else 0) for s in range(n_stages)]
-
-
-def _check_batch(tr: TrainConfig, dp: int) -> list[Violation]:
-    unit = tr.micro_batch * dp
-    if unit < 1 or tr.global_batch % unit == 0:
-        return []
-    lo, hi = unit * max(1, tr.global_batch // unit), unit * (tr.global_batch // unit + 1)
-    return [
-        Violation(
-            rule="batch",
-            problem=f"train.global_batch = {tr.global_batch} is not micro_batch "
-            f"{tr.micro_batch} × micro-batches × data-parallel size {dp}",
-            fix=f"set train.global_batch = {lo} or {hi} (multiples of {unit})",
-        )
-    ]
 
 
 # --- loading -------------------------------------------------------------------------------------------------

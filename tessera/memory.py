@@ -7,9 +7,9 @@ micro-batches in flight, and adds what is specific to tessera's runtime (docs/me
 - model state: tessera keeps fp32 parameters as master weights and autocasts compute, so per parameter
   4 (param) + 4 (grad) + 8 (Adam m, v) bytes, sharded by ZeRO-1/2/3 as in Rajbhandari 2020;
 - activations: per-layer bytes (Korthikanti 2022, by checkpointing mode) × the peak number of
-  (layer, micro-batch) pairs alive on the rank, read from ``simulate`` on the lowered schedule the runtime runs
-  (layered accumulation keeps all m micro-batches); plus the head's input and fp32 logits of every in-flight
-  micro-batch on the last stage;
+  (layer, micro-batch) pairs alive on the rank in the schedule the execution plan runs (`tessera.execution`:
+  layered accumulation keeps all m micro-batches; one pipeline rank runs breadth-first with one stage per block);
+  plus the head's input and fp32 logits of every in-flight micro-batch on the last stage;
 - communication buffers: one stage's flattened gradients in flight (ZeRO reduce-scatter or all-reduce), with
   ZeRO-2/3 also the full gradients of the stage in backward, with ZeRO-3 the gathered parameters of one stage.
 """
@@ -19,13 +19,22 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tessera.config import Config, even_split
-from tessera.pipeline.ir import ActionKind, rank_stages
-from tessera.pipeline.passes import lower
+from tessera.execution import DIRECT, ExecutionPlan, resolve
+from tessera.modes import BREADTH_FIRST, LAYERED
+from tessera.pipeline.ir import ActionKind, Schedule
 from tessera.pipeline.schedules import build_schedule
 from tessera.planner.cost import MemoryBreakdown, ModelShape, Plan, memory_per_rank, model_state_bytes
-from tessera.sim.simulator import simulate
+from tessera.planner.steptime import inflight_microbatches
 
-__all__ = ["COMPONENTS", "MemoryEstimate", "estimate", "plan_from_config", "stage_params"]
+__all__ = [
+    "COMPONENTS",
+    "MemoryEstimate",
+    "cost_plan",
+    "estimate",
+    "estimate_plan",
+    "plan_from_config",
+    "stage_params",
+]
 
 GIB = 2**30
 COMPONENTS = ("params", "grads", "optimizer", "activations", "working", "comm_buffers")
@@ -99,90 +108,125 @@ def _fix_for(component: str, plan: Plan) -> str:
     return "lower train.micro_batch or use fewer pipeline stages per rank (smaller stage buffers)"
 
 
-def plan_from_config(cfg: Config, world_size: int) -> Plan:
-    """The cost model's Plan for a run configuration on ``world_size`` ranks."""
-    par, tr = cfg.parallel, cfg.train
-    t, q = par.tensor_shape()
-    dp = par.data_size(world_size)
+def cost_plan(plan: ExecutionPlan) -> Plan:
+    """The cost model's view of an execution plan (activation memory uses torch SDPA: no s×s score tensor)."""
     return Plan(
-        dp=dp,
-        pp=par.pipeline,
-        tp=t * q * q,
-        tp_kind="2d" if q > 1 else "1d",
-        sequence_parallel=par.sequence_parallel,
-        virtual_stages=par.stages_per_rank,
-        zero_stage=par.zero,
-        micro_batch=tr.micro_batch,
-        n_microbatches=max(1, tr.micro_batches(dp)),
-        recompute=par.checkpointing,
-        accumulation=par.accumulation,
-        dtype=tr.dtype,
+        dp=plan.dp,
+        pp=plan.pp,
+        tp=plan.tensor_ranks,
+        tp_kind="2d" if plan.q > 1 else "1d",
+        sequence_parallel=plan.sequence_parallel,
+        virtual_stages=plan.stages_per_rank,
+        zero_stage=plan.zero,
+        micro_batch=plan.micro_batch,
+        n_microbatches=plan.micro_batches,
+        recompute=plan.checkpointing,
+        accumulation=plan.accumulation,
+        dtype=plan.dtype,
         flash_attention=True,  # torch SDPA (flash / memory-efficient kernels) keeps no s×s score tensor
     )
 
 
-def stage_params(shape: ModelShape, plan: Plan, stage_layers: list[int] | None = None) -> list[float]:
+def plan_from_config(cfg: Config, world_size: int) -> Plan:
+    """The cost model's Plan for what a run configuration executes on ``world_size`` ranks."""
+    return cost_plan(resolve(cfg, world_size))
+
+
+def stage_params(
+    shape: ModelShape, plan: Plan, stage_layers: list[int] | tuple[int, ...] | None = None
+) -> list[float]:
     """Parameters of each global stage (before tensor/ZeRO sharding are applied: divided by tp only).
 
     Stage 0 adds the embedding (+ learned positions), the last stage the final norm and an untied head (or,
     when the head's stage is on another pipeline rank, its own copy of the tied embedding).
     """
-    n = plan.pp * plan.virtual_stages
-    layers = stage_layers or even_split(shape.n_layers, n)
     h, V = shape.d_model, shape.vocab_size
+    layers = stage_layers or even_split(shape.n_layers, plan.pp * plan.virtual_stages)
     out = [count * shape.layer_params() for count in layers]
     out[0] += V * h + (0 if shape.swiglu else shape.seq_len * h)
     out[-1] += (h if shape.swiglu else 2 * h) + (0 if (shape.tied and plan.pp == 1) else V * h)
     return [x / plan.tp for x in out]
 
 
-def _lowered(cfg: Config, plan: Plan):
-    """The schedule the runtime executes (tessera.pipeline.runtime.lowered_schedule's rules, torch-free)."""
-    name, options = cfg.parallel.schedule, {}
-    if plan.accumulation == "depth_first" and name in ("breadth_first", "bf", "bfs"):
-        options["consecutive"] = 1
-    compute = build_schedule(name, plan.pp, plan.n_microbatches, plan.virtual_stages, **options)
-    return lower(compute, plan.pp, zero3=plan.zero_stage == 3)
+def _inflight(plan: ExecutionPlan) -> tuple[list[float], list[int]]:
+    """Per pipeline rank: peak (block × micro-batch) pairs saved for backward, and peak micro-batches of the last
+    stage (0 on ranks without it).
+
+    A rank runs its list in order, so these peaks follow from its action order alone. Named schedules with even
+    stages use the closed forms (`steptime.inflight_microbatches`; equal to the scan, tests/unit) so the
+    planner's search can price thousands of layouts; uneven stages and hand-written schedules scan the list.
+    """
+    p, m, v, n = plan.pp, plan.micro_batches, plan.stages_per_rank, plan.n_stages
+    last_rank = plan.stage_rank(n - 1)
+    if plan.runner == DIRECT:
+        return [float(plan.n_layers)], [1]
+    name = plan.schedule or ""
+    even = len(set(plan.stage_layers)) == 1
+    if even and not name.endswith(".csv"):
+        per_stage = plan.stage_layers[0]
+        group = m if plan.accumulation == LAYERED else 1  # breadth-first's micro-batches per sweep
+        if name == BREADTH_FIRST:
+            units, last = [float(v * group)] * p, group
+        else:
+            units = [inflight_microbatches(name, p, m, v, r) * v for r in range(p)]
+            last = {"1f1b": 1, "gpipe": m}.get(name, m if m == p else 1)
+        return [u * per_stage for u in units], [last if r == last_rank else 0 for r in range(p)]
+    return _scan(_compute_schedule(plan), plan.stage_layers, n - 1)
 
 
-def _inflight_layers(cfg: Config, plan: Plan, layers: list[int]) -> tuple[list[float], list[int]]:
-    """Per pipeline rank: peak in-flight (layer × micro-batch) count, and peak micro-batches of the last stage."""
-    lowered = _lowered(cfg, plan)
-    result = simulate(lowered, plan.pp, activation_bytes=dict(enumerate(layers)), check=False)
-    last = len(layers) - 1
-    live, peak_last = 0, 0
-    for action in (a for actions in lowered for a in actions if a.stage == last):
-        if action.kind is ActionKind.FORWARD:
-            live += 1
-            peak_last = max(peak_last, live)
-        elif action.kind is ActionKind.BACKWARD:
-            live -= 1
-    return result.peak_activations, [
-        peak_last if last in rank_stages(r, plan.pp, plan.virtual_stages) else 0 for r in range(plan.pp)
-    ]
+def _compute_schedule(plan: ExecutionPlan) -> Schedule:
+    if (plan.schedule or "").endswith(".csv"):
+        return plan.lowered()
+    options = {"consecutive": 1} if plan.schedule == BREADTH_FIRST and plan.accumulation != LAYERED else {}
+    return build_schedule(plan.schedule or "", plan.pp, plan.micro_batches, plan.stages_per_rank, **options)
+
+
+def _scan(schedule: Schedule, layers: tuple[int, ...], last: int) -> tuple[list[float], list[int]]:
+    """Walk each rank's list: F saves its stage's blocks until the B (or W, when split) of the same pair."""
+    peaks, lasts = [], []
+    for actions in schedule:
+        live = peak = live_last = peak_last = 0
+        for a in actions:
+            if a.kind is ActionKind.FORWARD:
+                live += layers[a.stage]
+                live_last += a.stage == last
+            elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+                live -= layers[a.stage]
+                live_last -= a.stage == last
+            peak, peak_last = max(peak, live), max(peak_last, live_last)
+        peaks.append(float(peak))
+        lasts.append(peak_last)
+    return peaks, lasts
 
 
 def estimate(
     cfg: Config, world_size: int, device_memory: float | None = None, *, stage: int | None = None
 ) -> MemoryEstimate:
-    """Peak memory per rank for ``cfg`` on ``world_size`` ranks: the fullest pipeline rank's breakdown, or that
-    of pipeline position ``stage`` when given (the dry run compares rank by rank)."""
-    shape = ModelShape.from_config(cfg.model)
-    plan = plan_from_config(cfg, world_size)
-    n = plan.pp * plan.virtual_stages
-    layers = cfg.parallel.stage_layers or even_split(shape.n_layers, n)
-    per_stage = stage_params(shape, plan, layers)
-    peaks, last_mb = _inflight_layers(cfg, plan, layers)
+    """Peak memory per rank for what ``cfg`` runs on ``world_size`` ranks: the fullest pipeline rank's
+    breakdown, or that of pipeline position ``stage`` when given (the dry run compares rank by rank)."""
+    return estimate_plan(
+        ModelShape.from_config(cfg.model), resolve(cfg, world_size), device_memory, stage=stage
+    )
+
+
+def estimate_plan(
+    shape: ModelShape, plan: ExecutionPlan, device_memory: float | None = None, *, stage: int | None = None
+) -> MemoryEstimate:
+    """Peak memory per rank of an execution plan: the fullest pipeline rank's breakdown. The one memory model:
+    `tessera memory` and the planner's search both call it."""
+    cplan = cost_plan(plan)
+    per_stage = stage_params(shape, cplan, plan.stage_layers)
+    peaks, last_mb = _inflight(plan)
     best: MemoryEstimate | None = None
     for rank in range(plan.pp) if stage is None else [stage]:
-        mine = rank_stages(rank, plan.pp, plan.virtual_stages)
-        share = sum(layers[s] for s in mine) or 1
+        mine = plan.rank_stages(rank)
+        share = sum(plan.stage_layers[s] for s in mine) or 1
         # memory_per_rank multiplies by L/p layers; peaks[rank] already counts (layer × micro-batch) pairs
         inflight = peaks[rank] / (shape.n_layers / plan.pp)
-        base = memory_per_rank(shape, plan, inflight_microbatches=inflight, stage=rank, precision="fp32")
-        bd = _adjust(base, shape, plan, [per_stage[s] for s in mine], last_mb[rank])
+        base = memory_per_rank(shape, cplan, inflight_microbatches=inflight, stage=rank, precision="fp32")
+        bd = _adjust(base, shape, cplan, [per_stage[s] for s in mine], last_mb[rank])
         candidate = MemoryEstimate(
-            breakdown=bd, stage=rank, inflight=peaks[rank] / share, plan=plan, device_memory=device_memory
+            breakdown=bd, stage=rank, inflight=peaks[rank] / share, plan=cplan, device_memory=device_memory
         )
         if best is None or candidate.total > best.total:
             best = candidate

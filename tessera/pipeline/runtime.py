@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -36,10 +35,8 @@ from tessera import comm
 from tessera.errors import ConfigError
 from tessera.layout import Axis
 from tessera.parallel.memory import SavedActivationCounter
-from tessera.pipeline.csvio import from_csv
-from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, infer_stage_ranks, stage_to_rank
-from tessera.pipeline.passes import lower
-from tessera.pipeline.schedules import build_schedule
+from tessera.pipeline.build import lowered_schedule
+from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, infer_stage_ranks
 from tessera.pipeline.stage import Stage, TiedParameter, split_stages, tied_parameters
 from tessera.pipeline.validate import validate
 
@@ -536,64 +533,6 @@ def _check_p2p_order(lowered: Schedule) -> None:
 # --- building a pipeline from a plain model ----------------------------------------------------------------
 
 
-def lowered_schedule(
-    schedule_name: str,
-    p: int,
-    m: int,
-    v: int = 1,
-    *,
-    zero3: bool = False,
-    accumulation: str = "layered",
-    **options: Any,
-) -> tuple[Schedule, str]:
-    """Build, lower and validate a named schedule; returns (lowered lists, placement).
-
-    ``accumulation = "depth_first"`` runs breadth_first one micro-batch at a time (``consecutive = 1``).
-    """
-    if accumulation not in ("layered", "depth_first"):
-        raise ConfigError(f"unknown accumulation {accumulation!r}; choose layered or depth_first")
-    placement = str(options.get("placement", "loop"))
-    if schedule_name.endswith(".csv"):
-        compute = _schedule_from_file(schedule_name, p, m, v)
-        placement = _placement_of(compute, p)
-    else:
-        if accumulation == "depth_first" and schedule_name in ("breadth_first", "bf", "bfs"):
-            options = {**options, "consecutive": 1}
-        compute = build_schedule(schedule_name, p, m, v, **options)
-    lowered = lower(compute, p, placement, zero3=zero3)
-    validate(lowered, p, microbatches=m)
-    return lowered, placement
-
-
-def _schedule_from_file(path: str, p: int, m: int, v: int) -> Schedule:
-    """A user's own compute schedule from CSV (tessera.pipeline.csvio format), checked against p, m and v."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(
-            f"parallel.schedule = {path!r}: no such file; write one with tessera.pipeline.csvio.to_csv"
-        )
-    compute = from_csv(file.read_text(), p)
-    stages = {a.stage for rank in compute for a in rank}
-    batches = {a.microbatch for rank in compute for a in rank if a.microbatch is not None}
-    if stages != set(range(p * v)) or batches != set(range(m)):
-        raise ConfigError(
-            f"schedule file {path}: it has stages {sorted(stages)} and micro-batches {sorted(batches)}, but this run "
-            f"has pipeline {p} × stages_per_rank {v} = {p * v} stages and {m} micro-batches per step"
-        )
-    return compute
-
-
-def _placement_of(compute: Schedule, p: int) -> str:
-    """The placement (loop or vshape) whose stage → rank map the schedule follows."""
-    owner = infer_stage_ranks(compute)
-    for placement in ("loop", "vshape"):
-        if all(stage_to_rank(s, p, placement) == r for s, r in owner.items()):
-            return placement
-    raise ConfigError(
-        f"schedule file puts stages on ranks {owner}, which is neither the loop nor the vshape placement"
-    )
-
-
 def build_pipeline(
     model: nn.Module,
     layout: Any,
@@ -602,25 +541,35 @@ def build_pipeline(
     schedule_name: str | None = None,
     m: int | None = None,
     *,
+    plan: Any = None,
     stage_comm: Callable[[dict[int, Stage]], StageComm] | None = None,
     record: bool = False,
     **schedule_options: Any,
 ) -> PipelineEngine:
     """A ``PipelineEngine`` for this rank from a plain (or tensor-parallel) ``model`` built identically on
-    every rank: split into ``p·v`` stages (``cfg.parallel.stage_layers``, ``checkpointing``), keep this rank's,
-    lower and validate the schedule (``cfg.parallel.schedule`` unless ``schedule_name``), attach the StageComm
+    every rank: split into ``p·v`` stages, keep this rank's, lower and validate the schedule, attach the StageComm
     (``stage_comm(stages)``, default ``DataParallelStageComm`` over the data-parallel group).
 
-    ``cfg`` is the run Config (``cfg.parallel``, ``cfg.train``); ``m`` defaults to the micro-batches per step.
+    ``plan`` (a `tessera.execution.ExecutionPlan`, what the trainer passes) decides the schedule, stages per rank,
+    stage layers, checkpointing, ZeRO stage, accumulation and micro-batches. Without it they are read from the run
+    Config ``cfg`` as written (``cfg.parallel``; ``schedule_name`` and ``m`` override the schedule and the
+    micro-batch count): a test's way to run one schedule directly.
     """
     par = cfg.parallel
-    p, v = layout.pp, par.stages_per_rank
-    name = schedule_name or par.schedule
-    m = m if m is not None else cfg.train.micro_batches(layout.dp)
+    if plan is not None:
+        name, v, m = plan.schedule, plan.stages_per_rank, plan.micro_batches
+        stage_layers, checkpointing = list(plan.stage_layers), plan.checkpointing
+        zero, accumulation = plan.zero, plan.accumulation
+    else:
+        name, v = schedule_name or par.schedule, par.stages_per_rank
+        m = m if m is not None else cfg.train.micro_batches(layout.dp)
+        stage_layers, checkpointing = par.stage_layers, par.checkpointing
+        zero, accumulation = par.zero, par.accumulation
+    p = layout.pp
     lowered, _ = lowered_schedule(
-        name, p, m, v, zero3=par.zero == 3, accumulation=par.accumulation, **schedule_options
+        name, p, m, v, zero3=zero == 3, accumulation=accumulation, **schedule_options
     )
-    all_stages = split_stages(model, p * v, par.stage_layers, par.checkpointing)
+    all_stages = split_stages(model, p * v, stage_layers, checkpointing)
     rank = groups.coord(Axis.PIPE) if groups is not None else 0
     owner = infer_stage_ranks(lowered)
     stages = {s.index: s for s in all_stages if owner[s.index] == rank}
@@ -636,5 +585,5 @@ def build_pipeline(
         microbatches=m,
         tied=tied_parameters(all_stages),
         record=record,
-        accumulation=par.accumulation,
+        accumulation=accumulation,
     )

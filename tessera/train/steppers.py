@@ -2,9 +2,11 @@
 
 - ``DirectStepper``: no pipeline and no ZeRO. The (possibly tensor-parallel) module runs the micro-batches one
   after another and ``GradSync`` all-reduces data-parallel gradients in buckets overlapped with the last backward.
-- ``PipelineStepper``: a pipeline, or ZeRO. The schedule IR runtime executes the step; with one pipeline rank the
-  model is cut into one stage per block and run breadth-first, which *is* layered gradient accumulation, so that
-  ZeRO's gathers and reduce-scatters happen once per block per step (docs/zero.md).
+- ``PipelineStepper``: a pipeline, ZeRO, or layered accumulation. The schedule IR runtime executes the step the
+  execution plan resolved (`tessera.execution`: on one pipeline rank, breadth-first with one stage per block).
+
+Which one runs, and with which schedule and stages, is the plan's decision (``plan.runner``); nothing here
+re-derives it.
 
 Both expose the same small surface: ``run(batches)``, ``clip(max_norm)``, ``optimizer``, ``state_module`` (what a
 checkpoint saves) and ``shard_id`` (which rank-local shard that is).
@@ -12,7 +14,6 @@ checkpoint saves) and ``shard_id`` (which rank-local shard that is).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from tessera import comm
 from tessera.config import Config, TrainConfig
 from tessera.errors import ConfigError
+from tessera.execution import SCHEDULE_RUNTIME, ExecutionPlan, resolve
 from tessera.groups import Groups
 from tessera.layout import Axis, Layout
 from tessera.parallel.apply import norm_weights, tensor_groups
@@ -123,27 +125,30 @@ class DirectStepper:
 class PipelineStepper:
     """The schedule IR runtime runs the step: pipeline schedules, layered accumulation and ZeRO."""
 
-    def __init__(self, module: nn.Module, cfg: Config, layout: Layout, groups: Groups | None) -> None:
-        par = cfg.parallel
-        if layout.pp == 1 and par.stages_per_rank == 1:
-            # Layered accumulation on one pipeline rank: one stage per block, every stage breadth-first.
-            par = dataclasses.replace(
-                par, schedule="breadth_first", stages_per_rank=cfg.model.n_layers, stage_layers=None
-            )
-            cfg = dataclasses.replace(cfg, parallel=par)
+    def __init__(
+        self,
+        module: nn.Module,
+        cfg: Config,
+        layout: Layout,
+        groups: Groups | None,
+        plan: ExecutionPlan | None = None,
+    ) -> None:
+        plan = plan or resolve(cfg, layout.world_size)
         self.dtype = cfg.train.dtype
         dp_group = groups.dp if groups is not None and layout.dp > 1 else None
         self.zero: ZeroStageComm | None = None
 
         def stage_comm(stages: dict) -> DataParallelStageComm | ZeroStageComm:
-            if par.zero == 0:
+            if plan.zero == 0:
                 return DataParallelStageComm(stages, dp_group)
             reduce = reduce_dtype(cfg.train.grad_reduce_dtype)
-            self.zero = ZeroStageComm(stages, dp_group, par.zero, par.accumulation, reduce_dtype=reduce)
+            # The data-parallel group itself, even of size 1: ZeRO treats a None group as the whole world,
+            # which with pipeline ranks reduce-scattered different stages' gradients together.
+            group = groups.dp if groups is not None else None
+            self.zero = ZeroStageComm(stages, group, plan.zero, plan.accumulation, reduce_dtype=reduce)
             return self.zero
 
-        m = cfg.train.micro_batches(layout.dp)
-        self.engine = build_pipeline(module, layout, groups, cfg, m=m, stage_comm=stage_comm)
+        self.engine = build_pipeline(module, layout, groups, cfg, plan=plan, stage_comm=stage_comm)
         self.norm_groups = tensor_groups(layout, groups) + (
             [groups.pp] if groups is not None and layout.pp > 1 else []
         )
@@ -166,7 +171,7 @@ class PipelineStepper:
             # one pipeline rank holds every stage: save the model under its plain names (generate, export)
             stages = nn.ModuleDict({str(s): st for s, st in self.engine.stages.items()})
             self.state_module = module if layout.pp == 1 else stages
-        self.shard_id = _shard_id(layout, groups, par.zero)
+        self.shard_id = _shard_id(layout, groups, plan.zero)
         self._release_remote_stages(module)
         self.module = module
         self.saved_bytes = 0
@@ -212,15 +217,14 @@ class PipelineStepper:
 
 
 def make_stepper(
-    module: nn.Module, cfg: Config, layout: Layout, groups: Groups | None
+    module: nn.Module, cfg: Config, layout: Layout, groups: Groups | None, plan: ExecutionPlan | None = None
 ) -> DirectStepper | PipelineStepper:
-    """The schedule runtime for a pipeline, ZeRO or layered accumulation of several micro-batches; else direct.
+    """The stepper the execution plan chose (``plan.runner``; resolved from ``cfg`` when not given).
 
-    Depth-first accumulation (or a single micro-batch) without pipeline and ZeRO needs no schedule: the direct
-    loop keeps one micro-batch in flight and overlaps the bucketed all-reduce with the last backward.
+    The schedule runtime for a pipeline, ZeRO or layered accumulation of several micro-batches; else the direct
+    loop, which keeps one micro-batch in flight and overlaps the bucketed all-reduce with the last backward.
     """
-    par = cfg.parallel
-    layered = par.accumulation == "layered" and cfg.train.micro_batches(layout.dp) > 1
-    if layout.pp > 1 or par.zero > 0 or layered:
-        return PipelineStepper(module, cfg, layout, groups)
+    plan = plan or resolve(cfg, layout.world_size)
+    if plan.runner == SCHEDULE_RUNTIME:
+        return PipelineStepper(module, cfg, layout, groups, plan)
     return DirectStepper(module, cfg, layout, groups)

@@ -22,8 +22,9 @@ from torch import nn
 from tessera import comm
 from tessera.config import Config, TrainConfig
 from tessera.errors import ConfigError
+from tessera.execution import resolve
 from tessera.groups import Groups, build_groups
-from tessera.layout import Axis, Layout
+from tessera.layout import Axis
 from tessera.model.build import build_model
 from tessera.parallel.apply import parallelize
 from tessera.train import checkpoint as ckpt
@@ -106,8 +107,8 @@ class TrainingRun:
 
     def __init__(self, cfg: Config, rank: int, world: int, *, with_data: bool = True) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
-        cfg.validate(world)
-        self.layout = Layout.from_config(cfg.parallel, world)
+        self.plan = resolve(cfg, world)  # what runs: raises ConfigError listing every violation
+        self.layout = self.plan.layout
         self.device = resolve_device(cfg.train.device)
         self.groups: Groups | None = (
             build_groups(self.layout, self.device.type) if dist.is_initialized() else None
@@ -130,9 +131,9 @@ class TrainingRun:
         # Order: tensor parallelism cuts this rank's shards from the identical full model (parallel/apply.py);
         # the stepper then adds checkpointing, pipeline stages and ZeRO, or plain data-parallel sync.
         self.model = parallelize(plain, self.layout, self.groups, cfg)
-        self.stepper = make_stepper(self.model, cfg, self.layout, self.groups)
+        self.stepper = make_stepper(self.model, cfg, self.layout, self.groups, self.plan)
         self.optimizer = self.stepper.optimizer
-        self.n_micro = cfg.train.micro_batches(self.layout.dp)
+        self.n_micro = self.plan.micro_batches
         self.run_dir = Path(cfg.log.run_dir)
         self.ckpt_dir = checkpoint_dir(self.run_dir, cfg)
 

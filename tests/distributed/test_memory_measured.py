@@ -310,3 +310,26 @@ def test_estimate_within_10_percent_pipeline_layouts(world: int) -> None:
     if world == 2:  # the tracker sees the schedules: rank 0 keeps ≤ p micro-batches with 1F1B, all m with BF
         acts = {n: per_rank[0][n]["activations"] for n in names}
         assert acts["pp2_1f1b"] < 0.6 * acts["pp2_bf_v2"], acts
+
+
+def test_demo_estimate_matches_the_trainers_saved_activations(token_file, tmp_path) -> None:
+    """configs/demo.toml as the trainer runs it: one pipeline rank with layered accumulation runs breadth-first,
+    one stage per block, so both micro-batches' activations are alive at once. The estimate reads the same
+    execution plan; the trainer's metric is SavedActivationCounter's peak during the step."""
+    import json
+    import tomllib
+    from pathlib import Path
+
+    from tessera.config import from_dict
+    from tests.distributed.conftest import train_losses
+
+    raw = tomllib.loads(Path("configs/demo.toml").read_text())
+    raw["train"]["steps"] = 1
+    raw["data"] = {"path": str(token_file)}
+    raw["checkpoint"] = {"every": 0, "resume": False}
+    raw["log"] = {"run_dir": str(tmp_path / "demo"), "progress": False, "tensorboard": False}
+    run_distributed(train_losses, 2, raw, timeout=300)
+    recorded = json.loads((tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()[0])
+    estimated = estimate(from_dict(raw), 2).breakdown.activations
+    saved = recorded["saved_activation_bytes"]
+    assert abs(estimated - saved) <= ACT_RTOL * saved, (estimated, saved)

@@ -31,11 +31,13 @@ LAYOUTS = {  # name: (world size, parallel section)
     "pp2_bf_v2": (2, {"pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 2}),
     "pp2_interleaved_v2": (2, {"pipeline": 2, "schedule": "interleaved", "stages_per_rank": 2}),
     "pp2_uneven": (2, {"pipeline": 2, "schedule": "1f1b", "stage_layers": [1, 3]}),
+    "pp2_z1_dp1": (2, {"data": 1, "pipeline": 2, "zero": 1}),  # regression: gloo "data size doesn't match"
     "dp2_z1": (2, {"data": 2, "zero": 1}),
     "dp2_z2": (2, {"data": 2, "zero": 2}),
     "dp2_z3": (2, {"data": 2, "zero": 3}),
     "dp2_z3_depth_first": (2, {"data": 2, "zero": 3, "accumulation": "depth_first"}),
     "dp2_z3_full_ckpt": (2, {"data": 2, "zero": 3, "checkpointing": "full"}),
+    "pp2_tp2_z1_dp1": (4, {"data": 1, "pipeline": 2, "tensor": 2, "zero": 1}),
     "dp2_pp2_bf": (4, {"data": 2, "pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 2}),
     "dp2_pp2_z3": (
         4,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from tessera.execution import resolve, violations
 from tessera.memory import estimate, stage_params
 from tessera.planner.cost import ModelShape
 
@@ -14,9 +15,9 @@ REL = 1e-9
 
 
 def _cfg(**parallel) -> Config:
-    par = {"schedule": "breadth_first", "stages_per_rank": 4, **parallel}
+    """The default schedule: on one pipeline rank the execution plan runs it breadth-first, one stage per block."""
     return Config(
-        model=MODEL, parallel=ParallelConfig(**par), train=TrainConfig(global_batch=8, micro_batch=2)
+        model=MODEL, parallel=ParallelConfig(**parallel), train=TrainConfig(global_batch=8, micro_batch=2)
     )
 
 
@@ -55,7 +56,7 @@ def test_stage_params_sum_to_model() -> None:
 def test_explain_overflow_names_component_and_fix() -> None:
     big = Config(
         model=ModelConfig(n_layers=8, d_model=1024, n_heads=8, vocab_size=256, seq_len=2048),
-        parallel=ParallelConfig(schedule="breadth_first", stages_per_rank=8),
+        parallel=ParallelConfig(),
         train=TrainConfig(global_batch=32, micro_batch=4),
     )
     est = estimate(big, 1)
@@ -66,3 +67,33 @@ def test_explain_overflow_names_component_and_fix() -> None:
     state_heavy = estimate(_cfg(zero=0), 4)
     advice = state_heavy.explain_overflow(state_heavy.total / 10)
     assert advice is not None and ("parallel.zero" in advice or "checkpointing" in advice)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved", "breadth_first"])
+def test_closed_form_inflight_equals_the_scan_of_the_schedule(schedule: str) -> None:
+    """The closed forms the planner needs for speed give the same peaks as walking the lowered lists, every rank."""
+    from tessera.memory import _inflight, _scan
+
+    checked = 0
+    for p in (1, 2, 3, 4):
+        for v in (1, 2, 3) if schedule in ("interleaved", "breadth_first") else (1,):
+            for m in (1, 2, 3, 4, 6, 8):
+                for accumulation in ("layered", "depth_first"):
+                    cfg = Config(
+                        model=ModelConfig(n_layers=2 * p * v, n_heads=2, d_model=16, seq_len=8),
+                        parallel=ParallelConfig(
+                            pipeline=p,
+                            schedule=schedule,
+                            stages_per_rank=v,
+                            accumulation=accumulation,
+                            zero=1,
+                        ),
+                        train=TrainConfig(global_batch=m, micro_batch=1),
+                    )
+                    if violations(cfg, p):
+                        continue
+                    plan = resolve(cfg, p)
+                    scanned = _scan(plan.lowered(), plan.stage_layers, plan.n_stages - 1)
+                    assert _inflight(plan) == scanned, (p, v, m, accumulation, plan.schedule)
+                    checked += 1
+    assert checked > 20

@@ -1,0 +1,483 @@
+"""The one resolved execution plan: what a (config, world size) actually runs, decided once. No torch.
+
+`resolve(cfg, world_size)` returns an `ExecutionPlan` or raises ConfigError listing every violation;
+`violations(cfg, world_size)` returns the list. Everything that needs to know what runs consumes the plan and
+re-derives nothing: `tessera validate` prints it, the trainer builds its stepper and pipeline from it, the memory
+estimator (`tessera.memory`) and the planner's search price it, calibration predicts it.
+
+Decisions made here (and only here):
+
+- the runner: the schedule runtime for a pipeline, ZeRO, or layered accumulation of several micro-batches; else
+  the direct loop (micro-batches one after another, bucketed all-reduce overlapped with the last backward);
+- the schedule actually used: on a single pipeline rank the schedule runtime cuts the model into one stage per
+  block and runs it breadth-first (layered accumulation, so ZeRO's gathers and reduce-scatters happen once per
+  block per step; docs/zero.md) unless the config asks for several stages per rank itself;
+- the stages: how many per pipeline rank, each global stage's blocks, and which pipeline rank holds it;
+- accumulation order, checkpointing, ZeRO stage, micro-batch size and count, dtype.
+
+The cross-section rules (world size, tensor and pipeline divisibility, batch arithmetic, schedule constraints)
+live here; `tessera.config` keeps the per-section field checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tessera.config import (
+    ARITHMETIC_RULES,
+    Config,
+    ModelConfig,
+    TrainConfig,
+    Violation,
+    _divisors_near,
+    _multiple_near,
+    even_split,
+)
+from tessera.errors import ConfigError
+from tessera.layout import Layout
+from tessera.modes import BREADTH_FIRST, DEPTH_FIRST, LAYERED
+from tessera.pipeline.build import lowered_schedule
+from tessera.pipeline.ir import Schedule, ScheduleError, stage_to_rank
+
+__all__ = [
+    "DIRECT",
+    "RUNNERS",
+    "SCHEDULE_CHECK_LIMIT",
+    "SCHEDULE_RUNTIME",
+    "ExecutionPlan",
+    "StagePlan",
+    "resolve",
+    "violations",
+]
+
+DIRECT, SCHEDULE_RUNTIME = "direct", "schedule"
+RUNNERS = (DIRECT, SCHEDULE_RUNTIME)
+"""Which stepper runs a step: the direct loop or the schedule IR runtime (tessera.train.steppers)."""
+SCHEDULE_CHECK_LIMIT = 200_000
+"""Build and validate the lowered schedule at validate time when it has at most this many compute actions
+(2·p·v·m); a larger one is only checked against the schedule rules (the runtime still validates it at start)."""
+_ONE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlan:
+    """One global pipeline stage: its blocks, whether it holds the embedding / head, and its pipeline rank."""
+
+    index: int
+    rank: int
+    first_block: int
+    n_blocks: int
+    embedding: bool
+    head: bool
+
+    def describe(self) -> str:
+        blocks = (
+            f"blocks {self.first_block}-{self.first_block + self.n_blocks - 1}"
+            if self.n_blocks > 1
+            else (f"block {self.first_block}" if self.n_blocks == 1 else "no blocks")
+        )
+        extra = [name for name, has in (("embedding", self.embedding), ("head", self.head)) if has]
+        return f"stage {self.index} ({', '.join([blocks, *extra])})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExecutionPlan:
+    """What one run executes on ``world_size`` ranks (see the module docstring for who decides what)."""
+
+    world_size: int
+    dp: int
+    pp: int
+    tp: int
+    """1D tensor-parallel size t (1 with a 2D grid)."""
+    q: int
+    """Side of the 2D tensor grid q×q (1 for 1D)."""
+    sequence_parallel: bool
+    runner: str
+    """DIRECT or SCHEDULE_RUNTIME."""
+    schedule: str | None
+    """The schedule the runtime builds (a config name or a .csv path); None for the direct loop."""
+    configured_schedule: str
+    switched_to_breadth_first: bool
+    """True when one pipeline rank runs breadth-first with one stage per block instead of the configured schedule."""
+    stages_per_rank: int
+    stage_layers: tuple[int, ...]
+    """Blocks of each global stage (pp · stages_per_rank entries); the direct loop runs one stage of all blocks."""
+    placement: str
+    """Stage → pipeline rank map: "loop" (stage % pp) or "vshape" (a hand-written schedule's)."""
+    accumulation: str
+    """layered or depth_first: the order the runner accumulates micro-batches in (the direct loop: depth-first)."""
+    checkpointing: str
+    """Activation checkpointing of every stage's blocks."""
+    zero: int
+    micro_batch: int
+    micro_batches: int
+    global_batch: int
+    dtype: str
+    n_layers: int
+    schedule_checked: bool = False
+    """The lowered schedule was built and validated at resolve time (see SCHEDULE_CHECK_LIMIT)."""
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(dp=self.dp, pp=self.pp, tp=self.tp, q=self.q)
+
+    @property
+    def tensor_ranks(self) -> int:
+        return self.tp * self.q * self.q
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_layers)
+
+    def stage_rank(self, stage: int) -> int:
+        """The pipeline rank holding global ``stage``."""
+        return stage_to_rank(stage, self.pp, self.placement)
+
+    def rank_stages(self, rank: int) -> list[int]:
+        """Global stages held by pipeline rank ``rank``, ascending."""
+        return [s for s in range(self.n_stages) if self.stage_rank(s) == rank]
+
+    def stages(self) -> list[StagePlan]:
+        """Every global stage with its blocks and pipeline rank."""
+        starts = [sum(self.stage_layers[:s]) for s in range(self.n_stages)]
+        return [
+            StagePlan(
+                index=s,
+                rank=self.stage_rank(s),
+                first_block=starts[s],
+                n_blocks=n,
+                embedding=s == 0,
+                head=s == self.n_stages - 1,
+            )
+            for s, n in enumerate(self.stage_layers)
+        ]
+
+    def lowered(self) -> Schedule:
+        """The validated per-pipeline-rank action lists the schedule runtime executes (pure; rebuilt per call)."""
+        if self.schedule is None:
+            raise ValueError("the direct loop runs no schedule")
+        lowered, _ = lowered_schedule(
+            self.schedule,
+            self.pp,
+            self.micro_batches,
+            self.stages_per_rank,
+            zero3=self.zero == 3,
+            accumulation=self.accumulation,
+        )
+        return lowered
+
+    def describe(self) -> str:
+        """Several lines for `tessera validate`: runner, schedule (and any switch), stages by rank, the rest."""
+        lines = [f"runner: {_RUNNER_TEXT[self.runner]}"]
+        if self.schedule is not None:
+            lines.append(
+                f"schedule: {self.schedule}, {self.stages_per_rank} stage(s) per pipeline rank, "
+                f"{self.placement} placement"
+                + ("" if self.schedule_checked else " (too large to pre-build; the runtime validates it)")
+            )
+        if self.switched_to_breadth_first:
+            lines.append(
+                f"  switched from {self.configured_schedule!r}: one pipeline rank runs breadth-first with one "
+                "stage per block, so each block's gradients are final (and reduced) after one backward sweep"
+            )
+        by_rank: dict[int, list[str]] = {}
+        for st in self.stages():
+            by_rank.setdefault(st.rank, []).append(st.describe())
+        for rank in sorted(by_rank):
+            lines.append(f"pipeline rank {rank}: " + "; ".join(by_rank[rank]))
+        lines.append(
+            f"accumulation: {self.accumulation}; checkpointing: {self.checkpointing} (every stage); "
+            f"ZeRO: {self.zero}; dtype: {self.dtype}"
+        )
+        lines.append(
+            f"micro-batches: {self.micro_batches} of {self.micro_batch} sequences per data-parallel rank "
+            f"(global batch {self.global_batch})"
+        )
+        return "\n".join(lines)
+
+
+_RUNNER_TEXT = {
+    DIRECT: "direct loop (micro-batches one after another; data-parallel all-reduce overlapped with the last "
+    "backward)",
+    SCHEDULE_RUNTIME: "schedule runtime (pipeline schedule IR: pipeline, ZeRO or layered accumulation)",
+}
+
+
+# --- resolving -----------------------------------------------------------------------------------------------
+
+
+def violations(cfg: Config, world_size: int) -> list[Violation]:
+    """Every violated rule for this config and world size; empty when `resolve` would succeed."""
+    return _resolve(cfg, world_size)[1]
+
+
+def resolve(cfg: Config, world_size: int) -> ExecutionPlan:
+    """The plan ``cfg`` executes on ``world_size`` ranks; ConfigError listing every violation otherwise."""
+    plan, found = _resolve(cfg, world_size)
+    if found:
+        lines = "\n".join(f"  {i + 1}. {x}" for i, x in enumerate(found))
+        raise ConfigError(f"{len(found)} configuration problem(s) for world size {world_size}:\n{lines}")
+    assert plan is not None
+    return plan
+
+
+def _resolve(cfg: Config, world_size: int) -> tuple[ExecutionPlan | None, list[Violation]]:
+    found: list[Violation] = []
+    for section in (cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.checkpoint, cfg.log):
+        found.extend(section.check())
+    if world_size < 1:
+        found.append(
+            Violation(
+                rule="world_size",
+                problem=f"world size {world_size} must be at least 1",
+                fix="pass the number of processes, e.g. --world-size 8",
+            )
+        )
+    if world_size < 1 or any(x.rule in ARITHMETIC_RULES for x in found):
+        return None, found  # the cross-section rules divide by these numbers
+    found.extend(_check_layout(cfg, world_size))
+    if found:
+        return None, found
+    plan = _decide(cfg, world_size)
+    found = _check_schedule(plan)
+    if found:
+        return None, found
+    if plan.schedule is not None and _compute_actions(plan) <= SCHEDULE_CHECK_LIMIT:
+        try:
+            _, placement = lowered_schedule(
+                plan.schedule,
+                plan.pp,
+                plan.micro_batches,
+                plan.stages_per_rank,
+                zero3=plan.zero == 3,
+                accumulation=plan.accumulation,
+            )
+        except (ScheduleError, ConfigError) as e:
+            return None, [
+                Violation(
+                    rule="pipeline.schedule",
+                    problem=f"the schedule this run executes ({_schedule_text(plan)}) cannot be built: {e}",
+                    fix="change parallel.schedule, parallel.stages_per_rank or the micro-batches per step "
+                    "(`tessera schedule show NAME --pp P --microbatches M` draws a schedule)",
+                )
+            ]
+        plan = replace(plan, placement=placement, schedule_checked=True)
+    return plan, []
+
+
+def _compute_actions(plan: ExecutionPlan) -> int:
+    return 2 * plan.pp * plan.stages_per_rank * plan.micro_batches
+
+
+def _schedule_text(plan: ExecutionPlan) -> str:
+    return (
+        f"{plan.schedule}, pipeline {plan.pp}, {plan.stages_per_rank} stage(s) per rank, "
+        f"{plan.micro_batches} micro-batches, {plan.accumulation} accumulation"
+        + (", ZeRO-3" if plan.zero == 3 else "")
+    )
+
+
+def _decide(cfg: Config, world_size: int) -> ExecutionPlan:
+    """The plan of a config that passed every size rule (module docstring: what is decided here)."""
+    par, tr, n_layers = cfg.parallel, cfg.train, cfg.model.n_layers
+    t, q = par.tensor_shape()
+    dp = par.data_size(world_size)
+    m = tr.micro_batches(dp)
+    layered = par.accumulation == LAYERED and m > 1
+    runner = SCHEDULE_RUNTIME if (par.pipeline > 1 or par.zero > 0 or layered) else DIRECT
+    schedule: str | None = par.schedule
+    v, stage_layers, accumulation = par.stages_per_rank, par.stage_layers, par.accumulation
+    switched = runner == SCHEDULE_RUNTIME and par.pipeline == 1 and v == 1
+    if switched:  # one stage per block, breadth-first: layered accumulation (or depth-first block by block)
+        schedule, v, stage_layers = BREADTH_FIRST, n_layers, None
+    if runner == DIRECT:
+        schedule, v, stage_layers, accumulation = None, 1, None, DEPTH_FIRST
+    return ExecutionPlan(
+        world_size=world_size,
+        dp=dp,
+        pp=par.pipeline,
+        tp=t,
+        q=q,
+        sequence_parallel=par.sequence_parallel,
+        runner=runner,
+        schedule=schedule,
+        configured_schedule=par.schedule,
+        switched_to_breadth_first=switched,
+        stages_per_rank=v,
+        stage_layers=tuple(stage_layers or even_split(n_layers, par.pipeline * v)),
+        placement="loop",
+        accumulation=accumulation,
+        checkpointing=par.checkpointing,
+        zero=par.zero,
+        micro_batch=tr.micro_batch,
+        micro_batches=m,
+        global_batch=tr.global_batch,
+        dtype=tr.dtype,
+        n_layers=n_layers,
+    )
+
+
+def _check_schedule(plan: ExecutionPlan) -> list[Violation]:
+    """The named schedules' own rules, with the config settings that fix them (the builder is the backstop)."""
+    name, p, v, m = plan.schedule, plan.pp, plan.stages_per_rank, plan.micro_batches
+    if name in _ONE_STAGE_SCHEDULES and v > 1:
+        return [
+            Violation(
+                rule="pipeline.schedule",
+                problem=f"parallel.schedule = {name!r} runs one stage per pipeline rank, but "
+                f"parallel.stages_per_rank = {v}",
+                fix="set parallel.stages_per_rank = 1, or parallel.schedule = 'interleaved' or 'breadth_first' "
+                "for several stages per rank",
+            )
+        ]
+    if name == "interleaved" and m % p:
+        unit = plan.micro_batch * plan.dp * p
+        lo, hi = unit * (m // p), unit * (m // p + 1)
+        near = f"{lo} or {hi}" if lo else f"{hi}"
+        return [
+            Violation(
+                rule="pipeline.schedule",
+                problem=f"parallel.schedule = 'interleaved' needs the micro-batches per step (train.global_batch "
+                f"{plan.global_batch} / (micro_batch {plan.micro_batch} × data {plan.dp}) = {m}) to be a "
+                f"multiple of parallel.pipeline = {p}",
+                fix=f"set train.global_batch = {near}, or parallel.schedule = 'breadth_first' (any count)",
+            )
+        ]
+    return []
+
+
+# --- cross-section rules (moved here from tessera.config: they need the world size and several sections) ---
+
+
+def _check_layout(cfg: Config, world_size: int) -> list[Violation]:
+    """Cross-section rules: world size, tensor and pipeline divisibility, batch arithmetic."""
+    p = cfg.parallel
+    try:
+        t, q = p.tensor_shape()
+    except ConfigError:
+        return []  # already reported by ParallelConfig.check
+    v: list[Violation] = []
+    tp = t * q * q
+    dp = p.data_size(world_size)
+    if dp * p.pipeline * tp != world_size:
+        fits = world_size // (p.pipeline * tp) if world_size % (p.pipeline * tp) == 0 else None
+        fix = (
+            f"set parallel.data = {fits}"
+            if fits
+            else f"use a world size that is a multiple of pipeline·tensor = {p.pipeline * tp}, e.g. "
+            f"{_multiple_near(world_size, p.pipeline * tp)}"
+        )
+        v.append(
+            Violation(
+                rule="world_size",
+                problem=f"world size {world_size} != data {dp} × pipeline "
+                f"{p.pipeline} × tensor {tp} = {dp * p.pipeline * tp}",
+                fix=fix,
+            )
+        )
+    v.extend(_check_tensor(cfg.model, t, q, p.sequence_parallel))
+    v.extend(_check_pipeline(cfg))
+    v.extend(_check_batch(cfg.train, dp))
+    if q > 1 and cfg.train.micro_batch % q:
+        # 2D partitions activations as [b/q, s, h/q]: the micro-batch splits over the grid's rows.
+        v.append(
+            Violation(
+                rule="tensor.batch",
+                problem=f"train.micro_batch = {cfg.train.micro_batch} is not divisible by the 2D grid side {q}",
+                fix=f"set train.micro_batch = {_multiple_near(cfg.train.micro_batch, q)}",
+            )
+        )
+    return v
+
+
+def _check_tensor(m: ModelConfig, t: int, q: int, sequence_parallel: bool) -> list[Violation]:
+    v: list[Violation] = []
+    # 1D splits heads, KV heads and the MLP over t ranks; 2D splits them over the q columns and the batch over q rows.
+    split, name = (t, f"tensor {t}") if q == 1 else (q, f"2D grid {q}x{q}")
+    for field_name, value in (
+        ("n_heads", m.n_heads),
+        ("n_kv_heads", m.kv_heads),
+        ("d_model", m.d_model),
+        ("ffn_hidden", m.ffn),
+    ):
+        if split > 1 and value % split:
+            v.append(
+                Violation(
+                    rule="tensor.divisibility",
+                    problem=f"model.{field_name} = {value} is not divisible by {name} ({split})",
+                    fix=f"make model.{field_name} a multiple of {split}, e.g. "
+                    f"{_multiple_near(value, split)}, or use a tensor size that divides it: "
+                    f"{[d for d in _divisors_near(value, split) if d > 1] or [1]}",
+                )
+            )
+    if sequence_parallel and q > 1:
+        v.append(
+            Violation(
+                rule="tensor.sequence_parallel",
+                problem="parallel.sequence_parallel applies to 1D "
+                "tensor parallelism only; 2D already partitions activations",
+                fix="set parallel.sequence_parallel = false, or use a 1D tensor size",
+            )
+        )
+    if sequence_parallel and t > 1 and m.seq_len % t:
+        v.append(
+            Violation(
+                rule="tensor.sequence_parallel",
+                problem=f"model.seq_len = {m.seq_len} is not divisible by tensor {t}",
+                fix=f"set model.seq_len = {_multiple_near(m.seq_len, t)}",
+            )
+        )
+    return v
+
+
+def _check_pipeline(cfg: Config) -> list[Violation]:
+    p, layers = cfg.parallel, cfg.model.n_layers
+    stages = p.pipeline * p.stages_per_rank
+    if p.pipeline == 1 and p.stages_per_rank == 1:
+        return []
+    if p.stage_layers is not None:
+        if len(p.stage_layers) != stages or sum(p.stage_layers) != layers or min(p.stage_layers) < 0:
+            return [
+                Violation(
+                    rule="pipeline.stage_layers",
+                    problem=f"parallel.stage_layers = {p.stage_layers} "
+                    f"must have pipeline × stages_per_rank = {stages} non-negative entries summing to "
+                    f"model.n_layers = {layers}",
+                    fix=f"e.g. {even_split(layers, stages)}",
+                )
+            ]
+        return []
+    if layers < stages:
+        return [
+            Violation(
+                rule="pipeline.layers",
+                problem=f"model.n_layers = {layers} is fewer than pipeline "
+                f"{p.pipeline} × stages_per_rank {p.stages_per_rank} = {stages} stages",
+                fix=f"set parallel.pipeline·stages_per_rank <= {layers}, or model.n_layers >= {stages}",
+            )
+        ]
+    if layers % stages:
+        return [
+            Violation(
+                rule="pipeline.layers",
+                problem=f"model.n_layers = {layers} is not divisible by {stages} stages",
+                fix=f"set model.n_layers = {_multiple_near(layers, stages)} or give "
+                f"parallel.stage_layers explicitly, e.g. {even_split(layers, stages)}",
+            )
+        ]
+    return []
+
+
+def _check_batch(tr: TrainConfig, dp: int) -> list[Violation]:
+    unit = tr.micro_batch * dp
+    if unit < 1 or tr.global_batch % unit == 0:
+        return []
+    lo, hi = unit * max(1, tr.global_batch // unit), unit * (tr.global_batch // unit + 1)
+    return [
+        Violation(
+            rule="batch",
+            problem=f"train.global_batch = {tr.global_batch} is not micro_batch "
+            f"{tr.micro_batch} × micro-batches × data-parallel size {dp}",
+            fix=f"set train.global_batch = {lo} or {hi} (multiples of {unit})",
+        )
+    ]

@@ -1,0 +1,119 @@
+"""The execution plan (tessera.execution): what a config runs, decided once; validate and train agree on it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tessera.cli import main
+from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig, load_config
+from tessera.errors import ConfigError
+from tessera.execution import DIRECT, SCHEDULE_RUNTIME, resolve, violations
+
+DEMO = "configs/demo.toml"
+
+
+def test_execution_imports_without_torch() -> None:
+    code = "import sys, tessera.execution, tessera.memory; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_single_pipeline_rank_switches_to_breadth_first_one_stage_per_block() -> None:
+    plan = resolve(load_config(DEMO), 2)  # dp 2, layered accumulation of 2 micro-batches
+    assert plan.runner == SCHEDULE_RUNTIME and plan.switched_to_breadth_first
+    assert (plan.schedule, plan.stages_per_rank, plan.stage_layers) == ("breadth_first", 4, (1, 1, 1, 1))
+    assert [s.rank for s in plan.stages()] == [0, 0, 0, 0]
+    assert plan.stages()[0].embedding and plan.stages()[-1].head
+
+
+def test_direct_loop_without_pipeline_zero_or_layered_accumulation() -> None:
+    plan = resolve(load_config(DEMO, ["parallel.accumulation=depth_first"]), 2)
+    assert plan.runner == DIRECT and plan.schedule is None and plan.stage_layers == (4,)
+    assert not plan.switched_to_breadth_first
+
+
+def test_pipeline_keeps_its_schedule_and_places_stages_looped() -> None:
+    cfg = load_config(
+        DEMO,
+        [
+            "parallel.data=1",
+            "parallel.pipeline=2",
+            'parallel.schedule="interleaved"',
+            "parallel.stages_per_rank=2",
+        ],
+    )
+    plan = resolve(cfg, 2)
+    assert (plan.schedule, plan.stages_per_rank, plan.micro_batches) == ("interleaved", 2, 4)
+    assert [plan.rank_stages(r) for r in range(2)] == [[0, 2], [1, 3]]
+    assert plan.schedule_checked
+
+
+def test_validate_prints_the_plan_and_the_switch(capsys: pytest.CaptureFixture) -> None:
+    assert main(["validate", DEMO, "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "schedule: breadth_first, 4 stage(s) per pipeline rank" in out
+    assert "switched from '1f1b'" in out
+    assert "pipeline rank 0: stage 0 (block 0, embedding); stage 1 (block 1)" in out
+    assert "micro-batches: 2 of 8" in out
+
+
+# --- the user-reported cases: validate said ok, train failed -------------------------------------------------
+
+INTERLEAVED_M3 = [
+    "parallel.data=1",
+    "parallel.pipeline=2",
+    'parallel.schedule="interleaved"',
+    "train.global_batch=24",
+]
+"""pipeline 2, interleaved, 24 / 8 = 3 micro-batches: the schedule builder refuses m % p != 0."""
+ONE_RANK_1F1B_V2 = ["parallel.data=1", "parallel.zero=1", "parallel.stages_per_rank=2"]
+"""pipeline 1, ZeRO-1, two stages per rank with the default 1F1B (one stage per rank)."""
+
+
+@pytest.mark.parametrize(("overrides", "world"), [(INTERLEAVED_M3, 2), (ONE_RANK_1F1B_V2, 1)])
+def test_validate_rejects_what_train_would_refuse(
+    overrides: list[str], world: int, capsys: pytest.CaptureFixture
+) -> None:
+    problems = violations(load_config(DEMO, overrides), world)
+    assert [v.rule for v in problems] == ["pipeline.schedule"]
+    assert main(["validate", DEMO, "--world-size", str(world), *overrides]) == 1
+    assert str(problems[0]) in capsys.readouterr().out
+    # train refuses before starting any rank, with the same message
+    assert main(["train", DEMO, "--nproc", str(world), *(f"--{o}" for o in overrides)]) == 2
+    assert str(problems[0]) in capsys.readouterr().err
+
+
+def test_interleaved_fix_names_valid_batches() -> None:
+    (v,) = violations(load_config(DEMO, INTERLEAVED_M3), 2)
+    assert "train.global_batch = 16 or 32" in v.fix
+    for batch in (16, 32):
+        assert violations(load_config(DEMO, [*INTERLEAVED_M3, f"train.global_batch={batch}"]), 2) == []
+
+
+def test_builder_is_the_backstop_for_hand_written_schedules(tmp_path) -> None:
+    from tessera.pipeline.csvio import to_csv
+    from tessera.pipeline.schedules import build_schedule
+
+    csv = tmp_path / "mine.csv"
+    csv.write_text(to_csv(build_schedule("1f1b", 2, 4)))  # 4 micro-batches; the config has 2
+    cfg = load_config(
+        DEMO,
+        ["parallel.data=1", "parallel.pipeline=2", f'parallel.schedule="{csv}"', "train.global_batch=16"],
+    )
+    (v,) = violations(cfg, 2)
+    assert v.rule == "pipeline.schedule" and "cannot be built" in v.problem and "4 micro-batches" not in v.fix
+    with pytest.raises(ConfigError, match="cannot be built"):
+        resolve(cfg, 2)
+
+
+def test_every_violation_listed_with_the_schedule_rules_last() -> None:
+    """Size rules first (the schedule check needs sane sizes); all of them at once."""
+    cfg = Config(
+        model=ModelConfig(n_layers=3, n_heads=3),
+        parallel=ParallelConfig(pipeline=2, schedule="interleaved"),
+        train=TrainConfig(global_batch=5, micro_batch=2),
+    )
+    rules = {v.rule for v in violations(cfg, 4)}
+    assert {"model.heads", "pipeline.layers", "batch"} <= rules
