@@ -21,7 +21,7 @@ live here; `tessera.config` keeps the per-section field checks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from tessera.config import (
     ARITHMETIC_RULES,
@@ -46,6 +46,7 @@ __all__ = [
     "SCHEDULE_RUNTIME",
     "ExecutionPlan",
     "StagePlan",
+    "decide",
     "resolve",
     "violations",
 ]
@@ -114,7 +115,7 @@ class ExecutionPlan:
     global_batch: int
     dtype: str
     n_layers: int
-    schedule_checked: bool = False
+    schedule_checked: bool = field(default=False, compare=False)
     """The lowered schedule was built and validated at resolve time (see SCHEDULE_CHECK_LIMIT)."""
 
     @property
@@ -135,6 +136,8 @@ class ExecutionPlan:
 
     def rank_stages(self, rank: int) -> list[int]:
         """Global stages held by pipeline rank ``rank``, ascending."""
+        if self.placement == "loop":  # stage % pp, without asking every stage
+            return list(range(rank, self.n_stages, self.pp))
         return [s for s in range(self.n_stages) if self.stage_rank(s) == rank]
 
     def stages(self) -> list[StagePlan]:
@@ -238,7 +241,7 @@ def _resolve(cfg: Config, world_size: int) -> tuple[ExecutionPlan | None, list[V
     found.extend(_check_layout(cfg, world_size))
     if found:
         return None, found
-    plan = _decide(cfg, world_size)
+    plan = decide(cfg, world_size)
     found = _check_schedule(plan)
     if found:
         return None, found
@@ -277,8 +280,11 @@ def _schedule_text(plan: ExecutionPlan) -> str:
     )
 
 
-def _decide(cfg: Config, world_size: int) -> ExecutionPlan:
-    """The plan of a config that passed every size rule (module docstring: what is decided here)."""
+def decide(cfg: Config, world_size: int) -> ExecutionPlan:
+    """The plan of a config known to pass every rule, without checking it (module docstring: what is decided).
+
+    For a caller that generates only valid configs and cannot afford the checks per config (the planner's search
+    over thousands of layouts); everything else calls `resolve`, which checks and then calls this."""
     par, tr, n_layers = cfg.parallel, cfg.train, cfg.model.n_layers
     t, q = par.tensor_shape()
     dp = par.data_size(world_size)

@@ -24,6 +24,7 @@ from tessera.modes import BREADTH_FIRST, LAYERED
 from tessera.pipeline.ir import ActionKind, Schedule
 from tessera.pipeline.schedules import build_schedule
 from tessera.planner.cost import MemoryBreakdown, ModelShape, Plan, memory_per_rank, model_state_bytes
+from tessera.planner.network import TESSERA_ORDER
 from tessera.planner.steptime import inflight_microbatches
 
 __all__ = [
@@ -124,7 +125,13 @@ def cost_plan(plan: ExecutionPlan) -> Plan:
         accumulation=plan.accumulation,
         dtype=plan.dtype,
         flash_attention=True,  # torch SDPA (flash / memory-efficient kernels) keeps no s×s score tensor
+        rank_order=TESSERA_ORDER,  # ranks laid out by tessera.layout
+        stage_layers=None if _even(plan) else plan.stage_layers,
     )
+
+
+def _even(plan: ExecutionPlan) -> bool:
+    return len(set(plan.stage_layers)) == 1
 
 
 def plan_from_config(cfg: Config, world_size: int) -> Plan:
@@ -142,7 +149,8 @@ def stage_params(
     """
     h, V = shape.d_model, shape.vocab_size
     layers = stage_layers or even_split(shape.n_layers, plan.pp * plan.virtual_stages)
-    out = [count * shape.layer_params() for count in layers]
+    per_block = shape.layer_params()
+    out = [count * per_block for count in layers]
     out[0] += V * h + (0 if shape.swiglu else shape.seq_len * h)
     out[-1] += (h if shape.swiglu else 2 * h) + (0 if (shape.tied and plan.pp == 1) else V * h)
     return [x / plan.tp for x in out]
@@ -152,26 +160,30 @@ def _inflight(plan: ExecutionPlan) -> tuple[list[float], list[int]]:
     """Per pipeline rank: peak (block × micro-batch) pairs saved for backward, and peak micro-batches of the last
     stage (0 on ranks without it).
 
-    A rank runs its list in order, so these peaks follow from its action order alone. Named schedules with even
-    stages use the closed forms (`steptime.inflight_microbatches`; equal to the scan, tests/unit) so the
-    planner's search can price thousands of layouts; uneven stages and hand-written schedules scan the list.
+    A rank runs its list in order, so these peaks follow from its action order alone. Named schedules with one
+    stage per rank, equal stages, or breadth-first use closed forms (`steptime.inflight_microbatches`; equal to
+    the scan, tests/unit) so the planner's search can price thousands of layouts; the rest (several uneven
+    stages per rank, hand-written schedules) scan the list.
     """
     p, m, v, n = plan.pp, plan.micro_batches, plan.stages_per_rank, plan.n_stages
     last_rank = plan.stage_rank(n - 1)
     if plan.runner == DIRECT:
         return [float(plan.n_layers)], [1]
     name = plan.schedule or ""
-    even = len(set(plan.stage_layers)) == 1
-    if even and not name.endswith(".csv"):
-        per_stage = plan.stage_layers[0]
-        group = m if plan.accumulation == LAYERED else 1  # breadth-first's micro-batches per sweep
-        if name == BREADTH_FIRST:
-            units, last = [float(v * group)] * p, group
-        else:
-            units = [inflight_microbatches(name, p, m, v, r) * v for r in range(p)]
-            last = {"1f1b": 1, "gpipe": m}.get(name, m if m == p else 1)
-        return [u * per_stage for u in units], [last if r == last_rank else 0 for r in range(p)]
-    return _scan(_compute_schedule(plan), plan.stage_layers, n - 1)
+    if name.endswith(".csv") or not (v == 1 or _even(plan) or name == BREADTH_FIRST):
+        return _scan(_compute_schedule(plan), plan.stage_layers, n - 1)
+    # rank r's stages hold these blocks; one stage per rank (v = 1) or equal stages make the peak pair count
+    # the peak micro-batch count times the rank's blocks
+    blocks = [sum(plan.stage_layers[s] for s in plan.rank_stages(r)) for r in range(p)]
+    if name == BREADTH_FIRST:  # every local stage of a whole sweep's micro-batches is alive before backward
+        group = m if plan.accumulation == LAYERED else 1
+        units, last = [float(group)] * p, group
+    else:
+        units = [inflight_microbatches(name, p, m, v, r) for r in range(p)]
+        last = {"1f1b": 1, "gpipe": m}.get(name, m if m == p else 1)
+    return [u * b for u, b in zip(units, blocks, strict=True)], [
+        last if r == last_rank else 0 for r in range(p)
+    ]
 
 
 def _compute_schedule(plan: ExecutionPlan) -> Schedule:
@@ -218,7 +230,7 @@ def estimate_plan(
     per_stage = stage_params(shape, cplan, plan.stage_layers)
     peaks, last_mb = _inflight(plan)
     best: MemoryEstimate | None = None
-    for rank in range(plan.pp) if stage is None else [stage]:
+    for rank in _candidate_ranks(plan) if stage is None else [stage]:
         mine = plan.rank_stages(rank)
         share = sum(plan.stage_layers[s] for s in mine) or 1
         # memory_per_rank multiplies by L/p layers; peaks[rank] already counts (layer × micro-batch) pairs
@@ -232,6 +244,14 @@ def estimate_plan(
             best = candidate
     assert best is not None  # pp >= 1
     return best
+
+
+def _candidate_ranks(plan: ExecutionPlan) -> list[int]:
+    """Pipeline ranks that can be the fullest. With even stages and a named schedule only the first or the last:
+    every other rank holds as many blocks, no embedding or head, and no more micro-batches in flight (the
+    in-flight counts of `_inflight` do not grow with the rank)."""
+    even = _even(plan) and not (plan.schedule or "").endswith(".csv")
+    return sorted({0, plan.pp - 1}) if even else list(range(plan.pp))
 
 
 def _adjust(

@@ -61,7 +61,9 @@ METHOD_FAMILIES: dict[str, Callable[[Candidate], bool]] = {
     "2D tensor + 1F1B": lambda c: (
         (c.plan.tp_kind == "2d" or c.plan.tp == 1) and c.schedule == "1f1b" and c.plan.zero_stage <= 1
     ),
-    "modular breadth-first + ZeRO-3": lambda c: c.schedule == "breadth_first" and c.plan.zero_stage == 3,
+    "modular breadth-first + ZeRO-3": lambda c: (
+        c.schedule == "breadth_first" and c.plan.zero_stage == 3 and c.plan.accumulation == "layered"
+    ),
     "all methods": lambda c: True,
 }
 """Method family → which searched layouts belong to it. 1D/2D families include t = 1 (no tensor parallelism);

@@ -20,14 +20,13 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tessera.planner.hardware import Hardware
-from tessera.planner.network import TESSERA_ORDER
 
 __all__ = [
     "MeasuredSteps",
@@ -279,46 +278,23 @@ def calibrate(
 def trainer_plan(cfg: Any, world: int, *, flash_attention: bool = True) -> tuple[Any, str]:
     """The cost model's (`Plan`, schedule name) for what `tessera.train.trainer.train(cfg)` runs on `world` ranks.
 
-    Mirrors `tessera.train.steppers.make_stepper`: a pipeline runs its configured schedule with v stages per
-    rank; without a pipeline, ZeRO or layered accumulation of several micro-batches runs breadth-first with one
-    stage per block (v = n_layers, so each block's reduction is released after its last backward); otherwise the
-    direct loop runs depth-first (bucketed all-reduce overlapped with the last micro-batch's backward)."""
-    from tessera.planner.cost import Plan
+    Read from the execution plan (`tessera.execution.resolve`): the schedule runtime's schedule and stages (one
+    pipeline rank: breadth-first, one stage per block), or for the direct loop depth-first accumulation timed as
+    a one-rank 1F1B (bucketed all-reduce overlapped with the last micro-batch's backward)."""
+    from tessera.execution import resolve
+    from tessera.memory import cost_plan
     from tessera.planner.steptime import CONFIG_TO_IR
 
-    tr, par = cfg.train, cfg.parallel
-    t, q = par.tensor_shape()
-    dp = par.data_size(world)
-    m = tr.micro_batches(dp)
-    schedule, v, accumulation = par.schedule, par.stages_per_rank, par.accumulation
-    if par.pipeline == 1:
-        if par.zero > 0 or (accumulation == "layered" and m > 1):
-            schedule, v = "breadth_first", (v if v > 1 else cfg.model.n_layers)
-        else:
-            schedule, v, accumulation = "1f1b", 1, "depth_first"
+    execution = resolve(cfg, world)
+    schedule = execution.schedule or "1f1b"
     if schedule not in CONFIG_TO_IR:
         raise ValueError(
             f"parallel.schedule = {schedule!r} has no closed-form prediction; use one of "
             f"{', '.join(CONFIG_TO_IR)} to predict the step time"
         )
-    plan = Plan(
-        dp=dp,
-        pp=par.pipeline,
-        tp=t * q * q,
-        tp_kind="2d" if q > 1 else "1d",
-        sequence_parallel=par.sequence_parallel,
-        virtual_stages=v,
-        zero_stage=par.zero if dp > 1 else 0,
-        micro_batch=tr.micro_batch,
-        n_microbatches=m,
-        recompute=par.checkpointing,
-        accumulation=accumulation,
-        dtype=tr.dtype,
-        flash_attention=flash_attention,
-        rank_order=TESSERA_ORDER,  # the trainer lays ranks out with tessera.layout
-        # the single-rank switch to breadth-first drops stage_layers (train/steppers.py), so do we
-        stage_layers=None if par.stage_layers is None or par.pipeline == 1 else tuple(par.stage_layers),
-    )
+    # ZeRO over one data-parallel rank moves no bytes: time it as plain training
+    zero = execution.zero if execution.dp > 1 else 0
+    plan = replace(cost_plan(execution), zero_stage=zero, flash_attention=flash_attention)
     return plan, schedule
 
 

@@ -337,8 +337,10 @@ def _toml_value(v: Any) -> str:
 
 
 def config_toml(result: SearchResult, cand: Candidate) -> str:
-    """A runnable tessera config for `cand` (model, parallel layout, batch, dtype)."""
-    cfg, pl = result.model_config, cand.plan
+    """A runnable tessera config for `cand`: its run config's model, parallel and train sections. Under
+    `tessera validate` / `tessera memory` it resolves to the candidate's execution plan, so the memory figure is
+    the one the search pruned with."""
+    cfg, par, tr = result.model_config, cand.config.parallel, cand.config.train
     if result.model is not None:
         model = {"size": result.model}
     else:
@@ -347,20 +349,11 @@ def config_toml(result: SearchResult, cand: Candidate) -> str:
             for k in ("family", "n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "tie_embeddings")
         }
         model |= {"n_kv_heads": cfg.kv_heads, "ffn_hidden": cfg.ffn}
-    parallel = {
-        "data": pl.dp,
-        "tensor": f"{pl.q}x{pl.q}" if pl.tp_kind == "2d" else pl.tp,
-        "sequence_parallel": pl.sequence_parallel,
-        "pipeline": pl.pp,
-        "schedule": cand.schedule,
-        "stages_per_rank": pl.virtual_stages,
-        "zero": pl.zero_stage,
-        "accumulation": pl.accumulation,
-        "checkpointing": pl.recompute,
-    }
-    if pl.stage_layers is not None:  # uneven stages: the trainer needs the split the plan was timed with
-        parallel["stage_layers"] = list(pl.stage_layers)
-    train = {"global_batch": cand.global_batch, "micro_batch": pl.micro_batch, "dtype": pl.dtype}
+    keys = ("data", "tensor", "sequence_parallel", "pipeline", "schedule", "stages_per_rank", "stage_layers")
+    parallel = {k: getattr(par, k) for k in (*keys, "zero", "accumulation", "checkpointing")}
+    if par.stage_layers is None:  # even stages: nothing to write
+        del parallel["stage_layers"]
+    train = {"global_batch": tr.global_batch, "micro_batch": tr.micro_batch, "dtype": tr.dtype}
     lines = [
         f"# Written by `tessera plan` for {result.gpus} × {result.hardware.name}: {cand.label}",
         f"# predicted step {cand.step_time:.4g} s, MFU {cand.mfu:.1%}, {cand.memory.total / 1e9:.1f} GB per GPU",

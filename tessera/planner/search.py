@@ -6,9 +6,10 @@ breadth-first v), micro-batch size, checkpointing mode, sequence parallelism. Va
 (`tessera.config`): heads, KV heads, d_model and ffn_hidden divisible by t (or q), seq_len by t with sequence
 parallelism, the micro-batch by q in 2D, layers by p·v or explicit uneven `stage_layers` (one chunk per rank: the
 end stages lightened by the embedding's and head's work, `steptime.balanced_stage_layers`), the global batch by
-micro-batch × d, m a multiple of p for interleaved. Memory is `cost.memory_per_rank` on the first and last pipeline rank with the schedule's in-flight
-micro-batches (`steptime.inflight_microbatches`); a layout fits when its worse rank needs at most
-`memory_fraction` of the device. Step time is `steptime.fast_step` (closed forms checked against the simulator);
+micro-batch × d, m a multiple of p for interleaved. Each layout is a run config; its execution plan
+(`tessera.execution.decide`: what the trainer runs, e.g. one pipeline rank with ZeRO runs breadth-first with one
+stage per block) is priced by the one memory estimator (`tessera.memory.estimate_plan`, the same as
+`tessera memory`); a layout fits when its fullest rank needs at most `memory_fraction` of the device. Step time is `steptime.fast_step` (closed forms checked against the simulator);
 the top layouts are re-timed with the simulator by `tessera.planner.report`.
 
 Pure Python, no torch: runs anywhere the planner is installed.
@@ -20,18 +21,19 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tessera.config import ModelConfig
+from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from tessera.execution import ExecutionPlan, decide
+from tessera.memory import cost_plan, estimate_plan
 from tessera.model.sizes import SIZES
+from tessera.modes import BREADTH_FIRST, DEPTH_FIRST, LAYERED
 from tessera.planner.cost import (
     MemoryBreakdown,
     ModelShape,
     Plan,
-    activation_bytes_per_layer,
     embedding_time,
     layer_time,
     layers_per_stage,
     logits_time,
-    memory_per_rank,
     model_flops_per_token,
     p2p_time_per_microbatch,
     tp_comm_time_per_layer,
@@ -44,7 +46,6 @@ from tessera.planner.steptime import (
     StepBreakdown,
     _fast,
     balanced_stage_layers,
-    inflight_microbatches,
     pipeline_from_layer,
 )
 
@@ -145,6 +146,10 @@ class Candidate:
     memory_stage: int
     tokens_per_s: float
     mfu: float
+    config: Config
+    """The run configuration (model, parallel, train sections) that `tessera plan --out` writes."""
+    execution: ExecutionPlan
+    """What that configuration executes (`tessera.execution`); its memory is `memory`."""
     steps: float | None = None
     """Optimizer steps to the target loss (critical-batch mode)."""
 
@@ -281,12 +286,14 @@ class _Ctx:
     limit: float
     flops_token: float
     peak_total: float
+    gpus: int
+    run: Config
+    """The searched model with default parallel/train sections; each layout replaces them."""
     layer_cache: dict = field(default_factory=dict)
-    mem_cache: dict = field(default_factory=dict)
 
 
 def _layer_parts(ctx: _Ctx, plan: Plan) -> tuple:
-    """Per-layer compute, TP, output layer and activation bytes: depend only on the tensor/micro-batch choices."""
+    """Per-layer compute, TP, output layer and embedding times: depend only on the tensor/micro-batch choices."""
     key = (plan.tp, plan.tp_kind, plan.sequence_parallel, plan.micro_batch, plan.recompute)
     if key not in ctx.layer_cache:
         base = replace(plan, dp=1, pp=1, zero_stage=0, n_microbatches=1, virtual_stages=1)
@@ -294,40 +301,22 @@ def _layer_parts(ctx: _Ctx, plan: Plan) -> tuple:
             layer_time(ctx.shape, ctx.hw, base),
             tp_comm_time_per_layer(ctx.shape, ctx.hw, base),
             logits_time(ctx.shape, ctx.hw, base),
-            activation_bytes_per_layer(ctx.shape, base),
             embedding_time(ctx.shape, ctx.hw, base),
         )
     return ctx.layer_cache[key]
 
 
-def _base_memory(ctx: _Ctx, plan: Plan, stage: int) -> MemoryBreakdown:
-    """`memory_per_rank` without stored activations (they scale with the schedule's in-flight count)."""
-    key = (plan.dp, plan.pp, plan.tp, plan.tp_kind, plan.sequence_parallel, plan.micro_batch, plan.recompute)
-    key += (plan.zero_stage, stage)
-    if key not in ctx.mem_cache:
-        ctx.mem_cache[key] = memory_per_rank(ctx.shape, plan, inflight_microbatches=0, stage=stage)
-    return ctx.mem_cache[key]
-
-
-def _memory(ctx: _Ctx, plan: Plan, schedule: str, act_layer: float) -> tuple[MemoryBreakdown, int]:
-    """Worse of the first and last pipeline rank: same numbers as `memory_per_rank` with the in-flight count."""
-    p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
-    worst, worst_stage = None, 0
-    for stage in sorted({0, p - 1}):
-        base = _base_memory(ctx, plan, stage)
-        acts = act_layer * (ctx.shape.n_layers / p) * inflight_microbatches(schedule, p, m, v, stage)
-        mem = replace(base, activations=acts)
-        if worst is None or mem.total > worst.total:
-            worst, worst_stage = mem, stage
-    assert worst is not None
-    return worst, worst_stage
-
-
-def _evaluate(ctx: _Ctx, plan: Plan, schedule: str, batch: int, p2p: float) -> Candidate | None:
-    lt, tp, lg, act_layer, (emb, emb_tp) = _layer_parts(ctx, plan)
-    mem, stage = _memory(ctx, plan, schedule, act_layer)
-    if mem.total > ctx.limit:
+def _evaluate(ctx: _Ctx, run: Config, base: Plan, batch: int, p2p: float) -> Candidate | None:
+    """Price one generated run config as the trainer would execute it: its execution plan's memory (the one
+    estimator, `tessera.memory.estimate_plan`) and the step time of the schedule that plan runs."""
+    execution = decide(run, ctx.gpus)
+    memory = estimate_plan(ctx.shape, execution)
+    if memory.total > ctx.limit:
         return None
+    timed = cost_plan(execution)
+    plan = replace(base, **{f: getattr(timed, f) for f in _EXECUTION_FIELDS})
+    schedule = execution.schedule or "1f1b"  # the direct loop: one micro-batch after another
+    lt, tp, lg, (emb, emb_tp) = _layer_parts(ctx, plan)
     counts = layers_per_stage(ctx.shape, plan)
     bd = _fast(ctx.shape, ctx.hw, plan, schedule, pipeline_from_layer(counts, lt, tp, lg, p2p, emb, emb_tp))
     tokens = batch * ctx.shape.seq_len / bd.step_time
@@ -336,11 +325,17 @@ def _evaluate(ctx: _Ctx, plan: Plan, schedule: str, batch: int, p2p: float) -> C
         schedule=schedule,
         global_batch=batch,
         breakdown=bd,
-        memory=mem,
-        memory_stage=stage,
+        memory=memory.breakdown,
+        memory_stage=memory.stage,
         tokens_per_s=tokens,
         mfu=tokens * ctx.flops_token / ctx.peak_total,
+        config=run,
+        execution=execution,
     )
+
+
+_EXECUTION_FIELDS = ("virtual_stages", "zero_stage", "recompute", "accumulation", "stage_layers")
+"""What the execution plan decides beyond the layout the search fixed in its base Plan."""
 
 
 def _batches(
@@ -410,6 +405,8 @@ def search(
         limit=space.memory_fraction * hw.memory_bytes,
         flops_token=model_flops_per_token(shape),
         peak_total=hw.peak(space.dtype) * gpus,
+        gpus=gpus,
+        run=Config(model=cfg, train=TrainConfig(dtype=space.dtype)),
     )
     found: list[Candidate] = []
     for kind, tp, sp in _tensor_options(cfg, gpus, hw, space):
@@ -457,12 +454,24 @@ def _search_layout(
                     recompute=recompute,
                     zero_stage=zero,
                     virtual_stages=v,
-                    accumulation="layered" if schedule == "breadth_first" else "depth_first",
+                    accumulation=LAYERED if schedule == BREADTH_FIRST else DEPTH_FIRST,
                 )
                 for split in _splits(ctx, plan, p2p):
+                    parallel = ParallelConfig(
+                        data=dp,
+                        tensor=f"{plan.q}x{plan.q}" if kind == "2d" else tp,
+                        sequence_parallel=sp,
+                        pipeline=p,
+                        schedule=schedule,
+                        stages_per_rank=v,
+                        stage_layers=None if split is None else list(split),
+                        zero=zero,
+                        accumulation=plan.accumulation,
+                        checkpointing=recompute,
+                    )
+                    train = replace(ctx.run.train, global_batch=batch, micro_batch=b)
                     result.enumerated += 1
-                    split_plan = plan if split is None else replace(plan, stage_layers=split)
-                    cand = _evaluate(ctx, split_plan, schedule, batch, p2p)
+                    cand = _evaluate(ctx, replace(ctx.run, parallel=parallel, train=train), base, batch, p2p)
                     if cand is None:
                         result.rejected_memory += 1
                     else:
@@ -477,7 +486,7 @@ def _splits(ctx: _Ctx, plan: Plan, p2p: float) -> list[tuple[int, ...] | None]:
     even = [None] if L % (p * plan.virtual_stages) == 0 else []
     if p == 1 or plan.virtual_stages > 1:
         return even
-    lt, tp, lg, _, (emb, emb_tp) = _layer_parts(ctx, plan)
+    lt, tp, lg, (emb, emb_tp) = _layer_parts(ctx, plan)
     block = lt.forward + lt.backward + lt.recompute + tp.forward + tp.backward + tp.recompute
     first = (emb.forward + emb.backward + emb_tp.forward) / block
     split = balanced_stage_layers(L, p, first, (lg.forward + lg.backward) / block)

@@ -10,9 +10,10 @@ import pytest
 
 from tessera.config import load_config
 from tessera.errors import ConfigError
+from tessera.memory import estimate_plan
 from tessera.pipeline import build_schedule, lower
 from tessera.planner.cli import add_plan_parsers
-from tessera.planner.cost import ModelShape, Plan, memory_per_rank
+from tessera.planner.cost import ModelShape, Plan
 from tessera.planner.hardware import load_hardware
 from tessera.planner.report import config_toml, explain, render_text, to_json
 from tessera.planner.scaling import critical_batch
@@ -31,9 +32,6 @@ from tessera.sim import CostTable, simulate
 A100 = load_hardware("a100-80gb")
 FAST_VS_SIM_TOLERANCE = 0.01
 """The closed-form step time must agree with the simulated one within 1 % (measured worst case ≈ 0.6 %)."""
-SEARCH_TIME_BOUND_S = 30.0
-"""1T parameters on 3072 A100s: target < 10 s on one core (≈1 s measured); bound generous for loaded CI."""
-
 ONE_F_ONE_B_HOP_SLACK = 2.0
 """1F1B: the closed-form count of p2p transfers on the critical path may differ from the simulator's by 2."""
 
@@ -155,17 +153,14 @@ def test_search_candidates_are_valid_configs(small_search, tmp_path) -> None:
         assert cfg.parallel.pipeline * cfg.parallel.tensor_ranks * cfg.parallel.data == 32
 
 
-def test_search_memory_is_memory_per_rank_and_fits(small_search) -> None:
+def test_search_memory_is_the_estimators_and_fits(small_search) -> None:
+    """The search prices each layout's execution plan with the one estimator `tessera memory` uses."""
     res = small_search
     limit = SearchSpace().memory_fraction * A100.memory_bytes
     step = max(1, len(res.candidates) // 40)
     for cand in res.candidates[::step]:
-        pl = cand.plan
-        inflight = inflight_microbatches(
-            cand.schedule, pl.pp, pl.n_microbatches, pl.virtual_stages, cand.memory_stage
-        )
-        expected = memory_per_rank(res.shape, pl, inflight_microbatches=inflight, stage=cand.memory_stage)
-        assert cand.memory.total == pytest.approx(expected.total)
+        expected = estimate_plan(res.shape, cand.execution)
+        assert cand.memory == expected.breakdown and cand.memory_stage == expected.stage
         assert cand.memory.total <= limit
     assert res.rejected_memory > 0  # llama-8b, no ZeRO, no checkpointing, 16 micro-batches in flight: too big
 
@@ -185,9 +180,9 @@ def test_nothing_fits_gives_clear_message() -> None:
         _ = res.best
 
 
-def test_1t_on_3072_a100_is_fast_and_beats_published_layout() -> None:
+def test_1t_on_3072_a100_beats_published_layout() -> None:
+    """(Its search time is a benchmark: benchmarks/planner_validation.py --part search.)"""
     res = search("megatron-1t", 3072, A100, 3072, keep=10**9)
-    assert res.seconds < SEARCH_TIME_BOUND_S
     published = [
         c
         for c in res.candidates

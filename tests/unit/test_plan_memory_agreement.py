@@ -1,0 +1,68 @@
+"""One memory model: the planner's figure for a layout is `tessera memory` on the TOML `tessera plan --out` writes.
+
+Both resolve the same execution plan (`tessera.execution`) and price it with the same estimator
+(`tessera.memory.estimate_plan`); every recommended layout fits by `tessera memory` on the device it was planned
+for.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tessera.cli import main
+from tessera.config import load_config
+from tessera.execution import resolve
+from tessera.memory import estimate
+from tessera.planner.hardware import load_hardware
+from tessera.planner.report import write_config
+from tessera.planner.search import SearchSpace, search
+
+REL = 1e-9
+"""The same arithmetic on the same plan: equal up to float rounding."""
+TOP = 3
+"""Layouts checked per search: the best and the next ones (different ZeRO stages, schedules, tensor kinds)."""
+
+MATRIX = [  # (model, GPUs, hardware, global batch or None for the critical batch)
+    ("llama-8b", 16, "h100", None),
+    ("llama-8b", 8, "a100-80gb", 64),
+    ("llama-8b", 32, "a100-40gb", 256),
+    ("llama-1b", 8, "a100-40gb", 64),
+    ("llama-1b", 4, "h100", 32),
+    ("gpt2-1.5b", 8, "a100-40gb", 32),
+    ("gpt2-774m", 2, "a100-40gb", 16),
+    ("gpt2-350m", 1, "a100-40gb", 8),
+    ("gpt2-124m", 4, "a100-40gb", 64),
+    ("llama-70b", 64, "h100", 512),
+    ("llama-70b", 32, "h200", 128),
+]
+
+
+@pytest.mark.parametrize(("model", "gpus", "hardware", "batch"), MATRIX)
+def test_plan_memory_equals_tessera_memory_on_the_written_toml(
+    model: str, gpus: int, hardware: str, batch: int | None, tmp_path: Path
+) -> None:
+    hw = load_hardware(hardware)
+    space = SearchSpace(max_micro_batch=8)  # bounds the search's size, not what it checks
+    result = search(model, gpus, hw, batch, space=space, keep=TOP)
+    assert result.candidates, result.no_fit_message()
+    for i, cand in enumerate(result.candidates):
+        path = write_config(result, cand, tmp_path / f"plan{i}.toml")
+        cfg = load_config(path)
+        assert resolve(cfg, gpus) == cand.execution, cand.label
+        est = estimate(cfg, gpus, hw.memory_bytes)
+        assert est.total == pytest.approx(cand.memory.total, rel=REL), cand.label
+        assert est.fits(), f"{cand.label}: {est.explain_overflow()}"
+
+
+def test_cli_plan_out_then_memory_agree(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The user's path: `tessera plan ... --out p.toml` then `tessera memory p.toml` prints the same figure."""
+    out = tmp_path / "p.toml"
+    args = ["--model", "llama-8b", "--gpus", "16", "--hardware", "h100", "--top", "1"]
+    assert main(["plan", *args, "--json", "--out", str(out)]) == 0
+    planned = json.loads(capsys.readouterr().out)["layouts"][0]["memory_per_gpu_bytes"]
+    assert main(["memory", str(out), "--world-size", "16", "--hardware", "h100"]) == 0
+    printed = capsys.readouterr().out
+    assert f"total {planned / 2**30:.2f} GiB" in printed and "fits" in printed
