@@ -210,15 +210,13 @@ def _scan(schedule: Schedule, layers: tuple[int, ...], last: int) -> tuple[list[
         lasts.append(peak_last)
     return peaks, lasts
 
-
 def estimate(
     cfg: Config, world_size: int, device_memory: float | None = None, *, stage: int | None = None
 ) -> MemoryEstimate:
     """Peak memory per rank for what ``cfg`` runs on ``world_size`` ranks: the fullest pipeline rank's
     breakdown, or that of pipeline position ``stage`` when given (the dry run compares rank by rank)."""
-    return estimate_plan(
-        ModelShape.from_config(cfg.model), resolve(cfg, world_size), device_memory, stage=stage
-    )
+    plan = resolve(cfg, world_size)  # first: a config the shape cannot describe is a ConfigError, not a crash
+    return estimate_plan(ModelShape.from_config(cfg.model), plan, device_memory, stage=stage)
 
 
 def estimate_plan(
