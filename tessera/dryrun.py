@@ -198,9 +198,8 @@ def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, 
     pipeline: `pp_p2p_volume`; data: `dp_volume` on this rank's parameters with fp32 master weights and the
     configured gradient-reduction dtype. The 2D row and column groups are summed under "tensor".
     """
-    from tessera.config import even_split
-    from tessera.memory import plan_from_config, stage_params
-    from tessera.pipeline.ir import rank_stages
+    from tessera.execution import resolve
+    from tessera.memory import cost_plan, stage_params
     from tessera.planner.cost import (
         ModelShape,
         dp_volume,
@@ -209,10 +208,11 @@ def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, 
         tp2d_layer_volume,
     )
 
-    shape, plan = ModelShape.from_config(cfg.model), plan_from_config(cfg, world_size)
-    stage = Layout.from_config(cfg.parallel, world_size).coords(rank)[Axis.PIPE]
-    layers = cfg.parallel.stage_layers or even_split(shape.n_layers, plan.pp * plan.virtual_stages)
-    mine = rank_stages(stage, plan.pp, plan.virtual_stages)
+    execution = resolve(cfg, world_size)  # the stages and schedule the run executes
+    shape, plan = ModelShape.from_config(cfg.model), cost_plan(execution)
+    stage = execution.layout.coords(rank)[Axis.PIPE]
+    layers = execution.stage_layers
+    mine = execution.rank_stages(stage)
     blocks = sum(layers[s] for s in mine)
     per_block = tp2d_layer_volume(shape, plan) if plan.tp_kind == "2d" else tp1d_layer_volume(shape, plan)
     psi = sum(stage_params(shape, plan, layers)[s] for s in mine)

@@ -210,6 +210,7 @@ def _scan(schedule: Schedule, layers: tuple[int, ...], last: int) -> tuple[list[
         lasts.append(peak_last)
     return peaks, lasts
 
+
 def estimate(
     cfg: Config, world_size: int, device_memory: float | None = None, *, stage: int | None = None
 ) -> MemoryEstimate:
