@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from tessera.layout import Axis, Layout
-from tessera.planner.cost import Plan, group_placement
+from tessera.planner.cost import Plan, dp_time, group_placement
 from tessera.planner.network import (
     TESSERA_ORDER,
     Placement,
@@ -90,3 +90,13 @@ def test_unknown_collective_and_axis_are_clear_errors() -> None:
         collective_time(HW, "all_to_all", 1.0, placement(2, 1, 8))
     with pytest.raises(ValueError, match="axis must be"):
         group_placement(HW, Plan(dp=2), "expert")
+
+
+def test_data_parallel_all_reduce_over_1024_nodes_uses_the_tree() -> None:
+    # d = 1024 with t = 8 in tessera's order: the data group strides 8, one rank per node on 1024 nodes.
+    plan = Plan(dp=1024, tp=8, rank_order=TESSERA_ORDER)
+    grads = 1e6 * 2  # 1M bf16 gradients
+    ring = 2 * 1023 / 1024 * grads / 10e9 + 2 * 1023 * 1e-5  # 20.5 ms of network hops
+    tree = 2 * grads / (0.9 * 10e9) + 2 * (0 * 1e-6 + 10 * 1e-5)
+    assert tree < ring
+    assert dp_time(1e6, HW, plan) == pytest.approx(tree, rel=REL)
