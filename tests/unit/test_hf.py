@@ -136,6 +136,8 @@ def test_gpt2_activation_and_extra_weights_are_refused(tmp_path: Path) -> None:
 def test_missing_weights_and_bad_init_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match='use "hf:DIR"'):
         load_config(None, ["model.init=/some/dir"])
+    with pytest.raises(ConfigError, match="set only one of them"):
+        load_config(None, ['model.init="hf:x"', 'model.size="llama-tiny"'])
     with pytest.raises(ConfigError, match=r"has no config\.json"):
         load_config(None, [f'model.init="hf:{tmp_path / "nothing"}"'])
     make_hf(tmp_path / "hf", "llama")
