@@ -293,6 +293,9 @@ def tensor_1d_comm(
     sequence_parallel: bool,
     act_bytes: int = 4,
     param_bytes: int = 4,
+    *,
+    first: bool = True,
+    last: bool = True,
 ) -> dict[str, tuple[int, int]]:
     """Collectives one forward + backward of the whole model issues on the tensor group, per rank:
     ``{kind: (calls, bytes)}`` with comm.py's byte conventions (all_gather: output, reduce_scatter: input).
@@ -303,20 +306,24 @@ def tensor_1d_comm(
     all-gather + a reduce-scatter, each entry's backward all-gathers its saved shard again (2L + 1 more
     all-gathers of X; Megatron does the same to avoid keeping the gathered input), and the replicated parameters used on sequence shards add one all-reduce of
     their gradient each: norms (GPT weight+bias, Llama weight), row-parallel biases (GPT), GPT's position table.
+
+    ``first`` / ``last``: whether this rank's layers include the embedding (its exit region, GPT's position
+    table) and the head (its entry region, the final norm, the loss); a pipeline stage holds one, both or
+    neither. ``model_cfg.n_layers`` is then the stage's block count.
     """
     if t == 1:
         return {}
     L, h = model_cfg.n_layers, model_cfg.d_model
     n_tok, x = batch * seq, batch * seq * h * act_bytes
-    regions = 4 * L + 2
-    loss = (2, 3 * n_tok * 4)
+    regions = 4 * L + first + last
+    loss = (2, 3 * n_tok * 4) if last else (0, 0)
     if not sequence_parallel:
         return {"all_reduce": (regions + loss[0], regions * x + loss[1])}
-    regathers = 2 * L + 1  # backward re-gathers the saved shard at each entry: attention, MLP, head
+    regathers = 2 * L + last  # backward re-gathers the saved shard at each entry: attention, MLP, head
     gpt = model_cfg.family == "gpt"
-    vectors = (6 if gpt else 2) * L + (2 if gpt else 1)  # h-sized replicated parameters on sequence shards
+    vectors = (6 if gpt else 2) * L + last * (2 if gpt else 1)  # h-sized replicated parameters on shards
     calls, nbytes = loss[0] + vectors, loss[1] + vectors * h * param_bytes
-    if gpt:
+    if gpt and first:
         calls, nbytes = calls + 1, nbytes + model_cfg.seq_len * h * param_bytes  # position table
     return {
         "all_gather": (regions + regathers, (regions + regathers) * x),

@@ -230,12 +230,14 @@ def _linear_bytes(m: int, k: int, n: int, q: int, bias: bool, e: int) -> dict[tu
 
 
 def comm_bytes_2d(
-    cfg: ModelConfig, batch: int, seq: int, q: int, elem: int = 4
+    cfg: ModelConfig, batch: int, seq: int, q: int, elem: int = 4, *, first: bool = True, last: bool = True
 ) -> dict[tuple[str, str], int]:
     """Bytes each rank hands to collectives in one forward + backward, keyed (kind, "row" | "col").
 
     "row" is the Optimus row group (same i), "col" the column group (same j). m = (b/q)·s tokens per rank; every
     SUMMA product costs q steps, each moving one block (see docs/tensor-2d.md for the table). Zero when q = 1.
+    ``first`` / ``last``: whether the rank's layers include the embedding and the head (final norm, logits,
+    loss), as a pipeline stage may not; ``cfg.n_layers`` is then the stage's block count.
     """
     if q == 1:
         return {}
@@ -253,9 +255,12 @@ def comm_bytes_2d(
     for k, n in [(h, h), (h, kv), (h, kv), (h, h), *mlp]:
         _add(block, _linear_bytes(m, k, n, q, gpt, e))
     _add(acc, block, cfg.n_layers)
-    _add(acc, {("reduce_scatter", "col"): m * h * e, ("all_gather", "col"): m * h * e})  # token embedding
-    if gpt:
-        _add(acc, {("all_reduce", "col"): seq * h // q * e})  # position-table grad over the grid rows
+    if first:
+        _add(acc, {("reduce_scatter", "col"): m * h * e, ("all_gather", "col"): m * h * e})  # token embedding
+        if gpt:
+            _add(acc, {("all_reduce", "col"): seq * h // q * e})  # position-table grad over the grid rows
+    if not last:
+        return acc
     _add(acc, norm)  # final norm
     # logits = X·Eᵀ (ABᵀ), then backward dX = dZ·E (AB) and dE = dZᵀ·X (AᵀB); Z is [m, V_pad]
     _add(acc, summa_bytes("abt", m, vpad, h, q, e))
