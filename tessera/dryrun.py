@@ -192,38 +192,120 @@ def estimated_memory(cfg: Config, world_size: int, rank: int) -> dict[str, float
 
 
 def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, str], float]:
-    """The cost model's payload bytes per (collective kind, axis) for this rank's step (tessera.planner.cost).
+    """Payload bytes per (collective kind, axis) that this rank's step should hand to collectives, by formula.
 
-    Tensor: the per-block volume (`tp1d_layer_volume` / `tp2d_layer_volume`) × this rank's blocks × micro-batches;
-    pipeline: `pp_p2p_volume`; data: `dp_volume` on this rank's parameters with fp32 master weights and the
-    configured gradient-reduction dtype. The 2D row and column groups are summed under "tensor".
+    - tensor: tessera's exact per-model formulas (`tensor_1d_comm`, `comm_bytes_2d`) for this rank's blocks, with
+      the embedding's and the head's terms where its stages hold them, per micro-batch; full checkpointing adds
+      the cost model's replayed forward collectives per block (`tp1d_layer_volume` / `tp2d_layer_volume`);
+    - pipeline: the cost model's `pp_p2p_volume`, plus the exchange of a tied embedding's gradient between the
+      first and the last pipeline rank (send and receive of the fp32 table shard);
+    - data: the cost model's `dp_volume` with fp32 master weights and the configured gradient-reduction dtype;
+      ZeRO-3 gathers each stage as often as the lowered schedule's GATHER actions say;
+    - the step's scalars: the loss summed over data ranks and broadcast over the pipeline, the gradient norm's
+      sum of squares reduced over every group holding gradient shards (4 bytes each).
+
+    The 2D row and column groups are summed under "tensor".
     """
     from tessera.execution import resolve
     from tessera.memory import cost_plan, stage_params
-    from tessera.planner.cost import (
-        ModelShape,
-        dp_volume,
-        pp_p2p_volume,
-        tp1d_layer_volume,
-        tp2d_layer_volume,
-    )
+    from tessera.planner.cost import ModelShape
 
     execution = resolve(cfg, world_size)  # the stages and schedule the run executes
     shape, plan = ModelShape.from_config(cfg.model), cost_plan(execution)
     stage = execution.layout.coords(rank)[Axis.PIPE]
     layers = execution.stage_layers
     mine = execution.rank_stages(stage)
-    blocks = sum(layers[s] for s in mine)
-    per_block = tp2d_layer_volume(shape, plan) if plan.tp_kind == "2d" else tp1d_layer_volume(shape, plan)
-    psi = sum(stage_params(shape, plan, layers)[s] for s in mine)
+    out: dict[tuple[str, str], float] = {}
+    for part in (
+        _tensor_traffic(cfg, plan, [layers[s] for s in mine], first=0 in mine, last=len(layers) - 1 in mine),
+        _pipe_traffic(shape, plan, stage),
+        _data_traffic(cfg, execution, plan, {s: stage_params(shape, plan, layers)[s] for s in mine}),
+        _scalar_traffic(plan),
+    ):
+        for key, nbytes in part.items():
+            out[key] = out.get(key, 0.0) + nbytes
+    return {key: nbytes for key, nbytes in out.items() if nbytes}
+
+
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "recv")
+
+
+def _volume(vol: Any, axis: str) -> dict[tuple[str, str], float]:
+    return {(k, axis): getattr(vol, k) for k in _KINDS if getattr(vol, k)}
+
+
+def _tensor_traffic(cfg: Config, plan: Any, blocks: list[int], *, first: bool, last: bool) -> dict:
+    from tessera.parallel.model_1d import tensor_1d_comm
+    from tessera.parallel.model_2d import comm_bytes_2d
+    from tessera.planner.cost import ModelShape, tp1d_layer_volume, tp2d_layer_volume
+
+    if plan.tp == 1:
+        return {}
+    m, b, s, e = plan.n_microbatches, plan.micro_batch, cfg.model.seq_len, plan.act_bytes
+    stage_model = dataclasses.replace(cfg.model, n_layers=sum(blocks))
+    if plan.tp_kind == "2d":
+        per_micro = {
+            (k, "tensor"): v
+            for (k, _), v in comm_bytes_2d(stage_model, b, s, plan.q, e, first=first, last=last).items()
+        }
+        layer_volume = tp2d_layer_volume
+    else:
+        exact = tensor_1d_comm(
+            stage_model, b, s, plan.tp, plan.sequence_parallel, e, 4, first=first, last=last
+        )
+        per_micro = {(k, "tensor"): nbytes for k, (_, nbytes) in exact.items()}
+        layer_volume = tp1d_layer_volume
+    out: dict[tuple[str, str], float] = {}
+    for key, nbytes in per_micro.items():
+        out[key] = out.get(key, 0.0) + m * nbytes
+    if plan.recompute == "full":  # each block's forward runs again before its backward
+        shape = ModelShape.from_config(cfg.model)
+        full = layer_volume(shape, plan)
+        none = layer_volume(shape, dataclasses.replace(plan, recompute="none"))
+        for k in _KINDS:
+            extra = (getattr(full, k) - getattr(none, k)) * sum(blocks) * m
+            if extra:
+                out[(k, "tensor")] = out.get((k, "tensor"), 0.0) + extra
+    return out
+
+
+def _pipe_traffic(shape: Any, plan: Any, stage: int) -> dict:
+    from tessera.planner.cost import pp_p2p_volume
+
+    out = _volume(pp_p2p_volume(shape, plan, stage), "pipe")
+    if shape.tied and plan.pp > 1 and stage in (0, plan.pp - 1):
+        table = shape.vocab_size * shape.d_model / plan.tp * 4  # the fp32 gradient of this rank's table shard
+        for kind in ("send", "recv"):
+            out[(kind, "pipe")] = out.get((kind, "pipe"), 0.0) + table
+    return out
+
+
+def _data_traffic(cfg: Config, execution: Any, plan: Any, psi: dict[int, float]) -> dict:
+    """``psi``: parameters of each of this rank's stages (before ZeRO sharding)."""
+    from tessera.pipeline.ir import ActionKind
+    from tessera.planner.cost import dp_volume
+
     grad_bytes = 2 if cfg.train.grad_reduce_dtype == "bf16" else 4
-    volumes = {
-        "tensor": per_block.scaled(blocks * plan.n_microbatches),
-        "pipe": pp_p2p_volume(shape, plan, stage),
-        "data": dp_volume(psi, plan, grad_bytes=grad_bytes, param_bytes=4),
-    }
-    kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "recv")
-    return {(k, axis): getattr(v, k) for axis, v in volumes.items() for k in kinds if getattr(v, k)}
+    out = _volume(dp_volume(sum(psi.values()), plan, grad_bytes=grad_bytes, param_bytes=4), "data")
+    if plan.zero_stage == 3 and plan.dp > 1:  # a stage is gathered once per GATHER of the executed schedule
+        lowered = execution.lowered()
+        gathers = [a.stage for actions in lowered for a in actions if a.kind is ActionKind.GATHER_PARAMS]
+        out[("all_gather", "data")] = sum(4 * n * gathers.count(s) for s, n in psi.items())
+    return out
+
+
+def _scalar_traffic(plan: Any) -> dict:
+    out: dict[tuple[str, str], float] = {}
+    if plan.dp > 1:
+        out[("all_reduce", "data")] = 4 * (1 + (plan.zero_stage > 0))  # loss; ZeRO's norm over shards
+    if plan.pp > 1:
+        out[("broadcast", "pipe")] = 4  # the loss, from the last stage
+        out[("all_reduce", "pipe")] = 4  # the gradient norm
+    if plan.tp > 1:
+        out[("all_reduce", "tensor")] = 4 * (
+            2 if plan.tp_kind == "2d" else 1
+        )  # the norm (2D: row and column)
+    return out
 
 
 def measured_by_axis(result: RankResult) -> dict[tuple[str, str], int]:
