@@ -290,7 +290,11 @@ def _data_traffic(cfg: Config, execution: Any, plan: Any, psi: dict[int, float])
     if plan.zero_stage == 3 and plan.dp > 1:  # a stage is gathered once per GATHER of the executed schedule
         lowered = execution.lowered()
         gathers = [a.stage for actions in lowered for a in actions if a.kind is ActionKind.GATHER_PARAMS]
-        out[("all_gather", "data")] = sum(4 * n * gathers.count(s) for s, n in psi.items())
+        count = {s: gathers.count(s) for s in psi}
+        last = execution.n_stages - 1
+        if cfg.model.tie_embeddings and 0 in psi and last in psi and last != 0:
+            count[0] += count[last]  # the head uses the tied table, which lives in stage 0's flat buffer
+        out[("all_gather", "data")] = sum(4 * n * count[s] for s, n in psi.items())
     return out
 
 
