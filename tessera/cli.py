@@ -28,7 +28,11 @@ def _split_overrides(extra: list[str]) -> list[str]:
 def _load(args: argparse.Namespace, extra: list[str]):
     from tessera.config import load_config
 
-    return load_config(args.config, _split_overrides(extra))
+    config = args.config
+    if config is not None and config.startswith("--") and "=" in config:
+        # argparse takes an argument holding a space (--parallel.stage_layers="[1, 3]") for a positional one
+        config, extra = None, [config, *extra]
+    return load_config(config, _split_overrides(extra))
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:

@@ -117,3 +117,10 @@ def test_every_violation_listed_with_the_schedule_rules_last() -> None:
     )
     rules = {v.rule for v in violations(cfg, 4)}
     assert {"model.heads", "pipeline.layers", "batch"} <= rules
+
+
+def test_an_override_with_a_space_is_not_taken_for_the_config_file(capsys: pytest.CaptureFixture) -> None:
+    """argparse treats `--parallel.stage_layers=[1, 3]` (one argument holding a space) as a positional one."""
+    args = ["--model.n_layers=4", "--parallel.pipeline=2", "--parallel.stage_layers=[1, 3]"]
+    assert main(["validate", *args, "--world-size", "2"]) == 0
+    assert "stage 0 (block 0, embedding)" in capsys.readouterr().out
