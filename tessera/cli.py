@@ -140,11 +140,29 @@ def _check_data(cfg: Config) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
+    import warnings
+
     from tessera.train.data import default_corpus_files, prepare
 
     inputs = [Path(p) for p in args.inputs] or default_corpus_files(int(args.default_mb * 2**20))
-    info = prepare(inputs, Path(args.out), args.tokenizer)
-    print(f"wrote {info['n_tokens']:,} tokens to {args.out} (vocab {info['vocab_size']})")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = prepare(
+            inputs,
+            Path(args.out),
+            args.tokenizer,
+            text_key=args.text_key,
+            eot_token=args.eot_token,
+            workers=args.workers,
+            strict=args.strict,
+            progress=True,
+        )
+    for w in caught:  # as messages, not as warnings pointing at a line of library code
+        print(f"warning: {w.message}", file=sys.stderr)
+    print(
+        f"wrote {info['n_tokens']:,} tokens of {info['n_documents']:,} documents to {args.out} (vocab "
+        f"{info['vocab_size']}; {info['n_skipped']} file(s) skipped, {info['n_bad_records']} bad record(s))"
+    )
     return 0
 
 
@@ -292,10 +310,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(fn=cmd_dryrun)
 
-    p = sub.add_parser("prepare", help="tokenize text files or directories into a token file")
-    p.add_argument("inputs", nargs="*", help="files or directories (default: the Python standard library)")
+    p = sub.add_parser(
+        "prepare", help="tokenize text, JSONL, JSON, Parquet or HF dataset folders into a token file"
+    )
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        help="files (.jsonl, .jsonl.gz, .json, .parquet, anything else is text), directories, or folders "
+        "written by datasets' save_to_disk (default: the Python standard library)",
+    )
     p.add_argument("--out", required=True, help="token file to write")
     p.add_argument("--tokenizer", default="byte", help='"byte", a tokenizers JSON file, or an HF folder')
+    p.add_argument("--text-key", default="text", help="the text field/column of JSON, Parquet and HF inputs")
+    p.add_argument(
+        "--eot-token", default=None, help="token (or id) ending each document; default: the tokenizer's own"
+    )
+    p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: every core)")
+    p.add_argument("--strict", action="store_true", help="stop at the first bad record instead of skipping")
     p.add_argument("--default-mb", type=float, default=8.0, help="size of the default corpus, MiB")
     p.set_defaults(fn=cmd_prepare)
 

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from tessera.errors import DataError
-from tessera.train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from tessera.train.ingest import Unit, UnitResult, find_units, tokenize_units
+from tessera.train.tokenizer import load_tokenizer, resolve_eot
 
 __all__ = [
     "TokenDataset",
@@ -108,45 +109,6 @@ def ensure_default_corpus(cache_dir: Path, max_mb: float) -> Path:
 # --- preparing token files ---------------------------------------------------------------------------------
 
 
-def _expand(inputs: list[Path]) -> list[Path]:
-    """Files to read: each input file, or every file under an input directory (sorted, hidden skipped)."""
-    files: list[Path] = []
-    for item in map(Path, inputs):
-        if item.is_file():
-            files.append(item)
-        elif item.is_dir():
-            found = sorted(
-                (p for p in item.rglob("*") if p.is_file()), key=lambda p: p.relative_to(item).as_posix()
-            )
-            files.extend(p for p in found if not any(x.startswith(".") for x in p.relative_to(item).parts))
-        else:
-            raise DataError(f"input {str(item)!r} does not exist; pass existing text files or directories")
-    return files
-
-
-def _read_text(path: Path) -> str | None:
-    """The file's text, or None (with a warning) when it is unreadable, binary or not UTF-8."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        warnings.warn(f"skipping {path}: cannot read it ({e})", stacklevel=3)
-        return None
-    if b"\0" in raw:
-        warnings.warn(f"skipping {path}: binary file (contains NUL bytes)", stacklevel=3)
-        return None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        warnings.warn(f"skipping {path}: not UTF-8 text", stacklevel=3)
-        return None
-
-
-def _encode(tok: Tokenizer, text: str) -> np.ndarray:
-    if isinstance(tok, ByteTokenizer):
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)  # fast path, same ids as tok.encode
-    return np.asarray(tok.encode(text), dtype=np.int64)
-
-
 def _token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size < 2**16 else np.dtype("<u4")
 
@@ -169,11 +131,19 @@ def prepare(
     out: Path,
     tokenizer_spec: str = "byte",
     extra_meta: dict[str, Any] | None = None,
+    *,
+    text_key: str = "text",
+    eot_token: str | None = None,
+    workers: int | None = None,
+    strict: bool = False,
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Tokenize text files and directories into the token file `out` and metadata `out.with_suffix(".json")`.
+    """Tokenize files and directories (text, JSONL, JSON, Parquet, HF dataset folders: `tessera.train.ingest`)
+    into the token file `out` and metadata `out.with_suffix(".json")`.
 
-    Documents (files) are concatenated in order, each followed by the tokenizer's end-of-text token when it
-    has one. Binary, unreadable and non-UTF-8 files are skipped with a warning. Returns the metadata written.
+    Documents are concatenated in input order, each followed by the end-of-text token (`resolve_eot`). Skipped
+    files and bad records are reported as warnings naming file and line, or, with `strict`, raise at the first.
+    The output is identical for any number of `workers` (default: every core). Returns the metadata written.
     """
     out = Path(out)
     if out.is_dir():
@@ -181,33 +151,35 @@ def prepare(
             f"--out {str(out)!r} is a directory; pass a file name such as {str(out / 'tokens.bin')!r}"
         )
     tok = load_tokenizer(tokenizer_spec)
-    files = _expand(list(inputs))
+    eot = resolve_eot(tok, eot_token)
+    units = find_units(list(inputs), text_key)
     dtype = _token_dtype(tok.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
-    sha, counts = hashlib.sha256(), {"tokens": 0, "sources": 0, "skipped": 0, "max_id": 0}
+    sha = hashlib.sha256()
+    counts = {"tokens": 0, "skipped": 0, "documents": 0, "bad": 0, "max_id": 0}
+    sources: set[str] = set()
 
     def chunks() -> Iterator[bytes]:
-        for path in files:
-            text = _read_text(path)
-            if text is None:
-                counts["skipped"] += 1
-                continue
-            ids = _encode(tok, text)
-            if tok.eot is not None:
-                ids = np.append(ids, tok.eot)
-            data = ids.astype(dtype).tobytes()
+        for unit, result in tokenize_units(units, tok.spec, eot, dtype, text_key, workers, progress):
+            _report(unit, result, strict)
+            counts["skipped"] += result.skipped is not None
+            counts["bad"] += len(result.problems)
+            counts["documents"] += result.n_docs
+            if result.skipped is None:
+                sources.add(unit.path)
+            data = result.tokens.tobytes()
             sha.update(data)
-            counts["tokens"] += len(ids)
-            counts["max_id"] = max(counts["max_id"], int(ids.max()))
-            counts["sources"] += 1
+            counts["tokens"] += len(result.tokens)
+            if len(result.tokens):
+                counts["max_id"] = max(counts["max_id"], int(result.tokens.max()))
             yield data
 
     _atomic_write(out, chunks())
     if counts["tokens"] == 0:
         out.unlink(missing_ok=True)
         raise DataError(
-            f"no text found in {len(files)} input file(s) ({counts['skipped']} skipped); "
-            "pass UTF-8 text files or directories containing them"
+            f"no text found in {len(units)} input part(s) ({counts['skipped']} file(s) skipped, "
+            f"{counts['bad']} bad record(s)); pass UTF-8 text, JSONL, JSON, Parquet or HF dataset inputs"
         )
     meta = {
         "format": FORMAT,
@@ -215,15 +187,37 @@ def prepare(
         "n_tokens": counts["tokens"],
         "vocab_size": tok.vocab_size,
         "tokenizer": tok.spec,
-        "eot": tok.eot,
+        "eot": eot,
         "sha256": sha.hexdigest(),
         "max_token_id": counts["max_id"],
-        "n_sources": counts["sources"],
+        "n_sources": len(sources),
+        "n_documents": counts["documents"],
         "n_skipped": counts["skipped"],
+        "n_bad_records": counts["bad"],
         **(extra_meta or {}),
     }
     _atomic_write(out.with_suffix(".json"), iter([json.dumps(meta, indent=2).encode()]))
     return meta
+
+
+_SHOWN_PER_FILE = 5
+
+
+def _report(unit: Unit, result: UnitResult, strict: bool) -> None:
+    """Warn about a skipped file or a unit's bad records (the first few by location); strict: raise instead."""
+    if strict and (result.skipped or result.problems):
+        problem = f"{unit.path}: {result.skipped}" if result.skipped else result.problems[0]
+        raise DataError(f"bad input (--strict stops at the first): {problem}; fix it or drop --strict")
+    if result.skipped:
+        warnings.warn(f"skipping {unit.path}: {result.skipped}", stacklevel=4)
+    if result.problems:
+        shown = "; ".join(result.problems[:_SHOWN_PER_FILE])
+        more = len(result.problems) - _SHOWN_PER_FILE
+        warnings.warn(
+            f"{len(result.problems)} bad record(s) skipped: {shown}"
+            + (f"; and {more} more" if more > 0 else ""),
+            stacklevel=4,
+        )
 
 
 # --- reading and sampling ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from tessera.errors import DataError
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer", "resolve_eot"]
 
 _EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 
@@ -29,6 +29,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_to_id(self, token: str) -> int | None: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens: vocab 256, no files needed; `eot` = 0 (NUL) separates documents."""
@@ -43,6 +45,11 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Bytes back to text; invalid UTF-8 (e.g. a sequence cut mid-character) becomes U+FFFD."""
         return bytes(ids).decode("utf-8", errors="replace")
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a one-byte token (e.g. "\\n"); None for anything longer."""
+        raw = token.encode("utf-8")
+        return raw[0] if len(raw) == 1 else None
 
 
 class HFTokenizer:
@@ -81,6 +88,9 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
 
 def _folder_eos(folder: Path, vocab: dict[str, int]) -> int | None:
     """The EOS id a `save_pretrained` folder declares: tokenizer_config.json's eos_token, else the model's
@@ -107,3 +117,27 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec == "byte":
         return ByteTokenizer()
     return HFTokenizer(spec)
+
+
+def resolve_eot(tok: Tokenizer, eot_token: str | None = None) -> int:
+    """The id that ends every document: ``eot_token`` (a token of the vocabulary, or an id) when given, else
+    the tokenizer's own end-of-text token. A tokenizer without one is an error: documents concatenated with no
+    separator would silently run into each other."""
+    if eot_token is None:
+        if tok.eot is None:
+            raise DataError(
+                f"tokenizer {tok.spec!r} has no end-of-text token (looked for {', '.join(_EOT_NAMES)}), so "
+                "documents would run into each other; name one of its tokens with --eot-token TOKEN "
+                "(e.g. --eot-token '</s>') or give its id (--eot-token 2)"
+            )
+        return tok.eot
+    found = tok.token_to_id(eot_token)
+    if found is None and eot_token.isdigit() and int(eot_token) < tok.vocab_size:
+        found = int(eot_token)
+    if found is None:
+        raise DataError(
+            f"--eot-token {eot_token!r} is not a token of tokenizer {tok.spec!r} (vocabulary of "
+            f"{tok.vocab_size}); pass one of its special tokens, such as '</s>', or a token id below "
+            f"{tok.vocab_size}"
+        )
+    return found

@@ -1,0 +1,396 @@
+"""Reading a corpus into documents and tokenizing it on every core, with the same output whatever the core count.
+
+Inputs, one document per:
+
+- text file (any other suffix): the whole file; binary or non-UTF-8 files are skipped with a warning;
+- ``.jsonl`` / ``.jsonl.gz`` line and ``.json`` array element: a JSON object's ``text_key`` field;
+- ``.parquet`` row: its ``text_key`` column (needs pyarrow: ``pip install 'tessera[data]'``);
+- row of a folder written by Hugging Face ``datasets.Dataset.save_to_disk`` (Arrow files listed in its
+  ``state.json``, read with pyarrow; ``datasets`` itself is not needed).
+
+The work is cut into units (a file, a ~16 MiB run of whole JSONL lines, a Parquet row group, an Arrow file) that
+a process pool tokenizes; the results are written in unit order, so the token file does not depend on the number
+of workers. A record without the field, with a non-string value, with invalid UTF-8 or containing the
+end-of-text token is a bad record: it is counted and reported as ``file:line`` (or ``file:row``), or, with
+``strict``, stops the preparation at the first one.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tessera.errors import DataError
+from tessera.train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+__all__ = ["Unit", "UnitResult", "find_units", "tokenize_units"]
+
+JSONL_CHUNK = (
+    16 * 2**20
+)  # bytes of whole lines per JSONL unit: small enough to spread one big file over cores
+_HF_MARKERS = ("state.json", "dataset_info.json")
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One piece of work: ``kind`` says how to read ``path``; ``start``/``end`` select a part of it."""
+
+    path: str
+    kind: str
+    """text, jsonl, jsonl.gz, json, parquet (start = row group) or arrow."""
+    start: int = 0
+    end: int = -1
+    first: int = 1
+    """Number of the unit's first line (JSONL) or row (Parquet), for messages."""
+    size: int = 0
+    """Bytes, for the progress bar."""
+
+
+@dataclass(slots=True)
+class UnitResult:
+    """The tokens of a unit's documents (each followed by the end-of-text token) and what went wrong."""
+
+    tokens: np.ndarray
+    n_docs: int = 0
+    problems: list[str] = field(default_factory=list)
+    skipped: str | None = None
+    """Why the whole file was skipped (text files: binary, unreadable, not UTF-8)."""
+
+
+# --- finding the units -------------------------------------------------------------------------------------
+
+
+def find_units(inputs: list[Path], text_key: str) -> list[Unit]:
+    """Units of work for files, directories (walked in sorted order, hidden entries skipped) and HF folders."""
+    units: list[Unit] = []
+    for item in map(Path, inputs):
+        if item.is_dir() and _is_hf_folder(item):
+            units.extend(_hf_units(item))
+        elif item.is_dir():
+            for f in _walk(item):
+                units.extend(_file_units(f, text_key))
+        elif item.is_file():
+            units.extend(_file_units(item, text_key))
+        else:
+            raise DataError(f"input {str(item)!r} does not exist; pass existing files or directories")
+    return units
+
+
+def _walk(root: Path) -> list[Path]:
+    found = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
+    return [p for p in found if not any(x.startswith(".") for x in p.relative_to(root).parts)]
+
+
+def _kind(path: Path) -> str:
+    name = path.name.lower()
+    for suffix in ("jsonl.gz", "jsonl", "json", "parquet", "arrow"):
+        if name.endswith("." + suffix):
+            return suffix
+    return "text"
+
+
+def _file_units(path: Path, text_key: str) -> list[Unit]:
+    kind = _kind(path)
+    if kind == "jsonl":
+        return list(_jsonl_units(path))
+    if kind == "parquet":
+        return _parquet_units(path)
+    return [Unit(str(path), kind, size=path.stat().st_size)]
+
+
+def _jsonl_units(path: Path) -> Iterator[Unit]:
+    """Runs of whole lines of about `JSONL_CHUNK` bytes, each knowing the number of its first line."""
+    pos, line, chunk = 0, 1, JSONL_CHUNK
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(chunk)
+            if not data:
+                return
+            if not data.endswith(b"\n"):
+                data += f.readline()  # finish the line that straddles the boundary
+            yield Unit(str(path), "jsonl", pos, pos + len(data), line, len(data))
+            pos, line = pos + len(data), line + data.count(b"\n")
+
+
+def _pyarrow(what: str) -> Any:
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise DataError(
+            f"reading {what} needs the `pyarrow` package, which is not installed; run "
+            "`pip install 'tessera[data]'` (or convert the data to JSONL)"
+        ) from None
+    return pyarrow
+
+
+def _parquet_units(path: Path) -> list[Unit]:
+    pa = _pyarrow(f"the Parquet file {str(path)!r}")
+    meta = pa.parquet.ParquetFile(path).metadata
+    units, first = [], 1
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        units.append(Unit(str(path), "parquet", g, g + 1, first, group.total_byte_size))
+        first += group.num_rows
+    return units
+
+
+def _is_hf_folder(path: Path) -> bool:
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        raise DataError(
+            f"{str(path)!r} is a Hugging Face DatasetDict with splits {splits}; pass one split's folder, "
+            f"e.g. {str(path / (splits[0] if splits else 'train'))!r}"
+        )
+    return all((path / m).is_file() for m in _HF_MARKERS)
+
+
+def _hf_units(folder: Path) -> list[Unit]:
+    """The Arrow files of a ``save_to_disk`` folder, in the order its state.json lists them."""
+    try:
+        files = [f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(
+            f"{str(folder / 'state.json')!r} does not list the dataset's files ({e}); save the dataset again "
+            "with datasets.Dataset.save_to_disk"
+        ) from None
+    return [Unit(str(folder / f), "arrow", size=(folder / f).stat().st_size) for f in files]
+
+
+# --- reading documents -------------------------------------------------------------------------------------
+
+# A reader yields (where, text, problem): the document's location for messages, and its text or what is wrong.
+Doc = tuple[str, str | None, str | None]
+
+
+def _read_text(unit: Unit, text_key: str) -> Iterator[Doc]:
+    path = Path(unit.path)
+    raw = path.read_bytes()
+    if b"\0" in raw:
+        raise _Skip("binary file (contains NUL bytes)")
+    try:
+        yield unit.path, raw.decode("utf-8"), None
+    except UnicodeDecodeError:
+        raise _Skip("not UTF-8 text") from None
+
+
+class _Skip(Exception):
+    """A whole text file is not text: skipped with a warning, as before structured formats existed."""
+
+
+def _record_text(record: Any, text_key: str) -> tuple[str | None, str | None]:
+    if not isinstance(record, dict):
+        return None, f"a JSON {type(record).__name__}, not an object with a {text_key!r} field"
+    if text_key not in record:
+        return None, f"missing field {text_key!r} (fields: {', '.join(sorted(record)[:8])}); see --text-key"
+    value = record[text_key]
+    if not isinstance(value, str):
+        return None, f"field {text_key!r} has type {type(value).__name__}, not a string"
+    return value, None
+
+
+def _read_jsonl_lines(unit: Unit, lines: list[bytes], text_key: str) -> Iterator[Doc]:
+    for i, raw in enumerate(lines):
+        where = f"{unit.path}:{unit.first + i}"
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield where, None, f"invalid UTF-8 at byte {e.start}"
+            continue
+        try:
+            record = json.loads(text)
+        except ValueError as e:
+            yield where, None, f"not JSON ({e})"
+            continue
+        yield (where, *_record_text(record, text_key))
+
+
+def _read_jsonl(unit: Unit, text_key: str) -> Iterator[Doc]:
+    if unit.kind == "jsonl.gz":
+        with gzip.open(unit.path, "rb") as f:
+            data = f.read()
+    else:
+        with open(unit.path, "rb") as f:
+            f.seek(unit.start)
+            data = f.read(unit.end - unit.start)
+    yield from _read_jsonl_lines(unit, data.split(b"\n"), text_key)
+
+
+def _read_json(unit: Unit, text_key: str) -> Iterator[Doc]:
+    try:
+        records = json.loads(Path(unit.path).read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        yield unit.path, None, f"not a JSON file ({e})"
+        return
+    if not isinstance(records, list):
+        yield unit.path, None, "a .json input must hold an array of objects (or use .jsonl, one per line)"
+        return
+    for i, record in enumerate(records):
+        yield (f"{unit.path}:record {i + 1}", *_record_text(record, text_key))
+
+
+def _column(table: Any, unit: Unit, text_key: str) -> Any:
+    if text_key not in table.column_names:
+        raise DataError(
+            f"{unit.path} has no column {text_key!r} (columns: {', '.join(table.column_names)}); pass the "
+            "text column with --text-key"
+        )
+    return table.column(text_key)
+
+
+def _read_rows(unit: Unit, table: Any, text_key: str) -> Iterator[Doc]:
+    for i, value in enumerate(_column(table, unit, text_key).to_pylist()):
+        where = f"{unit.path}:row {unit.first + i}"
+        if isinstance(value, bytes):
+            try:
+                value = value.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, None, f"invalid UTF-8 at byte {e.start}"
+                continue
+        if not isinstance(value, str):
+            yield where, None, f"column {text_key!r} is {type(value).__name__}, not a string"
+            continue
+        yield where, value, None
+
+
+def _read_parquet(unit: Unit, text_key: str) -> Iterator[Doc]:
+    pa = _pyarrow(f"the Parquet file {unit.path!r}")
+    table = pa.parquet.ParquetFile(unit.path).read_row_group(unit.start)
+    yield from _read_rows(unit, table, text_key)
+
+
+def _read_arrow(unit: Unit, text_key: str) -> Iterator[Doc]:
+    pa = _pyarrow(f"the Arrow file {unit.path!r}")
+    with pa.memory_map(unit.path) as source:
+        try:
+            table = pa.ipc.open_stream(source).read_all()  # what datasets writes
+        except pa.ArrowInvalid:
+            source.seek(0)
+            table = pa.ipc.open_file(source).read_all()
+    yield from _read_rows(unit, table, text_key)
+
+
+_READERS: dict[str, Callable[[Unit, str], Iterator[Doc]]] = {
+    "text": _read_text,
+    "jsonl": _read_jsonl,
+    "jsonl.gz": _read_jsonl,
+    "json": _read_json,
+    "parquet": _read_parquet,
+    "arrow": _read_arrow,
+}
+
+
+# --- tokenizing --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """What a worker needs besides the unit (picklable: the tokenizer is loaded again from its spec)."""
+
+    tokenizer: str
+    eot: int
+    dtype: str
+    text_key: str
+
+
+_WORKER: tuple[_Job, Tokenizer] | None = None
+
+
+def _init_worker(job: _Job) -> None:
+    global _WORKER
+    _WORKER = (job, load_tokenizer(job.tokenizer))
+
+
+def _encode(tok: Tokenizer, text: str) -> np.ndarray:
+    if isinstance(tok, ByteTokenizer):
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)  # fast path, same ids as tok.encode
+    return np.asarray(tok.encode(text), dtype=np.int64)
+
+
+def _tokenize_unit(unit: Unit) -> UnitResult:
+    assert _WORKER is not None, "worker not initialised"
+    job, tok = _WORKER
+    pieces: list[np.ndarray] = []
+    result = UnitResult(tokens=np.zeros(0, dtype=job.dtype))
+    try:
+        for where, text, problem in _READERS[unit.kind](unit, job.text_key):
+            ids = _encode(tok, text) if text is not None else None
+            if ids is not None and (ids == job.eot).any():
+                problem = f"contains the end-of-text token {job.eot}, which would split it in two"
+            if problem is not None:
+                result.problems.append(f"{where}: {problem}")
+                continue
+            pieces.extend((ids, np.array([job.eot])))
+            result.n_docs += 1
+    except _Skip as e:
+        result.skipped = str(e)
+    except OSError as e:
+        result.skipped = f"cannot read it ({e})"
+    if pieces:
+        result.tokens = np.concatenate(pieces).astype(job.dtype)
+    return result
+
+
+def tokenize_units(
+    units: list[Unit],
+    tokenizer: str,
+    eot: int,
+    dtype: np.dtype,
+    text_key: str = "text",
+    workers: int | None = None,
+    progress: bool = False,
+) -> Iterator[tuple[Unit, UnitResult]]:
+    """Each unit with its tokens, in unit order, computed by ``workers`` processes (default: every core)."""
+    job = _Job(tokenizer, eot, np.dtype(dtype).str, text_key)
+    workers = max(1, min(workers or os.cpu_count() or 1, len(units)))
+    with _progress(sum(u.size for u in units), progress) as advance:
+        if workers == 1:
+            _init_worker(job)
+            for unit in units:
+                yield unit, _tokenize_unit(unit)
+                advance(unit.size)
+            return
+        # spawn, not fork: the parent may hold torch's threads, which a forked child can deadlock on
+        with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (job,)) as pool:
+            for unit, result in zip(units, pool.imap(_tokenize_unit, units, chunksize=1), strict=True):
+                yield unit, result
+                advance(unit.size)
+
+
+class _progress:
+    """A rich progress bar over bytes on a terminal (stderr); nothing otherwise."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.bar, self.task = total, None, None
+        self.enabled = enabled and sys.stderr.isatty()
+
+    def __enter__(self) -> Callable[[int], None]:
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+            columns = (BarColumn(), DownloadColumn(), TimeRemainingColumn())
+            self.bar = Progress("[bold]prepare", *columns, console=Console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("prepare", total=self.total)
+        return self._advance
+
+    def _advance(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
