@@ -7,8 +7,10 @@ machines with no PyTorch.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import re
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -457,10 +459,44 @@ class LogConfig:
     progress: bool = True
     """Live progress display on rank 0 (rich)."""
     tensorboard: bool = True
-    """Also write TensorBoard events when tensorboard is installed."""
+    """Also write TensorBoard events to RUN_DIR/tensorboard."""
+    wandb: bool = False
+    """Also log the same scalars to Weights & Biases (needs `pip install wandb`)."""
+    wandb_project: str = "tessera"
+    """W&B project name."""
+    wandb_mode: str = "offline"
+    """W&B mode: offline (files under RUN_DIR/wandb, `wandb sync` later), online or disabled."""
 
     def check(self) -> list[Violation]:
-        return _out_of_range("log", self) + _bad_path("log.run_dir", self.run_dir)
+        v = _out_of_range("log", self) + _bad_path("log.run_dir", self.run_dir)
+        for name, package, enabled in (
+            ("tensorboard", "tensorboard", self.tensorboard),
+            ("wandb", "wandb", self.wandb),
+        ):
+            if enabled and not _importable(package):
+                v.append(
+                    Violation(
+                        rule=f"log.{name}",
+                        problem=f"log.{name} = true but the `{package}` package is not installed",
+                        fix=f"run `pip install {package}`, or set log.{name} = false",
+                    )
+                )
+        if self.wandb_mode not in ("offline", "online", "disabled"):
+            v.append(
+                Violation(
+                    rule="log.wandb_mode",
+                    problem=f"log.wandb_mode = {self.wandb_mode!r} is unknown",
+                    fix="use offline, online or disabled",
+                )
+            )
+        return v
+
+
+def _importable(package: str) -> bool:
+    """Whether ``import package`` would find it, without importing it (config stays light)."""
+    if package in sys.modules:
+        return sys.modules[package] is not None
+    return importlib.util.find_spec(package) is not None
 
 
 @dataclass(kw_only=True, slots=True)

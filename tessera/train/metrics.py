@@ -1,4 +1,4 @@
-"""Training metrics: a JSON-lines log (plus TensorBoard when installed), a live progress display, MFU and memory.
+"""Training metrics: a JSON-lines log (plus TensorBoard and W&B), a live progress display, MFU and memory.
 
 Everything here is a no-op off rank 0, so the trainer can call it unconditionally.
 """
@@ -113,24 +113,42 @@ def _number(key: str, value: Any) -> float | int | None:
 class MetricsLogger:
     """Append one JSON object per `log` call to ``run_dir/metrics.jsonl`` (rank 0 only), flushed each line.
 
-    Also writes TensorBoard scalars when ``tensorboard`` is set and ``torch.utils.tensorboard`` imports (the
-    tensorboard package is installed); otherwise that is silently skipped.
+    The file describes one training history: opening it for a run that starts (or resumes) at step ``start``
+    first drops every record of step ``start`` or later, so steps redone after a resume are not there twice
+    (``start = None`` appends to whatever is there).
+    Also writes the same scalars to TensorBoard (``tensorboard``) and to Weights & Biases (``wandb``: a dict of
+    ``wandb.init`` arguments); `tessera.config.LogConfig` has already checked that those packages import.
     """
 
-    def __init__(self, run_dir: Path, rank: int, tensorboard: bool = True) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        tensorboard: bool = True,
+        *,
+        start: int | None = None,
+        wandb: dict[str, Any] | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.enabled = rank == 0
         self._file: IO[str] | None = None
-        self._tb: Any = None
+        self._sinks: list[Any] = []
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # append: a resumed run continues the same file; closed in close()
-        self._file = open(self.run_dir / METRICS_FILE, "a")  # noqa: SIM115
+        if start is not None:
+            _truncate(self.run_dir / METRICS_FILE, start)
+        self._file = open(self.run_dir / METRICS_FILE, "a")  # noqa: SIM115 -- closed in close()
         if self._file.tell() and not _ends_with_newline(self.run_dir / METRICS_FILE):
             self._file.write("\n")  # a crash tore the last record: keep it on its own line, not glued to ours
         if tensorboard:
-            self._tb = _tensorboard_writer(self.run_dir / "tensorboard")
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._sinks.append(_TensorBoard(SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))))
+        if wandb is not None:
+            import wandb as wb
+
+            self._sinks.append(_WandB(wb.init(dir=str(self.run_dir), **wandb)))
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Record one flat dict of numbers or None (loss, lr, grad_norm, tokens_per_s, mfu, mem_bytes, step_time,
@@ -145,18 +163,21 @@ class MetricsLogger:
         record.setdefault("time", time.time())
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for k, v in record.items():
-                if k not in ("step", "time") and v is not None and math.isfinite(v):
-                    self._tb.add_scalar(k, v, global_step=int(step))
+        scalars = {
+            k: v
+            for k, v in record.items()
+            if k not in ("step", "time") and v is not None and math.isfinite(v)
+        }
+        for sink in self._sinks:
+            sink.log(scalars, int(step))
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -165,12 +186,37 @@ class MetricsLogger:
         self.close()
 
 
-def _tensorboard_writer(log_dir: Path) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional
-        return None
-    return SummaryWriter(log_dir=str(log_dir))
+class _TensorBoard:
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, global_step=step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _truncate(path: Path, start: int) -> None:
+    """Keep only the records of steps before ``start`` (atomically: a crash leaves the old file or the new)."""
+    if not path.is_file():
+        return
+    keep = [r for r in _records(path, skip_bad=True) if isinstance(r, dict) and r.get("step", 0) < start]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    os.replace(tmp, path)
 
 
 def _ends_with_newline(path: Path) -> bool:
@@ -180,13 +226,23 @@ def _ends_with_newline(path: Path) -> bool:
 
 
 def read_metrics(run_dir: Path, *, skip_bad: bool = False) -> list[dict[str, Any]]:
-    """All records of ``run_dir/metrics.jsonl``; a torn last line (a crash mid-write) is skipped, and so is any
+    """The records of ``run_dir/metrics.jsonl``, one per step in step order: the records of one step are merged,
+    later values winning (a step's validation loss may come in its own record, and a file written before
+    resumes truncated it can hold a step twice). A torn last line (a crash mid-write) is skipped, and so is any
     line that is not JSON when ``skip_bad`` (a torn record a resumed run wrote after, in older files)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise DataError(
             f"{path} does not exist\n    fix: pass the run directory of a run that logged metrics"
         )
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in _records(path, skip_bad):
+        if isinstance(record, dict) and "step" in record:
+            by_step.setdefault(record["step"], {}).update(record)
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def _records(path: Path, skip_bad: bool = False) -> list[dict[str, Any]]:
     lines = path.read_text(errors="replace").splitlines()  # a torn write may split a character
     out: list[dict[str, Any]] = []
     for i, line in enumerate(lines):
@@ -228,6 +284,7 @@ class Progress:
         self._rich: Any = None
         self._task: Any = None
         self._start: tuple[float, int] | None = None
+        self._val_loss: float | None = None  # the latest validation loss stays on every line after it
 
     def _isatty(self) -> bool:
         isatty = getattr(self.stream, "isatty", None)
@@ -260,6 +317,17 @@ class Progress:
         self._rich.start()
         self._task = self._rich.add_task("train", total=self.total, info="")
 
+    def resumed(self, step: int) -> None:
+        """Say that the run continues from a checkpoint at ``step`` (a line above the live bar, or plain)."""
+        if not self.enabled:
+            return
+        self._start = (time.monotonic(), step)
+        if self._rich is not None:
+            self._rich.console.print(f"resumed from step {step}")
+            self._rich.update(self._task, completed=step)
+        else:
+            print(f"resumed from step {step}", file=self.stream, flush=True)
+
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Show ``step`` (1-based count of finished steps) of ``total_steps`` with the given metrics."""
         if not self.enabled:
@@ -267,7 +335,9 @@ class Progress:
         now = time.monotonic()
         if self._start is None:
             self._start = (now, step - 1)  # resumed runs start counting from their first step
-        info = format_metrics(metrics)
+        if metrics.get("val_loss") is not None:
+            self._val_loss = metrics["val_loss"]
+        info = format_metrics({**metrics, "val_loss": self._val_loss})
         if self._rich is not None:
             self._rich.update(self._task, completed=step, info=info)
         elif step % self.every == 0 or step == self.total:
@@ -280,6 +350,8 @@ def format_metrics(m: Mapping[str, Any]) -> str:
     parts = []
     if m.get("loss") is not None:
         parts.append(f"loss {m['loss']:.4f}")
+    if m.get("val_loss") is not None:
+        parts.append(f"val {m['val_loss']:.4f}")
     if m.get("tokens_per_s") is not None:
         parts.append(f"{_si(m['tokens_per_s'])} tok/s")
     parts.append("MFU n/a" if m.get("mfu") is None else f"MFU {100 * m['mfu']:.1f}%")

@@ -222,12 +222,15 @@ def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
     if rank == 0:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         (run.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    logger = MetricsLogger(run.run_dir, rank, tensorboard=cfg.log.tensorboard)
+    wandb = {"project": cfg.log.wandb_project, "mode": cfg.log.wandb_mode, "config": cfg.to_dict()}
+    logger = MetricsLogger(
+        run.run_dir, rank, cfg.log.tensorboard, start=start, wandb=wandb if cfg.log.wandb else None
+    )
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     peak = peak_flops_for(run.device, cfg.train.dtype)
     with Progress(cfg.train.steps, enabled=cfg.log.progress and rank == 0) as progress:
         if start:
-            progress.update(start, {"resumed_from": start})
+            progress.resumed(start)
         for step in range(start, cfg.train.steps):
             comm.STATS.reset()
             t0 = time.perf_counter()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -139,3 +140,80 @@ def test_memory_bytes_cpu_is_peak_rss() -> None:
     block = torch.ones(16 * 2**20, dtype=torch.uint8)  # 16 MiB touched
     after = memory_bytes(torch.device("cpu"))
     assert before > 2**20 and after >= before and block.sum() > 0
+
+
+def test_logger_started_at_a_step_drops_later_records(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, rank=0, tensorboard=False, start=0) as log:
+        for s in range(6):
+            log.log({"step": s, "loss": 10.0 - s})
+    with MetricsLogger(tmp_path, rank=0, tensorboard=False, start=3) as log:  # resumed from step 3
+        assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+            0,
+            1,
+            2,
+        ]
+        for s in range(3, 5):
+            log.log({"step": s, "loss": 1.0 - s / 10})
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert [r["loss"] for r in records[2:]] == [8.0, 0.7, 0.6]
+
+
+def test_read_metrics_one_record_per_step_in_step_order(tmp_path: Path) -> None:
+    lines = [{"step": 0, "loss": 3.0}, {"step": 1, "loss": 2.0}, {"step": 1, "val_loss": 2.5}]
+    lines += [{"step": 0, "loss": 2.9}, {"step": 1, "loss": 1.9}]  # a resume that did not truncate
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert read_metrics(tmp_path) == [{"step": 0, "loss": 2.9}, {"step": 1, "loss": 1.9, "val_loss": 2.5}]
+
+
+def test_progress_says_resumed_and_keeps_the_validation_loss() -> None:
+    out = io.StringIO()
+    with Progress(6, enabled=True, every=1, stream=out) as p:
+        p.resumed(3)
+        p.update(4, {"loss": 1.0, "val_loss": 1.25})
+        p.update(5, {"loss": 0.9})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "resumed from step 3"
+    assert "loss 1.0000 | val 1.2500" in lines[1] and "loss 0.9000 | val 1.2500" in lines[2]
+
+
+class _FakeWandb:
+    """Stands in for the `wandb` module: records init arguments and every logged dict (no network)."""
+
+    def __init__(self) -> None:
+        self.inits: list[dict] = []
+        self.logged: list[tuple[int, dict]] = []
+        self.finished = False
+
+    def init(self, **kwargs: object) -> _FakeWandb:
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.logged.append((step, scalars))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_wandb_logs_the_same_scalars(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    with MetricsLogger(tmp_path, rank=0, tensorboard=False, wandb={"project": "p", "mode": "offline"}) as log:
+        log.log({"step": 2, "loss": 1.5, "mfu": None, "lr": 1e-3})
+    assert fake.inits == [{"dir": str(tmp_path), "project": "p", "mode": "offline"}]
+    assert fake.logged == [(2, {"loss": 1.5, "lr": 1e-3})] and fake.finished
+
+
+def test_missing_tensorboard_or_wandb_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tessera.config import LogConfig
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    rules = {v.rule: v for v in LogConfig(tensorboard=True, wandb=True).check()}
+    assert set(rules) == {"log.tensorboard", "log.wandb"}
+    assert (
+        "pip install wandb" in rules["log.wandb"].fix
+        and "log.tensorboard = false" in rules["log.tensorboard"].fix
+    )
+    assert LogConfig(tensorboard=False).check() == []
