@@ -126,17 +126,19 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _check_data(cfg: Config) -> None:
-    """`validate --data`: the token file's checksum and its ids against the model's vocabulary."""
+    """`validate --data`: every token file's checksum and its ids against the model's vocabulary."""
     from tessera.train.data import TokenDataset
 
-    if cfg.data.path is None:
+    paths = [p for p, _ in cfg.data.sources()] + ([cfg.data.valid_path] if cfg.data.valid_path else [])
+    if not paths:
         raise TesseraError(
             "--data checks data.path, which is unset (the default corpus is checked when built)"
         )
-    data = TokenDataset(cfg.data.path)
-    data.verify()
-    data.check_vocab(cfg.model.vocab_size)
-    print(f"data ok: {data.n_tokens:,} tokens, checksum verified, ids < {data.max_token_id + 1}")
+    for path in paths:
+        data = TokenDataset(path)
+        data.verify()
+        data.check_vocab(cfg.model.vocab_size)
+        print(f"data ok: {path}: {data.n_tokens:,} tokens, checksum verified, ids < {data.max_token_id + 1}")
 
 
 def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:

@@ -99,6 +99,8 @@ _RANGES: dict[str, dict[str, _Range]] = {
         "grad_clip": _NON_NEGATIVE_REAL,
         "fp16_init_scale": _POSITIVE_REAL,
         "bucket_mb": _POSITIVE_REAL,
+        "eval_every": _NON_NEGATIVE,
+        "eval_batches": _POSITIVE,
     },
     "data": {"default_corpus_mb": _POSITIVE_REAL},
     "checkpoint": {"every": _NON_NEGATIVE, "keep": _POSITIVE},
@@ -346,6 +348,11 @@ class TrainConfig:
     """Initial dynamic loss scale for train.dtype = 'fp16' (halved on overflow, doubled every 2000 good steps)."""
     bucket_mb: float = 25.0
     """Size of data-parallel gradient all-reduce buckets, in MiB."""
+    eval_every: int = 0
+    """Compute the validation loss every this many steps and at the end (0: never); needs data.valid_path or
+    data.valid_fraction."""
+    eval_batches: int = 4
+    """Global batches of validation data per evaluation (always the same ones)."""
 
     def micro_batches(self, dp: int) -> int:
         return self.global_batch // max(1, self.micro_batch * dp)
@@ -403,10 +410,15 @@ class TrainConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    """Training data: a prepared token file, or the embedded default corpus (the Python standard library)."""
+    """Training data: prepared token files (one, or a weighted blend), or the embedded default corpus."""
 
-    path: str | None = None
-    """Token file written by `tessera prepare`; None prepares the default corpus into the run directory."""
+    path: str | list[Any] | None = None
+    """Token file written by `tessera prepare`, or a blend: a list of files and/or {path, weight} tables
+    (weight 1 when omitted); None prepares the default corpus (the Python standard library)."""
+    valid_path: str | None = None
+    """A separate token file for the validation loss."""
+    valid_fraction: float = 0.0
+    """Hold out this fraction of every training file (its last whole documents) for the validation loss."""
     tokenizer: str = "byte"
     """"byte" (no files needed), a Hugging Face tokenizers JSON file, or a `save_pretrained` folder holding one
     (its EOS token separates documents)."""
@@ -415,20 +427,95 @@ class DataConfig:
     default_corpus_mb: float = 8.0
     """How many MiB of standard-library sources the default corpus takes (a deterministic subset)."""
 
+    def sources(self) -> list[tuple[str, float]]:
+        """(path, weight) of every training file; empty for the default corpus. Assumes `check` passed."""
+        if self.path is None:
+            return []
+        entries = [self.path] if isinstance(self.path, str) else self.path
+        return [(e, 1.0) if isinstance(e, str) else (e["path"], float(e.get("weight", 1.0))) for e in entries]
+
     def check(self) -> list[Violation]:
-        v = _out_of_range("data", self) + _bad_path("data.path", self.path)
+        v = (
+            _out_of_range("data", self)
+            + _check_sources(self.path)
+            + _bad_path("data.valid_path", self.valid_path)
+        )
         if self.tokenizer != "byte":
             v.extend(_bad_path("data.tokenizer", self.tokenizer))
-        if not v and self.path is not None and not Path(self.path).exists():
+        if self.valid_path is not None and self.valid_fraction:
+            v.append(
+                Violation(
+                    rule="data.valid",
+                    problem=f"both data.valid_path and data.valid_fraction = {self.valid_fraction} are set",
+                    fix="keep one: a separate validation file, or a held-out fraction of the training data",
+                )
+            )
+        if not 0 <= self.valid_fraction < 1:
+            v.append(
+                Violation(
+                    rule="data.valid_fraction",
+                    problem=f"data.valid_fraction = {self.valid_fraction} is not in [0, 1)",
+                    fix="e.g. data.valid_fraction = 0.05",
+                )
+            )
+        if not v and self.valid_path is not None and not Path(self.valid_path).exists():
+            v.append(_missing_file("data.valid_path", self.valid_path))
+        return v
+
+
+def _missing_file(rule: str, path: str) -> Violation:
+    return Violation(
+        rule=rule,
+        problem=f"{rule} = {path!r} does not exist",
+        fix="run `tessera prepare INPUT --out FILE` first, or unset data.path to train on "
+        "the embedded default corpus",
+    )
+
+
+def _check_sources(path: str | list[Any] | None) -> list[Violation]:
+    """Every entry of data.path is an existing file or a {path, weight > 0} table."""
+    if path is None:
+        return []
+    entries = [path] if isinstance(path, str) else path
+    if not entries:
+        return [Violation(rule="data.path", problem="data.path = [] lists no file", fix="name at least one")]
+    v: list[Violation] = []
+    for i, entry in enumerate(entries):
+        where = "data.path" if isinstance(path, str) else f"data.path[{i}]"
+        if isinstance(entry, dict):
+            extra = set(entry) - {"path", "weight"}
+            weight = entry.get("weight", 1.0)
+            if extra or not isinstance(entry.get("path"), str):
+                v.append(
+                    Violation(
+                        rule="data.path",
+                        problem=f"{where} = {entry!r} is not a {{path, weight}} table",
+                        fix='write {path = "tokens.bin", weight = 2.0}',
+                    )
+                )
+                continue
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
+                v.append(
+                    Violation(
+                        rule="data.path",
+                        problem=f"{where}.weight = {weight!r} is not a positive number",
+                        fix="give every file a weight > 0 (they need not sum to 1)",
+                    )
+                )
+            entry = entry["path"]
+        if not isinstance(entry, str):
             v.append(
                 Violation(
                     rule="data.path",
-                    problem=f"data.path = {self.path!r} does not exist",
-                    fix="run `tessera prepare INPUT --out FILE` first, or unset data.path to train on "
-                    "the embedded default corpus",
+                    problem=f"{where} = {entry!r} is neither a file name nor a {{path, weight}} table",
+                    fix='e.g. data.path = ["a.bin", {path = "b.bin", weight = 3}]',
                 )
             )
-        return v
+        elif _bad_path(where, entry):
+            v.extend(_bad_path(where, entry))
+        elif not Path(entry).exists():
+            v.append(_missing_file(where, entry))
+    return v
 
 
 @dataclass(kw_only=True, slots=True)

@@ -33,7 +33,7 @@ from tessera.config import (
     _multiple_near,
     even_split,
 )
-from tessera.errors import ConfigError
+from tessera.errors import ConfigError, DataError
 from tessera.layout import Layout
 from tessera.modes import BREADTH_FIRST, DEPTH_FIRST, LAYERED
 from tessera.pipeline.build import lowered_schedule
@@ -239,6 +239,7 @@ def _resolve(cfg: Config, world_size: int) -> tuple[ExecutionPlan | None, list[V
     if world_size < 1 or any(x.rule in ARITHMETIC_RULES for x in found):
         return None, found  # the cross-section rules divide by these numbers
     found.extend(_check_layout(cfg, world_size))
+    found.extend(_check_data(cfg))
     if found:
         return None, found
     plan = decide(cfg, world_size)
@@ -487,3 +488,58 @@ def _check_batch(tr: TrainConfig, dp: int) -> list[Violation]:
             fix=f"set train.global_batch = {lo} or {hi} (multiples of {unit})",
         )
     ]
+
+
+def _check_data(cfg: Config) -> list[Violation]:
+    """Data against the rest: a validation set for train.eval_every, and every token file's vocabulary, dtype
+    and tokenizer against the model (and each other)."""
+    v: list[Violation] = []
+    d = cfg.data
+    if cfg.train.eval_every and d.valid_path is None and not d.valid_fraction:
+        v.append(
+            Violation(
+                rule="train.eval_every",
+                problem=f"train.eval_every = {cfg.train.eval_every} but there is no validation data",
+                fix="set data.valid_fraction (e.g. 0.05) or data.valid_path, or train.eval_every = 0",
+            )
+        )
+    if d.check():
+        return v  # malformed or missing files: DataConfig.check reports them
+    from tessera.train.data import read_token_meta  # torch-free; numpy only when files are named
+
+    files = [p for p, _ in d.sources()] + ([d.valid_path] if d.valid_path else [])
+    tokenizers: dict[str, str] = {}
+    for path in files:
+        try:
+            meta = read_token_meta(path)
+        except DataError as e:
+            v.append(Violation(rule="data.files", problem=str(e), fix="re-run `tessera prepare` for it"))
+            continue
+        vocab, dtype = int(meta["vocab_size"]), meta["dtype"]
+        if vocab > cfg.model.vocab_size:
+            v.append(
+                Violation(
+                    rule="data.vocab",
+                    problem=f"{path} was tokenized with {vocab} tokens but model.vocab_size = "
+                    f"{cfg.model.vocab_size}",
+                    fix=f"set model.vocab_size >= {vocab}, or prepare the data with the model's tokenizer",
+                )
+            )
+        if dtype != ("uint16" if vocab < 2**16 else "uint32"):
+            v.append(
+                Violation(
+                    rule="data.dtype",
+                    problem=f"{path} stores {dtype} tokens for a vocabulary of {vocab}",
+                    fix="re-run `tessera prepare` for it",
+                )
+            )
+        tokenizers[path] = str(meta.get("tokenizer"))
+    if len(set(tokenizers.values())) > 1:
+        v.append(
+            Violation(
+                rule="data.tokenizer",
+                problem=f"the token files were made by different tokenizers: {tokenizers}",
+                fix="prepare every file of a blend (and the validation file) with the same tokenizer",
+            )
+        )
+    return v

@@ -46,6 +46,7 @@ __all__ = [
     "StageComm",
     "TimedAction",
     "build_pipeline",
+    "forward_only",
     "lowered_schedule",
 ]
 
@@ -284,6 +285,34 @@ class PipelineEngine:
         self._check_drained(state)
         return self._mean_loss(state)
 
+    def evaluate(self, batches: Sequence[Batch]) -> float | None:
+        """The mean loss of ``batches`` from a forward-only pass (validation): this rank's forwards and their
+        activation messages (`forward_only`), under no_grad; gradients, optimizer state and the StageComm's
+        reductions are untouched. Returns what `step` would (broadcast over the pipeline group)."""
+        if len(batches) != self.m:
+            raise ValueError(
+                f"the schedule has {self.m} micro-batches but evaluate got {len(batches)} batches"
+            )
+        actions = forward_only(self.actions)
+        post_at = _recv_post_positions(actions, self.recv_ahead)
+        state, track = _StepState(batches), self.track_saved
+        self.track_saved = False  # saved_activation_bytes describes training steps
+        try:
+            with torch.no_grad():
+                for index, action in enumerate(actions):
+                    if index in post_at:
+                        self._post_recvs(state, post_at[index])
+                    self._run(state, action)
+                for _, works in state.sends:
+                    for work in works:
+                        work.wait()
+        finally:
+            self.track_saved = track
+        state.inputs.clear()  # no backward will consume them
+        state.outputs.clear()
+        self._check_drained(state)
+        return self._mean_loss(state)
+
     def _run(self, state: _StepState, action: Action) -> None:
         kind = action.kind
         if kind is _K.FORWARD:
@@ -450,6 +479,29 @@ class PipelineEngine:
             return float(total) if last in self.stages else None
         comm.broadcast(total, self.owner[last], self.group)
         return float(total)
+
+
+def forward_only(actions: list[Action]) -> list[Action]:
+    """A rank's action list without backward work: forwards, their SEND_F/RECV_F, and the ZeRO-3 GATHER/FREE
+    pairs that enclose a forward. Removing the backward direction keeps the forwards' relative order on every
+    rank, so the list stays deadlock-free."""
+    keep = (_K.FORWARD, _K.SEND_F, _K.RECV_F, _K.GATHER_PARAMS, _K.FREE_PARAMS)
+    out: list[Action | None] = []
+    opened: dict[int, int] = {}  # stage -> position of its open GATHER
+    used: set[int] = set()  # stages that ran a forward since their GATHER
+    for a in (a for a in actions if a.kind in keep):
+        if a.kind is _K.GATHER_PARAMS:
+            opened[a.stage] = len(out)
+            used.discard(a.stage)
+        elif a.kind is _K.FREE_PARAMS and a.stage in opened:
+            start = opened.pop(a.stage)
+            if a.stage not in used:
+                out[start] = None  # a backward-only phase: neither gather nor free
+                continue
+        elif a.kind is _K.FORWARD:
+            used.add(a.stage)
+        out.append(a)
+    return [a for a in out if a is not None]
 
 
 def _group_size(group: dist.ProcessGroup) -> int:

@@ -1,15 +1,20 @@
-"""Token files and deterministic sampling.
+"""Token files, held-out splits, blends and deterministic sampling.
 
 A token file is a flat little-endian array of token ids (uint16 when the vocabulary fits, else uint32) next to
-a JSON metadata file of the same stem (`corpus.bin` + `corpus.json`). Both are written atomically.
+a JSON metadata file of the same stem (`corpus.bin` + `corpus.json`). Both are written atomically. Every
+document ends with the end-of-text token named in the metadata (`eot`).
 
 Sampling is stateless: the window of global sample `i` starts at hash(seed, i) mod (n_tokens - seq_len), and
 step `k` uses global samples [k·B, (k+1)·B) for global batch B. A resumed run, or one with a different
-data-parallel size or micro-batch split, therefore trains on exactly the same samples in every step.
+data-parallel size or micro-batch split, therefore trains on exactly the same samples in every step. A `Blend`
+keeps that property: which file sample `i` comes from is another hash of (seed, i), compared with the weights.
+
+Importing this module does not import torch (`tessera validate` reads token metadata through it).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -22,19 +27,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from tessera.errors import DataError
 from tessera.train.ingest import Unit, UnitResult, find_units, tokenize_units
 from tessera.train.tokenizer import load_tokenizer, resolve_eot
 
 __all__ = [
+    "Blend",
     "TokenDataset",
     "batch_indices",
     "default_corpus_files",
     "ensure_default_corpus",
     "get_batch",
+    "open_data",
     "prepare",
+    "read_token_meta",
     "window_start",
 ]
 
@@ -223,12 +230,38 @@ def _report(unit: Unit, result: UnitResult, strict: bool) -> None:
 # --- reading and sampling ----------------------------------------------------------------------------------
 
 
+def read_token_meta(path: str | Path) -> dict[str, Any]:
+    """The metadata of token file ``path`` (``path.json``), checked to be tessera's; DataError otherwise."""
+    path = Path(path)
+    meta_path = path.with_suffix(".json")
+    if not path.is_file():
+        raise DataError(
+            f"token file {str(path)!r} does not exist; run `tessera prepare INPUT --out "
+            f"{path}` first, or unset data.path to use the default corpus"
+        )
+    if not meta_path.is_file():
+        raise DataError(
+            f"metadata {str(meta_path)!r} for token file {str(path)!r} is missing; "
+            "re-run `tessera prepare` to write both files"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != FORMAT or meta["dtype"] not in ("uint16", "uint32"):
+            raise ValueError(f"format {meta.get('format')!r}, dtype {meta.get('dtype')!r}")
+        int(meta["n_tokens"]), int(meta["vocab_size"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DataError(
+            f"metadata {str(meta_path)!r} is not tessera token metadata ({e}); re-run `tessera prepare`"
+        ) from None
+    return meta
+
+
 class TokenDataset:
     """A prepared token file opened as a read-only memmap, validated against its metadata."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.meta = self._read_meta()
+        self.meta = read_token_meta(self.path)
         dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
         expected = self.meta["n_tokens"] * dtype.itemsize
         actual = self.path.stat().st_size
@@ -244,32 +277,35 @@ class TokenDataset:
             )
         self.tokens = np.memmap(self.path, dtype=dtype, mode="r", shape=(self.meta["n_tokens"],))
 
-    def _read_meta(self) -> dict[str, Any]:
-        meta_path = self.path.with_suffix(".json")
-        if not self.path.is_file():
-            raise DataError(
-                f"token file {str(self.path)!r} does not exist; run `tessera prepare INPUT --out "
-                f"{self.path}` first, or unset data.path to use the default corpus"
-            )
-        if not meta_path.is_file():
-            raise DataError(
-                f"metadata {str(meta_path)!r} for token file {str(self.path)!r} is missing; "
-                "re-run `tessera prepare` to write both files"
-            )
-        try:
-            meta = json.loads(meta_path.read_text())
-            if meta.get("format") != FORMAT or meta["dtype"] not in ("uint16", "uint32"):
-                raise ValueError(f"format {meta.get('format')!r}, dtype {meta.get('dtype')!r}")
-            int(meta["n_tokens"]), int(meta["vocab_size"])
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise DataError(
-                f"metadata {str(meta_path)!r} is not tessera token metadata ({e}); re-run `tessera prepare`"
-            ) from None
-        return meta
-
     @property
     def n_tokens(self) -> int:
-        return int(self.meta["n_tokens"])
+        return len(self.tokens)
+
+    def view(self, start: int, end: int) -> TokenDataset:
+        """The same file restricted to tokens [start, end): a held-out split samples only inside its part."""
+        part = copy.copy(self)
+        part.meta = dict(self.meta)  # a part's own facts (max_token_id found by a pass) stay its own
+        part.tokens = self.tokens[start:end]
+        return part
+
+    def split_documents(self, fraction: float) -> tuple[TokenDataset, TokenDataset]:
+        """(train, validation): the last ``fraction`` of the tokens, moved forward to the next document
+        boundary so that no document is on both sides."""
+        eot = self.meta.get("eot")
+        if eot is None:
+            raise DataError(
+                f"token file {str(self.path)!r} records no end-of-text token, so its documents cannot be "
+                "held out whole; prepare it again with `tessera prepare` (or use data.valid_path)"
+            )
+        target = max(0, min(self.n_tokens - 1, round(self.n_tokens * (1 - fraction))))
+        cut = _next_boundary(self.tokens, target, int(eot))
+        if cut is None or cut >= self.n_tokens:
+            raise DataError(
+                f"token file {str(self.path)!r} has no document boundary after token {target}, so "
+                f"data.valid_fraction = {fraction} leaves no whole document to hold out; use a larger "
+                "fraction, more documents, or data.valid_path"
+            )
+        return self.view(0, cut), self.view(cut, self.n_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -303,8 +339,9 @@ class TokenDataset:
         """Check the tokens' sha256 against the metadata (reads the whole file); DataError if they differ."""
         sha = hashlib.sha256()
         step = 1 << 22
-        for i in range(0, self.n_tokens, step):
-            sha.update(np.ascontiguousarray(self.tokens[i : i + step]).tobytes())
+        tokens = np.memmap(self.path, dtype=self.tokens.dtype, mode="r", shape=(int(self.meta["n_tokens"]),))
+        for i in range(0, len(tokens), step):
+            sha.update(np.ascontiguousarray(tokens[i : i + step]).tobytes())
         if sha.hexdigest() != self.meta["sha256"]:
             raise DataError(
                 f"token file {str(self.path)!r} does not match the checksum in its metadata: it was "
@@ -323,6 +360,70 @@ class TokenDataset:
         start = window_start(index, seed, n_starts)
         window = np.asarray(self.tokens[start : start + seq_len + 1], dtype=np.int64)  # window: [s + 1]
         return window[:-1], window[1:]
+
+
+def _next_boundary(tokens: np.ndarray, start: int, eot: int, block: int = 1 << 20) -> int | None:
+    """Index just after the first end-of-text token at or after ``start`` (read in blocks), or None."""
+    for lo in range(start, len(tokens), block):
+        hits = np.flatnonzero(np.asarray(tokens[lo : lo + block]) == eot)
+        if len(hits):
+            return lo + int(hits[0]) + 1
+    return None
+
+
+class Blend:
+    """Several token files sampled by weight: sample ``i`` comes from the file that a hash of (seed, i) picks
+    (each file with probability weight / sum of weights), at that file's window for (seed, i)."""
+
+    def __init__(self, sources: list[TokenDataset], weights: list[float]) -> None:
+        if len(sources) != len(weights) or not sources or min(weights) <= 0:
+            raise ValueError(f"need one positive weight per source, got {weights} for {len(sources)} sources")
+        self.sources = sources
+        total = float(sum(weights))
+        self.cumulative = np.cumsum([w / total for w in weights])
+        self.vocab_size = max(s.vocab_size for s in sources)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(s.n_tokens for s in self.sources)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """`TokenDataset.check_vocab` of every source."""
+        for source in self.sources:
+            source.check_vocab(vocab_size)
+
+    def source_of(self, index: int, seed: int) -> int:
+        """Which source global sample ``index`` is drawn from: a pure function of (seed, index)."""
+        u = window_start(index, seed ^ _BLEND_SALT, 1 << 53) / float(1 << 53)  # uniform in [0, 1)
+        return min(int(np.searchsorted(self.cumulative, u, side="right")), len(self.sources) - 1)
+
+    def sample(self, index: int, seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.sources[self.source_of(index, seed)].sample(index, seq_len, seed)
+
+
+_BLEND_SALT = 0x6A09E667F3BCC909  # any constant: makes the source choice independent of the window start
+
+
+def open_data(
+    sources: list[tuple[str, float]], valid_path: str | None = None, valid_fraction: float = 0.0
+) -> tuple[TokenDataset | Blend, TokenDataset | Blend | None]:
+    """(training data, validation data or None) from ``(path, weight)`` pairs: one file, or a `Blend`.
+
+    ``valid_fraction`` holds out the last whole documents of every file (the validation data is then the blend
+    of those tails with the same weights); ``valid_path`` names a separate token file.
+    """
+    files = [TokenDataset(p) for p, _ in sources]
+    weights = [w for _, w in sources]
+    valid: TokenDataset | Blend | None = TokenDataset(valid_path) if valid_path is not None else None
+    if valid_fraction > 0:
+        splits = [f.split_documents(valid_fraction) for f in files]
+        files = [train for train, _ in splits]
+        valid = _one_or_blend([held for _, held in splits], weights)
+    return _one_or_blend(files, weights), valid
+
+
+def _one_or_blend(files: list[TokenDataset], weights: list[float]) -> TokenDataset | Blend:
+    return files[0] if len(files) == 1 else Blend(files, weights)
 
 
 def _splitmix64(z: int) -> int:
@@ -368,7 +469,7 @@ def batch_indices(
 
 
 def get_batch(
-    dataset: TokenDataset,
+    dataset: TokenDataset | Blend,
     step: int,
     micro: int,
     dp_rank: int,
@@ -377,8 +478,10 @@ def get_batch(
     global_batch: int,
     seq_len: int,
     seed: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[Any, Any]:
     """Inputs and targets, LongTensors [micro_batch, seq_len], of one micro-batch (see `batch_indices`)."""
+    import torch
+
     idx = batch_indices(step, global_batch, dp_rank, dp_size, micro, micro_batch)
     xs, ys = zip(*(dataset.sample(i, seq_len, seed) for i in idx), strict=True)
     return torch.from_numpy(np.stack(xs)), torch.from_numpy(np.stack(ys))  # x, y: [mb, s]

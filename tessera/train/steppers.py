@@ -111,6 +111,15 @@ class DirectStepper:
             self.skip_step = not ok  # an overflow skips the update on every rank; the scale backs off
         return float(torch.stack(losses).sum())  # one host sync per step, not one per micro-batch
 
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch]) -> float:
+        """This replica's mean loss over the micro-batches, forward only (validation)."""
+        losses = []
+        for x, y in batches:
+            with autocast(self.dtype, x.device):
+                losses.append(self.module(x, y).detach().float() / len(batches))
+        return float(torch.stack(losses).sum())
+
     def clip(self, max_norm: float) -> float:
         """Clip to max_norm by the global norm; tensor-parallel modules count every shard once."""
         if not hasattr(self.module, "grad_norm_sq"):
@@ -191,6 +200,11 @@ class PipelineStepper:
             self.scaler.update(ok)
             self.skip_step = not ok  # an overflow anywhere skips the update on every rank
         return float(loss)
+
+    def evaluate(self, batches: list[Batch]) -> float:
+        """This replica's mean loss over the micro-batches from a forward-only pass of the schedule."""
+        with autocast(self.dtype, batches[0][0].device):
+            return float(self.engine.evaluate(batches))
 
     def _release_remote_stages(self, module: nn.Module) -> None:
         """Drop the weights of stages other pipeline ranks own: every rank built the whole model to cut its own."""

@@ -28,7 +28,7 @@ from tessera.layout import Axis
 from tessera.model.build import build_model
 from tessera.parallel.apply import parallelize
 from tessera.train import checkpoint as ckpt
-from tessera.train.data import TokenDataset, ensure_default_corpus, get_batch
+from tessera.train.data import Blend, TokenDataset, ensure_default_corpus, get_batch, open_data
 from tessera.train.metrics import MetricsLogger, Progress, memory_bytes, peak_flops_for
 from tessera.train.steppers import make_optimizer, make_stepper
 
@@ -51,6 +51,8 @@ class TrainResult:
     """What a run produced on this rank: the loss of every step it ran and where it wrote."""
 
     losses: dict[int, float] = field(default_factory=dict)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    """Validation loss after each evaluated step (train.eval_every)."""
     run_dir: Path | None = None
     resumed_from: int = 0
 
@@ -84,17 +86,20 @@ def lr_at(step: int, tr: TrainConfig) -> float:
     return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _open_data(cfg: Config, rank: int) -> TokenDataset:
-    if cfg.data.path is not None:
-        return TokenDataset(Path(cfg.data.path))
-    cache = Path(os.environ.get("TESSERA_CACHE", Path.home() / ".cache" / "tessera")).expanduser()
-    if rank == 0:
-        path = ensure_default_corpus(cache, cfg.data.default_corpus_mb)
-    if dist.is_initialized():
-        dist.barrier()
-    if rank != 0:
-        path = ensure_default_corpus(cache, cfg.data.default_corpus_mb)
-    return TokenDataset(path)
+def _open_data(cfg: Config, rank: int) -> tuple[TokenDataset | Blend, TokenDataset | Blend | None]:
+    """(training data, validation data or None): the configured files, or the default corpus."""
+    d = cfg.data
+    sources = d.sources()
+    if not sources:
+        cache = Path(os.environ.get("TESSERA_CACHE", Path.home() / ".cache" / "tessera")).expanduser()
+        if rank == 0:
+            path = ensure_default_corpus(cache, d.default_corpus_mb)
+        if dist.is_initialized():
+            dist.barrier()
+        if rank != 0:
+            path = ensure_default_corpus(cache, d.default_corpus_mb)
+        sources = [(str(path), 1.0)]
+    return open_data(sources, d.valid_path, d.valid_fraction)
 
 
 def checkpoint_dir(run_dir: Path, cfg: Config) -> Path:
@@ -115,9 +120,10 @@ class TrainingRun:
         )
         self.dp_rank = self.groups.coord(Axis.DATA) if self.groups else 0
         self.dp_group = self.groups.dp if self.groups else None
-        self.data = _open_data(cfg, rank) if with_data else None  # export needs only the model
-        if self.data is not None:
-            self.data.check_vocab(cfg.model.vocab_size)
+        self.data, self.valid = _open_data(cfg, rank) if with_data else (None, None)  # export: model only
+        for data in (self.data, self.valid):
+            if data is not None:
+                data.check_vocab(cfg.model.vocab_size)
         torch.manual_seed(cfg.train.seed)  # identical on every rank: replicas start equal without a broadcast
         plain = build_model(cfg.model).to(self.device)
         if cfg.model.init:
@@ -141,14 +147,17 @@ class TrainingRun:
     def saved_bytes(self) -> int:
         return self.stepper.saved_bytes
 
-    def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This data-parallel rank's micro-batches of ``step``: a pure function of (seed, global sample index)."""
+    def batches(
+        self, step: int, data: TokenDataset | Blend | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This data-parallel rank's micro-batches of ``step`` of ``data`` (default: the training data): a pure
+        function of (seed, global sample index)."""
         cfg, tr = self.cfg, self.cfg.train
         seed = cfg.data.seed if cfg.data.seed is not None else tr.seed
         out = []
         for micro in range(self.n_micro):
             x, y = get_batch(
-                self.data,
+                data if data is not None else self.data,
                 step,
                 micro,
                 self.dp_rank,
@@ -175,6 +184,20 @@ class TrainingRun:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total.item() / self.layout.dp, norm
+
+    def evaluate(self) -> float:
+        """Mean loss over the first ``train.eval_batches`` global batches of the validation data (the same ones
+        every time), forward only: parameters, gradients, optimizer state and every RNG are left as they were."""
+        if self.valid is None:
+            raise ConfigError("train.eval_every needs data.valid_path or data.valid_fraction")
+        total = 0.0
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for k in range(self.cfg.train.eval_batches):
+                loss = torch.tensor(self.stepper.evaluate(self.batches(k, self.valid)), device=self.device)
+                comm.all_reduce(loss, self.dp_group)
+                total += loss.item() / self.layout.dp
+        return total / self.cfg.train.eval_batches
 
     def save(self, step: int) -> None:
         extra = {"step": step, "samples": step * self.cfg.train.global_batch}
@@ -254,7 +277,11 @@ def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
                 metrics["loss_scale"], metrics["skipped_steps"] = scaler.scale, scaler.skipped
             if peak:
                 metrics["mfu"] = tps * run.flops_per_token / (peak * world)
-            if step % cfg.log.every == 0 or step == cfg.train.steps - 1:
+            every = cfg.train.eval_every
+            if every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps):
+                metrics["val_loss"] = result.val_losses[step] = run.evaluate()
+                metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 700.0))  # exp overflows past ~709
+            if step % cfg.log.every == 0 or step == cfg.train.steps - 1 or "val_loss" in metrics:
                 logger.log(metrics)
             progress.update(step + 1, metrics)
             done = step + 1
