@@ -233,12 +233,13 @@ def _report(unit: Unit, result: UnitResult, strict: bool) -> None:
 def read_token_meta(path: str | Path) -> dict[str, Any]:
     """The metadata of token file ``path`` (``path.json``), checked to be tessera's; DataError otherwise."""
     path = Path(path)
-    meta_path = path.with_suffix(".json")
     if not path.is_file():
+        what = "is a directory, not a token file" if path.is_dir() else "does not exist"
         raise DataError(
-            f"token file {str(path)!r} does not exist; run `tessera prepare INPUT --out "
-            f"{path}` first, or unset data.path to use the default corpus"
+            f"token file {str(path)!r} {what}; run `tessera prepare INPUT --out FILE` first and name "
+            "FILE, or unset data.path to use the default corpus"
         )
+    meta_path = path.with_suffix(".json")
     if not meta_path.is_file():
         raise DataError(
             f"metadata {str(meta_path)!r} for token file {str(path)!r} is missing; "
