@@ -162,9 +162,16 @@ def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
     for w in caught:  # as messages, not as warnings pointing at a line of library code
         print(f"warning: {w.message}", file=sys.stderr)
     print(
-        f"wrote {info['n_tokens']:,} tokens of {info['n_documents']:,} documents to {args.out} (vocab "
+        f"wrote {info['n_tokens']:,} tokens to {args.out} ({info['n_documents']:,} documents, vocab "
         f"{info['vocab_size']}; {info['n_skipped']} file(s) skipped, {info['n_bad_records']} bad record(s))"
     )
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from tessera import config_docs
+
+    print(config_docs.markdown() if args.markdown else config_docs.text())
     return 0
 
 
@@ -272,9 +279,11 @@ def cmd_dryrun(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from tessera import __version__
     from tessera.planner.cli import _no_extra  # the one "no overrides here" wrapper, shared with plan
 
     ap = argparse.ArgumentParser(prog="tessera", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"tessera {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model (run under torchrun, or use --nproc on one machine)")
@@ -331,6 +340,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="stop at the first bad record instead of skipping")
     p.add_argument("--default-mb", type=float, default=8.0, help="size of the default corpus, MiB")
     p.set_defaults(fn=cmd_prepare)
+
+    p = sub.add_parser("config", help="every config section and key: type, default and what it means")
+    p.add_argument("--markdown", action="store_true", help="as docs/config.md (Markdown tables)")
+    p.set_defaults(fn=_no_extra(cmd_config))
 
     p = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
     p.add_argument("run", help="run directory (holds config.json and checkpoints/)")

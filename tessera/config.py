@@ -332,8 +332,11 @@ class TrainConfig:
     weight_decay: float = 0.1
     """AdamW weight decay (applied to matrices only, not to norms and biases)."""
     beta1: float = 0.9
+    """AdamW's decay rate of the first-moment (mean) estimate."""
     beta2: float = 0.95
+    """AdamW's decay rate of the second-moment (uncentred variance) estimate."""
     eps: float = 1e-8
+    """AdamW's term added to the denominator for numerical stability."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     seed: int = 1234
