@@ -194,7 +194,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
+def cmd_export(args: argparse.Namespace) -> int:
     from tessera.train.checkpoint import is_sharded
     from tessera.train.export import export_weights, source_checkpoint, wrong_world_size
 
@@ -225,7 +225,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_schedule(args: argparse.Namespace, extra: list[str]) -> int:
+def cmd_schedule(args: argparse.Namespace) -> int:
     from tessera.sim.render import show_schedule
 
     text = show_schedule(args.name, args.pp, args.microbatches, v=args.stages_per_rank, out=args.out)
@@ -373,7 +373,7 @@ def _parser() -> argparse.ArgumentParser:
         help="dcp: tessera weights for `generate`; hf: config.json + safetensors for transformers",
     )
     p.add_argument("--out", default=None, help="folder to write (--format hf; default RUN/export/hf_step_N)")
-    p.set_defaults(fn=cmd_export)
+    p.set_defaults(fn=_no_extra(cmd_export))
 
     p = sub.add_parser("plot", help="draw loss and throughput curves of a run as a PNG")
     p.add_argument("run_dir")
@@ -388,7 +388,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--microbatches", type=int, required=True)
     s.add_argument("--stages-per-rank", type=int, default=1)
     s.add_argument("--out", default=None, help="PNG or SVG file to write")
-    s.set_defaults(fn=cmd_schedule)
+    s.set_defaults(fn=_no_extra(cmd_schedule))
 
     from tessera.planner.cli import add_plan_parsers
 

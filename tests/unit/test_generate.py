@@ -1,5 +1,5 @@
 """`generate`: the KV cache computes what the uncached model computes; top-p keeps the nucleus; the CLI rejects
-unknown flags of generate and plot.
+unknown flags of generate, plot, export and schedule.
 
 Tolerance for cached vs uncached logits: the same fp32 arithmetic with the attention over a different number of
 queries (one new token vs the whole context), so rounding only (measured ~1e-7); 1e-5 relative is stated.
@@ -63,7 +63,15 @@ def test_a_tiny_top_p_samples_the_most_likely_token() -> None:
         generate(model, prompt, 1, top_p=1.5)
 
 
-@pytest.mark.parametrize("command", [["generate", "runs/x"], ["plot", "runs/x"]])
+UNKNOWN_FLAG_COMMANDS = [
+    ["generate", "runs/x"],
+    ["plot", "runs/x"],
+    ["export", "runs/x"],
+    ["schedule", "show", "gpipe", "--pp", "2", "--microbatches", "2"],
+]
+
+
+@pytest.mark.parametrize("command", UNKNOWN_FLAG_COMMANDS)
 def test_unknown_flags_are_rejected(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*command, "--bogus", "1"]) == 2
     assert "unrecognised arguments ['--bogus', '1']" in capsys.readouterr().err
