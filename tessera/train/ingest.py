@@ -34,9 +34,10 @@ from tessera.train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["Unit", "UnitResult", "find_units", "tokenize_units"]
 
-JSONL_CHUNK = (
-    16 * 2**20
-)  # bytes of whole lines per JSONL unit: small enough to spread one big file over cores
+# Bytes of whole lines per JSONL unit: small enough to spread one big file over the cores.
+JSONL_CHUNK = 16 * 2**20
+# A worker takes ~0.5 s to start (an interpreter importing numpy): by default one per 8 MiB of input at most.
+BYTES_PER_WORKER = 8 * 2**20
 _HF_MARKERS = ("state.json", "dataset_info.json")
 
 
@@ -352,10 +353,14 @@ def tokenize_units(
     workers: int | None = None,
     progress: bool = False,
 ) -> Iterator[tuple[Unit, UnitResult]]:
-    """Each unit with its tokens, in unit order, computed by ``workers`` processes (default: every core)."""
+    """Each unit with its tokens, in unit order, computed by ``workers`` processes (default: every core, but no
+    more than one per `BYTES_PER_WORKER` of input)."""
     job = _Job(tokenizer, eot, np.dtype(dtype).str, text_key)
-    workers = max(1, min(workers or os.cpu_count() or 1, len(units)))
-    with _progress(sum(u.size for u in units), progress) as advance:
+    total = sum(u.size for u in units)
+    if workers is None:
+        workers = min(os.cpu_count() or 1, -(-total // BYTES_PER_WORKER))
+    workers = max(1, min(workers, len(units)))
+    with _progress(total, progress) as advance:
         if workers == 1:
             _init_worker(job)
             for unit in units:
@@ -363,8 +368,9 @@ def tokenize_units(
                 advance(unit.size)
             return
         # spawn, not fork: the parent may hold torch's threads, which a forked child can deadlock on
+        chunk = max(1, len(units) // (4 * workers))  # several small files per message, still balanced
         with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (job,)) as pool:
-            for unit, result in zip(units, pool.imap(_tokenize_unit, units, chunksize=1), strict=True):
+            for unit, result in zip(units, pool.imap(_tokenize_unit, units, chunksize=chunk), strict=True):
                 yield unit, result
                 advance(unit.size)
 
