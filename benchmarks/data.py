@@ -135,10 +135,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "data.md"))
     args = ap.parse_args()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         throughput = prepare_throughput(tmp, args.corpus_mb)
         overhead = sampler_overhead(tmp, args.steps)
+    load = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     machine = (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
     )
@@ -147,7 +149,8 @@ def main() -> None:
             "# Data pipeline benchmarks",
             "",
             f"`python benchmarks/data.py --corpus-mb {args.corpus_mb:g} --steps {args.steps}` on {machine}.",
-            "The machine was shared with other jobs while this ran: absolute times are noisy, the ratios less so.",
+            f"Load average (1 min) {load}: with more runnable processes than cores, a second worker finds no",
+            "idle core, so the worker speed-up below is a lower bound; re-run on an idle machine to see it.",
             "",
             "## `tessera prepare` throughput, 1 worker vs every core",
             "",
