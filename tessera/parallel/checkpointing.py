@@ -15,9 +15,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tessera.modes import CHECKPOINTING
+
 __all__ = ["MODES", "Checkpointed", "apply_checkpointing"]
 
-MODES = ("none", "full", "selective")
+MODES = CHECKPOINTING  # the names live in tessera.modes
 
 
 class Checkpointed(nn.Module):

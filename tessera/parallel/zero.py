@@ -32,10 +32,9 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera import comm
+from tessera.modes import ACCUMULATION
 
 __all__ = ["ACCUMULATION", "FlatStage", "ShardedAdamW", "ZeroStageComm"]
-
-ACCUMULATION = ("layered", "depth_first")
 
 
 def _group_rank(group: dist.ProcessGroup | None) -> int:

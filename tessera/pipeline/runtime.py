@@ -34,6 +34,7 @@ from torch import nn
 from tessera import comm
 from tessera.errors import ConfigError
 from tessera.layout import Axis
+from tessera.modes import ACCUMULATION
 from tessera.parallel.memory import SavedActivationCounter
 from tessera.pipeline.build import lowered_schedule
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, infer_stage_ranks
@@ -186,7 +187,7 @@ class PipelineEngine:
         record: bool = False,
         accumulation: str = "layered",
     ) -> None:
-        if accumulation not in ("layered", "depth_first"):
+        if accumulation not in ACCUMULATION:
             raise ConfigError(f"unknown accumulation {accumulation!r}; choose layered or depth_first")
         p = len(lowered)
         validate(lowered, p, microbatches=microbatches)

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tessera.config import even_split
 from tessera.errors import ConfigError
+from tessera.modes import CHECKPOINTING
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -34,7 +35,7 @@ __all__ = [
     "tied_parameters",
 ]
 
-CHECKPOINT_MODES = ("none", "full", "selective")
+CHECKPOINT_MODES = CHECKPOINTING  # the names live in tessera.modes
 """none; full = recompute every block in backward; selective = recompute only the attention core."""
 
 

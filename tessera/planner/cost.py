@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from tessera.modes import CHECKPOINTING
 from tessera.planner.hardware import DTYPE_BYTES, Hardware
 from tessera.planner.network import (
     MEGATRON_ORDER,
@@ -68,7 +69,8 @@ __all__ = [
     "tp_comm_time_per_layer",
 ]
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = CHECKPOINTING
+"""Activation recomputation modes: the checkpointing modes of `tessera.modes`."""
 OPTIMIZER_BYTES_PER_PARAM = 32
 """HBM traffic of one fused mixed-precision Adam step per parameter: read grad 2 + master 4 + m 4 + v 4, write
 master 4 + m 4 + v 4 + param 2 (= 28) plus ≈4 for unscale/norm. Assumption (documented in docs/cost-model.md)."""

@@ -124,3 +124,15 @@ def test_an_override_with_a_space_is_not_taken_for_the_config_file(capsys: pytes
     args = ["--model.n_layers=4", "--parallel.pipeline=2", "--parallel.stage_layers=[1, 3]"]
     assert main(["validate", *args, "--world-size", "2"]) == 0
     assert "stage 0 (block 0, embedding)" in capsys.readouterr().out
+
+
+def test_mode_names_are_defined_once() -> None:
+    """Checkpointing and accumulation names: tessera.modes, imported (not respelled) by every user."""
+    from tessera import config, modes
+    from tessera.parallel import checkpointing, zero
+    from tessera.pipeline import stage
+    from tessera.planner import cost
+
+    assert checkpointing.MODES is stage.CHECKPOINT_MODES is cost.RECOMPUTE is modes.CHECKPOINTING
+    assert zero.ACCUMULATION is config.ACCUMULATION is modes.ACCUMULATION
+    assert config.SCHEDULES is modes.SCHEDULES
