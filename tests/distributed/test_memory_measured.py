@@ -3,8 +3,10 @@
 Measured peak = model state (unique storages of parameters, gradients, gradient shards and optimizer state at
 the end of the step, before zero_grad) + activations saved for backward during the forward sweep
 (SavedActivationCounter; with layered accumulation on one pipeline rank every forward precedes every backward,
-so the sum is the peak) + ZeRO's transient buffers (one stage's flattened gradients, with ZeRO-2/3 a stage's
-full gradients, with ZeRO-3 a stage's gathered parameters: sized from the live flat buffers).
+so the sum is the peak) + ZeRO's transient buffers: the peak of the live tensors ZeRO holds beside the model state
+(flattened gradients being reduced, reduce-scatter outputs, with ZeRO-2/3 the full gradients before their
+reduction, with ZeRO-3 gathered parameters), read from those tensors when they pile up (`_ZeroBufferPeak`), not
+computed by the estimator's rule.
 
 Pipeline layouts run the trainer's PipelineStepper on every rank and take the peak of the bytes alive during
 ``engine.step`` (`_LivePeak`: saved activations of in-flight micro-batches + held boundary tensors); the estimate,
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from tessera.execution import resolve
 from tessera.memory import estimate, plan_from_config
 from tessera.model.build import build_model
 from tessera.parallel.memory import SavedActivationCounter
@@ -40,9 +43,7 @@ MICRO, M = 2, 2
 def _cfg(zero: int, checkpointing: str, dp: int) -> Config:
     return Config(
         model=ModelConfig(n_layers=2, d_model=32, n_heads=2, vocab_size=64, seq_len=32, tie_embeddings=False),
-        parallel=ParallelConfig(
-            zero=zero, checkpointing=checkpointing, schedule="breadth_first", stages_per_rank=2
-        ),
+        parallel=ParallelConfig(zero=zero, checkpointing=checkpointing),
         train=TrainConfig(global_batch=MICRO * M * dp, micro_batch=MICRO),
     )
 
@@ -64,19 +65,19 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def measure(zero_stage: int, checkpointing: str, dp: int) -> dict[str, int]:
-    """Run one layered step (p = 1, one stage per block) and count bytes; plain AdamW when zero_stage = 0."""
+    """Run one step as the execution plan says (p = 1: breadth-first, one stage per block, layered) and count
+    bytes; plain AdamW when zero_stage = 0."""
     cfg = _cfg(zero_stage, checkpointing, dp)
+    plan = resolve(cfg, dp)
+    assert plan.switched_to_breadth_first and plan.accumulation == "layered", plan.describe()
     torch.manual_seed(0)
     model = build_model(cfg.model)
-    stages = split_stages(model, cfg.model.n_layers, checkpointing=checkpointing)
+    stages = split_stages(model, plan.n_stages, list(plan.stage_layers), checkpointing=plan.checkpointing)
     counter = SavedActivationCounter(model)
     if zero_stage == 0:
-        from tessera.pipeline.passes import lower
-        from tessera.pipeline.schedules import breadth_first
         from tests.distributed.test_zero import run_layered
 
-        actions = lower(breadth_first(1, M, len(stages)), 1)[0]
-        run_layered(actions, stages, _NoComm(), _batches(M), M, counter)
+        run_layered(plan.lowered()[0], stages, _NoComm(), _batches(M), M, counter)
         opt = torch.optim.AdamW(model.parameters(), foreach=False)
         opt.step()
         state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
@@ -85,15 +86,78 @@ def measure(zero_stage: int, checkpointing: str, dp: int) -> dict[str, int]:
     zero = ZeroStageComm(stages, None, zero_stage, "layered")
     opt = ShardedAdamW(zero)
     counter = _ZeroAwareCounter(model, zero)  # after ZeRO re-pointed the parameters into its flat buffers
+    probe = _ZeroBufferPeak(zero)
     zero_step(stages, zero, _batches(M), "layered", counter)
     grads = [p.grad for p in zero.params()] + zero.grad_shards()
     shards = [f.shard for f in zero.flats.values()]
     params = shards if zero_stage == 3 else [f.full for f in zero.flats.values()]
     opt.step()
     state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
-    biggest = max(f.nbytes for f in zero.flats.values())
-    buffers = biggest * (1 + (zero_stage >= 2) + (zero_stage >= 3))
-    return {"state": _storages([*params, *grads, *state]), "activations": counter.bytes, "buffers": buffers}
+    return {
+        "state": _storages([*params, *grads, *state]),
+        "activations": counter.bytes,
+        "buffers": probe.peak,
+    }
+
+
+class _ZeroBufferPeak:
+    """The peak bytes of ZeRO's transient tensors during a step, read from the live tensors.
+
+    Sampled where they pile up: when a stage's reduction is called (its full gradients done, the previous
+    stage's flattened gradients possibly still in flight), when its gradients are flattened, and when a gather
+    completes. Counted: flattened gradients from creation until their reduction is waited for, pending
+    reduce-scatter outputs; with ZeRO-2/3 every full ``.grad`` (model state holds only shards); with ZeRO-3 every
+    gathered full buffer (model state holds the shards). Storages counted once."""
+
+    def __init__(self, zero: ZeroStageComm) -> None:
+        self.zero, self.peak = zero, 0
+        self.inflight: dict[int, torch.Tensor] = {}
+        for flat in zero.flats.values():
+            flat.flat_grads = self._flattening(flat, flat.flat_grads)
+            flat.wait_reduce = self._waiting(flat, flat.wait_reduce)
+        zero.wait_gather = self._then_sample(zero.wait_gather)
+        zero.reduce = self._sample_first(zero.reduce)
+
+    def _flattening(self, flat, flat_grads):
+        def sampled(dtype: torch.dtype) -> torch.Tensor:
+            self.inflight[id(flat)] = flattened = flat_grads(dtype)
+            self.sample()
+            return flattened
+
+        return sampled
+
+    def _waiting(self, flat, wait_reduce):
+        def waited() -> None:
+            wait_reduce()
+            self.inflight.pop(id(flat), None)
+
+        return waited
+
+    def _then_sample(self, fn):
+        def sampled(stage: int) -> None:
+            fn(stage)
+            self.sample()
+
+        return sampled
+
+    def _sample_first(self, fn):
+        def sampled(stage: int) -> None:
+            self.sample()
+            fn(stage)
+
+        return sampled
+
+    def sample(self) -> None:
+        live: dict[int, int] = {}
+        z, flats = self.zero.zero_stage, self.zero.flats.values()
+        tensors = [*self.inflight.values(), *(out for f in flats for _, out in f._pending)]
+        tensors += [p.grad for f in flats for p in f.params] if z >= 2 else []
+        tensors += [f.full for f in flats if f.gathered] if z == 3 else []
+        for t in tensors:
+            if t is not None and t.numel():
+                storage = t.untyped_storage()
+                live[storage._cdata] = storage.nbytes()
+        self.peak = max(self.peak, sum(live.values()))
 
 
 class _ZeroAwareCounter(SavedActivationCounter):
@@ -277,6 +341,7 @@ def measure_pipeline(name: str, world: int) -> dict[str, int]:
     stepper = make_stepper(model, cfg, layout, groups)
     assert isinstance(stepper, PipelineStepper), name
     tracker = _LivePeak(stepper.engine, model, stepper.zero)
+    probe = _ZeroBufferPeak(stepper.zero) if stepper.zero is not None else None
     stepper.run(_batches(PIPE_M))
     stepper.optimizer.step()
     opt, zero = stepper.optimizer, stepper.zero
@@ -290,8 +355,7 @@ def measure_pipeline(name: str, world: int) -> dict[str, int]:
         flats = zero.flats.values()
         params = [f.shard for f in flats] if zero.zero_stage == 3 else [f.full for f in flats]
         model_state = _storages([*params, *grads, *state])
-        biggest = max(f.nbytes for f in flats)
-        buffers = biggest * (1 + (zero.zero_stage >= 2) + (zero.zero_stage >= 3))
+        buffers = probe.peak if probe is not None else 0
     return {"state": model_state, **tracker.peak, "buffers": buffers}
 
 
