@@ -196,7 +196,9 @@ def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, 
 
     - tensor: tessera's exact per-model formulas (`tensor_1d_comm`, `comm_bytes_2d`) for this rank's blocks, with
       the embedding's and the head's terms where its stages hold them, per micro-batch; full checkpointing adds
-      the cost model's replayed forward collectives per block (`tp1d_layer_volume` / `tp2d_layer_volume`);
+      the cost model's replayed forward collectives per block (`tp1d_layer_volume` / `tp2d_layer_volume`) less,
+      in 1D, the block's last exit collective, which the recomputation never reaches (exact for 1D; for 2D the
+      cost model's replay leaves out the norms' statistics and differs by a few percent);
     - pipeline: the cost model's `pp_p2p_volume`, plus the exchange of a tied embedding's gradient between the
       first and the last pipeline rank (send and receive of the fp32 table shard);
     - data: the cost model's `dp_volume` with fp32 master weights and the configured gradient-reduction dtype;
@@ -244,10 +246,9 @@ def _tensor_traffic(cfg: Config, plan: Any, blocks: list[int], *, first: bool, l
     m, b, s, e = plan.n_microbatches, plan.micro_batch, cfg.model.seq_len, plan.act_bytes
     stage_model = dataclasses.replace(cfg.model, n_layers=sum(blocks))
     if plan.tp_kind == "2d":
-        per_micro = {
-            (k, "tensor"): v
-            for (k, _), v in comm_bytes_2d(stage_model, b, s, plan.q, e, first=first, last=last).items()
-        }
+        per_micro: dict[tuple[str, str], float] = {}
+        for (k, _), v in comm_bytes_2d(stage_model, b, s, plan.q, e, first=first, last=last).items():
+            per_micro[(k, "tensor")] = per_micro.get((k, "tensor"), 0) + v  # row and column groups summed
         layer_volume = tp2d_layer_volume
     else:
         exact = tensor_1d_comm(
@@ -262,10 +263,15 @@ def _tensor_traffic(cfg: Config, plan: Any, blocks: list[int], *, first: bool, l
         shape = ModelShape.from_config(cfg.model)
         full = layer_volume(shape, plan)
         none = layer_volume(shape, dataclasses.replace(plan, recompute="none"))
-        for k in _KINDS:
-            extra = (getattr(full, k) - getattr(none, k)) * sum(blocks) * m
-            if extra:
-                out[(k, "tensor")] = out.get((k, "tensor"), 0.0) + extra
+        replay = {k: getattr(full, k) - getattr(none, k) for k in _KINDS}
+        if plan.tp_kind == "1d":
+            # torch.utils.checkpoint stops recomputing once the last saved tensor is rebuilt: the block's final
+            # exit collective (the MLP's all-reduce, or reduce-scatter with SP) is not replayed
+            exit_kind = "reduce_scatter" if plan.sequence_parallel else "all_reduce"
+            replay[exit_kind] -= b * s * cfg.model.d_model * e
+        for k, nbytes in replay.items():
+            if nbytes:
+                out[(k, "tensor")] = out.get((k, "tensor"), 0.0) + nbytes * sum(blocks) * m
     return out
 
 

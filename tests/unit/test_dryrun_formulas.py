@@ -1,0 +1,38 @@
+"""The dry run's traffic formulas (tessera.dryrun.formula_traffic) against the dry run itself, in-process.
+
+tests/distributed/test_dryrun.py shows the dry run reports what a real run does (1D with sequence parallelism);
+here further layouts check the formulas against the dry run: every collective kind on the tensor and pipeline
+axes and the step's scalars must match to the byte. Each layout runs its first and last pipeline rank under fake
+tensors in a few seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.config import from_dict
+from tessera.dryrun import default_ranks, dry_run, formula_traffic, measured_by_axis
+from tessera.layout import Layout
+
+LAYOUTS = {
+    # 2D 2x2 × pp2, tied embeddings (exchanged between the pipeline ends), two micro-batches
+    "tp2x2_pp2": (8, {"tensor": "2x2", "pipeline": 2}, {"global_batch": 4, "micro_batch": 2}),
+    # 1D tp2 × pp2 × dp2, ZeRO-3, full checkpointing (replayed forward collectives)
+    "tp2_pp2_dp2_z3_full": (
+        8,
+        {"tensor": 2, "pipeline": 2, "zero": 3, "checkpointing": "full"},
+        {"global_batch": 4, "micro_batch": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_formulas_equal_the_dry_runs_bytes(name: str) -> None:
+    world, parallel, train = LAYOUTS[name]
+    raw = {"model": {"size": "llama-tiny"}, "parallel": parallel, "train": train}
+    cfg = from_dict(raw)
+    for rank in default_ranks(Layout.from_config(cfg.parallel, world)):
+        measured = measured_by_axis(dry_run(cfg, world, rank))
+        formula = formula_traffic(cfg, world, rank)
+        exact = [key for key in measured if key[1] != "data" or key[0] == "all_reduce"]
+        assert {k: formula.get(k) for k in exact} == {k: measured[k] for k in exact}, f"rank {rank}"
