@@ -217,3 +217,12 @@ def test_missing_tensorboard_or_wandb_is_a_config_error(monkeypatch: pytest.Monk
         and "log.tensorboard = false" in rules["log.tensorboard"].fix
     )
     assert LogConfig(tensorboard=False).check() == []
+
+
+def test_progress_live_mode_says_resumed() -> None:
+    out = io.StringIO()
+    with Progress(6, enabled=True, stream=out, live=True) as p:
+        p.resumed(4)
+        p.update(5, {"loss": 2.0, "val_loss": 2.5})
+    text = out.getvalue()
+    assert "resumed from step 4" in text and "5/6" in text and "val 2.5000" in text
