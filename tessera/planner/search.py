@@ -25,7 +25,7 @@ from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from tessera.execution import ExecutionPlan, decide
 from tessera.memory import cost_plan, estimate_plan
 from tessera.model.sizes import SIZES
-from tessera.modes import BREADTH_FIRST, DEPTH_FIRST, LAYERED
+from tessera.modes import BREADTH_FIRST, CHECKPOINTING, DEPTH_FIRST, LAYERED, SCHEDULES
 from tessera.planner.cost import (
     MemoryBreakdown,
     ModelShape,
@@ -59,7 +59,8 @@ __all__ = [
     "search",
 ]
 
-SCHEDULE_NAMES = ("1f1b", "interleaved", "breadth_first", "gpipe")
+SCHEDULE_NAMES = SCHEDULES
+"""Schedules the search tries (the config's names, tessera.modes)."""
 MAX_CRITICAL_BATCH_FACTOR = 4.0
 """With the critical batch, a layout whose smallest batch (d × micro-batch) exceeds this × B_crit is skipped."""
 
@@ -119,7 +120,7 @@ class SearchSpace:
     Off by default: it grows the search and such layouts idle the lighter ranks."""
     schedules: tuple[str, ...] = SCHEDULE_NAMES
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    checkpointing: tuple[str, ...] = ("none", "selective", "full")
+    checkpointing: tuple[str, ...] = CHECKPOINTING
     sequence_parallel: tuple[bool, ...] = (False, True)
     micro_batches: tuple[int, ...] | None = None
     """Micro-batch sizes to try; None: every divisor of the per-replica batch up to max_micro_batch."""
