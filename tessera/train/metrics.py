@@ -144,7 +144,9 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._sinks.append(_TensorBoard(SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))))
+            # purge_step: TensorBoard, too, forgets the events of the steps a resumed run redoes
+            writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=start or None)
+            self._sinks.append(_TensorBoard(writer))
         if wandb is not None:
             import wandb as wb
 

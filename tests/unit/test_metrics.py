@@ -226,3 +226,16 @@ def test_progress_live_mode_says_resumed() -> None:
         p.update(5, {"loss": 2.0, "val_loss": 2.5})
     text = out.getvalue()
     assert "resumed from step 4" in text and "5/6" in text and "val 2.5000" in text
+
+
+def test_tensorboard_forgets_the_steps_a_resume_redoes(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path, rank=0, start=0) as log:
+        for s in range(5):
+            log.log({"step": s, "loss": 10.0 - s})
+    with MetricsLogger(tmp_path, rank=0, start=3) as log:
+        log.log({"step": 3, "loss": 0.5})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(0, 10.0), (1, 9.0), (2, 8.0), (3, 0.5)]
