@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tessera.errors import TesseraError
+from tessera.errors import EXIT_PEER_LOST, EXIT_RESUMABLE, TesseraError
 
 if TYPE_CHECKING:
     from tessera.config import Config
@@ -37,28 +38,40 @@ def _load(args: argparse.Namespace, extra: list[str]):
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = _load(args, extra)
+    if args.nproc < 1:
+        raise TesseraError(f"--nproc {args.nproc} must be at least 1")
     if args.nproc > 1 and "RANK" not in os.environ:
         cfg.validate(args.nproc)
-        return _relaunch_with_torchrun(args.nproc)
+        stop = getattr(signal, cfg.train.stop_signal, None) if cfg.train.stop_signal else None
+        beats = Path(cfg.log.run_dir) / "heartbeat"  # the trainer's watchdog writes each rank's step there
+        return _relaunch_with_torchrun(args.nproc, stop_signals=(stop,) if stop else (), heartbeat_dir=beats)
     from tessera.train.trainer import train
 
     result = train(cfg)
-    if result.losses and int(os.environ.get("RANK", 0)) == 0:
+    if int(os.environ.get("RANK", 0)) != 0:
+        return EXIT_RESUMABLE if result.stopped_by else 0
+    if result.stopped_by:
+        at = max(result.losses) + 1 if result.losses else result.resumed_from
+        print(
+            f"stopped cleanly on {result.stopped_by}: checkpoint of step {at} saved in {result.checkpoint_dir}; "
+            f"run the same command to resume (exit status {EXIT_RESUMABLE})"
+        )
+        return EXIT_RESUMABLE
+    if result.losses:
         first, last = result.losses[min(result.losses)], result.losses[max(result.losses)]
         print(f"done: loss {first:.4f} -> {last:.4f}; metrics in {result.run_dir}/metrics.jsonl")
     return 0
 
 
-def _relaunch_with_torchrun(nproc: int) -> int:
+def _relaunch_with_torchrun(
+    nproc: int, stop_signals: tuple[int, ...] = (), heartbeat_dir: Path | None = None
+) -> int:
     """``--nproc N`` on one machine: run this command in N local ranks (the environment torchrun would set).
 
     Unlike torchrun, a failing rank ends the others at once and the user sees one line naming it, after that
-    rank's own error message, instead of a launcher traceback.
+    rank's own error message, instead of a launcher traceback (tessera/train/launch.py).
     """
-    import subprocess
-    import time
-
-    from tessera.train.launch import free_port
+    from tessera.train.launch import launch_local
 
     i = sys.argv.index("--nproc") if "--nproc" in sys.argv else None
     argv = (
@@ -66,40 +79,7 @@ def _relaunch_with_torchrun(nproc: int) -> int:
         if i is not None
         else [a for a in sys.argv[1:] if not a.startswith("--nproc")]
     )
-    base = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": str(nproc),
-        "LOCAL_WORLD_SIZE": str(nproc),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tessera", *argv], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}
-        )
-        for r in range(nproc)
-    ]
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                for p in procs:
-                    p.terminate()
-                print(
-                    f"error: rank {rank} exited with status {code}; the other ranks were stopped",
-                    file=sys.stderr,
-                )
-                return code
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        raise
+    return launch_local(nproc, argv, stop_signals=stop_signals, heartbeat_dir=heartbeat_dir)
 
 
 def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
@@ -396,6 +376,16 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _lost_peer(e: BaseException) -> str | None:
+    """One line for a collective that failed because another rank died (gloo/NCCL), else None."""
+    text = str(e)
+    markers = ("Connection closed by peer", "Connection reset by peer", "ECONNRESET", "Broken pipe", "NCCL")
+    if type(e).__name__ in ("DistBackendError", "DistNetworkError") or any(m in text for m in markers):
+        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        return f"lost contact with another rank ({first[:120]})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for a user error, with the message on stderr)."""
     args, extra = _parser().parse_known_args(argv)
@@ -406,7 +396,14 @@ def main(argv: list[str] | None = None) -> int:
         multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
         prefix = f"[rank {os.environ.get('RANK', '?')}] " if multi else ""
         sys.stderr.write(f"{prefix}error: {e}\n")  # one write, so ranks' lines do not interleave
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        lost = _lost_peer(e)
+        if lost is None:
+            raise
+        if "TESSERA_LAUNCHER" not in os.environ:  # tessera's launcher names the rank that died
+            sys.stderr.write(f"[rank {os.environ.get('RANK', '?')}] stopped: {lost}\n")
+        return EXIT_PEER_LOST

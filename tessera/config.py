@@ -18,7 +18,7 @@ from typing import Any
 
 from tessera.errors import ConfigError
 from tessera.model.sizes import SIZES
-from tessera.modes import ACCUMULATION, CHECKPOINTING, DTYPES, FAMILIES, SCHEDULES
+from tessera.modes import ACCUMULATION, CHECKPOINTING, DTYPES, FAMILIES, NONFINITE, SCHEDULES, STOP_SIGNALS
 
 __all__ = [
     "CheckpointConfig",
@@ -101,9 +101,13 @@ _RANGES: dict[str, dict[str, _Range]] = {
         "bucket_mb": _POSITIVE_REAL,
         "eval_every": _NON_NEGATIVE,
         "eval_batches": _POSITIVE,
+        "max_skips": _POSITIVE,
+        "fp16_max_overflows": _POSITIVE,
+        "hang_timeout_s": _NON_NEGATIVE_REAL,
+        "collective_timeout_s": _NON_NEGATIVE_REAL,
     },
     "data": {"default_corpus_mb": _POSITIVE_REAL},
-    "checkpoint": {"every": _NON_NEGATIVE, "keep": _POSITIVE},
+    "checkpoint": {"every": _NON_NEGATIVE, "keep": _POSITIVE, "load_step": _NON_NEGATIVE},
     "log": {"every": _POSITIVE},
 }
 ARITHMETIC_RULES = frozenset(  # rules whose violation stops the cross-section checks (tessera.execution)
@@ -356,6 +360,20 @@ class TrainConfig:
     data.valid_fraction."""
     eval_batches: int = 4
     """Global batches of validation data per evaluation (always the same ones)."""
+    nonfinite: str = "stop"
+    """A NaN/inf loss or gradient norm: "stop" (save nothing, exit naming the step) or "skip" the update."""
+    max_skips: int = 3
+    """train.nonfinite = "skip": stop after this many consecutive skipped steps."""
+    fp16_max_overflows: int = 32
+    """fp16: stop after this many consecutive overflowing steps (the loss scale cannot recover)."""
+    hang_timeout_s: float = 1800.0
+    """A rank that finishes no step for this long (saves excluded) dumps its stack to RUN_DIR/stacks/ and
+    exits 4 naming the ranks that stopped responding; 0 disables the watchdog."""
+    collective_timeout_s: float = 0.0
+    """Timeout of every collective, passed to torch.distributed.init_process_group; 0 keeps torch's (30 min)."""
+    stop_signal: str = "SIGUSR1"
+    """Signal that, like SIGTERM and SIGINT, makes every rank checkpoint at the next step and exit 75
+    (pre-emption: Slurm's `--signal=USR1@120`); "" for none."""
 
     def micro_batches(self, dp: int) -> int:
         return self.global_batch // max(1, self.micro_batch * dp)
@@ -376,6 +394,22 @@ class TrainConfig:
                     rule="train.grad_reduce_dtype",
                     problem=f"train.grad_reduce_dtype = {self.grad_reduce_dtype!r} is unknown",
                     fix="use fp32 or bf16",
+                )
+            )
+        if self.nonfinite not in NONFINITE:
+            v.append(
+                Violation(
+                    rule="train.nonfinite",
+                    problem=f"train.nonfinite = {self.nonfinite!r} is unknown",
+                    fix=f"use one of {', '.join(NONFINITE)}",
+                )
+            )
+        if self.stop_signal and self.stop_signal not in STOP_SIGNALS:
+            v.append(
+                Violation(
+                    rule="train.stop_signal",
+                    problem=f"train.stop_signal = {self.stop_signal!r:.40} is not a signal tessera can catch",
+                    fix=f'use one of {", ".join(STOP_SIGNALS)}, or "" for none',
                 )
             )
         if self.device not in ("auto", "cpu", "cuda"):
@@ -532,7 +566,9 @@ class CheckpointConfig:
     keep: int = 2
     """How many most recent checkpoints to keep."""
     resume: bool = True
-    """Resume from the latest complete checkpoint in dir, if there is one."""
+    """Resume from the newest checkpoint in dir that verifies against its checksums, if there is one."""
+    load_step: int | None = None
+    """Resume from exactly this step's checkpoint instead (it must exist and verify)."""
 
     def check(self) -> list[Violation]:
         return _out_of_range("checkpoint", self) + _bad_path("checkpoint.dir", self.dir)

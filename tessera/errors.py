@@ -1,12 +1,43 @@
-"""Errors that explain themselves: every user-facing failure names the problem and the fix."""
+"""Errors that explain themselves: every user-facing failure names the problem and the fix.
+
+Exit statuses of `tessera` (docs/launching.md lists them too):
+
+    0    done
+    1    `validate` / `memory` found problems
+    2    a user error: config, data, checkpoint, usage (the message names the fix)
+    3    training diverged: a non-finite loss or gradient norm (NonFiniteError); nothing was saved
+    4    a rank stopped making progress (the watchdog); stacks are in RUN_DIR/stacks/
+    5    this rank lost contact with another rank, which failed first (the launcher names that one)
+    75   stopped cleanly on a signal after writing a checkpoint: resumable (EX_TEMPFAIL, "try again")
+    130  interrupted before a checkpoint could be written
+"""
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "TesseraError"]
+__all__ = [
+    "EXIT_DIVERGED",
+    "EXIT_HANG",
+    "EXIT_PEER_LOST",
+    "EXIT_RESUMABLE",
+    "EXIT_USER_ERROR",
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "NonFiniteError",
+    "TesseraError",
+]
+
+EXIT_USER_ERROR = 2
+EXIT_DIVERGED = 3
+EXIT_HANG = 4
+EXIT_PEER_LOST = 5
+EXIT_RESUMABLE = 75
 
 
 class TesseraError(Exception):
     """Base class for errors shown to the user as a message, never as a traceback."""
+
+    exit_code = EXIT_USER_ERROR
 
 
 class ConfigError(TesseraError):
@@ -19,3 +50,9 @@ class DataError(TesseraError):
 
 class CheckpointError(TesseraError):
     """A checkpoint is missing, incomplete or incompatible with the current run."""
+
+
+class NonFiniteError(TesseraError):
+    """Training produced a NaN or infinite loss or gradient norm and the policy says stop."""
+
+    exit_code = EXIT_DIVERGED

@@ -14,7 +14,9 @@ __all__ = [
     "DTYPES",
     "FAMILIES",
     "LAYERED",
+    "NONFINITE",
     "SCHEDULES",
+    "STOP_SIGNALS",
 ]
 
 FAMILIES = ("gpt", "llama")
@@ -27,3 +29,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 LAYERED, DEPTH_FIRST = "layered", "depth_first"
 ACCUMULATION = (LAYERED, DEPTH_FIRST)
 """Gradient accumulation order: layered (breadth-first over micro-batches) or depth-first."""
+NONFINITE = ("stop", "skip")
+"""What a NaN/inf loss or gradient norm does (train.nonfinite): stop the run, or skip the update."""
+STOP_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU")
+"""Signals train.stop_signal may name; SIGTERM and SIGINT always stop cleanly."""

@@ -46,17 +46,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tessera.errors import CheckpointError
+from tessera.train.integrity import files_written_by, hash_files, verify_files
 
 __all__ = [
     "capture_rng",
     "checkpoint_meta",
     "is_sharded",
     "latest_checkpoint",
+    "list_checkpoints",
     "load_checkpoint",
     "load_model_weights",
     "restore_rng",
     "save_checkpoint",
     "save_model_weights",
+    "step_dir_name",
+    "verify_checkpoint",
 ]
 
 _META = "meta.json"
@@ -107,22 +111,22 @@ def save_checkpoint(
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
         dcp.save(state, storage_writer=FileSystemWriter(tmp))
     _write_rank_files(tmp, rank)
-    _barrier()  # every rank's data and RNG file are on disk
+    sums = hash_files(tmp, files_written_by(tmp, rank))  # re-read from the page cache, by the rank that wrote
+    gathered = _gather((shard_id, sums), world)  # also the barrier: every rank's files are on disk
     if rank == 0:
         meta = {
             "format": _FORMAT,
             "step": step,
             "world_size": world,
             "layout": layout,
-            "shard_ids": _gather_shard_ids(shard_id, world),
+            "shard_ids": [sid for sid, _ in gathered],
             "extra": json_extra,
             "extra_tensors": tensor_paths,
+            "files": {name: entry for _, files in gathered for name, entry in files.items()},
             "complete": True,
         }
         _commit(tmp, final, meta)
         _prune(ckpt_dir, keep)
-    elif world > 1:
-        _gather_shard_ids(shard_id, world)
     _barrier()  # no rank returns before the checkpoint is published
     return final
 
@@ -143,6 +147,7 @@ def save_model_weights(ckpt_dir: Path, step: int, model: nn.Module, source: dict
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
         dcp.save({"model": get_model_state_dict(model)}, storage_writer=FileSystemWriter(tmp), no_dist=True)
     meta = {
+        "files": hash_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file())),
         "format": _FORMAT,
         "step": step,
         "world_size": 1,
@@ -156,9 +161,14 @@ def save_model_weights(ckpt_dir: Path, step: int, model: nn.Module, source: dict
     return final
 
 
+def step_dir_name(step: int) -> str:
+    """The folder name of step ``step``'s checkpoint: ``step_00000100``."""
+    return f"{_PREFIX}{step:08d}"
+
+
 def _step_dirs(ckpt_dir: Path, step: int) -> tuple[Path, Path]:
     """(the published folder ``step_N``, the folder a save writes into before its atomic rename)."""
-    final = ckpt_dir / f"{_PREFIX}{step:08d}"
+    final = ckpt_dir / step_dir_name(step)
     return final, ckpt_dir / f"{final.name}{_TMP}"
 
 
@@ -166,12 +176,12 @@ def _wrap(state: dict[str, Any], shard_id: str | None) -> dict[str, Any]:
     return state if shard_id is None else {"shards": {shard_id: state}}
 
 
-def _gather_shard_ids(shard_id: str | None, world: int) -> list[str | None]:
+def _gather(value: Any, world: int) -> list[Any]:
     if world == 1:
-        return [shard_id]
-    ids: list[str | None] = [None] * world
-    dist.all_gather_object(ids, shard_id)
-    return ids
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
 
 
 def _write_rank_files(tmp: Path, rank: int) -> None:
@@ -220,7 +230,11 @@ def _remove_stale_tmp(ckpt_dir: Path) -> None:
 
 def _prune(ckpt_dir: Path, keep: int) -> None:
     for p in _complete_checkpoints(ckpt_dir)[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
+        # rename first: a crash mid-delete then leaves a .tmp folder, which no load considers and the next
+        # save removes, never a step folder that looks complete but lacks files
+        doomed = p.with_name(p.name + ".old" + _TMP)
+        os.replace(p, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _split_extra(extra: dict[str, Any]) -> tuple[Any, list[list[str]], list[torch.Tensor]]:
@@ -263,6 +277,27 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def list_checkpoints(ckpt_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(complete checkpoints, oldest first; step folders that are not complete, e.g. damaged meta.json)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return [], []
+    steps = sorted(p for p in ckpt_dir.glob(f"{_PREFIX}*") if not p.name.endswith(_TMP))
+    return [p for p in steps if _is_complete(p)], [p for p in steps if not _is_complete(p)]
+
+
+def verify_checkpoint(path: Path, *, collective: bool = True) -> list[str]:
+    """What is wrong with a complete checkpoint's files against the checksums in its meta.json (empty when
+    intact, or when it predates checksums); collective by default, so every rank gets the same answer."""
+    meta = _read_meta(Path(path))
+    files = meta.get("files")
+    if files is None:
+        return []
+    if not isinstance(files, dict):
+        return ["meta.json's file list is damaged"]
+    return verify_files(Path(path), files, collective=collective)
+
+
 def _complete_checkpoints(ckpt_dir: Path) -> list[Path]:
     if not ckpt_dir.is_dir():
         return []
@@ -288,10 +323,12 @@ def load_checkpoint(
     *,
     shard_id: str | None = None,
     layout: str | None = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Restore ``model`` and ``optimizer`` in place from a checkpoint folder (or the newest one in a checkpoint
     directory); collective. Returns ``extra`` as saved, plus ``"step"`` and this rank's ``"rng"`` states
-    (pass the result to `restore_rng`).
+    (pass the result to `restore_rng`). The files are first checked against their checksums (`verify=False`
+    when the caller just did, with `verify_checkpoint`); a damaged checkpoint is a CheckpointError.
     """
     path = _resolve(Path(path))
     meta = _read_meta(path)
@@ -315,10 +352,14 @@ def load_checkpoint(
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        problems = verify_checkpoint(path) if verify else []  # DCP fails on every rank: still collective
+        damaged = f"; the files are damaged: {'; '.join(problems[:5])}" if problems else ""
         raise CheckpointError(
-            f"checkpoint {path} could not be read: {_last_line(e)}\n    fix: check that the folder is intact "
-            "(compare with another copy) or resume from an earlier checkpoint"
+            f"checkpoint {path} could not be read: {_last_line(e)}{damaged}\n    fix: check that the folder is "
+            "intact (compare with another copy) or resume from an earlier checkpoint (checkpoint.load_step)"
         ) from e
+    if verify:  # checked after the read (the OS cache serves one of the two), before anything is applied
+        _refuse_damaged(path, verify_checkpoint(path))
     inner = state if shard_id is None else state["shards"][shard_id]
     set_state_dict(model, optimizer, model_state_dict=inner["model"], optim_state_dict=inner["optim"])
     extra = _join_extra(meta.get("extra") or {}, meta.get("extra_tensors", []), state["extra"])
@@ -345,8 +386,18 @@ def load_model_weights(path: Path, model: nn.Module) -> int:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
         dcp.load(state, storage_reader=_SafeReader(path, metadata), planner=_SafeLoadPlanner())
+    _refuse_damaged(path, verify_checkpoint(path, collective=False))
     set_model_state_dict(model, state["model"])
     return int(meta["step"])
+
+
+def _refuse_damaged(path: Path, problems: list[str]) -> None:
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {'; '.join(problems[:5])}"
+            + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+            + "\n    fix: resume from an earlier checkpoint (checkpoint.load_step = N), or restore this one from a copy"
+        )
 
 
 def checkpoint_meta(path: Path) -> dict[str, Any]:
@@ -590,7 +641,18 @@ def capture_rng() -> dict[str, Any]:
 
 def restore_rng(extra: dict[str, Any]) -> None:
     """Set this process's RNGs from ``extra["rng"]`` (as returned by `load_checkpoint`) or a `capture_rng` dict."""
-    state = extra.get("rng", extra)
+    try:
+        _restore_rng(extra.get("rng", extra))
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, OverflowError, RuntimeError) as e:
+        raise CheckpointError(
+            f"the checkpoint's RNG state cannot be restored ({type(e).__name__}: {e}); the rng_rank*.pt file is "
+            "damaged\n    fix: resume from an earlier checkpoint (checkpoint.load_step = N)"
+        ) from None
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
     if cuda and torch.cuda.is_available():

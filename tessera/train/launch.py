@@ -1,10 +1,34 @@
-"""Small helpers for starting local ranks (``tessera train --nproc N``)."""
+"""Starting local ranks (``tessera train --nproc N``) so that none outlives the launcher.
+
+- Each worker runs in its own process group (so a terminal's Ctrl-C reaches the launcher only, which forwards
+  it once) and asks the kernel for SIGKILL when the launcher dies (``PR_SET_PDEATHSIG`` on Linux): a launcher
+  killed by SIGKILL, the OOM killer or a crash takes its workers with it.
+- SIGTERM, SIGINT, SIGHUP and the run's pre-emption signal (``train.stop_signal``) are forwarded to every
+  worker, which stop together at a step boundary after a checkpoint and exit 75 (`tessera.errors`). Workers
+  still alive ``grace_s`` after that, or after a second signal, are killed.
+- A worker that fails ends the others at once; the user sees one line naming it (and the last step it reported,
+  from its heartbeat file RUN_DIR/heartbeat/rank{r}) after that rank's own message.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
-__all__ = ["free_port"]
+from tessera.errors import EXIT_PEER_LOST, EXIT_RESUMABLE
+
+__all__ = ["free_port", "launch_local", "set_parent_death_signal"]
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_POLL_S = 0.05
 
 
 def free_port() -> int:
@@ -12,3 +36,146 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent exits; False where prctl is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _worker_setup(launcher_pid: int) -> Callable[[], None]:
+    def setup() -> None:  # runs in the child between fork and exec
+        set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return setup
+
+
+def launch_local(
+    nproc: int,
+    argv: list[str],
+    *,
+    stop_signals: tuple[int, ...] = (),
+    grace_s: float = 120.0,
+    heartbeat_dir: Path | None = None,
+) -> int:
+    """Run ``python -m tessera *argv`` in ``nproc`` local ranks (torchrun's environment); their exit status.
+
+    0 when every rank finished, 75 when they stopped cleanly on a signal, else the first failing rank's status.
+    ``stop_signals`` are forwarded to the workers besides SIGTERM, SIGINT and SIGHUP (sent on as SIGTERM).
+    """
+    base = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "TESSERA_LAUNCHER": "1",  # ranks leave naming a failed peer to this launcher
+    }
+    procs: list[subprocess.Popen] = []
+    with _forwarding(procs, stop_signals) as state:
+        for r in range(nproc):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tessera", *argv],
+                    env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                    process_group=0,
+                    preexec_fn=_worker_setup(os.getpid()),
+                )
+            )
+        try:
+            return _supervise(procs, state, grace_s, heartbeat_dir)
+        finally:
+            _kill_all(procs)  # whatever happened above, no worker outlives this function
+
+
+def _supervise(procs: list[subprocess.Popen], state: dict, grace_s: float, heartbeat_dir: Path | None) -> int:
+    while True:
+        codes = [p.poll() for p in procs]
+        # a rank that only lost contact with a failed one is not the news: name the one that failed first
+        failed = sorted(
+            ((r, c) for r, c in enumerate(codes) if c not in (None, 0, EXIT_RESUMABLE)),
+            key=lambda rc: (rc[1] == EXIT_PEER_LOST, rc[0]),
+        )
+        if failed and not state["signal"]:
+            rank, code = failed[0]
+            print(
+                f"error: {_describe_exit(rank, code, heartbeat_dir)}; the other ranks were stopped",
+                file=sys.stderr,
+            )
+            return _status(code)
+        if all(c is not None for c in codes):
+            if failed:
+                return _status(failed[0][1])
+            return EXIT_RESUMABLE if EXIT_RESUMABLE in codes else 0
+        if state["signal"] and time.monotonic() > state["since"] + grace_s:
+            print(
+                f"error: ranks still running {grace_s:.0f}s after {state['signal']}; killed", file=sys.stderr
+            )
+            return 128 + signal.SIGKILL
+        time.sleep(_POLL_S)
+
+
+def _status(code: int) -> int:
+    """A worker's exit status as a shell reports it: 128 + N for "killed by signal N"."""
+    return 128 - code if code < 0 else code
+
+
+def _describe_exit(rank: int, code: int, heartbeat_dir: Path | None) -> str:
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    step = read_heartbeat(heartbeat_dir, rank) if heartbeat_dir is not None else None
+    at = f" after step {step}" if step is not None and step >= 0 else ""
+    return f"rank {rank} {how}{at}"
+
+
+def read_heartbeat(heartbeat_dir: Path, rank: int) -> int | None:
+    """The step a rank last reported in ``heartbeat_dir/rank{r}`` (the trainer's watchdog), or None."""
+    try:
+        return int((Path(heartbeat_dir) / f"rank{rank}").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@contextlib.contextmanager
+def _forwarding(procs: list[subprocess.Popen], stop_signals: tuple[int, ...]) -> Iterator[dict]:
+    """Forward stop signals to the workers while inside; a second one kills them."""
+    state: dict = {"signal": None, "since": 0.0}
+    forwarded = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.SIGHUP: signal.SIGTERM}
+    forwarded |= {s: s for s in stop_signals}
+
+    def handler(signum: int, frame: object) -> None:
+        if state["signal"] is not None and signum in (signal.SIGINT, signal.SIGTERM):
+            _kill_all(procs)  # asked twice: stop waiting for a clean stop
+            return
+        state["signal"] = state["signal"] or signal.Signals(signum).name
+        state["since"] = time.monotonic()
+        _signal_all(procs, forwarded[signum])
+
+    old = {s: signal.signal(s, handler) for s in forwarded}
+    try:
+        yield state
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, sig)
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    _signal_all(procs, signal.SIGKILL)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.wait(timeout=10)

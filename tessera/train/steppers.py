@@ -123,8 +123,14 @@ class DirectStepper:
     def clip(self, max_norm: float) -> float:
         """Clip to max_norm by the global norm; tensor-parallel modules count every shard once."""
         if not hasattr(self.module, "grad_norm_sq"):
-            grads = [p for p in self.params if p.grad is not None]
-            return float(torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=False))
+            # torch's clip_grad_norm_ in its two halves, so that a NaN/inf norm leaves the gradients as they
+            # were (clip_grad_norm_ would scale them all by NaN) and the health check can name the offenders
+            params = [p for p in self.params if p.grad is not None]
+            total = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=False)
+            norm = float(total)
+            if math.isfinite(norm):
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+            return norm
         return _clip_by(float(self.module.grad_norm_sq().sqrt()), self.params, max_norm)
 
     def close(self) -> None:

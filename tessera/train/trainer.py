@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,16 +24,21 @@ from torch import nn
 
 from tessera import comm
 from tessera.config import Config, TrainConfig
-from tessera.errors import ConfigError
+from tessera.errors import CheckpointError, ConfigError
 from tessera.execution import resolve
 from tessera.groups import Groups, build_groups
 from tessera.layout import Axis
 from tessera.model.build import build_model
 from tessera.parallel.apply import parallelize
 from tessera.train import checkpoint as ckpt
+from tessera.train.compat import check_compatible, run_settings
 from tessera.train.data import Blend, TokenDataset, ensure_default_corpus, get_batch, open_data
+from tessera.train.health import StepHealth, check_state_finite
 from tessera.train.metrics import MetricsLogger, Progress, memory_bytes, peak_flops_for
+from tessera.train.runlock import run_dir_lock
 from tessera.train.steppers import make_optimizer, make_stepper
+from tessera.train.stopping import StopRequests
+from tessera.train.watchdog import Watchdog
 
 __all__ = [
     "StepHook",
@@ -55,16 +63,20 @@ class TrainResult:
     """Validation loss after each evaluated step (train.eval_every)."""
     run_dir: Path | None = None
     resumed_from: int = 0
+    checkpoint_dir: Path | None = None
+    stopped_by: str | None = None
+    """The signal that stopped the run early (after a checkpoint), or None when it ran to the end."""
 
 
-def init_distributed() -> tuple[int, int]:
-    """Join the torchrun/Slurm process group if the environment names one; (rank, world size)."""
+def init_distributed(timeout_s: float = 0) -> tuple[int, int]:
+    """Join the torchrun/Slurm process group if the environment names one; (rank, world size). A collective
+    that waits longer than ``timeout_s`` (0: torch's default, 30 minutes) fails instead of hanging."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
         return 0, 1
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s) if timeout_s > 0 else None)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -140,8 +152,11 @@ class TrainingRun:
         self.stepper = make_stepper(self.model, cfg, self.layout, self.groups, self.plan)
         self.optimizer = self.stepper.optimizer
         self.n_micro = self.plan.micro_batches
+        self.health = StepHealth(cfg.train)
+        self.peak_flops = peak_flops_for(self.device, cfg.train.dtype)
         self.run_dir = Path(cfg.log.run_dir)
         self.ckpt_dir = checkpoint_dir(self.run_dir, cfg)
+        self.watchdog = Watchdog(self.run_dir, rank, world, cfg.train.hang_timeout_s)  # started by train()
 
     @property
     def saved_bytes(self) -> int:
@@ -178,12 +193,14 @@ class TrainingRun:
         if hook is not None:
             hook(step, self.model)
         norm = self.stepper.clip(tr.grad_clip if tr.grad_clip > 0 else float("inf"))
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr_at(step, tr)
-        if not self.stepper.skip_step:  # fp16 overflow: skip this update on every rank
+        loss = total.item() / self.layout.dp  # the step's one host sync (with the norm's), as before
+        # equal on every rank, so every rank decides alike; skips fp16 overflows and, by policy, NaN/inf
+        if self.health.apply_update(step, loss, norm, self.stepper.skip_step, self.stepper.state_module):
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr_at(step, tr)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total.item() / self.layout.dp, norm
+        return loss, norm
 
     def evaluate(self) -> float:
         """Mean loss over the first ``train.eval_batches`` global batches of the validation data (the same ones
@@ -200,7 +217,12 @@ class TrainingRun:
         return total / self.cfg.train.eval_batches
 
     def save(self, step: int) -> None:
-        extra = {"step": step, "samples": step * self.cfg.train.global_batch}
+        with self.watchdog.paused():  # a save may take longer than the hang timeout
+            self._save(step)
+
+    def _save(self, step: int) -> None:
+        check_state_finite(self.stepper.state_module, step)
+        extra = {"step": step, "samples": step * self.cfg.train.global_batch, "settings": self.settings}
         scaler = getattr(self.stepper, "scaler", None)
         if scaler is not None:
             extra["loss_scale"] = scaler.state_dict()
@@ -216,10 +238,11 @@ class TrainingRun:
         )
 
     def resume(self) -> int:
-        """Load the latest complete checkpoint if resuming is on; the step to start from."""
+        """Load the newest checkpoint that verifies (or ``checkpoint.load_step``'s) if resuming is on; the step
+        to start from. Damaged or incomplete newer checkpoints are reported on stderr, never skipped silently."""
         if not self.cfg.checkpoint.resume:
             return 0
-        path = ckpt.latest_checkpoint(self.ckpt_dir)
+        path, verified = self._choose_checkpoint()
         if path is None:
             return 0
         extra = ckpt.load_checkpoint(
@@ -228,6 +251,7 @@ class TrainingRun:
             self.optimizer,
             shard_id=self.stepper.shard_id,
             layout=self.layout.describe(),
+            verify=not verified,
         )
         ckpt.restore_rng(extra)
         scaler = getattr(self.stepper, "scaler", None)
@@ -235,48 +259,110 @@ class TrainingRun:
             scaler.load_state_dict(extra["loss_scale"])
         return int(extra["step"])
 
+    def _choose_checkpoint(self) -> tuple[Path | None, bool]:
+        """(the checkpoint to resume from, whether its checksums were just verified)."""
+        complete, incomplete = ckpt.list_checkpoints(self.ckpt_dir)
+        wanted = self.cfg.checkpoint.load_step
+        if wanted is not None:
+            chosen = [p for p in complete if p.name == ckpt.step_dir_name(wanted)]
+            if not chosen:
+                raise CheckpointError(
+                    f"checkpoint.load_step = {wanted}: {self.ckpt_dir} has no complete checkpoint of that step"
+                    f"\n    fix: use one of {[int(p.name.split('_')[1]) for p in complete] or 'none (start fresh)'}"
+                )
+            self._check_settings(chosen[0])
+            return chosen[0], False  # load_checkpoint verifies it and refuses it if damaged: no fallback
+        skipped = [f"{p.name} (incomplete: no meta.json marked complete)" for p in incomplete]
+        for path in reversed(complete):
+            problems = ckpt.verify_checkpoint(path)
+            if not problems:
+                self._announce(skipped, path)
+                self._check_settings(path)
+                return path, True
+            skipped.append(f"{path.name} (damaged: {'; '.join(problems[:3])})")
+        if complete:
+            raise CheckpointError(
+                f"no checkpoint in {self.ckpt_dir} verifies against its checksums: {'; '.join(skipped)}\n    fix: "
+                "restore one from a copy, or start fresh (checkpoint.resume = false, or a new checkpoint.dir)"
+            )
+        self._announce(skipped, None)
+        return None, False
+
+    def _check_settings(self, path: Path) -> None:
+        saved = ckpt.checkpoint_meta(path).get("extra") or {}
+        check_compatible(path, saved.get("settings"), self.settings)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The model and tokenizer settings a checkpoint of this run records (tessera/train/compat.py)."""
+        meta = getattr(self.data, "meta", None) or {}  # a blend of token files has no single metadata
+        tokens = {k: meta[k] for k in ("tokenizer", "vocab_size") if k in meta}
+        if self.data is not None:
+            tokens["vocab_size"] = self.data.vocab_size
+        return run_settings(self.cfg, tokens)
+
+    def _announce(self, skipped: list[str], chosen: Path | None) -> None:
+        newer = [s for s in skipped if chosen is None or s.split(" ")[0] > chosen.name]
+        if newer and self.rank == 0:
+            then = f"resuming from {chosen.name}" if chosen else "starting from step 0"
+            sys.stderr.write(f"WARNING: skipping checkpoint(s) {', '.join(newer)}; {then}\n")
+
 
 def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
-    """Run training as configured; ``hook(step, model)`` sees the synchronised gradients before each update."""
-    rank, world = init_distributed()
-    run = TrainingRun(cfg, rank, world)
-    result = TrainResult(run_dir=run.run_dir)
-    start = result.resumed_from = run.resume()
-    if rank == 0:
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-        (run.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    wandb = {"project": cfg.log.wandb_project, "mode": cfg.log.wandb_mode, "config": cfg.to_dict()}
-    logger = MetricsLogger(
-        run.run_dir, rank, cfg.log.tensorboard, start=start, wandb=wandb if cfg.log.wandb else None
-    )
-    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-    peak = peak_flops_for(run.device, cfg.train.dtype)
-    with Progress(cfg.train.steps, enabled=cfg.log.progress and rank == 0) as progress:
+    """Run training as configured; ``hook(step, model)`` sees the synchronised gradients before each update.
+
+    SIGTERM, SIGINT and ``train.stop_signal`` stop every rank at the same step boundary after a checkpoint
+    (``result.stopped_by`` names the signal; tessera/train/stopping.py).
+    """
+    with StopRequests(cfg.train.stop_signal) as stops:
+        rank, world = init_distributed(cfg.train.collective_timeout_s)
+        with run_dir_lock(Path(cfg.log.run_dir), enabled=rank == 0):  # one run per run directory
+            run = TrainingRun(cfg, rank, world)
+            result = TrainResult(run_dir=run.run_dir, checkpoint_dir=run.ckpt_dir)
+            start = result.resumed_from = run.resume()
+            if rank == 0:
+                _record_config(run.run_dir, cfg, start)
+            wandb = {"project": cfg.log.wandb_project, "mode": cfg.log.wandb_mode, "config": cfg.to_dict()}
+            logger = MetricsLogger(
+                run.run_dir, rank, cfg.log.tensorboard, start=start, wandb=wandb if cfg.log.wandb else None
+            )
+            try:
+                with run.watchdog:
+                    _loop(run, start, hook, logger, stops, result)
+            finally:
+                logger.close()
+                run.stepper.close()
+    return result
+
+
+def _record_config(run_dir: Path, cfg: Config, start: int) -> None:
+    """config.json is the config now running; config_history.jsonl has one line per start (resumes too)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S %z"), "resumed_from": start, "config": cfg.to_dict()}
+    with open(run_dir / "config_history.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def _loop(
+    run: TrainingRun,
+    start: int,
+    hook: StepHook | None,
+    logger: MetricsLogger,
+    stops: StopRequests,
+    result: TrainResult,
+) -> None:
+    cfg = run.cfg
+    with Progress(cfg.train.steps, enabled=cfg.log.progress and run.rank == 0) as progress:
         if start:
             progress.resumed(start)
         for step in range(start, cfg.train.steps):
             comm.STATS.reset()
             t0 = time.perf_counter()
             loss, norm = run.step(step, hook)
-            dt = time.perf_counter() - t0
+            run.watchdog.progress(step)
             result.losses[step] = loss
-            tps = tokens_per_step / dt
-            metrics = {
-                "step": step,
-                "loss": loss,
-                "lr": lr_at(step, cfg.train),
-                "grad_norm": norm,
-                "tokens_per_s": tps,
-                "step_time": dt,
-                "saved_activation_bytes": run.saved_bytes,
-                "mem_bytes": memory_bytes(run.device),
-                **comm.STATS.as_metrics(),
-            }
-            scaler = getattr(run.stepper, "scaler", None)
-            if scaler is not None:
-                metrics["loss_scale"], metrics["skipped_steps"] = scaler.scale, scaler.skipped
-            if peak:
-                metrics["mfu"] = tps * run.flops_per_token / (peak * world)
+            metrics = _metrics(run, step, loss, norm, time.perf_counter() - t0)
             every = cfg.train.eval_every
             if every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps):
                 metrics["val_loss"] = result.val_losses[step] = run.evaluate()
@@ -285,8 +371,38 @@ def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
                 logger.log(metrics)
             progress.update(step + 1, metrics)
             done = step + 1
-            if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
+            if done == cfg.train.steps:
                 run.save(done)
-    logger.close()
-    run.stepper.close()
-    return result
+                return
+            saved = bool(cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
+            if saved:
+                run.save(done)
+            result.stopped_by = stops.agreed(run.device)  # every rank, every step: they stop at one step
+            if result.stopped_by:
+                if not saved:
+                    run.save(done)  # resuming loses no step
+                return
+
+
+def _metrics(run: TrainingRun, step: int, loss: float, norm: float, dt: float) -> dict[str, float]:
+    cfg = run.cfg
+    tps = cfg.train.global_batch * cfg.model.seq_len / dt
+    metrics = {
+        "step": step,
+        "loss": loss,
+        "lr": lr_at(step, cfg.train),
+        "grad_norm": norm,
+        "tokens_per_s": tps,
+        "step_time": dt,
+        "saved_activation_bytes": run.saved_bytes,
+        "mem_bytes": memory_bytes(run.device),
+        **comm.STATS.as_metrics(),
+    }
+    scaler = getattr(run.stepper, "scaler", None)
+    if scaler is not None:
+        metrics["loss_scale"], metrics["skipped_steps"] = scaler.scale, scaler.skipped
+    if run.health.skipped:
+        metrics["nonfinite_skipped"] = run.health.skipped
+    if run.peak_flops:
+        metrics["mfu"] = tps * run.flops_per_token / (run.peak_flops * run.world)
+    return metrics

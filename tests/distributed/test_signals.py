@@ -1,0 +1,163 @@
+"""`tessera train --nproc 2` under signals: workers die with their launcher, a stop signal checkpoints at one
+step on every rank and exits 75, the resumed run loses no step, and a dead worker is one line naming it.
+
+Every wait is bounded by a generous deadline and polls for the state it needs; nothing asserts on timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tessera.errors import EXIT_HANG, EXIT_RESUMABLE
+
+DEADLINE_S = 240  # for a 2-rank tiny run to start on a loaded 2-core machine
+
+
+def _argv(token_file: Path, run_dir: Path, steps: int, every: int = 1000) -> list[str]:
+    return [
+        sys.executable, "-m", "tessera", "train", "--nproc", "2",
+        f'--data.path="{token_file}"', f'--log.run_dir="{run_dir}"', "--log.progress=false",
+        "--log.tensorboard=false", "--model.n_layers=2", "--model.d_model=32", "--model.n_heads=2",
+        "--model.seq_len=16", f"--train.steps={steps}", "--train.global_batch=4", "--train.micro_batch=2",
+        f"--checkpoint.every={every}", "--train.warmup_steps=2",
+    ]  # fmt: skip
+
+
+def _start(argv: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(what: str, ready: Callable[[], bool], deadline_s: float = DEADLINE_S) -> None:
+    end = time.monotonic() + deadline_s
+    while not ready():
+        assert time.monotonic() < end, f"gave up waiting for {what}"
+        time.sleep(0.1)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _training(launcher: subprocess.Popen, run_dir: Path) -> list[int]:
+    """Wait until both workers run and a few steps are logged; the workers' pids."""
+    _wait_for("3 logged steps", lambda: len(_records(run_dir)) >= 3 or launcher.poll() is not None)
+    assert launcher.poll() is None, launcher.communicate()
+    workers = _children(launcher.pid)
+    assert len(workers) == 2, workers
+    return workers
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_a_killed_launcher(token_file: Path, tmp_path: Path) -> None:
+    launcher = _start(_argv(token_file, tmp_path / "run", steps=10**6))
+    workers = _training(launcher, tmp_path / "run")
+    launcher.send_signal(signal.SIGKILL)
+    launcher.communicate()
+    _wait_for("the workers to exit", lambda: not any(_alive(w) for w in workers), deadline_s=30)
+
+
+def test_sigterm_checkpoints_every_rank_at_one_step_and_resume_loses_none(
+    token_file: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    launcher = _start(_argv(token_file, run_dir, steps=10**6))
+    _training(launcher, run_dir)
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=DEADLINE_S)
+    assert launcher.returncode == EXIT_RESUMABLE, err
+    assert "Traceback" not in err, err
+    stopped = max(r["step"] for r in _records(run_dir)) + 1  # steps 0 .. stopped-1 ran
+    assert f"checkpoint of step {stopped} saved" in out
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
+    # resume for two more steps: it starts exactly at the stop step
+    resumed = _start(_argv(token_file, run_dir, steps=stopped + 2))
+    out, err = resumed.communicate(timeout=DEADLINE_S)
+    assert resumed.returncode == 0, err
+    steps = [r["step"] for r in _records(run_dir)]
+    assert steps == list(range(stopped + 2)), steps  # each step once: none lost, none repeated
+
+
+def test_preemption_signal_stops_cleanly(token_file: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = _start([*_argv(token_file, run_dir, steps=10**6), '--train.stop_signal="SIGUSR2"'])
+    _training(launcher, run_dir)
+    launcher.send_signal(signal.SIGUSR2)
+    out, err = launcher.communicate(timeout=DEADLINE_S)
+    assert launcher.returncode == EXIT_RESUMABLE, err
+    assert "stopped cleanly on SIGUSR2" in out
+
+
+def test_a_dead_worker_is_one_line_naming_rank_and_step(token_file: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = _start(_argv(token_file, run_dir, steps=10**6))
+    workers = _training(launcher, run_dir)
+    rank1 = next(w for w in workers if "RANK=1" in Path(f"/proc/{w}/environ").read_text().replace("\0", " "))
+    os.kill(rank1, signal.SIGKILL)
+    _, err = launcher.communicate(timeout=DEADLINE_S)
+    assert launcher.returncode == 128 + signal.SIGKILL
+    assert "Traceback" not in err and "gloo" not in err.lower(), err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 1 was killed by SIGKILL after step "), err
+    _wait_for("the other worker to exit", lambda: not any(_alive(w) for w in workers), deadline_s=30)
+
+
+def test_a_stopped_rank_is_named_and_every_live_rank_dumps_its_stack(
+    token_file: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    argv = [
+        *_argv(token_file, run_dir, steps=10**6),
+        "--train.hang_timeout_s=6",
+        "--train.collective_timeout_s=600",
+    ]
+    launcher = _start(argv)
+    workers = _training(launcher, run_dir)
+    rank1 = next(w for w in workers if "RANK=1" in Path(f"/proc/{w}/environ").read_text().replace("\0", " "))
+    os.kill(rank1, signal.SIGSTOP)  # frozen: its own watchdog cannot run, so rank 0's must name it
+    try:
+        _, err = launcher.communicate(
+            timeout=DEADLINE_S
+        )  # expected within 6 s + a few; the bound is generous
+    finally:
+        if _alive(rank1):
+            os.kill(rank1, signal.SIGKILL)
+    assert launcher.returncode == EXIT_HANG, err
+    assert "[rank 0] error: no progress for" in err and "not responding: rank 1" in err, err
+    assert "Traceback" not in err, err
+    assert 'File "' in (run_dir / "stacks" / "rank0.txt").read_text()  # faulthandler's dump of rank 0
+    _wait_for("the workers to exit", lambda: not any(_alive(w) for w in workers), deadline_s=30)
