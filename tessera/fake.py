@@ -44,10 +44,38 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised; a dry run needs a process of its own")
     dist.init_process_group(backend="fake", store=FakeStore(), rank=rank, world_size=world_size)
+    batch_isend_irecv = dist.batch_isend_irecv
+    dist.batch_isend_irecv = _completed_p2p(batch_isend_irecv)
     try:
         yield
     finally:
+        dist.batch_isend_irecv = batch_isend_irecv
         dist.destroy_process_group()
+
+
+class _Done:
+    """A finished request: what a fake send or receive is as soon as it is issued."""
+
+    @staticmethod
+    def is_completed() -> bool:
+        return True
+
+    @staticmethod
+    def wait() -> bool:
+        return True
+
+
+def _completed_p2p(batch_isend_irecv):
+    """The fake backend's point-to-point requests never report completion, so a runtime that frees a sent
+    buffer once its request completes (the pipeline's) would keep every one until the step ends; each fake
+    request is complete as soon as it is issued, as a real one is once its peer has received it."""
+
+    def issue(ops: list) -> list[_Done]:
+        for work in batch_isend_irecv(ops):
+            work.wait()
+        return [_Done() for _ in ops]
+
+    return issue
 
 
 def _fake_mode() -> FakeTensorMode:
