@@ -8,33 +8,43 @@ import torch
 
 from tessera.errors import ConfigError
 from tessera.model.gpt import GPT
+from tessera.model.init import InitSource, draw_seed
 from tessera.model.layers import KVCache, TransformerLM
 from tessera.model.llama import Llama
+from tessera.model.materialize import declare, materialize, replicated_specs
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
 
-__all__ = ["build_model", "generate"]
+__all__ = ["build_model", "generate", "meta_model"]
 
 _FAMILIES: dict[str, type[TransformerLM]] = {"gpt": GPT, "llama": Llama}
 
 
-def build_model(cfg: ModelConfig) -> TransformerLM:
-    """A freshly initialised GPT or Llama for cfg, on torch's default device (`torch.get_default_device()`).
-
-    Initialisation draws from the current torch RNG in a fixed order (see `TransformerLM.init_weights`), so
-    the caller seeds (`torch.manual_seed`) for reproducibility. Build under `with torch.device("meta"):` to
-    get shapes and counts of a large model instantly; materialise it with `model.to_empty(device=...)` and
-    then `model.init_weights()`.
-    """
+def meta_model(cfg: ModelConfig) -> TransformerLM:
+    """The GPT or Llama for cfg on the meta device: shapes and counts only, no storage, no initialisation."""
     violations = cfg.check()
     if violations:
         raise ConfigError("invalid model config:\n" + "\n".join(f"  - {v}" for v in violations))
+    with torch.device("meta"):
+        return _FAMILIES[cfg.family](cfg)
+
+
+def build_model(cfg: ModelConfig, seed: int | None = None) -> TransformerLM:
+    """A freshly initialised GPT or Llama for cfg, on torch's default device (`torch.get_default_device()`).
+
+    Every parameter's values are a pure function of (seed, its name) (tessera.model.init), the same numbers any
+    tensor-parallel or pipeline rank draws for its slice. Without ``seed`` one is drawn from the global torch
+    RNG, so ``torch.manual_seed(s)`` then ``build_model(cfg)`` is reproducible. Under
+    ``with torch.device("meta"):`` the model stays on the meta device, uninitialised (see `meta_model`).
+    """
+    model = meta_model(cfg)
+    seed = draw_seed() if seed is None else seed
     device = torch.get_default_device()
-    with torch.device("meta"):  # skip nn.Linear's own init: it would consume RNG draws and time
-        model = _FAMILIES[cfg.family](cfg)
-    model.to_empty(device=device)
-    model.init_weights()  # re-ties, draws every weight, recomputes RoPE tables
+    if device.type == "meta":
+        return model
+    declare(model, replicated_specs(model), InitSource.for_model(model, seed), device)
+    materialize(model)
     return model
 
 

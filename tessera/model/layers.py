@@ -14,7 +14,6 @@ so a tensor-parallel rank that holds a column shard of `wq`/`wk`/`wv` runs the s
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -283,28 +282,20 @@ class TransformerLM(nn.Module):
     # --- initialisation ------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Deterministic init from the current torch RNG, in module order, each Parameter once.
-
-        Linear and Embedding weights ~ N(0, init_std); the residual-stream output projections (attn.wo,
-        mlp.proj / mlp.w_down) ~ N(0, init_std / sqrt(2·n_layers)) as in GPT-2; biases 0; norm weights 1.
-        A tied output projection is the embedding, initialised once as an embedding. Also resets RoPE tables.
+    def init_weights(self, seed: int | None = None) -> None:
+        """Fill every Parameter in place with its deterministic initial value, a function of (seed, name)
+        (tessera.model.init.InitSource: N(0, init_std) for Linear and Embedding weights, N(0, init_std /
+        sqrt(2·n_layers)) for the residual-stream output projections as in GPT-2, biases 0, norm weights 1).
+        Without ``seed`` one is drawn from the global torch RNG. Re-ties the embedding first (a tied output
+        projection is the embedding, drawn once); also resets RoPE tables.
         """
+        from tessera.model.init import InitSource, draw_seed
+
         self.tie_weights()
-        std, seen = self.cfg.init_std, set()
-        for name, module in self.named_modules():
-            for pname, p in module.named_parameters(recurse=False):
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                if isinstance(module, (nn.LayerNorm, RMSNorm)) and pname == "weight":
-                    p.fill_(1.0)
-                elif pname == "bias":
-                    p.zero_()
-                elif name.endswith(RESIDUAL_OUTPUTS):
-                    p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))
-                else:
-                    p.normal_(0.0, std)
+        source = InitSource.for_model(self, draw_seed() if seed is None else seed)
+        for name, p in self.named_parameters():
+            if not p.is_meta:
+                p.copy_(source(name, tuple(slice(None) for _ in p.shape)))
         for module in self.modules():
             if isinstance(module, Rope) and not module.cos.is_meta:
                 module.reset()

@@ -14,8 +14,9 @@ from torch import nn
 from tessera.config import Config
 from tessera.groups import Groups
 from tessera.layout import Layout
+from tessera.model.materialize import ShardSpec, replicated_specs
 
-__all__ = ["norm_weights", "parallelize", "tensor_groups"]
+__all__ = ["norm_weights", "parallelize", "shard_specs", "tensor_groups"]
 
 
 def parallelize(model: nn.Module, layout: Layout, groups: Groups | None, cfg: Config) -> nn.Module:
@@ -30,6 +31,13 @@ def parallelize(model: nn.Module, layout: Layout, groups: Groups | None, cfg: Co
     from tessera.parallel.model_1d import apply_tensor_1d
 
     return apply_tensor_1d(model, groups, cfg)
+
+
+def shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
+    """Which block of which plain-model parameter each of this rank's parameters is, by local name: the
+    tensor-parallel models declare their own (`shard_specs()`); a plain model holds everything whole."""
+    declared = getattr(module, "shard_specs", None)
+    return declared() if declared is not None else replicated_specs(module)
 
 
 def tensor_groups(layout: Layout, groups: Groups | None) -> list:

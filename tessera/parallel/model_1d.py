@@ -26,6 +26,7 @@ from torch import nn
 from tessera import comm
 from tessera.errors import ConfigError
 from tessera.model.layers import Block
+from tessera.model.materialize import ShardSpec
 from tessera.parallel.tensor_1d import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -181,6 +182,20 @@ class TensorParallel1D(nn.Module):
                 dims[id(mod.weight)] = 1  # its bias is replicated
         return {n: (dims[id(p)], plain[n].shape[dims[id(p)]]) for n, p in mine.items() if id(p) in dims}
 
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        """Which block of the plain model's parameter each local parameter is: rank r's 1/t of the split dim
+        (the vocabulary padded to a multiple of t first), everything else replicated."""
+        r = group_rank(self.group)
+        specs = {}
+        for name, p in self.named_parameters():
+            if name not in self._split:
+                specs[name] = ShardSpec.replicated(name, p.shape)
+                continue
+            dim, size = self._split[name]
+            shape = tuple(size if d == dim else n for d, n in enumerate(p.shape))
+            specs[name] = ShardSpec.split(name, shape, {dim: (self.tp, r)})
+        return specs
+
     def tie_weights(self) -> None:
         """Re-share the output projection with the token embedding shard (if tied and both present)."""
         if self.cfg.tie_embeddings and self.embed is not None and self.head is not None:
@@ -215,18 +230,18 @@ class TensorParallel1D(nn.Module):
         """Full, unpadded parameters (or gradients) keyed like the plain model; collective over the tensor group.
 
         Parameters released on this rank (stages other pipeline ranks own: empty tensors) are left out."""
-        out = {}
-        for name, p in self.named_parameters():
-            if p.numel() == 0:
-                continue
-            x = p.grad if grad else p.detach()
-            if x is None:
-                x = torch.zeros_like(p)
-            if name in self._split:
-                dim, size = self._split[name]
-                x = comm.all_gather(x.contiguous(), dim, self.group).narrow(dim, 0, size)
-            out[name] = x.detach().clone()
-        return out
+        return {name: self.full_parameter(name, grad) for name, p in self.named_parameters() if p.numel() > 0}
+
+    def full_parameter(self, name: str, grad: bool = False) -> torch.Tensor:
+        """One full, unpadded parameter (or gradient) by plain name; collective over the tensor group."""
+        p = self.get_parameter(name)
+        x = p.grad if grad else p.detach()
+        if x is None:
+            x = torch.zeros_like(p)
+        if name in self._split:
+            dim, size = self._split[name]
+            x = comm.all_gather(x.contiguous(), dim, self.group).narrow(dim, 0, size)
+        return x.detach().clone()
 
     def grad_norm_sq(self) -> torch.Tensor:
         """Squared global gradient norm over the tensor group, each replicated parameter counted once."""

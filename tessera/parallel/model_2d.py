@@ -16,6 +16,7 @@ from torch import nn
 from tessera import comm
 from tessera.errors import ConfigError
 from tessera.model.layers import Block
+from tessera.model.materialize import ShardSpec
 from tessera.parallel.layers_2d import (
     MLP2D,
     Attention2D,
@@ -134,6 +135,25 @@ class Model2D(nn.Module):
                 by_id[id(getattr(module, pname))] = shard
         return {name: by_id[id(p)] for name, p in self.named_parameters()}
 
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        """Which block of the plain model's parameter each local parameter is, from its `Shard`: 1/q by the
+        grid column j along ``dim_j``, 1/q by the grid row i along ``dim_i`` (vocabulary padded to a multiple
+        of q), transposed for Linear weights; dims are local ones, mapped to the plain orientation here."""
+        q, grid = self.grid.q, self.grid
+        specs = {}
+        for name, p in self.named_parameters():
+            shard = self._shards[name]
+            flip = 1 if shard.transpose else 0  # a transposed block's local dim d is plain dim 1 - d
+            parts = {shard.dim_j ^ flip: (q, grid.j)}
+            if shard.dim_i is not None:
+                parts[shard.dim_i ^ flip] = (q, grid.i)
+            local = tuple(p.shape[::-1] if shard.transpose else p.shape)
+            shape = [n * parts[d][0] if d in parts else n for d, n in enumerate(local)]
+            if shard.rows is not None:
+                shape[0] = shard.rows  # the vocabulary, before padding
+            specs[name] = ShardSpec.split(name, shape, parts, transpose=shard.transpose)
+        return specs
+
     # --- forward ---------------------------------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,13 +193,13 @@ class Model2D(nn.Module):
         """Full, unpadded parameters (or gradients) by plain name; collective over the grid (row then column).
 
         Parameters released on this rank (stages other pipeline ranks own: empty tensors) are left out."""
-        out: dict[str, torch.Tensor] = {}
-        for name, p in self.named_parameters():
-            if p.numel() == 0:
-                continue
-            t = p.detach() if not grad else (p.grad if p.grad is not None else torch.zeros_like(p))
-            out[name] = self._unshard(t, self._shards[name])
-        return out
+        return {name: self.full_parameter(name, grad) for name, p in self.named_parameters() if p.numel() > 0}
+
+    def full_parameter(self, name: str, grad: bool = False) -> torch.Tensor:
+        """One full, unpadded parameter (or gradient) by plain name; collective over the grid."""
+        p = self.get_parameter(name)
+        t = p.detach() if not grad else (p.grad if p.grad is not None else torch.zeros_like(p))
+        return self._unshard(t, self._shards[name])
 
     def _unshard(self, t: torch.Tensor, shard: Shard) -> torch.Tensor:
         if self.grid.q > 1:

@@ -23,6 +23,7 @@ synchronous; the counting is identical.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -32,9 +33,18 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera import comm
+from tessera.model.materialize import forget_pending, local_value, pending
 from tessera.modes import ACCUMULATION
 
 __all__ = ["ACCUMULATION", "FlatStage", "ShardedAdamW", "ZeroStageComm"]
+
+
+def _device_of(params: list[nn.Parameter]) -> torch.device:
+    """Where the flat buffers live: the parameters' device (declared, for a parameter not yet allocated)."""
+    if not params:
+        return torch.device("cpu")
+    origin = pending(params[0])
+    return origin.device if origin is not None else params[0].device
 
 
 def _group_rank(group: dist.ProcessGroup | None) -> int:
@@ -69,25 +79,30 @@ class FlatStage:
         self.numel = sum(p.numel() for p in params)
         self.padded = math.ceil(max(self.numel, 1) / self.world) * self.world
         self.shard_numel = self.padded // self.world
-        ref = params[0] if params else torch.empty(0)
-        self.full = torch.zeros(self.padded, dtype=torch.float32, device=ref.device)
-        self.offsets: list[int] = []
-        offset = 0
         for p in params:
             if p.dtype != torch.float32:
                 raise TypeError(
                     f"ZeRO keeps fp32 master weights in the parameters; got a {p.dtype} parameter. Build the model "
                     "in fp32 and use train.dtype = 'bf16'/'fp16' (autocast) for lower-precision compute"
                 )
-            self.full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.full[offset : offset + p.numel()].view_as(p)
-            self.offsets.append(offset)
-            offset += p.numel()
-        lo = self.rank * self.shard_numel
-        self.shard = self.full[lo : lo + self.shard_numel]
+        self.offsets = list(itertools.accumulate((p.numel() for p in params), initial=0))[:-1]
         self.sharded_params = zero_stage >= 3 and self.world > 1
+        device = _device_of(params)
+        lo = self.rank * self.shard_numel
         if self.sharded_params:
-            self.shard = self.shard.clone()
+            # ZeRO-3: only this rank's shard gets storage, filled parameter by parameter (one in memory at a
+            # time); the full buffer is a shape whose storage GATHER allocates.
+            self.full = torch.empty(self.padded, dtype=torch.float32, device=device)  # never touched
+            self.shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+            self._fill(self.shard, lo)
+        else:
+            self.full = torch.zeros(self.padded, dtype=torch.float32, device=device)
+            self._fill(self.full, 0)
+            self.shard = self.full[lo : lo + self.shard_numel]
+        for p, offset in zip(params, self.offsets, strict=True):
+            p.data = self.full[offset : offset + p.numel()].view_as(p)  # views need the storage's size
+            forget_pending(p)
+        if self.sharded_params:
             self._release()
         self.grad_shard: torch.Tensor | None = None
         self._pending: list[tuple[Any, torch.Tensor]] = []
@@ -95,6 +110,15 @@ class FlatStage:
         self.gathered = not self.sharded_params
         self.users = 0
         self.shard_param: nn.Parameter | None = None
+
+    def _fill(self, out: torch.Tensor, lo: int) -> None:
+        """Write each parameter's initial (or current) values into ``out``, the flat range [lo, lo + len(out))."""
+        hi = lo + out.numel()
+        for p, off in zip(self.params, self.offsets, strict=True):
+            start, end = max(lo, off), min(hi, off + p.numel())
+            if start < end:
+                value = local_value(p).reshape(-1)  # at most one parameter in memory at a time
+                out[start - lo : end - lo].copy_(value[start - off : end - off])
 
     @property
     def nbytes(self) -> int:

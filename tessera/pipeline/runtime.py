@@ -34,6 +34,7 @@ from torch import nn
 from tessera import comm
 from tessera.errors import ConfigError
 from tessera.layout import Axis
+from tessera.model.materialize import materialize
 from tessera.modes import ACCUMULATION
 from tessera.parallel.memory import SavedActivationCounter
 from tessera.pipeline.build import lowered_schedule
@@ -626,6 +627,11 @@ def build_pipeline(
     rank = groups.coord(Axis.PIPE) if groups is not None else 0
     owner = infer_stage_ranks(lowered)
     stages = {s.index: s for s in all_stages if owner[s.index] == rank}
+    tied = tied_parameters(all_stages)  # before materialising: it finds ties by Parameter identity
+    # Only this rank's stages get storage, replaced model-wide to keep ties. With ZeRO the flat buffers are
+    # the storage (ZeRO-3: only this rank's shard of them): FlatStage fills them from the declared values.
+    local = {id(p) for stage in stages.values() for p in stage.parameters()}
+    materialize(model, only=local, defer=par.zero > 0)
     pp_group = groups.pp if groups is not None and p > 1 else None
     dp_group = groups.dp if groups is not None and layout.dp > 1 else None
     hooks = stage_comm(stages) if stage_comm is not None else DataParallelStageComm(stages, dp_group)
@@ -636,7 +642,7 @@ def build_pipeline(
         pp_group,
         hooks,
         microbatches=m,
-        tied=tied_parameters(all_stages),
+        tied=tied,
         record=record,
         accumulation=accumulation,
     )

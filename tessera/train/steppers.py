@@ -25,6 +25,7 @@ from tessera.errors import ConfigError
 from tessera.execution import SCHEDULE_RUNTIME, ExecutionPlan, resolve
 from tessera.groups import Groups
 from tessera.layout import Axis, Layout
+from tessera.model.materialize import release_parameters
 from tessera.parallel.apply import norm_weights, tensor_groups
 from tessera.parallel.checkpointing import apply_checkpointing
 from tessera.parallel.data import GradSync
@@ -213,11 +214,8 @@ class PipelineStepper:
             return float(self.engine.evaluate(batches))
 
     def _release_remote_stages(self, module: nn.Module) -> None:
-        """Drop the weights of stages other pipeline ranks own: every rank built the whole model to cut its own."""
-        local = {id(p) for p in self.engine.parameters()}
-        for p in module.parameters():
-            if id(p) not in local:
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        """Empty the parameters of stages other pipeline ranks own (never allocated when built on meta)."""
+        release_parameters(module, {id(p) for p in self.engine.parameters()})
 
     def _grads(self) -> list[torch.Tensor]:
         if self.zero is not None:

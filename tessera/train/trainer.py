@@ -7,12 +7,13 @@ agree without a broadcast, and the data order depends only on (seed, global samp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -25,11 +26,13 @@ from torch import nn
 from tessera import comm
 from tessera.config import Config, TrainConfig
 from tessera.errors import CheckpointError, ConfigError
-from tessera.execution import resolve
+from tessera.execution import DIRECT, resolve
 from tessera.groups import Groups, build_groups
 from tessera.layout import Axis
-from tessera.model.build import build_model
-from tessera.parallel.apply import parallelize
+from tessera.model.build import meta_model
+from tessera.model.init import InitSource, ValueSource, draw_seed
+from tessera.model.materialize import declare, materialize
+from tessera.parallel.apply import parallelize, shard_specs
 from tessera.train import checkpoint as ckpt
 from tessera.train.compat import check_compatible, run_settings
 from tessera.train.data import Blend, TokenDataset, ensure_default_corpus, get_batch, open_data
@@ -137,19 +140,9 @@ class TrainingRun:
             if data is not None:
                 data.check_vocab(cfg.model.vocab_size)
         torch.manual_seed(cfg.train.seed)  # identical on every rank: replicas start equal without a broadcast
-        plain = build_model(cfg.model).to(self.device)
-        if cfg.model.init:
-            # TEMPORARY until construction is per-parameter: every rank fills the whole plain model from the
-            # HF folder (reading all of it) before parallelize cuts its shard. With sharded construction the
-            # same `HFCheckpoint` is the value source and each rank reads only its slices.
-            from tessera.hf.weights import load_init
-
-            load_init(plain, cfg.model.init)
-        self.flops_per_token = plain.flops_per_token()
-        # Order: tensor parallelism cuts this rank's shards from the identical full model (parallel/apply.py);
-        # the stepper then adds checkpointing, pipeline stages and ZeRO, or plain data-parallel sync.
-        self.model = parallelize(plain, self.layout, self.groups, cfg)
-        self.stepper = make_stepper(self.model, cfg, self.layout, self.groups, self.plan)
+        with self._value_source() as source:  # allocation ends with the stepper (pipeline stages, ZeRO)
+            self.model = self._build_model(source)
+            self.stepper = make_stepper(self.model, cfg, self.layout, self.groups, self.plan)
         self.optimizer = self.stepper.optimizer
         self.n_micro = self.plan.micro_batches
         self.health = StepHealth(cfg.train)
@@ -157,6 +150,40 @@ class TrainingRun:
         self.run_dir = Path(cfg.log.run_dir)
         self.ckpt_dir = checkpoint_dir(self.run_dir, cfg)
         self.watchdog = Watchdog(self.run_dir, rank, world, cfg.train.hang_timeout_s)  # started by train()
+
+    def _build_model(self, source: ValueSource) -> nn.Module:
+        """This rank's model, allocating only what it holds (docs/sharded-init.md).
+
+        The plain model and its tensor-parallel version are built on the meta device; every local parameter
+        declares which block of which plain parameter it is and reads it from ``source`` (the per-name seeded
+        init, the same values on any layout). For the direct loop everything local is allocated here;
+        otherwise the pipeline builder allocates only this rank's stages, and ZeRO only its flat buffers (ZeRO-3:
+        only its shards of them).
+        """
+        plain = meta_model(self.cfg.model)
+        self.flops_per_token = plain.flops_per_token()
+        # Order: tensor parallelism decides which blocks exist on this rank (parallel/apply.py); the stepper
+        # then adds checkpointing, pipeline stages and ZeRO, or plain data-parallel sync.
+        with torch.device("meta"):
+            model = parallelize(plain, self.layout, self.groups, self.cfg)
+        declare(model, shard_specs(model), source, self.device)
+        if self.plan.runner == DIRECT:
+            materialize(model)
+        return model
+
+    @contextlib.contextmanager
+    def _value_source(self) -> Iterator[ValueSource]:
+        """Where initial values come from: a Hugging Face folder (``model.init``; each rank reads only its
+        slices), else the per-name seeded init (``train.seed``, the same values on any layout)."""
+        plain = meta_model(self.cfg.model)
+        if not self.cfg.model.init:
+            yield InitSource.for_model(plain, draw_seed())
+            return
+        from tessera.hf.config import init_folder
+        from tessera.hf.weights import HFCheckpoint
+
+        with HFCheckpoint(init_folder(self.cfg.model.init), plain) as source:
+            yield source
 
     @property
     def saved_bytes(self) -> int:

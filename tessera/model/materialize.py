@@ -1,0 +1,224 @@
+"""Materialise a meta-device model on a rank: allocate only the tensors it holds and fill them from a value source.
+
+A model (plain, or its tensor-parallel version) is built on the meta device, so its parameters have their local
+shapes and no storage. `declare` attaches to every meta parameter a `Pending`: its `ShardSpec` (which block of
+which global parameter the local tensor is) and the `ValueSource` to read it from (tessera.model.init). Later,
+whoever decides that the parameter lives on this rank calls `materialize` (the trainer for a whole model, the
+pipeline builder for its local stages) or fills it straight into a flat ZeRO shard (`local_value`); parameters
+another rank owns are `release_parameters`-ed to empty tensors without ever being allocated.
+
+Meta tensors cannot take real ``.data``, so materialising replaces the Parameter objects inside their modules;
+a Parameter held by several modules (tied embeddings) is replaced by one new Parameter everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tessera.model.init import ValueSource
+
+__all__ = [
+    "Pending",
+    "ShardSpec",
+    "declare",
+    "forget_pending",
+    "local_value",
+    "materialize",
+    "pending",
+    "read_local",
+    "release_parameters",
+    "replicated_specs",
+]
+
+_ATTR = "_tessera_pending"
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    """Which part of a global (plain-model) parameter a local tensor holds.
+
+    ``index[d] = (start, stop)`` along global dim d, counted in the *padded* tensor: positions at or past
+    ``shape[d]`` are zero padding (a vocabulary rounded up to a multiple of the tensor-parallel degree).
+    ``transpose``: the local tensor is that block transposed (the Optimus 2D layout of Linear weights).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    index: tuple[tuple[int, int], ...]
+    transpose: bool = False
+
+    @classmethod
+    def replicated(cls, name: str, shape: Iterable[int]) -> ShardSpec:
+        shape = tuple(shape)
+        return cls(name, shape, tuple((0, n) for n in shape))
+
+    @classmethod
+    def split(
+        cls, name: str, shape: Iterable[int], parts: dict[int, tuple[int, int]], transpose: bool = False
+    ) -> ShardSpec:
+        """Block ``k`` of ``n`` along each global dim ``d`` in ``parts = {d: (n, k)}``, the dim padded to a
+        multiple of n first; other dims whole."""
+        shape = tuple(shape)
+        index = []
+        for d, size in enumerate(shape):
+            n, k = parts.get(d, (1, 0))
+            step = -(-size // n)
+            index.append((k * step, (k + 1) * step))
+        return cls(name, shape, tuple(index), transpose)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of the (padded) block in the global orientation."""
+        return tuple(b - a for a, b in self.index)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        shape = self.block_shape
+        return shape[::-1] if self.transpose else shape
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """What a meta parameter will be: ``spec``'s block read from ``source``, on ``device``."""
+
+    spec: ShardSpec
+    source: ValueSource
+    device: torch.device
+
+
+def replicated_specs(module: nn.Module) -> dict[str, ShardSpec]:
+    """Every parameter whole, under its own name (a plain model: each rank holds all of it)."""
+    return {n: ShardSpec.replicated(n, p.shape) for n, p in module.named_parameters()}
+
+
+def declare(
+    module: nn.Module, specs: dict[str, ShardSpec], source: ValueSource, device: torch.device | str
+) -> None:
+    """Attach a `Pending` to every meta parameter of ``module`` (names as ``module.named_parameters()``)."""
+    device = torch.device(device)
+    for name, p in module.named_parameters():
+        if not p.is_meta:
+            continue
+        spec = specs[name]
+        if spec.local_shape != tuple(p.shape):
+            raise RuntimeError(
+                f"{name}: the shard declaration gives a local shape {spec.local_shape} but the module holds "
+                f"{tuple(p.shape)}; the layout's declaration and its modules disagree"
+            )
+        setattr(p, _ATTR, Pending(spec, source, device))
+
+
+def pending(p: torch.Tensor) -> Pending | None:
+    """The declared origin of a not yet materialised parameter (None for an ordinary tensor)."""
+    return getattr(p, _ATTR, None)
+
+
+def forget_pending(p: torch.Tensor) -> None:
+    """Mark a parameter as holding its value now (its storage was filled elsewhere, e.g. a ZeRO flat buffer)."""
+    if hasattr(p, _ATTR):
+        delattr(p, _ATTR)
+
+
+def read_local(spec: ShardSpec, source: ValueSource) -> torch.Tensor:
+    """The local tensor of ``spec`` (CPU fp32): the real part read from ``source``, padding zero, transposed
+    if the layout says so. Only this block is ever read."""
+    real = tuple((a, min(b, n)) for (a, b), n in zip(spec.index, spec.shape, strict=True))
+    if all(b - a == n for (a, b), n in zip(spec.index, spec.shape, strict=True)):
+        block = source(spec.name, tuple(slice(a, b) for a, b in real))  # whole: no padding copy
+    else:
+        block = torch.zeros(spec.block_shape, dtype=torch.float32)
+        if all(b > a for a, b in real):
+            part = source(spec.name, tuple(slice(a, b) for a, b in real))
+            block[tuple(slice(0, b - a) for a, b in real)] = part
+    return block.t().contiguous() if spec.transpose else block
+
+
+def local_value(p: torch.Tensor) -> torch.Tensor:
+    """The value a parameter holds on this rank: its declared block if pending, else its own data."""
+    origin = pending(p)
+    if origin is None:
+        return p.detach()
+    return read_local(origin.spec, origin.source).to(device=origin.device, dtype=p.dtype)
+
+
+def _device_of(module: nn.Module) -> torch.device | None:
+    for p in module.parameters():
+        origin = pending(p)
+        if origin is not None:
+            return origin.device
+    return None
+
+
+def materialize(
+    module: nn.Module,
+    *,
+    only: set[int] | None = None,
+    defer: bool = False,
+    device: torch.device | str | None = None,
+) -> None:
+    """Allocate and fill the meta parameters of ``module`` from their `Pending` (only those whose id is in
+    ``only``, if given: this rank's pipeline stages), and its meta buffers (RoPE tables are recomputed).
+    Parameters already real are left alone, so this is safe on any model. A Parameter held by several modules
+    (a tied embedding) becomes one new Parameter in all of them.
+
+    ``defer``: allocate no parameter storage yet — each becomes a real-device tensor of its shape with an empty
+    storage that keeps its `Pending` (ZeRO-3 fills only this rank's flat shard from it, tessera.parallel.zero).
+    """
+    from tessera.model.layers import Rope
+
+    dev = torch.device(device) if device is not None else _device_of(module)
+    memo: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for key, p in list(m._parameters.items()):
+            if p is None or not p.is_meta or (only is not None and id(p) not in only):
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = _real_parameter(p, defer)
+            m._parameters[key] = memo[id(p)]
+        metas = [k for k, b in m._buffers.items() if b is not None and b.is_meta]
+        for key in metas:
+            if dev is None:
+                raise RuntimeError(f"cannot place buffer {key}: no device declared; pass device=")
+            m._buffers[key] = torch.empty_like(m._buffers[key], device=dev)
+        if metas and isinstance(m, Rope):
+            m.reset()
+
+
+def _real_parameter(p: nn.Parameter, defer: bool) -> nn.Parameter:
+    origin = pending(p)
+    if origin is None:
+        raise RuntimeError(
+            f"a meta parameter of shape {tuple(p.shape)} has no declared value source; call "
+            "tessera.model.materialize.declare on the model before materialising it"
+        )
+    if not defer:
+        return nn.Parameter(local_value(p), requires_grad=p.requires_grad)
+    t = torch.empty(p.shape, dtype=p.dtype, device=origin.device)
+    t.untyped_storage().resize_(0)  # shape only; ZeRO-3 allocates and fills its shard
+    new = nn.Parameter(t, requires_grad=p.requires_grad)
+    setattr(new, _ATTR, origin)
+    return new
+
+
+def release_parameters(module: nn.Module, keep: set[int], device: torch.device | None = None) -> None:
+    """Make every parameter of ``module`` whose id is not in ``keep`` an empty tensor (stages another pipeline
+    rank owns): a meta parameter is replaced without ever being allocated, a real one drops its data."""
+    memo: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for key, p in list(m._parameters.items()):
+            if p is None or id(p) in keep:
+                continue
+            if not p.is_meta:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                continue
+            if id(p) not in memo:
+                origin = pending(p)
+                dev = origin.device if origin is not None else (device or torch.device("cpu"))
+                memo[id(p)] = nn.Parameter(
+                    torch.empty(0, dtype=p.dtype, device=dev), requires_grad=p.requires_grad
+                )
+            m._parameters[key] = memo[id(p)]
