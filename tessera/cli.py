@@ -217,6 +217,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 def cmd_memory(args: argparse.Namespace, extra: list[str]) -> int:
     from tessera.memory import estimate
+    from tessera.startup import startup_memory
 
     cfg = _load(args, extra)
     device = args.device_memory * 2**30 if args.device_memory else None
@@ -227,6 +228,12 @@ def cmd_memory(args: argparse.Namespace, extra: list[str]) -> int:
     est = estimate(cfg, args.world_size, device)
     print(f"per-rank memory estimate for {args.config or 'the defaults'} at world size {args.world_size}:")
     print(f"  {est.describe()}")
+    start = startup_memory(cfg, args.world_size, est.plan)
+    print(f"  {start.describe()}")
+    binds = "start-up" if start.peak > est.total else "training"
+    print(
+        f"  peak: training {est.total / 2**30:.2f} GiB, start-up {start.peak / 2**30:.2f} GiB; {binds} binds"
+    )
     problem = est.explain_overflow(device)
     if problem:
         print(problem)

@@ -151,13 +151,11 @@ class InitSource:
         if step != 1:
             raise ValueError(f"InitSource serves contiguous row ranges, got step {step} for {name}")
         rows = block_rows(shape)
-        parts = []
+        out = torch.empty((hi - lo, *(len(range(*b)) for b in bounds[1:])), dtype=torch.float32)
         for k in range(lo // rows, -(-hi // rows)):
             start = k * rows
             block = torch.empty((min(rows, shape[0] - start), *shape[1:]), dtype=torch.float32)
             block.normal_(0.0, std, generator=torch.Generator().manual_seed(stream_seed(self.seed, name, k)))
-            part = block[max(lo, start) - start : min(hi, start + rows) - start][(slice(None), *rest)]
-            parts.append(part.contiguous())  # a column slice is copied, so its block is freed now
-        if not parts:
-            return torch.empty((0, *(len(range(*b)) for b in bounds[1:])), dtype=torch.float32)
-        return torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous()
+            a, b = max(lo, start), min(hi, start + rows)
+            out[a - lo : b - lo] = block[a - start : b - start][(slice(None), *rest)]
+        return out

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessera.model.init import ValueSource
+from tessera.model.init import ValueSource, block_rows
 
 __all__ = [
     "Pending",
@@ -125,16 +125,23 @@ def forget_pending(p: torch.Tensor) -> None:
 
 def read_local(spec: ShardSpec, source: ValueSource) -> torch.Tensor:
     """The local tensor of ``spec`` (CPU fp32): the real part read from ``source``, padding zero, transposed
-    if the layout says so. Only this block is ever read."""
-    real = tuple((a, min(b, n)) for (a, b), n in zip(spec.index, spec.shape, strict=True))
-    if all(b - a == n for (a, b), n in zip(spec.index, spec.shape, strict=True)):
-        block = source(spec.name, tuple(slice(a, b) for a, b in real))  # whole: no padding copy
-    else:
-        block = torch.zeros(spec.block_shape, dtype=torch.float32)
-        if all(b > a for a, b in real):
-            part = source(spec.name, tuple(slice(a, b) for a, b in real))
-            block[tuple(slice(0, b - a) for a, b in real)] = part
-    return block.t().contiguous() if spec.transpose else block
+    if the layout says so. The tensor is allocated once and filled a row block at a time (`block_rows` rows of
+    the global parameter per read), so reading adds at most one block to memory — and leaves no holes in the
+    allocator's heap that the model's own tensors would then sit between."""
+    out = torch.zeros(spec.local_shape, dtype=torch.float32)
+    view = out.t() if spec.transpose else out  # the block in the global orientation
+    real = [(a, min(b, n)) for (a, b), n in zip(spec.index, spec.shape, strict=True)]
+    if any(b <= a for a, b in real):
+        return out  # all padding
+    (lo, hi), rest = real[0], tuple(slice(a, b) for a, b in real[1:])
+    local_rest = tuple(slice(0, b - a) for a, b in real[1:])
+    step = block_rows(spec.shape)
+    start = lo
+    while start < hi:
+        stop = min(hi, (start // step + 1) * step)  # one row block of the source at a time
+        view[(slice(start - lo, stop - lo), *local_rest)] = source(spec.name, (slice(start, stop), *rest))
+        start = stop
+    return out
 
 
 def local_value(p: torch.Tensor) -> torch.Tensor:
