@@ -37,7 +37,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import ReadItem, SavePlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -131,13 +131,20 @@ def save_checkpoint(
     return final
 
 
-def save_model_weights(ckpt_dir: Path, step: int, model: nn.Module, source: dict[str, Any]) -> Path:
+def save_model_weights(
+    ckpt_dir: Path,
+    step: int,
+    model: nn.Module,
+    source: dict[str, Any],
+    planner: SavePlanner | None = None,
+) -> Path:
     """Save only ``model``'s weights as ``ckpt_dir/step_{step:08d}``, from this process alone (no collectives).
 
     For `tessera export`: the result holds one unsharded copy of the plain model, which `load_model_weights`
     (and so `tessera generate`) reads in any world size. ``source`` (JSON) records what it was exported from.
     Written atomically like `save_checkpoint`; it has no optimizer state, RNG streams or data position, so
-    `load_checkpoint` refuses to resume from it.
+    `load_checkpoint` refuses to resume from it. ``planner`` may supply the tensors as DCP writes them (a meta
+    ``model`` then only names and shapes them): `tessera export` streams a sharded run's weights this way.
     """
     ckpt_dir = Path(ckpt_dir)
     final, tmp = _step_dirs(ckpt_dir, step)
@@ -145,7 +152,8 @@ def save_model_weights(ckpt_dir: Path, step: int, model: nn.Module, source: dict
     _remove_stale_tmp(ckpt_dir)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
-        dcp.save({"model": get_model_state_dict(model)}, storage_writer=FileSystemWriter(tmp), no_dist=True)
+        state = {"model": get_model_state_dict(model)}
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner, no_dist=True)
     meta = {
         "files": hash_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file())),
         "format": _FORMAT,

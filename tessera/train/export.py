@@ -3,12 +3,12 @@
 A checkpoint written with tensor, pipeline or ZeRO parallelism holds each rank's slice only (docs/checkpoints.md),
 so it loads only in the layout that wrote it. Export runs in that layout, on the same number of ranks:
 
-1. every rank rebuilds its part of the model exactly as the trainer does and loads its slice;
-2. ZeRO-3 gathers each stage's full parameters; tensor-parallel modules unshard them (`full_parameters`:
-   all-gathers within the tensor group, padding dropped), keyed by the plain model's names;
-3. the first rank of each pipeline stage's tensor group sends its stages' weights to global rank 0;
-4. rank 0 copies them into a plain model, checks every parameter arrived, and writes
-   ``RUN_DIR/export/step_N`` with `save_model_weights` (atomic; one unsharded copy).
+1. every rank rebuilds its part of the model exactly as the trainer does (sharded) and loads its slice;
+2. rank 0 writes ``RUN_DIR/export/step_N`` with `save_model_weights` (atomic; one unsharded copy), pulling each
+   tensor as the writer reaches it: it names the tensor to every rank, the pipeline position holding it gathers
+   it (ZeRO-3: that stage's flat buffer; tensor parallelism: `full_parameter`, an all-gather within the tensor
+   group, padding dropped) and its first rank sends it to rank 0, which writes it and drops it. Host memory on
+   rank 0 is bounded by the largest tensor plus the writer's buffer, never the model.
 
 `tessera generate RUN_DIR` then reads the export in one process. A data-parallel checkpoint needs no export
 (every rank saved the whole model), but exporting it works too, in one process.
@@ -16,17 +16,21 @@ so it loads only in the layout that wrote it. Export runs in that layout, on the
 
 from __future__ import annotations
 
+import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from tessera.config import Config, from_dict
 from tessera.errors import CheckpointError
 from tessera.layout import Axis
-from tessera.model.build import build_model
+from tessera.model.build import build_model, meta_model
 from tessera.train import checkpoint as ckpt
 from tessera.train.trainer import TrainingRun, checkpoint_dir, init_distributed
 
@@ -70,7 +74,8 @@ def export_weights(
     with ``fmt = "hf"`` as a Hugging Face folder ``out`` (default RUN_DIR/export/hf_step_N).
 
     Collective when the checkpoint holds shards: call it on as many ranks as saved it (``tessera export``
-    starts them). Returns the export folder on rank 0, None elsewhere.
+    starts them). Returns the export folder on rank 0, None elsewhere. The writer on rank 0 pulls one full
+    tensor at a time from the ranks that hold it (`_PlainWeights`), so no rank ever holds the whole model.
     """
     run_dir = Path(run_dir)
     cfg = run_config(run_dir)
@@ -84,29 +89,52 @@ def export_weights(
     if not sharded and rank == 0:  # every rank saved the whole model: one process suffices
         plain = build_model(cfg.model)
         ckpt.load_model_weights(Path(meta["path"]), plain)
-        return _save(plain, cfg, fmt, out, out_dir, int(meta["step"]), source)
+        return _save(
+            lambda name: plain.get_parameter(name).detach(),
+            plain,
+            cfg,
+            fmt,
+            out,
+            out_dir,
+            int(meta["step"]),
+            source,
+        )
     if not sharded:
         return None
     if world != meta.get("world_size"):
         raise CheckpointError(wrong_world_size(run_dir, meta, world))
-    weights = _gather_plain_weights(cfg, rank, world, Path(meta["path"]))
+    weights = _PlainWeights(_load_run(cfg, rank, world, Path(meta["path"])))
     path = None
     if rank == 0:
-        plain = build_model(cfg.model)
-        _fill(plain, weights)
-        path = _save(plain, cfg, fmt, out, out_dir, int(meta["step"]), source)
+        try:
+            path = _save(
+                weights.get, meta_model(cfg.model), cfg, fmt, out, out_dir, int(meta["step"]), source
+            )
+        finally:
+            weights.stop()
+    else:
+        weights.serve()
     dist.barrier()  # no rank reports success before the export is on disk
     return path
 
 
-def _save(plain: nn.Module, cfg: Config, fmt: str, out: Path | None, out_dir: Path, step: int, source: dict):
-    """Write the filled plain model as a tessera weights checkpoint, or (fmt "hf") a Hugging Face folder."""
+def _save(
+    get: Callable[[str], torch.Tensor],
+    model: nn.Module,
+    cfg: Config,
+    fmt: str,
+    out: Path | None,
+    out_dir: Path,
+    step: int,
+    source: dict,
+) -> Path:
+    """Write the plain model's tensors, each fetched by ``get(name)`` when the writer reaches it, as a tessera
+    weights checkpoint (``model``, possibly on meta, names and shapes them) or (fmt "hf") a Hugging Face folder."""
     if fmt == "hf":
         from tessera.hf.export import save_hf
 
-        params = dict(plain.named_parameters())
-        return save_hf(out or out_dir / f"hf_step_{step:08d}", cfg, params.__getitem__)
-    return ckpt.save_model_weights(out_dir, step, plain, source)
+        return save_hf(out or out_dir / f"hf_step_{step:08d}", cfg, get)
+    return ckpt.save_model_weights(out_dir, step, model, source, _PullPlanner(get))
 
 
 def wrong_world_size(run_dir: Path, meta: dict, world: int) -> str:
@@ -118,8 +146,8 @@ def wrong_world_size(run_dir: Path, meta: dict, world: int) -> str:
     )
 
 
-def _gather_plain_weights(cfg: Config, rank: int, world: int, path: Path) -> dict[str, torch.Tensor]:
-    """This run's full weights by plain name, on global rank 0 (others: an empty dict); collective."""
+def _load_run(cfg: Config, rank: int, world: int, path: Path) -> TrainingRun:
+    """This rank's part of the run, as the trainer builds it, with the checkpoint's slice loaded."""
     run = TrainingRun(cfg, rank, world, with_data=False)
     ckpt.load_checkpoint(
         path,
@@ -128,50 +156,113 @@ def _gather_plain_weights(cfg: Config, rank: int, world: int, path: Path) -> dic
         shard_id=run.stepper.shard_id,
         layout=run.layout.describe(),
     )
-    local = _local_full_weights(run)
-    if run.layout.pp == 1 or run.groups is None:
-        return local if rank == 0 else {}
-    # one sender per pipeline stage: the data-parallel replica 0, tensor rank 0 (tensor ranks are innermost)
-    if run.groups.coord(Axis.DATA) != 0 or rank % run.layout.tensor_size != 0:
-        return {}
-    parts: list[dict[str, torch.Tensor]] | None = [{} for _ in range(run.layout.pp)] if rank == 0 else None
-    dist.gather_object(local, parts, dst=0, group=run.groups.pp)
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts or []:
-        for name, t in part.items():
-            merged.setdefault(name, t)  # a weight tied across stages: the lower stage's copy
-    return merged
+    return run
 
 
-def _local_full_weights(run: TrainingRun) -> dict[str, torch.Tensor]:
-    """Full (unsharded) weights this rank's pipeline stages own, by plain name, on the CPU; collective within
-    the tensor and (ZeRO-3) data-parallel groups."""
-    zero = getattr(run.stepper, "zero", None)
-    if zero is not None:
-        zero.gather_all()  # ZeRO-3: materialise every local stage's parameters (a no-op for ZeRO-1/2)
-    try:
-        if hasattr(run.model, "full_parameters"):
-            weights = run.model.full_parameters()
-        else:
-            weights = {n: p.detach() for n, p in run.model.named_parameters() if p.numel() > 0}
-        return {n: t.to("cpu", copy=True) for n, t in weights.items()}  # copies: ZeRO-3 frees the buffers
-    finally:
-        if zero is not None:
-            zero.free_all()
+class _PullPlanner(DefaultSavePlanner):
+    """DCP's default planner over the plain model's (meta) state dict, whose data is pulled when DCP writes
+    each item: the writer holds one tensor at a time (plus DCP's copy-ahead buffer on a GPU machine)."""
+
+    def __init__(self, get: Callable[[str], torch.Tensor]) -> None:
+        super().__init__()
+        self._get = get
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        return self._get(write_item.index.fqn.removeprefix("model."))
 
 
-def _fill(plain: nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Copy ``weights`` into ``plain`` by name; every parameter must arrive with its plain shape."""
-    params = dict(plain.named_parameters())
-    missing = sorted(set(params) - set(weights))
-    if missing:
-        raise CheckpointError(
-            f"export found no weights for {missing}; the checkpoint does not cover the model"
+class _PlainWeights:
+    """Full plain-model tensors by name, one at a time, from a sharded run; collective.
+
+    Global rank 0 calls `get(name)` in whatever order its writer needs and finally `stop()`; every other rank
+    calls `serve()`, which follows rank 0's requests (each name is broadcast first). For each name the ranks of
+    the pipeline position holding it gather it (ZeRO-3: that stage's flat buffer, kept until a name of another
+    stage comes; tensor parallelism: `full_parameter`, within the tensor group), and the first of them (data
+    replica 0, tensor rank 0) sends it to rank 0.
+    """
+
+    def __init__(self, run: TrainingRun) -> None:
+        self.run, self.zero = run, getattr(run.stepper, "zero", None)
+        named = [(n, p) for n, p in run.model.named_parameters(remove_duplicate=False) if p.numel() > 0]
+        self.local = dict(named)
+        first: dict[int, str] = {}
+        self.canonical = {n: first.setdefault(id(p), n) for n, p in named}  # a tied alias -> its first name
+        groups, layout = run.groups, run.layout
+        me = (
+            dist.get_rank(),
+            groups.coord(Axis.PIPE) if groups else 0,
+            groups.coord(Axis.DATA) if groups else 0,
+            dist.get_rank() % layout.tensor_size,
+            sorted(self.local),
         )
-    with torch.no_grad():
-        for name, p in params.items():
-            if weights[name].shape != p.shape:
-                raise CheckpointError(
-                    f"export: {name} has shape {tuple(weights[name].shape)}, the model expects {tuple(p.shape)}"
-                )
-            p.copy_(weights[name])
+        table: list = [None] * dist.get_world_size()
+        dist.all_gather_object(table, me)
+        self.pipe = me[1]
+        self.holder: dict[str, int] = {}  # name -> lowest pipeline position holding it
+        self.sender: dict[int, int] = {}  # pipeline position -> the global rank that sends its tensors
+        for rank, pipe, data, tensor, names in table:
+            for name in names:
+                self.holder[name] = min(self.holder.get(name, pipe), pipe)
+            if data == 0 and tensor == 0:
+                self.sender.setdefault(pipe, rank)
+        self.shapes = {
+            n: tuple(p.shape) for n, p in meta_model(run.cfg.model).named_parameters(remove_duplicate=False)
+        }
+        self._flat = None  # the ZeRO-3 flat buffer currently gathered here
+
+    def get(self, name: str) -> torch.Tensor:
+        """Rank 0: the full tensor ``name`` on the CPU."""
+        dist.broadcast_object_list([name], src=0)
+        return self._fetch(name)
+
+    def stop(self) -> None:
+        dist.broadcast_object_list([None], src=0)
+        self._release()
+
+    def serve(self) -> None:
+        while True:
+            box: list = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                self._release()
+                return
+            self._fetch(box[0])
+
+    def _fetch(self, name: str) -> torch.Tensor | None:
+        if name not in self.holder:
+            raise CheckpointError(
+                f"export found no weights for {name}; the checkpoint does not cover the model"
+            )
+        pipe = self.holder[name]
+        sender = self.sender[pipe]
+        full = self._unshard(name) if pipe == self.pipe else None
+        if dist.get_rank() == sender == 0:
+            return full.to("cpu", copy=True)
+        if dist.get_rank() == sender:
+            dist.send(full.contiguous(), dst=0)
+        elif dist.get_rank() == 0:
+            buf = torch.empty(self.shapes[name], dtype=torch.float32, device=self.run.device)
+            dist.recv(buf, src=sender)
+            return buf.cpu()
+        return None
+
+    def _unshard(self, name: str) -> torch.Tensor:
+        """This pipeline position's full ``name``; collective over its data (ZeRO-3) and tensor groups."""
+        p = self.local[name]
+        if self.zero is not None:
+            flat = next(f for f in self.zero.flats.values() if any(q is p for q in f.params))
+            if flat is not self._flat:
+                self._release()
+                flat.launch_gather()  # ZeRO-3: this stage's parameters (a no-op for ZeRO-1/2)
+                flat.wait_gather()
+                self._flat = flat
+        if hasattr(self.run.model, "full_parameter"):
+            return self.run.model.full_parameter(self.canonical[name])
+        return p.detach()
+
+    def _release(self) -> None:
+        if self._flat is not None:
+            self._flat.release()
+            self._flat = None
