@@ -228,7 +228,7 @@ def cmd_memory(args: argparse.Namespace, extra: list[str]) -> int:
     est = estimate(cfg, args.world_size, device)
     print(f"per-rank memory estimate for {args.config or 'the defaults'} at world size {args.world_size}:")
     print(f"  {est.describe()}")
-    start = startup_memory(cfg, args.world_size, est.plan)
+    start = startup_memory(cfg, args.world_size)
     print(f"  {start.describe()}")
     binds = "start-up" if start.peak > est.total else "training"
     print(

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.config import Config, even_split
+from tessera.config import Config
+from tessera.execution import ExecutionPlan, resolve
 from tessera.model import INIT_BLOCK_ELEMENTS
-from tessera.pipeline.ir import rank_stages
 from tessera.planner.cost import ModelShape, Plan, model_state_bytes
 
 __all__ = ["StartupEstimate", "startup_memory"]
@@ -75,24 +75,24 @@ def _largest(shape: ModelShape, plan: Plan, holds_table: bool) -> float:
     return max(candidates)
 
 
-def startup_memory(cfg: Config, world_size: int, plan: Plan | None = None) -> StartupEstimate:
-    """The start-up peak of the pipeline rank that needs most, for ``cfg`` on ``world_size`` ranks."""
-    from tessera.memory import plan_from_config, stage_params
+def startup_memory(cfg: Config, world_size: int, plan: ExecutionPlan | None = None) -> StartupEstimate:
+    """The start-up peak of the pipeline rank that needs most, for ``cfg`` on ``world_size`` ranks (its stages
+    and their blocks from the execution plan, `tessera.execution.resolve`)."""
+    from tessera.memory import cost_plan, stage_params
 
-    plan = plan or plan_from_config(cfg, world_size)
+    plan = plan or resolve(cfg, world_size)
+    cost = cost_plan(plan)
     shape = ModelShape.from_config(cfg.model)
-    n = plan.pp * plan.virtual_stages
-    layers = cfg.parallel.stage_layers or even_split(shape.n_layers, n)
-    per_stage = stage_params(shape, plan, layers)
+    per_stage = stage_params(shape, cost, plan.stage_layers)
     block = INIT_BLOCK_ELEMENTS * _FP32
     best: StartupEstimate | None = None
     for rank in range(plan.pp):
-        mine = rank_stages(rank, plan.pp, plan.virtual_stages)
+        mine = plan.rank_stages(rank)
         psi = sum(per_stage[s] for s in mine)
-        largest = _largest(shape, plan, holds_table=0 in mine or n - 1 in mine) * _FP32
-        held = psi * _FP32 / (plan.dp if plan.zero_stage >= 3 else 1)
+        largest = _largest(shape, cost, holds_table=0 in mine or plan.n_stages - 1 in mine) * _FP32
+        held = psi * _FP32 / (plan.dp if plan.zero >= 3 else 1)
         build = held + largest + 2 * block
-        load = sum(model_state_bytes(psi, plan.dp, plan.zero_stage, "fp32")) + largest
+        load = sum(model_state_bytes(psi, plan.dp, plan.zero, "fp32")) + largest
         candidate = StartupEstimate(build, load, held, largest, rank)
         if best is None or candidate.peak > best.peak:
             best = candidate
