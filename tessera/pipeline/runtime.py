@@ -630,8 +630,8 @@ def build_pipeline(
     tied = tied_parameters(all_stages)  # before materialising: it finds ties by Parameter identity
     # Only this rank's stages get storage, replaced model-wide to keep ties. With ZeRO the flat buffers are
     # the storage (ZeRO-3: only this rank's shard of them): FlatStage fills them from the declared values.
-    local = {id(p) for stage in stages.values() for p in stage.parameters()}
-    materialize(model, only=local, defer=par.zero > 0)
+    local = {id(param) for stage in stages.values() for param in stage.parameters()}
+    materialize(model, only=local, defer=zero > 0)
     pp_group = groups.pp if groups is not None and p > 1 else None
     dp_group = groups.dp if groups is not None and layout.dp > 1 else None
     hooks = stage_comm(stages) if stage_comm is not None else DataParallelStageComm(stages, dp_group)
