@@ -38,13 +38,20 @@ def _load(args: argparse.Namespace, extra: list[str]):
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = _load(args, extra)
-    if args.nproc < 1:
-        raise TesseraError(f"--nproc {args.nproc} must be at least 1")
+    if args.nproc < 1 or args.max_restarts < 0:
+        raise TesseraError(
+            f"--nproc {args.nproc} must be at least 1 and --max-restarts {args.max_restarts} >= 0"
+        )
     if args.nproc > 1 and "RANK" not in os.environ:
         cfg.validate(args.nproc)
         stop = getattr(signal, cfg.train.stop_signal, None) if cfg.train.stop_signal else None
         beats = Path(cfg.log.run_dir) / "heartbeat"  # the trainer's watchdog writes each rank's step there
-        return _relaunch_with_torchrun(args.nproc, stop_signals=(stop,) if stop else (), heartbeat_dir=beats)
+        return _relaunch_with_torchrun(
+            args.nproc,
+            stop_signals=(stop,) if stop else (),
+            heartbeat_dir=beats,
+            max_restarts=args.max_restarts,
+        )
     from tessera.train.trainer import train
 
     result = train(cfg)
@@ -64,7 +71,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _relaunch_with_torchrun(
-    nproc: int, stop_signals: tuple[int, ...] = (), heartbeat_dir: Path | None = None
+    nproc: int, stop_signals: tuple[int, ...] = (), heartbeat_dir: Path | None = None, max_restarts: int = 0
 ) -> int:
     """``--nproc N`` on one machine: run this command in N local ranks (the environment torchrun would set).
 
@@ -79,7 +86,9 @@ def _relaunch_with_torchrun(
         if i is not None
         else [a for a in sys.argv[1:] if not a.startswith("--nproc")]
     )
-    return launch_local(nproc, argv, stop_signals=stop_signals, heartbeat_dir=heartbeat_dir)
+    return launch_local(
+        nproc, argv, stop_signals=stop_signals, heartbeat_dir=heartbeat_dir, max_restarts=max_restarts
+    )
 
 
 def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
@@ -276,6 +285,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (run under torchrun, or use --nproc on one machine)")
     p.add_argument("config", nargs="?", help="TOML config; overrides follow as --section.key=value")
     p.add_argument("--nproc", type=int, default=1, help="processes to start on this machine (via torchrun)")
+    p.add_argument(
+        "--max-restarts", type=int, default=0, help="with --nproc: restart all ranks after a failure, N times"
+    )
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("validate", help="check a config for a world size; lists every problem")

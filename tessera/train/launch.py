@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tessera.errors import EXIT_PEER_LOST, EXIT_RESUMABLE
+from tessera.errors import EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_RESUMABLE, EXIT_USER_ERROR
 
 __all__ = ["free_port", "launch_local", "set_parent_death_signal"]
 
@@ -65,12 +65,35 @@ def launch_local(
     stop_signals: tuple[int, ...] = (),
     grace_s: float = 120.0,
     heartbeat_dir: Path | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Run ``python -m tessera *argv`` in ``nproc`` local ranks (torchrun's environment); their exit status.
 
     0 when every rank finished, 75 when they stopped cleanly on a signal, else the first failing rank's status.
     ``stop_signals`` are forwarded to the workers besides SIGTERM, SIGINT and SIGHUP (sent on as SIGTERM).
+    After a failure that a restart can cure (a rank killed, hung or lost; not a user error or a diverged run)
+    all ranks are started again, up to ``max_restarts`` times; they resume from the newest checkpoint. Each
+    attempt rendezvous on a fresh port, so no state of the dead process group is reused.
     """
+    for attempt in range(max_restarts + 1):
+        code, signalled = _launch_once(nproc, argv, stop_signals, grace_s, heartbeat_dir)
+        if (
+            code in (0, EXIT_RESUMABLE, EXIT_USER_ERROR, EXIT_DIVERGED)
+            or signalled
+            or attempt == max_restarts
+        ):
+            return code
+        print(
+            f"restarting all {nproc} ranks from the newest checkpoint ({attempt + 1} of {max_restarts})",
+            file=sys.stderr,
+        )
+    return code
+
+
+def _launch_once(
+    nproc: int, argv: list[str], stop_signals: tuple[int, ...], grace_s: float, heartbeat_dir: Path | None
+) -> tuple[int, bool]:
+    """One attempt: (exit status, whether the launcher was signalled meanwhile)."""
     base = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
@@ -92,7 +115,7 @@ def launch_local(
                 )
             )
         try:
-            return _supervise(procs, state, grace_s, heartbeat_dir)
+            return _supervise(procs, state, grace_s, heartbeat_dir), state["signal"] is not None
         finally:
             _kill_all(procs)  # whatever happened above, no worker outlives this function
 

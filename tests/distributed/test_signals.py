@@ -161,3 +161,14 @@ def test_a_stopped_rank_is_named_and_every_live_rank_dumps_its_stack(
     assert "Traceback" not in err, err
     assert 'File "' in (run_dir / "stacks" / "rank0.txt").read_text()  # faulthandler's dump of rank 0
     _wait_for("the workers to exit", lambda: not any(_alive(w) for w in workers), deadline_s=30)
+
+
+def test_max_restarts_restarts_after_a_killed_rank_and_finishes(token_file: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = _start([*_argv(token_file, run_dir, steps=400, every=10), "--max-restarts", "1"])
+    workers = _training(launcher, run_dir)
+    os.kill(workers[-1], signal.SIGKILL)
+    _, err = launcher.communicate(timeout=DEADLINE_S)
+    assert launcher.returncode == 0, err
+    assert "restarting all 2 ranks from the newest checkpoint (1 of 1)" in err
+    assert sorted(set(r["step"] for r in _records(run_dir))) == list(range(400))  # every step, resumed
