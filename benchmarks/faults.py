@@ -188,8 +188,9 @@ def trial_corruption(tmp: Path) -> str:
             mid = len(data) // 2
             data[mid : mid + 16] = bytes(b ^ 0xFF for b in data[mid : mid + 16])
             target.write_bytes(bytes(data))
+        fresh = nn.Linear(8, 8)
         try:
-            load_checkpoint(path, nn.Linear(8, 8), torch.optim.AdamW(nn.Linear(8, 8).parameters()))
+            load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters()))
         except CheckpointError:
             detected += 1
     return (

@@ -37,6 +37,7 @@ class Watchdog:
         self.step = -1  # not armed until the first step has finished
         self._last = time.monotonic()
         self._paused = 0
+        self._beat_at = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -52,10 +53,10 @@ class Watchdog:
             self._thread.join(timeout=2 * self.interval + 1)
 
     def progress(self, step: int) -> None:
-        """Step ``step`` has finished (the first call arms the timeout; the first beat is written at once)."""
-        first = self.step < 0
+        """Step ``step`` has finished (the first call arms the timeout); the heartbeat follows within a second."""
+        due = time.monotonic() - self._beat_at > 1.0  # at most once a second from the loop: cheap
         self.step, self._last = step, time.monotonic()
-        if first:
+        if due:
             self._beat()
 
     @contextlib.contextmanager
@@ -76,6 +77,7 @@ class Watchdog:
                 self._fire(idle)
 
     def _beat(self) -> None:
+        self._beat_at = time.monotonic()
         path = self.run_dir / "heartbeat" / f"rank{self.rank}"
         part = path.with_name(f"{path.name}.{threading.get_ident()}.part")  # readers never see half a line
         with contextlib.suppress(OSError):
