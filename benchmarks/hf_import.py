@@ -60,7 +60,8 @@ def make_folder(folder: Path) -> None:
 
 
 def _read(folder: str, rank: int, world: int, queue) -> None:
-    from tessera.hf.weights import HFCheckpoint, meta_model
+    from tessera.hf.weights import HFCheckpoint
+    from tessera.model.build import meta_model
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()

@@ -21,7 +21,8 @@ import torch
 from tessera.config import Config
 from tessera.errors import CheckpointError
 from tessera.hf.config import hf_config, init_folder, read_hf_config
-from tessera.hf.weights import INDEX, SINGLE, HFPlanned, hf_tensors, meta_model
+from tessera.hf.weights import INDEX, SINGLE, HFPlanned, hf_tensors
+from tessera.model.build import meta_model
 
 __all__ = ["MAX_SHARD_BYTES", "TOKENIZER_FILES", "save_hf"]
 

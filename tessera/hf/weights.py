@@ -3,7 +3,8 @@
 `HFCheckpoint` is a value source ``(global_name, slices) -> tensor``: asked for any slice of any tessera
 parameter (global shape, plain-model name), it reads exactly those bytes with safetensors'
 ``safe_open(...).get_slice`` (memory-mapped), so a rank that materializes only its shard reads only its shard.
-`hf_tensors` runs the mapping the other way for the export.
+`hf_tensors` runs the mapping the other way for the export. The trainer uses the source for
+``model.init = "hf:DIR"`` (`TrainingRun._value_source`); `load_init` builds one plain model from it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from torch import nn
 
 from tessera.errors import CheckpointError
 from tessera.hf.families import HFFamily, HFTensor, family_for_tessera
-from tessera.model.build import build_model
+from tessera.model.build import meta_model
 from tessera.model.layers import TransformerLM
+from tessera.model.materialize import declare, materialize, replicated_specs
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
@@ -30,9 +32,7 @@ __all__ = [
     "HFCheckpoint",
     "HFPlanned",
     "hf_tensors",
-    "load_hf_weights",
     "load_init",
-    "meta_model",
     "plan_tensors",
 ]
 
@@ -202,18 +202,16 @@ def _bounds(s: slice, size: int) -> tuple[int, int]:
     return start, stop
 
 
-def load_hf_weights(model: TransformerLM, folder: Path) -> None:
-    """Copy a whole HF folder into the plain ``model`` (every rank reads everything: see the trainer)."""
-    with HFCheckpoint(folder, model) as source, torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(source(name))
-
-
-def load_init(model: TransformerLM, init: str) -> None:
-    """Fill the plain ``model`` from ``model.init`` ("hf:DIR")."""
+def load_init(cfg: ModelConfig, device: torch.device | str | None = None) -> TransformerLM:
+    """The plain model of ``cfg`` filled from ``cfg.init`` ("hf:DIR"): built on the meta device and
+    materialised from the folder by the mechanism every rank uses for its shard (tessera.model.materialize)."""
     from tessera.hf.config import init_folder
 
-    load_hf_weights(model, init_folder(init))
+    model = meta_model(cfg)
+    with HFCheckpoint(init_folder(cfg.init), model) as source:
+        declare(model, replicated_specs(model), source, device or torch.get_default_device())
+        materialize(model)
+    return model
 
 
 def hf_tensors(model: nn.Module, get: Callable[[str], torch.Tensor]) -> Iterator[tuple[HFPlanned, Callable]]:
@@ -227,9 +225,3 @@ def hf_tensors(model: nn.Module, get: Callable[[str], torch.Tensor]) -> Iterator
             return t.t().contiguous() if planned.out_dim == 1 else t.contiguous()
 
         yield planned, build
-
-
-def meta_model(cfg: ModelConfig) -> TransformerLM:
-    """The plain model of ``cfg`` on the meta device: names and global shapes, no memory."""
-    with torch.device("meta"):
-        return build_model(cfg)

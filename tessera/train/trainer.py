@@ -140,7 +140,13 @@ class TrainingRun:
             if data is not None:
                 data.check_vocab(cfg.model.vocab_size)
         torch.manual_seed(cfg.train.seed)  # identical on every rank: replicas start equal without a broadcast
-        with self._value_source() as source:  # allocation ends with the stepper (pipeline stages, ZeRO)
+        # a checkpoint about to be loaded (resume; export, which like the dry run needs no data) overwrites the
+        # initial values: model.init's folder is not read then, so a fine-tuned run outlives its base model
+        overwritten = not with_data or (
+            cfg.checkpoint.resume
+            and ckpt.latest_checkpoint(checkpoint_dir(Path(cfg.log.run_dir), cfg)) is not None
+        )
+        with self._value_source(overwritten) as source:  # allocation ends with the stepper (pipeline, ZeRO)
             self.model = self._build_model(source)
             self.stepper = make_stepper(self.model, cfg, self.layout, self.groups, self.plan)
         self.optimizer = self.stepper.optimizer
@@ -172,11 +178,12 @@ class TrainingRun:
         return model
 
     @contextlib.contextmanager
-    def _value_source(self) -> Iterator[ValueSource]:
+    def _value_source(self, overwritten: bool = False) -> Iterator[ValueSource]:
         """Where initial values come from: a Hugging Face folder (``model.init``; each rank reads only its
-        slices), else the per-name seeded init (``train.seed``, the same values on any layout)."""
+        slices), else the per-name seeded init (``train.seed``, the same values on any layout). When a checkpoint
+        will overwrite them, the folder is not read (it need not exist any more)."""
         plain = meta_model(self.cfg.model)
-        if not self.cfg.model.init:
+        if not self.cfg.model.init or overwritten:
             yield InitSource.for_model(plain, draw_seed())
             return
         from tessera.hf.config import init_folder

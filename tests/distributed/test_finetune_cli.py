@@ -1,6 +1,7 @@
 """The README's fine-tuning walk-through with configs/finetune.toml, as a user runs it: an HF folder (a tiny
 random Llama with its own BPE tokenizer, made here) → prepare with the folder's tokenizer → train --nproc 2 →
-generate with top-p → export --format hf → transformers loads the export and its tokenizer."""
+generate with top-p → export --format hf → transformers loads the export and its tokenizer. Resuming, generate
+and export work without the base weights (a checkpoint overwrites them, so they are not read)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ def test_finetune_walkthrough(tmp_path: Path) -> None:
     small = ["--model.seq_len=32", "--train.steps=2", "--train.warmup_steps=1", "--log.progress=false"]
     out = _tessera("train", str(CONFIG), "--nproc", "2", *small, "--log.tensorboard=false", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
+    # the run's checkpoints no longer need the base weights: resume, generate and export must not read them
+    (tmp_path / "models" / "base" / "model.safetensors").unlink()
+    longer = [small[0], "--train.steps=3", *small[2:], "--log.tensorboard=false"]
+    out = _tessera("train", str(CONFIG), "--nproc", "2", *longer, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr  # resumed from step 2
     out = _tessera(
         "generate", "runs/finetune", "--prompt", "Et", "--tokens", "8", "--top-p", "0.9", cwd=tmp_path
     )

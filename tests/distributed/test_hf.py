@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.config import from_dict
-from tessera.hf.weights import load_init
+from tessera.hf.weights import HFCheckpoint, load_init
 from tessera.model.build import build_model
 from tessera.train import checkpoint as ckpt
 from tessera.train.export import export_weights
@@ -103,8 +103,49 @@ def test_hf_import_train_export(
     tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert rel_err(exported_hf(tokens).logits, tessera_model.eval()(tokens)) < RTOL
-    reimported = build_model(from_dict({**raw, "model": {"init": f"hf:{tmp_path / 'out'}"}}).model)
-    load_init(reimported, f"hf:{tmp_path / 'out'}")
+    reimported = load_init(from_dict({**raw, "model": {"init": f"hf:{tmp_path / 'out'}"}}).model)
     trained = dict(tessera_model.named_parameters())
     for n, p in reimported.named_parameters():
         assert torch.equal(p, trained[n]), n
+
+
+READ_LAYOUTS = {  # name: (world size, parallel section, ranks each parameter is split over)
+    "tp2x2": (4, {"tensor": "2x2"}, 4),
+    "dp2_pp2_zero3": (4, {"data": 2, "pipeline": 2, "zero": 3}, 4),
+}
+
+
+def _elements_read(rank: int, world: int, raw: dict) -> int:
+    """How many elements this rank reads from the HF folder while building its part of the model."""
+    read = [0]
+    original = HFCheckpoint.__call__
+
+    def counting(self: HFCheckpoint, name: str, slices: tuple | None = None) -> torch.Tensor:
+        t = original(self, name, slices)
+        read[0] += t.numel()
+        return t
+
+    HFCheckpoint.__call__ = counting
+    try:
+        TrainingRun(from_dict(raw), rank, world)
+    finally:
+        HFCheckpoint.__call__ = original
+    return read[0]
+
+
+@pytest.mark.parametrize("name", READ_LAYOUTS)
+def test_each_rank_reads_only_its_slices(
+    token_file: Path, tmp_path: Path, hf_folders: dict[str, Path], name: str
+) -> None:
+    """A rank reads its 1/n share of the weights, plus at most one parameter's worth where a shard boundary
+    cuts through a parameter or a small tensor is replicated; reading the whole model exceeds that bound."""
+    world, parallel, n = READ_LAYOUTS[name]
+    init = f"hf:{hf_folders['llama']}"
+    raw = trainer_config(token_file, tmp_path, {"init": init}, parallel)
+    plain = load_init(from_dict(raw).model)
+    total = plain.num_params()
+    largest = max(p.numel() for p in plain.parameters())
+    read = run_distributed(_elements_read, world, raw, timeout=180)
+    print(f"{name}: elements read per rank {read} of {total}")
+    assert all(0 < r <= total / n + largest for r in read), (read, total / n + largest)
+    assert total > total / n + largest  # the bound excludes a full read

@@ -21,7 +21,6 @@ from tessera.config import load_config
 from tessera.errors import CheckpointError, ConfigError
 from tessera.hf.export import save_hf
 from tessera.hf.weights import HFCheckpoint, load_init
-from tessera.model.build import build_model
 from tests.hf_models import KINDS, VOCAB, hf_config, make_hf, rel_err
 
 LOGIT_RTOL = 1e-5
@@ -29,9 +28,7 @@ LOGIT_RTOL = 1e-5
 
 def imported(folder: Path, *overrides: str):
     cfg = load_config(None, [f'model.init="hf:{folder}"', *overrides])
-    model = build_model(cfg.model)
-    load_init(model, cfg.model.init)
-    return cfg, model.eval()
+    return cfg, load_init(cfg.model).eval()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -130,7 +127,7 @@ def test_gpt2_activation_and_extra_weights_are_refused(tmp_path: Path) -> None:
     save_file(state, tmp_path / "hf" / "model.safetensors")
     cfg = load_config(None, [f'model.init="hf:{tmp_path / "hf"}"'])
     with pytest.raises(CheckpointError, match=r"q_proj\.bias"):
-        load_init(build_model(cfg.model), cfg.model.init)
+        load_init(cfg.model)
 
 
 def test_missing_weights_and_bad_init_are_clear_errors(tmp_path: Path) -> None:
@@ -144,4 +141,4 @@ def test_missing_weights_and_bad_init_are_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "hf" / "model.safetensors").unlink()
     cfg = load_config(None, [f'model.init="hf:{tmp_path / "hf"}"'])
     with pytest.raises(CheckpointError, match=r"neither model\.safetensors"):
-        load_init(build_model(cfg.model), cfg.model.init)
+        load_init(cfg.model)
