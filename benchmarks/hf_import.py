@@ -6,7 +6,7 @@ each reading its 1/N row block of every parameter through `tessera.hf.weights.HF
 ``get_slice``), upcast to fp32 as the trainer holds them, and keeping it, as a rank of a ZeRO-3 or column-parallel
 layout does. Reported per rank: wall time, peak resident memory (``ru_maxrss``: the fp32 shard plus the
 memory-mapped file pages it touched) and the fp32 shard size. For comparison one process reads everything (what
-every rank reads today, while the trainer fills the whole plain model before cutting its shard).
+every rank read before sharded construction, when the trainer filled the whole plain model first).
 
     python benchmarks/hf_import.py [--folder DIR] [--ranks 4]
 
@@ -132,8 +132,8 @@ def main() -> None:
             for who, sec, peak, own, nb, _ in rows
         ),
         "",
-        "Today the trainer reads the whole checkpoint on every rank (the last row) before `parallelize` cuts the "
-        "shard; with per-parameter construction each rank reads only its slices (the first rows).",
+        "The trainer reads this way (sharded construction: each rank materialises only its slices from the "
+        "folder); the last row is what every rank read when the whole plain model was filled first.",
     ]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("\n".join(lines) + "\n")
