@@ -21,6 +21,7 @@ __all__ = [
     "EXIT_RESUMABLE",
     "EXIT_USER_ERROR",
     "CheckpointError",
+    "CheckpointWriteError",
     "ConfigError",
     "DataError",
     "NonFiniteError",
@@ -50,6 +51,11 @@ class DataError(TesseraError):
 
 class CheckpointError(TesseraError):
     """A checkpoint is missing, incomplete or incompatible with the current run."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """A checkpoint could not be written (disk full, quota, permissions); still an OSError for callers that
+    catch those."""
 
 
 class NonFiniteError(TesseraError):

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from tessera.errors import CheckpointError
+from tessera.errors import CheckpointError, CheckpointWriteError
 from tessera.train.integrity import files_written_by, hash_files, verify_files
 
 __all__ = [
@@ -107,10 +107,16 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = _wrap({"model": model_sd, "optim": optim_sd}, shard_id)
     state["extra"] = {str(i): t for i, t in enumerate(tensors)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
-        dcp.save(state, storage_writer=FileSystemWriter(tmp))
-    _write_rank_files(tmp, rank)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
+            dcp.save(state, storage_writer=FileSystemWriter(tmp))
+        _write_rank_files(tmp, rank)
+    except (OSError, CheckpointException) as e:  # disk full, quota, permissions: DCP raises on every rank
+        raise CheckpointWriteError(
+            f"could not write the checkpoint of step {step} into {tmp}: {_last_line(e)}; the previous "
+            "checkpoint is intact\n    fix: free space in (or grant access to) checkpoint.dir, then resume"
+        ) from None
     sums = hash_files(tmp, files_written_by(tmp, rank))  # re-read from the page cache, by the rank that wrote
     gathered = _gather((shard_id, sums), world)  # also the barrier: every rank's files are on disk
     if rank == 0:

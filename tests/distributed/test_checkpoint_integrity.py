@@ -122,3 +122,23 @@ def test_trainer_falls_back_loudly_and_load_step_chooses(
         _flip(_distcp(ckpts / f"step_0000000{step}"))
     with pytest.raises(CheckpointError, match=r"no checkpoint in .* verifies"):
         TrainingRun(from_dict(_raw(token_file, tmp_path)), 0, 1).resume()
+
+
+def test_a_full_disk_is_a_message_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from tessera.train import checkpoint as ckpt
+
+    model = _model()
+    first = save_checkpoint(tmp_path, 1, model, _opt(model), {})
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "_write_rank_files", full)
+    with pytest.raises(CheckpointError, match="No space left on device; the previous checkpoint is intact"):
+        save_checkpoint(tmp_path, 2, model, _opt(model), {})
+    monkeypatch.undo()
+    assert ckpt.latest_checkpoint(tmp_path) == first and verify_checkpoint(first) == []
