@@ -130,7 +130,7 @@ def _check_data(cfg: Config) -> None:
         print(f"data ok: {path}: {data.n_tokens:,} tokens, checksum verified, ids < {data.max_token_id + 1}")
 
 
-def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
+def cmd_prepare(args: argparse.Namespace) -> int:
     import warnings
 
     from tessera.train.data import default_corpus_files, prepare
@@ -338,7 +338,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: every core)")
     p.add_argument("--strict", action="store_true", help="stop at the first bad record instead of skipping")
     p.add_argument("--default-mb", type=float, default=8.0, help="size of the default corpus, MiB")
-    p.set_defaults(fn=cmd_prepare)
+    p.set_defaults(fn=_no_extra(cmd_prepare))
 
     p = sub.add_parser("config", help="every config section and key: type, default and what it means")
     p.add_argument("--markdown", action="store_true", help="as docs/config.md (Markdown tables)")

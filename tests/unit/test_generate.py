@@ -1,5 +1,5 @@
 """`generate`: the KV cache computes what the uncached model computes; top-p keeps the nucleus; the CLI rejects
-unknown flags of generate, plot, export and schedule.
+unknown flags of generate, plot, export, schedule and prepare.
 
 Tolerance for cached vs uncached logits: the same fp32 arithmetic with the attention over a different number of
 queries (one new token vs the whole context), so rounding only (measured ~1e-7); 1e-5 relative is stated.
@@ -68,6 +68,7 @@ UNKNOWN_FLAG_COMMANDS = [
     ["plot", "runs/x"],
     ["export", "runs/x"],
     ["schedule", "show", "gpipe", "--pp", "2", "--microbatches", "2"],
+    ["prepare", "texts", "--out", "tokens.bin"],
 ]
 
 
