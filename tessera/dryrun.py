@@ -183,12 +183,14 @@ _AXIS_OF_GROUP = {
 
 
 def estimated_memory(cfg: Config, world_size: int, rank: int) -> dict[str, float]:
-    """`tessera memory`'s breakdown for this rank's pipeline position, plus its ``peak`` (the total)."""
+    """`tessera memory`'s breakdown for this rank's pipeline position, plus its ``peak`` (the total) and
+    ``build_peak`` (the start-up estimate's build peak, `tessera.startup`, of the fullest pipeline rank)."""
     from tessera.memory import estimate
+    from tessera.startup import startup_memory
 
     stage = Layout.from_config(cfg.parallel, world_size).coords(rank)[Axis.PIPE]
     est = estimate(cfg, world_size, stage=stage)
-    return {**est.components(), "peak": est.total}
+    return {**est.components(), "peak": est.total, "build_peak": startup_memory(cfg, world_size).build}
 
 
 def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, str], float]:
@@ -353,7 +355,11 @@ def format_rank(result: RankResult, estimate: dict[str, float], traffic: dict[tu
         ("peak", result.peak, estimate["peak"]),
     ]
     lines += [f"  {name:<16}{m / scale:10.3f}{e / scale:10.3f}{_pct(m, e):>9}" for name, m, e in rows]
-    lines.append(f"  {'build peak':<16}{result.build_peak / scale:10.3f}")
+    build_est = estimate["build_peak"]
+    lines.append(
+        f"  {'build peak':<16}{result.build_peak / scale:10.3f}{build_est / scale:10.3f}"
+        f"{_pct(result.build_peak, build_est):>9}"
+    )
     lines.append(f"  {'traffic, bytes':<26}{'dry run':>16}{'formula':>16}{'diff':>9}")
     measured = measured_by_axis(result)
     for key in sorted(set(measured) | set(traffic)):
