@@ -156,7 +156,8 @@ class FakeRank(TorchDispatchMode):
             return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
 
     def _track(self, t: torch.Tensor) -> None:
-        if t.layout != torch.strided or t.device.type == "meta":  # a meta tensor allocates nothing, fake or not
+        # a meta tensor allocates nothing, fake or not (sharded construction keeps a meta skeleton)
+        if t.layout != torch.strided or t.device.type == "meta":
             return
         storage = t.untyped_storage()
         key = id(storage)
