@@ -31,9 +31,11 @@ pytestmark = pytest.mark.skipif(
 
 MIB = 2**20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-TOLERANCE = 16 * MIB
+TOLERANCE = 20 * MIB
 """Allowed excess over the estimate: small allocations (under glibc's 1 MiB mmap threshold) kept in the heap, and
-Python objects of the modules (measured: at most 12.4 MiB over the estimate, ZeRO-3 dp4 rank 1)."""
+Python objects of the modules. Measured over three runs: at most 13.6 MiB (ZeRO-3 dp4, ranks 0-1, where up to
+19 MiB stays resident after construction), 9.4 MiB on the other layouts; one full ZeRO-3 stage buffer or a
+whole-model copy would exceed it or the FAR_BELOW bound."""
 FAR_BELOW = 0.5
 """Every rank's start-up peak stays under half the full fp32 model (the old path built all of it on each rank)."""
 
