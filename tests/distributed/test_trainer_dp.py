@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tessera.config import from_dict
-from tessera.errors import DataError
+from tessera.errors import ConfigError
 from tessera.train.trainer import train
 from tests.distributed.conftest import interrupted_then_resumed, train_recording, trainer_config
 from tests.harness import run_distributed
@@ -76,5 +76,7 @@ def test_resume_reproduces_losses_exactly(token_file: Path, tmp_path: Path, dp: 
 def test_vocab_too_small_is_a_clear_error(token_file: Path, tmp_path: Path) -> None:
     raw = _config(token_file, tmp_path / "v", "gpt", dp=1)
     raw["model"]["vocab_size"] = 100
-    with pytest.raises(DataError, match=r"set model\.vocab_size >= 256"):
+    # The execution plan reads the token file's vocabulary, so this is refused before any rank starts (issue #13:
+    # what validate can know moves into validate), with the same fix as the old train-time DataError.
+    with pytest.raises(ConfigError, match=r"\[data\.vocab\].*\n.*fix: set model\.vocab_size >= 256"):
         train(from_dict(raw))
