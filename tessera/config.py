@@ -115,6 +115,22 @@ ARITHMETIC_RULES = frozenset(  # rules whose violation stops the cross-section c
 )
 
 
+def _unknown_choice(
+    section: str, obj: Any, name: str, allowed: tuple[str, ...], fix: str | None = None
+) -> list[Violation]:
+    """A violation when ``obj.name`` is not one of ``allowed`` (a mode, dtype or device name); else none."""
+    value = getattr(obj, name)
+    if value in allowed:
+        return []
+    return [
+        Violation(
+            rule=f"{section}.{name}",
+            problem=f"{section}.{name} = {value!r} is unknown",
+            fix=fix or f"use one of {', '.join(allowed)}",
+        )
+    ]
+
+
 def _out_of_range(section: str, obj: Any) -> list[Violation]:
     """A violation for each number of ``section`` outside its `_RANGES` entry (NaN and infinity included)."""
     v = []
@@ -203,14 +219,7 @@ class ModelConfig:
 
     def check(self) -> list[Violation]:
         v = _out_of_range("model", self)
-        if self.family not in FAMILIES:
-            v.append(
-                Violation(
-                    rule="model.family",
-                    problem=f"model.family = {self.family!r} is unknown",
-                    fix=f"use one of {', '.join(FAMILIES)}",
-                )
-            )
+        v.extend(_unknown_choice("model", self, "family", FAMILIES))
         if v:
             return v  # the divisibility rules below need positive sizes
         if self.d_model % self.n_heads:
@@ -298,14 +307,7 @@ class ParallelConfig:
         ):  # a .csv file is a user's own schedule (tessera.pipeline.csvio)
             choices["schedule"] = SCHEDULES
         for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                v.append(
-                    Violation(
-                        rule=f"parallel.{name}",
-                        problem=f"parallel.{name} = {getattr(self, name)!r} is unknown",
-                        fix=f"use one of {', '.join(allowed)}",
-                    )
-                )
+            v.extend(_unknown_choice("parallel", self, name, allowed))
         if self.zero not in (0, 1, 2, 3):
             v.append(
                 Violation(
@@ -380,30 +382,9 @@ class TrainConfig:
 
     def check(self) -> list[Violation]:
         v: list[Violation] = []
-        if self.dtype not in DTYPES:
-            v.append(
-                Violation(
-                    rule="train.dtype",
-                    problem=f"train.dtype = {self.dtype!r} is unknown",
-                    fix=f"use one of {', '.join(DTYPES)}",
-                )
-            )
-        if self.grad_reduce_dtype not in ("fp32", "bf16"):
-            v.append(
-                Violation(
-                    rule="train.grad_reduce_dtype",
-                    problem=f"train.grad_reduce_dtype = {self.grad_reduce_dtype!r} is unknown",
-                    fix="use fp32 or bf16",
-                )
-            )
-        if self.nonfinite not in NONFINITE:
-            v.append(
-                Violation(
-                    rule="train.nonfinite",
-                    problem=f"train.nonfinite = {self.nonfinite!r} is unknown",
-                    fix=f"use one of {', '.join(NONFINITE)}",
-                )
-            )
+        v.extend(_unknown_choice("train", self, "dtype", DTYPES))
+        v.extend(_unknown_choice("train", self, "grad_reduce_dtype", ("fp32", "bf16"), "use fp32 or bf16"))
+        v.extend(_unknown_choice("train", self, "nonfinite", NONFINITE))
         if self.stop_signal and self.stop_signal not in STOP_SIGNALS:
             v.append(
                 Violation(
@@ -412,14 +393,7 @@ class TrainConfig:
                     fix=f'use one of {", ".join(STOP_SIGNALS)}, or "" for none',
                 )
             )
-        if self.device not in ("auto", "cpu", "cuda"):
-            v.append(
-                Violation(
-                    rule="train.device",
-                    problem=f"train.device = {self.device!r} is unknown",
-                    fix="use auto, cpu or cuda",
-                )
-            )
+        v.extend(_unknown_choice("train", self, "device", ("auto", "cpu", "cuda"), "use auto, cpu or cuda"))
         v.extend(_out_of_range("train", self))
         if not v and self.global_batch // self.micro_batch > MAX_MICRO_BATCHES:
             # bounds the schedule the estimator and the runtime build (p × m actions)
@@ -607,14 +581,15 @@ class LogConfig:
                         fix=f"run `pip install {package}`, or set log.{name} = false",
                     )
                 )
-        if self.wandb_mode not in ("offline", "online", "disabled"):
-            v.append(
-                Violation(
-                    rule="log.wandb_mode",
-                    problem=f"log.wandb_mode = {self.wandb_mode!r} is unknown",
-                    fix="use offline, online or disabled",
-                )
+        v.extend(
+            _unknown_choice(
+                "log",
+                self,
+                "wandb_mode",
+                ("offline", "online", "disabled"),
+                "use offline, online or disabled",
             )
+        )
         return v
 
 
