@@ -159,7 +159,12 @@ class ExecutionPlan:
         """The validated per-pipeline-rank action lists the schedule runtime executes (pure; rebuilt per call)."""
         if self.schedule is None:
             raise ValueError("the direct loop runs no schedule")
-        lowered, _ = lowered_schedule(
+        return self._lower()[0]
+
+    def _lower(self) -> tuple[Schedule, str]:
+        """Build, lower and validate this plan's schedule: the one call `lowered` and `resolve` share."""
+        assert self.schedule is not None
+        return lowered_schedule(
             self.schedule,
             self.pp,
             self.micro_batches,
@@ -167,7 +172,6 @@ class ExecutionPlan:
             zero3=self.zero == 3,
             accumulation=self.accumulation,
         )
-        return lowered
 
     def describe(self) -> str:
         """Several lines for `tessera validate`: runner, schedule (and any switch), stages by rank, the rest."""
@@ -248,14 +252,7 @@ def _resolve(cfg: Config, world_size: int) -> tuple[ExecutionPlan | None, list[V
         return None, found
     if plan.schedule is not None and _compute_actions(plan) <= SCHEDULE_CHECK_LIMIT:
         try:
-            _, placement = lowered_schedule(
-                plan.schedule,
-                plan.pp,
-                plan.micro_batches,
-                plan.stages_per_rank,
-                zero3=plan.zero == 3,
-                accumulation=plan.accumulation,
-            )
+            _, placement = plan._lower()
         except (ScheduleError, ConfigError) as e:
             return None, [
                 Violation(
