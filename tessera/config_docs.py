@@ -1,7 +1,7 @@
 """The configuration reference, read from the dataclasses themselves: `tessera config` and docs/config.md.
 
-A field's documentation is the string literal under it in tessera/config.py (an attribute docstring, which
-Python does not keep at run time), so the source is parsed with `ast`. One function renders text for the
+A field's documentation is the string literal under it in tessera/config/sections.py (an attribute docstring,
+which Python does not keep at run time), so the source is parsed with `ast`. One function renders text for the
 terminal and another Markdown; a test keeps docs/config.md equal to `markdown()`.
 """
 
@@ -89,10 +89,10 @@ def markdown() -> str:
     out = [
         "# Configuration reference",
         "",
-        "Generated from the dataclasses in `tessera/config.py` by `tessera config --markdown > docs/config.md`;",
-        "`tests/unit/test_config_docs.py` fails when this file and the code disagree. Set keys in a TOML file",
-        "(`[train]` then `lr = 3e-4`) or on the command line (`--train.lr=3e-4`); `tessera validate CONFIG",
-        "--world-size N` lists every problem at once.",
+        "Generated from the dataclasses in `tessera/config/sections.py` by",
+        "`tessera config --markdown > docs/config.md`; `tests/unit/test_config_docs.py` fails when this file and",
+        "the code disagree. Set keys in a TOML file (`[train]` then `lr = 3e-4`) or on the command line",
+        "(`--train.lr=3e-4`); `tessera validate CONFIG --world-size N` lists every problem at once.",
         "",
     ]
     for s in sections():

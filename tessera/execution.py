@@ -23,16 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from tessera.config import (
-    ARITHMETIC_RULES,
-    Config,
-    ModelConfig,
-    TrainConfig,
-    Violation,
-    _divisors_near,
-    _multiple_near,
-    even_split,
-)
+from tessera.config import ARITHMETIC_RULES, Config, ModelConfig, TrainConfig, Violation, even_split
+from tessera.config.checks import divisors_near, multiple_near
 from tessera.errors import ConfigError, DataError
 from tessera.layout import Layout
 from tessera.modes import BREADTH_FIRST, DEPTH_FIRST, LAYERED
@@ -369,7 +361,7 @@ def _check_layout(cfg: Config, world_size: int) -> list[Violation]:
             f"set parallel.data = {fits}"
             if fits
             else f"use a world size that is a multiple of pipeline·tensor = {p.pipeline * tp}, e.g. "
-            f"{_multiple_near(world_size, p.pipeline * tp)}"
+            f"{multiple_near(world_size, p.pipeline * tp)}"
         )
         v.append(
             Violation(
@@ -388,7 +380,7 @@ def _check_layout(cfg: Config, world_size: int) -> list[Violation]:
             Violation(
                 rule="tensor.batch",
                 problem=f"train.micro_batch = {cfg.train.micro_batch} is not divisible by the 2D grid side {q}",
-                fix=f"set train.micro_batch = {_multiple_near(cfg.train.micro_batch, q)}",
+                fix=f"set train.micro_batch = {multiple_near(cfg.train.micro_batch, q)}",
             )
         )
     return v
@@ -410,8 +402,8 @@ def _check_tensor(m: ModelConfig, t: int, q: int, sequence_parallel: bool) -> li
                     rule="tensor.divisibility",
                     problem=f"model.{field_name} = {value} is not divisible by {name} ({split})",
                     fix=f"make model.{field_name} a multiple of {split}, e.g. "
-                    f"{_multiple_near(value, split)}, or use a tensor size that divides it: "
-                    f"{[d for d in _divisors_near(value, split) if d > 1] or [1]}",
+                    f"{multiple_near(value, split)}, or use a tensor size that divides it: "
+                    f"{[d for d in divisors_near(value, split) if d > 1] or [1]}",
                 )
             )
     if sequence_parallel and q > 1:
@@ -428,7 +420,7 @@ def _check_tensor(m: ModelConfig, t: int, q: int, sequence_parallel: bool) -> li
             Violation(
                 rule="tensor.sequence_parallel",
                 problem=f"model.seq_len = {m.seq_len} is not divisible by tensor {t}",
-                fix=f"set model.seq_len = {_multiple_near(m.seq_len, t)}",
+                fix=f"set model.seq_len = {multiple_near(m.seq_len, t)}",
             )
         )
     return v
@@ -465,7 +457,7 @@ def _check_pipeline(cfg: Config) -> list[Violation]:
             Violation(
                 rule="pipeline.layers",
                 problem=f"model.n_layers = {layers} is not divisible by {stages} stages",
-                fix=f"set model.n_layers = {_multiple_near(layers, stages)} or give "
+                fix=f"set model.n_layers = {multiple_near(layers, stages)} or give "
                 f"parallel.stage_layers explicitly, e.g. {even_split(layers, stages)}",
             )
         ]

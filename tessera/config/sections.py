@@ -1,0 +1,323 @@
+"""The run configuration's sections: every key with its type, default and documentation, and what it derives.
+
+Each section's field rules are `tessera.config.checks`; reading TOML and overrides into these is
+`tessera.config.loading`. A key's documentation is the string under it (`tessera config` and docs/config.md read
+it with `tessera.config_docs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.config import checks
+from tessera.config.checks import Violation
+from tessera.errors import ConfigError
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "LogConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "even_split",
+    "parse_tensor",
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The model's shape. `size` names a registry entry whose fields fill in anything not set explicitly."""
+
+    size: str | None = None
+    """Registry name (see `tessera.model.sizes`), e.g. "gpt2-124m" or "llama-8b"."""
+    family: str = "gpt"
+    """"gpt" (LayerNorm, GELU MLP, learned positions) or "llama" (RMSNorm, SwiGLU, RoPE, grouped-query attention)."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    d_model: int = 64
+    """Hidden size h."""
+    n_heads: int = 4
+    """Query heads; head dim = d_model / n_heads."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means n_heads (multi-head attention)."""
+    ffn_hidden: int | None = None
+    """MLP hidden size; None means 4·d_model for GPT and the Llama rule (8/3·d rounded up to 64) for Llama."""
+    vocab_size: int = 256
+    """Vocabulary size; must cover the tokenizer's."""
+    seq_len: int = 64
+    """Training context length s."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output projection."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base (Llama only)."""
+    init_std: float = 0.02
+    """Std of the normal initialisation of weights."""
+    init: str | None = None
+    """Initial weights: "hf:DIR", a Hugging Face `save_pretrained` folder; the shape fields are then derived
+    from DIR/config.json (tessera/hf/config.py). None: random initialisation."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if self.family == "llama":
+            return 64 * -(-(8 * self.d_model // 3) // 64)
+        return 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def check(self) -> list[Violation]:
+        return checks.check_model(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """How ranks are laid out: data × pipeline × tensor (1D size t, or a 2D grid "qxq"), tensor innermost."""
+
+    data: int | None = None
+    """Data-parallel size; None means whatever is left: world_size / (pipeline · tensor ranks)."""
+    tensor: int | str = 1
+    """Megatron 1D tensor parallelism of size t (an int), or Optimus 2D on a q×q grid (a string such as "2x2")."""
+    sequence_parallel: bool = False
+    """1D only: shard norm/dropout regions along the sequence (all-gather/reduce-scatter instead of all-reduce)."""
+    pipeline: int = 1
+    """Pipeline-parallel size p."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved, breadth_first, or a CSV file of your own (pipeline/csvio.py)."""
+    stages_per_rank: int = 1
+    """Virtual stages per pipeline rank v (interleaved and breadth_first)."""
+    stage_layers: list[int] | None = None
+    """Explicit layers per stage (p·v entries summing to n_layers), e.g. lighter first and last stages."""
+    zero: int = 0
+    """ZeRO stage over the data-parallel group: 0 (plain all-reduce), 1, 2 or 3."""
+    accumulation: str = "layered"
+    """Gradient accumulation order: layered (breadth-first) or depth_first."""
+    checkpointing: str = "none"
+    """Activation checkpointing: none, full (per block) or selective (attention core only)."""
+
+    def tensor_shape(self) -> tuple[int, int]:
+        """(t, q): the 1D size t, or the 2D grid side q; the other is 1."""
+        t, q = parse_tensor(self.tensor)
+        return t, q
+
+    @property
+    def tensor_ranks(self) -> int:
+        t, q = self.tensor_shape()
+        return t * q * q
+
+    def data_size(self, world_size: int) -> int:
+        # max(1, ...): stays defined while check() reports a zero pipeline size
+        return (
+            self.data
+            if self.data is not None
+            else max(1, world_size // max(1, self.pipeline * self.tensor_ranks))
+        )
+
+    def check(self) -> list[Violation]:
+        return checks.check_parallel(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Optimisation: AdamW with linear warmup and cosine decay, clipping and gradient accumulation."""
+
+    steps: int = 100
+    """Optimizer steps to run."""
+    global_batch: int = 8
+    """Sequences per optimizer step = micro_batch × micro-batches × data-parallel size."""
+    micro_batch: int = 1
+    """Sequences per micro-batch per data-parallel rank."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (applied to matrices only, not to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW's decay rate of the first-moment (mean) estimate."""
+    beta2: float = 0.95
+    """AdamW's decay rate of the second-moment (uncentred variance) estimate."""
+    eps: float = 1e-8
+    """AdamW's term added to the denominator for numerical stability."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 1234
+    """Seeds initialisation and data order."""
+    dtype: str = "fp32"
+    """Compute dtype: fp32, bf16 (autocast where supported) or fp16."""
+    device: str = "auto"
+    """cpu, cuda or auto (cuda when available)."""
+    grad_reduce_dtype: str = "fp32"
+    """dtype of the ZeRO gradient reduce-scatter: fp32 (exact accumulation) or bf16 (half the traffic)."""
+    fp16_init_scale: float = 65536.0
+    """Initial dynamic loss scale for train.dtype = 'fp16' (halved on overflow, doubled every 2000 good steps)."""
+    bucket_mb: float = 25.0
+    """Size of data-parallel gradient all-reduce buckets, in MiB."""
+    eval_every: int = 0
+    """Compute the validation loss every this many steps and at the end (0: never); needs data.valid_path or
+    data.valid_fraction."""
+    eval_batches: int = 4
+    """Global batches of validation data per evaluation (always the same ones)."""
+    nonfinite: str = "stop"
+    """A NaN/inf loss or gradient norm: "stop" (save nothing, exit naming the step) or "skip" the update."""
+    max_skips: int = 3
+    """train.nonfinite = "skip": stop after this many consecutive skipped steps."""
+    fp16_max_overflows: int = 32
+    """fp16: stop after this many consecutive overflowing steps (the loss scale cannot recover)."""
+    hang_timeout_s: float = 1800.0
+    """A rank that finishes no step for this long (saves excluded) dumps its stack to RUN_DIR/stacks/ and
+    exits 4 naming the ranks that stopped responding; 0 disables the watchdog."""
+    collective_timeout_s: float = 0.0
+    """Timeout of every collective, passed to torch.distributed.init_process_group; 0 keeps torch's (30 min)."""
+    stop_signal: str = "SIGUSR1"
+    """Signal that, like SIGTERM and SIGINT, makes every rank checkpoint at the next step and exit 75
+    (pre-emption: Slurm's `--signal=USR1@120`); "" for none."""
+
+    def micro_batches(self, dp: int) -> int:
+        return self.global_batch // max(1, self.micro_batch * dp)
+
+    def check(self) -> list[Violation]:
+        return checks.check_train(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Training data: prepared token files (one, or a weighted blend), or the embedded default corpus."""
+
+    path: str | list[Any] | None = None
+    """Token file written by `tessera prepare`, or a blend: a list of files and/or {path, weight} tables
+    (weight 1 when omitted); None prepares the default corpus (the Python standard library)."""
+    valid_path: str | None = None
+    """A separate token file for the validation loss."""
+    valid_fraction: float = 0.0
+    """Hold out this fraction of every training file (its last whole documents) for the validation loss."""
+    tokenizer: str = "byte"
+    """"byte" (no files needed), a Hugging Face tokenizers JSON file, or a `save_pretrained` folder holding one
+    (its EOS token separates documents)."""
+    seed: int | None = None
+    """Seed of the sample order; None means train.seed."""
+    default_corpus_mb: float = 8.0
+    """How many MiB of standard-library sources the default corpus takes (a deterministic subset)."""
+
+    def sources(self) -> list[tuple[str, float]]:
+        """(path, weight) of every training file; empty for the default corpus. Assumes `check` passed."""
+        if self.path is None:
+            return []
+        entries = [self.path] if isinstance(self.path, str) else self.path
+        return [(e, 1.0) if isinstance(e, str) else (e["path"], float(e.get("weight", 1.0))) for e in entries]
+
+    def check(self) -> list[Violation]:
+        return checks.check_data(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """When and where to save; saves are atomic and resumable."""
+
+    dir: str | None = None
+    """Checkpoint directory; None means RUN_DIR/checkpoints."""
+    every: int = 0
+    """Save every this many steps (0: only at the end)."""
+    keep: int = 2
+    """How many most recent checkpoints to keep."""
+    resume: bool = True
+    """Resume from the newest checkpoint in dir that verifies against its checksums, if there is one."""
+    load_step: int | None = None
+    """Resume from exactly this step's checkpoint instead (it must exist and verify)."""
+
+    def check(self) -> list[Violation]:
+        return checks.check_checkpoint(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class LogConfig:
+    """Metrics and progress display."""
+
+    run_dir: str = "runs/default"
+    """Where metrics.jsonl, the resolved config, checkpoints and plots go."""
+    every: int = 1
+    """Log metrics every this many steps."""
+    progress: bool = True
+    """Live progress display on rank 0 (rich)."""
+    tensorboard: bool = True
+    """Also write TensorBoard events to RUN_DIR/tensorboard."""
+    wandb: bool = False
+    """Also log the same scalars to Weights & Biases (needs `pip install wandb`)."""
+    wandb_project: str = "tessera"
+    """W&B project name."""
+    wandb_mode: str = "offline"
+    """W&B mode: offline (files under RUN_DIR/wandb, `wandb sync` later), online or disabled."""
+
+    def check(self) -> list[Violation]:
+        return checks.check_log(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """A whole run: model, layout, optimisation, data, checkpointing and logging."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def check(self, world_size: int) -> list[Violation]:
+        """Every violated rule, for this world size; an empty list means the config is valid.
+
+        The per-section field rules live in each section's ``check``; the rules across sections (world size,
+        divisibility, batch arithmetic, the schedule that will run) in `tessera.execution`, which resolves the
+        config into the plan a run executes."""
+        from tessera.execution import violations
+
+        return violations(self, world_size)
+
+    def validate(self, world_size: int) -> None:
+        """Raise ConfigError listing every violation at once (`tessera.execution.resolve`)."""
+        from tessera.execution import resolve
+
+        resolve(self, world_size)
+
+
+def parse_tensor(value: int | str) -> tuple[int, int]:
+    """Parse parallel.tensor into (t, q): 4 → (4, 1) for 1D; "2x2" → (1, 2) for 2D."""
+    if isinstance(value, bool):
+        raise ConfigError(f"parallel.tensor = {value!r} is not a size")
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(f"parallel.tensor = {value} must be at least 1")
+        return value, 1
+    m = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", str(value))
+    if m is None:
+        if str(value).strip().isdigit():
+            return parse_tensor(int(value))
+        raise ConfigError(f'parallel.tensor = {value!r} is neither an int nor a grid like "2x2"')
+    rows, cols = int(m.group(1)), int(m.group(2))
+    if rows != cols or rows < 1:
+        raise ConfigError(f"parallel.tensor = {value!r}: the 2D grid must be square (q×q), got {rows}×{cols}")
+    return 1, rows
+
+
+def even_split(n_layers: int, n_stages: int) -> list[int]:
+    """Blocks per stage for an even split; the first ``n_layers % n_stages`` stages get one more."""
+    base, extra = divmod(n_layers, n_stages)
+    return [base + (1 if s < extra else 0) for s in range(n_stages)]
