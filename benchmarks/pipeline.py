@@ -41,8 +41,10 @@ from tessera import comm  # noqa: E402
 from tessera.groups import build_groups  # noqa: E402
 from tessera.layout import Axis, Layout  # noqa: E402
 from tessera.model.build import build_model  # noqa: E402
-from tessera.pipeline.runtime import DataParallelStageComm, PipelineEngine, lowered_schedule  # noqa: E402
+from tessera.pipeline.build import lowered_schedule  # noqa: E402
+from tessera.pipeline.runtime import PipelineEngine  # noqa: E402
 from tessera.pipeline.stage import split_stages, tied_parameters  # noqa: E402
+from tessera.pipeline.stage_comm import DataParallelStageComm  # noqa: E402
 from tessera.sim import CostTable, TimelineEntry, render_image, simulate  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402  (one rank per process, gloo, tracebacks surfaced)
 

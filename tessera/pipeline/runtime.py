@@ -18,6 +18,10 @@ Deadlock freedom: the lowered lists are validated before anything runs, under ex
 buffered, receives blocking), and posting a receive early never blocks. Gloo matches messages by tag (each
 message of a step has its own), NCCL by issue order per pair of ranks, which the engine checks for non-gloo
 backends.
+
+The hooks behind ``REDUCE`` / ``GATHER`` / ``FREE`` are `tessera.pipeline.stage_comm`; what the engine reads off
+its list besides (early receives, depth-first reductions, the forward-only list, NCCL's order check) is the
+torch-free `tessera.pipeline.run_order`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,97 +43,15 @@ from tessera.modes import ACCUMULATION
 from tessera.parallel.memory import SavedActivationCounter
 from tessera.pipeline.build import lowered_schedule
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, infer_stage_ranks
+from tessera.pipeline.run_order import check_p2p_order, forward_only, group_reductions, recv_post_positions
 from tessera.pipeline.stage import Stage, TiedParameter, split_stages, tied_parameters
+from tessera.pipeline.stage_comm import DataParallelStageComm, StageComm
 from tessera.pipeline.validate import validate
 
-__all__ = [
-    "DataParallelStageComm",
-    "PipelineEngine",
-    "StageComm",
-    "TimedAction",
-    "build_pipeline",
-    "forward_only",
-    "lowered_schedule",
-]
+__all__ = ["PipelineEngine", "TimedAction", "build_pipeline"]
 
 _K = ActionKind
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-class StageComm(Protocol):
-    """Hooks the engine calls for the stage-level actions (see RUNTIME_CONTRACT / docs/pipeline-runtime.md)."""
-
-    def gather(self, stage: int) -> None:
-        """GATHER: start the ZeRO-3 all-gather of the stage's parameters (may be asynchronous)."""
-
-    def wait_gather(self, stage: int) -> None:
-        """Called before the stage's next compute after ``gather``: the parameters must be complete."""
-
-    def free(self, stage: int) -> None:
-        """FREE: drop the gathered full parameters."""
-
-    def reduce(self, stage: int) -> None:
-        """REDUCE: the stage's gradients are final for this step; launch the data-parallel reduction."""
-
-    def finish(self) -> None:
-        """Before the optimizer step: wait for every reduction."""
-
-
-class DataParallelStageComm:
-    """Plain data parallelism: ``reduce(stage)`` launches an async all-reduce of the stage's flattened
-    gradients over ``dp_group`` (None: no data parallelism); ``finish`` waits and writes back the average.
-    gather/free are no-ops. Several calls per step (depth-first accumulation) reduce the gradient accumulated
-    since the previous call each time and add the results.
-
-    A Parameter held by two local stages (a tied embedding on one rank) is reduced with the lower-index stage,
-    whose backward finishes last.
-    """
-
-    def __init__(self, stages: dict[int, Stage], dp_group: dist.ProcessGroup | None) -> None:
-        self.group = dp_group
-        self.size = comm.group_size(dp_group) if dp_group is not None else 1  # None: no data parallelism
-        seen: set[int] = set()
-        self.params: dict[int, list[nn.Parameter]] = {}
-        for index in sorted(stages):
-            own = [p for p in stages[index].parameters() if p.requires_grad and id(p) not in seen]
-            seen.update(id(p) for p in own)
-            self.params[index] = own
-        self._pending: list[tuple[int, torch.Tensor, dist.Work | None]] = []
-
-    def gather(self, stage: int) -> None:
-        pass
-
-    def wait_gather(self, stage: int) -> None:
-        pass
-
-    def free(self, stage: int) -> None:
-        pass
-
-    def reduce(self, stage: int) -> None:
-        params = self.params.get(stage, [])
-        if self.size == 1 or not params:
-            return
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        )
-        for p in params:  # later micro-batches (depth-first: one reduce per micro-batch) accumulate afresh
-            p.grad = None
-        self._pending.append((stage, flat, comm.all_reduce(flat, self.group, async_op=True)))
-
-    def finish(self) -> None:
-        """Wait for every reduction; add a stage's reduced parts (one per call) and write back the average."""
-        total: dict[int, torch.Tensor] = {}
-        for stage, flat, work in self._pending:
-            if work is not None:
-                work.wait()
-            total[stage] = flat if stage not in total else total[stage].add_(flat)
-        for stage, flat in total.items():
-            flat.div_(self.size)
-            offset = 0
-            for p in self.params[stage]:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
-        self._pending.clear()
 
 
 class TimedAction(tuple):
@@ -213,17 +135,17 @@ class PipelineEngine:
         self.activation_shape = activation_shape or _default_activation_shape(stages)
         self.tied = [t for t in tied if self.owner[t.stage_a] != self.owner[t.stage_b]]
         self.deferred = {s for t in self.tied for s in (t.stage_a, t.stage_b) if s in stages}
-        self.post_at = _recv_post_positions(self.actions, recv_ahead)
+        self.post_at = recv_post_positions(self.actions, recv_ahead)
         self.accumulation = accumulation
         self.loss_scale = 1.0  # set by the trainer for fp16 dynamic loss scaling
         self.peak_saved_bytes = 0
         self.track_saved = True  # count activation bytes held for backward (metrics: saved_activation_bytes)
         self.reduce_after = (
-            _group_reductions(self.actions, self.deferred) if accumulation == "depth_first" else {}
+            group_reductions(self.actions, self.deferred) if accumulation == "depth_first" else {}
         )
         self.timeline: list[TimedAction] = []
         if pp_group is not None and dist.get_backend(pp_group) != "gloo":
-            _check_p2p_order(lowered)
+            check_p2p_order(lowered)
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's trainable parameters, each once (a tied Parameter of two local stages counted once)."""
@@ -296,7 +218,7 @@ class PipelineEngine:
                 f"the schedule has {self.m} micro-batches but evaluate got {len(batches)} batches"
             )
         actions = forward_only(self.actions)
-        post_at = _recv_post_positions(actions, self.recv_ahead)
+        post_at = recv_post_positions(actions, self.recv_ahead)
         state, track = _StepState(batches), self.track_saved
         self.track_saved = False  # saved_activation_bytes describes training steps
         try:
@@ -483,29 +405,6 @@ class PipelineEngine:
         return float(total)
 
 
-def forward_only(actions: list[Action]) -> list[Action]:
-    """A rank's action list without backward work: forwards, their SEND_F/RECV_F, and the ZeRO-3 GATHER/FREE
-    pairs that enclose a forward. Removing the backward direction keeps the forwards' relative order on every
-    rank, so the list stays deadlock-free."""
-    keep = (_K.FORWARD, _K.SEND_F, _K.RECV_F, _K.GATHER_PARAMS, _K.FREE_PARAMS)
-    out: list[Action | None] = []
-    opened: dict[int, int] = {}  # stage -> position of its open GATHER
-    used: set[int] = set()  # stages that ran a forward since their GATHER
-    for a in (a for a in actions if a.kind in keep):
-        if a.kind is _K.GATHER_PARAMS:
-            opened[a.stage] = len(out)
-            used.discard(a.stage)
-        elif a.kind is _K.FREE_PARAMS and a.stage in opened:
-            start = opened.pop(a.stage)
-            if a.stage not in used:
-                out[start] = None  # a backward-only phase: neither gather nor free
-                continue
-        elif a.kind is _K.FORWARD:
-            used.add(a.stage)
-        out.append(a)
-    return [a for a in out if a is not None]
-
-
 def _group_size(group: dist.ProcessGroup) -> int:
     return dist.get_world_size(group)
 
@@ -535,53 +434,6 @@ def _default_activation_shape(stages: dict[int, Stage]) -> Callable[[torch.Size]
             "activation_shape= to PipelineEngine"
         )
     return shape
-
-
-def _recv_post_positions(actions: list[Action], ahead: int) -> dict[int, list[Action]]:
-    """Index of the action before which each RECV is posted: ``ahead`` compute actions before it (list order)."""
-    computes = [i for i, a in enumerate(actions) if a.kind.is_compute]
-    post: dict[int, list[Action]] = {}
-    for index, action in enumerate(actions):
-        if not action.kind.is_recv:
-            continue
-        before = [c for c in computes if c < index]
-        at = before[-ahead] if ahead and len(before) >= ahead else (0 if ahead else index)
-        post.setdefault(at, []).append(action)
-    return post
-
-
-def _group_reductions(actions: list[Action], deferred: set[int]) -> dict[int, list[int]]:
-    """Depth-first accumulation: reduce each stage after every micro-batch's backward, not only after the last
-    (that one is the IR's REDUCE). Keyed by the index after which to call ``reduce``: past the backward's SENDs,
-    so the gradient for the previous stage leaves first. Stages in ``deferred`` (tied across ranks) reduce once."""
-    weight_kinds = (_K.BACKWARD, _K.BACKWARD_WEIGHT)
-    last = {a.stage: i for i, a in enumerate(actions) if a.kind in weight_kinds}
-    after: dict[int, list[int]] = {}
-    for index, action in enumerate(actions):
-        if action.kind not in weight_kinds or last[action.stage] == index or action.stage in deferred:
-            continue
-        end = index
-        while end + 1 < len(actions) and actions[end + 1].kind.is_send and _same(actions[end + 1], action):
-            end += 1
-        after.setdefault(end, []).append(action.stage)
-    return after
-
-
-def _same(a: Action, b: Action) -> bool:
-    return (a.stage, a.microbatch) == (b.stage, b.microbatch)
-
-
-def _check_p2p_order(lowered: Schedule) -> None:
-    """NCCL matches P2P messages by issue order: every channel's send order must equal its receive order."""
-    for a, actions in enumerate(lowered):
-        for b in range(len(lowered)):
-            sends = [x.message for x in actions if x.kind.is_send and x.peer == b]
-            recvs = [x.message for x in lowered[b] if x.kind.is_recv and x.peer == a]
-            if sends != recvs:
-                raise ScheduleError(
-                    f"rank {a} sends to rank {b} in a different order than rank {b} receives; this backend "
-                    "matches messages by order (use gloo, or reorder the hand-written schedule)"
-                )
 
 
 # --- building a pipeline from a plain model ----------------------------------------------------------------

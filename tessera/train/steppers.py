@@ -31,8 +31,9 @@ from tessera.parallel.checkpointing import apply_checkpointing
 from tessera.parallel.data import GradSync
 from tessera.parallel.memory import SavedActivationCounter
 from tessera.parallel.precision import DynamicLossScaler, autocast, reduce_dtype
-from tessera.parallel.zero import ShardedAdamW, ZeroStageComm
-from tessera.pipeline.runtime import DataParallelStageComm, build_pipeline
+from tessera.parallel.zero import ShardedAdamW
+from tessera.pipeline.runtime import build_pipeline
+from tessera.pipeline.stage_comm import DataParallelStageComm, ZeroStageComm
 
 __all__ = ["DirectStepper", "PipelineStepper", "make_optimizer", "make_stepper"]
 

@@ -26,8 +26,9 @@ from tessera.execution import resolve
 from tessera.memory import estimate, plan_from_config
 from tessera.model.build import build_model
 from tessera.parallel.memory import SavedActivationCounter
-from tessera.parallel.zero import ShardedAdamW, ZeroStageComm
+from tessera.parallel.zero import ShardedAdamW
 from tessera.pipeline.stage import split_stages
+from tessera.pipeline.stage_comm import ZeroStageComm
 from tessera.planner.cost import ModelShape, activation_bytes_per_layer
 from tests.distributed.test_zero import zero_step
 from tests.harness import run_distributed

@@ -22,8 +22,9 @@ from tessera.model.build import build_model
 from tessera.parallel.apply import parallelize
 from tessera.pipeline import ScheduleError, build_schedule, lower
 from tessera.pipeline.ir import Action, ActionKind
-from tessera.pipeline.runtime import DataParallelStageComm, PipelineEngine, build_pipeline
+from tessera.pipeline.runtime import PipelineEngine, build_pipeline
 from tessera.pipeline.stage import split_stages, tied_parameters
+from tessera.pipeline.stage_comm import DataParallelStageComm
 from tests.harness import run_distributed
 
 # fp32 on CPU. The pipeline sums micro-batch gradients in another order than one full-batch backward, so the

@@ -19,11 +19,12 @@ from torch import nn
 from tessera import comm
 from tessera.config import ModelConfig
 from tessera.model.build import build_model
-from tessera.parallel.zero import ShardedAdamW, ZeroStageComm
+from tessera.parallel.zero import ShardedAdamW
 from tessera.pipeline.ir import ActionKind
 from tessera.pipeline.passes import lower
 from tessera.pipeline.schedules import breadth_first
 from tessera.pipeline.stage import split_stages
+from tessera.pipeline.stage_comm import ZeroStageComm
 from tests.harness import run_distributed
 
 LOSS_ATOL = 1e-5

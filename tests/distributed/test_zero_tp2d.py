@@ -26,7 +26,7 @@ from tessera.layout import Axis, Layout
 from tessera.model.build import build_model
 from tessera.parallel.apply import parallelize
 from tessera.parallel.model_2d import Model2D
-from tessera.parallel.zero import ZeroStageComm
+from tessera.pipeline.stage_comm import ZeroStageComm
 from tessera.train.steppers import PipelineStepper
 from tests.harness import run_distributed
 

@@ -10,8 +10,9 @@ import pytest
 
 from tessera.config import from_dict
 from tessera.errors import DataError
+from tessera.pipeline.build import lowered_schedule
 from tessera.pipeline.ir import ActionKind
-from tessera.pipeline.runtime import forward_only, lowered_schedule
+from tessera.pipeline.run_order import forward_only
 from tessera.train.data import Blend, TokenDataset, batch_indices, open_data, prepare
 
 

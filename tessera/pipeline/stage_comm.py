@@ -1,0 +1,270 @@
+"""The ``StageComm`` family: what the pipeline runtime calls for a schedule's stage-level actions.
+
+The engine (`tessera.pipeline.runtime`) interprets ``REDUCE``, ``GATHER`` and ``FREE`` by calling the hooks of a
+`StageComm`; which data-parallel mechanism runs behind them is the implementation's business:
+
+- `DataParallelStageComm`: ZeRO-0, an all-reduce of each stage's flattened gradients (``parallel.zero = 0``).
+- `ZeroStageComm`: ZeRO-1/2/3 on `tessera.parallel.zero.FlatStage` buffers, a reduce-scatter into this rank's
+  shard, and (ZeRO-3) the all-gather and release of the stage's parameters around its compute. Its optimizer
+  is `tessera.parallel.zero.ShardedAdamW`; docs/zero.md explains the buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera import comm
+from tessera.modes import ACCUMULATION
+from tessera.parallel.zero import FlatStage
+
+__all__ = ["DataParallelStageComm", "StageComm", "ZeroStageComm"]
+
+
+class StageComm(Protocol):
+    """Hooks the engine calls for the stage-level actions (see RUNTIME_CONTRACT / docs/pipeline-runtime.md)."""
+
+    def gather(self, stage: int) -> None:
+        """GATHER: start the ZeRO-3 all-gather of the stage's parameters (may be asynchronous)."""
+
+    def wait_gather(self, stage: int) -> None:
+        """Called before the stage's next compute after ``gather``: the parameters must be complete."""
+
+    def free(self, stage: int) -> None:
+        """FREE: drop the gathered full parameters."""
+
+    def reduce(self, stage: int) -> None:
+        """REDUCE: the stage's gradients are final for this step; launch the data-parallel reduction."""
+
+    def finish(self) -> None:
+        """Before the optimizer step: wait for every reduction."""
+
+
+class DataParallelStageComm:
+    """Plain data parallelism: ``reduce(stage)`` launches an async all-reduce of the stage's flattened
+    gradients over ``dp_group`` (None: no data parallelism); ``finish`` waits and writes back the average.
+    gather/free are no-ops. Several calls per step (depth-first accumulation) reduce the gradient accumulated
+    since the previous call each time and add the results.
+
+    A Parameter held by two local stages (a tied embedding on one rank) is reduced with the lower-index stage,
+    whose backward finishes last.
+    """
+
+    def __init__(self, stages: Mapping[int, nn.Module], dp_group: dist.ProcessGroup | None) -> None:
+        self.group = dp_group
+        self.size = comm.group_size(dp_group) if dp_group is not None else 1  # None: no data parallelism
+        seen: set[int] = set()
+        self.params: dict[int, list[nn.Parameter]] = {}
+        for index in sorted(stages):
+            own = [p for p in stages[index].parameters() if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in own)
+            self.params[index] = own
+        self._pending: list[tuple[int, torch.Tensor, dist.Work | None]] = []
+
+    def gather(self, stage: int) -> None:
+        pass
+
+    def wait_gather(self, stage: int) -> None:
+        pass
+
+    def free(self, stage: int) -> None:
+        pass
+
+    def reduce(self, stage: int) -> None:
+        params = self.params.get(stage, [])
+        if self.size == 1 or not params:
+            return
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
+        for p in params:  # later micro-batches (depth-first: one reduce per micro-batch) accumulate afresh
+            p.grad = None
+        self._pending.append((stage, flat, comm.all_reduce(flat, self.group, async_op=True)))
+
+    def finish(self) -> None:
+        """Wait for every reduction; add a stage's reduced parts (one per call) and write back the average."""
+        total: dict[int, torch.Tensor] = {}
+        for stage, flat, work in self._pending:
+            if work is not None:
+                work.wait()
+            total[stage] = flat if stage not in total else total[stage].add_(flat)
+        for stage, flat in total.items():
+            flat.div_(self.size)
+            offset = 0
+            for p in self.params[stage]:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        self._pending.clear()
+
+
+def _stage_items(stages: Mapping[int, nn.Module] | Sequence[nn.Module]) -> list[tuple[int, nn.Module]]:
+    if isinstance(stages, Mapping):
+        return sorted(stages.items())
+    return list(enumerate(stages))
+
+
+class ZeroStageComm:
+    """The StageComm of the pipeline runtime for ZeRO stage 1, 2 or 3 over ``dp_group`` (see module doc).
+
+    ``stages``: this rank's stages, ``{global_stage: module}`` or a list indexed by stage. A parameter shared by
+    several stages (tied embedding and head on one rank) belongs to the lowest stage, whose backward finishes
+    last in every schedule; gathering any stage that uses it gathers the owner's buffer too (reference-counted).
+    ``reduce_dtype``: dtype of the gradient reduce-scatter (fp32 default; bf16 halves the traffic).
+    """
+
+    def __init__(
+        self,
+        stages: Mapping[int, nn.Module] | Sequence[nn.Module],
+        dp_group: dist.ProcessGroup | None,
+        zero_stage: int,
+        accumulation: str = "layered",
+        *,
+        reduce_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if zero_stage not in (1, 2, 3):
+            raise ValueError(
+                f"ZeroStageComm needs zero_stage 1, 2 or 3, got {zero_stage}; for parallel.zero = 0 use "
+                "DataParallelStageComm"
+            )
+        if accumulation not in ACCUMULATION:
+            raise ValueError(f"accumulation must be one of {ACCUMULATION}, got {accumulation!r}")
+        self.group, self.zero_stage, self.accumulation = dp_group, zero_stage, accumulation
+        self.reduce_dtype = reduce_dtype
+        self.world = comm.group_size(dp_group) if dist.is_initialized() else 1
+        owner: dict[int, int] = {}
+        self.uses: dict[int, list[int]] = {}
+        items = _stage_items(stages)
+        by_stage: dict[int, list[nn.Parameter]] = {s: [] for s, _ in items}
+        for s, module in items:
+            self.uses[s] = []
+            for p in module.parameters():
+                if not p.requires_grad:
+                    continue
+                if id(p) not in owner:
+                    owner[id(p)] = s
+                    by_stage[s].append(p)
+                if owner[id(p)] not in self.uses[s]:
+                    self.uses[s].append(owner[id(p)])
+        self.flats: dict[int, FlatStage] = {
+            s: FlatStage(ps, dp_group, zero_stage) for s, ps in by_stage.items() if ps
+        }
+        self.uses = {s: [o for o in owners if o in self.flats] for s, owners in self.uses.items()}
+        self._pending_reduce: set[int] = set()
+        self._inflight: list[FlatStage] = []
+        self._shard_module: nn.Module | None = None
+
+    # --- StageComm protocol -------------------------------------------------------------------------------
+
+    def gather(self, stage: int) -> None:
+        """GATHER: start all-gathering the parameters stage ``stage`` computes with (ZeRO-3; else a no-op)."""
+        if self.zero_stage < 3:
+            return
+        for owner in self.uses.get(stage, []):
+            flat = self.flats[owner]
+            flat.users += 1
+            flat.launch_gather()
+
+    def wait_gather(self, stage: int) -> None:
+        if self.zero_stage < 3:
+            return
+        for owner in self.uses.get(stage, []):
+            self.flats[owner].wait_gather()
+
+    def free(self, stage: int) -> None:
+        """FREE: release gathered parameters no stage in a running phase still uses (ZeRO-3)."""
+        if self.zero_stage < 3:
+            return
+        for owner in self.uses.get(stage, []):
+            flat = self.flats[owner]
+            flat.users = max(0, flat.users - 1)
+            if flat.users == 0:
+                flat.wait_gather()
+                flat.release()
+
+    def reduce(self, stage: int) -> None:
+        """REDUCE: stage ``stage``'s gradients of this sweep are complete; launch their reduce-scatter."""
+        if stage not in self.flats:
+            return
+        if self.zero_stage == 1 and self.accumulation == "depth_first":
+            self._pending_reduce.add(stage)  # full gradients stay; one reduce-scatter in finish()
+            return
+        self._launch(self.flats[stage], drop_grads=self.zero_stage >= 2)
+
+    def _launch(self, flat: FlatStage, drop_grads: bool) -> None:
+        # One reduction in flight: it overlaps the next stage's backward, and only one flattened gradient copy
+        # exists at a time (the memory estimate's communication buffer).
+        for earlier in self._inflight:
+            earlier.wait_reduce()
+        flat.launch_reduce(self.reduce_dtype, drop_grads=drop_grads)
+        self._inflight = [flat]
+
+    def finish(self) -> None:
+        """Before the optimizer step: launch deferred reductions and wait for every one."""
+        for stage in sorted(self._pending_reduce, reverse=True):
+            self._launch(self.flats[stage], drop_grads=False)
+        self._pending_reduce.clear()
+        self._inflight = []
+        for flat in self.flats.values():
+            flat.wait_reduce()
+
+    # --- helpers for the trainer --------------------------------------------------------------------------
+
+    def params(self) -> list[nn.Parameter]:
+        """Every parameter this object manages, each once."""
+        return [p for flat in self.flats.values() for p in flat.params]
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [f.grad_shard for f in self.flats.values() if f.grad_shard is not None]
+
+    def zero_grad(self) -> None:
+        """Drop gradient shards and any full gradients left (ZeRO-1)."""
+        for flat in self.flats.values():
+            flat.grad_shard = None
+            for p in flat.params:
+                p.grad = None
+
+    def gather_all(self) -> None:
+        """Materialise every stage's full parameters (ZeRO-3), e.g. to evaluate or export; undo with free_all."""
+        for s in self.flats:
+            self.gather(s)
+        for s in self.flats:
+            self.wait_gather(s)
+
+    def free_all(self) -> None:
+        for s in self.flats:
+            self.free(s)
+
+    def refresh_params(self) -> None:
+        """Rebuild the parameters from the shards after the shards were overwritten (a checkpoint load);
+        collective. ZeRO-1/2 keep full copies between steps: without this every rank would train on its own
+        fresh shard and the other ranks' stale slices. ZeRO-3 re-gathers only what is currently gathered."""
+        for flat in self.flats.values():
+            if not flat.sharded_params:
+                flat.all_gather_params()
+            elif flat.gathered:
+                flat.gathered = False
+                flat.launch_gather()
+                flat.wait_gather()
+
+    def shard_module(self) -> nn.Module:
+        """An ``nn.Module`` whose parameters are this rank's shards (``stage{s}``), for rank-local checkpoints;
+        built once, its parameters share storage with the live shards."""
+        if self._shard_module is None:
+            self._shard_module = _ShardModule(self)
+        return self._shard_module
+
+
+class _ShardModule(nn.Module):
+    def __init__(self, zero: ZeroStageComm) -> None:
+        super().__init__()
+        self.shards = nn.ParameterDict(
+            {f"stage{s}": nn.Parameter(flat.shard, requires_grad=True) for s, flat in zero.flats.items()}
+        )
+        for s, flat in zero.flats.items():  # share storage: the optimizer updates the live shard
+            flat.shard_param = self.shards[f"stage{s}"]
+        # loading a checkpoint writes the shards only; the parameters must follow on every rank
+        self.register_load_state_dict_post_hook(lambda module, keys: zero.refresh_params())
