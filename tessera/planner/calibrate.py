@@ -5,7 +5,10 @@ number of cores). Compute and memory timings use the thread's CPU time (best of 
 machine does not inflate them; collectives use wall time (best of several), since waiting is their cost.
 
 - GEMM efficiency curve: fp32 `torch.matmul` of square sizes; peak = the third-best rate seen (robust to one lucky
-  timing), each size's point is (FLOPs of the call, rate / peak, at most 1). The curve then prices the planner's GEMMs exactly as on a GPU.
+  timing), each size's point is (FLOPs of the call, rate / peak, at most 1). The same measurements are written as
+  the file's `gemm_table` rows (m, n, k, dtype, FLOP/s). A CPU has no SMs, so the profile keeps `sm_count = 0`
+  and the planner prices its GEMMs with the size curve (`tessera.planner.gemm`); `gpu_gemm_profile` is the same
+  measurement on a CUDA device, which also reads the SM count, so the planner prices GEMMs by shape there.
 - Memory bandwidth: a large tensor copy (read + write bytes / time) → `hbm_bandwidth`.
 - Collectives: `world` gloo processes on localhost run all-reduce and all-gather over a size sweep; a least-squares
   fit of t = c_bytes·bytes/bw + c_lat·latency, with the ring coefficients of `cost.all_reduce_time` /
@@ -26,12 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from tessera.planner.hardware import Hardware
+from tessera.planner.hardware import GemmRow, Hardware
 
 __all__ = [
     "MeasuredSteps",
     "calibrate",
     "fit_collectives",
+    "gpu_gemm_profile",
     "measure_collectives",
     "measure_gemm",
     "measure_memory_bandwidth",
@@ -75,6 +79,37 @@ def measure_gemm(sizes: tuple[int, ...] = GEMM_SIZES, min_seconds: float = 0.15)
         return out
     finally:
         torch.set_num_threads(threads)
+
+
+GPU_GEMM_SHAPES = ((8192, 8192, 8192), (4096, 4096, 4096), (2048, 12288, 4096), (2048, 4096, 12288))
+"""Square and transformer-like (tokens × hidden) shapes `gpu_gemm_profile` measures."""
+
+
+def gpu_gemm_profile(
+    shapes: tuple[tuple[int, int, int], ...] = GPU_GEMM_SHAPES, dtype: str = "bf16", repeats: int = 20
+) -> tuple[int, list[GemmRow]]:
+    """(SM count, measured rows) of `torch.matmul` on the current CUDA device, timed with CUDA events (best of
+    `repeats`): the `sm_count` and `gemm_table` of a GPU hardware file."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("gpu_gemm_profile needs a CUDA device; on a CPU use calibrate() (size curve)")
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    rows = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=torch_dtype)
+        b = torch.randn(k, n, device="cuda", dtype=torch_dtype)
+        torch.matmul(a, b)  # warm-up: cuBLAS picks and loads its kernel
+        best = float("inf")
+        for _ in range(repeats):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.matmul(a, b)
+            stop.record()
+            stop.synchronize()
+            best = min(best, start.elapsed_time(stop) / 1e3)
+        rows.append(GemmRow(m, n, k, dtype, 2.0 * m * n * k / best, "tessera calibrate"))
+    return torch.cuda.get_device_properties(0).multi_processor_count, rows
 
 
 def measure_memory_bandwidth(nbytes: int = 64 * 2**20, min_seconds: float = 0.2) -> float:
@@ -260,6 +295,7 @@ def calibrate(
         inter_node_bandwidth=bandwidth,
         inter_node_latency=latency,
         gemm_efficiency=[(f, min(1.0, max(rate / peak, 1e-3))) for f, rate in gemm],
+        gemm_table=[_square_row(f, rate) for f, rate in gemm],
     )
     factor = 1.0
     if end_to_end:
@@ -273,6 +309,12 @@ def calibrate(
         f"end-to-end factor on the reference step (GEMM curve scaled by it): {factor:.3f}",
     ]
     return hw, "\n".join(lines)
+
+
+def _square_row(flops: float, rate: float) -> GemmRow:
+    """The fp32 square matmul of `flops` = 2n³ FLOPs measured at `rate`, as a `gemm_table` row."""
+    n = round((flops / 2) ** (1 / 3))
+    return GemmRow(n, n, n, "fp32", rate, "tessera calibrate")
 
 
 def trainer_plan(cfg: Any, world: int, *, flash_attention: bool = True) -> tuple[Any, str]:

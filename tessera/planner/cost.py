@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from tessera.modes import CHECKPOINTING
+from tessera.planner.gemm import gemm_call_time, plateau_time
 from tessera.planner.hardware import DTYPE_BYTES, Hardware
 from tessera.planner.network import (
     MEGATRON_ORDER,
@@ -291,15 +292,10 @@ class Plan:
 
 
 def gemm_time(hw: Hardware, m: float, n: float, k: float, *, batch: float = 1, dtype: str = "bf16") -> float:
-    """Roofline time of a (batched) GEMM [m×k]·[k×n]: max(F / (peak·η(F)), bytes / HBM bandwidth).
-
-    F = 2·m·n·k·batch; bytes = (mk + kn + mn)·batch·bytes(dtype); η = hw.efficiency(F) (the whole call).
-    """
-    flops = 2.0 * m * n * k * batch
-    if flops <= 0:
-        return 0.0
-    nbytes = (m * k + k * n + m * n) * batch * DTYPE_BYTES[dtype]
-    return max(flops / (hw.peak(dtype) * hw.efficiency(flops)), nbytes / hw.hbm_bandwidth)
+    """Roofline time of a (batched) GEMM [m×k]·[k×n] with the size curve: max(F / (peak·η(F)), bytes / HBM
+    bandwidth), F = 2·m·n·k·batch, η = hw.efficiency(F) (`gemm.plateau_time`). The compute-time functions below
+    price GEMMs with `gemm.gemm_call_time`, which uses this only for hardware without an SM count."""
+    return plateau_time(hw, m, n, k, batch=batch, dtype=dtype)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -343,14 +339,18 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     s, b, dt = shape.seq_len, plan.micro_batch, plan.dtype
     M, q = s * b, plan.q
     dense = 0.0
-    for k_in, n_out in _linears(shape):
+    for (k_in, n_out), row_parallel in zip(_linears(shape), _ROW_PARALLEL, strict=True):
         if plan.tp_kind == "2d":
-            dense += q * gemm_time(hw, M / q, n_out / q, k_in / q, dtype=dt)
+            dense += q * gemm_call_time(hw, M / q, n_out / q, k_in / q, dtype=dt)
+        elif row_parallel:  # proj, fc2: the input width is split, the output is full (then all-reduced)
+            dense += gemm_call_time(hw, M, n_out, k_in / plan.tp, dtype=dt)
         else:
-            dense += gemm_time(hw, M, n_out / plan.tp, k_in, dtype=dt)
+            dense += gemm_call_time(hw, M, n_out / plan.tp, k_in, dtype=dt)
     heads = shape.n_heads * b / plan.tp
     d = shape.head_dim
-    attn = gemm_time(hw, s, s, d, batch=heads, dtype=dt) + gemm_time(hw, s, d, s, batch=heads, dtype=dt)
+    attn = gemm_call_time(hw, s, s, d, batch=heads, dtype=dt) + gemm_call_time(
+        hw, s, d, s, batch=heads, dtype=dt
+    )
     elementwise = elementwise_bytes_per_layer(shape, plan) / hw.hbm_bandwidth
     score_bytes = 0.0 if plan.flash_attention else (9 if shape.dropout else 4) * shape.n_heads * s * s * b
     fwd = dense + attn + elementwise
@@ -405,7 +405,7 @@ def logits_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     """Output projection + loss for one micro-batch (vocabulary split over tp): GEMM [M×h]·[h×V/tp], backward 2×;
     loss elementwise `LOGIT_ELEMENTWISE_BYTES` per logit. Never recomputed."""
     M = shape.seq_len * plan.micro_batch
-    gemm = gemm_time(hw, M, shape.vocab_size / plan.tp, shape.d_model, dtype=plan.dtype)
+    gemm = gemm_call_time(hw, M, shape.vocab_size / plan.tp, shape.d_model, dtype=plan.dtype)
     loss = LOGIT_ELEMENTWISE_BYTES * M * shape.vocab_size / plan.tp / hw.hbm_bandwidth
     return LayerTime(forward=gemm + loss, backward=2 * (gemm + loss), recompute=0.0)
 
@@ -525,6 +525,10 @@ def tp1d_layer_volume(shape: ModelShape, plan: Plan) -> CommVolume:
     if plan.sequence_parallel:
         return CommVolume(all_gather=n * nbytes, reduce_scatter=n * nbytes, calls=2 * n)
     return CommVolume(all_reduce=n * nbytes, calls=n)
+
+
+_ROW_PARALLEL = (False, True, False, True)
+"""Which of `_linears` Megatron splits by input width (row-parallel: proj, fc2); the others by output width."""
 
 
 def _linears(shape: ModelShape) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from tessera.errors import ConfigError
 __all__ = [
     "DEFAULT_GEMM_EFFICIENCY",
     "DTYPE_BYTES",
+    "GemmRow",
     "Hardware",
     "list_hardware",
     "load_hardware",
@@ -45,6 +46,17 @@ DEFAULT_GEMM_EFFICIENCY: tuple[tuple[float, float], ...] = (
     (1e11, 0.63),
     (1e12, 0.65),
 )
+
+
+class GemmRow(NamedTuple):
+    """One measured GEMM: [m×k]·[k×n] in `dtype` at `flops_per_s` (2mnk / seconds), and where it comes from."""
+
+    m: int
+    n: int
+    k: int
+    dtype: str
+    flops_per_s: float
+    source: str = ""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,7 +91,18 @@ class Hardware:
     """Highest model-FLOPs utilisation published for large-model training on this device (0: unknown); the
     planner flags predictions above it (sources in docs/cost-model.md §1)."""
     gemm_efficiency: list[tuple[float, float]] = field(default_factory=lambda: list(DEFAULT_GEMM_EFFICIENCY))
-    """(FLOPs of one GEMM call, achieved fraction of peak) points, interpolated in log10(FLOPs), clamped."""
+    """(FLOPs of one GEMM call, achieved fraction of peak) points, interpolated in log10(FLOPs), clamped. Used
+    only without an SM count (`tessera.planner.gemm.plateau_time`)."""
+    sm_count: int = 0
+    """Streaming multiprocessors: with > 0 GEMMs are priced by shape (`tessera.planner.gemm.shape_time`: tile and
+    wave quantization); 0 keeps the size curve `gemm_efficiency` (e.g. a CPU profile)."""
+    gemm_tile: tuple[int, int] = (128, 256)
+    """Output tile (rows, columns) of one thread block of the GEMM kernels, for the quantization."""
+    gemm_framework_share: float = 1.0
+    """Share of the best kernel's rate a training framework keeps end to end (launch gaps, synchronisation,
+    what the cost model does not itemise)."""
+    gemm_table: list[GemmRow] = field(default_factory=list)
+    """Measured GEMMs (published or from `tessera calibrate`); the kernel fraction is fitted on them."""
 
     def peak(self, dtype: str = "bf16") -> float:
         """Dense peak FLOP/s for `dtype`; clear error for a dtype the file does not list."""
@@ -122,12 +145,44 @@ class Hardware:
             for p in self.gemm_efficiency
             if not (p[0] > 0 and 0 < p[1] <= 1)
         ]
+        problems += _gemm_problems(self)
         if problems:
             raise ConfigError(f"hardware {self.name!r} is invalid:\n  " + "\n  ".join(problems))
 
 
+def _gemm_problems(hw: Hardware) -> list[str]:
+    """What is wrong with the per-shape GEMM keys (empty list: nothing)."""
+    problems = []
+    if hw.sm_count < 0 or len(hw.gemm_tile) != 2 or min(hw.gemm_tile) < 1:
+        problems.append(
+            f"sm_count must be >= 0 and gemm_tile two sizes >= 1 (got {hw.sm_count}, {hw.gemm_tile})"
+        )
+    if not 0 < hw.gemm_framework_share <= 1:
+        problems.append(f"gemm_framework_share must be in (0, 1] (got {hw.gemm_framework_share})")
+    if hw.sm_count > 0 and not hw.gemm_table:
+        problems.append(
+            "sm_count > 0 needs gemm_table rows [m, n, k, dtype, FLOP/s, source] to fit the GEMM fraction"
+        )
+    problems += [
+        f"gemm_table row {r} needs m, n, k, FLOP/s > 0 and a dtype listed under [peak_flops]"
+        for r in hw.gemm_table
+        if min(r.m, r.n, r.k, r.flops_per_s) <= 0 or r.dtype not in hw.peak_flops
+    ]
+    return problems
+
+
 OPTIONAL_KEYS = frozenset(
-    {"gemm_efficiency", "topology", "pod_gpus", "oversubscription", "best_published_mfu"}
+    {
+        "gemm_efficiency",
+        "topology",
+        "pod_gpus",
+        "oversubscription",
+        "best_published_mfu",
+        "sm_count",
+        "gemm_tile",
+        "gemm_framework_share",
+        "gemm_table",
+    }
 )
 """Hardware keys a file may omit (they have defaults)."""
 
@@ -172,6 +227,13 @@ def _from_dict(raw: dict[str, Any], default_name: str) -> Hardware:
         )
     if "gemm_efficiency" in raw:
         raw["gemm_efficiency"] = [(float(f), float(e)) for f, e in raw["gemm_efficiency"]]
+    if "gemm_tile" in raw:
+        raw["gemm_tile"] = tuple(int(x) for x in raw["gemm_tile"])
+    if "gemm_table" in raw:
+        raw["gemm_table"] = [
+            GemmRow(int(m), int(n), int(k), str(d), float(r), *map(str, rest))
+            for m, n, k, d, r, *rest in raw["gemm_table"]
+        ]
     raw["peak_flops"] = {k: float(v) for k, v in raw["peak_flops"].items()}
     return Hardware(**raw)
 
@@ -190,8 +252,16 @@ def save_hardware(hw: Hardware, path: str | Path) -> None:
         "pod_gpus",
         "oversubscription",
         "best_published_mfu",
+        "sm_count",
+        "gemm_framework_share",
     ):
         lines.append(f"{key} = {getattr(hw, key)!r}")
+    lines.append(f"gemm_tile = [{hw.gemm_tile[0]}, {hw.gemm_tile[1]}]")
+    rows = ", ".join(
+        f"[{r.m}, {r.n}, {r.k}, {_toml_str(r.dtype)}, {r.flops_per_s!r}, {_toml_str(r.source)}]"
+        for r in hw.gemm_table
+    )
+    lines.append(f"gemm_table = [{rows}]")
     lines.append(f"topology = {_toml_str(hw.topology)}")
     points = ", ".join(f"[{f!r}, {e!r}]" for f, e in hw.gemm_efficiency)
     lines.append(f"gemm_efficiency = [{points}]")

@@ -17,7 +17,7 @@ Global assumptions (the same for every row, no per-row factors; see docs/cost-mo
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tessera.planner.cost import (
@@ -31,6 +31,7 @@ from tessera.planner.cost import (
     params_per_rank,
     stage_time,
 )
+from tessera.planner.gemm import TILE_CHOICES
 from tessera.planner.hardware import Hardware, load_hardware
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "MegatronRow",
     "Prediction",
     "compare_table",
+    "fit_gemm_constants",
     "median_abs_error",
     "predict_row",
     "write_report",
@@ -292,6 +294,34 @@ def compare_table(
     """Predictions for `rows` (default Table 1) on `hw` (default: the shipped "a100-80gb")."""
     hw = hw or load_hardware("a100-80gb")
     return [predict_row(row, hw) for row in rows]
+
+
+CALIBRATION_TOLERANCE = 0.03
+"""The one-GPU row (`CALIBRATION_ROW`, no communication at all) must be reproduced within this."""
+SHARE_GRID = tuple(i / 200 for i in range(140, 201))
+"""Framework shares tried by `fit_gemm_constants`: 0.700, 0.705, …, 1.000."""
+
+
+def fit_gemm_constants(
+    hw80: Hardware | None = None, hw40: Hardware | None = None
+) -> tuple[tuple[int, int], float, float]:
+    """(tile, framework share, Table 1 median |error|) of the per-shape GEMM model (`tessera.planner.gemm`) for
+    A100: the pair of `TILE_CHOICES` × `SHARE_GRID` with the smallest median |error| over Table 1 among those that
+    reproduce `CALIBRATION_ROW` (A100 40GB) within `CALIBRATION_TOLERANCE`. Table 1 and that row are the GEMM
+    model's calibration source; the published-run validation (`benchmarks/planner_published.py`) is not used."""
+    hw80, hw40 = hw80 or load_hardware("a100-80gb"), hw40 or load_hardware("a100-40gb")
+    best: tuple[float, tuple[int, int], float] | None = None
+    for tile in TILE_CHOICES:
+        for share in SHARE_GRID:
+            knobs = {"gemm_tile": tile, "gemm_framework_share": share}
+            if abs(predict_row(CALIBRATION_ROW, replace(hw40, **knobs)).error) > CALIBRATION_TOLERANCE:
+                continue
+            med = median_abs_error(compare_table(replace(hw80, **knobs)))
+            if best is None or med < best[0]:
+                best = (med, tile, share)
+    if best is None:
+        raise ValueError("no tile and share reproduce the one-GPU calibration row within tolerance")
+    return best[1], best[2], best[0]
 
 
 def median_abs_error(predictions: list[Prediction]) -> float:

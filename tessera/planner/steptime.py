@@ -443,17 +443,51 @@ def _fast_dp(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, c: Chun
     reduce, gather = dp_parts(psi, hw, plan, buckets=c.layers * v)
     after = {"interleaved": p, "breadth_first": m}.get(schedule, 0)
     items: list[tuple[float, float]] = []
-    if _per_microbatch_reduce(plan):  # one reduce-scatter per micro-batch, under that micro-batch's backward
-        period = v * (c.fwd + c.bwd)
+    if _per_microbatch_reduce(plan) and v > 1:  # one reduce-scatter per chunk backward, under it
+        items += _chunk_releases(p, m, v, c, end, reduce / (m * v))
+    elif _per_microbatch_reduce(
+        plan
+    ):  # one reduce-scatter per micro-batch, under that micro-batch's backward
+        period = c.fwd + c.bwd
         # the earlier micro-batches as one item each, released when their backward ends (O(m), not O(m·L))
         items += [(end - k * period, reduce / m) for k in range(1, m)]
-        items += _reduce_items(end, v * c.bwd, c.layers * v, reduce / m)
+        items += _reduce_items(end, c.bwd, c.layers, reduce / m)
     else:
         for j in range(v):
             items += _reduce_items(end - j * after * c.bwd, c.bwd, c.layers, reduce / v)
     pieces = 2 * v * (m if plan.accumulation == "depth_first" and plan.zero_stage == 3 else 1)
     queued, exposed = _gathers(plan, gather, end, min(pieces, 64))
     return dp_exposure(items + queued, end) + exposed
+
+
+BUCKETED_RELEASES = 16
+"""Chunk backwards nearest the step end whose reduction is released layer by layer; earlier ones release theirs
+as one item at their end, in at most `MAX_RELEASES` groups so a layout costs O(1) however many micro-batches
+it has."""
+MAX_RELEASES = 256
+
+
+def _chunk_releases(
+    p: int, m: int, v: int, c: ChunkCosts, end: float, share: float
+) -> list[tuple[float, float]]:
+    """Interleaved depth-first: rank 0's m·v chunk backwards each reduce `share`. Counted back from `end`, the
+    cool-down backwards (as many as the warm-up forwards: 2(p − 1) + (v − 1)·p, all of them when m = p) run back
+    to back, c.bwd apart; the earlier ones one per 1F1B slot, f + b apart (`schedules.interleaved_1f1b`)."""
+    total = m * v
+    warm = total if m == p else max(1, min(total, 2 * (p - 1) + (v - 1) * p))
+    ends = [end - k * c.bwd for k in range(warm)]
+    ends += [ends[-1] - (k + 1) * (c.fwd + c.bwd) for k in range(total - warm)]
+    items: list[tuple[float, float]] = []
+    for e in ends[:BUCKETED_RELEASES]:
+        items += _reduce_items(e, c.bwd, c.layers, share)
+    rest = ends[BUCKETED_RELEASES:]
+    group = max(1, -(-len(rest) // MAX_RELEASES))
+    # a group releases at its earliest member's end (slightly early; groups form only past 256 backwards)
+    items += [
+        (rest[min(i + group, len(rest)) - 1], share * len(rest[i : i + group]))
+        for i in range(0, len(rest), group)
+    ]
+    return items
 
 
 def _per_microbatch_reduce(plan: Plan) -> bool:
