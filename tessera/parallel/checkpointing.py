@@ -5,8 +5,9 @@
 - ``selective``: only ``block.attn.core`` (softmax(QKᵀ)·V, parameter-free) is recomputed: drops the a·s²
   score tensors, the 5as/h term, for a few % extra FLOPs (Korthikanti §4.3).
 
-The wrappers own no parameters, so parameter names and ZeRO's flat buffers are unchanged. Pipeline stages
-(tessera/pipeline/stage.py) apply the same modes per stage.
+The wrappers own no parameters, so parameter names and ZeRO's flat buffers are unchanged. `apply_checkpointing` is
+the one place a mode is applied: to every block of a model (the direct loop), and by each pipeline stage to its
+own blocks (tessera/pipeline/stage.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tessera.errors import ConfigError
 from tessera.modes import CHECKPOINTING
 
 __all__ = ["MODES", "Checkpointed", "apply_checkpointing"]
@@ -47,10 +49,12 @@ def apply_checkpointing(model_or_blocks: nn.Module, mode: str) -> nn.Module:
     """Apply checkpointing ``mode`` in place to every block of ``model_or_blocks``; returns it.
 
     full: each block's ``forward`` is routed through ``torch.utils.checkpoint`` (the module object and its
-    parameter names are unchanged). selective: ``block.attn.core`` is wrapped. Idempotent.
+    parameter names are unchanged). selective: ``block.attn.core`` is wrapped in `Checkpointed`; a block without
+    one is refused rather than silently left uncheckpointed. Raises ConfigError (an unknown mode, no core).
+    Idempotent.
     """
     if mode not in MODES:
-        raise ValueError(f"unknown activation checkpointing {mode!r}; choose one of {', '.join(MODES)}")
+        raise ConfigError(f"unknown activation checkpointing {mode!r}; choose one of {', '.join(MODES)}")
     if mode == "none":
         return model_or_blocks
     blocks = _blocks(model_or_blocks)
@@ -58,16 +62,20 @@ def apply_checkpointing(model_or_blocks: nn.Module, mode: str) -> nn.Module:
         if mode == "full":
             _checkpoint_forward(block)
         else:
-            attn = getattr(block, "attn", None)
-            core = getattr(attn, "core", None)
-            if core is None:
-                raise TypeError(
-                    f"selective checkpointing needs block.attn.core (the attention core); {type(block).__name__} "
-                    "has none. Use checkpointing = 'full'"
-                )
-            if not isinstance(core, Checkpointed):
-                attn.core = Checkpointed(core)
+            _checkpoint_core(block, mode)
     return model_or_blocks
+
+
+def _checkpoint_core(block: nn.Module, mode: str) -> None:
+    attn = getattr(block, "attn", None)
+    core = getattr(attn, "core", None)
+    if core is None:
+        raise ConfigError(
+            f"parallel.checkpointing = {mode!r}: selective checkpointing needs block.attn.core (the attention "
+            f"core); {type(block).__name__} has none. Use checkpointing = 'full'"
+        )
+    if not isinstance(core, Checkpointed):
+        attn.core = Checkpointed(core)
 
 
 def _checkpoint_forward(block: nn.Module) -> None:

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from tessera.config import even_split
 from tessera.errors import ConfigError
 from tessera.modes import CHECKPOINTING
+from tessera.parallel.checkpointing import apply_checkpointing
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -58,17 +58,6 @@ def boundary_shape(model: nn.Module) -> Callable[[torch.Size], tuple[int, ...]] 
     return shape
 
 
-class _Checkpointed(nn.Module):
-    """Recompute ``inner`` in backward (non-reentrant checkpoint); keeps ``inner``'s parameter names."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        object.__setattr__(self, "inner", inner)  # not registered: the wrapper owns no parameters
-
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.inner, *args, use_reentrant=False)
-
-
 def _model_part(model: nn.Module, keep_embed: bool, keep_head: bool) -> nn.Module:
     """A shallow copy of ``model`` with no blocks and only the embed and/or head asked for (shared modules)."""
     part = copy.copy(model)
@@ -98,10 +87,6 @@ class Stage(nn.Module):
         checkpointing: str = "none",
     ) -> None:
         super().__init__()
-        if checkpointing not in CHECKPOINT_MODES:
-            raise ConfigError(
-                f"unknown activation checkpointing {checkpointing!r}; choose one of {', '.join(CHECKPOINT_MODES)}"
-            )
         self.index, self.n_stages, self.checkpointing = index, n_stages, checkpointing
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         self.embed = model.embed if self.is_first else None
@@ -110,23 +95,17 @@ class Stage(nn.Module):
         # Not registered as submodules: they share embed/head with this stage and must not rename parameters.
         object.__setattr__(self, "_front", _model_part(model, True, False) if self.is_first else None)
         object.__setattr__(self, "_tail", _model_part(model, False, True) if self.is_last else None)
-        self._runs = [self._wrap(block) for block in self.blocks.values()]
+        apply_checkpointing(
+            self.blocks, checkpointing
+        )  # in place, as the direct loop does to the whole model
         self.boundary_shape = boundary_shape(model)
         """tokens shape [b, s] → shape of this stage's input/output hidden tensor (None if unknown)."""
-
-    def _wrap(self, block: nn.Module) -> nn.Module:
-        if self.checkpointing == "full":
-            return _Checkpointed(block)
-        core = getattr(getattr(block, "attn", None), "core", None)
-        if self.checkpointing == "selective" and core is not None and not isinstance(core, _Checkpointed):
-            block.attn.core = _Checkpointed(core)  # parameter-free, names unchanged
-        return block
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self._front is not None:
             x = self._front(x)  # tokens [b, s] -> x: [b, s, h]
-        for run in self._runs:
-            x = run(x)  # x: [b, s, h]
+        for block in self.blocks.values():
+            x = block(x)  # x: [b, s, h]
         if self._tail is None:
             return x
         return self._tail(x, targets)  # loss (scalar), or logits [b, s, V] when targets is None

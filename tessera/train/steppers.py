@@ -21,7 +21,6 @@ from torch import nn
 
 from tessera import comm
 from tessera.config import Config, TrainConfig
-from tessera.errors import ConfigError
 from tessera.execution import SCHEDULE_RUNTIME, ExecutionPlan, resolve
 from tessera.groups import Groups
 from tessera.layout import Axis, Layout
@@ -76,10 +75,7 @@ class DirectStepper:
     """Micro-batches one after another through the module; data-parallel sync overlapped with the last backward."""
 
     def __init__(self, module: nn.Module, cfg: Config, layout: Layout, groups: Groups | None) -> None:
-        try:
-            apply_checkpointing(module, cfg.parallel.checkpointing)
-        except TypeError as e:
-            raise ConfigError(f"parallel.checkpointing = {cfg.parallel.checkpointing!r}: {e}") from None
+        apply_checkpointing(module, cfg.parallel.checkpointing)
         self.module = self.state_module = module
         self.dtype = cfg.train.dtype
         # fp16 needs loss scaling; every group that holds gradients votes on an overflow
