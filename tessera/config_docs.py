@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass
 
 from tessera import config as _config
+from tessera.config import key_name
 
 __all__ = ["Key", "Section", "markdown", "sections", "text"]
 
@@ -66,7 +67,8 @@ def sections() -> list[Section]:
         name, cls = section.name, section.default_factory  # e.g. "train", TrainConfig
         docs = _field_docs(cls)
         keys = tuple(
-            Key(f.name, str(f.type), _default(f), docs.get(f.name, "")) for f in dataclasses.fields(cls)
+            Key(key_name(f.name), str(f.type), _default(f), docs.get(f.name, ""))
+            for f in dataclasses.fields(cls)
         )
         out.append(Section(name, inspect.cleandoc(cls.__doc__ or ""), keys))
     return out

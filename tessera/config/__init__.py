@@ -24,6 +24,7 @@ from tessera.config.sections import (
     ParallelConfig,
     TrainConfig,
     even_split,
+    key_name,
     parse_tensor,
 )
 from tessera.modes import (  # noqa: F401  (as before the split; the mode names live in tessera.modes)
@@ -50,6 +51,7 @@ __all__ = [
     "apply_overrides",
     "even_split",
     "from_dict",
+    "key_name",
     "load_config",
     "parse_tensor",
 ]

@@ -17,6 +17,7 @@ from tessera.config.sections import (
     ModelConfig,
     ParallelConfig,
     TrainConfig,
+    key_name,
 )
 from tessera.errors import ConfigError
 from tessera.model.sizes import SIZES
@@ -101,7 +102,8 @@ def from_dict(raw: dict[str, Any]) -> Config:
         values = dict(section)
         if name == "model":
             values = _resolve_init(_resolve_size(values, problems), problems)
-        valid = {f.name for f in dataclasses.fields(cls)}
+        names = {key_name(f.name): f.name for f in dataclasses.fields(cls)}  # key -> field
+        valid = set(names)
         for key in sorted(set(values) - valid):
             close = [k for k in valid if k.startswith(key[:3])]
             problems.append(
@@ -113,7 +115,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
                 )
             )
             values.pop(key)
-        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        fields = {key_name(f.name): f.type for f in dataclasses.fields(cls)}
         for key, value in list(values.items()):
             if key in fields and not _type_ok(value, str(fields[key])):
                 problems.append(f"{name}.{key} = {value!r:.60} should be of type {fields[key]}")
@@ -121,7 +123,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
             elif _too_big(value):
                 problems.append(f"{name}.{key} = {value!r:.60} is outside TOML's 64-bit integer range")
                 values.pop(key)
-        sections[name] = cls(**values)
+        sections[name] = cls(**{names[k]: v for k, v in values.items()})
     if problems:
         raise ConfigError("configuration problems:\n" + "\n".join(f"  - {p}" for p in problems))
     return Config(**sections)

@@ -25,6 +25,7 @@ __all__ = [
     "ParallelConfig",
     "TrainConfig",
     "even_split",
+    "key_name",
     "parse_tensor",
 ]
 
@@ -239,6 +240,10 @@ class CheckpointConfig:
     """Resume from the newest checkpoint in dir that verifies against its checksums, if there is one."""
     load_step: int | None = None
     """Resume from exactly this step's checkpoint instead (it must exist and verify)."""
+    async_: bool = False
+    """Write checkpoints in the background (DCP's async save): training waits only for a copy of the state in
+    CPU memory; a checkpoint counts once committed, as ever, and the next save or the end of the run waits for
+    it. Costs one more copy of the state in host memory."""
 
     def check(self) -> list[Violation]:
         return checks.check_checkpoint(self)
@@ -279,7 +284,11 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """{section: {key: value}} under the config's key names (``checkpoint.async``), as `from_dict` reads."""
+        return {
+            section: {key_name(k): v for k, v in values.items()}
+            for section, values in dataclasses.asdict(self).items()
+        }
 
     def check(self, world_size: int) -> list[Violation]:
         """Every violated rule, for this world size; an empty list means the config is valid.
@@ -296,6 +305,12 @@ class Config:
         from tessera.execution import resolve
 
         resolve(self, world_size)
+
+
+def key_name(field_name: str) -> str:
+    """A section field's key in config files and overrides: its name less the trailing underscore that a Python
+    keyword needs (field ``async_`` is the key ``checkpoint.async``)."""
+    return field_name.removesuffix("_")
 
 
 def parse_tensor(value: int | str) -> tuple[int, int]:

@@ -18,6 +18,8 @@ See docs/checkpoints.md for the safety argument.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import json
 import os
@@ -25,8 +27,9 @@ import pickle
 import random
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +50,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from tessera.errors import CheckpointError, CheckpointWriteError
 from tessera.train.integrity import files_written_by, hash_files, verify_files
+
+if TYPE_CHECKING:
+    from tessera.train.async_save import AsyncSaves
 
 __all__ = [
     "capture_rng",
@@ -84,6 +90,7 @@ def save_checkpoint(
     *,
     shard_id: str | None = None,
     layout: str | None = None,
+    background: AsyncSaves | None = None,
 ) -> Path:
     """Save model, optimizer, ``extra`` and every rank's RNG state as ``ckpt_dir/step_{step:08d}``; collective.
 
@@ -92,7 +99,9 @@ def save_checkpoint(
     model-parallel state held in plain (non-DTensor) tensors, e.g. ``"pp1.tp0"``: ranks with equal ids must
     hold identical state (data-parallel replicas, written once); without it DCP would deduplicate equally
     named but different shards. ``layout`` is a free-form description checked on load. Keeps the newest
-    ``keep`` complete checkpoints and returns the new folder.
+    ``keep`` complete checkpoints and returns the new folder. With ``background`` (`checkpoint.async`) it
+    returns once the state is copied: the files are written and committed, in the same way, in a thread
+    (tessera/train/async_save.py), and the folder exists only once ``background.wait()`` has returned.
     """
     if keep < 1:
         raise ValueError(f"keep = {keep} must be at least 1 (the checkpoint just written)")
@@ -100,6 +109,8 @@ def save_checkpoint(
     rank, world = _rank_world()
     final, tmp = _step_dirs(ckpt_dir, step)
     json_extra, tensor_paths, tensors = _split_extra(extra)
+    if background is not None:
+        background.wait()  # at most one save in flight, and its .tmp folder is not stale
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         _remove_stale_tmp(ckpt_dir)
@@ -107,34 +118,51 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = _wrap({"model": model_sd, "optim": optim_sd}, shard_id)
     state["extra"] = {str(i): t for i, t in enumerate(tensors)}
+    rng = capture_rng()  # the RNG streams as of this step, wherever the files are written
+
+    def publish(group: dist.ProcessGroup | None = None) -> Path:
+        with _write_errors(step, tmp):
+            _write_rank_files(tmp, rank, rng)
+        sums = hash_files(
+            tmp, files_written_by(tmp, rank)
+        )  # re-read from the page cache, by the rank that wrote
+        gathered = _gather((shard_id, sums), world, group)  # also the barrier: every rank's files are on disk
+        if rank == 0:
+            meta = {
+                "format": _FORMAT,
+                "step": step,
+                "world_size": world,
+                "layout": layout,
+                "shard_ids": [sid for sid, _ in gathered],
+                "extra": json_extra,
+                "extra_tensors": tensor_paths,
+                "files": {name: entry for _, files in gathered for name, entry in files.items()},
+                "complete": True,
+            }
+            _commit(tmp, final, meta)
+            _prune(ckpt_dir, keep)
+        _barrier(group)  # no rank returns before the checkpoint is published
+        return final
+
+    if background is not None:
+        background.start(state, tmp, publish, functools.partial(_write_errors, step, tmp))
+        return final
+    with _write_errors(step, tmp), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
+        dcp.save(state, storage_writer=FileSystemWriter(tmp))
+    return publish()
+
+
+@contextlib.contextmanager
+def _write_errors(step: int, tmp: Path) -> Iterator[None]:
+    """Disk full, quota, permissions (DCP raises on every rank) become a CheckpointWriteError."""
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
-            dcp.save(state, storage_writer=FileSystemWriter(tmp))
-        _write_rank_files(tmp, rank)
-    except (OSError, CheckpointException) as e:  # disk full, quota, permissions: DCP raises on every rank
+        yield
+    except (OSError, CheckpointException) as e:
         raise CheckpointWriteError(
             f"could not write the checkpoint of step {step} into {tmp}: {_last_line(e)}; the previous "
             "checkpoint is intact\n    fix: free space in (or grant access to) checkpoint.dir, then resume"
         ) from None
-    sums = hash_files(tmp, files_written_by(tmp, rank))  # re-read from the page cache, by the rank that wrote
-    gathered = _gather((shard_id, sums), world)  # also the barrier: every rank's files are on disk
-    if rank == 0:
-        meta = {
-            "format": _FORMAT,
-            "step": step,
-            "world_size": world,
-            "layout": layout,
-            "shard_ids": [sid for sid, _ in gathered],
-            "extra": json_extra,
-            "extra_tensors": tensor_paths,
-            "files": {name: entry for _, files in gathered for name, entry in files.items()},
-            "complete": True,
-        }
-        _commit(tmp, final, meta)
-        _prune(ckpt_dir, keep)
-    _barrier()  # no rank returns before the checkpoint is published
-    return final
 
 
 def save_model_weights(
@@ -190,19 +218,19 @@ def _wrap(state: dict[str, Any], shard_id: str | None) -> dict[str, Any]:
     return state if shard_id is None else {"shards": {shard_id: state}}
 
 
-def _gather(value: Any, world: int) -> list[Any]:
+def _gather(value: Any, world: int, group: dist.ProcessGroup | None = None) -> list[Any]:
     if world == 1:
         return [value]
     out: list[Any] = [None] * world
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
-def _write_rank_files(tmp: Path, rank: int) -> None:
-    """This rank's RNG streams, as tensors and numbers only (no pickled objects)."""
+def _write_rank_files(tmp: Path, rank: int, rng: dict[str, Any]) -> None:
+    """This rank's RNG streams (`capture_rng`), as tensors and numbers only (no pickled objects)."""
     path = tmp / f"rng_rank{rank}.pt"
     with open(path, "wb") as f:
-        torch.save(capture_rng(), f)
+        torch.save(rng, f)
         f.flush()
         os.fsync(f.fileno())
 
@@ -465,9 +493,9 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
 
 
 def _check_layout(path: Path, meta: dict[str, Any], world: int, layout: str | None) -> None:

@@ -34,6 +34,7 @@ from tessera.model.init import InitSource, ValueSource, draw_seed
 from tessera.model.materialize import declare, materialize
 from tessera.parallel.apply import parallelize, shard_specs
 from tessera.train import checkpoint as ckpt
+from tessera.train.async_save import AsyncSaves
 from tessera.train.compat import check_compatible, run_settings
 from tessera.train.data import Blend, TokenDataset, ensure_default_corpus, get_batch, open_data
 from tessera.train.health import StepHealth, check_state_finite
@@ -156,6 +157,7 @@ class TrainingRun:
         self.run_dir = Path(cfg.log.run_dir)
         self.ckpt_dir = checkpoint_dir(self.run_dir, cfg)
         self.watchdog = Watchdog(self.run_dir, rank, world, cfg.train.hang_timeout_s)  # started by train()
+        self.saves: AsyncSaves | None = None  # checkpoint.async: set by train() for the loop's duration
 
     def _build_model(self, source: ValueSource) -> nn.Module:
         """This rank's model, allocating only what it holds (docs/sharded-init.md).
@@ -254,6 +256,31 @@ class TrainingRun:
         with self.watchdog.paused():  # a save may take longer than the hang timeout
             self._save(step)
 
+    def finish_saves(self) -> None:
+        """Wait until a checkpoint being written in the background is committed (checkpoint.async); raises
+        what stopped it."""
+        if self.saves is not None:
+            with self.watchdog.paused():
+                self.saves.wait()
+
+    @contextlib.contextmanager
+    def saving_in_background(self) -> Iterator[None]:
+        """Within: with checkpoint.async, saves are written and committed in a thread (tessera/train/async_save.py).
+        Creating its process group is collective. Leaving on an error still lets an earlier save commit."""
+        if not self.cfg.checkpoint.async_:
+            yield
+            return
+        self.saves = AsyncSaves.new(self.cfg.train.collective_timeout_s)
+        try:
+            yield
+            self.finish_saves()
+        except BaseException:
+            with self.watchdog.paused():
+                self.saves.settle()
+            raise
+        finally:
+            self.saves = None
+
     def _save(self, step: int) -> None:
         check_state_finite(self.stepper.state_module, step)
         extra = {"step": step, "samples": step * self.cfg.train.global_batch, "settings": self.settings}
@@ -269,6 +296,7 @@ class TrainingRun:
             keep=self.cfg.checkpoint.keep,
             shard_id=self.stepper.shard_id,
             layout=self.layout.describe(),
+            background=self.saves,
         )
 
     def resume(self) -> int:
@@ -361,7 +389,7 @@ def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
                 run.run_dir, rank, cfg.log.tensorboard, start=start, wandb=wandb if cfg.log.wandb else None
             )
             try:
-                with run.watchdog:
+                with run.watchdog, run.saving_in_background():  # a signal's stop waits for the last save too
                     _loop(run, start, hook, logger, stops, result)
             finally:
                 logger.close()

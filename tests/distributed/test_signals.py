@@ -91,11 +91,15 @@ def test_workers_die_with_a_killed_launcher(token_file: Path, tmp_path: Path) ->
     _wait_for("the workers to exit", lambda: not any(_alive(w) for w in workers), deadline_s=30)
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
 def test_sigterm_checkpoints_every_rank_at_one_step_and_resume_loses_none(
-    token_file: Path, tmp_path: Path
+    token_file: Path, tmp_path: Path, background: bool
 ) -> None:
+    """With checkpoint.async the stop's save is written in the background: the ranks wait for it to commit."""
     run_dir = tmp_path / "run"
-    launcher = _start(_argv(token_file, run_dir, steps=10**6))
+    launcher = _start(
+        [*_argv(token_file, run_dir, steps=10**6), f"--checkpoint.async={str(background).lower()}"]
+    )
     _training(launcher, run_dir)
     launcher.send_signal(signal.SIGTERM)
     out, err = launcher.communicate(timeout=DEADLINE_S)
