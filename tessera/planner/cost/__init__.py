@@ -1,0 +1,116 @@
+"""Analytical cost model: FLOPs, compute time, collective time, communication volume and memory per rank.
+
+Every formula is written in the docstring of the function that computes it, with its source; the derivations and
+the validation against published measurements are in docs/cost-model.md. Symbols: L layers, h hidden size, a query
+heads, g key/value heads, f MLP hidden size, V vocabulary, s sequence length, b micro-batch (sequences), t 1D tensor
+degree, q×q the 2D (Optimus/SUMMA) grid, p pipeline stages, v model chunks per pipeline rank, d data-parallel
+degree, m micro-batches per step per pipeline.
+
+Step-time pieces are separately callable so a pipeline simulator can place them on a timeline:
+`layer_time` (per-layer forward/backward/recompute compute), `stage_time` (one pipeline stage, one micro-batch,
+including exposed tensor-parallel communication), `p2p_time_per_microbatch` (one stage boundary, one direction),
+`dp_time` (per-stage data-parallel reduction), `tp_comm_time_per_layer` (exposed tensor-parallel time).
+Pure Python: no torch import.
+
+The package holds one job per module: `shape` (ModelShape, FLOPs), `plan` (Plan), `compute` (compute seconds),
+`collectives` (seconds of one collective, group placement), `volume` (bytes per collective kind), `comm_time`
+(exposed communication seconds of the step pieces), `rank_memory` (bytes per rank). Import from here.
+"""
+
+from __future__ import annotations
+
+from tessera.planner.cost.collectives import (
+    all_gather_time,
+    all_reduce_time,
+    broadcast_time,
+    group_bandwidth,
+    group_placement,
+    p2p_time,
+    reduce_scatter_time,
+)
+from tessera.planner.cost.comm_time import (
+    dp_collective_times,
+    dp_time,
+    p2p_time_per_microbatch,
+    stage_time,
+    tp_comm_time_per_layer,
+)
+from tessera.planner.cost.compute import (
+    LOGIT_ELEMENTWISE_BYTES,
+    OPTIMIZER_BYTES_PER_PARAM,
+    LayerTime,
+    elementwise_bytes_per_layer,
+    embedding_time,
+    gemm_time,
+    layer_time,
+    layers_per_stage,
+    logits_time,
+)
+from tessera.planner.cost.plan import Plan
+from tessera.planner.cost.rank_memory import (
+    MemoryBreakdown,
+    activation_bytes_per_layer,
+    memory_per_rank,
+    model_state_bytes,
+    params_per_rank,
+)
+from tessera.planner.cost.shape import (
+    RECOMPUTE,
+    ModelShape,
+    hardware_flops_per_token,
+    layer_forward_flops,
+    logits_forward_flops,
+    model_flops_per_token,
+    narayanan_flops_per_iteration,
+    narayanan_params,
+)
+from tessera.planner.cost.volume import (
+    CommVolume,
+    dp_volume,
+    pp_p2p_volume,
+    tp1d_layer_volume,
+    tp2d_layer_volume,
+)
+
+__all__ = [
+    "LOGIT_ELEMENTWISE_BYTES",
+    "OPTIMIZER_BYTES_PER_PARAM",
+    "RECOMPUTE",
+    "CommVolume",
+    "LayerTime",
+    "MemoryBreakdown",
+    "ModelShape",
+    "Plan",
+    "activation_bytes_per_layer",
+    "all_gather_time",
+    "all_reduce_time",
+    "broadcast_time",
+    "dp_collective_times",
+    "dp_time",
+    "dp_volume",
+    "elementwise_bytes_per_layer",
+    "embedding_time",
+    "gemm_time",
+    "group_bandwidth",
+    "group_placement",
+    "hardware_flops_per_token",
+    "layer_forward_flops",
+    "layer_time",
+    "layers_per_stage",
+    "logits_forward_flops",
+    "logits_time",
+    "memory_per_rank",
+    "model_flops_per_token",
+    "model_state_bytes",
+    "narayanan_flops_per_iteration",
+    "narayanan_params",
+    "p2p_time",
+    "p2p_time_per_microbatch",
+    "params_per_rank",
+    "pp_p2p_volume",
+    "reduce_scatter_time",
+    "stage_time",
+    "tp1d_layer_volume",
+    "tp2d_layer_volume",
+    "tp_comm_time_per_layer",
+]

@@ -1,0 +1,73 @@
+"""Seconds of one collective or point-to-point transfer, and where a plan's groups sit on the network.
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+from tessera.planner.cost.plan import Plan
+from tessera.planner.hardware import Hardware
+from tessera.planner.network import Placement, axis_stride, bus_bandwidth, placement
+
+__all__ = [
+    "all_gather_time",
+    "all_reduce_time",
+    "broadcast_time",
+    "group_bandwidth",
+    "group_placement",
+    "p2p_time",
+    "reduce_scatter_time",
+]
+
+
+def group_bandwidth(hw: Hardware, group_size: int, stride: int = 1) -> tuple[float, float]:
+    """(bandwidth per rank per direction, latency per step) of a group of `group_size` ranks `stride` apart.
+
+    Intra-node iff the group's ranks share one node (`network.placement`). Otherwise the ring crosses nodes: with
+    k members per node the k NICs of a node carry its node-crossing traffic (NCCL runs one ring channel per NIC,
+    intra-node hops on NVLink), so the per-rank bandwidth is k × inter_node_bandwidth capped by NVLink
+    (`network.bus_bandwidth`); k = 1 when stride ≥ gpus_per_node.
+    """
+    pl = placement(group_size, stride, hw.gpus_per_node)
+    latency = hw.intra_node_latency if pl.intra_node else hw.inter_node_latency
+    return bus_bandwidth(hw, pl), latency
+
+
+def group_placement(hw: Hardware, plan: Plan, axis: str) -> Placement:
+    """Where the group along `axis` sits: "tensor" (1D group, or the 2D row group: stride 1, q members),
+    "tensor_col" (2D column group, stride q), "data" (d members), "pipe" (two pipeline neighbours). Strides
+    follow `plan.rank_order`."""
+    G = hw.gpus_per_node
+    if axis == "tensor":
+        return placement(plan.q if plan.tp_kind == "2d" else plan.tp, 1, G)
+    if axis == "tensor_col":
+        return placement(plan.q, plan.q, G)
+    sizes = {"data": plan.dp, "pipe": plan.pp, "tensor": plan.tp}
+    if axis not in ("data", "pipe"):
+        raise ValueError(f"axis must be tensor, tensor_col, data or pipe, got {axis!r}")
+    size = plan.dp if axis == "data" else min(2, plan.pp)
+    return placement(size, axis_stride(plan.rank_order, sizes, axis), G)
+
+
+def all_reduce_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce of an `nbytes` buffer over n ranks: 2(n−1)/n·bytes/bw + 2(n−1)·latency (0 if n = 1)."""
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+def reduce_scatter_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring reduce-scatter of a full `nbytes` buffer: (n−1)/n·bytes/bw + (n−1)·latency."""
+    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+
+
+def all_gather_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring all-gather producing a full `nbytes` buffer: (n−1)/n·bytes/bw + (n−1)·latency."""
+    return reduce_scatter_time(nbytes, n, bandwidth, latency)
+
+
+def broadcast_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Pipelined (chain/ring) broadcast of `nbytes` to n ranks: bytes/bw + (n−1)·latency (0 if n = 1)."""
+    return 0.0 if n <= 1 else nbytes / bandwidth + (n - 1) * latency
+
+
+def p2p_time(nbytes: float, bandwidth: float, latency: float) -> float:
+    """One point-to-point transfer: bytes/bw + latency."""
+    return nbytes / bandwidth + latency

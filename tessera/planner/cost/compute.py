@@ -1,0 +1,151 @@
+"""Compute seconds of one block, the embedding and the output layer on one rank (communication excluded), and
+the memory-bound bytes they move. Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.planner.cost.collectives import group_placement
+from tessera.planner.cost.plan import Plan
+from tessera.planner.cost.shape import ROW_PARALLEL, ModelShape, linears
+from tessera.planner.gemm import gemm_call_time, plateau_time
+from tessera.planner.hardware import Hardware
+from tessera.planner.network import collective_time
+
+__all__ = [
+    "LOGIT_ELEMENTWISE_BYTES",
+    "OPTIMIZER_BYTES_PER_PARAM",
+    "LayerTime",
+    "elementwise_bytes_per_layer",
+    "embedding_time",
+    "gemm_time",
+    "layer_time",
+    "layers_per_stage",
+    "logits_time",
+]
+
+OPTIMIZER_BYTES_PER_PARAM = 32
+"""HBM traffic of one fused mixed-precision Adam step per parameter: read grad 2 + master 4 + m 4 + v 4, write
+master 4 + m 4 + v 4 + param 2 (= 28) plus ≈4 for unscale/norm. Assumption (documented in docs/cost-model.md)."""
+LOGIT_ELEMENTWISE_BYTES = 10
+"""HBM bytes per logit element in the forward loss (fp32 upcast write, max/sum-exp reads); backward 2×. Assumption."""
+
+
+def gemm_time(hw: Hardware, m: float, n: float, k: float, *, batch: float = 1, dtype: str = "bf16") -> float:
+    """Roofline time of a (batched) GEMM [m×k]·[k×n] with the size curve: max(F / (peak·η(F)), bytes / HBM
+    bandwidth), F = 2·m·n·k·batch, η = hw.efficiency(F) (`gemm.plateau_time`). The compute-time functions below
+    price GEMMs with `gemm.gemm_call_time`, which uses this only for hardware without an SM count."""
+    return plateau_time(hw, m, n, k, batch=batch, dtype=dtype)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LayerTime:
+    """Seconds for one block and one micro-batch on one rank."""
+
+    forward: float
+    backward: float
+    """Backward without recompute (≈ 2× forward)."""
+    recompute: float
+    """Extra forward work replayed before backward (0, attention part, or a full forward)."""
+
+
+def elementwise_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
+    """HBM bytes moved by the memory-bound (non-GEMM) ops of one block's forward, per rank, per micro-batch.
+
+    Per token-hidden element (×s·b·h): two norms 4 each (read+write 2-byte tensors); residual adds 6 each, 7 with
+    fused bias-dropout-add (1-byte mask); activation: GELU 4f/h, SwiGLU 6f/h; rotary 4(h+kv)/h (Llama). Softmax on
+    the a·s² scores: 4 bytes per score, 9 with dropout (+read/write/mask) unless flash attention. Replicated ops
+    (norms, residuals) are divided by t only with sequence parallelism (always by q² in 2D); the rest by t or q².
+    Backward is taken as 2× these bytes. (Op-by-op count of Megatron's fused kernels; an approximation.)
+    """
+    s, b, h, a, f = shape.seq_len, plan.micro_batch, shape.d_model, shape.n_heads, shape.ffn_hidden
+    sbh = s * b * h
+    replicated = 8 + 2 * (7 if shape.dropout else 6)
+    sharded = (6 * f / h + 4 * (h + shape.kv_dim) / h) if shape.swiglu else 4 * f / h
+    scores = 0.0 if plan.flash_attention else (9 if shape.dropout else 4) * a * s * s * b
+    div_rep = plan.tp if (plan.tp_kind == "2d" or plan.sequence_parallel) else 1
+    return sbh * replicated / div_rep + (sbh * sharded + scores) / plan.tp
+
+
+def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
+    """Compute seconds of one block for one micro-batch on one rank (communication excluded).
+
+    Each linear [M×h_in]·[h_in×h_out] (M = b·s) runs at its own size: 1D splits the output (column-parallel) or the
+    input (row-parallel) dimension by t; 2D runs q SUMMA steps of [M/q × h_in/q]·[h_in/q × h_out/q]. Attention
+    score and A·V GEMMs are batched over a·b/tp heads. Elementwise time = `elementwise_bytes_per_layer` / HBM
+    bandwidth. Backward = 2 × forward (two GEMMs per forward GEMM). Recompute: full ⇒ one forward, selective ⇒
+    the attention core (QKᵀ, softmax/dropout on the scores, A·V) of a forward, none ⇒ 0.
+    """
+    s, b, dt = shape.seq_len, plan.micro_batch, plan.dtype
+    M, q = s * b, plan.q
+    dense = 0.0
+    for (k_in, n_out), row_parallel in zip(linears(shape), ROW_PARALLEL, strict=True):
+        if plan.tp_kind == "2d":
+            dense += q * gemm_call_time(hw, M / q, n_out / q, k_in / q, dtype=dt)
+        elif row_parallel:  # proj, fc2: the input width is split, the output is full (then all-reduced)
+            dense += gemm_call_time(hw, M, n_out, k_in / plan.tp, dtype=dt)
+        else:
+            dense += gemm_call_time(hw, M, n_out / plan.tp, k_in, dtype=dt)
+    heads = shape.n_heads * b / plan.tp
+    d = shape.head_dim
+    attn = gemm_call_time(hw, s, s, d, batch=heads, dtype=dt) + gemm_call_time(
+        hw, s, d, s, batch=heads, dtype=dt
+    )
+    elementwise = elementwise_bytes_per_layer(shape, plan) / hw.hbm_bandwidth
+    score_bytes = 0.0 if plan.flash_attention else (9 if shape.dropout else 4) * shape.n_heads * s * s * b
+    fwd = dense + attn + elementwise
+    selective = attn + score_bytes / plan.tp / hw.hbm_bandwidth  # QKᵀ, softmax(+dropout), A·V replayed
+    recompute = {"none": 0.0, "selective": selective, "full": fwd}[plan.recompute]
+    return LayerTime(forward=fwd, backward=2 * fwd, recompute=recompute)
+
+
+def layers_per_stage(shape: ModelShape, plan: Plan) -> tuple[int, ...]:
+    """Blocks of each global stage (chunk c of pipeline rank r is global stage c·p + r): `plan.stage_layers`, or
+    the even split. A layer count that p·v does not divide, without `stage_layers`, is an error (never rounded)."""
+    n = plan.pp * plan.virtual_stages
+    if plan.stage_layers is not None:
+        counts = tuple(plan.stage_layers)
+        if len(counts) != n or sum(counts) != shape.n_layers or min(counts) < 0:
+            raise ValueError(
+                f"stage_layers {list(counts)} must have p·v = {n} non-negative entries summing to the "
+                f"{shape.n_layers} layers"
+            )
+        return counts
+    if shape.n_layers % n:
+        from tessera.config import even_split  # torch-free; the one place that splits layers evenly
+
+        raise ValueError(
+            f"{shape.n_layers} layers do not split evenly over p·v = {plan.pp}·{plan.virtual_stages} = {n} stages; "
+            f"pass stage_layers explicitly (e.g. {even_split(shape.n_layers, n)}) or use a p·v that divides "
+            f"{shape.n_layers}"
+        )
+    return (shape.n_layers // n,) * n
+
+
+def embedding_time(shape: ModelShape, hw: Hardware, plan: Plan) -> tuple[LayerTime, LayerTime]:
+    """(compute, exposed tensor-parallel) seconds of the input embedding for one micro-batch on the first stage.
+
+    Memory bound: the lookup reads b·s rows of h and writes the b·s·h output (GPT adds the learned positions:
+    another read and an add), 2·b·s·h·bytes (4 with positions), backward 2× (the scatter-add into the gradient).
+    With a vocabulary-parallel embedding (1D) each rank writes a partial output that is all-reduced over the tensor
+    group (reduce-scattered with sequence parallelism): one collective of b·s·h forward, none backward."""
+    sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
+    nbytes = sbh * (2 if shape.swiglu else 4)
+    shard = plan.tp if plan.tp_kind == "2d" else 1
+    fwd = nbytes / shard / hw.hbm_bandwidth
+    comm = 0.0
+    if plan.tp > 1 and plan.tp_kind == "1d":
+        kind = "reduce_scatter" if plan.sequence_parallel else "all_reduce"
+        comm = collective_time(hw, kind, sbh, group_placement(hw, plan, "tensor"))
+    compute = LayerTime(forward=fwd, backward=2 * fwd, recompute=0.0)
+    return compute, LayerTime(forward=comm, backward=0.0, recompute=0.0)
+
+
+def logits_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
+    """Output projection + loss for one micro-batch (vocabulary split over tp): GEMM [M×h]·[h×V/tp], backward 2×;
+    loss elementwise `LOGIT_ELEMENTWISE_BYTES` per logit. Never recomputed."""
+    M = shape.seq_len * plan.micro_batch
+    gemm = gemm_call_time(hw, M, shape.vocab_size / plan.tp, shape.d_model, dtype=plan.dtype)
+    loss = LOGIT_ELEMENTWISE_BYTES * M * shape.vocab_size / plan.tp / hw.hbm_bandwidth
+    return LayerTime(forward=gemm + loss, backward=2 * (gemm + loss), recompute=0.0)

@@ -1,0 +1,64 @@
+"""One parallel layout + execution choice as the cost model sees it (`Plan`). Pure Python: no torch import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.planner.hardware import DTYPE_BYTES
+from tessera.planner.network import MEGATRON_ORDER
+
+__all__ = ["Plan"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Plan:
+    """One parallel layout + execution choice, as the cost model sees it (no ranks, no groups).
+
+    Rank order for topology: `rank_order`, outermost first; tensor is innermost in both orders used (1D stride 1;
+    2D rows stride 1, columns stride q). Default: Megatron's order (data stride t, pipeline stride t·d); the
+    search plans tessera runs with `network.TESSERA_ORDER` (`tessera.layout`: pipeline stride t, data t·p).
+    """
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    """Tensor ranks per replica: t for 1D, q² for 2D."""
+    tp_kind: str = "1d"
+    """"1d" (Megatron) or "2d" (Optimus/SUMMA on a q×q grid, tp = q²)."""
+    sequence_parallel: bool = False
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved / looped schedules)."""
+    zero_stage: int = 0
+    micro_batch: int = 1
+    n_microbatches: int = 1
+    recompute: str = "none"
+    accumulation: str = "layered"
+    """"layered" (breadth-first: one DP reduction per layer per step) or "depth_first"."""
+    dtype: str = "bf16"
+    flash_attention: bool = False
+    """Fused attention: no s×s score tensor in HBM (drops the 5as/h activation term and its traffic)."""
+    rank_order: tuple[str, ...] = MEGATRON_ORDER
+    """Parallel axes outermost first ("data", "pipe", "tensor"): decides which groups share a node."""
+    stage_layers: tuple[int, ...] | None = None
+    """Blocks per global stage (p·v entries, 0 allowed), as the trainer's `parallel.stage_layers`; None: an
+    even split, which requires p·v to divide the layer count (`layers_per_stage`)."""
+
+    @property
+    def q(self) -> int:
+        """Side of the 2D grid (1 for 1D)."""
+        if self.tp_kind != "2d":
+            return 1
+        q = round(self.tp**0.5)
+        if q * q != self.tp:
+            raise ValueError(
+                f"2D tensor parallelism needs tp = q² (got tp={self.tp}); use tp in 1, 4, 9, 16, ..."
+            )
+        return q
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def act_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]

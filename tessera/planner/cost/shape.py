@@ -1,0 +1,180 @@
+"""The model as the cost model sees it (`ModelShape`), its FLOPs, and the published closed forms.
+
+Symbols as in `tessera.planner.cost`. Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.modes import CHECKPOINTING
+
+__all__ = [
+    "RECOMPUTE",
+    "ROW_PARALLEL",
+    "ModelShape",
+    "hardware_flops_per_token",
+    "layer_forward_flops",
+    "linears",
+    "logits_forward_flops",
+    "model_flops_per_token",
+    "narayanan_flops_per_iteration",
+    "narayanan_params",
+]
+
+RECOMPUTE = CHECKPOINTING
+"""Activation recomputation modes: the checkpointing modes of `tessera.modes`."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModelShape:
+    """The parts of a model configuration that the cost model needs.
+
+    GPT style (`swiglu=False`): LayerNorm with bias, biased linears, GELU MLP, learned positions.
+    Llama style (`swiglu=True`): RMSNorm, no biases, SwiGLU MLP (3 matrices), rotary positions.
+    """
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    vocab_size: int
+    seq_len: int
+    swiglu: bool = False
+    tied: bool = True
+    dropout: bool = False
+    """Dropout layers present (adds 1-byte masks to activation memory and HBM traffic, Korthikanti's accounting)."""
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) and n_heads by "
+                f"n_kv_heads ({self.n_kv_heads})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        """Weights + biases + norm parameters of one block. GPT with f = 4h, g = a: 12h² + 13h (Narayanan eq. 2)."""
+        h, kv, f = self.d_model, self.kv_dim, self.ffn_hidden
+        attn = h * (h + 2 * kv) + h * h
+        mlp = (3 if self.swiglu else 2) * h * f
+        if self.swiglu:
+            return attn + mlp + 2 * h  # two RMSNorm weights
+        return attn + mlp + (h + 2 * kv) + h + f + h + 4 * h  # biases (qkv, proj, fc1, fc2) + two LayerNorms
+
+    def embedding_params(self) -> int:
+        """Token embedding (+ learned positions for GPT) (+ untied output head) + final norm."""
+        h = self.d_model
+        n = self.vocab_size * h + (0 if self.swiglu else self.seq_len * h)
+        n += 0 if self.tied else self.vocab_size * h
+        return n + (h if self.swiglu else 2 * h)
+
+    def n_params(self) -> int:
+        """Total parameter count."""
+        return self.n_layers * self.layer_params() + self.embedding_params()
+
+    def n_params_non_embedding(self) -> int:
+        """Parameters outside embeddings/head (Kaplan's N): L × layer_params."""
+        return self.n_layers * self.layer_params()
+
+    @classmethod
+    def from_config(cls, obj: Any) -> ModelShape:
+        """Duck-typed from an object with n_layers, d_model, n_heads, vocab_size, seq_len and optionally
+        n_kv_heads (None ⇒ n_heads), ffn_hidden (None ⇒ 4h, or Llama's 8h/3 rounded up to 64), family
+        ("llama" ⇒ swiglu), swiglu, tie_embeddings/tied, dropout (a rate > 0 ⇒ True)."""
+        h = int(obj.d_model)
+        swiglu = bool(getattr(obj, "swiglu", getattr(obj, "family", "gpt") == "llama"))
+        ffn = getattr(obj, "ffn_hidden", None)
+        if not ffn:
+            ffn = 64 * -(-(8 * h // 3) // 64) if swiglu else 4 * h
+        tied = getattr(obj, "tie_embeddings", getattr(obj, "tied", True))
+        return cls(
+            n_layers=int(obj.n_layers),
+            d_model=h,
+            n_heads=int(obj.n_heads),
+            n_kv_heads=int(getattr(obj, "n_kv_heads", None) or obj.n_heads),
+            ffn_hidden=int(ffn),
+            vocab_size=int(obj.vocab_size),
+            seq_len=int(obj.seq_len),
+            swiglu=swiglu,
+            tied=bool(tied),
+            dropout=bool(getattr(obj, "dropout", 0) or 0),
+        )
+
+
+def layer_forward_flops(shape: ModelShape, tokens: float, *, attention: bool = True) -> float:
+    """Matmul FLOPs of one block's forward on `tokens` tokens (sequences of length s, full attention).
+
+    2·T·[h(h + 2·kv) + h² + c·h·f] + 4·T·s·h, c = 3 for SwiGLU else 2. GPT (kv = h, f = 4h): 24Th² + 4Tsh,
+    Narayanan 2021 Appendix (per layer 24Bsh² + 4Bs²h). Attention scores and A·V: 2·T·s·h each (`attention`).
+    """
+    h, kv, f, s = shape.d_model, shape.kv_dim, shape.ffn_hidden, shape.seq_len
+    dense = 2 * tokens * (h * (h + 2 * kv) + h * h + (3 if shape.swiglu else 2) * h * f)
+    return dense + (4 * tokens * s * h if attention else 0.0)
+
+
+def logits_forward_flops(shape: ModelShape, tokens: float) -> float:
+    """Output projection forward: 2·T·h·V."""
+    return 2 * tokens * shape.d_model * shape.vocab_size
+
+
+def model_flops_per_token(shape: ModelShape) -> float:
+    """Model FLOPs per token for forward + backward (backward = 2× forward), no recomputation (MFU convention).
+
+    = 3·(L·layer_fwd + logits_fwd) per token. GPT: 72Lh²(1 + s/(6h) + V/(12Lh)) (Korthikanti eq. 7); general
+    GQA/SwiGLU: 12Lh²[(1 + g/a + s/h) + (f/h)(3/2 if SwiGLU else 1) + V/(2Lh)] (Megatron-Core, §1.5).
+    """
+    return 3 * (shape.n_layers * layer_forward_flops(shape, 1) + logits_forward_flops(shape, 1))
+
+
+def hardware_flops_per_token(shape: ModelShape, recompute: str = "full") -> float:
+    """FLOPs actually executed per token: model FLOPs plus the recomputed forward.
+
+    full: + L·layer_fwd → GPT 96Lh²(1 + s/(6h) + V/(16Lh)) (Narayanan eq. 3 per token);
+    selective: + the recomputed attention forward (QKᵀ and A·V) 4sh per layer → 72Lh²(1 + 2s/(9h) + V/(12Lh)).
+    Note Korthikanti eq. 8 writes 72Lh²(1 + s/(3h) + ...), i.e. +12sh per layer (their "2.7 % extra" for GPT-3);
+    we count only the replayed forward GEMMs. The difference is ≤ 2 % of total FLOPs for s ≤ h.
+    """
+    _check_recompute(recompute)
+    extra = 0.0
+    if recompute == "full":
+        extra = shape.n_layers * layer_forward_flops(shape, 1)
+    elif recompute == "selective":
+        extra = shape.n_layers * 4 * shape.seq_len * shape.d_model
+    return model_flops_per_token(shape) + extra
+
+
+def narayanan_flops_per_iteration(batch: int, seq_len: int, n_layers: int, hidden: int, vocab: int) -> float:
+    """Narayanan 2021 eq. 3: F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (includes the recompute forward)."""
+    b, s, l, h, v = batch, seq_len, n_layers, hidden, vocab
+    return 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def narayanan_params(seq_len: int, n_layers: int, hidden: int, vocab: int) -> float:
+    """Narayanan 2021 eq. 2: P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h))."""
+    l, h = n_layers, hidden
+    return 12 * l * h**2 * (1 + 13 / (12 * h) + (vocab + seq_len) / (12 * l * h))
+
+
+def _check_recompute(recompute: str) -> None:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+
+
+ROW_PARALLEL = (False, True, False, True)
+"""Which of `linears` Megatron splits by input width (row-parallel: proj, fc2); the others by output width."""
+
+
+def linears(shape: ModelShape) -> list[tuple[int, int]]:
+    """(input width, output width) of the four linears of a block: QKV, proj, fc1 (+gate), fc2."""
+    h, f = shape.d_model, shape.ffn_hidden
+    return [(h, h + 2 * shape.kv_dim), (h, h), (h, (2 if shape.swiglu else 1) * f), (f, h)]

@@ -1,0 +1,142 @@
+"""Communication volume: payload bytes per rank per step by collective kind (what a per-collective byte counter
+records). Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from tessera.planner.cost.plan import Plan
+from tessera.planner.cost.shape import ModelShape, linears
+
+__all__ = ["CommVolume", "dp_volume", "pp_p2p_volume", "tp1d_layer_volume", "tp2d_layer_volume"]
+
+
+@dataclass(kw_only=True, slots=True)
+class CommVolume:
+    """Payload bytes handed to each kind of collective by one rank (full-size buffer for all-reduce, the gathered
+    output for all-gather, the unreduced input for reduce-scatter, the block for broadcast/reduce, the tensor
+    for send/recv), and the number of calls."""
+
+    all_reduce: float = 0.0
+    all_gather: float = 0.0
+    reduce_scatter: float = 0.0
+    broadcast: float = 0.0
+    reduce: float = 0.0
+    send: float = 0.0
+    recv: float = 0.0
+    calls: int = 0
+
+    def __add__(self, other: CommVolume) -> CommVolume:
+        return CommVolume(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def scaled(self, k: float) -> CommVolume:
+        """Volume of `k` repetitions."""
+        out = CommVolume(**{f.name: getattr(self, f.name) * k for f in fields(self)})
+        out.calls = round(self.calls * k)
+        return out
+
+    def wire_bytes(self, n: int) -> float:
+        """Bytes each rank sends on the wire with ring algorithms in a group of n (broadcast/reduce: one block
+        moved per rank on average, (n−1)/n of the payload)."""
+        if n <= 1:
+            return self.send
+        frac = (n - 1) / n
+        collective = (
+            2 * self.all_reduce + self.all_gather + self.reduce_scatter + self.broadcast + self.reduce
+        )
+        return frac * collective + self.send
+
+
+def tp1d_layer_volume(shape: ModelShape, plan: Plan) -> CommVolume:
+    """Megatron 1D tensor parallelism, one block, one micro-batch, per rank (payload of b·s·h elements each).
+
+    Without sequence parallelism: forward 2 all-reduces, backward 2 (Narayanan §3.2: 8·b·s·h·(t−1)/t on the wire);
+    with sequence parallelism: each all-reduce becomes an all-gather + a reduce-scatter (Korthikanti §4.2.2).
+    Full recompute replays the forward's 2 collectives. 0 when t = 1.
+    """
+    if plan.tp <= 1 or plan.tp_kind != "1d":
+        return CommVolume()
+    n_fwd = 2 + (2 if plan.recompute == "full" else 0)
+    nbytes = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
+    n = n_fwd + 2
+    if plan.sequence_parallel:
+        return CommVolume(all_gather=n * nbytes, reduce_scatter=n * nbytes, calls=2 * n)
+    return CommVolume(all_reduce=n * nbytes, calls=n)
+
+
+def _summa_linear(M: float, k_in: float, n_out: float, q: int, nbytes: int) -> CommVolume:
+    """One SUMMA linear on q×q, per rank: forward C = A·B broadcasts q blocks of A (M/q × K/q) along rows and q
+    of B (K/q × N/q) along columns; backward dA = dC·Bᵀ broadcasts B blocks and reduces dA blocks (M/q × K/q);
+    dB = Aᵀ·dC broadcasts A blocks and reduces dB blocks (K/q × N/q). Wire: (q−1)/q·(3MK + 3KN)/q (optimus §1.6).
+    """
+    act = M * k_in / q**2 * nbytes
+    wgt = k_in * n_out / q**2 * nbytes
+    return CommVolume(broadcast=q * (2 * act + 2 * wgt), reduce=q * (act + wgt), calls=6 * q)
+
+
+def tp2d_layer_volume(shape: ModelShape, plan: Plan) -> CommVolume:
+    """Optimus 2D (SUMMA) tensor parallelism, one block, one micro-batch, per rank.
+
+    Sum of `_summa_linear` over QKV, proj, fc1(+gate), fc2: for GPT wire (q−1)/q²·(21·M·h + 36·h²) elements
+    (Xu et al. 2021, derived in docs/cost-model.md §5), M = b·s. Full recompute replays the forward broadcasts. Plus LayerNorm statistics:
+    per norm an all-reduce of 2 fp32 values per local token (M/q) along the row, forward and backward.
+    """
+    q = plan.q
+    if q <= 1:
+        return CommVolume()
+    M, nb = shape.seq_len * plan.micro_batch, plan.act_bytes
+    vol = CommVolume()
+    for k_in, n_out in linears(shape):
+        one = _summa_linear(M, k_in, n_out, q, nb)
+        vol = vol + one
+        if plan.recompute == "full":  # forward broadcasts of A and B replayed
+            act, wgt = M * k_in / q**2 * nb, k_in * n_out / q**2 * nb
+            vol = vol + CommVolume(broadcast=q * (act + wgt), calls=2 * q)
+    stats = 2 * (M / q) * 4  # (sum, sum of squares) in fp32 per local token
+    vol = vol + CommVolume(all_reduce=2 * 2 * stats, calls=4)
+    return vol
+
+
+def pp_p2p_volume(shape: ModelShape, plan: Plan, stage: int) -> CommVolume:
+    """Pipeline sends/receives of one rank (pipeline position `stage`) per step.
+
+    Chunk c of rank `stage` is global stage c·p + stage (looping assignment). Each micro-batch sends its
+    activation b·s·h forward from every chunk with a successor and its gradient backward from every chunk with a
+    predecessor (Narayanan §3.2), divided by t with the scatter/gather optimisation (sequence parallel / 2D
+    layouts hold sharded boundary activations: /t, /q²). Receives mirror the sends.
+    """
+    p, v, m = plan.pp, plan.virtual_stages, plan.n_microbatches
+    if p <= 1:
+        return CommVolume()
+    positions = [c * p + stage for c in range(v)]
+    with_next = sum(pos < v * p - 1 for pos in positions)
+    with_prev = sum(pos > 0 for pos in positions)
+    shard = plan.tp if (plan.sequence_parallel or plan.tp_kind == "2d") else 1
+    nbytes = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes / shard
+    sends = m * (with_next + with_prev)
+    return CommVolume(send=sends * nbytes, recv=sends * nbytes, calls=2 * sends)
+
+
+def dp_volume(params_local: float, plan: Plan, *, grad_bytes: int = 2, param_bytes: int = 2) -> CommVolume:
+    """Data-parallel payload per rank per step for `params_local` parameters (those held by this rank's stage
+    and tensor shard, before ZeRO sharding).
+
+    ZeRO 0: all-reduce of gradients (2Ψ on the wire). ZeRO 1/2: reduce-scatter gradients + all-gather updated
+    params (2Ψ). ZeRO 3: all-gather params for forward and again for backward + reduce-scatter gradients (3Ψ)
+    (Rajbhandari 2020 Table). Depth-first accumulation: ZeRO 2 reduce-scatters every micro-batch (×m) and ZeRO 3
+    also gathers every micro-batch (×m); layered accumulation does each once per step (layered-pipeline §2.2).
+    """
+    if plan.dp <= 1:
+        return CommVolume()
+    g, w = params_local * grad_bytes, params_local * param_bytes
+    m = plan.n_microbatches if plan.accumulation == "depth_first" else 1
+    if plan.zero_stage == 0:
+        return CommVolume(all_reduce=g, calls=1)
+    if plan.zero_stage == 1:
+        return CommVolume(reduce_scatter=g, all_gather=w, calls=2)
+    if plan.zero_stage == 2:
+        return CommVolume(reduce_scatter=m * g, all_gather=w, calls=m + 1)
+    if plan.zero_stage == 3:
+        return CommVolume(reduce_scatter=m * g, all_gather=2 * m * w, calls=3 * m)
+    raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {plan.zero_stage}")
