@@ -27,7 +27,7 @@ from tessera.config import ARITHMETIC_RULES, Config, ModelConfig, TrainConfig, V
 from tessera.config.checks import divisors_near, multiple_near
 from tessera.errors import ConfigError, DataError
 from tessera.layout import Layout
-from tessera.modes import BREADTH_FIRST, DEPTH_FIRST, LAYERED
+from tessera.modes import BREADTH_FIRST, DEPTH_FIRST, LAYERED, reduces_every_microbatch
 from tessera.pipeline.build import lowered_schedule
 from tessera.pipeline.ir import Schedule, ScheduleError, stage_to_rank
 
@@ -163,6 +163,7 @@ class ExecutionPlan:
             self.stages_per_rank,
             zero3=self.zero == 3,
             accumulation=self.accumulation,
+            reduce_every_microbatch=reduces_every_microbatch(self.accumulation, self.zero),
         )
 
     def describe(self) -> str:

@@ -23,7 +23,14 @@ from tessera.execution import DIRECT, ExecutionPlan, resolve
 from tessera.modes import BREADTH_FIRST, LAYERED
 from tessera.pipeline.ir import ActionKind, Schedule
 from tessera.pipeline.schedules import build_schedule
-from tessera.planner.cost import MemoryBreakdown, ModelShape, Plan, memory_per_rank, model_state_bytes
+from tessera.planner.cost import (
+    MemoryBreakdown,
+    ModelShape,
+    Plan,
+    memory_per_rank,
+    model_state_bytes,
+    rank_layers,
+)
 from tessera.planner.network import TESSERA_ORDER
 from tessera.planner.steptime import inflight_microbatches
 
@@ -232,8 +239,8 @@ def estimate_plan(
     for rank in _candidate_ranks(plan) if stage is None else [stage]:
         mine = plan.rank_stages(rank)
         share = sum(plan.stage_layers[s] for s in mine) or 1
-        # memory_per_rank multiplies by L/p layers; peaks[rank] already counts (layer × micro-batch) pairs
-        inflight = peaks[rank] / (shape.n_layers / plan.pp)
+        # memory_per_rank multiplies by the rank's blocks; peaks[rank] already counts (block × micro-batch) pairs
+        inflight = peaks[rank] / (rank_layers(shape, cplan, rank) or 1.0)
         base = memory_per_rank(shape, cplan, inflight_microbatches=inflight, stage=rank, precision="fp32")
         bd = _adjust(base, shape, cplan, [per_stage[s] for s in mine], last_mb[rank])
         candidate = MemoryEstimate(

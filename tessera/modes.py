@@ -17,6 +17,7 @@ __all__ = [
     "NONFINITE",
     "SCHEDULES",
     "STOP_SIGNALS",
+    "reduces_every_microbatch",
 ]
 
 FAMILIES = ("gpt", "llama")
@@ -33,3 +34,13 @@ NONFINITE = ("stop", "skip")
 """What a NaN/inf loss or gradient norm does (train.nonfinite): stop the run, or skip the update."""
 STOP_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU")
 """Signals train.stop_signal may name; SIGTERM and SIGINT always stop cleanly."""
+
+
+def reduces_every_microbatch(accumulation: str, zero_stage: int) -> bool:
+    """Whether the schedule runtime reduces each micro-batch's gradient on its own, right after its backward:
+    depth-first accumulation with ZeRO-2/3 (sharded gradient buffers cannot hold a step's full gradient: one
+    reduce-scatter per micro-batch) and with plain data parallelism (one all-reduce per micro-batch, each under
+    the next micro-batch's work: m× the bytes of reducing once). ZeRO-1 keeps full gradients and reduce-scatters
+    once per step, as does layered accumulation. Decides the lowered schedule's REDUCE / REDUCE_MB actions
+    (`tessera.pipeline.passes`), which the runtime executes and the planner's simulator prices."""
+    return accumulation == DEPTH_FIRST and zero_stage != 1

@@ -30,11 +30,14 @@ def lowered_schedule(
     *,
     zero3: bool = False,
     accumulation: str = "layered",
+    reduce_every_microbatch: bool = False,
     **options: Any,
 ) -> tuple[Schedule, str]:
     """Build, lower and validate a named schedule; returns (lowered lists, placement).
 
-    ``accumulation = "depth_first"`` runs breadth_first one micro-batch at a time (``consecutive = 1``).
+    ``accumulation = "depth_first"`` runs breadth_first one micro-batch at a time (``consecutive = 1``);
+    ``reduce_every_microbatch`` (`tessera.modes.reduces_every_microbatch`: depth-first except ZeRO-1) lowers a
+    REDUCE after every micro-batch's backward, which the runtime executes and the simulator prices.
     """
     if accumulation not in ACCUMULATION:
         raise ConfigError(f"unknown accumulation {accumulation!r}; choose one of {', '.join(ACCUMULATION)}")
@@ -46,7 +49,7 @@ def lowered_schedule(
         if accumulation == DEPTH_FIRST and schedule_name in _BREADTH_FIRST_NAMES:
             options = {**options, "consecutive": 1}
         compute = build_schedule(schedule_name, p, m, v, **options)
-    lowered = lower(compute, p, placement, zero3=zero3)
+    lowered = lower(compute, p, placement, zero3=zero3, reduce_every_microbatch=reduce_every_microbatch)
     validate(lowered, p, microbatches=m)
     return lowered, placement
 

@@ -12,7 +12,9 @@ Text forms (``Action.parse(str(a)) == a``)::
     3RECV_F0<-r0     stage 3 receives its input activation of micro-batch 0 from rank 0 (the rank of stage 2)
     3SEND_B0->r0     stage 3 sends the gradient w.r.t. its input of micro-batch 0 to rank 0 (stage 2)
     2RECV_B0<-r1     stage 2 receives the gradient w.r.t. its output of micro-batch 0 from rank 1 (stage 3)
-    2REDUCE          data-parallel reduction of stage 2's accumulated gradients
+    2REDUCE          data-parallel reduction of stage 2's accumulated gradients (once per step)
+    2REDUCE_MB1      reduction of stage 2's gradient of micro-batch 1 alone, right after its backward
+                     (depth-first accumulation, except ZeRO-1: `tessera.modes.reduces_every_microbatch`)
     2GATHER / 2FREE  ZeRO-3: all-gather / release stage 2's sharded parameters
 
 The stage of a communication action is always the *local* stage on the rank that executes it, so a runtime can
@@ -57,6 +59,7 @@ class ActionKind(StrEnum):
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
     REDUCE_GRAD = "REDUCE"
+    REDUCE_MICROBATCH = "REDUCE_MB"
     GATHER_PARAMS = "GATHER"
     FREE_PARAMS = "FREE"
 
@@ -82,6 +85,11 @@ class ActionKind(StrEnum):
     def is_stage_level(self) -> bool:
         """REDUCE, GATHER, FREE: concern a whole stage, no micro-batch."""
         return self in (ActionKind.REDUCE_GRAD, ActionKind.GATHER_PARAMS, ActionKind.FREE_PARAMS)
+
+    @property
+    def is_reduce(self) -> bool:
+        """REDUCE (the stage's gradient of the step) or REDUCE_MB (one micro-batch's): a data-parallel reduction."""
+        return self in (ActionKind.REDUCE_GRAD, ActionKind.REDUCE_MICROBATCH)
 
     @property
     def carries_gradient(self) -> bool:
@@ -116,8 +124,8 @@ class Action:
             raise ScheduleError(f"{self.kind.name} needs a micro-batch index >= 0, got {self.microbatch}")
         if self.kind.is_comm and (self.peer is None or self.peer < 0):
             raise ScheduleError(f"{self.kind.name} needs a peer rank >= 0, got {self.peer}")
-        if self.kind.is_compute and self.peer is not None:
-            raise ScheduleError(f"compute action {self.kind.name} takes no peer rank")
+        if (self.kind.is_compute or self.kind.is_reduce) and self.peer is not None:
+            raise ScheduleError(f"{self.kind.name} takes no peer rank")
 
     def __str__(self) -> str:
         if self.kind.is_stage_level:
@@ -139,7 +147,7 @@ class Action:
         if match is None:
             raise ScheduleError(
                 f"cannot parse action {text!r}: expected e.g. '2F0', '2B1', '2SEND_F0->r1', '3RECV_B0<-r0', "
-                "'2REDUCE', '2GATHER', '2FREE'"
+                "'2REDUCE', '2REDUCE_MB0', '2GATHER', '2FREE'"
             )
         stage, kind_text, mb, arrow, peer = match.groups()
         kind = ActionKind(kind_text)
@@ -173,6 +181,8 @@ class Action:
         if self.kind.is_comm:
             direction = "s" if self.kind.is_send else "r"
             return f"{self.stage}{direction}{'B' if self.kind.carries_gradient else 'F'}{self.microbatch}"
+        if self.kind is ActionKind.REDUCE_MICROBATCH:
+            return f"{self.stage}R{self.microbatch}"
         return f"{self.stage}{self.kind.value[0]}"
 
 

@@ -7,7 +7,9 @@ Placement rules (all relative to compute actions, so each pass is independent of
 - RECV right before the compute that consumes it; SEND right after the compute that produces it. Sends are
   treated as buffered (non-blocking) and receives as blocking — the validator checks under exactly these rules.
 - REDUCE after the stage's last backward (B or W) on its rank, after that backward's SEND, so the gradient for
-  the previous stage leaves first.
+  the previous stage leaves first. With ``reduce_every_microbatch`` (depth-first accumulation except ZeRO-1,
+  `tessera.modes.reduces_every_microbatch`) a ``REDUCE_MB j`` follows *every* backward of micro-batch j instead:
+  the runtime reduce-scatters each micro-batch's gradient, and the simulator prices each one where it runs.
 - GATHER before the first compute of a *phase*, ahead of that compute's RECV so the gather can overlap the
   wait; FREE after the last compute of the phase and its SEND. A phase is a maximal run of one stage's
   compute actions on a rank (other stages' computes end it); with ``split_directions`` a forward run and a
@@ -109,17 +111,24 @@ def _insert_all(actions: list[Action], inserts: list[tuple[int, Action]]) -> lis
     return out
 
 
-def add_grad_reduction(schedule: Schedule, p: int | None = None) -> Schedule:
-    """Insert REDUCE(s) after the last action producing stage s's weight gradient (B, or W when split)."""
+def add_grad_reduction(
+    schedule: Schedule, p: int | None = None, *, every_microbatch: bool = False
+) -> Schedule:
+    """Insert REDUCE(s) after the last action producing stage s's weight gradient (B, or W when split); with
+    ``every_microbatch`` a REDUCE_MB(s, j) after every such action (micro-batch j) instead."""
     if p is not None and len(schedule) != p:
         raise ScheduleError(f"schedule has {len(schedule)} rank lists but p = {p}")
     lowered: Schedule = []
     for actions in schedule:
-        last: dict[int, int] = {}
-        for index, action in enumerate(actions):
-            if action.kind in (_K.BACKWARD, _K.BACKWARD_WEIGHT):
-                last[action.stage] = index
-        inserts = [(_after_block(actions, i), Action(s, _K.REDUCE_GRAD)) for s, i in last.items()]
+        weight = [(i, a) for i, a in enumerate(actions) if a.kind in (_K.BACKWARD, _K.BACKWARD_WEIGHT)]
+        if every_microbatch:
+            inserts = [
+                (_after_block(actions, i), Action(a.stage, _K.REDUCE_MICROBATCH, a.microbatch))
+                for i, a in weight
+            ]
+        else:
+            last = {a.stage: i for i, a in weight}
+            inserts = [(_after_block(actions, i), Action(s, _K.REDUCE_GRAD)) for s, i in last.items()]
         lowered.append(_insert_all(actions, inserts))
     return lowered
 
@@ -161,12 +170,19 @@ def _order_frees_first(inserts: list[tuple[int, Action]]) -> list[tuple[int, Act
 
 
 def lower(
-    schedule: Schedule, p: int, placement: str = "loop", *, zero3: bool = False, reduce_grads: bool = True
+    schedule: Schedule,
+    p: int,
+    placement: str = "loop",
+    *,
+    zero3: bool = False,
+    reduce_grads: bool = True,
+    reduce_every_microbatch: bool = False,
 ) -> Schedule:
-    """Apply the passes in order: communication, gradient reduction (unless disabled), ZeRO-3 gather/free."""
+    """Apply the passes in order: communication, gradient reduction (unless disabled; per micro-batch with
+    ``reduce_every_microbatch``), ZeRO-3 gather/free."""
     lowered = add_communication(schedule, p, placement)
     if reduce_grads:
-        lowered = add_grad_reduction(lowered, p)
+        lowered = add_grad_reduction(lowered, p, every_microbatch=reduce_every_microbatch)
     if zero3:
         lowered = add_param_gather(lowered, p)
     return lowered

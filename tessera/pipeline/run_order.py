@@ -2,7 +2,7 @@
 
 The engine (`tessera.pipeline.runtime`) executes a lowered list action by action; these functions derive from
 that list what it needs besides: the forward-only list of an evaluation, the points at which receives are posted
-early, depth-first accumulation's extra reductions, and the check that a backend matching messages by issue
+early, and the check that a backend matching messages by issue
 order (NCCL) sees every channel's sends in the order of its receives.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError
 
-__all__ = ["check_p2p_order", "forward_only", "group_reductions", "recv_post_positions"]
+__all__ = ["check_p2p_order", "forward_only", "recv_post_positions"]
 
 _K = ActionKind
 
@@ -49,27 +49,6 @@ def recv_post_positions(actions: list[Action], ahead: int) -> dict[int, list[Act
         at = before[-ahead] if ahead and len(before) >= ahead else (0 if ahead else index)
         post.setdefault(at, []).append(action)
     return post
-
-
-def group_reductions(actions: list[Action], deferred: set[int]) -> dict[int, list[int]]:
-    """Depth-first accumulation: reduce each stage after every micro-batch's backward, not only after the last
-    (that one is the IR's REDUCE). Keyed by the index after which to call ``reduce``: past the backward's SENDs,
-    so the gradient for the previous stage leaves first. Stages in ``deferred`` (tied across ranks) reduce once."""
-    weight_kinds = (_K.BACKWARD, _K.BACKWARD_WEIGHT)
-    last = {a.stage: i for i, a in enumerate(actions) if a.kind in weight_kinds}
-    after: dict[int, list[int]] = {}
-    for index, action in enumerate(actions):
-        if action.kind not in weight_kinds or last[action.stage] == index or action.stage in deferred:
-            continue
-        end = index
-        while end + 1 < len(actions) and actions[end + 1].kind.is_send and _same(actions[end + 1], action):
-            end += 1
-        after.setdefault(end, []).append(action.stage)
-    return after
-
-
-def _same(a: Action, b: Action) -> bool:
-    return (a.stage, a.microbatch) == (b.stage, b.microbatch)
 
 
 def check_p2p_order(lowered: Schedule) -> None:

@@ -39,11 +39,11 @@ from tessera import comm
 from tessera.errors import ConfigError
 from tessera.layout import Axis
 from tessera.model.materialize import materialize
-from tessera.modes import ACCUMULATION
+from tessera.modes import reduces_every_microbatch
 from tessera.parallel.memory import SavedActivationCounter
 from tessera.pipeline.build import lowered_schedule
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, infer_stage_ranks
-from tessera.pipeline.run_order import check_p2p_order, forward_only, group_reductions, recv_post_positions
+from tessera.pipeline.run_order import check_p2p_order, forward_only, recv_post_positions
 from tessera.pipeline.stage import Stage, TiedParameter, split_stages, tied_parameters
 from tessera.pipeline.stage_comm import DataParallelStageComm, StageComm
 from tessera.pipeline.validate import validate
@@ -89,7 +89,8 @@ class PipelineEngine:
 
     ``stages`` are this rank's stages by global index. ``activation_shape(tokens_shape)`` gives the shape of a
     stage boundary tensor (default: the stage's ``boundary_shape``); ``dtype`` its type (default: the
-    parameters' type). ``accumulation = "depth_first"`` also calls ``comm.reduce`` after every micro-batch.
+    parameters' type). Every ``comm.reduce`` call is a REDUCE action of the lowered list (one per stage and
+    step, or one per micro-batch for depth-first accumulation except ZeRO-1: `tessera.modes.reduces_every_microbatch`).
     ``tied`` lists parameters shared by two stages (``tied_parameters``): when the stages sit on different
     ranks, their gradients are exchanged and summed at the end of the step, before those stages' REDUCE.
     """
@@ -108,10 +109,7 @@ class PipelineEngine:
         tied: Iterable[TiedParameter] = (),
         recv_ahead: int = 2,
         record: bool = False,
-        accumulation: str = "layered",
     ) -> None:
-        if accumulation not in ACCUMULATION:
-            raise ConfigError(f"unknown accumulation {accumulation!r}; choose layered or depth_first")
         p = len(lowered)
         validate(lowered, p, microbatches=microbatches)
         self.owner = infer_stage_ranks(lowered)
@@ -136,13 +134,9 @@ class PipelineEngine:
         self.tied = [t for t in tied if self.owner[t.stage_a] != self.owner[t.stage_b]]
         self.deferred = {s for t in self.tied for s in (t.stage_a, t.stage_b) if s in stages}
         self.post_at = recv_post_positions(self.actions, recv_ahead)
-        self.accumulation = accumulation
         self.loss_scale = 1.0  # set by the trainer for fp16 dynamic loss scaling
         self.peak_saved_bytes = 0
         self.track_saved = True  # count activation bytes held for backward (metrics: saved_activation_bytes)
-        self.reduce_after = (
-            group_reductions(self.actions, self.deferred) if accumulation == "depth_first" else {}
-        )
         self.timeline: list[TimedAction] = []
         if pp_group is not None and dist.get_backend(pp_group) != "gloo":
             check_p2p_order(lowered)
@@ -194,8 +188,6 @@ class PipelineEngine:
                 self._post_recvs(state, self.post_at[index])
             start = time.perf_counter()
             self._run(state, action)
-            for stage in self.reduce_after.get(index, ()):
-                self.comm.reduce(stage)
             if self.record:
                 self.timeline.append(TimedAction(action, start - t0, time.perf_counter() - t0))
             state.sends = [(t, w) for t, w in state.sends if not all(x.is_completed() for x in w)]
@@ -249,7 +241,7 @@ class PipelineEngine:
             self._send(state, action)
         elif kind.is_recv:
             self._wait_recv(state, action)
-        elif kind is _K.REDUCE_GRAD:
+        elif kind.is_reduce:  # the step's REDUCE, or one micro-batch's REDUCE_MB (depth-first)
             if action.stage not in self.deferred:
                 self.comm.reduce(action.stage)
         elif kind is _K.GATHER_PARAMS:
@@ -473,7 +465,14 @@ def build_pipeline(
         zero, accumulation = par.zero, par.accumulation
     p = layout.pp
     lowered, _ = lowered_schedule(
-        name, p, m, v, zero3=zero == 3, accumulation=accumulation, **schedule_options
+        name,
+        p,
+        m,
+        v,
+        zero3=zero == 3,
+        accumulation=accumulation,
+        reduce_every_microbatch=reduces_every_microbatch(accumulation, zero),
+        **schedule_options,
     )
     all_stages = split_stages(model, p * v, stage_layers, checkpointing)
     rank = groups.coord(Axis.PIPE) if groups is not None else 0
@@ -496,5 +495,4 @@ def build_pipeline(
         microbatches=m,
         tied=tied,
         record=record,
-        accumulation=accumulation,
     )

@@ -56,6 +56,7 @@ class _Run:
     received: set[tuple] = field(default_factory=set)
     gathered: set[int] = field(default_factory=set)
     reduced: set[int] = field(default_factory=set)
+    reduced_microbatches: dict[int, set[int]] = field(default_factory=dict)  # stage -> its REDUCE j so far
     zero3: set[int] = field(default_factory=set)
 
     def fail(self, rank: int, action: Action, why: str) -> ScheduleError:
@@ -126,6 +127,7 @@ def _try_step(run: _Run, rank: int, action: Action) -> bool:
         _K.SEND_F: _send,
         _K.SEND_B: _send,
         _K.REDUCE_GRAD: _reduce,
+        _K.REDUCE_MICROBATCH: _reduce,
         _K.GATHER_PARAMS: _gather,
         _K.FREE_PARAMS: _free,
     }
@@ -222,10 +224,32 @@ def _reduce(run: _Run, rank: int, a: Action) -> str:
     s = a.stage
     if s in run.reduced:
         return f"stage {s} gradients reduced twice"
+    if a.kind is _K.REDUCE_MICROBATCH:
+        return _reduce_microbatch(run, s, a.microbatch)
+    if s in run.reduced_microbatches:
+        return f"a whole-step {s}REDUCE after per-micro-batch reductions of stage {s}; use one kind per stage"
     pending = [j for j in range(run.microbatches) if not _weight_grad_done(run, s, j)]
     if pending:
         return f"reduces before the last backward: micro-batches {pending} of stage {s} not done yet"
     run.reduced.add(s)
+    return ""
+
+
+def _reduce_microbatch(run: _Run, s: int, j: int) -> str:
+    """REDUCE_MB(s, j) reduces what stage s accumulated since its previous reduction, which must be micro-batch
+    j's gradient exactly: j's backward done, no other unreduced backward of s."""
+    done = run.reduced_microbatches.setdefault(s, set())
+    if j in done:
+        return f"stage {s} micro-batch {j} gradients reduced twice"
+    unreduced = {i for i in range(run.microbatches) if _weight_grad_done(run, s, i)} - done
+    if unreduced != {j}:
+        return (
+            f"{s}REDUCE_MB{j} must follow micro-batch {j}'s backward and nothing else unreduced; "
+            f"unreduced backwards of stage {s}: {sorted(unreduced)}"
+        )
+    done.add(j)
+    if len(done) == run.microbatches:
+        run.reduced.add(s)
     return ""
 
 
@@ -287,7 +311,7 @@ def _check_complete(run: _Run) -> None:
     for message, (rank, step, send) in run.sent.items():
         if message not in run.received:
             problems.append(f"rank {rank} sends {send} at step {step} but rank {send.peer} never receives it")
-    if run.reduced and len(run.reduced) != run.stages:
+    if (run.reduced or run.reduced_microbatches) and len(run.reduced) != run.stages:
         problems.append(f"REDUCE missing for stages {sorted(set(range(run.stages)) - run.reduced)}")
     if run.gathered:
         problems.append(

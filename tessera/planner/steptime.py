@@ -54,6 +54,7 @@ from tessera.planner.cost import (
     logits_time,
     p2p_time_per_microbatch,
     params_per_rank,
+    per_microbatch_reduction,
     tp_comm_time_per_layer,
 )
 from tessera.planner.hardware import DTYPE_BYTES, Hardware
@@ -74,6 +75,7 @@ __all__ = [
     "dp_parts",
     "fast_step",
     "inflight_microbatches",
+    "most_params",
     "optimizer_time",
     "p2p_hops",
     "pipeline_costs",
@@ -350,13 +352,19 @@ def dp_exposure(items: list[tuple[float, float]], end: float) -> float:
 def optimizer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> float:
     """Per-step fixed work after the last backward, unoverlapped: gradient clipping's norm (an all-reduce of one
     fp32 over all ranks: pure latency, `clip_norm_time`) and the Adam step, memory bound: Ψ_local (÷d with
-    ZeRO ≥ 1) × bytes per parameter / HBM bandwidth, on the rank with the most parameters (first or last
-    stage)."""
-    psi = max(params_per_rank(shape, plan, 0), params_per_rank(shape, plan, plan.pp - 1))
+    ZeRO ≥ 1) × bytes per parameter / HBM bandwidth, on the rank with the most parameters (`most_params`)."""
+    psi = most_params(shape, plan)
     if plan.zero_stage >= 1:
         psi /= plan.dp
     per = FP32_OPTIMIZER_BYTES_PER_PARAM if plan.dtype == "fp32" else OPTIMIZER_BYTES_PER_PARAM
     return psi * per / hw.hbm_bandwidth + clip_norm_time(hw, plan)
+
+
+def most_params(shape: ModelShape, plan: Plan) -> float:
+    """Parameters of the pipeline rank holding the most (`params_per_rank` on the actual stage split): the first
+    or last rank with even stages, any rank with uneven ones (whose ends are usually lightened)."""
+    ranks = range(plan.pp) if plan.stage_layers is not None else sorted({0, plan.pp - 1})
+    return max(params_per_rank(shape, plan, r) for r in ranks)
 
 
 def clip_norm_time(hw: Hardware, plan: Plan) -> float:
@@ -439,19 +447,13 @@ def _fast_dp(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, c: Chun
     if plan.dp <= 1:
         return 0.0
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
+    # rank 0's timing with the heavier end's parameters (the simulator prices every rank with its own)
     psi = max(params_per_rank(shape, plan, 0), params_per_rank(shape, plan, p - 1))
     reduce, gather = dp_parts(psi, hw, plan, buckets=c.layers * v)
     after = {"interleaved": p, "breadth_first": m}.get(schedule, 0)
     items: list[tuple[float, float]] = []
-    if _per_microbatch_reduce(plan) and v > 1:  # one reduce-scatter per chunk backward, under it
-        items += _chunk_releases(p, m, v, c, end, reduce / (m * v))
-    elif _per_microbatch_reduce(
-        plan
-    ):  # one reduce-scatter per micro-batch, under that micro-batch's backward
-        period = c.fwd + c.bwd
-        # the earlier micro-batches as one item each, released when their backward ends (O(m), not O(m·L))
-        items += [(end - k * period, reduce / m) for k in range(1, m)]
-        items += _reduce_items(end, c.bwd, c.layers, reduce / m)
+    if _per_microbatch_reduce(plan):  # one reduction per micro-batch and chunk, under its backward
+        items += _backward_releases(schedule, p, m, v, c, end, reduce / (m * v))
     else:
         for j in range(v):
             items += _reduce_items(end - j * after * c.bwd, c.bwd, c.layers, reduce / v)
@@ -467,16 +469,19 @@ it has."""
 MAX_RELEASES = 256
 
 
-def _chunk_releases(
-    p: int, m: int, v: int, c: ChunkCosts, end: float, share: float
+def _backward_releases(
+    schedule: str, p: int, m: int, v: int, c: ChunkCosts, end: float, share: float
 ) -> list[tuple[float, float]]:
-    """Interleaved depth-first: rank 0's m·v chunk backwards each reduce `share`. Counted back from `end`, the
-    cool-down backwards (as many as the warm-up forwards: 2(p − 1) + (v − 1)·p, all of them when m = p) run back
-    to back, c.bwd apart; the earlier ones one per 1F1B slot, f + b apart (`schedules.interleaved_1f1b`)."""
+    """Rank 0's m·v chunk backwards, each releasing `share` of reduction, counted back from `end`. The last ones
+    run back to back, c.bwd apart — all of them in GPipe (and interleaved with m = p), the last (v − 1)·p + 1
+    otherwise (1 in 1F1B) — and the earlier ones one per 1F1B slot, f + b apart (the simulator's timeline of the
+    schedules in `tessera.pipeline.schedules`, checked in tests/unit/test_search.py). The nearest
+    `BUCKETED_RELEASES` release layer by layer during their backward, as the simulator's REDUCE_MB do."""
     total = m * v
-    warm = total if m == p else max(1, min(total, 2 * (p - 1) + (v - 1) * p))
-    ends = [end - k * c.bwd for k in range(warm)]
-    ends += [ends[-1] - (k + 1) * (c.fwd + c.bwd) for k in range(total - warm)]
+    all_at_end = schedule == "gpipe" or (schedule == "interleaved" and m == p)
+    tail = total if all_at_end else min(total, (v - 1) * p + 1)
+    ends = [end - k * c.bwd for k in range(tail)]
+    ends += [ends[-1] - (k + 1) * (c.fwd + c.bwd) for k in range(total - tail)]
     items: list[tuple[float, float]] = []
     for e in ends[:BUCKETED_RELEASES]:
         items += _reduce_items(e, c.bwd, c.layers, share)
@@ -491,9 +496,10 @@ def _chunk_releases(
 
 
 def _per_microbatch_reduce(plan: Plan) -> bool:
-    """Depth-first accumulation with ZeRO-2/3 reduce-scatters every micro-batch's gradients (sharded gradient
-    buffers cannot accumulate the full gradient), each overlapping that micro-batch's backward."""
-    return plan.accumulation == "depth_first" and plan.zero_stage >= 2
+    """Every micro-batch's gradient is reduced on its own (ZeRO-2/3 reduce-scatter, plain data parallelism in a
+    pipeline all-reduce), each overlapping that micro-batch's backward: the lowered schedule's REDUCE_MB actions
+    (`cost.per_microbatch_reduction`, one rule for runtime and planner)."""
+    return plan.dp > 1 and per_microbatch_reduction(plan)
 
 
 def _durations(pc: PipelineCosts):
@@ -516,7 +522,12 @@ def simulate_step(
     pc = pipeline_costs(shape, hw, plan)
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
     ir = build_schedule(CONFIG_TO_IR[schedule], p, m, v)
-    lowered = lower(ir, p, zero3=plan.zero_stage == 3 and plan.dp > 1)
+    lowered = lower(
+        ir,
+        p,
+        zero3=plan.zero_stage == 3 and plan.dp > 1,
+        reduce_every_microbatch=_per_microbatch_reduce(plan),
+    )
     durations = _durations(pc)
     p2p = pc.block.p2p
     # check=False: the builders emit valid schedules and simulate() itself raises on a deadlock
@@ -536,8 +547,9 @@ def simulate_step(
 
 
 def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, pc: PipelineCosts) -> float:
-    """Per rank: reductions released from the timeline's REDUCE actions (layer by layer during the stage's last
-    backward, each stage's share in proportion to its blocks), gathers spread over the step; the worst rank's
+    """Per rank: reductions released from the timeline's REDUCE actions, layer by layer during the backward
+    that precedes each (the stage's last one; for a REDUCE_MB j, micro-batch j's), each stage's
+    share in proportion to its blocks (÷ m for a REDUCE_MB); gathers spread over the step; the worst rank's
     lateness past the step end is exposed."""
     if plan.dp <= 1:
         return 0.0
@@ -552,18 +564,13 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, p
         reduce, gather = dp_parts(params_per_rank(shape, plan, rank), hw, plan, buckets=max(1, blocks))
         last_b: dict[int, tuple[float, float]] = {}
         items: list[tuple[float, float]] = []
-        every_b = _per_microbatch_reduce(plan)
         for e in entries:
             if e.action.kind.value == "B":
                 last_b[e.action.stage] = (e.start, e.end)
-                if every_b and blocks:  # depth-first ZeRO-2/3: this micro-batch's share, during this backward
-                    layers = pc.counts[e.action.stage]
-                    share = reduce * layers / blocks / m
-                    items += _reduce_items(e.end, e.end - e.start, max(1, layers), share)
-            elif e.action.kind.value == "REDUCE" and not every_b:
+            elif e.action.kind.is_reduce and blocks:
                 start, stop = last_b[e.action.stage]
                 layers = pc.counts[e.action.stage]
-                share = reduce * layers / blocks if blocks else 0.0
+                share = reduce * layers / blocks / (m if e.action.microbatch is not None else 1)
                 items += _reduce_items(stop, stop - start, max(1, layers), share)
         pieces = 2 * v * (m if plan.accumulation == "depth_first" and plan.zero_stage == 3 else 1)
         queued, exposed = _gathers(plan, gather, end, min(pieces, 64))

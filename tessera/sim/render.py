@@ -26,6 +26,7 @@ KIND_COLORS = {
     ActionKind.SEND_B: "#64b5cd",
     ActionKind.RECV_B: "#64b5cd",
     ActionKind.REDUCE_GRAD: "#937860",
+    ActionKind.REDUCE_MICROBATCH: "#937860",
     ActionKind.GATHER_PARAMS: "#da8bc3",
     ActionKind.FREE_PARAMS: "#8c8c8c",
 }

@@ -82,6 +82,7 @@ class CostTable:
             _K.RECV_F: self.recv,
             _K.RECV_B: self.recv,
             _K.REDUCE_GRAD: self.reduce,
+            _K.REDUCE_MICROBATCH: self.reduce,
             _K.GATHER_PARAMS: self.gather,
             _K.FREE_PARAMS: self.free,
         }

@@ -152,3 +152,21 @@ def test_trainer_prediction_honours_stage_layers() -> None:
     even = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, stage_layers=None))
     # the heavier second stage makes the uneven split slower than the even one
     assert predict_trainer_step(cfg, 2, hw).step_time > predict_trainer_step(even, 2, hw).step_time
+
+
+def test_memory_and_parameters_follow_the_actual_stage_split() -> None:
+    """Uneven stages (1, 3) on p = 2: rank 1 holds 3 blocks, not L/p = 2 — its parameters, stored activations
+    and (through `most_params`) the data-parallel and optimizer pricing use the split."""
+    from tessera.planner.cost import activation_bytes_per_layer, memory_per_rank, params_per_rank, rank_layers
+    from tessera.planner.steptime import most_params
+
+    plan = Plan(pp=2, dp=4, n_microbatches=2, stage_layers=(1, 3), flash_attention=True)
+    assert [rank_layers(GPT, plan, r) for r in (0, 1)] == [1.0, 3.0]
+    h, V = GPT.d_model, GPT.vocab_size
+    assert params_per_rank(GPT, plan, 1) == 3 * GPT.layer_params() + 2 * h + V * h  # final norm + head copy
+    assert params_per_rank(GPT, plan, 0) == GPT.layer_params() + V * h + GPT.seq_len * h
+    mem = memory_per_rank(GPT, plan, inflight_microbatches=1, stage=1)
+    assert mem.activations == pytest.approx(3 * activation_bytes_per_layer(GPT, plan), rel=REL)
+    assert most_params(GPT, plan) == params_per_rank(GPT, plan, 1)
+    even = dataclasses.replace(plan, stage_layers=None)
+    assert rank_layers(GPT, even, 1) == 2.0

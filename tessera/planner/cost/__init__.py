@@ -45,8 +45,9 @@ from tessera.planner.cost.compute import (
     layer_time,
     layers_per_stage,
     logits_time,
+    rank_layers,
 )
-from tessera.planner.cost.plan import Plan
+from tessera.planner.cost.plan import Plan, per_microbatch_reduction
 from tessera.planner.cost.rank_memory import (
     MemoryBreakdown,
     activation_bytes_per_layer,
@@ -107,7 +108,9 @@ __all__ = [
     "p2p_time",
     "p2p_time_per_microbatch",
     "params_per_rank",
+    "per_microbatch_reduction",
     "pp_p2p_volume",
+    "rank_layers",
     "reduce_scatter_time",
     "stage_time",
     "tp1d_layer_volume",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tessera.planner.cost.collectives import group_placement, p2p_time
 from tessera.planner.cost.compute import LayerTime, layer_time, logits_time
-from tessera.planner.cost.plan import Plan
+from tessera.planner.cost.plan import Plan, per_microbatch_reduction
 from tessera.planner.cost.shape import ModelShape, linears
 from tessera.planner.hardware import Hardware
 from tessera.planner.network import bus_bandwidth, collective_time
@@ -105,7 +105,7 @@ def dp_collective_times(
     m = plan.n_microbatches if plan.accumulation == "depth_first" else 1
     g, w = params_local * grad_bytes, params_local * param_bytes
     if plan.zero_stage == 0:
-        calls = [("all_reduce", g, 1)]
+        calls = [("all_reduce", g, m if per_microbatch_reduction(plan) else 1)]
     elif plan.zero_stage in (1, 2, 3):
         reps = m if plan.zero_stage >= 2 else 1
         calls = [("reduce_scatter", g, reps)]

@@ -123,6 +123,14 @@ def layers_per_stage(shape: ModelShape, plan: Plan) -> tuple[int, ...]:
     return (shape.n_layers // n,) * n
 
 
+def rank_layers(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
+    """Blocks held by pipeline rank `stage`: the sum of its chunks c·p + stage of `plan.stage_layers`, or L/p
+    without them (a fraction when p does not divide L: the Megatron comparison's average rank)."""
+    if plan.stage_layers is None:
+        return shape.n_layers / plan.pp
+    return float(sum(layers_per_stage(shape, plan)[stage :: plan.pp]))
+
+
 def embedding_time(shape: ModelShape, hw: Hardware, plan: Plan) -> tuple[LayerTime, LayerTime]:
     """(compute, exposed tensor-parallel) seconds of the input embedding for one micro-batch on the first stage.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.modes import reduces_every_microbatch
 from tessera.planner.hardware import DTYPE_BYTES
 from tessera.planner.network import MEGATRON_ORDER
 
@@ -62,3 +63,12 @@ class Plan:
     @property
     def act_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+
+def per_microbatch_reduction(plan: Plan) -> bool:
+    """Whether the run reduces every micro-batch's gradient on its own (the lowered schedule's REDUCE_MB):
+    `tessera.modes.reduces_every_microbatch`, except plain data parallelism without a pipeline, which the trainer
+    runs as its direct loop (one bucketed all-reduce per step, `tessera.execution`)."""
+    if plan.zero_stage == 0 and plan.pp == 1:
+        return False
+    return reduces_every_microbatch(plan.accumulation, plan.zero_stage)

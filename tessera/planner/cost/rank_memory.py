@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tessera.planner.cost.compute import rank_layers
 from tessera.planner.cost.plan import Plan
 from tessera.planner.cost.shape import ModelShape
 
@@ -37,11 +38,11 @@ class MemoryBreakdown:
 
 
 def params_per_rank(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
-    """Parameters held by one rank of pipeline position `stage` before ZeRO sharding: its L/p blocks and, on the
-    first stage, the embedding (+ positions); on the last stage the head if untied (or a tied copy if p > 1), all
-    divided by the tensor degree (norm/bias vectors are counted as sharded too: a small over-estimate of savings)."""
-    layers = shape.n_layers / plan.pp
-    n = layers * shape.layer_params()
+    """Parameters held by one rank of pipeline position `stage` before ZeRO sharding: its blocks (`rank_layers`:
+    the actual stage split) and, on the first stage, the embedding (+ positions); on the last stage the head if
+    untied (or a tied copy if p > 1), all divided by the tensor degree (norm/bias vectors are counted as sharded
+    too: a small over-estimate of savings)."""
+    n = rank_layers(shape, plan, stage) * shape.layer_params()
     h, V = shape.d_model, shape.vocab_size
     if stage == 0:
         n += V * h + (0 if shape.swiglu else shape.seq_len * h)
@@ -105,8 +106,8 @@ def memory_per_rank(
 
     Model state on Ψ = `params_per_rank` (Rajbhandari 2020, K = 12): mixed precision 2Ψ params + 2Ψ grads +
     12Ψ optimizer (fp32 master, m, v); fp32 training 4Ψ + 4Ψ + 8Ψ. ZeRO-1 shards the optimizer over d, ZeRO-2 also
-    gradients, ZeRO-3 also parameters. Activations = `activation_bytes_per_layer` × L/p layers ×
-    `inflight_microbatches` (from the schedule: 1F1B p − stage, GPipe/breadth-first m·v chunks ...). Working:
+    gradients, ZeRO-3 also parameters. Activations = `activation_bytes_per_layer` × the rank's blocks
+    (`rank_layers`) × `inflight_microbatches` (from the schedule: 1F1B p − stage, GPipe/breadth-first m·v chunks ...). Working:
     one block's un-checkpointed activations when recomputing, fp32 logits 4·s·b·V/t on the last stage. Buffers:
     p2p send+recv (2 boundary tensors), ZeRO-3 gather of 2 blocks (prefetch), ZeRO-2/3 one block of full grads.
     """
@@ -114,8 +115,7 @@ def memory_per_rank(
     params, grads, optimizer = model_state_bytes(psi, plan.dp, plan.zero_stage, precision)
     w_b, g_b = (2, 2) if precision == "mixed" else (4, 4)
     z = plan.zero_stage
-    layers = shape.n_layers / plan.pp
-    acts = activation_bytes_per_layer(shape, plan) * layers * inflight_microbatches
+    acts = activation_bytes_per_layer(shape, plan) * rank_layers(shape, plan, stage) * inflight_microbatches
     working = 0.0
     if plan.recompute != "none":
         working += activation_bytes_per_layer(shape, replace(plan, recompute="none"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from tessera.planner.cost.plan import Plan
+from tessera.planner.cost.plan import Plan, per_microbatch_reduction
 from tessera.planner.cost.shape import ModelShape, linears
 
 __all__ = ["CommVolume", "dp_volume", "pp_p2p_volume", "tp1d_layer_volume", "tp2d_layer_volume"]
@@ -126,13 +126,15 @@ def dp_volume(params_local: float, plan: Plan, *, grad_bytes: int = 2, param_byt
     params (2Ψ). ZeRO 3: all-gather params for forward and again for backward + reduce-scatter gradients (3Ψ)
     (Rajbhandari 2020 Table). Depth-first accumulation: ZeRO 2 reduce-scatters every micro-batch (×m) and ZeRO 3
     also gathers every micro-batch (×m); layered accumulation does each once per step (layered-pipeline §2.2).
+    ZeRO 0 depth-first in tessera's pipeline runtime all-reduces every micro-batch (×m, `per_microbatch_reduction`).
     """
     if plan.dp <= 1:
         return CommVolume()
     g, w = params_local * grad_bytes, params_local * param_bytes
     m = plan.n_microbatches if plan.accumulation == "depth_first" else 1
     if plan.zero_stage == 0:
-        return CommVolume(all_reduce=g, calls=1)
+        reps = m if per_microbatch_reduction(plan) else 1
+        return CommVolume(all_reduce=reps * g, calls=reps)
     if plan.zero_stage == 1:
         return CommVolume(reduce_scatter=g, all_gather=w, calls=2)
     if plan.zero_stage == 2:
