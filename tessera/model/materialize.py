@@ -204,9 +204,12 @@ def _real_parameter(p: nn.Parameter, defer: bool) -> nn.Parameter:
         )
     if not defer:
         return nn.Parameter(local_value(p), requires_grad=p.requires_grad)
-    t = torch.empty(p.shape, dtype=p.dtype, device=origin.device)
-    t.untyped_storage().resize_(0)  # shape only; ZeRO-3 allocates and fills its shard
-    new = nn.Parameter(t, requires_grad=p.requires_grad)
+    new = nn.Parameter(
+        torch.empty(p.shape, dtype=p.dtype, device=origin.device), requires_grad=p.requires_grad
+    )
+    # shape only; ZeRO allocates and fills its flat buffers. Freed on the Parameter itself: under fake tensors
+    # wrapping a tensor in a Parameter gives it a storage of its own, full-sized
+    new.untyped_storage().resize_(0)
     setattr(new, _ATTR, origin)
     return new
 

@@ -72,7 +72,8 @@ def _reduce_scatter_async(out: torch.Tensor, full: torch.Tensor, group: dist.Pro
 class FlatStage:
     """One stage's parameters as a flat padded fp32 buffer and this rank's shard of it.
 
-    ``full``: the padded flat buffer; every parameter's ``.data`` is a view of it. ``shard``: this rank's
+    ``full``: the padded flat buffer; every parameter's ``.data`` is a view of it (ZeRO-3: from the first
+    GATHER, which first gives it storage; until then each parameter is a shape without storage). ``shard``: this rank's
     ``[rank·n, (rank+1)·n)`` slice — a view of ``full`` (ZeRO-1/2, or d = 1), or its own tensor (ZeRO-3, d > 1,
     when ``full``'s storage is released between phases). ``grad_shard``: the reduced gradient shard (fp32).
     """
@@ -95,25 +96,30 @@ class FlatStage:
         lo = self.rank * self.shard_numel
         if self.sharded_params:
             # ZeRO-3: only this rank's shard gets storage, filled parameter by parameter (one in memory at a
-            # time); the full buffer is a shape whose storage GATHER allocates.
-            self.full = torch.empty(self.padded, dtype=torch.float32, device=device)  # never touched
+            # time). The full buffer gets none until the first GATHER: allocating it here, even for an instant,
+            # is a whole stage per rank on a GPU (the caching allocator reserves what `empty` asks for).
+            self.full = torch.empty(0, dtype=torch.float32, device=device)
             self.shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
             self._fill(self.shard, lo)
+            for p in params:
+                _drop_storage(p)
         else:
             self.full = torch.zeros(self.padded, dtype=torch.float32, device=device)
             self._fill(self.full, 0)
             self.shard = self.full[lo : lo + self.shard_numel]
-        for p, offset in zip(params, self.offsets, strict=True):
-            p.data = self.full[offset : offset + p.numel()].view_as(p)  # views need the storage's size
-            forget_pending(p)
-        if self.sharded_params:
-            self._release()
+            self._point_params()
+        self.gathered = not self.sharded_params
         self.grad_shard: torch.Tensor | None = None
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._gather_work: Any = None
-        self.gathered = not self.sharded_params
         self.users = 0
         self.shard_param: nn.Parameter | None = None
+
+    def _point_params(self) -> None:
+        """Make every parameter's ``.data`` its view of ``full`` (slicing needs ``full``'s storage allocated)."""
+        for p, offset in zip(self.params, self.offsets, strict=True):
+            p.data = self.full[offset : offset + p.numel()].view_as(p)
+            forget_pending(p)
 
     def _fill(self, out: torch.Tensor, lo: int) -> None:
         """Write each parameter's initial (or current) values into ``out``, the flat range [lo, lo + len(out))."""
@@ -148,7 +154,11 @@ class FlatStage:
     def launch_gather(self) -> None:
         if self.gathered or self._gather_work is not None:
             return
-        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        storage = self.full.untyped_storage()
+        storage.resize_(self.padded * self.full.element_size())
+        if self.full.numel() != self.padded:  # the first GATHER: shape the buffer, point the parameters at it
+            self.full.set_(storage, 0, (self.padded,), (1,))
+            self._point_params()
         self._gather_work = _all_gather_async(self.full, self.shard, self.group)
 
     def wait_gather(self) -> None:
@@ -201,6 +211,15 @@ class FlatStage:
             else:
                 self.grad_shard.add_(part)
         self._pending.clear()
+
+
+def _drop_storage(p: nn.Parameter) -> None:
+    """Free a parameter's own storage and keep its shape (ZeRO-3 keeps its value in the flat shard); one built
+    with deferred storage (`materialize(defer=True)`) has none to free."""
+    if p.untyped_storage().nbytes():
+        p.data = torch.empty_like(p)  # a storage of its own: the old one may be shared with its builder
+        p.untyped_storage().resize_(0)
+    forget_pending(p)
 
 
 def _default_decay(p: nn.Parameter) -> bool:

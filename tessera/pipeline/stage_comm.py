@@ -184,6 +184,10 @@ class ZeroStageComm:
             if flat.users == 0:
                 flat.wait_gather()
                 flat.release()
+                # Autocast keeps the low-precision copy of every weight it cast until its region exits, and
+                # the step is one region: without this every gathered stage's bf16 copy would outlive its FREE
+                # (2 bytes per parameter of the whole model). Others still gathered are just cast again.
+                torch.clear_autocast_cache()
 
     def reduce(self, stage: int) -> None:
         """REDUCE: stage ``stage``'s gradients of this sweep are complete; launch their reduce-scatter."""
