@@ -27,6 +27,7 @@ from tessera.planner.cost import (
     MemoryBreakdown,
     ModelShape,
     Plan,
+    head_activation_bytes,
     memory_per_rank,
     model_state_bytes,
     rank_layers,
@@ -268,7 +269,7 @@ def _adjust(
     params, grads, optimizer = model_state_bytes(sum(stage_psi), plan.dp, plan.zero_stage, "fp32")
     sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
     logits = 4 * shape.seq_len * plan.micro_batch * shape.vocab_size / plan.tp
-    head = last_inflight * (2 * sbh + logits)
+    head = last_inflight * (head_activation_bytes(shape, plan) + logits)
     working = base.working - (
         logits if last_inflight else 0.0
     )  # the logits are counted per micro-batch above

@@ -51,6 +51,7 @@ from tessera.planner.cost.plan import Plan, per_microbatch_reduction
 from tessera.planner.cost.rank_memory import (
     MemoryBreakdown,
     activation_bytes_per_layer,
+    head_activation_bytes,
     memory_per_rank,
     model_state_bytes,
     params_per_rank,
@@ -95,6 +96,7 @@ __all__ = [
     "group_bandwidth",
     "group_placement",
     "hardware_flops_per_token",
+    "head_activation_bytes",
     "layer_forward_flops",
     "layer_time",
     "layers_per_stage",

@@ -13,6 +13,7 @@ from tessera.planner.cost.shape import ModelShape
 __all__ = [
     "MemoryBreakdown",
     "activation_bytes_per_layer",
+    "head_activation_bytes",
     "memory_per_rank",
     "model_state_bytes",
     "params_per_rank",
@@ -60,6 +61,12 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
     per-tensor accounting: replicated 4 (norms) + 4 (QKV and MLP inputs) + 2 masks; sharded 2 (Q) + 4·kv/h (K,V)
     + 2 (proj input) + MLP (GELU 4f/h, SwiGLU 6f/h); scores (2 + 3 with dropout)·as/h; flash attention stores
     no scores. Counts assume 2-byte activations; other dtypes scale by bytes/2 (masks included, approximate).
+
+    The Llama family (`swiglu`) is counted as tessera's Llama block saves, tensor by tensor (measured by the dry
+    run, tests/unit/test_activation_formula.py): each RMSNorm keeps its input, the normalised tensor and its
+    output (3 × 2; the 2D norm keeps the last two), attention keeps Q, K and V expanded to all heads, SDPA's
+    output and the output projection's input (a transposed copy of it), SwiGLU keeps gate, up, silu(gate) and
+    their product (8f/h). Selective recomputation drops SDPA's output and the expansion (K, V at 4·kv/h).
     """
     s, b, h, a = shape.seq_len, plan.micro_batch, shape.d_model, shape.n_heads
     sbh = s * b * h
@@ -67,13 +74,27 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
     scale = plan.act_bytes / 2
     if plan.recompute == "full":
         return 2 * sbh / shard_all * scale
-    replicated = 8 + (2 if shape.dropout else 0)
     f_h = shape.ffn_hidden / h
-    sharded = 2 + 4 * shape.kv_dim / h + 2 + (6 * f_h if shape.swiglu else 4 * f_h)
+    if shape.swiglu:
+        replicated = (8 if plan.tp_kind == "2d" else 12) + (2 if shape.dropout else 0)
+        attention = 2 + 4 * shape.kv_dim / h + 2 if plan.recompute == "selective" else 10
+        return sbh * (replicated / shard_all + (attention + 8 * f_h) / plan.tp) * scale
+    replicated = 8 + (2 if shape.dropout else 0)
+    sharded = 2 + 4 * shape.kv_dim / h + 2 + 4 * f_h
     scores = 0.0 if plan.flash_attention else (5 if shape.dropout else 2) * a * s / h
     if plan.recompute == "selective":
         scores = 0.0
     return sbh * (replicated / shard_all + (sharded + scores) / plan.tp) * scale
+
+
+def head_activation_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Bytes one micro-batch keeps for backward in the head, besides its fp32 logits: the final norm's saved
+    tensors (as in the blocks: LayerNorm input and output; RMSNorm also the normalised tensor, except in 2D),
+    split by the tensor degree where the sequence is (sequence parallel, 2D)."""
+    sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
+    shard_all = plan.tp if (plan.tp_kind == "2d" or plan.sequence_parallel) else 1
+    tensors = 3 if shape.swiglu and plan.tp_kind != "2d" else 2
+    return tensors * sbh / shard_all
 
 
 def model_state_bytes(
