@@ -159,8 +159,8 @@ def stage_params(
     layers = stage_layers or even_split(shape.n_layers, plan.pp * plan.virtual_stages)
     per_block = shape.layer_params()
     out = [count * per_block for count in layers]
-    out[0] += V * h + (0 if shape.swiglu else shape.seq_len * h)
-    out[-1] += (h if shape.swiglu else 2 * h) + (0 if (shape.tied and plan.pp == 1) else V * h)
+    out[0] += V * h + shape.features.position_params(shape.seq_len, h)
+    out[-1] += shape.features.norm_params(h) + (0 if (shape.tied and plan.pp == 1) else V * h)
     return [x / plan.tp for x in out]
 
 

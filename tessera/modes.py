@@ -1,7 +1,8 @@
-"""Mode names, defined once: schedules, activation checkpointing, gradient accumulation, dtypes, families.
+"""Mode names, defined once: schedules, activation checkpointing, gradient accumulation, dtypes.
 
 Every other module (config checks, the execution plan, the runtime, the cost model, the planner's search space)
-imports these tuples instead of spelling the names again. No imports: anything may use it.
+imports these tuples instead of spelling the names again. No imports: anything may use it. Model families are
+declared in tessera/model/family.py (`FAMILIES` there).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ __all__ = [
     "CHECKPOINTING",
     "DEPTH_FIRST",
     "DTYPES",
-    "FAMILIES",
     "LAYERED",
     "NONFINITE",
     "SCHEDULES",
@@ -20,7 +20,6 @@ __all__ = [
     "reduces_every_microbatch",
 ]
 
-FAMILIES = ("gpt", "llama")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 """Pipeline schedules a config may name (or a .csv file of its own, tessera.pipeline.csvio)."""
 BREADTH_FIRST = "breadth_first"

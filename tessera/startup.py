@@ -70,7 +70,7 @@ def _largest(shape: ModelShape, plan: Plan, holds_table: bool) -> float:
         candidates.append(
             -(-shape.vocab_size // tp) * h if plan.tp_kind == "1d" else -(-shape.vocab_size // q) * h / q
         )
-        if not shape.swiglu:
+        if shape.features.has_position_embedding:
             candidates.append(shape.seq_len * h / q)  # positions: replicated in 1D, j-th slice in 2D
     return max(candidates)
 

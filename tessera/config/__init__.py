@@ -27,11 +27,11 @@ from tessera.config.sections import (
     key_name,
     parse_tensor,
 )
+from tessera.model.family import FAMILIES  # noqa: F401  (the family registry)
 from tessera.modes import (  # noqa: F401  (as before the split; the mode names live in tessera.modes)
     ACCUMULATION,
     CHECKPOINTING,
     DTYPES,
-    FAMILIES,
     NONFINITE,
     SCHEDULES,
     STOP_SIGNALS,

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tessera.errors import ConfigError
-from tessera.modes import ACCUMULATION, CHECKPOINTING, DTYPES, FAMILIES, NONFINITE, SCHEDULES, STOP_SIGNALS
+from tessera.model.family import FAMILIES, family_plan
+from tessera.modes import ACCUMULATION, CHECKPOINTING, DTYPES, NONFINITE, SCHEDULES, STOP_SIGNALS
 
 if TYPE_CHECKING:
     from tessera.config.sections import (
@@ -196,7 +197,7 @@ def check_model(m: ModelConfig) -> list[Violation]:
                 fix=f"set model.n_kv_heads to one of {divisors_near(m.n_heads, m.kv_heads)}",
             )
         )
-    if m.family == "llama" and m.head_dim % 2:
+    if family_plan(m).rope and m.head_dim % 2:
         v.append(
             Violation(
                 rule="model.rope",

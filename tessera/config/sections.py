@@ -15,6 +15,7 @@ from typing import Any
 from tessera.config import checks
 from tessera.config.checks import Violation
 from tessera.errors import ConfigError
+from tessera.model.family import family_plan
 
 __all__ = [
     "CheckpointConfig",
@@ -37,7 +38,8 @@ class ModelConfig:
     size: str | None = None
     """Registry name (see `tessera.model.sizes`), e.g. "gpt2-124m" or "llama-8b"."""
     family: str = "gpt"
-    """"gpt" (LayerNorm, GELU MLP, learned positions) or "llama" (RMSNorm, SwiGLU, RoPE, grouped-query attention)."""
+    """"gpt" (LayerNorm, GELU MLP, learned positions) or "llama" (RMSNorm, SwiGLU, RoPE, grouped-query attention);
+    each family is declared in tessera/model/family.py."""
     n_layers: int = 2
     """Number of transformer blocks."""
     d_model: int = 64
@@ -47,7 +49,7 @@ class ModelConfig:
     n_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None means n_heads (multi-head attention)."""
     ffn_hidden: int | None = None
-    """MLP hidden size; None means 4·d_model for GPT and the Llama rule (8/3·d rounded up to 64) for Llama."""
+    """MLP hidden size; None means the family's rule: 4·d_model for GPT, 8/3·d rounded up to 64 for SwiGLU."""
     vocab_size: int = 256
     """Vocabulary size; must cover the tokenizer's."""
     seq_len: int = 64
@@ -72,9 +74,7 @@ class ModelConfig:
     def ffn(self) -> int:
         if self.ffn_hidden:
             return self.ffn_hidden
-        if self.family == "llama":
-            return 64 * -(-(8 * self.d_model // 3) // 64)
-        return 4 * self.d_model
+        return family_plan(self).default_ffn(self.d_model)
 
     @property
     def head_dim(self) -> int:

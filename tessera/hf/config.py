@@ -54,7 +54,7 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
 
 
 def _family(hf: dict[str, Any]) -> HFFamily:
-    from tessera.modes import FAMILIES as TESSERA_FAMILIES
+    from tessera.model.family import FAMILIES as TESSERA_FAMILIES
 
     model_type = hf.get("model_type")
     fam = family_for_model_type(str(model_type))

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 __all__ = ["build_model", "generate", "meta_model"]
 
-_FAMILIES: dict[str, type[TransformerLM]] = {"gpt": GPT, "llama": Llama}
+_FAMILIES: dict[str, type[TransformerLM]] = {cls.plan.name: cls for cls in (GPT, Llama)}
+"""The model class of each family (its declaration: tessera.model.family)."""
 
 
 def meta_model(cfg: ModelConfig) -> TransformerLM:

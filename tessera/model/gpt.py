@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.model.family import GPT as PLAN
 from tessera.model.layers import Attention, Block, Head, TransformerLM
 
 if TYPE_CHECKING:
@@ -38,18 +39,23 @@ class GPTMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.ffn, bias=True)
-        self.proj = nn.Linear(cfg.ffn, cfg.d_model, bias=True)
+        self.fc = nn.Linear(cfg.d_model, cfg.ffn, bias=PLAN.mlp_bias)
+        self.proj = nn.Linear(cfg.ffn, cfg.d_model, bias=PLAN.mlp_bias)
+
+    @staticmethod
+    def activate(x: torch.Tensor) -> torch.Tensor:
+        """The activation on fc's output [.., ffn] (tensor-parallel MLPs call it on their shard)."""
+        return F.gelu(x, approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.gelu(self.fc(x), approximate="tanh")  # x: [b, s, ffn]
+        x = self.activate(self.fc(x))  # x: [b, s, ffn]
         return self.proj(x)  # [b, s, h]
 
 
 def _block(cfg: ModelConfig) -> Block:
     return Block(
         attn_norm=nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps),
-        attn=Attention(cfg, bias=True),
+        attn=Attention(cfg, bias=PLAN.qkv_bias, out_bias=PLAN.out_bias),
         mlp_norm=nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps),
         mlp=GPTMLP(cfg),
     )
@@ -58,7 +64,8 @@ def _block(cfg: ModelConfig) -> Block:
 class GPT(TransformerLM):
     """GPT-2: `embed` (wte, wpe), blocks, `head` (LayerNorm `norm`, `out` tied to wte by default)."""
 
-    token_embedding_name = "wte"
+    token_embedding_name = PLAN.token_embedding
+    plan = PLAN
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(

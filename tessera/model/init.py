@@ -124,10 +124,12 @@ class InitSource:
     @classmethod
     def for_model(cls, model: nn.Module, seed: int) -> InitSource:
         """The source for a plain `TransformerLM` (meta or real), keyed by its parameter names."""
-        from tessera.model.layers import RESIDUAL_OUTPUTS, RMSNorm
+        from tessera.model.family import family_plan
+        from tessera.model.layers import RMSNorm
 
         cfg = model.cfg
-        kinds = init_kinds(model, RESIDUAL_OUTPUTS, (nn.LayerNorm, RMSNorm), cfg.n_layers, cfg.init_std)
+        residual = family_plan(cfg).residual_outputs
+        kinds = init_kinds(model, residual, (nn.LayerNorm, RMSNorm), cfg.n_layers, cfg.init_std)
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
         source = cls(kinds, shapes, seed)
         for a, b in getattr(model, "tied_parameters", list)():

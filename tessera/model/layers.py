@@ -22,9 +22,9 @@ from torch import nn
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
+    from tessera.model.family import FamilyPlan
 
 __all__ = [
-    "RESIDUAL_OUTPUTS",
     "Attention",
     "AttentionCore",
     "Block",
@@ -37,9 +37,6 @@ __all__ = [
     "apply_rope",
     "rope_tables",
 ]
-
-RESIDUAL_OUTPUTS = ("attn.wo", "mlp.proj", "mlp.w_down")
-"""Module-name suffixes of the projections that write into the residual stream (GPT-2 scaled init)."""
 
 
 class RMSNorm(nn.Module):
@@ -167,14 +164,17 @@ class KVCache:
 class Attention(nn.Module):
     """Multi-head / grouped-query self-attention; separate wq, wk, wv, wo projections (simplest to shard)."""
 
-    def __init__(self, cfg: ModelConfig, bias: bool, rope: Rope | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, bias: bool, rope: Rope | None = None, out_bias: bool | None = None
+    ) -> None:
+        """``bias``: biases on wq, wk, wv; ``out_bias``: on wo (None: the same as ``bias``)."""
         super().__init__()
         h, hd = cfg.d_model, cfg.head_dim
         self.head_dim = hd
         self.wq = nn.Linear(h, cfg.n_heads * hd, bias=bias)
         self.wk = nn.Linear(h, cfg.kv_heads * hd, bias=bias)
         self.wv = nn.Linear(h, cfg.kv_heads * hd, bias=bias)
-        self.wo = nn.Linear(cfg.n_heads * hd, h, bias=bias)
+        self.wo = nn.Linear(cfg.n_heads * hd, h, bias=bias if out_bias is None else out_bias)
         self.core = AttentionCore()
         self.rope = rope
 
@@ -230,6 +230,8 @@ class TransformerLM(nn.Module):
 
     token_embedding_name = "tok"
     """Attribute of `embed` holding the token `nn.Embedding` (the one tied to the head)."""
+    plan: FamilyPlan
+    """The family's declaration (tessera.model.family), which the subclass builds from and parallel code reads."""
 
     def __init__(self, cfg: ModelConfig, embed: nn.Module, blocks: list[nn.Module], head: Head) -> None:
         super().__init__()

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.model.family import LLAMA as PLAN
+from tessera.model.family import FamilyPlan
 from tessera.model.layers import Attention, Block, Head, RMSNorm, Rope, TransformerLM
 
 if TYPE_CHECKING:
@@ -31,14 +33,19 @@ class LlamaEmbedding(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: w_down(SiLU(w_gate x) * w_up x), no biases."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, bias: bool = PLAN.mlp_bias) -> None:
         super().__init__()
-        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
-        self.w_up = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
-        self.w_down = nn.Linear(cfg.ffn, cfg.d_model, bias=False)
+        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn, bias=bias)
+        self.w_up = nn.Linear(cfg.d_model, cfg.ffn, bias=bias)
+        self.w_down = nn.Linear(cfg.ffn, cfg.d_model, bias=bias)
+
+    @staticmethod
+    def activate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) · up on w_gate's and w_up's outputs [.., ffn] (tensor-parallel MLPs call it on shards)."""
+        return F.silu(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.silu(self.w_gate(x)) * self.w_up(x)  # x: [b, s, ffn]
+        x = self.activate(self.w_gate(x), self.w_up(x))  # x: [b, s, ffn]
         return self.w_down(x)  # [b, s, h]
 
 
@@ -49,16 +56,19 @@ class Llama(TransformerLM):
     pipeline stage keeping any subset of blocks still has it.
     """
 
-    token_embedding_name = "tok"
+    token_embedding_name = PLAN.token_embedding
+    plan: FamilyPlan = PLAN
+    """The family's declaration; a Llama variant (Qwen2) subclasses with its own (biases differ)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
+        plan = self.plan
         rope = Rope(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
         blocks = [
             Block(
                 attn_norm=RMSNorm(cfg.d_model, cfg.norm_eps),
-                attn=Attention(cfg, bias=False, rope=rope),
+                attn=Attention(cfg, bias=plan.qkv_bias, out_bias=plan.out_bias, rope=rope),
                 mlp_norm=RMSNorm(cfg.d_model, cfg.norm_eps),
-                mlp=LlamaMLP(cfg),
+                mlp=LlamaMLP(cfg, bias=plan.mlp_bias),
             )
             for _ in range(cfg.n_layers)
         ]

@@ -19,6 +19,7 @@ Collectives per layer are listed in docs/tensor-2d.md and computed by model_2d.c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,9 @@ from torch import nn
 
 from tessera import comm
 from tessera.parallel.tensor_2d import Grid2D, matmul_ab_2d, matmul_abt_2d
+
+if TYPE_CHECKING:
+    from tessera.model.family import FamilyPlan
 
 __all__ = [
     "MLP2D",
@@ -207,21 +211,19 @@ class Attention2D(nn.Module):
 
 
 class MLP2D(nn.Module):
-    """GPT: fc → GELU(tanh) → proj (biased). Llama: w_down(SiLU(w_gate x) · w_up x). All SUMMA, activations local."""
+    """The family's MLP, all SUMMA: its ``mlp_in`` Linears (GPT fc; Llama w_gate, w_up), the plain MLP's
+    elementwise ``activate`` on the local [b/q, s, ffn/q] blocks, its ``mlp_out`` (proj; w_down)."""
 
-    def __init__(self, mlp: nn.Module, grid: Grid2D) -> None:
+    def __init__(self, mlp: nn.Module, plan: FamilyPlan, grid: Grid2D) -> None:
         super().__init__()
-        self.swiglu = hasattr(mlp, "w_gate")
-        names = ("w_gate", "w_up", "w_down") if self.swiglu else ("fc", "proj")
-        for name in names:
+        self.inputs, self.output = plan.mlp_in, plan.mlp_out
+        self.activate = type(mlp).activate  # a staticmethod of the plain MLP: elementwise, so local
+        for name in (*plan.mlp_in, plan.mlp_out):
             setattr(self, name, Linear2D(getattr(mlp, name), grid))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            x = F.silu(self.w_gate(x)) * self.w_up(x)  # x: [b/q, s, ffn/q]
-            return self.w_down(x)  # [b/q, s, h/q]
-        x = F.gelu(self.fc(x), approximate="tanh")  # x: [b/q, s, ffn/q]
-        return self.proj(x)  # [b/q, s, h/q]
+        x = self.activate(*(getattr(self, name)(x) for name in self.inputs))  # x: [b/q, s, ffn/q]
+        return getattr(self, self.output)(x)  # [b/q, s, h/q]
 
 
 class VocabEmbedding2D(nn.Module):

@@ -4,7 +4,8 @@ Every rank builds the same plain model (same seed) and cuts its shard from the i
 
 - attention: wq, wk, wv column-parallel (n_heads/t query heads and n_kv_heads/t KV heads per rank, so grouped-query
   attention keeps each query head with its KV head), wo row-parallel;
-- MLP: fc / w_gate, w_up column-parallel, proj / w_down row-parallel (GELU and SwiGLU are elementwise: local);
+- MLP: the family's `mlp_in` (fc / w_gate, w_up) column-parallel, its `mlp_out` (proj / w_down) row-parallel, the
+  activation elementwise and local (tessera/model/family.py declares which is which);
 - token embedding and output projection vocabulary-parallel (vocabulary padded to a multiple of t internally;
   tied embeddings share one shard); GPT's position table and all norms replicated;
 - with sequence parallelism the residual stream between the regions is [b, s/t, h] (see tensor_1d.py).
@@ -20,11 +21,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from tessera import comm
 from tessera.errors import ConfigError
+from tessera.model.family import FamilyPlan
 from tessera.model.layers import Block
 from tessera.model.materialize import ShardSpec
 from tessera.parallel.tensor_1d import (
@@ -68,58 +69,59 @@ class ParallelAttention(nn.Module):
         return self.wo(y)  # [b, s, h] or [b, s/t, h] with SP
 
 
-class ParallelGPTMLP(nn.Module):
-    """fc column-parallel → GELU(tanh) on ffn/t features → proj row-parallel."""
+class ParallelMLP(nn.Module):
+    """The family's MLP: its ``mlp_in`` Linears column-parallel (one region entry for all), the plain MLP's
+    elementwise ``activate`` on ffn/t features, its ``mlp_out`` row-parallel (GELU: fc → proj; SwiGLU:
+    w_gate, w_up → w_down)."""
 
-    def __init__(self, mlp: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool) -> None:
-        super().__init__()
-        self.fc = ColumnParallelLinear.from_linear(mlp.fc, group, sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear.from_linear(mlp.proj, group, sequence_parallel=sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.gelu(self.fc(x), approximate="tanh")  # x: [b, s, ffn/t]
-        return self.proj(x)  # [b, s, h] or [b, s/t, h]
-
-
-class ParallelLlamaMLP(nn.Module):
-    """SwiGLU with w_gate, w_up column-parallel (one region entry for both) and w_down row-parallel."""
-
-    def __init__(self, mlp: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool) -> None:
+    def __init__(
+        self, mlp: nn.Module, plan: FamilyPlan, group: dist.ProcessGroup, sequence_parallel: bool
+    ) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.w_gate = ColumnParallelLinear.from_linear(mlp.w_gate, group, sequence_parallel=sequence_parallel)
-        self.w_up = ColumnParallelLinear.from_linear(mlp.w_up, group, sequence_parallel=sequence_parallel)
-        self.w_down = RowParallelLinear.from_linear(mlp.w_down, group, sequence_parallel=sequence_parallel)
+        self.inputs, self.output = plan.mlp_in, plan.mlp_out
+        self.activate = type(mlp).activate  # a staticmethod of the plain MLP: elementwise, so local
+        sp = {"sequence_parallel": sequence_parallel}
+        for name in plan.mlp_in:
+            setattr(self, name, ColumnParallelLinear.from_linear(getattr(mlp, name), group, **sp))
+        setattr(self, plan.mlp_out, RowParallelLinear.from_linear(getattr(mlp, plan.mlp_out), group, **sp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = column_parallel(x, (self.w_gate, self.w_up), self.group, self.sequence_parallel)
-        x = F.silu(gate) * up  # x: [b, s, ffn/t]
-        return self.w_down(x)  # [b, s, h] or [b, s/t, h]
+        linears = tuple(getattr(self, name) for name in self.inputs)
+        hidden = column_parallel(x, linears, self.group, self.sequence_parallel)  # each [b, s, ffn/t]
+        x = self.activate(*hidden)  # x: [b, s, ffn/t]
+        return getattr(self, self.output)(x)  # [b, s, h] or [b, s/t, h]
 
 
 class ParallelEmbedding(nn.Module):
-    """Vocabulary-parallel token embedding (`wte` / `tok`), plus GPT's replicated position table `wpe`."""
+    """Vocabulary-parallel token embedding (`wte` / `tok`), plus a replicated learned position table (GPT's
+    `wpe`) if the family declares one."""
 
-    def __init__(self, embed: nn.Module, token_name: str, group: dist.ProcessGroup, sp: bool) -> None:
+    def __init__(self, embed: nn.Module, plan: FamilyPlan, group: dist.ProcessGroup, sp: bool) -> None:
         super().__init__()
-        self.group, self.sequence_parallel, self.token_name = group, sp, token_name
-        tok = VocabParallelEmbedding.from_embedding(getattr(embed, token_name), group, sequence_parallel=sp)
-        setattr(self, token_name, tok)
-        self.wpe = getattr(embed, "wpe", None)  # replicated, not sharded
+        self.group, self.sequence_parallel, self.token_name = group, sp, plan.token_embedding
+        tok = VocabParallelEmbedding.from_embedding(
+            getattr(embed, self.token_name), group, sequence_parallel=sp
+        )
+        setattr(self, self.token_name, tok)
+        self.position_name = plan.position_embedding
+        if self.position_name is not None:
+            setattr(self, self.position_name, getattr(embed, self.position_name))  # replicated, not sharded
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = getattr(self, self.token_name)(tokens)  # x: [b, s, h] or [b, s/t, h] with SP
-        if self.wpe is None:
+        if self.position_name is None:
             return x
+        table = getattr(self, self.position_name)
         s = tokens.shape[1]
-        if s > self.wpe.num_embeddings:
-            raise ValueError(f"sequence length {s} exceeds model.seq_len = {self.wpe.num_embeddings}")
+        if s > table.num_embeddings:
+            raise ValueError(f"sequence length {s} exceeds model.seq_len = {table.num_embeddings}")
         if not self.sequence_parallel:
-            return x + self.wpe.weight[:s]  # [b, s, h]
+            return x + table.weight[:s]  # [b, s, h]
         # This rank holds positions [r·s/t, (r+1)·s/t): the table's gradient is partial, all-reduce it.
         n, r = x.shape[1], group_rank(self.group)
-        table = comm.copy_to_region(self.wpe.weight, self.group)  # table: [seq_len, h]
-        return x + table[r * n : (r + 1) * n]  # [b, s/t, h]
+        weight = comm.copy_to_region(table.weight, self.group)  # weight: [seq_len, h]
+        return x + weight[r * n : (r + 1) * n]  # [b, s/t, h]
 
 
 class ParallelHead(nn.Module):
@@ -148,11 +150,12 @@ class TensorParallel1D(nn.Module):
         self.cfg = self.plain_config = cfg
         self.group, self.sequence_parallel = group, sequence_parallel
         self.tp = comm.group_size(group)
-        sp = sequence_parallel
-        token_name = model.token_embedding_name
-        self.embed = None if model.embed is None else ParallelEmbedding(model.embed, token_name, group, sp)
+        sp, plan = sequence_parallel, model.plan
+        self.plan = plan
+        token_name = plan.token_embedding
+        self.embed = None if model.embed is None else ParallelEmbedding(model.embed, plan, group, sp)
         self.blocks = nn.ModuleDict(
-            {name: _parallel_block(blk, group, sp) for name, blk in model.blocks.items()}
+            {name: _parallel_block(blk, plan, group, sp) for name, blk in model.blocks.items()}
         )
         self.head = None
         if model.head is not None:
@@ -160,7 +163,7 @@ class TensorParallel1D(nn.Module):
             if cfg.tie_embeddings and self.embed is not None:
                 out.weight = getattr(self.embed, token_name).weight  # one shard, two uses
             self.head = ParallelHead(_norm(model.head.norm, group, sp), out)
-        if getattr(model, "rope", None) is not None:
+        if plan.rope:
             self.rope = model.rope  # shared RoPE tables, as in the plain Llama
         self._split = self._split_dims(model)
 
@@ -199,12 +202,12 @@ class TensorParallel1D(nn.Module):
     def tie_weights(self) -> None:
         """Re-share the output projection with the token embedding shard (if tied and both present)."""
         if self.cfg.tie_embeddings and self.embed is not None and self.head is not None:
-            self.head.out.weight = getattr(self.embed, self.embed.token_name).weight
+            self.head.out.weight = getattr(self.embed, self.plan.token_embedding).weight
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         if not self.cfg.tie_embeddings:
             return []
-        return [("head.out.weight", f"embed.{self.embed.token_name if self.embed else 'tok'}.weight")]
+        return [("head.out.weight", f"embed.{self.plan.token_embedding}.weight")]
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Loss over the full micro-batch (or full logits without targets); hidden states in/out for a stage
@@ -263,13 +266,12 @@ def _norm(norm: nn.Module, group: dist.ProcessGroup, sp: bool) -> nn.Module:
     return SequenceParallelNorm(norm, group) if sp and comm.group_size(group) > 1 else norm
 
 
-def _parallel_block(block: nn.Module, group: dist.ProcessGroup, sp: bool) -> Block:
-    mlp_cls = ParallelLlamaMLP if hasattr(block.mlp, "w_gate") else ParallelGPTMLP
+def _parallel_block(block: nn.Module, plan: FamilyPlan, group: dist.ProcessGroup, sp: bool) -> Block:
     return Block(
         attn_norm=_norm(block.attn_norm, group, sp),
         attn=ParallelAttention(block.attn, group, sp),
         mlp_norm=_norm(block.mlp_norm, group, sp),
-        mlp=mlp_cls(block.mlp, group, sp),
+        mlp=ParallelMLP(block.mlp, plan, group, sp),
     )
 
 

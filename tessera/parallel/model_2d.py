@@ -33,6 +33,7 @@ from tessera.parallel.tensor_2d import Grid2D, summa_bytes
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
     from tessera.groups import Groups
+    from tessera.model.family import FamilyPlan
     from tessera.model.layers import TransformerLM
 
 __all__ = ["Model2D", "apply_tensor_2d", "check_2d", "comm_bytes_2d"]
@@ -53,23 +54,24 @@ def check_2d(cfg: ModelConfig, q: int) -> list[str]:
     ]
 
 
-def _norm(norm: nn.Module, grid: Grid2D) -> nn.Module:
-    return LayerNorm2D(norm, grid) if isinstance(norm, nn.LayerNorm) else RMSNorm2D(norm, grid)
+def _norm(norm: nn.Module, plan: FamilyPlan, grid: Grid2D) -> nn.Module:
+    return LayerNorm2D(norm, grid) if plan.norm_bias else RMSNorm2D(norm, grid)
 
 
 class _Embed2D(nn.Module):
-    """tokens [b, s] → x [b/q, s, h/q]: vocabulary-parallel token lookup (+ learned positions for GPT)."""
+    """tokens [b, s] → x [b/q, s, h/q]: vocabulary-parallel token lookup (+ learned positions if the family
+    declares them, GPT's `wpe`)."""
 
-    def __init__(self, embed: nn.Module, token_name: str, grid: Grid2D) -> None:
+    def __init__(self, embed: nn.Module, plan: FamilyPlan, grid: Grid2D) -> None:
         super().__init__()
-        self.token_name = token_name
-        setattr(self, token_name, VocabEmbedding2D(getattr(embed, token_name).weight, grid))
-        if hasattr(embed, "wpe"):
-            self.wpe = PositionEmbedding2D(embed.wpe, grid)
+        self.token_name, self.position_name = plan.token_embedding, plan.position_embedding
+        setattr(self, self.token_name, VocabEmbedding2D(getattr(embed, self.token_name).weight, grid))
+        if self.position_name is not None:
+            setattr(self, self.position_name, PositionEmbedding2D(getattr(embed, self.position_name), grid))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = getattr(self, self.token_name)(tokens)  # x: [b/q, s, h/q]
-        return self.wpe(x) if hasattr(self, "wpe") else x
+        return x if self.position_name is None else getattr(self, self.position_name)(x)
 
 
 class _Out2D(nn.Module):
@@ -86,10 +88,12 @@ class _Out2D(nn.Module):
 
 
 class _Head2D(nn.Module):
-    def __init__(self, head: nn.Module, grid: Grid2D, table: VocabEmbedding2D | None) -> None:
+    def __init__(
+        self, head: nn.Module, plan: FamilyPlan, grid: Grid2D, table: VocabEmbedding2D | None
+    ) -> None:
         super().__init__()
         self.grid = grid
-        self.norm = _norm(head.norm, grid)
+        self.norm = _norm(head.norm, plan, grid)
         self.out = _Out2D(head.out.weight, grid, table)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,14 +109,15 @@ class Model2D(nn.Module):
         problems = check_2d(cfg, grid.q)
         if problems:
             raise ConfigError("2D tensor parallelism does not fit the model:\n" + "\n".join(problems))
-        self.grid, self.plain_config = grid, cfg
-        self.embed = _Embed2D(model.embed, model.token_embedding_name, grid) if model.embed else None
+        self.grid, self.plain_config, self.plan = grid, cfg, model.plan
+        plan = self.plan
+        self.embed = _Embed2D(model.embed, plan, grid) if model.embed else None
         blocks = {
             name: Block(
-                _norm(blk.attn_norm, grid),
+                _norm(blk.attn_norm, plan, grid),
                 Attention2D(blk.attn, grid, cfg.n_heads, cfg.kv_heads),
-                _norm(blk.mlp_norm, grid),
-                MLP2D(blk.mlp, grid),
+                _norm(blk.mlp_norm, plan, grid),
+                MLP2D(blk.mlp, plan, grid),
             )
             for name, blk in model.blocks.items()
         }
@@ -120,9 +125,9 @@ class Model2D(nn.Module):
         self.head = None
         if model.head is not None:
             tied = cfg.tie_embeddings and self.embed is not None
-            table = getattr(self.embed, model.token_embedding_name) if tied else None
-            self.head = _Head2D(model.head, grid, table)
-        if hasattr(model, "rope"):
+            table = getattr(self.embed, plan.token_embedding) if tied else None
+            self.head = _Head2D(model.head, plan, grid, table)
+        if plan.rope:
             self.rope = model.rope  # keep the shared RoPE tables registered (device moves)
         self.vocab = cfg.vocab_size
         self.per_rank = -(-cfg.vocab_size // grid.q)

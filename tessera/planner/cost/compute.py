@@ -62,7 +62,7 @@ def elementwise_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
     s, b, h, a, f = shape.seq_len, plan.micro_batch, shape.d_model, shape.n_heads, shape.ffn_hidden
     sbh = s * b * h
     replicated = 8 + 2 * (7 if shape.dropout else 6)
-    sharded = (6 * f / h + 4 * (h + shape.kv_dim) / h) if shape.swiglu else 4 * f / h
+    sharded = (6 if shape.swiglu else 4) * f / h + (4 * (h + shape.kv_dim) / h if shape.features.rope else 0)
     scores = 0.0 if plan.flash_attention else (9 if shape.dropout else 4) * a * s * s * b
     div_rep = plan.tp if (plan.tp_kind == "2d" or plan.sequence_parallel) else 1
     return sbh * replicated / div_rep + (sbh * sharded + scores) / plan.tp
@@ -139,7 +139,7 @@ def embedding_time(shape: ModelShape, hw: Hardware, plan: Plan) -> tuple[LayerTi
     With a vocabulary-parallel embedding (1D) each rank writes a partial output that is all-reduced over the tensor
     group (reduce-scattered with sequence parallelism): one collective of b·s·h forward, none backward."""
     sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
-    nbytes = sbh * (2 if shape.swiglu else 4)
+    nbytes = sbh * (4 if shape.features.has_position_embedding else 2)
     shard = plan.tp if plan.tp_kind == "2d" else 1
     fwd = nbytes / shard / hw.hbm_bandwidth
     comm = 0.0

@@ -46,9 +46,9 @@ def params_per_rank(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
     n = rank_layers(shape, plan, stage) * shape.layer_params()
     h, V = shape.d_model, shape.vocab_size
     if stage == 0:
-        n += V * h + (0 if shape.swiglu else shape.seq_len * h)
+        n += V * h + shape.features.position_params(shape.seq_len, h)
     if stage == plan.pp - 1:
-        n += (h if shape.swiglu else 2 * h) + (0 if (shape.tied and plan.pp == 1) else V * h)
+        n += shape.features.norm_params(h) + (0 if (shape.tied and plan.pp == 1) else V * h)
     return n / plan.tp
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tessera.model.family import FamilyPlan, family_plan
 from tessera.modes import CHECKPOINTING
 
 __all__ = [
@@ -31,8 +32,9 @@ RECOMPUTE = CHECKPOINTING
 class ModelShape:
     """The parts of a model configuration that the cost model needs.
 
-    GPT style (`swiglu=False`): LayerNorm with bias, biased linears, GELU MLP, learned positions.
-    Llama style (`swiglu=True`): RMSNorm, no biases, SwiGLU MLP (3 matrices), rotary positions.
+    The family's declaration (`features`, tessera/model/family.py) says which biases, norms, position table and
+    MLP matrices a block has. Without a `family`, `swiglu` picks one: False is GPT style (LayerNorm with bias,
+    biased linears, GELU MLP, learned positions), True Llama style (RMSNorm, no biases, SwiGLU, rotary).
     """
 
     n_layers: int
@@ -46,6 +48,8 @@ class ModelShape:
     tied: bool = True
     dropout: bool = False
     """Dropout layers present (adds 1-byte masks to activation memory and HBM traffic, Korthikanti's accounting)."""
+    family: str | None = None
+    """`ModelConfig.family`; None: GPT or Llama style by `swiglu`."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
@@ -59,24 +63,25 @@ class ModelShape:
         return self.d_model // self.n_heads
 
     @property
+    def features(self) -> FamilyPlan:
+        """The family's declaration: its biases, norms, position table and MLP matrices."""
+        return family_plan(self.family or ("llama" if self.swiglu else "gpt"))
+
+    @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
     def layer_params(self) -> int:
-        """Weights + biases + norm parameters of one block. GPT with f = 4h, g = a: 12h² + 13h (Narayanan eq. 2)."""
-        h, kv, f = self.d_model, self.kv_dim, self.ffn_hidden
-        attn = h * (h + 2 * kv) + h * h
-        mlp = (3 if self.swiglu else 2) * h * f
-        if self.swiglu:
-            return attn + mlp + 2 * h  # two RMSNorm weights
-        return attn + mlp + (h + 2 * kv) + h + f + h + 4 * h  # biases (qkv, proj, fc1, fc2) + two LayerNorms
+        """Weights + biases + norm parameters of one block: h(h + 2·kv) + h² + c·h·f (c = 3 for a gated MLP, else 2)
+        plus the family's biases and two norms. GPT with f = 4h, g = a: 12h² + 13h (Narayanan eq. 2)."""
+        return self.features.block_params(self.d_model, self.kv_dim, self.ffn_hidden)
 
     def embedding_params(self) -> int:
-        """Token embedding (+ learned positions for GPT) (+ untied output head) + final norm."""
-        h = self.d_model
-        n = self.vocab_size * h + (0 if self.swiglu else self.seq_len * h)
+        """Token embedding (+ learned positions, GPT) (+ untied output head) + final norm."""
+        h, fam = self.d_model, self.features
+        n = self.vocab_size * h + fam.position_params(self.seq_len, h)
         n += 0 if self.tied else self.vocab_size * h
-        return n + (h if self.swiglu else 2 * h)
+        return n + fam.norm_params(h)
 
     def n_params(self) -> int:
         """Total parameter count."""
@@ -89,13 +94,13 @@ class ModelShape:
     @classmethod
     def from_config(cls, obj: Any) -> ModelShape:
         """Duck-typed from an object with n_layers, d_model, n_heads, vocab_size, seq_len and optionally
-        n_kv_heads (None ⇒ n_heads), ffn_hidden (None ⇒ 4h, or Llama's 8h/3 rounded up to 64), family
-        ("llama" ⇒ swiglu), swiglu, tie_embeddings/tied, dropout (a rate > 0 ⇒ True)."""
+        n_kv_heads (None ⇒ n_heads), ffn_hidden (None ⇒ the family's rule), family (its declaration gives
+        swiglu), swiglu, tie_embeddings/tied, dropout (a rate > 0 ⇒ True)."""
         h = int(obj.d_model)
-        swiglu = bool(getattr(obj, "swiglu", getattr(obj, "family", "gpt") == "llama"))
-        ffn = getattr(obj, "ffn_hidden", None)
-        if not ffn:
-            ffn = 64 * -(-(8 * h // 3) // 64) if swiglu else 4 * h
+        family = getattr(obj, "family", None)
+        fam = family_plan(family or ("llama" if getattr(obj, "swiglu", False) else "gpt"))
+        swiglu = fam.gated_mlp
+        ffn = getattr(obj, "ffn_hidden", None) or fam.default_ffn(h)
         tied = getattr(obj, "tie_embeddings", getattr(obj, "tied", True))
         return cls(
             n_layers=int(obj.n_layers),
@@ -108,6 +113,7 @@ class ModelShape:
             swiglu=swiglu,
             tied=bool(tied),
             dropout=bool(getattr(obj, "dropout", 0) or 0),
+            family=family,
         )
 
 

@@ -1,0 +1,230 @@
+"""What each model family is, declared once: its parallel plan, its features and its parameter/FLOP terms.
+
+A `FamilyPlan` says which Linears of a block read the block's input (column-parallel in Megatron 1D; their
+outputs are the MLP activation's arguments) and which one writes back to the residual stream (row-parallel),
+which vectors stay replicated, whether the family has learned positions, RoPE, biases, a gated MLP, and what
+norm it uses. The model code builds its modules from it (tessera/model/gpt.py, llama.py, ...), and everything
+that must know the family reads it instead of inspecting modules or comparing family names: tensor
+parallelism (tessera/parallel/model_1d.py, model_2d.py, layers_2d.py), the config's defaults and checks, the
+cost model's parameter counts (tessera/planner/cost.py ModelShape), the memory and start-up estimates.
+
+Pure data, no torch import, so the config, planner and estimator can read it (the family modules themselves
+need torch, which is why the declarations live here and each family module refers to its entry).
+
+How each parameter is laid out follows from its role (docs/tensor-1d.md, docs/tensor-2d.md):
+
+============================  ======================================  ===========================================
+parameter                     Megatron 1D (t ranks)                    Optimus 2D (q×q grid, rank (i, j))
+============================  ======================================  ===========================================
+token embedding, head.out     ``vocab``: rows split (V padded to t)   ``vocab``: V by i (padded to q), h by j
+``attention_in``/``mlp_in``   ``column``: weight rows (and bias) split ``linear``: weightᵀ block (i, j); bias by j
+``attention_out``/``mlp_out`` ``row``: weight columns split, bias      ``linear``: weightᵀ block (i, j); bias by j
+                              replicated
+norm weights (and biases)     ``replicated``                          ``vector``: slice j, replicated over i
+position table [S, h]         ``replicated``                          ``vector``: h by j, replicated over i
+============================  ======================================  ===========================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.errors import ConfigError
+
+__all__ = ["FAMILIES", "FAMILY_PLANS", "FamilyPlan", "LinearShape", "family_plan"]
+
+_NORMS = ("layer", "rms")
+_FFN_RULES = ("4h", "swiglu")
+
+
+@dataclass(frozen=True, slots=True)
+class LinearShape:
+    """One Linear of a block: global in/out features, whether it has a bias, its 1D role."""
+
+    name: str
+    """Name inside the block, e.g. "attn.wq" or "mlp.w_down"."""
+    d_in: int
+    d_out: int
+    bias: bool
+    role: str
+    """"column" (reads the block input: output features split) or "row" (writes the residual: input split)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyPlan:
+    """One model family's declaration (see the module docstring for the layouts its roles imply)."""
+
+    name: str
+    """`ModelConfig.family`, e.g. "llama"."""
+    token_embedding: str
+    """Attribute of ``model.embed`` holding the token ``nn.Embedding`` (vocabulary-parallel; tied to the head)."""
+    position_embedding: str | None
+    """Attribute of ``model.embed`` holding the learned absolute position table [S, h] (replicated), or None."""
+    rope: bool
+    """Rotary positions inside attention (one shared ``model.rope``)."""
+    norm: str
+    """"layer" (LayerNorm: weight and bias) or "rms" (RMSNorm: weight only)."""
+    mlp_in: tuple[str, ...]
+    """MLP Linears reading the block input, in the order the MLP's ``activate`` takes their outputs."""
+    mlp_out: str
+    """MLP Linear writing back to the residual stream."""
+    qkv_bias: bool
+    """Biases on wq, wk, wv."""
+    out_bias: bool
+    """Bias on the attention output projection wo."""
+    mlp_bias: bool
+    """Biases on every MLP Linear."""
+    ffn_rule: str
+    """Default MLP width when ``model.ffn_hidden`` is unset: "4h", or "swiglu" (8h/3 rounded up to 64)."""
+    attention_in: tuple[str, ...] = ("wq", "wk", "wv")
+    """Attention Linears reading the block input (one region entry for all three)."""
+    attention_out: str = "wo"
+    """Attention Linear writing back to the residual stream."""
+
+    def __post_init__(self) -> None:
+        if self.norm not in _NORMS or self.ffn_rule not in _FFN_RULES:
+            raise ValueError(f"family {self.name}: norm in {_NORMS}, ffn_rule in {_FFN_RULES}")
+
+    # --- features ----------------------------------------------------------------------------------------------
+
+    @property
+    def has_position_embedding(self) -> bool:
+        return self.position_embedding is not None
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Two Linears read the MLP input (SwiGLU's gate and up)."""
+        return len(self.mlp_in) > 1
+
+    @property
+    def norm_bias(self) -> bool:
+        return self.norm == "layer"
+
+    def default_ffn(self, d_model: int) -> int:
+        """The MLP width when none is given."""
+        if self.ffn_rule == "swiglu":
+            return 64 * -(-(8 * d_model // 3) // 64)
+        return 4 * d_model
+
+    # --- the tensor-parallel plan ------------------------------------------------------------------------------
+
+    def block_linears(self, d_model: int, kv_dim: int, ffn: int) -> tuple[LinearShape, ...]:
+        """Every Linear of one block with its global shape, bias and 1D role (column before row)."""
+        h = d_model
+        qkv_out = {"wq": h, "wk": kv_dim, "wv": kv_dim}
+        out = [LinearShape(f"attn.{n}", h, qkv_out[n], self.qkv_bias, "column") for n in self.attention_in]
+        out.append(LinearShape(f"attn.{self.attention_out}", h, h, self.out_bias, "row"))
+        out += [LinearShape(f"mlp.{n}", h, ffn, self.mlp_bias, "column") for n in self.mlp_in]
+        out.append(LinearShape(f"mlp.{self.mlp_out}", ffn, h, self.mlp_bias, "row"))
+        return tuple(out)
+
+    def placement_1d(self, name: str) -> str:
+        """How plain parameter ``name`` lies on the Megatron 1D group: "vocab", "column", "row" (weight only:
+        its bias is "replicated") or "replicated"."""
+        if name == "head.out.weight" or name == f"embed.{self.token_embedding}.weight":
+            return "vocab"
+        module, _, kind = name.rpartition(".")
+        suffix = ".".join(module.split(".")[2:]) if name.startswith("blocks.") else ""
+        if suffix in {f"attn.{n}" for n in self.attention_in} | {f"mlp.{n}" for n in self.mlp_in}:
+            return "column"
+        if suffix in (f"attn.{self.attention_out}", f"mlp.{self.mlp_out}"):
+            return "row" if kind == "weight" else "replicated"
+        return "replicated"
+
+    def placement_2d(self, name: str) -> str:
+        """How plain parameter ``name`` lies on the Optimus 2D grid: "vocab" (V by i, h by j), "linear" (the
+        transposed weight's block (i, j)) or "vector" (last dim by j, replicated over the grid rows i)."""
+        where = self.placement_1d(name)
+        if where == "vocab":
+            return "vocab"
+        return "linear" if where in ("column", "row") and name.endswith(".weight") else "vector"
+
+    @property
+    def residual_outputs(self) -> tuple[str, ...]:
+        """Block-relative names of the Linears writing into the residual stream (GPT-2's scaled init)."""
+        return (f"attn.{self.attention_out}", f"mlp.{self.mlp_out}")
+
+    def replicated_block_vectors(self) -> int:
+        """h-sized parameters of one block replicated across the 1D tensor group (norm weights and biases,
+        row-parallel biases): their gradients are all-reduced under sequence parallelism."""
+        return 2 * self.norm_params(1) + self.out_bias + self.mlp_bias
+
+    # --- parameter counts (the cost model's and the estimator's terms) -----------------------------------------
+
+    def norm_params(self, d_model: int) -> int:
+        """Parameters of one norm."""
+        return (2 if self.norm_bias else 1) * d_model
+
+    def block_params(self, d_model: int, kv_dim: int, ffn: int) -> int:
+        """Weights, biases and the two norms of one block."""
+        linears = self.block_linears(d_model, kv_dim, ffn)
+        return sum(lin.d_in * lin.d_out + lin.bias * lin.d_out for lin in linears) + 2 * self.norm_params(
+            d_model
+        )
+
+    def block_matmul_params(self, d_model: int, kv_dim: int, ffn: int) -> int:
+        """Weights of one block's matrix multiplies (forward FLOPs per token = 2 × this)."""
+        return sum(lin.d_in * lin.d_out for lin in self.block_linears(d_model, kv_dim, ffn))
+
+    def position_params(self, seq_len: int, d_model: int) -> int:
+        """The learned position table's parameters (0 without one)."""
+        return seq_len * d_model if self.has_position_embedding else 0
+
+
+FAMILY_PLANS: dict[str, FamilyPlan] = {}
+"""Every family, by `ModelConfig.family`."""
+
+
+def _register(plan: FamilyPlan) -> FamilyPlan:
+    FAMILY_PLANS[plan.name] = plan
+    return plan
+
+
+# GPT-2 (Radford et al. 2019): learned positions, LayerNorm, GELU MLP, every Linear biased (tessera/model/gpt.py).
+GPT = _register(
+    FamilyPlan(
+        name="gpt",
+        token_embedding="wte",
+        position_embedding="wpe",
+        rope=False,
+        norm="layer",
+        mlp_in=("fc",),
+        mlp_out="proj",
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        ffn_rule="4h",
+    )
+)
+
+# Llama (Touvron et al. 2023): RoPE, RMSNorm, SwiGLU, no biases (tessera/model/llama.py).
+LLAMA = _register(
+    FamilyPlan(
+        name="llama",
+        token_embedding="tok",
+        position_embedding=None,
+        rope=True,
+        norm="rms",
+        mlp_in=("w_gate", "w_up"),
+        mlp_out="w_down",
+        qkv_bias=False,
+        out_bias=False,
+        mlp_bias=False,
+        ffn_rule="swiglu",
+    )
+)
+
+FAMILIES: tuple[str, ...] = tuple(FAMILY_PLANS)
+"""The family names a config may give."""
+
+
+def family_plan(family: str | Any) -> FamilyPlan:
+    """The declaration of ``family``: a name, or anything with a ``.family`` (a `ModelConfig`, a model's cfg)."""
+    name = family if isinstance(family, str) else family.family
+    try:
+        return FAMILY_PLANS[name]
+    except KeyError:
+        raise ConfigError(
+            f"model.family = {name!r} is unknown; use one of {', '.join(FAMILY_PLANS)}"
+        ) from None
