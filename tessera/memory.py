@@ -16,7 +16,7 @@ micro-batches in flight, and adds what is specific to tessera's runtime (docs/me
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from tessera.config import Config, even_split
 from tessera.execution import DIRECT, ExecutionPlan, resolve
@@ -41,6 +41,7 @@ __all__ = [
     "cost_plan",
     "estimate",
     "estimate_plan",
+    "model_state_floor",
     "plan_from_config",
     "stage_params",
 ]
@@ -182,7 +183,7 @@ def _inflight(plan: ExecutionPlan) -> tuple[list[float], list[int]]:
         return _scan(_compute_schedule(plan), plan.stage_layers, n - 1)
     # rank r's stages hold these blocks; one stage per rank (v = 1) or equal stages make the peak pair count
     # the peak micro-batch count times the rank's blocks
-    blocks = [sum(plan.stage_layers[s] for s in plan.rank_stages(r)) for r in range(p)]
+    blocks = _rank_blocks(plan)
     if name == BREADTH_FIRST:  # every local stage of a whole sweep's micro-batches is alive before backward
         group = m if plan.accumulation == LAYERED else 1
         units, last = [float(group)] * p, group
@@ -192,6 +193,27 @@ def _inflight(plan: ExecutionPlan) -> tuple[list[float], list[int]]:
     return [u * b for u, b in zip(units, blocks, strict=True)], [
         last if r == last_rank else 0 for r in range(p)
     ]
+
+
+def _rank_blocks(plan: ExecutionPlan) -> list[int]:
+    """Blocks on each pipeline rank (the loop placement by slicing: the search calls this per layout)."""
+    layers, p = plan.stage_layers, plan.pp
+    if plan.placement == "loop":
+        return [sum(layers[r::p]) for r in range(p)]
+    return [sum(layers[s] for s in plan.rank_stages(r)) for r in range(p)]
+
+
+def model_state_floor(shape: ModelShape, plan: ExecutionPlan) -> float:
+    """Bytes of model state (fp32 parameters, gradients and Adam moments, ZeRO-sharded) of the pipeline rank
+    holding the most: a lower bound of `estimate_plan`'s total (the same `stage_params` and `model_state_bytes`
+    its breakdown uses), cheap enough for the planner's search to reject a layout before pricing the rest."""
+    cplan = cost_plan(plan)
+    per_stage = stage_params(shape, cplan, plan.stage_layers)
+    if plan.placement == "loop":
+        most = max(sum(per_stage[r :: plan.pp]) for r in range(plan.pp))
+    else:
+        most = max(sum(per_stage[s] for s in plan.rank_stages(r)) for r in range(plan.pp))
+    return sum(model_state_bytes(most, cplan.dp, cplan.zero_stage, "fp32"))
 
 
 def _compute_schedule(plan: ExecutionPlan) -> Schedule:
@@ -279,8 +301,7 @@ def _adjust(
         buffers += biggest  # the full gradients of the stage in backward, before its reduce-scatter
     if plan.zero_stage >= 3 and plan.dp > 1:
         buffers += biggest  # one stage's gathered parameters
-    return replace(
-        base,
+    return MemoryBreakdown(  # built directly: dataclasses.replace costs a field scan per call in the search
         params=params,
         grads=grads,
         optimizer=optimizer,

@@ -23,7 +23,7 @@ from typing import Any
 
 from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from tessera.execution import ExecutionPlan, decide
-from tessera.memory import cost_plan, estimate_plan
+from tessera.memory import cost_plan, estimate_plan, model_state_floor
 from tessera.model.sizes import SIZES
 from tessera.modes import BREADTH_FIRST, CHECKPOINTING, DEPTH_FIRST, LAYERED, SCHEDULES
 from tessera.planner.cost import (
@@ -311,6 +311,10 @@ def _evaluate(ctx: _Ctx, run: Config, base: Plan, batch: int, p2p: float) -> Can
     """Price one generated run config as the trainer would execute it: its execution plan's memory (the one
     estimator, `tessera.memory.estimate_plan`) and the step time of the schedule that plan runs."""
     execution = decide(run, ctx.gpus)
+    if (
+        model_state_floor(ctx.shape, execution) > ctx.limit
+    ):  # most layouts fail here, before the full estimate
+        return None
     memory = estimate_plan(ctx.shape, execution)
     if memory.total > ctx.limit:
         return None
@@ -447,6 +451,7 @@ def _search_layout(
     p2p = p2p_time_per_microbatch(ctx.shape, ctx.hw, base)
     schedules = _schedule_options(ctx.space, ctx.shape.n_layers, p, m)
     zeros = [z for z in ctx.space.zero_stages if dp > 1 or z == 0] or [0]
+    train = replace(ctx.run.train, global_batch=batch, micro_batch=b)  # the same for every variant below
     for recompute in ctx.space.checkpointing:
         for zero in zeros:
             for schedule, v in schedules:
@@ -470,7 +475,6 @@ def _search_layout(
                         accumulation=plan.accumulation,
                         checkpointing=recompute,
                     )
-                    train = replace(ctx.run.train, global_batch=batch, micro_batch=b)
                     result.enumerated += 1
                     cand = _evaluate(ctx, replace(ctx.run, parallel=parallel, train=train), base, batch, p2p)
                     if cand is None:

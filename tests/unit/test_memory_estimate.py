@@ -99,3 +99,24 @@ def test_closed_form_inflight_equals_the_scan_of_the_schedule(schedule: str, une
                     assert _inflight(plan) == scanned, (p, v, m, accumulation, plan.schedule)
                     checked += 1
     assert checked > 20
+
+
+@pytest.mark.parametrize(
+    ("parallel", "world"),
+    [
+        ({"zero": 0}, 2),
+        ({"zero": 3}, 4),
+        ({"pipeline": 2, "schedule": "1f1b", "stage_layers": [1, 3]}, 2),
+        ({"pipeline": 2, "schedule": "interleaved", "stages_per_rank": 2, "zero": 1}, 4),
+    ],
+)
+def test_model_state_floor_is_the_fullest_ranks_model_state(parallel: dict, world: int) -> None:
+    """The planner's cheap pre-check: the fullest rank's params + grads + optimizer, never above the estimate."""
+    from tessera.memory import estimate_plan, model_state_floor
+
+    plan = resolve(_cfg(**parallel), world)
+    shape = ModelShape.from_config(MODEL)
+    floor = model_state_floor(shape, plan)
+    per_rank = [estimate_plan(shape, plan, stage=r).breakdown for r in range(plan.pp)]
+    assert floor == pytest.approx(max(b.params + b.grads + b.optimizer for b in per_rank), rel=REL)
+    assert floor <= estimate_plan(shape, plan).total

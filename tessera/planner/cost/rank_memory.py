@@ -4,7 +4,7 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from tessera.planner.cost.compute import rank_layers
 from tessera.planner.cost.plan import Plan
@@ -52,7 +52,7 @@ def params_per_rank(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
     return n / plan.tp
 
 
-def activation_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
+def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | None = None) -> float:
     """Stored activation bytes of one block for one micro-batch on one rank (Korthikanti 2022 Table 2).
 
     No recompute: s·b·h·(34 + 5as/h) without parallelism; 1D TP: s·b·h·(10 + 24/t + 5as/(ht)); 1D TP + SP:
@@ -67,22 +67,24 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
     output (3 × 2; the 2D norm keeps the last two), attention keeps Q, K and V expanded to all heads, SDPA's
     output and the output projection's input (a transposed copy of it), SwiGLU keeps gate, up, silu(gate) and
     their product (8f/h). Selective recomputation drops SDPA's output and the expansion (K, V at 4·kv/h).
+    `recompute` overrides `plan.recompute` (the working memory of a recomputed block is its "none" count).
     """
+    recompute = plan.recompute if recompute is None else recompute
     s, b, h, a = shape.seq_len, plan.micro_batch, shape.d_model, shape.n_heads
     sbh = s * b * h
     shard_all = plan.tp if (plan.tp_kind == "2d" or plan.sequence_parallel) else 1
     scale = plan.act_bytes / 2
-    if plan.recompute == "full":
+    if recompute == "full":
         return 2 * sbh / shard_all * scale
     f_h = shape.ffn_hidden / h
     if shape.swiglu:
         replicated = (8 if plan.tp_kind == "2d" else 12) + (2 if shape.dropout else 0)
-        attention = 2 + 4 * shape.kv_dim / h + 2 if plan.recompute == "selective" else 10
+        attention = 2 + 4 * shape.kv_dim / h + 2 if recompute == "selective" else 10
         return sbh * (replicated / shard_all + (attention + 8 * f_h) / plan.tp) * scale
     replicated = 8 + (2 if shape.dropout else 0)
     sharded = 2 + 4 * shape.kv_dim / h + 2 + 4 * f_h
     scores = 0.0 if plan.flash_attention else (5 if shape.dropout else 2) * a * s / h
-    if plan.recompute == "selective":
+    if recompute == "selective":
         scores = 0.0
     return sbh * (replicated / shard_all + (sharded + scores) / plan.tp) * scale
 
@@ -139,7 +141,7 @@ def memory_per_rank(
     acts = activation_bytes_per_layer(shape, plan) * rank_layers(shape, plan, stage) * inflight_microbatches
     working = 0.0
     if plan.recompute != "none":
-        working += activation_bytes_per_layer(shape, replace(plan, recompute="none"))
+        working += activation_bytes_per_layer(shape, plan, recompute="none")
     if stage == plan.pp - 1:
         working += 4 * shape.seq_len * plan.micro_batch * shape.vocab_size / plan.tp
     sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
