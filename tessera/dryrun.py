@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tessera import comm
+from tessera.axes import dim_of
 from tessera.config import Config
 from tessera.fake import FakeRank, fake_process_group
 from tessera.layout import Axis, Layout
@@ -173,13 +174,8 @@ def dry_run(cfg: Config, world_size: int, rank: int) -> RankResult:
 
 # --- comparison with the estimator and the cost model's traffic formulas ------------------------------------
 
-_AXIS_OF_GROUP = {
-    "tensor_row": "tensor",
-    "tensor_col": "tensor",
-    "tensor": "tensor",
-    "pipe": "pipe",
-    "data": "data",
-}
+_AXIS_OF_GROUP = {a.value: dim_of(a).name for a in Axis}
+"""Mesh axis (a group's name in comm.STATS) → its dimension, the traffic tables' axis (2D row and column: tensor)."""
 
 
 def estimated_memory(cfg: Config, world_size: int, rank: int) -> dict[str, float]:

@@ -21,8 +21,10 @@ live here; `tessera.config` keeps the per-section field checks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
+from tessera.axes import DIMS
 from tessera.config import ARITHMETIC_RULES, Config, ModelConfig, TrainConfig, Violation, even_split
 from tessera.config.checks import divisors_near, multiple_near
 from tessera.errors import ConfigError, DataError
@@ -78,12 +80,8 @@ class ExecutionPlan:
     """What one run executes on ``world_size`` ranks (see the module docstring for who decides what)."""
 
     world_size: int
-    dp: int
-    pp: int
-    tp: int
-    """1D tensor-parallel size t (1 with a 2D grid)."""
-    q: int
-    """Side of the 2D tensor grid q×q (1 for 1D)."""
+    layout: Layout
+    """The size of every parallel dimension (`tessera.axes.DIMS`); ``dp``, ``pp``, ``tp``, ``q`` read it."""
     sequence_parallel: bool
     runner: str
     """DIRECT or SCHEDULE_RUNTIME."""
@@ -111,12 +109,26 @@ class ExecutionPlan:
     """The lowered schedule was built and validated at resolve time (see SCHEDULE_CHECK_LIMIT)."""
 
     @property
-    def layout(self) -> Layout:
-        return Layout(dp=self.dp, pp=self.pp, tp=self.tp, q=self.q)
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def tp(self) -> int:
+        """1D tensor-parallel size t (1 with a 2D grid)."""
+        return self.layout.tp
+
+    @property
+    def q(self) -> int:
+        """Side of the 2D tensor grid q×q (1 for 1D)."""
+        return self.layout.q
 
     @property
     def tensor_ranks(self) -> int:
-        return self.tp * self.q * self.q
+        return self.layout.tensor_size
 
     @property
     def n_stages(self) -> int:
@@ -277,9 +289,8 @@ def decide(cfg: Config, world_size: int) -> ExecutionPlan:
     For a caller that generates only valid configs and cannot afford the checks per config (the planner's search
     over thousands of layouts); everything else calls `resolve`, which checks and then calls this."""
     par, tr, n_layers = cfg.parallel, cfg.train, cfg.model.n_layers
-    t, q = par.tensor_shape()
-    dp = par.data_size(world_size)
-    m = tr.micro_batches(dp)
+    layout = Layout.from_config(par, world_size)
+    m = tr.micro_batches(layout.dp)
     layered = par.accumulation == LAYERED and m > 1
     runner = SCHEDULE_RUNTIME if (par.pipeline > 1 or par.zero > 0 or layered) else DIRECT
     schedule: str | None = par.schedule
@@ -291,10 +302,7 @@ def decide(cfg: Config, world_size: int) -> ExecutionPlan:
         schedule, v, stage_layers, accumulation = None, 1, None, DEPTH_FIRST
     return ExecutionPlan(
         world_size=world_size,
-        dp=dp,
-        pp=par.pipeline,
-        tp=t,
-        q=q,
+        layout=layout,
         sequence_parallel=par.sequence_parallel,
         runner=runner,
         schedule=schedule,
@@ -354,21 +362,21 @@ def _check_layout(cfg: Config, world_size: int) -> list[Violation]:
     except ConfigError:
         return []  # already reported by ParallelConfig.check
     v: list[Violation] = []
-    tp = t * q * q
-    dp = p.data_size(world_size)
-    if dp * p.pipeline * tp != world_size:
-        fits = world_size // (p.pipeline * tp) if world_size % (p.pipeline * tp) == 0 else None
+    sizes = p.layout_sizes(world_size)
+    dp, others = sizes["dp"], [d for d in DIMS if d.key != "data"]
+    rest = math.prod(d.ranks(sizes) for d in others)  # ranks per data-parallel replica
+    if dp * rest != world_size:
+        names = "·".join(d.key for d in others)
         fix = (
-            f"set parallel.data = {fits}"
-            if fits
-            else f"use a world size that is a multiple of pipeline·tensor = {p.pipeline * tp}, e.g. "
-            f"{multiple_near(world_size, p.pipeline * tp)}"
+            f"set parallel.data = {world_size // rest}"
+            if world_size % rest == 0
+            else f"use a world size that is a multiple of {names} = {rest}, e.g. {multiple_near(world_size, rest)}"
         )
+        factors = " × ".join(f"{d.key} {d.ranks(sizes)}" for d in DIMS)
         v.append(
             Violation(
                 rule="world_size",
-                problem=f"world size {world_size} != data {dp} × pipeline "
-                f"{p.pipeline} × tensor {tp} = {dp * p.pipeline * tp}",
+                problem=f"world size {world_size} != {factors} = {dp * rest}",
                 fix=fix,
             )
         )

@@ -1,4 +1,5 @@
-"""The only module that creates torch.distributed process groups: one DeviceMesh built from the Layout."""
+"""The only module that creates torch.distributed process groups: one DeviceMesh built from the Layout, one mesh
+axis per `tessera.axes.Axis` the layout uses (a new dimension needs nothing here: ``group(axis)`` reaches it)."""
 
 from __future__ import annotations
 
@@ -42,13 +43,15 @@ class Groups:
         return self.group(Axis.TENSOR)
 
     @property
-    def tp_row(self) -> dist.ProcessGroup:
-        """Optimus row group of P_ij: same row i, every column j (varies along TENSOR_COL)."""
+    def same_row(self) -> dist.ProcessGroup:
+        """The ranks of P_ij's grid row: same row i, every column j (Optimus's row group; the group along
+        TENSOR_COL, whose coordinate j is this rank's index in it)."""
         return self.group(Axis.TENSOR_COL)
 
     @property
-    def tp_col(self) -> dist.ProcessGroup:
-        """Optimus column group of P_ij: same column j, every row i (varies along TENSOR_ROW)."""
+    def same_col(self) -> dist.ProcessGroup:
+        """The ranks of P_ij's grid column: same column j, every row i (Optimus's column group; the group along
+        TENSOR_ROW, whose coordinate i is this rank's index in it)."""
         return self.group(Axis.TENSOR_ROW)
 
 

@@ -1,33 +1,25 @@
 """The parallel layout as pure arithmetic: named axes, rank ↔ coordinates, and each group's members.
 
-Rank order, outermost to innermost: data, pipe, then the tensor axes. Tensor is innermost so that a tensor group
-(the chattiest) sits on adjacent ranks, i.e. inside one node. For 2D tensor parallelism the q×q grid has two axes,
-``TENSOR_ROW`` (coordinate i) and ``TENSOR_COL`` (coordinate j), with j innermost: device P_ij has rank offset i·q + j.
+The dimensions, their order and their mesh axes come from the registry `tessera.axes.DIMS`. Rank order, outermost
+to innermost: data, pipe, then the tensor axes. Tensor is innermost so that a tensor group (the chattiest) sits on
+adjacent ranks, i.e. inside one node. For 2D tensor parallelism the q×q grid has two axes, ``TENSOR_ROW``
+(coordinate i) and ``TENSOR_COL`` (coordinate j), with j innermost: device P_ij has rank offset i·q + j.
 
-No torch here: the whole layout of any world size is computed and tested in one process, and the planner uses it.
-"""
+No torch here: the whole layout of any world size is computed and tested in one process, and the planner uses it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+
+from tessera.axes import DIMS, LAYOUT_FIELDS, Axis, dim_of, world_size
 
 __all__ = ["Axis", "Layout"]
 
 
-class Axis(StrEnum):
-    """A mesh axis. "axis" always means a mesh axis; "dim" means a tensor dimension."""
-
-    DATA = "data"
-    PIPE = "pipe"
-    TENSOR = "tensor"  # Megatron 1D
-    TENSOR_ROW = "tensor_row"  # Optimus 2D: the grid row index i
-    TENSOR_COL = "tensor_col"  # Optimus 2D: the grid column index j
-
-
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Sizes of the parallel axes. Exactly one of ``tp`` (1D) and ``q`` (2D grid side) may exceed 1."""
+    """Sizes of the parallel axes, one field per shape of `tessera.axes.DIMS` (a dimension's alternative shapes,
+    here 1D ``tp`` and the 2D grid side ``q``, may not both exceed 1)."""
 
     dp: int = 1
     pp: int = 1
@@ -35,48 +27,54 @@ class Layout:
     q: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "q"):
+        for name in LAYOUT_FIELDS:
             if getattr(self, name) < 1:
                 raise ValueError(f"Layout.{name} = {getattr(self, name)} must be at least 1")
-        if self.tp > 1 and self.q > 1:
-            raise ValueError(
-                f"Layout cannot combine 1D tensor size {self.tp} with a 2D grid {self.q}x{self.q}"
-            )
+        for d in DIMS:
+            d.shape(self.sizes)  # raises when two alternative shapes (1D tp and a 2D grid q) both exceed 1
 
     @classmethod
     def from_config(cls, parallel: object, world_size: int) -> Layout:
         """Build from a ``ParallelConfig`` (duck-typed) for this world size."""
-        t, q = parallel.tensor_shape()  # type: ignore[attr-defined]
-        return cls(dp=parallel.data_size(world_size), pp=parallel.pipeline, tp=t, q=q)  # type: ignore[attr-defined]
+        return cls(**parallel.layout_sizes(world_size))  # type: ignore[attr-defined]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Field → size, for the registry's arithmetic."""
+        return {f: getattr(self, f) for f in LAYOUT_FIELDS}
 
     @property
     def is_2d(self) -> bool:
         return self.q > 1
 
+    def ranks(self, name: str) -> int:
+        """Ranks in one group of the dimension ``name`` ("data", "pipe", "tensor": t for 1D, q² for 2D)."""
+        return next(d for d in DIMS if d.name == name).ranks(self.sizes)
+
+    def plan_sizes(self) -> dict[str, int]:
+        """The cost model `Plan`'s size fields: each dimension's rank count (``tp`` = t or q²)."""
+        return {d.plan_field: d.ranks(self.sizes) for d in DIMS}
+
     @property
     def tensor_size(self) -> int:
         """Ranks in one tensor-parallel group: t for 1D, q² for 2D."""
-        return self.tp * self.q * self.q
+        return self.ranks("tensor")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tensor_size
+        return world_size(self.sizes)
 
     @property
     def axes(self) -> tuple[Axis, ...]:
         """All axes, outermost first (size-1 axes included, so code never branches on which exist)."""
-        tensor = (Axis.TENSOR_ROW, Axis.TENSOR_COL) if self.is_2d else (Axis.TENSOR,)
-        return (Axis.DATA, Axis.PIPE, *tensor)
+        return tuple(a for d in DIMS for a in d.axes(self.sizes))
 
     def size(self, axis: Axis) -> int:
         """The number of coordinates along ``axis`` (1 for an axis this layout does not use)."""
-        return {
-            Axis.DATA: self.dp,
-            Axis.PIPE: self.pp,
-            Axis.TENSOR: self.tp,
-            Axis.TENSOR_ROW: self.q,
-            Axis.TENSOR_COL: self.q,
-        }[axis]
+        for field, axes in dim_of(axis).shapes:
+            if axis in axes:
+                return getattr(self, field)
+        raise AssertionError(axis)  # dim_of found the axis in one of these shapes
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -122,5 +120,9 @@ class Layout:
         return [list(g) for g in seen]
 
     def describe(self) -> str:
-        tensor = f"tensor 2D {self.q}x{self.q}" if self.is_2d else f"tensor {self.tp}"
-        return f"data {self.dp} × pipeline {self.pp} × {tensor} = {self.world_size} ranks"
+        parts = []
+        for d in DIMS:
+            field, axes = d.shape(self.sizes)
+            n = getattr(self, field)
+            parts.append(f"{d.key} {'2D ' + 'x'.join([str(n)] * len(axes)) if len(axes) > 1 else n}")
+        return f"{' × '.join(parts)} = {self.world_size} ranks"

@@ -121,9 +121,7 @@ def _fix_for(component: str, plan: Plan) -> str:
 def cost_plan(plan: ExecutionPlan) -> Plan:
     """The cost model's view of an execution plan (activation memory uses torch SDPA: no s×s score tensor)."""
     return Plan(
-        dp=plan.dp,
-        pp=plan.pp,
-        tp=plan.tensor_ranks,
+        **plan.layout.plan_sizes(),  # every dimension's rank count (tessera.axes.DIMS)
         tp_kind="2d" if plan.q > 1 else "1d",
         sequence_parallel=plan.sequence_parallel,
         virtual_stages=plan.stages_per_rank,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tessera.axes import DIMS
 from tessera.errors import ConfigError
 from tessera.model.family import FAMILIES, family_plan
 from tessera.modes import ACCUMULATION, CHECKPOINTING, DTYPES, NONFINITE, SCHEDULES, STOP_SIGNALS
@@ -94,7 +95,10 @@ _RANGES: dict[str, dict[str, _Range]] = {
         "rope_theta": _POSITIVE_REAL,
         "init_std": _NON_NEGATIVE_REAL,
     },
-    "parallel": {"data": _POSITIVE, "pipeline": _POSITIVE, "stages_per_rank": _POSITIVE},
+    "parallel": {  # every dimension's size (tessera.axes.DIMS; "tensor" is parsed by parse_tensor)
+        **{d.key: _POSITIVE for d in DIMS if d.key != "tensor"},
+        "stages_per_rank": _POSITIVE,
+    },
     "train": {
         **dict.fromkeys(("steps", "global_batch", "micro_batch"), _POSITIVE),
         "warmup_steps": _NON_NEGATIVE,

@@ -8,10 +8,12 @@ it with `tessera.config_docs`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera.axes import DIMS
 from tessera.config import checks
 from tessera.config.checks import Violation
 from tessera.errors import ConfigError
@@ -119,13 +121,26 @@ class ParallelConfig:
         t, q = self.tensor_shape()
         return t * q * q
 
+    def layout_sizes(self, world_size: int) -> dict[str, int]:
+        """Every size field of `tessera.layout.Layout` (the registry `tessera.axes.DIMS`): a dimension's key holds
+        its size, except ``tensor`` (t, or "qxq" for the 2D grid side q) and ``data`` (None: what is left)."""
+        return {**self._fixed_sizes(), "dp": self.data_size(world_size)}
+
+    def _fixed_sizes(self) -> dict[str, int]:
+        """The sizes the config states outright: every dimension's but data's."""
+        t, q = self.tensor_shape()
+        sizes = {"tp": t, "q": q}
+        for d in DIMS:
+            if d.key not in ("data", "tensor"):
+                sizes[d.plan_field] = getattr(self, d.key)
+        return sizes
+
     def data_size(self, world_size: int) -> int:
-        # max(1, ...): stays defined while check() reports a zero pipeline size
-        return (
-            self.data
-            if self.data is not None
-            else max(1, world_size // max(1, self.pipeline * self.tensor_ranks))
-        )
+        if self.data is not None:
+            return self.data
+        sizes = self._fixed_sizes()
+        others = math.prod(d.ranks(sizes) for d in DIMS if d.key != "data")
+        return max(1, world_size // max(1, others))  # max(1, ...): defined while check() reports a zero size
 
     def check(self) -> list[Violation]:
         return checks.check_parallel(self)

@@ -44,7 +44,7 @@ def tensor_groups(layout: Layout, groups: Groups | None) -> list:
     """The groups a gradient norm must be summed over to cover the tensor-parallel shards."""
     if groups is None or layout.tensor_size == 1:
         return []
-    return [groups.tp_row, groups.tp_col] if layout.is_2d else [groups.tp]
+    return [groups.same_row, groups.same_col] if layout.is_2d else [groups.tp]
 
 
 def norm_weights(module: nn.Module) -> dict[int, float]:

@@ -63,7 +63,7 @@ class Grid2D:
         i, j = groups.coord(Axis.TENSOR_ROW), groups.coord(Axis.TENSOR_COL)
         if q == 1:
             return cls(q=1, i=0, j=0)
-        row, col = groups.tp_row, groups.tp_col
+        row, col = groups.same_row, groups.same_col
         if dist.get_rank(row) != j or dist.get_rank(col) != i:
             raise RuntimeError(
                 f"2D grid mismatch on P_{i}{j}: row-group rank {dist.get_rank(row)} should be j = {j} and "

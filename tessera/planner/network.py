@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tessera.layout import Axis, Layout
+from tessera.axes import RANK_ORDER, Axis
 from tessera.planner.hardware import Hardware
 
 __all__ = [
@@ -43,8 +43,8 @@ __all__ = [
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 
-TESSERA_ORDER: tuple[str, ...] = tuple(a.value for a in Layout().axes)
-"""Axes outermost first as `tessera.layout.Layout` orders ranks: data, pipe, tensor (tensor innermost)."""
+TESSERA_ORDER: tuple[str, ...] = RANK_ORDER
+"""Dimensions outermost first as `tessera.layout.Layout` orders ranks (`tessera.axes.DIMS`): data, pipe, tensor."""
 MEGATRON_ORDER: tuple[str, ...] = (Axis.PIPE.value, Axis.DATA.value, Axis.TENSOR.value)
 """Megatron-LM's default order, outermost first: pipeline, data, tensor (data groups stride t)."""
 

@@ -141,7 +141,7 @@ def _run_one(rank: int, world: int, groups, model_name: str, layout_name: str) -
     sync.arm()
     loss.backward()
     sync.finish()
-    names = {"row": comm.group_name(groups.tp_row), "col": comm.group_name(groups.tp_col)}
+    names = {"row": comm.group_name(groups.same_row), "col": comm.group_name(groups.same_col)}
     measured = {k: v for k, v in comm.STATS.bytes.items() if k[1] in names.values()}
     expected = {(kind, names[g]): n for (kind, g), n in comm_bytes_2d(cfg, b, cfg.seq_len, layout.q).items()}
     full = pmodel.full_parameters()

@@ -4,6 +4,7 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
+from tessera.axes import Axis
 from tessera.planner.cost.plan import Plan
 from tessera.planner.hardware import Hardware
 from tessera.planner.network import Placement, axis_stride, bus_bandwidth, placement
@@ -33,18 +34,19 @@ def group_bandwidth(hw: Hardware, group_size: int, stride: int = 1) -> tuple[flo
 
 
 def group_placement(hw: Hardware, plan: Plan, axis: str) -> Placement:
-    """Where the group along `axis` sits: "tensor" (1D group, or the 2D row group: stride 1, q members),
-    "tensor_col" (2D column group, stride q), "data" (d members), "pipe" (two pipeline neighbours). Strides
-    follow `plan.rank_order`."""
+    """Where one group along `axis` sits: a dimension of `tessera.axes.DIMS` ("data": d members; "pipe": two
+    pipeline neighbours; "tensor": the 1D group, or in 2D one grid row) strided by `plan.rank_order`, or a mesh
+    axis of the 2D grid: `Axis.TENSOR_COL` (a grid row, same i: q members, stride 1), `Axis.TENSOR_ROW` (a grid
+    column, same j: q members, stride q). The tensor dimension is innermost in both orders used."""
     G = hw.gpus_per_node
-    if axis == "tensor":
-        return placement(plan.q if plan.tp_kind == "2d" else plan.tp, 1, G)
-    if axis == "tensor_col":
-        return placement(plan.q, plan.q, G)
-    sizes = {"data": plan.dp, "pipe": plan.pp, "tensor": plan.tp}
-    if axis not in ("data", "pipe"):
-        raise ValueError(f"axis must be tensor, tensor_col, data or pipe, got {axis!r}")
-    size = plan.dp if axis == "data" else min(2, plan.pp)
+    if plan.tp_kind == "2d" and axis in ("tensor", Axis.TENSOR_COL, Axis.TENSOR_ROW):
+        return placement(plan.q, plan.q if axis == Axis.TENSOR_ROW else 1, G)
+    sizes = plan.sizes()
+    if axis not in sizes:
+        raise ValueError(
+            f"axis must be one of {', '.join(sizes)} (or a 2D grid axis tensor_row, tensor_col), got {axis!r}"
+        )
+    size = min(2, sizes[axis]) if axis == "pipe" else sizes[axis]  # pipe: a sender and its receiver
     return placement(size, axis_stride(plan.rank_order, sizes, axis), G)
 
 

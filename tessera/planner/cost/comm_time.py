@@ -4,6 +4,7 @@ exposed tensor-parallel time), one stage boundary's transfer, the data-parallel 
 
 from __future__ import annotations
 
+from tessera.axes import Axis
 from tessera.planner.cost.collectives import group_placement, p2p_time
 from tessera.planner.cost.compute import LayerTime, layer_time, logits_time
 from tessera.planner.cost.plan import Plan, per_microbatch_reduction
@@ -41,7 +42,7 @@ def tp_comm_time_per_layer(shape: ModelShape, hw: Hardware, plan: Plan) -> Layer
         )
         fwd, bwd = 2 * one, 2 * one
     else:
-        q, cols = plan.q, group_placement(hw, plan, "tensor_col")
+        q, cols = plan.q, group_placement(hw, plan, Axis.TENSOR_ROW)  # grid columns: weight blocks
         M, nb = shape.seq_len * plan.micro_batch, plan.act_bytes
         fwd = bwd = 0.0
         for k_in, n_out in linears(shape):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from tessera.axes import DIMS
 from tessera.modes import reduces_every_microbatch
 from tessera.planner.hardware import DTYPE_BYTES
 from tessera.planner.network import MEGATRON_ORDER
@@ -23,7 +25,8 @@ class Plan:
     dp: int = 1
     pp: int = 1
     tp: int = 1
-    """Tensor ranks per replica: t for 1D, q² for 2D."""
+    """Tensor ranks per replica: t for 1D, q² for 2D. (One rank-count field per dimension of `tessera.axes.DIMS`,
+    named by its `plan_field`.)"""
     tp_kind: str = "1d"
     """"1d" (Megatron) or "2d" (Optimus/SUMMA on a q×q grid, tp = q²)."""
     sequence_parallel: bool = False
@@ -56,9 +59,13 @@ class Plan:
             )
         return q
 
+    def sizes(self) -> dict[str, int]:
+        """Ranks per group of each dimension of `tessera.axes.DIMS`, by name ("data", "pipe", "tensor")."""
+        return {d.name: getattr(self, d.plan_field) for d in DIMS}
+
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return math.prod(self.sizes().values())
 
     @property
     def act_bytes(self) -> int:
