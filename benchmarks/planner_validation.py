@@ -375,7 +375,7 @@ def search_speed(results: Path) -> None:
         f"## 1T parameters (Megatron's 128-layer GPT) on 3072 A100-80GB, global batch 3072\n\n"
         f"{res.enumerated:,} valid layouts enumerated, {res.rejected_memory:,} pruned by memory; search time "
         f"best of 3: **{best:.2f} s** wall, {cpu:.2f} s CPU, on one core of this shared {os.cpu_count()}-core "
-        "machine (target < 10 s; the test suite times nothing). Best layout: `{res.best.label}`, {res.best.step_time:.1f} s per "
+        f"machine (target < 10 s; the test suite times nothing). Best layout: `{res.best.label}`, {res.best.step_time:.1f} s per "
         f"step, MFU {res.best.mfu:.1%}.\n\n"
         "## `tessera plan --model llama-70b --gpus 512 --hardware a100-80gb --picture plan.png`\n\n"
         "```\n" + render_text(plan, entries) + "\n```\n\n![breakdown](planner_plan_llama70b.png)\n"
