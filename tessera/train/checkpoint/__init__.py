@@ -5,27 +5,23 @@ Layout of a checkpoint directory::
     ckpt_dir/
       latest                  text: the name of the newest complete checkpoint ("step_00000100")
       step_00000100/
-        .metadata             DCP index (a pickle; read through an allow-list unpickler, see below)
+        .metadata             DCP index (a pickle; read through an allow-list unpickler, see safe_read.py)
         __0_0.distcp ...      DCP tensor data, written by every rank
         rng_rank0.pt ...      each rank's RNG streams (tensors and numbers only; torch.load(weights_only=True))
-        meta.json             step, world size, layout, JSON part of `extra`, "complete": true
+        meta.json             step, world size, layout, JSON part of `extra`, checksums, "complete": true
       step_00000200.tmp/      a save in progress or one that crashed; ignored and deleted by the next save
 
-A save writes into ``step_N.tmp/``; after a barrier rank 0 writes ``meta.json``, renames the folder to
-``step_N/`` and atomically replaces ``latest``, so a crash at any point leaves the previous checkpoint intact.
-See docs/checkpoints.md for the safety argument.
+The package, by seam: this module saves and loads (the one save path, `save_checkpoint`, which
+tessera/train/async_save.py continues in the background); files.py is the commit protocol (atomic files, the
+rename, ``latest``, pruning, finding checkpoints); safe_read.py reads without unpickling code; rng.py captures
+and restores the RNG streams; tessera/train/integrity.py checksums the files. See docs/checkpoints.md for the
+safety argument.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import io
-import json
-import os
-import pickle
-import random
-import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,12 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem, SavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -49,6 +43,19 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tessera.errors import CheckpointError, CheckpointWriteError
+from tessera.train.checkpoint.files import (
+    commit,
+    latest_checkpoint,
+    list_checkpoints,
+    prune,
+    read_meta,
+    remove_stale_tmp,
+    resolve,
+    step_dir_name,
+    step_dirs,
+)
+from tessera.train.checkpoint.rng import capture_rng, read_rng, restore_rng, write_rank_files
+from tessera.train.checkpoint.safe_read import SafeLoadPlanner, SafeReader, read_metadata_safely
 from tessera.train.integrity import files_written_by, hash_files, verify_files
 
 if TYPE_CHECKING:
@@ -62,6 +69,7 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "load_model_weights",
+    "read_metadata_safely",
     "restore_rng",
     "save_checkpoint",
     "save_model_weights",
@@ -69,12 +77,11 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-_META = "meta.json"
-_LATEST = "latest"
-_PREFIX = "step_"
-_TMP = ".tmp"
 _FORMAT = 1
 _NO_PG_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+# the two steps of a save after DCP's write, looked up here at each save (the crash tests replace them)
+_write_rank_files = write_rank_files
+_commit = commit
 
 
 # --- saving ----------------------------------------------------------------------------------------------------
@@ -107,13 +114,13 @@ def save_checkpoint(
         raise ValueError(f"keep = {keep} must be at least 1 (the checkpoint just written)")
     ckpt_dir = Path(ckpt_dir)
     rank, world = _rank_world()
-    final, tmp = _step_dirs(ckpt_dir, step)
+    final, tmp = step_dirs(ckpt_dir, step)
     json_extra, tensor_paths, tensors = _split_extra(extra)
     if background is not None:
         background.wait()  # at most one save in flight, and its .tmp folder is not stale
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        _remove_stale_tmp(ckpt_dir)
+        remove_stale_tmp(ckpt_dir)
     _barrier()  # nobody writes into tmp before rank 0 has cleared it
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = _wrap({"model": model_sd, "optim": optim_sd}, shard_id)
@@ -140,7 +147,7 @@ def save_checkpoint(
                 "complete": True,
             }
             _commit(tmp, final, meta)
-            _prune(ckpt_dir, keep)
+            prune(ckpt_dir, keep)
         _barrier(group)  # no rank returns before the checkpoint is published
         return final
 
@@ -181,9 +188,9 @@ def save_model_weights(
     ``model`` then only names and shapes them): `tessera export` streams a sharded run's weights this way.
     """
     ckpt_dir = Path(ckpt_dir)
-    final, tmp = _step_dirs(ckpt_dir, step)
+    final, tmp = step_dirs(ckpt_dir, step)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(ckpt_dir)
+    remove_stale_tmp(ckpt_dir)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
         state = {"model": get_model_state_dict(model)}
@@ -199,19 +206,8 @@ def save_model_weights(
         "exported_from": source,
         "complete": True,
     }
-    _commit(tmp, final, meta)
+    commit(tmp, final, meta)
     return final
-
-
-def step_dir_name(step: int) -> str:
-    """The folder name of step ``step``'s checkpoint: ``step_00000100``."""
-    return f"{_PREFIX}{step:08d}"
-
-
-def _step_dirs(ckpt_dir: Path, step: int) -> tuple[Path, Path]:
-    """(the published folder ``step_N``, the folder a save writes into before its atomic rename)."""
-    final = ckpt_dir / step_dir_name(step)
-    return final, ckpt_dir / f"{final.name}{_TMP}"
 
 
 def _wrap(state: dict[str, Any], shard_id: str | None) -> dict[str, Any]:
@@ -224,59 +220,6 @@ def _gather(value: Any, world: int, group: dist.ProcessGroup | None = None) -> l
     out: list[Any] = [None] * world
     dist.all_gather_object(out, value, group=group)
     return out
-
-
-def _write_rank_files(tmp: Path, rank: int, rng: dict[str, Any]) -> None:
-    """This rank's RNG streams (`capture_rng`), as tensors and numbers only (no pickled objects)."""
-    path = tmp / f"rng_rank{rank}.pt"
-    with open(path, "wb") as f:
-        torch.save(rng, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
-    """Mark complete, rename into place and point `latest` at it; each step is atomic on POSIX."""
-    _write_atomic(tmp / _META, json.dumps(meta, indent=1))
-    if final.exists():  # re-saving the same step: move the old one aside rather than merge into it
-        old = final.with_name(final.name + ".old" + _TMP)
-        os.replace(final, old)
-        shutil.rmtree(old)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    _write_atomic(final.parent / _LATEST, final.name + "\n")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    part = path.with_name(path.name + ".part")
-    with open(part, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_stale_tmp(ckpt_dir: Path) -> None:
-    for p in ckpt_dir.glob(f"{_PREFIX}*{_TMP}"):
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def _prune(ckpt_dir: Path, keep: int) -> None:
-    for p in _complete_checkpoints(ckpt_dir)[:-keep]:
-        # rename first: a crash mid-delete then leaves a .tmp folder, which no load considers and the next
-        # save removes, never a step folder that looks complete but lacks files
-        doomed = p.with_name(p.name + ".old" + _TMP)
-        os.replace(p, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _split_extra(extra: dict[str, Any]) -> tuple[Any, list[list[str]], list[torch.Tensor]]:
@@ -306,53 +249,16 @@ def _split_extra(extra: dict[str, Any]) -> tuple[Any, list[list[str]], list[torc
     return walk(dict(extra), []), paths, tensors
 
 
-# --- finding ---------------------------------------------------------------------------------------------------
-
-
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The newest complete checkpoint under ``ckpt_dir`` (``.tmp`` leftovers ignored), or None if there is none.
-
-    Complete folders are authoritative; the ``latest`` file is what tools read and agrees with this except
-    in the instant between a rename and its update.
-    """
-    found = _complete_checkpoints(Path(ckpt_dir))
-    return found[-1] if found else None
-
-
-def list_checkpoints(ckpt_dir: Path) -> tuple[list[Path], list[Path]]:
-    """(complete checkpoints, oldest first; step folders that are not complete, e.g. damaged meta.json)."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return [], []
-    steps = sorted(p for p in ckpt_dir.glob(f"{_PREFIX}*") if not p.name.endswith(_TMP))
-    return [p for p in steps if _is_complete(p)], [p for p in steps if not _is_complete(p)]
-
-
 def verify_checkpoint(path: Path, *, collective: bool = True) -> list[str]:
     """What is wrong with a complete checkpoint's files against the checksums in its meta.json (empty when
     intact, or when it predates checksums); collective by default, so every rank gets the same answer."""
-    meta = _read_meta(Path(path))
+    meta = read_meta(Path(path))
     files = meta.get("files")
     if files is None:
         return []
     if not isinstance(files, dict):
         return ["meta.json's file list is damaged"]
     return verify_files(Path(path), files, collective=collective)
-
-
-def _complete_checkpoints(ckpt_dir: Path) -> list[Path]:
-    if not ckpt_dir.is_dir():
-        return []
-    done = [p for p in ckpt_dir.glob(f"{_PREFIX}*") if not p.name.endswith(_TMP) and _is_complete(p)]
-    return sorted(done, key=lambda p: p.name)
-
-
-def _is_complete(path: Path) -> bool:
-    try:
-        meta = json.loads((path / _META).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and meta.get("complete") is True and (path / ".metadata").is_file()
 
 
 # --- loading ---------------------------------------------------------------------------------------------------
@@ -372,8 +278,8 @@ def load_checkpoint(
     (pass the result to `restore_rng`). The files are first checked against their checksums (`verify=False`
     when the caller just did, with `verify_checkpoint`); a damaged checkpoint is a CheckpointError.
     """
-    path = _resolve(Path(path))
-    meta = _read_meta(path)
+    path = resolve(Path(path))
+    meta = read_meta(path)
     if meta.get("weights_only"):
         raise CheckpointError(
             f"checkpoint {path} holds exported weights only (no optimizer state, RNG streams or data position), "
@@ -390,7 +296,7 @@ def load_checkpoint(
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
-            dcp.load(state, storage_reader=_SafeReader(path, metadata), planner=_SafeLoadPlanner())
+            dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
@@ -405,7 +311,7 @@ def load_checkpoint(
     inner = state if shard_id is None else state["shards"][shard_id]
     set_state_dict(model, optimizer, model_state_dict=inner["model"], optim_state_dict=inner["optim"])
     extra = _join_extra(meta.get("extra") or {}, meta.get("extra_tensors", []), state["extra"])
-    return {"step": meta["step"], **extra, "rng": _read_rng(path, rank)}
+    return {"step": meta["step"], **extra, "rng": read_rng(path, rank)}
 
 
 def load_model_weights(path: Path, model: nn.Module) -> int:
@@ -414,8 +320,8 @@ def load_model_weights(path: Path, model: nn.Module) -> int:
     For inference and export (``tessera generate``): optimizer state, RNG streams and data position are skipped,
     so the saved world size does not matter. Checkpoints of model-parallel shards need their layout.
     """
-    path = _resolve(Path(path))
-    meta = _read_meta(path)
+    path = resolve(Path(path))
+    meta = read_meta(path)
     if is_sharded(meta):
         raise CheckpointError(
             f"checkpoint {path} holds model-parallel shards ({sorted(set(meta['shard_ids']))}); its weights "
@@ -427,7 +333,7 @@ def load_model_weights(path: Path, model: nn.Module) -> int:
     _check_shapes(path, state, metadata)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
-        dcp.load(state, storage_reader=_SafeReader(path, metadata), planner=_SafeLoadPlanner())
+        dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
     _refuse_damaged(path, verify_checkpoint(path, collective=False))
     set_model_state_dict(model, state["model"])
     return int(meta["step"])
@@ -445,8 +351,8 @@ def _refuse_damaged(path: Path, problems: list[str]) -> None:
 def checkpoint_meta(path: Path) -> dict[str, Any]:
     """meta.json of a complete checkpoint folder (or of the newest one in a checkpoint directory), with its
     resolved ``"path"``: step, world size, layout, shard ids, ``weights_only`` for exports."""
-    path = _resolve(Path(path))
-    return {**_read_meta(path), "path": str(path)}
+    path = resolve(Path(path))
+    return {**read_meta(path), "path": str(path)}
 
 
 def is_sharded(meta: dict[str, Any]) -> bool:
@@ -459,32 +365,6 @@ def _last_line(e: BaseException) -> str:
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]  # DCP appends each rank's traceback
     causes = [x for x in lines if "Error:" in x or "Exception:" in x]
     return (causes or lines or [type(e).__name__])[-1]
-
-
-def _resolve(path: Path) -> Path:
-    if not path.exists():
-        raise CheckpointError(
-            f"checkpoint directory {path} does not exist\n    fix: pass a folder written by save_checkpoint "
-            "(e.g. RUN_DIR/checkpoints/step_00000100) or the checkpoint directory to take its newest"
-        )
-    if (path / _META).exists() or path.name.endswith(_TMP):
-        return path
-    newest = latest_checkpoint(path)
-    if newest is None:
-        raise CheckpointError(
-            f"{path} holds no complete checkpoint (no step_* folder with meta.json marked complete)\n"
-            "    fix: start without resuming, or point at a directory a finished save wrote"
-        )
-    return newest
-
-
-def _read_meta(path: Path) -> dict[str, Any]:
-    if path.name.endswith(_TMP) or not _is_complete(path):
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete (the save was interrupted before it was marked complete)\n"
-            f"    fix: resume from latest_checkpoint({path.parent}), which skips unfinished saves"
-        )
-    return json.loads((path / _META).read_text())
 
 
 def _rank_world() -> tuple[int, int]:
@@ -567,163 +447,3 @@ def _join_extra(tree: Any, paths: list[list[str]], tensors: dict[str, torch.Tens
         else:
             node[last] = tensors[str(i)]
     return tree
-
-
-# --- never unpickle code ---------------------------------------------------------------------------------------
-
-_DCP = "torch.distributed.checkpoint"
-_ALLOWED: frozenset[tuple[str, str]] = frozenset(
-    {(f"{_DCP}.metadata", n) for n in (
-        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
-    )}
-    | {
-        (f"{_DCP}.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-        ("collections", "OrderedDict"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-    }
-)  # fmt: skip
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only DCP's metadata dataclasses, torch.Size/dtypes/layouts and a few containers."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise CheckpointError(
-            f"checkpoint metadata refers to {module}.{name}, which a DCP index never contains; refusing to "
-            "load it (it could run code)\n    fix: only load checkpoints you or tessera wrote"
-        )
-
-
-def read_metadata_safely(path: Path) -> Metadata:
-    """Read a DCP ``.metadata`` file through the allow-list unpickler (DCP itself uses plain pickle.load)."""
-    try:
-        with open(Path(path) / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(
-            f"checkpoint {path}: .metadata is unreadable ({type(e).__name__}: {e})\n    fix: resume from "
-            "another checkpoint; this one is damaged"
-        ) from e
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(
-            f"checkpoint {path}: .metadata holds a {type(metadata).__name__}, not DCP Metadata"
-        )
-    return metadata
-
-
-class _SafeReader(FileSystemReader):
-    """FileSystemReader that hands DCP the metadata already read by `read_metadata_safely`."""
-
-    def __init__(self, path: Path, metadata: Metadata) -> None:
-        super().__init__(path)
-        self._metadata = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise CheckpointError("tessera checkpoints have one global .metadata, not per-rank ones")
-        if getattr(self._metadata, "storage_meta", None) is None:
-            self._metadata.storage_meta = StorageMeta()
-        self._metadata.storage_meta.load_id = self.load_id
-        return self._metadata
-
-
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner whose non-tensor values (optimizer hyper-parameters) load with weights_only=True."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-# --- random number generators ----------------------------------------------------------------------------------
-
-
-def capture_rng() -> dict[str, Any]:
-    """This process's RNG states as tensors and numbers: torch CPU, every CUDA device, numpy, Python."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    version, internal, gauss = random.getstate()
-    state["python"] = {
-        "version": version,
-        "state": torch.tensor(internal, dtype=torch.int64),
-        "gauss_next": gauss,
-    }
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state["numpy"] = {
-        "kind": str(kind),
-        "keys": torch.from_numpy(keys.astype(np.int64)),
-        "pos": int(pos),
-        "has_gauss": int(has_gauss),
-        "cached_gaussian": float(cached),
-    }
-    return state
-
-
-def restore_rng(extra: dict[str, Any]) -> None:
-    """Set this process's RNGs from ``extra["rng"]`` (as returned by `load_checkpoint`) or a `capture_rng` dict."""
-    try:
-        _restore_rng(extra.get("rng", extra))
-    except CheckpointError:
-        raise
-    except (KeyError, TypeError, ValueError, OverflowError, RuntimeError) as e:
-        raise CheckpointError(
-            f"the checkpoint's RNG state cannot be restored ({type(e).__name__}: {e}); the rng_rank*.pt file is "
-            "damaged\n    fix: resume from an earlier checkpoint (checkpoint.load_step = N)"
-        ) from None
-
-
-def _restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda")
-    if cuda and torch.cuda.is_available():
-        if len(cuda) != torch.cuda.device_count():
-            raise CheckpointError(
-                f"checkpoint holds RNG states of {len(cuda)} CUDA device(s) but {torch.cuda.device_count()} are "
-                "visible\n    fix: resume with the same CUDA_VISIBLE_DEVICES as the saved run"
-            )
-        torch.cuda.set_rng_state_all(cuda)
-    py = state.get("python")
-    if py is not None:
-        random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
-    np_state = state.get("numpy")
-    if np_state is not None:
-        import numpy as np
-
-        keys = np_state["keys"].numpy().astype(np.uint32)
-        np.random.set_state(
-            (np_state["kind"], keys, np_state["pos"], np_state["has_gauss"], np_state["cached_gaussian"])
-        )
-
-
-def _read_rng(path: Path, rank: int) -> dict[str, Any]:
-    file = path / f"rng_rank{rank}.pt"
-    if not file.is_file():
-        raise CheckpointError(
-            f"checkpoint {path} has no {file.name}; it is incomplete or from another layout"
-        )
-    try:
-        return torch.load(file, weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path}: {file.name} is not a plain tensor file ({e})") from e

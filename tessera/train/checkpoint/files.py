@@ -1,0 +1,151 @@
+"""The commit protocol of a checkpoint folder: atomic files, the ``step_N.tmp`` → ``step_N`` rename, ``latest``,
+pruning, and finding the complete checkpoints again.
+
+A save writes into ``step_N.tmp/``; rank 0 then writes ``meta.json`` (marked complete), renames the folder to
+``step_N/`` and atomically replaces ``latest``, so a crash at any point leaves the previous checkpoint intact.
+Pruning renames a folder to ``*.old.tmp`` before deleting it, so a half-deleted one is never taken for complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tessera.errors import CheckpointError
+
+__all__ = [
+    "META",
+    "commit",
+    "complete_checkpoints",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "prune",
+    "read_meta",
+    "remove_stale_tmp",
+    "resolve",
+    "step_dir_name",
+    "step_dirs",
+]
+
+META = "meta.json"
+_LATEST = "latest"
+_PREFIX = "step_"
+_TMP = ".tmp"
+
+
+def step_dir_name(step: int) -> str:
+    """The folder name of step ``step``'s checkpoint: ``step_00000100``."""
+    return f"{_PREFIX}{step:08d}"
+
+
+def step_dirs(ckpt_dir: Path, step: int) -> tuple[Path, Path]:
+    """(the published folder ``step_N``, the folder a save writes into before its atomic rename)."""
+    final = ckpt_dir / step_dir_name(step)
+    return final, ckpt_dir / f"{final.name}{_TMP}"
+
+
+def commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Mark complete, rename into place and point `latest` at it; each step is atomic on POSIX."""
+    write_atomic(tmp / META, json.dumps(meta, indent=1))
+    if final.exists():  # re-saving the same step: move the old one aside rather than merge into it
+        old = final.with_name(final.name + ".old" + _TMP)
+        os.replace(final, old)
+        shutil.rmtree(old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    write_atomic(final.parent / _LATEST, final.name + "\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    part = path.with_name(path.name + ".part")
+    with open(part, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_tmp(ckpt_dir: Path) -> None:
+    for p in ckpt_dir.glob(f"{_PREFIX}*{_TMP}"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def prune(ckpt_dir: Path, keep: int) -> None:
+    for p in complete_checkpoints(ckpt_dir)[:-keep]:
+        # rename first: a crash mid-delete then leaves a .tmp folder, which no load considers and the next
+        # save removes, never a step folder that looks complete but lacks files
+        doomed = p.with_name(p.name + ".old" + _TMP)
+        os.replace(p, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest complete checkpoint under ``ckpt_dir`` (``.tmp`` leftovers ignored), or None if there is none.
+
+    Complete folders are authoritative; the ``latest`` file is what tools read and agrees with this except
+    in the instant between a rename and its update.
+    """
+    found = complete_checkpoints(Path(ckpt_dir))
+    return found[-1] if found else None
+
+
+def list_checkpoints(ckpt_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(complete checkpoints, oldest first; step folders that are not complete, e.g. damaged meta.json)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return [], []
+    steps = sorted(p for p in ckpt_dir.glob(f"{_PREFIX}*") if not p.name.endswith(_TMP))
+    return [p for p in steps if _is_complete(p)], [p for p in steps if not _is_complete(p)]
+
+
+def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
+    if not ckpt_dir.is_dir():
+        return []
+    done = [p for p in ckpt_dir.glob(f"{_PREFIX}*") if not p.name.endswith(_TMP) and _is_complete(p)]
+    return sorted(done, key=lambda p: p.name)
+
+
+def _is_complete(path: Path) -> bool:
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("complete") is True and (path / ".metadata").is_file()
+
+
+def resolve(path: Path) -> Path:
+    if not path.exists():
+        raise CheckpointError(
+            f"checkpoint directory {path} does not exist\n    fix: pass a folder written by save_checkpoint "
+            "(e.g. RUN_DIR/checkpoints/step_00000100) or the checkpoint directory to take its newest"
+        )
+    if (path / META).exists() or path.name.endswith(_TMP):
+        return path
+    newest = latest_checkpoint(path)
+    if newest is None:
+        raise CheckpointError(
+            f"{path} holds no complete checkpoint (no step_* folder with meta.json marked complete)\n"
+            "    fix: start without resuming, or point at a directory a finished save wrote"
+        )
+    return newest
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    if path.name.endswith(_TMP) or not _is_complete(path):
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (the save was interrupted before it was marked complete)\n"
+            f"    fix: resume from latest_checkpoint({path.parent}), which skips unfinished saves"
+        )
+    return json.loads((path / META).read_text())
