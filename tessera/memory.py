@@ -17,6 +17,7 @@ micro-batches in flight, and adds what is specific to tessera's runtime (docs/me
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from tessera.config import Config, even_split
 from tessera.execution import DIRECT, ExecutionPlan, resolve
@@ -118,6 +119,7 @@ def _fix_for(component: str, plan: Plan) -> str:
     return "lower train.micro_batch or use fewer pipeline stages per rank (smaller stage buffers)"
 
 
+@lru_cache(maxsize=16)  # the search asks for one layout's view three times (floor, estimate, step time)
 def cost_plan(plan: ExecutionPlan) -> Plan:
     """The cost model's view of an execution plan (activation memory uses torch SDPA: no s×s score tensor)."""
     return Plan(
@@ -207,10 +209,11 @@ def model_state_floor(shape: ModelShape, plan: ExecutionPlan) -> float:
     its breakdown uses), cheap enough for the planner's search to reject a layout before pricing the rest."""
     cplan = cost_plan(plan)
     per_stage = stage_params(shape, cplan, plan.stage_layers)
+    p, ranks = plan.pp, _candidate_ranks(plan)  # even stages: the ends, which add the embedding or the head
     if plan.placement == "loop":
-        most = max(sum(per_stage[r :: plan.pp]) for r in range(plan.pp))
+        most = max(sum(per_stage[r::p]) for r in ranks)
     else:
-        most = max(sum(per_stage[s] for s in plan.rank_stages(r)) for r in range(plan.pp))
+        most = max(sum(per_stage[s] for s in plan.rank_stages(r)) for r in ranks)
     return sum(model_state_bytes(most, cplan.dp, cplan.zero_stage, "fp32"))
 
 

@@ -28,6 +28,7 @@ position table [S, h]         ``replicated``                          ``vector``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from tessera.errors import ConfigError
@@ -109,6 +110,7 @@ class FamilyPlan:
 
     # --- the tensor-parallel plan ------------------------------------------------------------------------------
 
+    @lru_cache(maxsize=256)  # noqa: B019 - frozen plans, a handful per run; the planner's search asks ~1e5 times
     def block_linears(self, d_model: int, kv_dim: int, ffn: int) -> tuple[LinearShape, ...]:
         """Every Linear of one block with its global shape, bias and 1D role (column before row)."""
         h = d_model
@@ -156,6 +158,7 @@ class FamilyPlan:
         """Parameters of one norm."""
         return (2 if self.norm_bias else 1) * d_model
 
+    @lru_cache(maxsize=256)  # noqa: B019 - as block_linears
     def block_params(self, d_model: int, kv_dim: int, ffn: int) -> int:
         """Weights, biases and the two norms of one block."""
         linears = self.block_linears(d_model, kv_dim, ffn)

@@ -41,8 +41,9 @@ __all__ = [
 ]
 
 TILE_CHOICES: tuple[tuple[int, int], ...] = ((128, 128), (128, 256), (256, 128), (256, 256))
-"""Output tiles of cuBLAS's large-GEMM kernels (NVIDIA "Matrix Multiplication Background" guide §2.3: 256×128
-and 128×128 on A100; Hopper's warp-specialised kernels also use 128×256 and 256×256 per SM pair)."""
+"""Output tiles the fit (`megatron_table.fit_gemm_constants`) chooses from: the large-GEMM tiles of cuBLAS
+(NVIDIA "Matrix Multiplication Background" guide §2.3 lists 256×128 and 128×128 among the typical ones) and
+their transposes and doubles."""
 
 
 def quantization(m: float, n: float, batch: float, tile: tuple[int, int], sms: int) -> float:
