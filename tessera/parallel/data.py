@@ -19,15 +19,51 @@ from torch import nn
 
 from tessera import comm
 
-__all__ = ["GradSync"]
+__all__ = ["GradBucket", "GradSync"]
 
 
-class _Bucket:
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = params
-        self.ready: set[int] = set()
-        self.work: dist.Work | None = None
-        self.flat: torch.Tensor | None = None
+class GradBucket:
+    """Some parameters' gradients reduced as one flat tensor: the one data-parallel gradient all-reduce.
+
+    ``launch`` flattens the gradients (zeros for a parameter without one) and starts an asynchronous all-reduce
+    over ``group``; ``finish`` waits, adds the parts of several launches in launch order (depth-first
+    accumulation reduces after every micro-batch) and writes the group average back as each gradient. Used by
+    `GradSync` (buckets launched from backward hooks) and by the pipeline runtime's `DataParallelStageComm` (one
+    per stage, launched at the schedule's REDUCE).
+    """
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None, size: int) -> None:
+        self.params, self.group, self.size = params, group, size
+        self._parts: list[tuple[torch.Tensor, dist.Work | None]] = []
+
+    @property
+    def launched(self) -> bool:
+        return bool(self._parts)
+
+    def launch(self, drop_grads: bool = False) -> None:
+        """Start reducing the gradients as they are now; ``drop_grads``: free them (they accumulate afresh)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if drop_grads:
+            for p in self.params:
+                p.grad = None
+        self._parts.append((flat, comm.all_reduce(flat, self.group, async_op=True)))
+
+    def finish(self) -> None:
+        """Wait for every launch and write the sum of the parts, divided by the group size, back."""
+        total: torch.Tensor | None = None
+        for flat, work in self._parts:
+            if work is not None:
+                work.wait()
+            total = flat if total is None else total.add_(flat)
+        self._parts.clear()
+        if total is None:
+            return
+        total.div_(self.size)
+        offset = 0
+        for p in self.params:
+            p.grad = total[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
 
 
 class GradSync:
@@ -45,24 +81,15 @@ class GradSync:
         self.group = group
         self.size = comm.group_size(group) if dist.is_initialized() else 1
         unique = list({id(p): p for p in params if p.requires_grad}.values())
-        self.buckets = self._make_buckets(list(reversed(unique)), bucket_bytes)
-        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.buckets = [GradBucket(b, group, self.size) for b in _split(list(reversed(unique)), bucket_bytes)]
+        self._ready: list[set[int]] = [set() for _ in self.buckets]
+        self._where = {
+            id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)
+        }
         self.armed = False
         self._handles = (
             [p.register_post_accumulate_grad_hook(self._on_grad) for p in unique] if self.size > 1 else []
         )
-
-    @staticmethod
-    def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
-        buckets: list[list[nn.Parameter]] = [[]]
-        size = 0
-        for p in params:
-            if buckets[-1] and size + p.numel() * 4 > bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += p.numel() * 4
-        return [_Bucket(b) for b in buckets if b]
 
     def arm(self) -> None:
         """The next backward produces the step's final gradients: launch reductions as buckets complete."""
@@ -71,34 +98,36 @@ class GradSync:
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self.armed:
             return
-        bucket, i = self._where[id(p)]
-        bucket.ready.add(i)
-        if len(bucket.ready) == len(bucket.params) and bucket.work is None:
-            self._launch(bucket)
-
-    def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        bucket.flat = torch.cat([g.reshape(-1) for g in grads])
-        bucket.work = comm.all_reduce(bucket.flat, self.group, async_op=True)
+        b, i = self._where[id(p)]
+        self._ready[b].add(i)
+        bucket = self.buckets[b]
+        if len(self._ready[b]) == len(bucket.params) and not bucket.launched:
+            bucket.launch()
 
     def finish(self) -> None:
         """Wait for every bucket and write the group-averaged gradients back."""
         if self.size == 1:
             return
-        for bucket in self.buckets:
-            if bucket.work is None:
-                self._launch(bucket)
-            bucket.work.wait()  # type: ignore[union-attr]
-            flat = bucket.flat.div_(self.size)  # type: ignore[union-attr]
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                p.grad = flat[offset : offset + n].view_as(p).clone()
-                offset += n
-            bucket.ready.clear()
-            bucket.work, bucket.flat = None, None
+        for bucket, ready in zip(self.buckets, self._ready, strict=True):
+            if not bucket.launched:
+                bucket.launch()
+            bucket.finish()
+            ready.clear()
         self.armed = False
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def _split(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive runs of ``params`` of about ``bucket_bytes`` (fp32) each; a larger parameter is a run alone."""
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        if buckets[-1] and size + p.numel() * 4 > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * 4
+    return [b for b in buckets if b]

@@ -36,6 +36,7 @@ from torch import nn
 from tessera import comm
 from tessera.model.materialize import forget_pending, local_value, pending
 from tessera.modes import ACCUMULATION
+from tessera.parallel.clipping import clip_grads_, global_norm, squared_norm
 
 if TYPE_CHECKING:
     from tessera.pipeline.stage_comm import ZeroStageComm
@@ -265,31 +266,23 @@ class ShardedAdamW(torch.optim.Optimizer):
     def grad_norm(self) -> float:
         """Global L2 norm of the reduced gradients: sum of squares over shards, all-reduced over dp and
         ``norm_groups`` (e.g. the pipeline group whose ranks hold other stages)."""
-        sq = torch.zeros((), dtype=torch.float32, device=self._device())
+        pairs: list[tuple[torch.Tensor, float]] = []
         for flat in self.zero.flats.values():
             g = flat.grad_shard
             if g is None:
                 continue
             if not self.norm_weights:
-                sq += g.float().pow(2).sum()
+                pairs.append((g, 1.0))
                 continue
             for p, a, b in flat.segments():  # replicated tensors weighted 1/r, so each is counted once
-                sq += self.norm_weights.get(id(p), 1.0) * g[a:b].float().pow(2).sum()
-        if self.zero.world > 1:
-            comm.all_reduce(sq, self.zero.group)
-        for group in self.norm_groups:
-            comm.all_reduce(sq, group)
-        return float(sq.sqrt())
+                pairs.append((g[a:b], self.norm_weights.get(id(p), 1.0)))
+        dp = self.zero.group if self.zero.world > 1 else None
+        return global_norm(squared_norm(pairs, self._device()), [dp, *self.norm_groups])
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Scale the gradient shards so the global norm is at most ``max_norm`` (torch's rule: coefficient
-        max_norm / (norm + 1e-6), clamped to 1); returns the norm before clipping."""
-        norm = self.grad_norm()
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for g in self.zero.grad_shards():
-                g.mul_(coef)
-        return norm
+        """Scale the gradient shards so the global norm is at most ``max_norm`` (`clip_grads_`, torch's rule);
+        returns the norm before clipping."""
+        return clip_grads_(self.zero.grad_shards(), self.grad_norm(), max_norm)
 
     def _device(self) -> torch.device:
         flats = list(self.zero.flats.values())

@@ -40,6 +40,7 @@ from tessera.errors import ConfigError
 from tessera.layout import Axis
 from tessera.model.materialize import materialize
 from tessera.modes import reduces_every_microbatch
+from tessera.parallel.clipping import squared_norm
 from tessera.parallel.memory import SavedActivationCounter
 from tessera.pipeline.build import lowered_schedule
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, infer_stage_ranks
@@ -162,11 +163,9 @@ class PipelineEngine:
         group, with tensor-parallel weights) for the global norm."""
         skip = self.remote_tied_copies()
         weights = weights or {}
-        total = torch.zeros((), dtype=torch.float32, device=_device(self.stages))
-        for p in self.parameters():
-            if p.grad is not None and id(p) not in skip:
-                total += weights.get(id(p), 1.0) * p.grad.detach().float().pow(2).sum()
-        return total
+        held = [p for p in self.parameters() if p.grad is not None]
+        pairs = ((p.grad, 0.0 if id(p) in skip else weights.get(id(p), 1.0)) for p in held)
+        return squared_norm(pairs, _device(self.stages))  # type: ignore[arg-type]
 
     # --- one step ------------------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.modes import ACCUMULATION
+from tessera.parallel.data import GradBucket
 from tessera.parallel.zero import FlatStage
 
 __all__ = ["DataParallelStageComm", "StageComm", "ZeroStageComm"]
@@ -58,12 +59,11 @@ class DataParallelStageComm:
         self.group = dp_group
         self.size = comm.group_size(dp_group) if dp_group is not None else 1  # None: no data parallelism
         seen: set[int] = set()
-        self.params: dict[int, list[nn.Parameter]] = {}
+        self.buckets: dict[int, GradBucket] = {}
         for index in sorted(stages):
             own = [p for p in stages[index].parameters() if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in own)
-            self.params[index] = own
-        self._pending: list[tuple[int, torch.Tensor, dist.Work | None]] = []
+            self.buckets[index] = GradBucket(own, dp_group, self.size)
 
     def gather(self, stage: int) -> None:
         pass
@@ -75,30 +75,15 @@ class DataParallelStageComm:
         pass
 
     def reduce(self, stage: int) -> None:
-        params = self.params.get(stage, [])
-        if self.size == 1 or not params:
+        bucket = self.buckets.get(stage)
+        if self.size == 1 or bucket is None or not bucket.params:
             return
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        )
-        for p in params:  # later micro-batches (depth-first: one reduce per micro-batch) accumulate afresh
-            p.grad = None
-        self._pending.append((stage, flat, comm.all_reduce(flat, self.group, async_op=True)))
+        bucket.launch(drop_grads=True)  # later micro-batches (depth-first: one reduce each) accumulate afresh
 
     def finish(self) -> None:
         """Wait for every reduction; add a stage's reduced parts (one per call) and write back the average."""
-        total: dict[int, torch.Tensor] = {}
-        for stage, flat, work in self._pending:
-            if work is not None:
-                work.wait()
-            total[stage] = flat if stage not in total else total[stage].add_(flat)
-        for stage, flat in total.items():
-            flat.div_(self.size)
-            offset = 0
-            for p in self.params[stage]:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
-        self._pending.clear()
+        for bucket in self.buckets.values():
+            bucket.finish()
 
 
 def _stage_items(stages: Mapping[int, nn.Module] | Sequence[nn.Module]) -> list[tuple[int, nn.Module]]:

@@ -14,12 +14,9 @@ checkpoint saves) and ``shard_id`` (which rank-local shard that is).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from tessera import comm
 from tessera.config import Config, TrainConfig
 from tessera.execution import SCHEDULE_RUNTIME, ExecutionPlan, resolve
 from tessera.groups import Groups
@@ -27,6 +24,7 @@ from tessera.layout import Axis, Layout
 from tessera.model.materialize import release_parameters
 from tessera.parallel.apply import norm_weights, tensor_groups
 from tessera.parallel.checkpointing import apply_checkpointing
+from tessera.parallel.clipping import clip_grad_norm
 from tessera.parallel.data import GradSync
 from tessera.parallel.memory import SavedActivationCounter
 from tessera.parallel.precision import DynamicLossScaler, autocast, reduce_dtype
@@ -61,16 +59,6 @@ def _shard_id(layout: Layout, groups: Groups | None, zero: int) -> str | None:
     return ".".join(parts) or None
 
 
-def _clip_by(norm: float, params: list[nn.Parameter], max_norm: float) -> float:
-    """torch's rule: scale by max_norm / (norm + 1e-6) when that is below 1; returns the norm before clipping."""
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return norm
-
-
 class DirectStepper:
     """Micro-batches one after another through the module; data-parallel sync overlapped with the last backward."""
 
@@ -80,7 +68,8 @@ class DirectStepper:
         self.dtype = cfg.train.dtype
         # fp16 needs loss scaling; every group that holds gradients votes on an overflow
         self.scaler = DynamicLossScaler(cfg.train.fp16_init_scale) if self.dtype == "fp16" else None
-        self.overflow_groups = tensor_groups(layout, groups) + ([groups.dp] if groups is not None else [])
+        self.norm_groups, self.weights = tensor_groups(layout, groups), norm_weights(module)
+        self.overflow_groups = self.norm_groups + ([groups.dp] if groups is not None else [])
         self.skip_step = False
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, cfg.train)
@@ -120,16 +109,7 @@ class DirectStepper:
 
     def clip(self, max_norm: float) -> float:
         """Clip to max_norm by the global norm; tensor-parallel modules count every shard once."""
-        if not hasattr(self.module, "grad_norm_sq"):
-            # torch's clip_grad_norm_ in its two halves, so that a NaN/inf norm leaves the gradients as they
-            # were (clip_grad_norm_ would scale them all by NaN) and the health check can name the offenders
-            params = [p for p in self.params if p.grad is not None]
-            total = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=False)
-            norm = float(total)
-            if math.isfinite(norm):
-                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
-            return norm
-        return _clip_by(float(self.module.grad_norm_sq().sqrt()), self.params, max_norm)
+        return clip_grad_norm(self.params, max_norm, weights=self.weights, groups=self.norm_groups)
 
     def close(self) -> None:
         self.sync.remove()
@@ -222,10 +202,9 @@ class PipelineStepper:
     def clip(self, max_norm: float) -> float:
         if self.zero is not None:
             return self.optimizer.clip_grad_norm_(max_norm)
-        sq = self.engine.grad_norm_sq(self.weights)
-        for group in self.norm_groups:
-            comm.all_reduce(sq, group)
-        return _clip_by(math.sqrt(float(sq)), self.engine.parameters(), max_norm)
+        return clip_grad_norm(
+            self.engine.parameters(), max_norm, weights=self.weights, groups=self.norm_groups
+        )
 
     def close(self) -> None:
         pass
