@@ -409,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for a user error, with the message on stderr)."""
     args, extra = _parser().parse_known_args(argv)
     fn: Callable[[argparse.Namespace, list[str]], int] = args.fn
+    if argv is None:  # the process's own command line: a torchrun worker must not outlive torchrun's agent
+        from tessera.train.launch import die_with_torchrun_agent
+
+        die_with_torchrun_agent()
     try:
         return fn(args, extra)
     except TesseraError as e:

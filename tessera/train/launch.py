@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tessera.errors import EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_RESUMABLE, EXIT_USER_ERROR
 
-__all__ = ["free_port", "launch_local", "set_parent_death_signal"]
+__all__ = ["die_with_torchrun_agent", "free_port", "launch_local", "set_parent_death_signal"]
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _POLL_S = 0.05
@@ -47,6 +47,23 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
         return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def die_with_torchrun_agent() -> bool:
+    """Under torchrun, ask for SIGKILL when torchrun's agent (this worker's parent) dies, as tessera's own
+    launcher does for its workers; exit at once if the agent is already gone. True when armed.
+
+    torchrun sets no parent-death signal, so a SIGKILLed agent (OOM killer, a scheduler's hard kill) used to
+    leave its workers training as orphans. The parent's pid is read before ``prctl`` and compared after it: a
+    parent that died in between (the worker was re-parented) is caught by the comparison, one that died before
+    is caught by a parent pid of 1 (re-parenting to a subreaper other than init is not detected then)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "TESSERA_LAUNCHER" in os.environ:
+        return False  # not under torchrun, or under tessera's launcher, whose preexec_fn already did this
+    parent = os.getppid()
+    armed = set_parent_death_signal(signal.SIGKILL)
+    if parent == 1 or os.getppid() != parent:
+        os._exit(128 + signal.SIGKILL)  # as if the signal had come: nobody is left to report to
+    return armed
 
 
 def _worker_setup(launcher_pid: int) -> Callable[[], None]:

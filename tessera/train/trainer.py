@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.constants import default_pg_timeout
 
 from tessera import comm
 from tessera.config import Config, TrainConfig
@@ -80,8 +81,34 @@ def init_distributed(timeout_s: float = 0) -> tuple[int, int]:
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
         return 0, 1
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s) if timeout_s > 0 else None)
+    timeout = timedelta(seconds=timeout_s) if timeout_s > 0 else None  # None: torch's default per backend
+    store = _torchrun_attempt_store(timeout or default_pg_timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _torchrun_attempt_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun with its agent's store (the default): that store, with this attempt's keys apart.
+
+    torchrun's agent keeps one TCPStore for the whole job, and workers of a restart (``--max-restarts``) join it
+    again. Without a prefix the new ranks find the dead attempt's keys there: gloo's full-mesh connect reads a
+    peer's listening address as soon as its key exists, so a rank that starts before its peer has re-published
+    connects to the dead process's address and waits until the timeout (30 minutes by default). Prefixing by
+    ``TORCHELASTIC_RESTART_COUNT`` gives every attempt fresh keys (docs/launching.md, "Restarts")."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"tessera/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
 
 
 def resolve_device(name: str) -> torch.device:
