@@ -1,12 +1,13 @@
 """Fault trials of issue #13 on a tiny 2-rank CPU run; writes benchmarks/results/faults.md.
 
-    python benchmarks/faults.py [--kills 30] [--out benchmarks/results/faults.md]
+    python benchmarks/faults.py [--kills 30] [--restarts 5] [--out benchmarks/results/faults.md]
 
-Each trial starts `tessera train --nproc 2` (or a library call) on a synthetic byte corpus, injects one fault,
-and records what happened: exit status, workers left alive, steps lost on resume, whether damage was
-detected. The pass/fail tests of the same behaviours are in tests/distributed/test_signals.py,
-test_health.py and test_checkpoint_integrity.py (the fast subset that runs in CI); this script measures
-counts and times over repeated trials.
+Each trial starts `tessera train --nproc 2` (or torchrun, or a library call) on a synthetic byte corpus,
+injects one fault, and records what happened: exit status, workers left alive, steps lost on resume, whether
+damage was detected, whether redone steps reproduce their losses bit for bit. The pass/fail tests of the same
+behaviours are in tests/distributed/test_signals.py, test_health.py, test_checkpoint_integrity.py and
+test_checkpoint_async.py (the fast subset that runs in CI: one kill while checkpointing per mode, one restart
+per launcher); this script measures counts and times over repeated trials.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tessera.train.checkpoint import latest_checkpoint  # noqa: E402
 from tessera.train.data import prepare  # noqa: E402
 
 WAIT_S = 300
@@ -144,20 +146,114 @@ def trial_dead_worker(tokens: Path, tmp: Path) -> str:
     return f"exit {p.returncode}; {len(lines)} line(s) on stderr: `{lines[0] if lines else ''}`"
 
 
-def trial_kill_during_save(tokens: Path, tmp: Path, kills: int) -> str:
-    """SIGKILL the launcher at random moments of a run that checkpoints every step; each time, resume."""
-    run, ok, rng = tmp / "saves", 0, random.Random(1)
-    for _ in range(kills):
-        p = _start(_argv(tokens, run, 10**6, "--checkpoint.every=1", "--checkpoint.keep=2"))
-        _until(lambda p=p: len(_steps(run)) >= 2 or p.poll() is not None)
-        time.sleep(rng.uniform(0.0, 1.5))
+def _losses(run_dir: Path) -> dict[int, float]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return {r["step"]: r["loss"] for r in (json.loads(x) for x in lines if x.endswith("}"))}
+
+
+def _resume_step(run_dir: Path) -> int:
+    """The step a resumed run starts from: that of the newest complete checkpoint."""
+    newest = latest_checkpoint(run_dir / "checkpoints")
+    return int(newest.name.split("_")[1]) if newest else 0
+
+
+def trial_kill_during_save(tokens: Path, tmp: Path, kills: int, background: bool) -> str:
+    """SIGKILL the launcher at random moments of a run that checkpoints every step (``checkpoint.async`` or not);
+    each resumed run is the next one killed. Counted: kills that left a partial save (a ``.tmp`` folder), resumes
+    that reached 2 steps past the kill, and redone steps (those after the checkpoint resumed from, which the kill
+    lost) whose loss differs from the first time, bit for bit."""
+    mode = "async" if background else "sync"
+    run, rng = tmp / f"saves_{mode}", random.Random(1)
+    argv = _argv(
+        tokens,
+        run,
+        10**6,
+        "--checkpoint.every=1",
+        "--checkpoint.keep=2",
+        f"--checkpoint.async={str(background).lower()}",
+    )
+    partial = resumed = differ = compared = start = 0
+    before: dict[int, float] = {}
+    for i in range(kills + 1):
+        p = _start(argv)
+        target = max(before, default=-1) + 3  # two steps past the last one logged before the kill
+        ok = _until(lambda p=p, t=target: max(_losses(run), default=-1) >= t or p.poll() is not None)
+        now = _losses(run)
+        if i:  # the run resumed from what the kill left
+            resumed += ok and p.poll() is None
+            redone = [s for s in before if s >= start]  # what the kill lost, run again
+            compared += len(redone)
+            differ += sum(now.get(s) != before[s] for s in redone)
+        if i == kills:
+            p.send_signal(signal.SIGTERM)
+            p.communicate(timeout=WAIT_S)
+            break
+        time.sleep(rng.uniform(0.0, 1.0))
         p.kill()
         p.communicate()
         time.sleep(1)  # the workers die with the launcher (parent-death signal)
-        r = _start(_argv(tokens, run, max(_steps(run), default=0) + 2, "--checkpoint.every=1"))
-        r.communicate(timeout=WAIT_S)
-        ok += r.returncode == 0
-    return f"{ok} of {kills} kills resumed and finished (exit 0)"
+        partial += bool(list((run / "checkpoints").glob("*.tmp")))
+        before, start = _losses(run), _resume_step(run)
+    return (
+        f"{mode}: {resumed} of {kills} kills resumed and ran on ({partial} of them hit a save in progress); "
+        f"{differ} of {compared} redone steps differ from their first loss"
+    )
+
+
+def trial_torchrun_agent_kill(tokens: Path, tmp: Path) -> str:
+    p = _start(_torchrun(_argv(tokens, tmp / "agent", 10**6)))
+    _until(lambda: len(_steps(tmp / "agent")) >= 3 or p.poll() is not None)
+    workers = _children(p.pid)
+    p.kill()
+    p.communicate()
+    time.sleep(5)
+    return (
+        f"{sum(map(_alive, workers))} of {len(workers)} workers alive 5 s after SIGKILL to torchrun's agent"
+    )
+
+
+def trial_restarts(tokens: Path, tmp: Path, trials: int, torchrun: bool) -> str:
+    """Kill rank 1 of a 60-step run (checkpoint every 10) under ``--max-restarts 1``; recovered: exit 0, every step
+    logged, and the redone steps' losses equal to their first time. Each wait is bounded by WAIT_S (a hang
+    counts as not recovered)."""
+    recovered, times = 0, []
+    for t in range(trials):
+        run = tmp / f"restart_{'torchrun' if torchrun else 'tessera'}_{t}"
+        argv = _argv(tokens, run, 60, "--checkpoint.every=10")
+        p = _start(_torchrun(argv, "--max-restarts", "1") if torchrun else [*argv, "--max-restarts", "1"])
+        _until(lambda p=p, run=run: len(_steps(run)) >= 15 or p.poll() is not None)
+        ranks = {_env(w).get("RANK"): w for w in _children(p.pid)}
+        os.kill(ranks["1"], signal.SIGKILL)
+        t0 = time.monotonic()
+        before = _losses(run)  # rank 0 cannot finish another step without rank 1
+        try:
+            p.communicate(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+        times.append(time.monotonic() - t0)
+        after = _losses(run)
+        same = all(after.get(s) == loss for s, loss in before.items())
+        recovered += p.returncode == 0 and sorted(after) == list(range(60)) and same
+    return (
+        f"{recovered} of {trials} recovered bit-exactly (exit 0, every step logged, redone steps' losses "
+        f"unchanged); kill to finish {min(times):.0f}-{max(times):.0f} s"
+    )
+
+
+def _torchrun(argv: list[str], *launcher: str) -> list[str]:
+    """``argv`` (a `tessera train --nproc 2` command) under torchrun instead."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launcher]
+    return [*run, "-m", "tessera", "train", *argv[6:]]
+
+
+def _env(pid: int) -> dict[str, str]:
+    try:
+        items = Path(f"/proc/{pid}/environ").read_text().split("\0")
+    except OSError:
+        return {}
+    return dict(x.split("=", 1) for x in items if "=" in x)
 
 
 def trial_corruption(tmp: Path) -> str:
@@ -202,7 +298,8 @@ def trial_corruption(tmp: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--kills", type=int, default=30)
+    ap.add_argument("--kills", type=int, default=30, help="kills while checkpointing, in each mode")
+    ap.add_argument("--restarts", type=int, default=5, help="killed-rank restarts, per launcher")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "faults.md"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
@@ -210,17 +307,21 @@ def main() -> None:
         tokens = _corpus(tmp)
         rows = [
             ("launcher SIGKILL", trial_launcher_kill(tokens, tmp)),
+            ("torchrun's agent SIGKILL", trial_torchrun_agent_kill(tokens, tmp)),
             ("launcher SIGTERM, then resume", trial_sigterm(tokens, tmp)),
             ("one rank SIGSTOPped", trial_stopped_rank(tokens, tmp)),
             ("loss NaN (lr 1e30)", trial_nan(tokens, tmp)),
             ("a worker SIGKILLed", trial_dead_worker(tokens, tmp)),
             ("16 flipped bytes and other damage", trial_corruption(tmp)),
-            (f"job killed at random, {args.kills}×, checkpoint every step", trial_kill_during_save(tokens, tmp, args.kills)),
+            (f"job killed at random, {args.kills}×, checkpoint every step", trial_kill_during_save(tokens, tmp, args.kills, False)),
+            ("the same with checkpoint.async", trial_kill_during_save(tokens, tmp, args.kills, True)),
+            (f"rank 1 killed, `tessera train --max-restarts 1`, {args.restarts}×", trial_restarts(tokens, tmp, args.restarts, False)),
+            (f"rank 1 killed, `torchrun --max-restarts 1`, {args.restarts}×", trial_restarts(tokens, tmp, args.restarts, True)),
         ]  # fmt: skip
     table = "\n".join(f"| {fault} | {result} |" for fault, result in rows)
     text = (
         "# Fault trials (issue #13)\n\n"
-        f"`python benchmarks/faults.py --kills {args.kills}` on a 2-rank CPU run (gloo, a 2-layer d=32 GPT), "
+        f"`python benchmarks/faults.py --kills {args.kills} --restarts {args.restarts}` on a 2-rank CPU run (gloo, a 2-layer d=32 GPT), "
         f"{time.strftime('%Y-%m-%d')}.\n\n| fault | result |\n|---|---|\n{table}\n"
     )
     Path(args.out).write_text(text)
