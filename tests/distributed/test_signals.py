@@ -73,6 +73,14 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _env(pid: int) -> dict[str, str]:
+    try:
+        items = Path(f"/proc/{pid}/environ").read_text().split("\0")
+    except OSError:
+        return {}
+    return dict(x.split("=", 1) for x in items if "=" in x)
+
+
 def _training(launcher: subprocess.Popen, run_dir: Path) -> list[int]:
     """Wait until both workers run and a few steps are logged; the workers' pids."""
     _wait_for("3 logged steps", lambda: len(_records(run_dir)) >= 3 or launcher.poll() is not None)
@@ -91,7 +99,6 @@ def test_workers_die_with_a_killed_launcher(token_file: Path, tmp_path: Path) ->
     _wait_for("the workers to exit", lambda: not any(_alive(w) for w in workers), deadline_s=30)
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
 def _torchrun(argv: list[str], *launcher: str) -> list[str]:
     """The same run under torchrun instead of `--nproc 2`."""
     assert argv[1:6] == ["-m", "tessera", "train", "--nproc", "2"]
@@ -109,6 +116,7 @@ def test_torchrun_workers_die_with_a_killed_agent(token_file: Path, tmp_path: Pa
     _wait_for("the workers to exit", lambda: not any(_alive(w) for w in workers), deadline_s=30)
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
 def test_sigterm_checkpoints_every_rank_at_one_step_and_resume_loses_none(
     token_file: Path, tmp_path: Path, background: bool
 ) -> None:
@@ -229,14 +237,6 @@ def test_max_restarts_restarts_after_a_killed_rank_and_finishes(token_file: Path
     assert launcher.returncode == 0, err
     assert "restarting all 2 ranks from the newest checkpoint (1 of 1)" in err
     assert sorted(set(r["step"] for r in _records(run_dir))) == list(range(400))  # every step, resumed
-
-
-def _env(pid: int) -> dict[str, str]:
-    try:
-        items = Path(f"/proc/{pid}/environ").read_text().split("\0")
-    except OSError:
-        return {}
-    return dict(x.split("=", 1) for x in items if "=" in x)
 
 
 def test_torchrun_max_restarts_rejoins_after_a_killed_rank_even_when_rank_0_comes_back_late(
