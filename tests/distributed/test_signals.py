@@ -177,14 +177,16 @@ def test_a_job_killed_while_checkpointing_resumes_bit_identically(
     assert all(after[step] == loss for step, loss in before.items())  # redone steps: bit-identical losses
 
 
-def test_preemption_signal_stops_cleanly(token_file: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["SIGUSR2", "SIGINT"])
+def test_preemption_signal_stops_cleanly(token_file: Path, tmp_path: Path, name: str) -> None:
+    """The configured pre-emption signal, and SIGINT (Ctrl-C), stop like SIGTERM."""
     run_dir = tmp_path / "run"
     launcher = _start([*_argv(token_file, run_dir, steps=10**6), '--train.stop_signal="SIGUSR2"'])
     _training(launcher, run_dir)
-    launcher.send_signal(signal.SIGUSR2)
+    launcher.send_signal(getattr(signal, name))
     out, err = launcher.communicate(timeout=DEADLINE_S)
     assert launcher.returncode == EXIT_RESUMABLE, err
-    assert "stopped cleanly on SIGUSR2" in out
+    assert f"stopped cleanly on {name}" in out
 
 
 def test_a_dead_worker_is_one_line_naming_rank_and_step(token_file: Path, tmp_path: Path) -> None:
