@@ -11,8 +11,9 @@ __all__ = ["KINDS", "VOCAB", "hf_config", "make_hf", "rel_err", "train_bpe"]
 VOCAB = 259
 """Not divisible by 2 or 4, so tensor-parallel vocabulary padding is exercised; covers the byte data (256)."""
 
-KINDS = ("gpt2", "gpt2_untied", "llama", "llama_tied")
-"""gpt2 (tied), gpt2_untied, llama (grouped-query attention, untied), llama_tied."""
+KINDS = ("gpt2", "gpt2_untied", "llama", "llama_tied", "qwen2", "qwen2_tied")
+"""gpt2 (tied), gpt2_untied, llama (grouped-query attention, untied), llama_tied, qwen2 (Llama with q/k/v
+biases, GQA, untied), qwen2_tied."""
 
 
 def hf_config(kind: str, **over: object):
@@ -30,17 +31,21 @@ def hf_config(kind: str, **over: object):
             **common,
             **over,
         )
-    return transformers.LlamaConfig(
+    shape = dict(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=32,
-        tie_word_embeddings=kind == "llama_tied",
-        rope_theta=50000.0,
-        **common,
-        **over,
+    )
+    if kind.startswith("qwen2"):
+        tie = kind == "qwen2_tied"
+        return transformers.Qwen2Config(
+            **shape, tie_word_embeddings=tie, rope_theta=1e6, rms_norm_eps=1e-6, **common, **over
+        )
+    return transformers.LlamaConfig(
+        **shape, tie_word_embeddings=kind == "llama_tied", rope_theta=50000.0, **common, **over
     )
 
 
@@ -50,6 +55,11 @@ def make_hf(folder: Path, kind: str, seed: int = 0):
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(kind)).eval()
+    if kind.startswith("qwen2"):  # transformers starts biases at 0; draw them so a mis-mapped one would show
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.2)
     model.save_pretrained(folder)
     return model
 

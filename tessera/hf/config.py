@@ -2,9 +2,9 @@
 
 Import derives every shape field from the HF config; an explicit ``[model]`` key that disagrees is a problem,
 not an override. What tessera would compute differently is refused by name, never approximated: RoPE scaling
-(llama3, linear, dynamic, yarn, ...), sliding-window or mixed attention, mixture-of-experts, quantized
-weights, a head dim other than hidden/heads, and the per-architecture settings of `HFFamily.required`
-(e.g. Llama's attention_bias, GPT-2's activation). Dropout probabilities are not part of the function a model
+(llama3, linear, dynamic, yarn, ...), a sliding window narrower than the context, mixed attention,
+mixture-of-experts, quantized weights, a head dim other than hidden/heads, and the per-architecture settings of
+`HFFamily.required` (e.g. Llama's attention_bias, GPT-2's activation). Dropout probabilities are not part of the function a model
 computes and are ignored (tessera trains without dropout).
 """
 
@@ -93,12 +93,9 @@ def refusals(hf: dict[str, Any], fam: HFFamily) -> list[str]:
             )
     if fam.rope:
         out += _rope(hf)[1]
-    if hf.get("use_sliding_window") or ("use_sliding_window" not in hf and hf.get("sliding_window")):
-        out.append(
-            f"sliding-window attention (sliding_window = {hf.get('sliding_window')}) is not implemented"
-        )
-    kinds = set(hf.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"}:
+    out += _sliding_window(hf, fam)
+    kinds = set(hf.get("layer_types") or []) - {"full_attention", "sliding_attention"}  # sliding: just above
+    if kinds:
         out.append(f"layer_types {sorted(kinds)}: only full attention in every layer is implemented")
     moe = [k for k in _MOE_KEYS if hf.get(k)]
     if moe:
@@ -109,6 +106,32 @@ def refusals(hf: dict[str, Any], fam: HFFamily) -> list[str]:
     if hf.get("head_dim") not in (None, hidden // heads if heads else None):
         out.append(f"head_dim = {hf['head_dim']} differs from hidden size / heads = {hidden}/{heads}")
     return out
+
+
+def _sliding_window(hf: dict[str, Any], fam: HFFamily) -> list[str]:
+    """Sliding-window attention is refused when a window narrower than the context applies to some layer.
+
+    Which layers slide: ``layer_types`` if given (transformers 5), else Qwen2's rule (``use_sliding_window`` and
+    layer index ≥ ``max_window_layers``). A window at least as wide as every position the model takes
+    (``max_position_embeddings``) masks nothing: that is full attention, and imports. A ``sliding_window`` with
+    neither key (a Mistral-style config) is refused whatever its width, as tessera cannot tell where it applies.
+    """
+    window = hf.get("sliding_window")
+    context = hf.get(fam.keys["seq_len"]) or 0
+    if hf.get("layer_types") or "use_sliding_window" in hf:
+        if hf.get("layer_types"):
+            slides = "sliding_attention" in hf["layer_types"]
+        else:
+            layers = hf.get(fam.keys["n_layers"]) or 0
+            slides = bool(hf["use_sliding_window"]) and (hf.get("max_window_layers") or 0) < layers
+        if not slides or (window is not None and window >= context):
+            return []
+    elif window is None:
+        return []
+    return [
+        f"sliding-window attention (sliding_window = {window}, narrower than the context "
+        f"{fam.keys['seq_len']} = {context}) is not implemented; tessera attends to every earlier position"
+    ]
 
 
 def _values(hf: dict[str, Any], fam: HFFamily) -> dict[str, Any]:

@@ -153,7 +153,7 @@ FAMILIES: tuple[HFFamily, ...] = (
         rope=True,
         ignored=(".rotary_emb.inv_freq",),
     ),
-    # Qwen2 is Llama plus q/k/v biases; it becomes usable when tessera has a "qwen2" family (see config.py).
+    # Qwen2 is Llama plus q/k/v biases (the architecture implies them: no attention_bias key); tessera/model/qwen2.py.
     HFFamily(
         model_type="qwen2",
         architecture="Qwen2ForCausalLM",

@@ -12,13 +12,14 @@ from tessera.model.init import InitSource, draw_seed
 from tessera.model.layers import KVCache, TransformerLM
 from tessera.model.llama import Llama
 from tessera.model.materialize import declare, materialize, replicated_specs
+from tessera.model.qwen2 import Qwen2
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
 
 __all__ = ["build_model", "generate", "meta_model"]
 
-_FAMILIES: dict[str, type[TransformerLM]] = {cls.plan.name: cls for cls in (GPT, Llama)}
+_FAMILIES: dict[str, type[TransformerLM]] = {cls.plan.name: cls for cls in (GPT, Llama, Qwen2)}
 """The model class of each family (its declaration: tessera.model.family)."""
 
 

@@ -27,7 +27,7 @@ position table [S, h]         ``replicated``                          ``vector``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -217,6 +217,9 @@ LLAMA = _register(
         ffn_rule="swiglu",
     )
 )
+
+# Qwen2 (Yang et al. 2024): Llama with biases on wq, wk, wv only (tessera/model/qwen2.py).
+QWEN2 = _register(replace(LLAMA, name="qwen2", qkv_bias=True))
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_PLANS)
 """The family names a config may give."""

@@ -40,6 +40,7 @@ LAYOUTS = {  # name: (world size, HF model kind, parallel section)
     "tp2x2": (4, "llama", {"tensor": "2x2"}),
     "pp2_1f1b_tied": (2, "gpt2", {"pipeline": 2, "schedule": "1f1b"}),
     "pp2_tp1d_2_tied": (4, "llama_tied", {"pipeline": 2, "tensor": 2}),
+    "qwen2_tp1d_2_sp": (2, "qwen2", {"tensor": 2, "sequence_parallel": True}),
 }
 
 

@@ -80,6 +80,7 @@ CASES = [
     Case("pp2_1f1b_full_ckpt", "1f1b", 2, checkpointing="full"),
     Case("pp2_llama_1f1b", "1f1b", 2, family="llama"),
     Case("pp2_llama_bf_v2", "breadth_first", 2, v=2, family="llama", checkpointing="selective"),
+    Case("pp2_qwen2_bf_v2", "breadth_first", 2, v=2, family="qwen2"),
     # pp = 4 and dp2 × pp2 (world 4)
     Case("pp4_gpipe", "gpipe", 4),
     Case("pp4_1f1b", "1f1b", 4),
@@ -94,6 +95,7 @@ CASES = [
     Case("dp2_pp2_bf_v2_depth_first", "breadth_first", 2, v=2, dp=2, accumulation="depth_first"),
     Case("pp2_tp2_1f1b", "1f1b", 2, tp=2, n_layers=4),
     Case("pp2_tp2_sp_bf_v2", "breadth_first", 2, v=2, tp=2, n_layers=4, sequence_parallel=True),
+    Case("pp2_tp2_sp_qwen2_1f1b", "1f1b", 2, tp=2, n_layers=4, sequence_parallel=True, family="qwen2"),
     # pp2 × Optimus 2D 2×2 (world 8); the 1D cases above share the world-4 processes
     Case("pp2_tp2x2_1f1b", "1f1b", 2, q=2, n_layers=4),
 ]
@@ -104,7 +106,7 @@ def _config(case: Case) -> Config:
     return from_dict(
         {
             "model": {
-                "size": f"{case.family if case.family == 'llama' else 'gpt2'}-tiny",
+                "size": {"gpt": "gpt2-tiny"}.get(case.family, f"{case.family}-tiny"),
                 "n_layers": case.n_layers,
             },
             "parallel": {

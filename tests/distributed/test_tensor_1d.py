@@ -56,7 +56,7 @@ class Case:
 
 
 def _model_cfg(case: Case) -> ModelConfig:
-    # Llama: 8 query heads sharing 4 KV heads (GQA), so t = 4 still splits KV heads.
+    # Llama and Qwen2: 8 query heads sharing 4 KV heads (GQA), so t = 4 still splits KV heads.
     heads, kv = (4, None) if case.family == "gpt" else (8, 4)
     return ModelConfig(
         family=case.family,
@@ -79,6 +79,7 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         "gpt_tp1d_2_vocab257": Case("gpt", 2, vocab=257),
         "gpt_tp1d_2_sp_accumulate2": Case("gpt", 2, sp=True, micro=2),
         "llama_tp1d_2_sp_vocab257_untied": Case("llama", 2, sp=True, vocab=257, tied=False),
+        "qwen2_tp1d_2_sp_vocab257_untied": Case("qwen2", 2, sp=True, vocab=257, tied=False),
     },
     4: {
         "gpt_tp1d_4": Case("gpt", 4),
@@ -87,6 +88,7 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         "llama_tp1d_4_vocab257": Case("llama", 4, vocab=257),
         "gpt_dp2_tp1d_2": Case("gpt", 2, dp=2),
         "llama_dp2_tp1d_2_sp": Case("llama", 2, dp=2, sp=True),
+        "qwen2_tp1d_4_vocab257": Case("qwen2", 4, vocab=257),
     },
 }
 

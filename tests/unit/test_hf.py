@@ -35,7 +35,8 @@ def imported(folder: Path, *overrides: str):
 def test_imported_logits_equal_transformers(tmp_path: Path, kind: str) -> None:
     hf = make_hf(tmp_path / "hf", kind)
     cfg, model = imported(tmp_path / "hf")
-    assert cfg.model.vocab_size == VOCAB and cfg.model.tie_embeddings == (kind in ("gpt2", "llama_tied"))
+    assert cfg.model.vocab_size == VOCAB
+    assert cfg.model.tie_embeddings == (kind in ("gpt2", "llama_tied", "qwen2_tied"))
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected, got = hf(tokens).logits, model(tokens)
@@ -43,7 +44,7 @@ def test_imported_logits_equal_transformers(tmp_path: Path, kind: str) -> None:
     assert rel_err(got, expected) < LOGIT_RTOL
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "qwen2_tied"])
 def test_round_trip_is_bit_exact_and_export_loads_in_transformers(tmp_path: Path, kind: str) -> None:
     make_hf(tmp_path / "a", kind)
     cfg, first = imported(tmp_path / "a")
@@ -111,6 +112,46 @@ def test_what_tessera_cannot_represent_is_refused_by_name(tmp_path: Path, name: 
     with pytest.raises(ConfigError) as e:
         load_config(None, [f'model.init="hf:{tmp_path}"'])
     assert message in str(e.value)
+
+
+QWEN2_REFUSED = {  # name: (Qwen2Config arguments, raw config.json changes, the message naming it)
+    "narrow_sliding_window": (
+        {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+        {},
+        "sliding-window attention (sliding_window = 16, narrower than the context max_position_embeddings = 32)",
+    ),
+    "rope_scaling": (
+        {},
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
+        "RoPE scaling type 'yarn'",
+    ),
+    "moe": ({}, {"num_experts": 8}, "mixture-of-experts (num_experts = 8)"),
+}
+
+
+@pytest.mark.parametrize("name", QWEN2_REFUSED)
+def test_qwen2_what_tessera_cannot_represent_is_refused_by_name(tmp_path: Path, name: str) -> None:
+    args, change, message = QWEN2_REFUSED[name]
+    raw = hf_config("qwen2", **args).to_dict() | change
+    tmp_path.joinpath("config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f'model.init="hf:{tmp_path}"'])
+    assert message in str(e.value)
+
+
+def test_qwen2_sliding_window_as_wide_as_the_context_is_full_attention(tmp_path: Path) -> None:
+    """use_sliding_window with a window covering every position (32) masks nothing: imported, same logits."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = hf_config("qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=0)
+    assert "sliding_attention" in config.layer_types
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    _, model = imported(tmp_path / "hf")
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_err(model(tokens), hf(tokens).logits) < LOGIT_RTOL
 
 
 def test_gpt2_activation_and_extra_weights_are_refused(tmp_path: Path) -> None:

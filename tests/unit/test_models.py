@@ -1,4 +1,4 @@
-"""Plain GPT and Llama models: shapes, parameter counts, causality, GQA, RoPE, tying, init and sampling."""
+"""Plain GPT, Llama and Qwen2 models: shapes, parameter counts, causality, GQA, RoPE, tying, init and sampling."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def expected_params(c: ModelConfig) -> int:
         norms = 2 * (2 * h)
         extra = c.seq_len * h + 2 * h  # wpe, final LayerNorm
     else:
+        attn += q_out + 2 * kv_out if c.family == "qwen2" else 0  # Qwen2: biases of wq, wk, wv only
         mlp = 3 * h * f
         norms = 2 * h
         extra = h  # final RMSNorm
@@ -63,6 +64,10 @@ def test_every_size_builds_with_formula_param_count(name):
         ("llama-8b", 8_030_261_248),  # Llama 3 8B, untied
         ("gpt3-175b", 174_615_846_912),  # GPT-3 175B shape with V padded to 51200, tied, learned positions
         ("megatron-1t", 1_008_038_758_400),  # Narayanan 2021 Table 1: 1008.0 billion
+        # Qwen2 0.5B (tied), 7B, 72B: the counts transformers' Qwen2ForCausalLM has at the released configs
+        ("qwen2-0.5b", 494_032_768),
+        ("qwen2-7b", 7_615_616_512),
+        ("qwen2-72b", 72_706_203_648),
     ],
 )
 def test_known_parameter_counts(name, count):
