@@ -192,11 +192,9 @@ def estimated_memory(cfg: Config, world_size: int, rank: int) -> dict[str, float
 def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, str], float]:
     """Payload bytes per (collective kind, axis) that this rank's step should hand to collectives, by formula.
 
-    - tensor: tessera's exact per-model formulas (`tensor_1d_comm`, `comm_bytes_2d`) for this rank's blocks, with
-      the embedding's and the head's terms where its stages hold them, per micro-batch; full checkpointing adds
-      the cost model's replayed forward collectives per block (`tp1d_layer_volume` / `tp2d_layer_volume`) less,
-      in 1D, the block's last exit collective, which the recomputation never reaches (exact for 1D; for 2D the
-      cost model's replay leaves out the norms' statistics and differs by a few percent);
+    - tensor: `tessera.traffic`'s collectives (the runtime's, which the planner prices) for this rank's blocks,
+      with the embedding's and the head's where its stages hold them, per micro-batch; full checkpointing adds
+      each block's replayed forward collectives (`traffic.replayed_1d` / `replayed_2d`);
     - pipeline: the cost model's `pp_p2p_volume`, plus the exchange of a tied embedding's gradient between the
       first and the last pipeline rank (send and receive of the fp32 table shard);
     - data: the cost model's `dp_volume` with fp32 master weights and the configured gradient-reduction dtype;
@@ -235,41 +233,22 @@ def _volume(vol: Any, axis: str) -> dict[tuple[str, str], float]:
 
 
 def _tensor_traffic(cfg: Config, plan: Any, blocks: list[int], *, first: bool, last: bool) -> dict:
-    from tessera.parallel.model_1d import tensor_1d_comm
-    from tessera.parallel.model_2d import comm_bytes_2d
-    from tessera.planner.cost import ModelShape, tp1d_layer_volume, tp2d_layer_volume
+    """`tessera.traffic`'s collectives for this rank's blocks (and embedding / head), per micro-batch × m, plus
+    what full checkpointing replays per block."""
+    from tessera import traffic
+    from tessera.planner.cost import ModelShape
 
-    if plan.tp == 1:
-        return {}
-    m, b, s, e = plan.n_microbatches, plan.micro_batch, cfg.model.seq_len, plan.act_bytes
-    stage_model = dataclasses.replace(cfg.model, n_layers=sum(blocks))
-    if plan.tp_kind == "2d":
-        per_micro: dict[tuple[str, str], float] = {}
-        for (k, _), v in comm_bytes_2d(stage_model, b, s, plan.q, e, first=first, last=last).items():
-            per_micro[(k, "tensor")] = per_micro.get((k, "tensor"), 0) + v  # row and column groups summed
-        layer_volume = tp2d_layer_volume
-    else:
-        exact = tensor_1d_comm(
-            stage_model, b, s, plan.tp, plan.sequence_parallel, e, 4, first=first, last=last
-        )
-        per_micro = {(k, "tensor"): nbytes for k, (_, nbytes) in exact.items()}
-        layer_volume = tp1d_layer_volume
-    out: dict[tuple[str, str], float] = {}
-    for key, nbytes in per_micro.items():
-        out[key] = out.get(key, 0.0) + m * nbytes
+    shape = ModelShape.from_config(cfg.model)
+    block, replay = traffic.tensor_calls(shape, plan, "block"), traffic.tensor_calls(shape, plan, "replay")
+    ends = (traffic.tensor_calls(shape, plan, "embedding") if first else []) + (
+        traffic.tensor_calls(shape, plan, "head") if last else []
+    )
+    calls = traffic.times(block, sum(blocks)) + ends
     if plan.recompute == "full":  # each block's forward runs again before its backward
-        shape = ModelShape.from_config(cfg.model)
-        full = layer_volume(shape, plan)
-        none = layer_volume(shape, dataclasses.replace(plan, recompute="none"))
-        replay = {k: getattr(full, k) - getattr(none, k) for k in _KINDS}
-        if plan.tp_kind == "1d":
-            # torch.utils.checkpoint stops recomputing once the last saved tensor is rebuilt: the block's final
-            # exit collective (the MLP's all-reduce, or reduce-scatter with SP) is not replayed
-            exit_kind = "reduce_scatter" if plan.sequence_parallel else "all_reduce"
-            replay[exit_kind] -= b * s * cfg.model.d_model * e
-        for k, nbytes in replay.items():
-            if nbytes:
-                out[(k, "tensor")] = out.get((k, "tensor"), 0.0) + nbytes * sum(blocks) * m
+        calls += traffic.times(replay, sum(blocks))
+    out: dict[tuple[str, str], float] = {}
+    for (kind, _), nbytes in traffic.bytes_by_group(calls).items():  # 2D: row and column groups summed
+        out[(kind, "tensor")] = out.get((kind, "tensor"), 0.0) + plan.n_microbatches * nbytes
     return out
 
 

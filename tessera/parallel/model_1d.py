@@ -37,6 +37,7 @@ from tessera.parallel.tensor_1d import (
     column_parallel,
     group_rank,
 )
+from tessera.traffic import tensor_1d_comm  # the traffic formula, re-exported for the tests
 
 __all__ = ["TensorParallel1D", "apply_tensor_1d", "check_tensor_1d", "tensor_1d_comm"]
 
@@ -300,50 +301,3 @@ def apply_tensor_1d(model: nn.Module, groups: Any, cfg: Any) -> TensorParallel1D
     """
     parallel = getattr(cfg, "parallel", cfg)
     return TensorParallel1D(model, groups.tp, bool(getattr(parallel, "sequence_parallel", False)))
-
-
-def tensor_1d_comm(
-    model_cfg: Any,
-    batch: int,
-    seq: int,
-    t: int,
-    sequence_parallel: bool,
-    act_bytes: int = 4,
-    param_bytes: int = 4,
-    *,
-    first: bool = True,
-    last: bool = True,
-) -> dict[str, tuple[int, int]]:
-    """Collectives one forward + backward of the whole model issues on the tensor group, per rank:
-    ``{kind: (calls, bytes)}`` with comm.py's byte conventions (all_gather: output, reduce_scatter: input).
-
-    X = b·s·h·act_bytes is one hidden-state tensor, N = b·s tokens, L layers. Without SP: 4 all-reduces of X per
-    layer (enter/exit of attention and MLP, forward or backward) + 1 (embedding exit) + 1 (head entry, backward),
-    and the loss's 2 all-reduces (max [N], then [Σexp, target] [2N], fp32). With SP every X all-reduce becomes an
-    all-gather + a reduce-scatter, each entry's backward all-gathers its saved shard again (2L + 1 more
-    all-gathers of X; Megatron does the same to avoid keeping the gathered input), and the replicated parameters used on sequence shards add one all-reduce of
-    their gradient each: norms (GPT weight+bias, Llama weight), row-parallel biases (GPT), GPT's position table.
-
-    ``first`` / ``last``: whether this rank's layers include the embedding (its exit region, GPT's position
-    table) and the head (its entry region, the final norm, the loss); a pipeline stage holds one, both or
-    neither. ``model_cfg.n_layers`` is then the stage's block count.
-    """
-    if t == 1:
-        return {}
-    L, h = model_cfg.n_layers, model_cfg.d_model
-    n_tok, x = batch * seq, batch * seq * h * act_bytes
-    regions = 4 * L + first + last
-    loss = (2, 3 * n_tok * 4) if last else (0, 0)
-    if not sequence_parallel:
-        return {"all_reduce": (regions + loss[0], regions * x + loss[1])}
-    regathers = 2 * L + last  # backward re-gathers the saved shard at each entry: attention, MLP, head
-    gpt = model_cfg.family == "gpt"
-    vectors = (6 if gpt else 2) * L + last * (2 if gpt else 1)  # h-sized replicated parameters on shards
-    calls, nbytes = loss[0] + vectors, loss[1] + vectors * h * param_bytes
-    if gpt and first:
-        calls, nbytes = calls + 1, nbytes + model_cfg.seq_len * h * param_bytes  # position table
-    return {
-        "all_gather": (regions + regathers, (regions + regathers) * x),
-        "reduce_scatter": (regions, regions * x),
-        "all_reduce": (calls, nbytes),
-    }

@@ -28,7 +28,8 @@ from tessera.parallel.layers_2d import (
     output_logits_2d,
     vocab_parallel_cross_entropy_2d,
 )
-from tessera.parallel.tensor_2d import Grid2D, summa_bytes
+from tessera.parallel.tensor_2d import Grid2D
+from tessera.traffic import comm_bytes_2d  # the traffic formula, re-exported for the tests
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
@@ -236,61 +237,3 @@ def apply_tensor_2d(model: TransformerLM, groups: Groups, cfg: object | None = N
     """
     del cfg
     return Model2D(model, Grid2D.from_groups(groups))
-
-
-def _add(acc: dict[tuple[str, str], int], more: dict[tuple[str, str], int], times: int = 1) -> None:
-    for key, n in more.items():
-        acc[key] = acc.get(key, 0) + times * n
-
-
-def _linear_bytes(m: int, k: int, n: int, q: int, bias: bool, e: int) -> dict[tuple[str, str], int]:
-    """One Linear2D, forward + backward: AB forward; ABᵀ (input grad) and AᵀB (weight grad) backward."""
-    acc: dict[tuple[str, str], int] = {}
-    _add(acc, summa_bytes("ab", m, k, n, q, e))
-    _add(acc, summa_bytes("abt", m, k, n, q, e))  # dX[m, K] = dY[m, N] · Wᵀ
-    _add(acc, summa_bytes("atb", m, k, n, q, e))  # dW[K, N] = Xᵀ · dY
-    if bias:
-        _add(acc, {("all_reduce", "col"): n // q * e})  # bias grad summed over the grid rows
-    return acc
-
-
-def comm_bytes_2d(
-    cfg: ModelConfig, batch: int, seq: int, q: int, elem: int = 4, *, first: bool = True, last: bool = True
-) -> dict[tuple[str, str], int]:
-    """Bytes each rank hands to collectives in one forward + backward, keyed (kind, "row" | "col").
-
-    "row" is the Optimus row group (same i), "col" the column group (same j). m = (b/q)·s tokens per rank; every
-    SUMMA product costs q steps, each moving one block (see docs/tensor-2d.md for the table). Zero when q = 1.
-    ``first`` / ``last``: whether the rank's layers include the embedding and the head (final norm, logits,
-    loss), as a pipeline stage may not; ``cfg.n_layers`` is then the stage's block count.
-    """
-    if q == 1:
-        return {}
-    h, ffn, kv, e = cfg.d_model, cfg.ffn, cfg.kv_heads * cfg.head_dim, elem
-    m, gpt = batch // q * seq, cfg.family == "gpt"
-    vpad = -(-cfg.vocab_size // q) * q
-    norm = {
-        ("all_reduce", "row"): (4 if gpt else 2) * m * e,
-        ("all_reduce", "col"): (2 if gpt else 1) * h // q * e,
-    }
-    acc: dict[tuple[str, str], int] = {}
-    block: dict[tuple[str, str], int] = {}
-    _add(block, norm, 2)
-    mlp = [(h, ffn), (ffn, h)] if gpt else [(h, ffn), (h, ffn), (ffn, h)]
-    for k, n in [(h, h), (h, kv), (h, kv), (h, h), *mlp]:
-        _add(block, _linear_bytes(m, k, n, q, gpt, e))
-    _add(acc, block, cfg.n_layers)
-    if first:
-        _add(acc, {("reduce_scatter", "col"): m * h * e, ("all_gather", "col"): m * h * e})  # token embedding
-        if gpt:
-            _add(acc, {("all_reduce", "col"): seq * h // q * e})  # position-table grad over the grid rows
-    if not last:
-        return acc
-    _add(acc, norm)  # final norm
-    # logits = X·Eᵀ (ABᵀ), then backward dX = dZ·E (AB) and dE = dZᵀ·X (AᵀB); Z is [m, V_pad]
-    _add(acc, summa_bytes("abt", m, vpad, h, q, e))
-    _add(acc, summa_bytes("ab", m, vpad, h, q, e))
-    _add(acc, summa_bytes("atb", m, vpad, h, q, e))
-    # loss: all-gather the (lse, target) pairs over the row, then sum the grid rows' shares
-    _add(acc, {("all_gather", "row"): q * 2 * m * e, ("all_reduce", "col"): e})
-    return acc

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tessera import comm
+from tessera.traffic import summa_bytes  # the SUMMA byte formula, re-exported for the tests
 
 if TYPE_CHECKING:
     from tessera.groups import Groups
@@ -224,22 +225,3 @@ def matmul_abt_2d(a: torch.Tensor, b: torch.Tensor, grid: Grid2D) -> torch.Tenso
 def matmul_atb_2d(a: torch.Tensor, b: torch.Tensor, grid: Grid2D) -> torch.Tensor:
     """Block (i, j) of Aᵀ·B.  a: [..., K/q] block of A [M, K]; b: [..., N/q] block of B [M, N] → [K/q, N/q]."""
     return _MatmulATB.apply(*_same_dtype(a, b), grid)
-
-
-def summa_bytes(op: str, m: int, k: int, n: int, q: int, elem: int = 4) -> dict[tuple[str, str], int]:
-    """Bytes one rank sends into collectives for one SUMMA product (forward only), keyed (kind, "row"|"col").
-
-    Shapes are global per rank: the activation block has m rows (tokens on this rank); K and N are the *full*
-    feature widths. "ab": C[M,N] = A[M,K]·B[K,N]; "abt": C[M,K] = A[M,N]·B[K,N]ᵀ; "atb": C[K,N] = A[M,K]ᵀ·B[M,N].
-    Every step of the q moves one block, and every member of the group counts it (comm.py's convention).
-    """
-    if q == 1:
-        return {}
-    act_k, w = m * (k // q) * elem, (k // q) * (n // q) * elem
-    if op == "ab":
-        return {("broadcast", "row"): q * act_k, ("broadcast", "col"): q * w}
-    if op == "abt":
-        return {("broadcast", "col"): q * w, ("reduce", "row"): q * act_k}
-    if op == "atb":
-        return {("broadcast", "row"): q * act_k, ("reduce", "col"): q * w}
-    raise ValueError(f"unknown SUMMA op {op!r}; use 'ab', 'abt' or 'atb'")

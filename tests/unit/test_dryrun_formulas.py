@@ -17,6 +17,8 @@ from tessera.layout import Layout
 LAYOUTS = {
     # 2D 2x2 × pp2, tied embeddings (exchanged between the pipeline ends), two micro-batches
     "tp2x2_pp2": (8, {"tensor": "2x2", "pipeline": 2}, {"global_batch": 4, "micro_batch": 2}),
+    # 2D 2x2, full checkpointing: each block's forward collectives replayed (norm statistics included)
+    "tp2x2_full": (4, {"tensor": "2x2", "checkpointing": "full"}, {"global_batch": 4, "micro_batch": 2}),
     # 1D tp2 × pp2 × dp2, ZeRO-3, full checkpointing (replayed forward collectives)
     "tp2_pp2_dp2_z3_full": (
         8,

@@ -7,7 +7,8 @@ from __future__ import annotations
 from tessera.axes import Axis
 from tessera.planner.cost.plan import Plan
 from tessera.planner.hardware import Hardware
-from tessera.planner.network import Placement, axis_stride, bus_bandwidth, placement
+from tessera.planner.network import Placement, axis_stride, bus_bandwidth, collective_time, placement
+from tessera.traffic import Collective
 
 __all__ = [
     "all_gather_time",
@@ -17,6 +18,7 @@ __all__ = [
     "group_placement",
     "p2p_time",
     "reduce_scatter_time",
+    "traffic_time",
 ]
 
 
@@ -48,6 +50,21 @@ def group_placement(hw: Hardware, plan: Plan, axis: str) -> Placement:
         )
     size = min(2, sizes[axis]) if axis == "pipe" else sizes[axis]  # pipe: a sender and its receiver
     return placement(size, axis_stride(plan.rank_order, sizes, axis), G)
+
+
+_GROUP_AXIS = {"tensor": "tensor", "row": Axis.TENSOR_COL, "col": Axis.TENSOR_ROW}
+"""`tessera.traffic`'s group names → `group_placement`'s: the Optimus row group (same i) is the group along the mesh
+axis TENSOR_COL (stride 1), the column group along TENSOR_ROW (stride q)."""
+
+
+def traffic_time(hw: Hardware, plan: Plan, calls: list[Collective], phase: str) -> float:
+    """Seconds of the `tessera.traffic` collectives of `phase` ("forward" or "backward"), each call priced by
+    `network.collective_time` on its group's placement (none overlapped with compute)."""
+    return sum(
+        c.calls * collective_time(hw, c.kind, c.nbytes, group_placement(hw, plan, _GROUP_AXIS[c.group]))
+        for c in calls
+        if c.phase == phase
+    )
 
 
 def all_reduce_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:

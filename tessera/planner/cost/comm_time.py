@@ -4,13 +4,13 @@ exposed tensor-parallel time), one stage boundary's transfer, the data-parallel 
 
 from __future__ import annotations
 
-from tessera.axes import Axis
-from tessera.planner.cost.collectives import group_placement, p2p_time
+from tessera.planner.cost.collectives import group_placement, p2p_time, traffic_time
 from tessera.planner.cost.compute import LayerTime, layer_time, logits_time
 from tessera.planner.cost.plan import Plan, per_microbatch_reduction
-from tessera.planner.cost.shape import ModelShape, linears
+from tessera.planner.cost.shape import ModelShape
 from tessera.planner.hardware import Hardware
 from tessera.planner.network import bus_bandwidth, collective_time
+from tessera.traffic import BACKWARD, FORWARD, tensor_calls
 
 __all__ = [
     "dp_collective_times",
@@ -22,36 +22,22 @@ __all__ = [
 
 
 def tp_comm_time_per_layer(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
-    """Exposed tensor-parallel seconds per block per micro-batch, split like `LayerTime`.
+    """Exposed tensor-parallel seconds per block per micro-batch, split like `LayerTime`: the block's collectives
+    as the runtime issues them (`tessera.traffic.tensor_calls`), each priced on its group (`traffic_time`).
 
-    Assumed not overlapped with compute (Megatron 2021 behaviour). 1D: two all-reduces (or AG+RS pairs with SP) of
-    b·s·h per pass on the tensor group (stride 1). 2D: per linear and pass q rounds of block broadcasts/reduces on
-    row groups (stride 1) and column groups (stride q), each priced by `broadcast_time` (a reduce costs the
-    same): forward moves one A and one B block per round, backward two of each. Full recompute replays forward.
-    """
-    if plan.tp <= 1:
-        return LayerTime(forward=0.0, backward=0.0, recompute=0.0)
-    group = group_placement(hw, plan, "tensor")
-    if plan.tp_kind == "1d":
-        nbytes = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
-        one = (
-            collective_time(hw, "all_gather", nbytes, group)
-            + collective_time(hw, "reduce_scatter", nbytes, group)
-            if plan.sequence_parallel
-            else collective_time(hw, "all_reduce", nbytes, group)
-        )
-        fwd, bwd = 2 * one, 2 * one
-    else:
-        q, cols = plan.q, group_placement(hw, plan, Axis.TENSOR_ROW)  # grid columns: weight blocks
-        M, nb = shape.seq_len * plan.micro_batch, plan.act_bytes
-        fwd = bwd = 0.0
-        for k_in, n_out in linears(shape):
-            act, wgt = M * k_in / q**2 * nb, k_in * n_out / q**2 * nb
-            a_t = collective_time(hw, "broadcast", act, group)
-            w_t = collective_time(hw, "broadcast", wgt, cols)
-            fwd += q * (a_t + w_t)
-            bwd += q * 2 * (a_t + w_t)
-    return LayerTime(forward=fwd, backward=bwd, recompute=fwd if plan.recompute == "full" else 0.0)
+    Assumed not overlapped with compute (Megatron 2021 behaviour). 1D: two all-reduces of b·s·h per pass on the
+    tensor group (stride 1); with SP all-gather + reduce-scatter pairs, plus backward's re-gathers and the
+    replicated vectors' gradient all-reduces. 2D: per Linear q rounds of block broadcasts / reduces on row groups
+    (stride 1) and column groups (stride q), plus the norms' statistics and the bias / norm gradient sums. Full
+    recompute replays the block's forward collectives (the runtime skips the last 1D exit,
+    `traffic.replayed_1d`; this prices the whole forward, as Megatron replays it)."""
+    block = tensor_calls(shape, plan, "block")
+    fwd = traffic_time(hw, plan, block, FORWARD)
+    return LayerTime(
+        forward=fwd,
+        backward=traffic_time(hw, plan, block, BACKWARD),
+        recompute=fwd if plan.recompute == "full" else 0.0,
+    )
 
 
 def stage_time(

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.planner.cost.collectives import group_placement
+from tessera.planner.cost.collectives import traffic_time
 from tessera.planner.cost.plan import Plan
 from tessera.planner.cost.shape import ROW_PARALLEL, ModelShape, linears
 from tessera.planner.gemm import gemm_call_time, plateau_time
 from tessera.planner.hardware import Hardware
-from tessera.planner.network import collective_time
+from tessera.traffic import BACKWARD, FORWARD, tensor_calls
 
 __all__ = [
     "LOGIT_ELEMENTWISE_BYTES",
@@ -136,24 +136,31 @@ def embedding_time(shape: ModelShape, hw: Hardware, plan: Plan) -> tuple[LayerTi
 
     Memory bound: the lookup reads b·s rows of h and writes the b·s·h output (GPT adds the learned positions:
     another read and an add), 2·b·s·h·bytes (4 with positions), backward 2× (the scatter-add into the gradient).
-    With a vocabulary-parallel embedding (1D) each rank writes a partial output that is all-reduced over the tensor
-    group (reduce-scattered with sequence parallelism): one collective of b·s·h forward, none backward."""
+    Tensor parallel: the vocabulary-split embedding's collectives as the runtime issues them
+    (`tessera.traffic.tensor_calls`): 1D an all-reduce of b·s·h forward (with SP a reduce-scatter forward and an
+    all-gather backward, and the position table's gradient), 2D a reduce-scatter / all-gather on the columns."""
     sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
     nbytes = sbh * (4 if shape.features.has_position_embedding else 2)
     shard = plan.tp if plan.tp_kind == "2d" else 1
     fwd = nbytes / shard / hw.hbm_bandwidth
-    comm = 0.0
-    if plan.tp > 1 and plan.tp_kind == "1d":
-        kind = "reduce_scatter" if plan.sequence_parallel else "all_reduce"
-        comm = collective_time(hw, kind, sbh, group_placement(hw, plan, "tensor"))
-    compute = LayerTime(forward=fwd, backward=2 * fwd, recompute=0.0)
-    return compute, LayerTime(forward=comm, backward=0.0, recompute=0.0)
+    calls = tensor_calls(shape, plan, "embedding")
+    comm = LayerTime(
+        forward=traffic_time(hw, plan, calls, FORWARD),
+        backward=traffic_time(hw, plan, calls, BACKWARD),
+        recompute=0.0,
+    )
+    return LayerTime(forward=fwd, backward=2 * fwd, recompute=0.0), comm
 
 
 def logits_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     """Output projection + loss for one micro-batch (vocabulary split over tp): GEMM [M×h]·[h×V/tp], backward 2×;
-    loss elementwise `LOGIT_ELEMENTWISE_BYTES` per logit. Never recomputed."""
+    loss elementwise `LOGIT_ELEMENTWISE_BYTES` per logit; plus the head's tensor-parallel collectives as the runtime
+    issues them (`tessera.traffic.tensor_calls`: 1D the entry region and the loss's two small all-reduces; 2D the
+    final norm, the SUMMA logits products and the loss). Never recomputed."""
     M = shape.seq_len * plan.micro_batch
     gemm = gemm_call_time(hw, M, shape.vocab_size / plan.tp, shape.d_model, dtype=plan.dtype)
     loss = LOGIT_ELEMENTWISE_BYTES * M * shape.vocab_size / plan.tp / hw.hbm_bandwidth
-    return LayerTime(forward=gemm + loss, backward=2 * (gemm + loss), recompute=0.0)
+    calls = tensor_calls(shape, plan, "head")
+    fwd = gemm + loss + traffic_time(hw, plan, calls, FORWARD)
+    bwd = 2 * (gemm + loss) + traffic_time(hw, plan, calls, BACKWARD)
+    return LayerTime(forward=fwd, backward=bwd, recompute=0.0)

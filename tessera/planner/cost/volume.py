@@ -8,8 +8,9 @@ from dataclasses import dataclass, fields
 
 from tessera.planner.cost.plan import Plan, per_microbatch_reduction
 from tessera.planner.cost.shape import ModelShape, linears
+from tessera.traffic import FORWARD, Collective, linear_2d
 
-__all__ = ["CommVolume", "dp_volume", "pp_p2p_volume", "tp1d_layer_volume", "tp2d_layer_volume"]
+__all__ = ["CommVolume", "dp_volume", "pp_p2p_volume", "tp1d_layer_volume", "tp2d_layer_volume", "volume_of"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,8 +49,19 @@ class CommVolume:
         return frac * collective + self.send
 
 
+def volume_of(calls: list[Collective]) -> CommVolume:
+    """The `CommVolume` of a list of `tessera.traffic` collectives (every group summed)."""
+    vol = CommVolume()
+    for c in calls:
+        vol = vol + CommVolume(**{c.kind: c.total}, calls=c.calls)
+    return vol
+
+
 def tp1d_layer_volume(shape: ModelShape, plan: Plan) -> CommVolume:
-    """Megatron 1D tensor parallelism, one block, one micro-batch, per rank (payload of b·s·h elements each).
+    """Megatron 1D tensor parallelism, one block, one micro-batch, per rank, as published (payload of b·s·h
+    elements each); kept to compare with the papers. What tessera's runtime moves, and the planner prices, is
+    `tessera.traffic.block_1d`: the same without SP, plus backward's re-gathers and the replicated vectors'
+    gradients with SP, and one exit fewer replayed (tests/unit/test_traffic.py relates the two).
 
     Without sequence parallelism: forward 2 all-reduces, backward 2 (Narayanan §3.2: 8·b·s·h·(t−1)/t on the wire);
     with sequence parallelism: each all-reduce becomes an all-gather + a reduce-scatter (Korthikanti §4.2.2).
@@ -65,37 +77,28 @@ def tp1d_layer_volume(shape: ModelShape, plan: Plan) -> CommVolume:
     return CommVolume(all_reduce=n * nbytes, calls=n)
 
 
-def _summa_linear(M: float, k_in: float, n_out: float, q: int, nbytes: int) -> CommVolume:
-    """One SUMMA linear on q×q, per rank: forward C = A·B broadcasts q blocks of A (M/q × K/q) along rows and q
-    of B (K/q × N/q) along columns; backward dA = dC·Bᵀ broadcasts B blocks and reduces dA blocks (M/q × K/q);
-    dB = Aᵀ·dC broadcasts A blocks and reduces dB blocks (K/q × N/q). Wire: (q−1)/q·(3MK + 3KN)/q (optimus §1.6).
-    """
-    act = M * k_in / q**2 * nbytes
-    wgt = k_in * n_out / q**2 * nbytes
-    return CommVolume(broadcast=q * (2 * act + 2 * wgt), reduce=q * (act + wgt), calls=6 * q)
-
-
 def tp2d_layer_volume(shape: ModelShape, plan: Plan) -> CommVolume:
-    """Optimus 2D (SUMMA) tensor parallelism, one block, one micro-batch, per rank.
+    """Optimus 2D (SUMMA) tensor parallelism, one block, one micro-batch, per rank, as published (fused QKV, no
+    biases); kept to compare with the paper. tessera's own (separate q, k, v Linears, biases, norm statistics and
+    gradients), which the runtime moves and the planner prices, is `tessera.traffic.block_2d`.
 
-    Sum of `_summa_linear` over QKV, proj, fc1(+gate), fc2: for GPT wire (q−1)/q²·(21·M·h + 36·h²) elements
-    (Xu et al. 2021, derived in docs/cost-model.md §5), M = b·s. Full recompute replays the forward broadcasts. Plus LayerNorm statistics:
+    Sum of `traffic.linear_2d` (forward C = A·B, backward dA = dC·Bᵀ and dB = Aᵀ·dC, q steps each) over QKV, proj,
+    fc1(+gate), fc2: for GPT wire (q−1)/q²·(21·M·h + 36·h²) elements (Xu et al. 2021, derived in
+    docs/cost-model.md §5), M = b·s. Full recompute replays the forward broadcasts. Plus LayerNorm statistics:
     per norm an all-reduce of 2 fp32 values per local token (M/q) along the row, forward and backward.
     """
     q = plan.q
     if q <= 1:
         return CommVolume()
-    M, nb = shape.seq_len * plan.micro_batch, plan.act_bytes
-    vol = CommVolume()
+    m, nb = shape.seq_len * plan.micro_batch / q, plan.act_bytes
+    calls: list[Collective] = []
     for k_in, n_out in linears(shape):
-        one = _summa_linear(M, k_in, n_out, q, nb)
-        vol = vol + one
+        one = linear_2d(m, k_in, n_out, q, False, nb)
+        calls += one
         if plan.recompute == "full":  # forward broadcasts of A and B replayed
-            act, wgt = M * k_in / q**2 * nb, k_in * n_out / q**2 * nb
-            vol = vol + CommVolume(broadcast=q * (act + wgt), calls=2 * q)
-    stats = 2 * (M / q) * 4  # (sum, sum of squares) in fp32 per local token
-    vol = vol + CommVolume(all_reduce=2 * 2 * stats, calls=4)
-    return vol
+            calls += [c for c in one if c.phase == FORWARD]
+    stats = 2 * m * 4  # (sum, sum of squares) in fp32 per local token
+    return volume_of(calls) + CommVolume(all_reduce=2 * 2 * stats, calls=4)
 
 
 def pp_p2p_volume(shape: ModelShape, plan: Plan, stage: int) -> CommVolume:

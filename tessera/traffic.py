@@ -1,0 +1,321 @@
+"""Tensor-parallel traffic, one source: every collective a rank issues on its tensor group(s) for one micro-batch.
+
+The runtime's byte counters (`comm.STATS`) are checked against these lists (tests/distributed/test_tensor_1d.py,
+test_tensor_2d.py, the dry run's tests/unit/test_dryrun_formulas.py), the dry run's traffic tables sum them
+(`tessera.dryrun.formula_traffic`), and the planner prices each call on the network (`tessera.planner.cost`:
+`tp_comm_time_per_layer`, `embedding_time`, `logits_time`). A change to the runtime's collectives is made here once.
+
+A `Collective` is `calls` calls of one kind on one group, each handing `nbytes` to the collective with comm.py's
+conventions (all-reduce: the buffer; all-gather: the gathered output; reduce-scatter: the unreduced input;
+broadcast / reduce: the block), in the forward or the backward pass. Groups: "tensor" (Megatron 1D), "row" (the
+Optimus row group of P_ij: same i, every j; the mesh axis TENSOR_COL) and "col" (same j; the mesh axis TENSOR_ROW).
+
+Which Linears a block has, their biases, its norms and position table come from the family's declaration
+(`tessera.model.family.FamilyPlan`, read through `ModelShape.features`). Derivations: docs/tensor-1d.md,
+docs/tensor-2d.md. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the cost model's package imports this module: import its ModelShape lazily
+    from tessera.planner.cost.shape import ModelShape
+
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "Collective",
+    "block_1d",
+    "block_2d",
+    "bytes_by_group",
+    "comm_bytes_2d",
+    "embedding_1d",
+    "embedding_2d",
+    "head_1d",
+    "head_2d",
+    "linear_2d",
+    "replayed_1d",
+    "replayed_2d",
+    "summa",
+    "summa_bytes",
+    "tensor_1d_comm",
+    "tensor_calls",
+    "times",
+    "totals",
+]
+
+FORWARD, BACKWARD = "forward", "backward"
+_FP32 = 4
+"""Loss statistics are fp32."""
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """``calls`` collectives of ``kind`` on ``group``, ``nbytes`` each, in ``phase`` (see the module docstring)."""
+
+    kind: str
+    group: str
+    nbytes: float
+    phase: str
+    calls: int = 1
+
+    @property
+    def total(self) -> float:
+        return self.calls * self.nbytes
+
+
+def times(calls: list[Collective], n: int) -> list[Collective]:
+    """The same collectives issued ``n`` times (e.g. once per block)."""
+    return [replace(c, calls=c.calls * n) for c in calls if n]
+
+
+def totals(calls: list[Collective]) -> dict[tuple[str, str], tuple[int, float]]:
+    """(kind, group) → (calls, bytes)."""
+    out: dict[tuple[str, str], tuple[int, float]] = {}
+    for c in calls:
+        n, b = out.get((c.kind, c.group), (0, 0))
+        out[(c.kind, c.group)] = (n + c.calls, b + c.total)
+    return out
+
+
+def bytes_by_group(calls: list[Collective]) -> dict[tuple[str, str], float]:
+    """(kind, group) → bytes."""
+    return {key: nbytes for key, (_, nbytes) in totals(calls).items()}
+
+
+# --- Megatron 1D (t ranks), with or without sequence parallelism -------------------------------------------------
+# X = tokens·h·act_bytes is one hidden-state tensor. A region entry (f: identity forward, all-reduce backward) and
+# exit (g: all-reduce forward, identity backward) each cost one all-reduce of X; with SP an entry all-gathers
+# forward and reduce-scatters backward, an exit the reverse, and each entry's backward all-gathers its saved shard
+# again (Megatron does the same rather than keep the gathered input); the replicated parameters then used on
+# sequence shards all-reduce their gradients.
+
+
+def _region(x: float, sp: bool, *, entry: bool) -> list[Collective]:
+    """One region boundary of Megatron 1D: an entry (f) or an exit (g)."""
+    if not sp:
+        return [Collective("all_reduce", "tensor", x, BACKWARD if entry else FORWARD)]
+    gather, scatter = (FORWARD, BACKWARD) if entry else (BACKWARD, FORWARD)
+    out = [Collective("all_gather", "tensor", x, gather), Collective("reduce_scatter", "tensor", x, scatter)]
+    if entry:
+        out.append(Collective("all_gather", "tensor", x, BACKWARD))  # re-gather the saved shard
+    return out
+
+
+def block_1d(
+    shape: ModelShape, tokens: float, sp: bool, act_bytes: int, param_bytes: int = 4
+) -> list[Collective]:
+    """One block: attention and MLP, each an entry and an exit region; with SP the family's replicated vectors
+    (norms, row-parallel biases: `FamilyPlan.replicated_block_vectors`) all-reduce their h-sized gradients."""
+    x = tokens * shape.d_model * act_bytes
+    regions = [*_region(x, sp, entry=True), *_region(x, sp, entry=False)]
+    out = regions + regions
+    vectors = shape.features.replicated_block_vectors()
+    if sp and vectors:
+        out.append(Collective("all_reduce", "tensor", shape.d_model * param_bytes, BACKWARD, vectors))
+    return out
+
+
+def replayed_1d(shape: ModelShape, tokens: float, sp: bool, act_bytes: int) -> list[Collective]:
+    """What full checkpointing replays per block before its backward: the block's forward collectives but the
+    last exit's (torch.utils.checkpoint stops once the last saved tensor is rebuilt, and nothing inside the block
+    saves the MLP exit's output)."""
+    x = tokens * shape.d_model * act_bytes
+    forward = [c for c in block_1d(shape, tokens, sp, act_bytes) if c.phase == FORWARD]
+    last_exit = "reduce_scatter" if sp else "all_reduce"
+    out, dropped = [], False
+    for c in reversed(forward):
+        if not dropped and c.kind == last_exit and c.nbytes == x:
+            dropped = True
+            continue
+        out.append(c)
+    return out[::-1]
+
+
+def embedding_1d(
+    shape: ModelShape, tokens: float, sp: bool, act_bytes: int, param_bytes: int = 4
+) -> list[Collective]:
+    """The vocabulary-parallel embedding's exit region; with SP a learned position table (replicated, used on
+    sequence shards) all-reduces its gradient [S, h]."""
+    out = _region(tokens * shape.d_model * act_bytes, sp, entry=False)
+    positions = shape.features.position_params(shape.seq_len, shape.d_model)
+    if sp and positions:
+        out.append(Collective("all_reduce", "tensor", positions * param_bytes, BACKWARD))
+    return out
+
+
+def head_1d(
+    shape: ModelShape, tokens: float, sp: bool, act_bytes: int, param_bytes: int = 4
+) -> list[Collective]:
+    """The head's entry region, the vocabulary-parallel loss (all-reduce of the row max [N], then of [Σexp,
+    target] [2N], fp32) and, with SP, the final norm's replicated vectors."""
+    out = _region(tokens * shape.d_model * act_bytes, sp, entry=True)
+    out += [
+        Collective("all_reduce", "tensor", tokens * _FP32, FORWARD),
+        Collective("all_reduce", "tensor", 2 * tokens * _FP32, FORWARD),
+    ]
+    vectors = shape.features.norm_params(1)
+    if sp:
+        out.append(Collective("all_reduce", "tensor", shape.d_model * param_bytes, BACKWARD, vectors))
+    return out
+
+
+def tensor_1d_comm(
+    model_cfg: Any,
+    batch: int,
+    seq: int,
+    t: int,
+    sequence_parallel: bool,
+    act_bytes: int = 4,
+    param_bytes: int = 4,
+    *,
+    first: bool = True,
+    last: bool = True,
+) -> dict[str, tuple[int, int]]:
+    """Collectives one forward + backward of the model (``model_cfg.n_layers`` blocks) issues on the tensor group,
+    per rank: ``{kind: (calls, bytes)}``; ``first`` / ``last``: whether this rank holds the embedding and the head
+    (a pipeline stage holds one, both or neither). Empty when t = 1."""
+    from tessera.planner.cost.shape import ModelShape
+
+    if t == 1:
+        return {}
+    shape, tokens, sp = ModelShape.from_config(model_cfg), batch * seq, sequence_parallel
+    calls = times(block_1d(shape, tokens, sp, act_bytes, param_bytes), model_cfg.n_layers)
+    calls += embedding_1d(shape, tokens, sp, act_bytes, param_bytes) if first else []
+    calls += head_1d(shape, tokens, sp, act_bytes, param_bytes) if last else []
+    return {kind: (n, round(b)) for (kind, _), (n, b) in totals(calls).items()}
+
+
+# --- Optimus 2D (q×q grid, SUMMA) --------------------------------------------------------------------------------
+# m local tokens per rank ((b/q)·s); K, N full feature widths; each SUMMA product runs q steps, each moving one
+# block, and every member of the group counts it (comm.py's convention).
+
+
+def summa(op: str, m: float, k: int, n: int, q: int, elem: int, phase: str = FORWARD) -> list[Collective]:
+    """One SUMMA product. "ab": C[M,N] = A[M,K]·B[K,N]; "abt": C[M,K] = A[M,N]·B[K,N]ᵀ; "atb": C[K,N] = A[M,K]ᵀ·B[M,N].
+    Activation blocks (m × K/q) move on the row group, weight blocks (K/q × N/q) on the column group."""
+    if q == 1:
+        return []
+    act, w = m * (k // q) * elem, (k // q) * (n // q) * elem
+    kinds = {
+        "ab": (("broadcast", "row", act), ("broadcast", "col", w)),
+        "abt": (("broadcast", "col", w), ("reduce", "row", act)),
+        "atb": (("broadcast", "row", act), ("reduce", "col", w)),
+    }
+    if op not in kinds:
+        raise ValueError(f"unknown SUMMA op {op!r}; use 'ab', 'abt' or 'atb'")
+    return [Collective(kind, group, nbytes, phase, q) for kind, group, nbytes in kinds[op]]
+
+
+def summa_bytes(op: str, m: int, k: int, n: int, q: int, elem: int = 4) -> dict[tuple[str, str], int]:
+    """Bytes one rank hands to collectives for one SUMMA product, keyed (kind, "row" | "col")."""
+    return {key: round(b) for key, b in bytes_by_group(summa(op, m, k, n, q, elem)).items()}
+
+
+def linear_2d(m: float, k: int, n: int, q: int, bias: bool, elem: int) -> list[Collective]:
+    """One Linear2D: AB forward; ABᵀ (input grad) and AᵀB (weight grad) backward; a bias's gradient is summed over
+    the grid rows."""
+    out = summa("ab", m, k, n, q, elem) + summa("abt", m, k, n, q, elem, BACKWARD)
+    out += summa("atb", m, k, n, q, elem, BACKWARD)
+    if bias:
+        out.append(Collective("all_reduce", "col", n // q * elem, BACKWARD))
+    return out
+
+
+def _norm_2d(shape: ModelShape, m: float, q: int, elem: int) -> list[Collective]:
+    """A norm on the grid: row sums of each local token's statistics (LayerNorm: mean and variance forward, two
+    sums backward; RMSNorm: one each), and the weight (and bias) gradients summed over the grid rows."""
+    stats = 2 if shape.features.norm_bias else 1
+    return [
+        Collective("all_reduce", "row", m * elem, FORWARD, stats),
+        Collective("all_reduce", "row", stats * m * elem, BACKWARD),
+        Collective("all_reduce", "col", shape.features.norm_params(shape.d_model) // q * elem, BACKWARD),
+    ]
+
+
+def block_2d(shape: ModelShape, m: float, q: int, elem: int) -> list[Collective]:
+    """One block: its two norms and every Linear the family declares (`FamilyPlan.block_linears`)."""
+    out = _norm_2d(shape, m, q, elem) * 2
+    for lin in shape.features.block_linears(shape.d_model, shape.kv_dim, shape.ffn_hidden):
+        out += linear_2d(m, lin.d_in, lin.d_out, q, lin.bias, elem)
+    return out
+
+
+def replayed_2d(shape: ModelShape, m: float, q: int, elem: int) -> list[Collective]:
+    """What full checkpointing replays per block before its backward: the block's forward collectives."""
+    return [c for c in block_2d(shape, m, q, elem) if c.phase == FORWARD]
+
+
+def embedding_2d(shape: ModelShape, m: float, seq: int, q: int, elem: int) -> list[Collective]:
+    """The vocabulary-split embedding: partial rows reduce-scattered over the column group (all-gathered
+    backward); a learned position table's gradient (h/q columns of the ``seq`` rows used) summed over the rows."""
+    x = m * shape.d_model * elem
+    out = [Collective("reduce_scatter", "col", x, FORWARD), Collective("all_gather", "col", x, BACKWARD)]
+    if shape.features.has_position_embedding:
+        out.append(Collective("all_reduce", "col", seq * shape.d_model // q * elem, BACKWARD))
+    return out
+
+
+def head_2d(shape: ModelShape, m: float, q: int, elem: int) -> list[Collective]:
+    """Final norm; logits Z = X·Eᵀ (ABᵀ, Z is [m, V padded to q]), backward dX = dZ·E (AB) and dE = dZᵀ·X (AᵀB);
+    the loss all-gathers the (lse, target) pairs over the row and sums the grid rows' shares."""
+    vpad = -(-shape.vocab_size // q) * q
+    h = shape.d_model
+    out = _norm_2d(shape, m, q, elem) + summa("abt", m, vpad, h, q, elem)
+    out += summa("ab", m, vpad, h, q, elem, BACKWARD) + summa("atb", m, vpad, h, q, elem, BACKWARD)
+    out += [
+        Collective("all_gather", "row", q * 2 * m * elem, FORWARD),
+        Collective("all_reduce", "col", elem, FORWARD),
+    ]
+    return out
+
+
+def comm_bytes_2d(
+    cfg: Any, batch: int, seq: int, q: int, elem: int = 4, *, first: bool = True, last: bool = True
+) -> dict[tuple[str, str], int]:
+    """Bytes each rank hands to collectives in one forward + backward of ``cfg.n_layers`` blocks, keyed
+    (kind, "row" | "col"); m = (b/q)·s local tokens; ``first`` / ``last``: whether the rank holds the embedding
+    and the head. Empty when q = 1."""
+    from tessera.planner.cost.shape import ModelShape
+
+    if q == 1:
+        return {}
+    shape, m = ModelShape.from_config(cfg), batch // q * seq
+    calls = times(block_2d(shape, m, q, elem), cfg.n_layers)
+    calls += embedding_2d(shape, m, seq, q, elem) if first else []
+    calls += head_2d(shape, m, q, elem) if last else []
+    return {key: round(b) for key, b in bytes_by_group(calls).items()}
+
+
+# --- a layout's parts --------------------------------------------------------------------------------------------
+
+PARTS = ("block", "replay", "embedding", "head")
+
+
+def tensor_calls(shape: ModelShape, plan: Any, part: str) -> list[Collective]:
+    """The tensor-parallel collectives of one micro-batch for ``plan`` (a cost-model `Plan`: tp, tp_kind, q,
+    micro_batch, sequence_parallel, act_bytes), for one ``part``: "block", "replay" (what full checkpointing
+    replays per block), "embedding" or "head". Empty without tensor parallelism."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    if plan.tp <= 1:
+        return []
+    b, s, e = plan.micro_batch, shape.seq_len, plan.act_bytes
+    if plan.tp_kind == "2d":
+        q = plan.q
+        m = b // q * s if b % q == 0 else b * s / q  # local tokens (a planner may try b < q)
+        return {
+            "block": lambda: block_2d(shape, m, q, e),
+            "replay": lambda: replayed_2d(shape, m, q, e),
+            "embedding": lambda: embedding_2d(shape, m, s, q, e),
+            "head": lambda: head_2d(shape, m, q, e),
+        }[part]()
+    n, sp = b * s, plan.sequence_parallel
+    return {
+        "block": lambda: block_1d(shape, n, sp, e),
+        "replay": lambda: replayed_1d(shape, n, sp, e),
+        "embedding": lambda: embedding_1d(shape, n, sp, e),
+        "head": lambda: head_1d(shape, n, sp, e),
+    }[part]()
