@@ -178,14 +178,12 @@ def _check(model_names: list[str], layout_name: str, per_rank: list[dict] | None
         _check_one(name, layout_name, [r["runs"][k] for r in per_rank])
 
 
-def _check_one(model_name: str, layout_name: str, results: list[dict], comm_formula: bool = True) -> None:
+def _check_one(model_name: str, layout_name: str, results: list[dict]) -> None:
     layout = LAYOUTS[layout_name]
     cfg = ModelConfig(**MODELS[model_name])
     ref_loss, ref_grads = _reference(cfg, MICRO_BATCH[layout_name] * layout.dp)
     for r in results:
-        assert not comm_formula or r["measured"] == r["expected"], (
-            f"comm bytes differ from comm_bytes_2d: {r}"
-        )
+        assert r["measured"] == r["expected"], f"comm bytes differ from comm_bytes_2d: {r}"
     losses = [sum(r["loss"] for r in results if r["dp"] == d) / layout.tensor_size for d in range(layout.dp)]
     assert sum(losses) / layout.dp == pytest.approx(ref_loss, rel=LOSS_RTOL)
     for r in results:  # every rank of a tensor group reports its data shard's loss
@@ -221,12 +219,10 @@ def test_tp2x2_gpt_llama_and_vocab_257(tp2x2_results: list[dict]) -> None:
 
 
 def test_tp2x2_qwen2(tp2x2_results: list[dict]) -> None:
-    """Qwen2 (q/k/v biases, GQA, RoPE, tied, vocabulary 257): loss, every weight and gradient, the norm.
-
-    Its collective bytes are not compared: `comm_bytes_2d` does not yet count the q/k/v bias gradients'
-    column all-reduces (the traffic formulas are moving to one module that reads the family declaration)."""
+    """Qwen2 (q/k/v biases, GQA, RoPE, tied, vocabulary 257): collective bytes (`comm_bytes_2d`, from the family
+    declaration: the q/k/v bias gradients' column all-reduces included), loss, every weight and gradient, the norm."""
     k = len(TP2X2_MODELS)
-    _check_one("qwen2_v257", "tp2x2", [r["runs"][k] for r in tp2x2_results], comm_formula=False)
+    _check_one("qwen2_v257", "tp2x2", [r["runs"][k] for r in tp2x2_results])
 
 
 def test_dp2_tp2x2_matches_single_device() -> None:
