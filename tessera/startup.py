@@ -64,7 +64,7 @@ def _largest(shape: ModelShape, plan: Plan, holds_table: bool) -> float:
     """Elements of the largest tensor block a rank holds: every matrix is split by the tensor degree (the
     vocabulary padded to it); GPT's position table stays whole under 1D tensor parallelism."""
     tp, h = plan.tp, shape.d_model
-    q = round(tp**0.5) if plan.tp_kind == "2d" else 1
+    q = plan.q
     candidates = [h * shape.ffn_hidden / tp, h * max(h, shape.kv_dim) / tp]
     if holds_table:
         candidates.append(
