@@ -110,7 +110,7 @@ def _state_tensors(run: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def _grad_tensors(run: Any) -> list[torch.Tensor]:
     """Gradients held after the step's backward: every parameter's ``.grad`` and ZeRO's reduced shards."""
     params, _ = _state_tensors(run)
-    zero = getattr(run.stepper, "zero", None)
+    zero = run.stepper.zero
     shards = list(zero.grad_shards()) if zero is not None else []
     return [p.grad for p in params if p.grad is not None] + shards
 

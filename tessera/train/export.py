@@ -184,7 +184,7 @@ class _PlainWeights:
     """
 
     def __init__(self, run: TrainingRun) -> None:
-        self.run, self.zero = run, getattr(run.stepper, "zero", None)
+        self.run, self.zero = run, run.stepper.zero
         named = [(n, p) for n, p in run.model.named_parameters(remove_duplicate=False) if p.numel() > 0]
         self.local = dict(named)
         first: dict[int, str] = {}

@@ -2,17 +2,19 @@
 
 - ``DirectStepper``: no pipeline and no ZeRO. The (possibly tensor-parallel) module runs the micro-batches one
   after another and ``GradSync`` all-reduces data-parallel gradients in buckets overlapped with the last backward.
-- ``PipelineStepper``: a pipeline, ZeRO, or layered accumulation. The schedule IR runtime executes the step the
-  execution plan resolved (`tessera.execution`: on one pipeline rank, breadth-first with one stage per block).
+- ``ScheduledStepper``: a pipeline, ZeRO (with or without a pipeline), or layered accumulation. The schedule IR
+  runtime executes the step the execution plan resolved (`tessera.execution`: on one pipeline rank, breadth-first
+  with one stage per block).
 
 Which one runs, and with which schedule and stages, is the plan's decision (``plan.runner``); nothing here
 re-derives it.
 
-Both expose the same small surface: ``run(batches)``, ``clip(max_norm)``, ``optimizer``, ``state_module`` (what a
-checkpoint saves) and ``shard_id`` (which rank-local shard that is).
+Both are a `Stepper`: the one surface the trainer, the health checks, checkpoints, export and the dry run use.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -26,15 +28,49 @@ from tessera.parallel.apply import norm_weights, tensor_groups
 from tessera.parallel.checkpointing import apply_checkpointing
 from tessera.parallel.clipping import clip_grad_norm
 from tessera.parallel.data import GradSync
-from tessera.parallel.memory import SavedActivationCounter
 from tessera.parallel.precision import DynamicLossScaler, autocast, reduce_dtype
+from tessera.parallel.memory import SavedActivationCounter
 from tessera.parallel.zero import ShardedAdamW
 from tessera.pipeline.runtime import build_pipeline
 from tessera.pipeline.stage_comm import DataParallelStageComm, ZeroStageComm
 
-__all__ = ["DirectStepper", "PipelineStepper", "make_optimizer", "make_stepper"]
+__all__ = ["DirectStepper", "ScheduledStepper", "Stepper", "make_optimizer", "make_stepper"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Stepper(Protocol):
+    """How the trainer runs one rank's part of a step, whichever runner the execution plan chose."""
+
+    optimizer: torch.optim.Optimizer
+    state_module: nn.Module
+    """What a checkpoint saves on this rank (the model, this rank's stages, or its ZeRO shards)."""
+    shard_id: str | None
+    """Which rank-local slice ``state_module`` is; None when every rank holds all of it."""
+    scaler: DynamicLossScaler | None
+    """fp16's dynamic loss scaler (saved with checkpoints, logged as loss_scale); None for other dtypes."""
+    zero: ZeroStageComm | None
+    """The ZeRO buffers when parallel.zero > 0 (export and the dry run read their shards); else None."""
+    skip_step: bool
+    """The last ``run`` overflowed in fp16: skip the update on every rank."""
+    saved_bytes: int
+    """Most activation bytes this rank held for backward during the last ``run``."""
+
+    def run(self, batches: list[Batch]) -> float:
+        """Accumulate the step's gradients (synchronised on return); this replica's mean loss."""
+        ...
+
+    def evaluate(self, batches: list[Batch]) -> float:
+        """This replica's mean loss, forward only (validation)."""
+        ...
+
+    def clip(self, max_norm: float) -> float:
+        """Clip the gradients to ``max_norm`` by their global norm; returns the norm before clipping."""
+        ...
+
+    def close(self) -> None:
+        """Release what the stepper registered (hooks)."""
+        ...
 
 
 def make_optimizer(params: list[nn.Parameter], tr: TrainConfig) -> torch.optim.AdamW:
@@ -68,6 +104,7 @@ class DirectStepper:
         self.dtype = cfg.train.dtype
         # fp16 needs loss scaling; every group that holds gradients votes on an overflow
         self.scaler = DynamicLossScaler(cfg.train.fp16_init_scale) if self.dtype == "fp16" else None
+        self.zero = None  # no ZeRO on the direct loop (the plan routes ZeRO to the schedule runtime)
         self.norm_groups, self.weights = tensor_groups(layout, groups), norm_weights(module)
         self.overflow_groups = self.norm_groups + ([groups.dp] if groups is not None else [])
         self.skip_step = False
@@ -115,8 +152,9 @@ class DirectStepper:
         self.sync.remove()
 
 
-class PipelineStepper:
-    """The schedule IR runtime runs the step: pipeline schedules, layered accumulation and ZeRO."""
+class ScheduledStepper:
+    """The schedule IR runtime runs the step: pipeline schedules, layered accumulation and ZeRO (also without a
+    pipeline: one rank's stages, one per block, breadth-first)."""
 
     def __init__(
         self,
@@ -212,7 +250,7 @@ class PipelineStepper:
 
 def make_stepper(
     module: nn.Module, cfg: Config, layout: Layout, groups: Groups | None, plan: ExecutionPlan | None = None
-) -> DirectStepper | PipelineStepper:
+) -> Stepper:
     """The stepper the execution plan chose (``plan.runner``; resolved from ``cfg`` when not given).
 
     The schedule runtime for a pipeline, ZeRO or layered accumulation of several micro-batches; else the direct
@@ -220,5 +258,5 @@ def make_stepper(
     """
     plan = plan or resolve(cfg, layout.world_size)
     if plan.runner == SCHEDULE_RUNTIME:
-        return PipelineStepper(module, cfg, layout, groups, plan)
+        return ScheduledStepper(module, cfg, layout, groups, plan)
     return DirectStepper(module, cfg, layout, groups)

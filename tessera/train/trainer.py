@@ -311,7 +311,7 @@ class TrainingRun:
     def _save(self, step: int) -> None:
         check_state_finite(self.stepper.state_module, step)
         extra = {"step": step, "samples": step * self.cfg.train.global_batch, "settings": self.settings}
-        scaler = getattr(self.stepper, "scaler", None)
+        scaler = self.stepper.scaler
         if scaler is not None:
             extra["loss_scale"] = scaler.state_dict()
         ckpt.save_checkpoint(
@@ -343,7 +343,7 @@ class TrainingRun:
             verify=not verified,
         )
         ckpt.restore_rng(extra)
-        scaler = getattr(self.stepper, "scaler", None)
+        scaler = self.stepper.scaler
         if scaler is not None and "loss_scale" in extra:
             scaler.load_state_dict(extra["loss_scale"])
         return int(extra["step"])
@@ -487,7 +487,7 @@ def _metrics(run: TrainingRun, step: int, loss: float, norm: float, dt: float) -
         "mem_bytes": memory_bytes(run.device),
         **comm.STATS.as_metrics(),
     }
-    scaler = getattr(run.stepper, "scaler", None)
+    scaler = run.stepper.scaler
     if scaler is not None:
         metrics["loss_scale"], metrics["skipped_steps"] = scaler.scale, scaler.skipped
     if run.health.skipped:

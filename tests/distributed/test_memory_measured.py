@@ -8,10 +8,10 @@ so the sum is the peak) + ZeRO's transient buffers: the peak of the live tensors
 reduction, with ZeRO-3 gathered parameters), read from those tensors when they pile up (`_ZeroBufferPeak`), not
 computed by the estimator's rule.
 
-Pipeline layouts run the trainer's PipelineStepper on every rank and take the peak of the bytes alive during
+Pipeline layouts run the trainer's ScheduledStepper on every rank and take the peak of the bytes alive during
 ``engine.step`` (`_LivePeak`: saved activations of in-flight micro-batches + held boundary tensors); the estimate,
 for the fullest rank, is compared with the fullest measured rank. Not counted: the other ranks' stages, which the
-trainer keeps referenced (`PipelineStepper.module` holds the whole model; see docs/memory.md).
+trainer keeps referenced (`ScheduledStepper.module` holds the whole model; see docs/memory.md).
 """
 
 from __future__ import annotations
@@ -328,10 +328,10 @@ class _LivePeak:
 
 
 def measure_pipeline(name: str, world: int) -> dict[str, int]:
-    """One trainer step (make_stepper → PipelineStepper → build_pipeline) on this rank; bytes by component."""
+    """One trainer step (make_stepper → ScheduledStepper → build_pipeline) on this rank; bytes by component."""
     from tessera.groups import build_groups
     from tessera.layout import Layout
-    from tessera.train.steppers import PipelineStepper, make_stepper
+    from tessera.train.steppers import ScheduledStepper, make_stepper
 
     torch.set_num_threads(1)
     cfg = _pipe_cfg(name)
@@ -340,7 +340,7 @@ def measure_pipeline(name: str, world: int) -> dict[str, int]:
     torch.manual_seed(0)
     model = build_model(cfg.model)
     stepper = make_stepper(model, cfg, layout, groups)
-    assert isinstance(stepper, PipelineStepper), name
+    assert isinstance(stepper, ScheduledStepper), name
     tracker = _LivePeak(stepper.engine, model, stepper.zero)
     probe = _ZeroBufferPeak(stepper.zero) if stepper.zero is not None else None
     stepper.run(_batches(PIPE_M))

@@ -1,6 +1,6 @@
 """ZeRO-3 with layered accumulation on dp2 × Optimus 2D 2×2 (8 gloo ranks) against the single-device model.
 
-The step is built exactly as the trainer builds it for one pipeline rank (``PipelineStepper``: one stage per
+The step is built exactly as the trainer builds it for one pipeline rank (``ScheduledStepper``: one stage per
 block, breadth-first, ``ZeroStageComm`` over the data-parallel group). After one step every rank holds only its
 reduced ZeRO gradient shards of its 2D blocks; the test all-gathers them over the data-parallel group back into
 each stage's flat gradient, hangs the slices on the 2D parameters as ``.grad`` and lets
@@ -27,7 +27,7 @@ from tessera.model.build import build_model
 from tessera.parallel.apply import parallelize
 from tessera.parallel.model_2d import Model2D
 from tessera.pipeline.stage_comm import ZeroStageComm
-from tessera.train.steppers import PipelineStepper
+from tessera.train.steppers import ScheduledStepper
 from tests.harness import run_distributed
 
 # fp32 on CPU: layered accumulation, SUMMA and the data-parallel average only reorder sums, so the results agree
@@ -91,7 +91,7 @@ def _step(family: str, m: int, layout: Layout, groups: Groups) -> dict:
     torch.manual_seed(SEED)
     model = parallelize(build_model(cfg.model), layout, groups, cfg)
     assert isinstance(model, Model2D)
-    stepper = PipelineStepper(model, cfg, layout, groups)
+    stepper = ScheduledStepper(model, cfg, layout, groups)
     zero = stepper.zero
     assert zero is not None and zero.zero_stage == 3 and zero.group is groups.dp
     assert len(stepper.engine.stages) == cfg.model.n_layers  # one stage per block, all on this rank
