@@ -60,7 +60,7 @@ from tessera.groups import build_groups  # noqa: E402
 from tessera.layout import Layout  # noqa: E402
 from tessera.model.build import build_model  # noqa: E402
 from tessera.parallel.checkpointing import apply_checkpointing  # noqa: E402
-from tessera.parallel.memory import SavedActivationCounter, _storage_key  # noqa: E402
+from tessera.parallel.saved_activations import SavedActivationCounter, _storage_key  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402  (one rank per process, gloo, tracebacks surfaced)
 
 __all__ = ["LayoutSpec", "main", "max_micro_batch"]

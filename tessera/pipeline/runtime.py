@@ -41,7 +41,7 @@ from tessera.layout import Axis
 from tessera.model.materialize import materialize
 from tessera.modes import reduces_every_microbatch
 from tessera.parallel.clipping import squared_norm
-from tessera.parallel.memory import SavedActivationCounter
+from tessera.parallel.saved_activations import SavedActivationCounter
 from tessera.pipeline.build import lowered_schedule
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, infer_stage_ranks
 from tessera.pipeline.run_order import check_p2p_order, forward_only, recv_post_positions

@@ -29,7 +29,7 @@ from tessera.parallel.checkpointing import apply_checkpointing
 from tessera.parallel.clipping import clip_grad_norm
 from tessera.parallel.data import GradSync
 from tessera.parallel.precision import DynamicLossScaler, autocast, reduce_dtype
-from tessera.parallel.memory import SavedActivationCounter
+from tessera.parallel.saved_activations import SavedActivationCounter
 from tessera.parallel.zero import ShardedAdamW
 from tessera.pipeline.runtime import build_pipeline
 from tessera.pipeline.stage_comm import DataParallelStageComm, ZeroStageComm

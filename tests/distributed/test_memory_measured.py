@@ -25,7 +25,7 @@ from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from tessera.execution import resolve
 from tessera.memory import estimate, plan_from_config
 from tessera.model.build import build_model
-from tessera.parallel.memory import SavedActivationCounter
+from tessera.parallel.saved_activations import SavedActivationCounter
 from tessera.parallel.zero import ShardedAdamW
 from tessera.pipeline.stage import split_stages
 from tessera.pipeline.stage_comm import ZeroStageComm

@@ -19,8 +19,8 @@ from tessera.groups import Groups, build_groups
 from tessera.layout import Axis, Layout
 from tessera.model.build import build_model
 from tessera.parallel.data import GradSync
-from tessera.parallel.memory import SavedActivationCounter
 from tessera.parallel.model_1d import apply_tensor_1d, check_tensor_1d, tensor_1d_comm
+from tessera.parallel.saved_activations import SavedActivationCounter
 from tessera.parallel.tensor_1d import padded_vocab
 from tests.harness import run_distributed
 

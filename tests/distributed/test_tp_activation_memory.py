@@ -28,9 +28,9 @@ from tessera.groups import build_groups
 from tessera.layout import Layout
 from tessera.model.build import build_model
 from tessera.parallel.checkpointing import apply_checkpointing
-from tessera.parallel.memory import SavedActivationCounter
 from tessera.parallel.model_1d import apply_tensor_1d
 from tessera.parallel.model_2d import apply_tensor_2d
+from tessera.parallel.saved_activations import SavedActivationCounter
 from tests.harness import run_distributed
 
 Q = 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera.parallel.memory import SavedActivationCounter
+from tessera.parallel.saved_activations import SavedActivationCounter
 
 FP32 = 4
 
