@@ -488,6 +488,30 @@ def _check_batch(tr: TrainConfig, dp: int) -> list[Violation]:
     ]
 
 
+def _document_mask_eot(eots: dict[str, int | None]) -> list[Violation]:
+    """data.document_mask finds documents by their end-of-text token: every file must record one, the same."""
+    missing = [path for path, eot in eots.items() if eot is None]
+    if missing:
+        return [
+            Violation(
+                rule="data.document_mask",
+                problem=f"data.document_mask = true, but {', '.join(missing)} records no end-of-text token, "
+                "so its document boundaries are unknown",
+                fix="prepare it again with `tessera prepare` (--eot-token TOKEN for a tokenizer without one), "
+                "or set data.document_mask = false",
+            )
+        ]
+    if len(set(eots.values())) > 1:
+        return [
+            Violation(
+                rule="data.document_mask",
+                problem=f"the token files end documents with different tokens: {eots}",
+                fix="prepare every file with the same tokenizer and --eot-token",
+            )
+        ]
+    return []
+
+
 def _check_data(cfg: Config) -> list[Violation]:
     """Data against the rest: a validation set for train.eval_every, and every token file's vocabulary, dtype
     and tokenizer against the model (and each other)."""
@@ -507,6 +531,7 @@ def _check_data(cfg: Config) -> list[Violation]:
 
     files = [p for p, _ in d.sources()] + ([d.valid_path] if d.valid_path else [])
     tokenizers: dict[str, str] = {}
+    eots: dict[str, int | None] = {}
     for path in files:
         try:
             meta = read_token_meta(path)
@@ -532,6 +557,9 @@ def _check_data(cfg: Config) -> list[Violation]:
                 )
             )
         tokenizers[path] = str(meta.get("tokenizer"))
+        eots[path] = meta.get("eot")
+    if d.document_mask:
+        v.extend(_document_mask_eot(eots))
     if len(set(tokenizers.values())) > 1:
         v.append(
             Violation(

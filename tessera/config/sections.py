@@ -229,6 +229,11 @@ class DataConfig:
     """Seed of the sample order; None means train.seed."""
     default_corpus_mb: float = 8.0
     """How many MiB of standard-library sources the default corpus takes (a deterministic subset)."""
+    document_mask: bool = False
+    """Attend within documents only: a training window spanning several documents (each ended by the data's
+    end-of-text token) has its positions restart at every document and attention masked block-diagonally
+    (causal within each document), as if each were a sequence of its own. Needs token files that record their
+    end-of-text token (`tessera prepare` does). Off: the window is one sequence, as in GPT-2 training."""
 
     def sources(self) -> list[tuple[str, float]]:
         """(path, weight) of every training file; empty for the default corpus. Assumes `check` passed."""

@@ -13,6 +13,7 @@ from tessera.model.layers import Attention, Block, Head, TransformerLM
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
+    from tessera.model.documents import Documents
 
 __all__ = ["GPT", "GPTMLP", "GPTEmbedding"]
 
@@ -25,11 +26,14 @@ class GPTEmbedding(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
 
-    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """tokens [b, s] at positions start..start+s-1 (start > 0 when decoding after cached tokens)."""
+    def forward(self, tokens: torch.Tensor, start: int = 0, docs: Documents | None = None) -> torch.Tensor:
+        """tokens [b, s] at positions start..start+s-1 (start > 0 when decoding after cached tokens), or at
+        ``docs.positions`` [b, s] (document masking: they restart at every document)."""
         s = start + tokens.shape[1]  # tokens: [b, s - start]
         if s > self.wpe.num_embeddings:
             raise ValueError(f"sequence length {s} exceeds model.seq_len = {self.wpe.num_embeddings}")
+        if docs is not None:
+            return self.wte(tokens) + self.wpe(docs.positions)  # [b, s, h]
         pos = torch.arange(start, s, device=tokens.device)  # pos: [s - start]
         return self.wte(tokens) + self.wpe(pos)  # [b, s, h]
 

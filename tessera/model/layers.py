@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.model.documents import Documents
+
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
     from tessera.model.family import FamilyPlan
@@ -35,6 +37,7 @@ __all__ = [
     "Rope",
     "TransformerLM",
     "apply_rope",
+    "attend",
     "rope_tables",
 ]
 
@@ -64,7 +67,8 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device 
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [b, heads, s, hd] by position; cos/sin are [s, hd/2], already sliced to x's positions.
+    """Rotate x [b, heads, s, hd] by position; cos/sin are [s, hd/2], already sliced to x's positions (or
+    [b, 1, s, hd/2], gathered at each sequence's own positions).
 
     Uses the "rotate half" pairing (dimension i with i + hd/2), the convention of Hugging Face Llama
     checkpoints.
@@ -97,8 +101,15 @@ class Rope(nn.Module):
             self.cos.copy_(cos)
             self.sin.copy_(sin)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k, whose first position is ``start`` (> 0 when decoding after cached tokens)."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k, whose first position is ``start`` (> 0 when decoding after cached tokens), or whose
+        positions are ``positions`` [b, s] (document masking: they restart at every document)."""
+        if positions is not None:
+            cos = self.cos[positions].unsqueeze(1)  # cos: [b, 1, s, hd/2]
+            sin = self.sin[positions].unsqueeze(1)  # sin: [b, 1, s, hd/2]
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [b, nh, s, hd], [b, nkv, s, hd]
         s = q.shape[2]
         if start + s > self.seq_len:
             raise ValueError(
@@ -115,19 +126,50 @@ class AttentionCore(nn.Module):
     n_heads / n_kv_heads times (consecutive query heads share a KV head). Head counts come from the tensors,
     so a tensor-parallel rank holding a subset of heads uses it unchanged. With fewer queries than keys
     (decoding after cached tokens) the queries are the last positions: query j sees keys up to S - L + j.
+    With ``mask`` [b, 1, s, s] (document masking: `Documents.mask`, True where a query may attend) it replaces
+    the causal mask; SDPA then runs its masked kernel, which runs on CPU and GPU alike (flex attention would
+    skip the masked blocks on a GPU but needs torch.compile, slow to build on CPU).
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=1)  # k: [b, nh, S, hd]
             v = v.repeat_interleave(n_rep, dim=1)  # v: [b, nh, S, hd]
         L, S = q.shape[2], k.shape[2]
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [b, nh, s, hd]
         if L == S:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, nh, s, hd]
         # SDPA's is_causal aligns the mask top-left when L != S; cached decoding needs it bottom-right
         mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)  # mask: [L, S]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [b, nh, L, hd]
+
+
+def attend(
+    attn: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    docs: Documents | None = None,
+    cache: LayerKV | None = None,
+) -> torch.Tensor:
+    """Position q [b, nh, s, hd] and k [b, nkv, s, hd] with ``attn.rope`` (if any) and run ``attn.core``: the
+    part every attention layer (plain, 1D, 2D) shares once it has its heads. With ``docs`` positions restart
+    per document and attention stops at document boundaries; with ``cache``, q, k, v are the positions after
+    the cached ones."""
+    if attn.rope is not None:
+        if docs is not None:
+            q, k = attn.rope(q, k, positions=docs.positions)  # q: [b, nh, s, hd]
+        else:
+            q, k = attn.rope(q, k, cache.length if cache is not None else 0)  # q: [b, nh, s, hd]
+    if cache is not None:
+        k, v = cache.append(k, v)  # k, v: [b, nkv, cached + s, hd]
+    if docs is None:
+        return attn.core(q, k, v)  # [b, nh, s, hd]
+    return attn.core(q, k, v, docs.mask)  # [b, nh, s, hd]
 
 
 class LayerKV:
@@ -178,17 +220,16 @@ class Attention(nn.Module):
         self.core = AttentionCore()
         self.rope = rope
 
-    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
-        """x [b, s, h] -> [b, s, h]; with ``cache``, x holds the positions after the cached ones."""
+    def forward(
+        self, x: torch.Tensor, cache: LayerKV | None = None, docs: Documents | None = None
+    ) -> torch.Tensor:
+        """x [b, s, h] -> [b, s, h]; with ``cache``, x holds the positions after the cached ones; with
+        ``docs``, attention stops at document boundaries."""
         b, s, _ = x.shape  # x: [b, s, h]
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # q: [b, nh, s, hd]
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # k: [b, nkv, s, hd]
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # v: [b, nkv, s, hd]
-        if self.rope is not None:
-            q, k = self.rope(q, k, cache.length if cache is not None else 0)  # q: [b, nh, s, hd]
-        if cache is not None:
-            k, v = cache.append(k, v)  # k, v: [b, nkv, cached + s, hd]
-        y = self.core(q, k, v)  # y: [b, nh, s, hd]
+        y = attend(self, q, k, v, docs, cache)  # y: [b, nh, s, hd]
         y = y.transpose(1, 2).reshape(b, s, -1)  # y: [b, s, nh·hd]
         return self.wo(y)  # [b, s, h]
 
@@ -200,9 +241,15 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
 
-    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: LayerKV | None = None, docs: Documents | None = None
+    ) -> torch.Tensor:
         h = self.attn_norm(x)  # h: [b, s, h]
-        x = x + (self.attn(h) if cache is None else self.attn(h, cache))  # x: [b, s, h]
+        if cache is not None:
+            a = self.attn(h, cache)  # a: [b, s, h]
+        else:
+            a = self.attn(h) if docs is None else self.attn(h, docs=docs)  # a: [b, s, h]
+        x = x + a  # x: [b, s, h]
         return x + self.mlp(self.mlp_norm(x))  # [b, s, h]
 
 
@@ -253,13 +300,26 @@ class TransformerLM(nn.Module):
     # --- forward -------------------------------------------------------------------------------------------
 
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [b, s, V]; or, given targets [b, s], the mean cross-entropy over all tokens (a scalar).
 
         With a ``cache`` (decoding), tokens are the positions after the cached ones, which the cache then holds.
+        With ``positions`` [b, s] (`tessera.model.documents`), each document of a packed sequence is attended
+        and positioned on its own.
         """
-        if cache is None:
+        if positions is not None:
+            if cache is not None:
+                raise ValueError("document masking is for training on packed sequences; decode without it")
+            docs = self.documents(positions)
+            x = self.embed(tokens, docs=docs) if self.embed is not None else tokens  # x: [b, s, h]
+            for block in self.blocks.values():
+                x = block(x, docs=docs)  # x: [b, s, h]
+        elif cache is None:
             x = self.embed(tokens) if self.embed is not None else tokens  # x: [b, s, h]
             for block in self.blocks.values():
                 x = block(x)  # x: [b, s, h]
@@ -275,6 +335,11 @@ class TransformerLM(nn.Module):
             return x  # [b, s, h]
         logits = self.head(x)  # logits: [b, s, V]
         return logits if targets is None else self.loss(logits, targets)
+
+    @staticmethod
+    def documents(positions: torch.Tensor) -> Documents:
+        """What the blocks need of a micro-batch's documents: all of its sequences (a 2D model keeps its rows)."""
+        return Documents(positions)
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from tessera.model.layers import Attention, Block, Head, RMSNorm, Rope, Transfor
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
+    from tessera.model.documents import Documents
 
 __all__ = ["Llama", "LlamaEmbedding", "LlamaMLP"]
 
@@ -25,8 +26,8 @@ class LlamaEmbedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
 
-    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        del start  # positions enter through RoPE (the attention's cache knows them)
+    def forward(self, tokens: torch.Tensor, start: int = 0, docs: Documents | None = None) -> torch.Tensor:
+        del start, docs  # positions enter through RoPE (the attention's cache or the documents give them)
         return self.tok(tokens)  # tokens: [b, s] -> [b, s, h]
 
 

@@ -83,8 +83,8 @@ def _checkpoint_forward(block: nn.Module) -> None:
         return
     plain = block.forward
 
-    def forward(*args: torch.Tensor) -> torch.Tensor:
-        return checkpoint(plain, *args, use_reentrant=False)
+    def forward(*args: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        return checkpoint(plain, *args, use_reentrant=False, **kwargs)  # kwargs: the documents, if masking
 
     block.forward = forward  # type: ignore[method-assign]
     block._tessera_checkpointed = True  # type: ignore[attr-defined]

@@ -26,9 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import comm
+from tessera.model.layers import attend
 from tessera.parallel.tensor_2d import Grid2D, matmul_ab_2d, matmul_abt_2d
 
 if TYPE_CHECKING:
+    from tessera.model.documents import Documents
     from tessera.model.family import FamilyPlan
 
 __all__ = [
@@ -198,14 +200,13 @@ class Attention2D(nn.Module):
         self.wv, self.wo = Linear2D(attn.wv, grid), Linear2D(attn.wo, grid)
         self.core, self.rope = attn.core, attn.rope  # parameter-free; the Rope tables are shared
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        """x [b/q, s, h/q] → [b/q, s, h/q]; ``docs``: this grid row's sequences' documents (`Model2D.documents`)."""
         b, s, _ = x.shape  # x: [b/q, s, h/q]
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # q: [b/q, nh/q, s, hd]
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # k: [b/q, nkv/q, s, hd]
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # v: [b/q, nkv/q, s, hd]
-        if self.rope is not None:
-            q, k = self.rope(q, k)
-        y = self.core(q, k, v)  # y: [b/q, nh/q, s, hd]
+        y = attend(self, q, k, v, docs)  # y: [b/q, nh/q, s, hd]
         y = y.transpose(1, 2).reshape(b, s, -1)  # y: [b/q, s, nh·hd/q]
         return self.wo(y)  # [b/q, s, h/q]
 
@@ -264,11 +265,14 @@ class PositionEmbedding2D(nn.Module):
         self.shards = {"weight": Shard(dim_j=1, dim_i=None)}
         self.weight = _param(emb.weight, grid, self.shards["weight"])  # [S, h/q]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b/q, s, h/q] plus positions 0..s-1, or ``positions`` [b/q, s] (this grid row's, per document)."""
         s = x.shape[1]
         if s > self.weight.shape[0]:
             raise ValueError(f"sequence length {s} exceeds model.seq_len = {self.weight.shape[0]}")
-        return x + _to_col(self.weight[:s], self.grid)  # [b/q, s, h/q]
+        if positions is None:
+            return x + _to_col(self.weight[:s], self.grid)  # [b/q, s, h/q]
+        return x + F.embedding(positions, _to_col(self.weight, self.grid))  # [b/q, s, h/q]
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -21,12 +21,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from tessera import comm
 from tessera.errors import ConfigError
+from tessera.model.documents import Documents
 from tessera.model.family import FamilyPlan
-from tessera.model.layers import Block
+from tessera.model.layers import Block, TransformerLM, attend
 from tessera.model.materialize import ShardSpec
 from tessera.parallel.tensor_1d import (
     ColumnParallelLinear,
@@ -57,15 +59,14 @@ class ParallelAttention(nn.Module):
         self.core = attn.core  # parameter-free: checkpointing may wrap it as in the plain model
         self.rope = attn.rope
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         q, k, v = column_parallel(x, (self.wq, self.wk, self.wv), self.group, self.sequence_parallel)
         b, s, _ = q.shape  # q: [b, s, nh·hd/t] (the full sequence, also with SP)
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)  # q: [b, nh/t, s, hd]
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # k: [b, nkv/t, s, hd]
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)  # v: [b, nkv/t, s, hd]
-        if self.rope is not None:
-            q, k = self.rope(q, k)  # full sequence here, so positions 0..s-1 as in the plain model
-        y = self.core(q, k, v)  # y: [b, nh/t, s, hd]
+        # full sequence here, so the plain model's positions (and whole documents) with or without SP
+        y = attend(self, q, k, v, docs)  # y: [b, nh/t, s, hd]
         y = y.transpose(1, 2).reshape(b, s, -1)  # y: [b, s, nh·hd/t]
         return self.wo(y)  # [b, s, h] or [b, s/t, h] with SP
 
@@ -109,7 +110,8 @@ class ParallelEmbedding(nn.Module):
         if self.position_name is not None:
             setattr(self, self.position_name, getattr(embed, self.position_name))  # replicated, not sharded
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        """tokens [b, s] → x [b, s, h] ([b, s/t, h] with SP); learned positions 0..s-1, or ``docs.positions``."""
         x = getattr(self, self.token_name)(tokens)  # x: [b, s, h] or [b, s/t, h] with SP
         if self.position_name is None:
             return x
@@ -118,11 +120,13 @@ class ParallelEmbedding(nn.Module):
         if s > table.num_embeddings:
             raise ValueError(f"sequence length {s} exceeds model.seq_len = {table.num_embeddings}")
         if not self.sequence_parallel:
-            return x + table.weight[:s]  # [b, s, h]
-        # This rank holds positions [r·s/t, (r+1)·s/t): the table's gradient is partial, all-reduce it.
+            return x + (table.weight[:s] if docs is None else table(docs.positions))  # [b, s, h]
+        # This rank holds sequence indices [r·s/t, (r+1)·s/t): the table's gradient is partial, all-reduce it.
         n, r = x.shape[1], group_rank(self.group)
         weight = comm.copy_to_region(table.weight, self.group)  # weight: [seq_len, h]
-        return x + weight[r * n : (r + 1) * n]  # [b, s/t, h]
+        if docs is None:
+            return x + weight[r * n : (r + 1) * n]  # [b, s/t, h]
+        return x + F.embedding(docs.positions[:, r * n : (r + 1) * n], weight)  # [b, s/t, h]
 
 
 class ParallelHead(nn.Module):
@@ -210,18 +214,27 @@ class TensorParallel1D(nn.Module):
             return []
         return [("head.out.weight", f"embed.{self.plan.token_embedding}.weight")]
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Loss over the full micro-batch (or full logits without targets); hidden states in/out for a stage
-        without embed/head ([b, s/t, h] with sequence parallelism)."""
+        without embed/head ([b, s/t, h] with sequence parallelism). ``positions`` [b, s]: document masking
+        (`tessera.model.documents`), the full micro-batch's on every rank."""
         if self.sequence_parallel and tokens.shape[1] % self.tp:
             raise ValueError(
                 f"sequence parallelism splits the sequence over the {self.tp} tensor ranks, but the sequence "
                 f"length is {tokens.shape[1]}; use a seq_len divisible by {self.tp} or turn "
                 "parallel.sequence_parallel off"
             )
-        x = self.embed(tokens) if self.embed is not None else tokens  # x: [b, s, h] or [b, s/t, h]
-        for block in self.blocks.values():
-            x = block(x)
+        if positions is None:
+            x = self.embed(tokens) if self.embed is not None else tokens  # x: [b, s, h] or [b, s/t, h]
+            for block in self.blocks.values():
+                x = block(x)
+        else:
+            docs = self.documents(positions)
+            x = self.embed(tokens, docs) if self.embed is not None else tokens  # x: [b, s, h] or [b, s/t, h]
+            for block in self.blocks.values():
+                x = block(x, docs=docs)
         if self.head is None:
             if targets is not None:
                 raise ValueError(
@@ -229,6 +242,9 @@ class TensorParallel1D(nn.Module):
                 )
             return x
         return self.head(x, targets)
+
+    documents = staticmethod(TransformerLM.documents)
+    """Attention sees the whole sequence on every tensor rank (gathered with SP): the documents of all of it."""
 
     def full_parameters(self, grad: bool = False) -> dict[str, torch.Tensor]:
         """Full, unpadded parameters (or gradients) keyed like the plain model; collective over the tensor group.

@@ -15,6 +15,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.errors import ConfigError
+from tessera.model.documents import Documents
 from tessera.model.layers import Block
 from tessera.model.materialize import ShardSpec
 from tessera.parallel.layers_2d import (
@@ -70,9 +71,12 @@ class _Embed2D(nn.Module):
         if self.position_name is not None:
             setattr(self, self.position_name, PositionEmbedding2D(getattr(embed, self.position_name), grid))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        """tokens [b, s] → x [b/q, s, h/q]; ``docs``: this grid row's documents (their positions)."""
         x = getattr(self, self.token_name)(tokens)  # x: [b/q, s, h/q]
-        return x if self.position_name is None else getattr(self, self.position_name)(x)
+        if self.position_name is None:
+            return x
+        return getattr(self, self.position_name)(x, None if docs is None else docs.positions)
 
 
 class _Out2D(nn.Module):
@@ -162,12 +166,16 @@ class Model2D(nn.Module):
 
     # --- forward ---------------------------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Full micro-batch tokens/targets [b, s] → mean loss over all b·s tokens (same on every grid rank).
 
         Pipeline parts: without `embed`, ``tokens`` is already the hidden block [b/q, s, h/q]; without `head`,
-        the hidden block is returned.
+        the hidden block is returned. ``positions`` [b, s] (the full micro-batch's): document masking
+        (`tessera.model.documents`); this rank uses its grid row's sequences.
         """
+        docs = None if positions is None else self.documents(positions)
         q, i = self.grid.q, self.grid.i
         if self.embed is not None:
             if tokens.shape[0] % q:
@@ -175,11 +183,11 @@ class Model2D(nn.Module):
                     f"2D tensor parallelism splits the micro-batch over q = {q} grid rows, but it has "
                     f"{tokens.shape[0]} sequences; use a micro-batch size divisible by {q}"
                 )
-            x = self.embed(tokens)  # x: [b/q, s, h/q]
+            x = self.embed(tokens) if docs is None else self.embed(tokens, docs)  # x: [b/q, s, h/q]
         else:
             x = tokens
         for block in self.blocks.values():
-            x = block(x)  # x: [b/q, s, h/q]
+            x = block(x) if docs is None else block(x, docs=docs)  # x: [b/q, s, h/q]
         if self.head is None:
             return x
         if targets is None:
@@ -192,6 +200,12 @@ class Model2D(nn.Module):
         if q > 1:
             total = comm.reduce_from_region(total, self.grid.col)  # sum over the q grid rows
         return total / targets.numel()
+
+    def documents(self, positions: torch.Tensor) -> Documents:
+        """The documents of this rank's batch rows: positions [b, s] of the full micro-batch → grid row i's
+        b/q sequences, the rows its [b/q, s, h/q] activations hold."""
+        rows = positions.shape[0] // self.grid.q
+        return Documents(positions[self.grid.i * rows : (self.grid.i + 1) * rows])  # positions: [b/q, s]
 
     # --- the contract with the trainer, tests and checkpoints ------------------------------------------------
 

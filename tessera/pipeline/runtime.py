@@ -38,6 +38,7 @@ from torch import nn
 from tessera import comm
 from tessera.errors import ConfigError
 from tessera.layout import Axis
+from tessera.model.documents import Batch, batch_parts
 from tessera.model.materialize import materialize
 from tessera.modes import reduces_every_microbatch
 from tessera.parallel.clipping import squared_norm
@@ -52,7 +53,6 @@ from tessera.pipeline.validate import validate
 __all__ = ["PipelineEngine", "TimedAction", "build_pipeline"]
 
 _K = ActionKind
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class TimedAction(tuple):
@@ -258,7 +258,7 @@ class PipelineEngine:
 
     def _forward(self, state: _StepState, s: int, j: int) -> None:
         self._ready(state, s)
-        tokens, targets = state.batches[j]
+        tokens, targets, positions = batch_parts(state.batches[j])
         if s == 0:
             x = tokens
         elif self.owner[s - 1] == self.rank:
@@ -266,24 +266,32 @@ class PipelineEngine:
         else:
             x = state.received.pop(("act", s - 1, j)).requires_grad_()
         if not self.track_saved:  # e.g. a caller measuring with its own saved-tensor hooks (they do not nest)
-            out = self._stage_forward(state, s, x, targets)
+            out = self._stage_forward(state, s, x, targets, positions)
         else:
             with SavedActivationCounter(self.stages[s]) as saved:
-                out = self._stage_forward(state, s, x, targets)
+                out = self._stage_forward(state, s, x, targets, positions)
             state.saved[(s, j)] = saved.bytes
             self.peak_saved_bytes = max(self.peak_saved_bytes, sum(state.saved.values()))
         state.inputs[(s, j)], state.outputs[(s, j)] = x, out
 
     def _stage_forward(
-        self, state: _StepState, s: int, x: torch.Tensor, targets: torch.Tensor
+        self,
+        state: _StepState,
+        s: int,
+        x: torch.Tensor,
+        targets: torch.Tensor,
+        positions: torch.Tensor | None,
     ) -> torch.Tensor:
+        """Every stage gets the micro-batch's side inputs from the batch it was given (the targets to the last,
+        the document positions, if any, to all): each pipeline rank holds every micro-batch's tokens."""
+        side = {} if positions is None else {"positions": positions}
         if s == self.n_stages - 1:
-            out = self.stages[s](x, targets) / self.m  # mean over micro-batches = mean over the batch
+            out = self.stages[s](x, targets, **side) / self.m  # mean over micro-batches = mean over the batch
             state.losses.append(out.detach())
             if self.loss_scale != 1.0:
                 out = out * self.loss_scale  # fp16: backward runs on the scaled loss
         else:
-            out = self.stages[s](x)
+            out = self.stages[s](x, **side)
         return out
 
     def _output_grad(self, state: _StepState, s: int, j: int) -> torch.Tensor | None:

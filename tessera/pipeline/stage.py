@@ -95,17 +95,42 @@ class Stage(nn.Module):
         # Not registered as submodules: they share embed/head with this stage and must not rename parameters.
         object.__setattr__(self, "_front", _model_part(model, True, False) if self.is_first else None)
         object.__setattr__(self, "_tail", _model_part(model, False, True) if self.is_last else None)
+        # the model's view of a micro-batch's documents (a 2D model keeps its grid row's sequences)
+        object.__setattr__(self, "_documents", getattr(model, "documents", None))
         apply_checkpointing(
             self.blocks, checkpointing
         )  # in place, as the direct loop does to the whole model
         self.boundary_shape = boundary_shape(model)
         """tokens shape [b, s] → shape of this stage's input/output hidden tensor (None if unknown)."""
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``positions`` [b, s]: the micro-batch's positions per document (document masking), which every stage
+        is given alongside its input, as the last stage is given the targets."""
+        if positions is not None:
+            return self._forward_documents(x, targets, positions)
         if self._front is not None:
             x = self._front(x)  # tokens [b, s] -> x: [b, s, h]
         for block in self.blocks.values():
             x = block(x)  # x: [b, s, h]
+        if self._tail is None:
+            return x
+        return self._tail(x, targets)  # loss (scalar), or logits [b, s, V] when targets is None
+
+    def _forward_documents(
+        self, x: torch.Tensor, targets: torch.Tensor | None, positions: torch.Tensor
+    ) -> torch.Tensor:
+        if self._documents is None:
+            raise ValueError(
+                "the pipelined model has no documents(positions) method, so its stages cannot mask documents; "
+                "turn data.document_mask off"
+            )
+        if self._front is not None:
+            x = self._front(x, positions=positions)  # tokens [b, s] -> x: [b, s, h]
+        docs = self._documents(positions)
+        for block in self.blocks.values():
+            x = block(x, docs=docs)  # x: [b, s, h]
         if self._tail is None:
             return x
         return self._tail(x, targets)  # loss (scalar), or logits [b, s, V] when targets is None

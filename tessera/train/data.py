@@ -313,6 +313,18 @@ class TokenDataset:
         return int(self.meta["vocab_size"])
 
     @property
+    def eot(self) -> int:
+        """The end-of-text token that ends every document (recorded by `prepare`); DataError if none is."""
+        eot = self.meta.get("eot")
+        if eot is None:
+            raise DataError(
+                f"token file {str(self.path)!r} records no end-of-text token, so its document boundaries are "
+                "unknown; prepare it again with `tessera prepare` (--eot-token TOKEN for a tokenizer without "
+                "one), or set data.document_mask = false"
+            )
+        return int(eot)
+
+    @property
     def max_token_id(self) -> int:
         """The largest token id in the file: recorded by `prepare`, else found by one pass over the file."""
         if "max_token_id" not in self.meta:  # files prepared before it was recorded
@@ -392,6 +404,17 @@ class Blend:
         """`TokenDataset.check_vocab` of every source."""
         for source in self.sources:
             source.check_vocab(vocab_size)
+
+    @property
+    def eot(self) -> int:
+        """The sources' common end-of-text token; DataError if one has none or they differ."""
+        eots = {str(s.path): s.eot for s in self.sources}
+        if len(set(eots.values())) > 1:
+            raise DataError(
+                f"the blended token files end documents with different tokens {eots}; prepare every file "
+                "with the same tokenizer and --eot-token"
+            )
+        return next(iter(eots.values()))
 
     def source_of(self, index: int, seed: int) -> int:
         """Which source global sample ``index`` is drawn from: a pure function of (seed, index)."""

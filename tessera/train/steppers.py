@@ -23,6 +23,7 @@ from tessera.config import Config, TrainConfig
 from tessera.execution import SCHEDULE_RUNTIME, ExecutionPlan, resolve
 from tessera.groups import Groups
 from tessera.layout import Axis, Layout
+from tessera.model.documents import Batch, batch_parts
 from tessera.model.materialize import release_parameters
 from tessera.parallel.apply import norm_weights, tensor_groups
 from tessera.parallel.checkpointing import apply_checkpointing
@@ -35,8 +36,6 @@ from tessera.pipeline.runtime import build_pipeline
 from tessera.pipeline.stage_comm import DataParallelStageComm, ZeroStageComm
 
 __all__ = ["DirectStepper", "ScheduledStepper", "Stepper", "make_optimizer", "make_stepper"]
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class Stepper(Protocol):
@@ -119,11 +118,11 @@ class DirectStepper:
         """Accumulate every micro-batch's gradient; returns this replica's mean loss."""
         losses, m = [], len(batches)
         self.saved_bytes = 0  # the largest micro-batch's bytes saved for backward on this rank
-        for i, (x, y) in enumerate(batches):
+        for i, batch in enumerate(batches):
             if i == m - 1:
                 self.sync.arm()
-            with autocast(self.dtype, x.device), SavedActivationCounter(self.module) as saved:
-                loss = self.module(x, y) / m
+            with autocast(self.dtype, batch[0].device), SavedActivationCounter(self.module) as saved:
+                loss = self._loss(batch) / m
             self.saved_bytes = max(self.saved_bytes, saved.bytes)
             (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
             losses.append(loss.detach().float())
@@ -139,10 +138,15 @@ class DirectStepper:
     def evaluate(self, batches: list[Batch]) -> float:
         """This replica's mean loss over the micro-batches, forward only (validation)."""
         losses = []
-        for x, y in batches:
-            with autocast(self.dtype, x.device):
-                losses.append(self.module(x, y).detach().float() / len(batches))
+        for batch in batches:
+            with autocast(self.dtype, batch[0].device):
+                losses.append(self._loss(batch).detach().float() / len(batches))
         return float(torch.stack(losses).sum())
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        """The module's mean loss on one micro-batch, given its document positions when it has them."""
+        x, y, positions = batch_parts(batch)
+        return self.module(x, y) if positions is None else self.module(x, y, positions=positions)
 
     def clip(self, max_norm: float) -> float:
         """Clip to max_norm by the global norm; tensor-parallel modules count every shard once."""

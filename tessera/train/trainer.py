@@ -31,6 +31,7 @@ from tessera.execution import DIRECT, resolve
 from tessera.groups import Groups, build_groups
 from tessera.layout import Axis
 from tessera.model.build import meta_model
+from tessera.model.documents import Batch, document_positions
 from tessera.model.init import InitSource, ValueSource, draw_seed
 from tessera.model.materialize import declare, materialize
 from tessera.parallel.apply import parallelize, shard_specs
@@ -167,6 +168,8 @@ class TrainingRun:
         for data in (self.data, self.valid):
             if data is not None:
                 data.check_vocab(cfg.model.vocab_size)
+                if cfg.data.document_mask:
+                    data.eot  # noqa: B018 (raises DataError now, before any step, if documents cannot be found)
         torch.manual_seed(cfg.train.seed)  # identical on every rank: replicas start equal without a broadcast
         # a checkpoint about to be loaded (resume; export, which like the dry run needs no data) overwrites the
         # initial values: model.init's folder is not read then, so a fine-tuned run outlives its base model
@@ -225,17 +228,18 @@ class TrainingRun:
     def saved_bytes(self) -> int:
         return self.stepper.saved_bytes
 
-    def batches(
-        self, step: int, data: TokenDataset | Blend | None = None
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, step: int, data: TokenDataset | Blend | None = None) -> list[Batch]:
         """This data-parallel rank's micro-batches of ``step`` of ``data`` (default: the training data): a pure
-        function of (seed, global sample index)."""
+        function of (seed, global sample index). With data.document_mask each also carries its tokens'
+        positions within their documents (`tessera.model.documents`)."""
         cfg, tr = self.cfg, self.cfg.train
         seed = cfg.data.seed if cfg.data.seed is not None else tr.seed
-        out = []
+        data = data if data is not None else self.data
+        eot = data.eot if cfg.data.document_mask else None
+        out: list[Batch] = []
         for micro in range(self.n_micro):
             x, y = get_batch(
-                data if data is not None else self.data,
+                data,
                 step,
                 micro,
                 self.dp_rank,
@@ -245,7 +249,8 @@ class TrainingRun:
                 cfg.model.seq_len,
                 seed,
             )
-            out.append((x.to(self.device), y.to(self.device)))
+            x, y = x.to(self.device), y.to(self.device)
+            out.append((x, y) if eot is None else (x, y, document_positions(x, eot)))
         return out
 
     def step(self, step: int, hook: StepHook | None) -> tuple[float, float]:

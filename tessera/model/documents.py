@@ -1,0 +1,63 @@
+"""Document masking for packed sequences: position ids that restart at each document, and the attention mask.
+
+A training window of ``s`` tokens cut from a token file usually spans several documents (each ends with the
+end-of-text token). By default the model sees the window as one sequence: positions 0..s-1 and causal attention
+across document boundaries. With ``data.document_mask`` every document in the window is a sequence of its own,
+as if packed without padding ("variable-length packing"): its tokens are numbered from 0 and attend only to
+earlier tokens of the same document.
+
+Everything follows from the positions ``p`` [b, s] (`document_positions`): a query at index i with position p_i
+sees exactly the keys j with ``i - p_i <= j <= i`` — its own document's tokens up to itself. That is the
+block-diagonal causal mask, built here once per micro-batch and shared by every layer (`Documents`). Hugging
+Face's packing collator (``DataCollatorWithFlattening``) passes packed documents the same way, as position ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["Batch", "Documents", "batch_parts", "document_positions"]
+
+Batch = Sequence[torch.Tensor]
+"""One micro-batch: (tokens, targets), or (tokens, targets, positions) with document masking."""
+
+
+def batch_parts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(tokens, targets, positions or None) of a micro-batch."""
+    tokens, targets, *rest = batch
+    return tokens, targets, (rest[0] if rest else None)
+
+
+def document_positions(tokens: torch.Tensor, eot: int) -> torch.Tensor:
+    """Each token's position within its document, int64 [b, s]: a document starts at the window's first token
+    and right after every ``eot`` token (which ends the document before it)."""
+    b, s = tokens.shape  # tokens: [b, s]
+    index = torch.arange(s, device=tokens.device).expand(b, s)  # index: [b, s]
+    starts = torch.zeros_like(tokens, dtype=torch.bool)  # starts: [b, s]
+    starts[:, 1:] = tokens[:, :-1] == eot
+    first = torch.where(starts, index, 0).cummax(dim=1).values  # first: [b, s], index of the document's start
+    return index - first  # [b, s]
+
+
+class Documents:
+    """The documents of a micro-batch's sequences, as the attention layers need them.
+
+    ``positions`` [b, s]: position of each token within its document; ``mask`` [b, 1, s, s] (True: may attend),
+    causal within each document, built on first use (a stage that only embeds never builds it).
+    """
+
+    def __init__(self, positions: torch.Tensor) -> None:
+        self.positions = positions  # positions: [b, s]
+        self._mask: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        if self._mask is None:
+            s = self.positions.shape[1]
+            index = torch.arange(s, device=self.positions.device)
+            back = index[:, None] - index[None, :]  # back: [s, s], how far key j lies before query i
+            # key j is visible to query i iff 0 <= i - j <= p_i: itself and its own document's earlier tokens
+            self._mask = ((back >= 0) & (back <= self.positions[:, :, None])).unsqueeze(1)  # [b, 1, s, s]
+        return self._mask

@@ -1,0 +1,205 @@
+"""data.document_mask on every layout attention runs under, against the single-device run with the mask.
+
+The data is many short documents (JSON records of 10-40 bytes, byte tokens, seq_len 32), so every window spans
+several document boundaries. Each layout trains 2 steps through `train` (the trainer derives the positions from
+the windows); its loss every step and every gradient every step (tensor-parallel shards gathered, pipeline
+ranks' stages merged) must equal the reference's. ZeRO-3 keeps only reduced gradient shards: through `train` it
+is compared by loss and by the global gradient norm the trainer clipped by, and its gradients are gathered from
+the shards in a direct run of the schedule runtime below. GPT (learned positions) runs where positions are
+sharded differently (1D with sequence parallelism, the 2D grid); Llama (RoPE) everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.config import ModelConfig, from_dict
+from tessera.model.build import build_model
+from tessera.model.documents import document_positions
+from tessera.train.data import prepare
+from tessera.train.metrics import read_metrics
+from tessera.train.trainer import train
+from tests.distributed.conftest import trainer_config
+from tests.harness import run_distributed
+
+LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6  # as the trainer tests (tests/distributed/conftest.py explains them)
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5
+STEPS = 2
+EOT = 0  # the byte tokenizer's end-of-text token
+LLAMA = {"size": "llama-tiny", "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_model": 32, "ffn_hidden": 64}
+GPT = {"size": "gpt2-tiny", "n_layers": 2}
+
+LAYOUTS = {  # name: (world size, model, parallel section)
+    "dp2": (2, LLAMA, {"data": 2}),
+    "tp2_sp": (2, LLAMA, {"tensor": 2, "sequence_parallel": True}),
+    "gpt_tp2_sp_full_ckpt": (2, GPT, {"tensor": 2, "sequence_parallel": True, "checkpointing": "full"}),
+    "pp2_1f1b": (2, LLAMA, {"pipeline": 2, "schedule": "1f1b"}),
+    "gpt_pp2_bf": (2, GPT, {"pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 1}),
+    "dp2_z3": (2, LLAMA, {"data": 2, "zero": 3}),
+    "tp2x2": (4, LLAMA, {"tensor": "2x2", "checkpointing": "selective"}),
+    "gpt_tp2x2": (4, GPT, {"tensor": "2x2"}),
+}
+
+
+@pytest.fixture(scope="module")
+def documents_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Byte tokens of 3000 short JSON records, each a document ended by EOT."""
+    root = tmp_path_factory.mktemp("docs")
+    rng = random.Random(7)
+    words = ["".join(rng.choices("etaoinshrdlu", k=rng.randint(1, 6))) for _ in range(60)]
+    lines = [json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(2, 7)))}) for _ in range(3000)]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    prepare([root / "docs.jsonl"], root / "docs.bin", "byte")
+    return root / "docs.bin"
+
+
+def _config(token_file: Path, run_dir: Path, model: dict, parallel: dict, mask: bool = True) -> dict:
+    raw = trainer_config(token_file, run_dir, model, parallel, steps=STEPS, grad_clip=0.5)
+    raw["data"]["document_mask"] = mask
+    return raw
+
+
+def _train_all(rank: int, world: int, configs: list[dict]) -> list[tuple[dict[int, float], list[dict]]]:
+    """Train every config in turn; per config: losses and, per step, this rank's full gradients by plain name
+    (tensor-parallel models gathered; a pipeline rank has only its stages')."""
+    out = []
+    for raw in configs:
+        grads: list[dict[str, torch.Tensor]] = []
+
+        def hook(step: int, model: torch.nn.Module, grads: list = grads) -> None:
+            if hasattr(model, "full_parameters"):
+                full = model.full_parameters(grad=True)
+            else:
+                full = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            grads.append({n: g.detach().clone() for n, g in full.items()})
+
+        out.append((train(from_dict(raw), hook).losses, grads))
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(
+    documents_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, tuple[dict[int, float], list[dict]]]]:
+    """The single-device runs (their run folder; losses and gradients): Llama and GPT with the mask, Llama
+    without."""
+    token_file, root = documents_file, tmp_path_factory.mktemp("refs")
+    configs = {
+        "llama": _config(token_file, root / "ref_llama", LLAMA, {"accumulation": "depth_first"}),
+        "gpt": _config(token_file, root / "ref_gpt", GPT, {"accumulation": "depth_first"}),
+        "llama_unmasked": _config(
+            token_file, root / "ref_off", LLAMA, {"accumulation": "depth_first"}, False
+        ),
+    }
+    return root, dict(zip(configs, _train_all(0, 1, list(configs.values())), strict=True))
+
+
+def _run_world(rank: int, world: int, configs: list[dict]) -> tuple[list, tuple | None]:
+    """One spawn per world size: the trainer runs, then (world 2) the ZeRO-3 gradient check's step."""
+    return _train_all(rank, world, configs), _zero3_gradients(rank, world) if world == 2 else None
+
+
+@pytest.mark.parametrize("world", sorted({w for w, _, _ in LAYOUTS.values()}))
+def test_document_mask_matches_single_device(
+    documents_file: Path, references: tuple[Path, dict], tmp_path: Path, world: int
+) -> None:
+    references_dir, refs = references
+    # the mask changes the computation: otherwise matching the reference would prove nothing about it
+    masked, unmasked = refs["llama"][1][0], refs["llama_unmasked"][1][0]
+    assert any(not torch.allclose(g, unmasked[n], rtol=GRAD_RTOL, atol=GRAD_ATOL) for n, g in masked.items())
+    names = [n for n, (w, _, _) in LAYOUTS.items() if w == world]
+    configs = [_config(documents_file, tmp_path / n, LAYOUTS[n][1], LAYOUTS[n][2]) for n in names]
+    spawned = run_distributed(_run_world, world, configs, timeout=600)
+    results = [trained for trained, _ in spawned]
+    if world == 2:
+        _check_zero3_gradients(*spawned[0][1])
+    for i, name in enumerate(names):
+        family = "gpt" if LAYOUTS[name][1] is GPT else "llama"
+        ref_losses, ref_grads = refs[family]
+        losses = results[0][i][0]
+        for step in range(STEPS):
+            torch.testing.assert_close(
+                losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL, msg=name
+            )
+        if LAYOUTS[name][2].get("zero"):
+            _assert_same_grad_norms(tmp_path / name, references_dir / f"ref_{family}")
+            continue  # reduced gradients live in ZeRO shards: _check_zero3_gradients
+        for step in range(STEPS):
+            merged: dict[str, torch.Tensor] = {}
+            for rank_result in results:  # pipeline ranks hold disjoint stages; other ranks equal copies
+                merged.update(rank_result[i][1][step])
+            assert merged.keys() == ref_grads[step].keys(), name
+            for n, g in merged.items():
+                torch.testing.assert_close(
+                    g, ref_grads[step][n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=f"{name} {n} step {step}"
+                )
+
+
+def _assert_same_grad_norms(run_dir: Path, ref_dir: Path) -> None:
+    got = {m["step"]: m["grad_norm"] for m in read_metrics(run_dir)}
+    ref = {m["step"]: m["grad_norm"] for m in read_metrics(ref_dir)}
+    assert sorted(got) == sorted(ref) == list(range(STEPS))
+    for step in ref:
+        torch.testing.assert_close(got[step], ref[step], rtol=GRAD_RTOL, atol=0.0, msg=f"grad norm {step}")
+
+
+# --- ZeRO-3's gradients, gathered from its shards --------------------------------------------------------------
+
+SEQ, MICRO, M = 16, 2, 2
+
+
+def _zero_model_cfg() -> ModelConfig:
+    return ModelConfig(family="llama", n_layers=2, d_model=16, n_heads=2, vocab_size=32, seq_len=SEQ)
+
+
+def _packed_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Random tokens with about one EOT in five: several documents per sequence."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 32, (MICRO, SEQ), generator=g)
+        x = x.masked_fill(torch.rand(MICRO, SEQ, generator=g) < 0.2, EOT)
+        out.append((x, torch.randint(0, 32, (MICRO, SEQ), generator=g), document_positions(x, EOT)))
+    return out
+
+
+def _zero3_gradients(rank: int, world: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """One layered ZeRO-3 step over dp2 through the schedule runtime; the loss and the gathered gradients."""
+    from tessera import comm
+    from tessera.pipeline.passes import lower
+    from tessera.pipeline.runtime import PipelineEngine
+    from tessera.pipeline.schedules import breadth_first
+    from tessera.pipeline.stage import split_stages
+    from tessera.pipeline.stage_comm import ZeroStageComm
+    from tests.distributed.test_zero import _full_grads
+
+    cfg = _zero_model_cfg()
+    model = build_model(cfg, seed=0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    stages = split_stages(model, cfg.n_layers)
+    zero = ZeroStageComm(stages, None, 3, "layered")
+    lowered = lower(breadth_first(1, M, len(stages)), 1, zero3=True)
+    engine = PipelineEngine(dict(enumerate(stages)), lowered, 0, None, zero, microbatches=M)
+    loss = torch.tensor(engine.step(_packed_batches(world * M)[rank * M : (rank + 1) * M]))
+    comm.all_reduce(loss, None)
+    return loss.item() / world, {names[pid]: g for pid, g in _full_grads(zero).items()}
+
+
+def _check_zero3_gradients(loss: float, grads: dict[str, torch.Tensor]) -> None:
+    """ZeRO-3's loss and gathered gradients against one process running all micro-batches."""
+    model = build_model(_zero_model_cfg(), seed=0)
+    batches = _packed_batches(2 * M)
+    ref_loss = 0.0
+    for x, y, positions in batches:
+        part = model(x, y, positions=positions) / len(batches)
+        part.backward()
+        ref_loss += part.item()
+    torch.testing.assert_close(loss, ref_loss, rtol=LOSS_RTOL, atol=LOSS_ATOL)
+    assert grads.keys() == {n for n, _ in model.named_parameters()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=n)
