@@ -4,15 +4,20 @@ sequence giving each document the logits it gets alone, for every family and che
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from tessera.config import ModelConfig
+from tessera.config import ModelConfig, from_dict
+from tessera.errors import DataError
+from tessera.execution import violations
 from tessera.model.build import build_model
 from tessera.model.documents import Documents, document_positions
 from tessera.model.sizes import SIZES
 from tessera.parallel.checkpointing import apply_checkpointing
+from tessera.train.data import Blend, TokenDataset, prepare
 
 # fp32: the packed run and the lone runs do the same maths over the same keys, with SDPA's masked kernel
 # instead of its causal one, and softmax sums over extra zeros (masked keys)
@@ -92,3 +97,43 @@ def test_document_mask_refuses_a_kv_cache():
     tokens = torch.tensor([[1, 2, EOT, 3]])
     with pytest.raises(ValueError, match="decode without it"):
         model(tokens, cache=KVCache(cfg.n_layers), positions=document_positions(tokens, EOT))
+
+
+# --- the config key: documents need a known end-of-text token -------------------------------------------------
+
+
+def _token_file(tmp_path: Path, name: str, eot: int | None) -> Path:
+    """A byte token file whose metadata records ``eot`` (None: as a file prepared without one)."""
+    src = tmp_path / f"{name}.jsonl"
+    src.write_text("".join(json.dumps({"text": "ab" * (5 + i % 4)}) + "\n" for i in range(30)))
+    prepare([src], tmp_path / f"{name}.bin", workers=1)
+    meta_path = tmp_path / f"{name}.json"
+    meta = json.loads(meta_path.read_text())
+    meta["eot"] = eot
+    meta_path.write_text(json.dumps(meta))
+    return tmp_path / f"{name}.bin"
+
+
+def _violations(paths: list[Path]) -> list[str]:
+    raw = {"model": {"size": "llama-tiny"}, "data": {"path": [str(p) for p in paths], "document_mask": True}}
+    return [str(v) for v in violations(from_dict(raw), 1)]
+
+
+def test_document_mask_needs_an_end_of_text_token(tmp_path):
+    good = _token_file(tmp_path, "good", EOT)
+    assert _violations([good]) == []
+    assert TokenDataset(good).eot == EOT
+    bad = _token_file(tmp_path, "bad", None)
+    (problem,) = _violations([good, bad])
+    assert "data.document_mask" in problem and "records no end-of-text token" in problem
+    assert "tessera prepare" in problem and "--eot-token" in problem  # the fix
+    with pytest.raises(DataError, match="document_mask = false"):
+        TokenDataset(bad).eot  # noqa: B018 (the trainer's check before the first step)
+
+
+def test_document_mask_refuses_files_ending_documents_differently(tmp_path):
+    files = [_token_file(tmp_path, "a", EOT), _token_file(tmp_path, "b", 10)]
+    (problem,) = _violations(files)
+    assert "different tokens" in problem and "same tokenizer" in problem
+    with pytest.raises(DataError, match="different tokens"):
+        Blend([TokenDataset(f) for f in files], [1.0, 1.0]).eot  # noqa: B018
