@@ -49,7 +49,7 @@ def _three_documents(vocab: int, lengths: tuple[int, ...]) -> list[torch.Tensor]
     return [torch.cat((torch.randint(1, vocab, (n - 1,), generator=g), torch.tensor([EOT]))) for n in lengths]
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny"])
 @pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 def test_packed_documents_match_each_document_alone(name, checkpointing):
     cfg = ModelConfig(**SIZES[name])
