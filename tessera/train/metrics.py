@@ -148,9 +148,7 @@ class MetricsLogger:
             writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=start or None)
             self._sinks.append(_TensorBoard(writer))
         if wandb is not None:
-            import wandb as wb
-
-            self._sinks.append(_WandB(wb.init(dir=str(self.run_dir), **wandb)))
+            self._sinks.append(_WandB(_wandb_run(self.run_dir, start, wandb)))
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Record one flat dict of numbers or None (loss, lr, grad_norm, tokens_per_s, mfu, mem_bytes, step_time,
@@ -209,6 +207,27 @@ class _WandB:
 
     def close(self) -> None:
         self.run.finish()
+
+
+WANDB_ID_FILE = "wandb_run_id"
+"""RUN_DIR's file naming the W&B run that its history is logged to (a resumed run continues that run)."""
+
+
+def _wandb_run(run_dir: Path, start: int | None, args: dict[str, Any]) -> Any:
+    """``wandb.init`` for a run starting at step ``start``: a resumed run (``start`` > 0, or None: appending)
+    continues the W&B run named by RUN_DIR/wandb_run_id (``resume="allow"``, which works offline too, and
+    `wandb sync` then appends to that run); a run from step 0 starts a new W&B run and names it there, as its
+    metrics.jsonl starts afresh. The steps a resume redoes are logged again under their own step numbers."""
+    import wandb as wb
+
+    id_file = run_dir / WANDB_ID_FILE
+    if start != 0 and id_file.is_file():
+        return wb.init(dir=str(run_dir), id=id_file.read_text().strip(), resume="allow", **args)
+    run = wb.init(dir=str(run_dir), **args)
+    run_id = getattr(run, "id", None)  # None in mode = "disabled" (a dummy run)
+    if run_id:
+        id_file.write_text(f"{run_id}\n")
+    return run
 
 
 def _truncate(path: Path, start: int) -> None:
