@@ -13,6 +13,7 @@ a Parameter held by several modules (tied embeddings) is replaced by one new Par
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from torch import nn
 from tessera.model.init import ValueSource, block_rows
 
 __all__ = [
+    "Box",
     "Pending",
     "ShardSpec",
     "declare",
@@ -79,6 +81,70 @@ class ShardSpec:
     def local_shape(self) -> tuple[int, ...]:
         shape = self.block_shape
         return shape[::-1] if self.transpose else shape
+
+    def boxes(self, start: int, stop: int) -> list[Box]:
+        """The elements ``[start, stop)`` of the local tensor in row-major order (a ZeRO flat shard's part of
+        it, or all of it) as rectangular blocks of the global tensor, padding cut off: what a checkpoint saves
+        for this rank under the global name, and what it reads back at any layout."""
+        out = []
+        for local_offsets, local_sizes in _row_major_boxes(self.local_shape, start, stop):
+            flat = _ravel(local_offsets, self.local_shape)
+            offsets, sizes = local_offsets, local_sizes
+            if self.transpose:  # the local tensor is the block transposed
+                offsets, sizes = offsets[::-1], sizes[::-1]
+            g_offsets = tuple(a + o for (a, _), o in zip(self.index, offsets, strict=True))
+            kept = tuple(
+                min(z, n - g) for g, z, n in zip(g_offsets, sizes, self.shape, strict=True)
+            )  # rows past the real size are padding
+            if all(k > 0 for k in kept):
+                out.append(Box(flat, local_sizes, g_offsets, kept))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """A rectangular block of a global tensor held contiguously by a local one: ``local_sizes`` elements from
+    the local flat index ``flat`` on (in the local orientation), of which the part ``sizes`` at ``offsets``
+    of the global tensor (in the global orientation, padding cut off) is real."""
+
+    flat: int
+    local_sizes: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def _ravel(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    flat = 0
+    for i, n in zip(index, shape, strict=True):
+        flat = flat * n + i
+    return flat
+
+
+def _row_major_boxes(
+    shape: tuple[int, ...], start: int, stop: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``[start, stop)`` of a row-major tensor of ``shape`` as (offsets, sizes) blocks, each contiguous in
+    memory: a partial first row, whole rows, a partial last row (recursively): at most 2·ndim − 1 blocks."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]  # a scalar
+    inner = math.prod(shape[1:])
+    out = []
+    if start % inner:  # the tail of a first, partial row
+        row = start // inner
+        end = min(stop, (row + 1) * inner)
+        for o, z in _row_major_boxes(shape[1:], start - row * inner, end - row * inner):
+            out.append(((row, *o), (1, *z)))
+        start = end
+    whole = stop // inner
+    if start < whole * inner:  # whole rows
+        out.append(((start // inner, *(0 for _ in shape[1:])), (whole - start // inner, *shape[1:])))
+        start = whole * inner
+    if start < stop:  # the head of a last, partial row
+        for o, z in _row_major_boxes(shape[1:], 0, stop - start):
+            out.append(((whole, *o), (1, *z)))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

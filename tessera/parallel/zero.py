@@ -146,6 +146,14 @@ class FlatStage:
                 out.append((p, start - lo, end - lo))
         return out
 
+    def owned(self) -> list[tuple[nn.Parameter, int, int, int]]:
+        """(parameter, start, end, first) for each parameter's part of this rank's shard: ``shard[start:end]``
+        holds the parameter's flat (row-major) elements from ``first`` on. A checkpoint saves them under the
+        parameter's global name from this (tessera/train/checkpoint/state.py), never as a flat buffer."""
+        lo = self.rank * self.shard_numel
+        offset = {id(p): off for p, off in zip(self.params, self.offsets, strict=True)}
+        return [(p, a, b, lo + a - offset[id(p)]) for p, a, b in self.segments()]
+
     # --- parameters (ZeRO-3) ------------------------------------------------------------------------------
 
     def _release(self) -> None:
@@ -234,7 +242,8 @@ class ShardedAdamW(torch.optim.Optimizer):
     The per-element maths are those of ``torch.optim.AdamW(foreach=False)``, applied in the same order on the
     shard (weight decay per parameter segment), so with one data-parallel rank the update equals torch's
     exactly. The optimizer's parameters are the shard tensors (``zero.shard_module().parameters()``), so its
-    ``state_dict`` holds only this rank's moments: checkpoint it with ``shard_id`` naming the rank.
+    ``state`` holds only this rank's flat moments; checkpoints store them per parameter under global names
+    (`FlatStage.owned`, tessera/train/checkpoint/state.py), never as flat buffers.
     """
 
     def __init__(

@@ -30,6 +30,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlanner
 
 __all__ = ["AsyncSaves"]
 
@@ -61,14 +62,17 @@ class AsyncSaves:
         tmp: Path,
         publish: Publish,
         write_errors: Callable[[], AbstractContextManager[None]],
+        planner: SavePlanner | None = None,
     ) -> None:
-        """Copy ``state`` now and write it into ``tmp`` in the background, then ``publish(group)`` (the commit);
-        DCP failures pass through ``write_errors`` (which turns them into the user's message)."""
+        """Copy ``state`` now and write it into ``tmp`` in the background (with ``planner``, the checkpoint
+        format's), then ``publish(group)`` (the commit); DCP failures pass through ``write_errors`` (which turns
+        them into the user's message)."""
         self.wait()
         with write_errors():
             written = dcp.async_save(
                 state,
                 storage_writer=FileSystemWriter(tmp),
+                planner=planner,
                 process_group=self.group,
                 no_dist=self.group is None,
             )

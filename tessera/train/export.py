@@ -1,7 +1,13 @@
-"""``tessera export``: merge a run's sharded checkpoint into one copy of the plain model's weights.
+"""``tessera export``: one copy of the plain model's weights (tessera's DCP format, or Hugging Face) from a run's
+checkpoint, written one tensor at a time.
 
-A checkpoint written with tensor, pipeline or ZeRO parallelism holds each rank's slice only (docs/checkpoints.md),
-so it loads only in the layout that wrote it. Export runs in that layout, on the same number of ranks:
+A layout-free checkpoint (format 2, docs/checkpoints.md) holds every tensor under its global name, whatever the
+layout that wrote it: rank 0 alone reads each tensor from it (`checkpoint.read_tensor`, DCP assembling the
+saved ranks' blocks) as the writer reaches it, so host memory is bounded by the largest tensor; other ranks, if
+any, return at once. `tessera generate RUN_DIR` reads such a checkpoint directly, no export needed.
+
+A rank-local checkpoint of format 1 (written before checkpoints became layout-free) with tensor, pipeline or
+ZeRO shards loads only in the layout that wrote it. Export then runs in that layout, on the same number of ranks:
 
 1. every rank rebuilds its part of the model exactly as the trainer does (sharded) and loads its slice;
 2. rank 0 writes ``RUN_DIR/export/step_N`` with `save_model_weights` (atomic; one unsharded copy), pulling each
@@ -9,9 +15,6 @@ so it loads only in the layout that wrote it. Export runs in that layout, on the
    it (ZeRO-3: that stage's flat buffer; tensor parallelism: `full_parameter`, an all-gather within the tensor
    group, padding dropped) and its first rank sends it to rank 0, which writes it and drops it. Host memory on
    rank 0 is bounded by the largest tensor plus the writer's buffer, never the model.
-
-`tessera generate RUN_DIR` then reads the export in one process. A data-parallel checkpoint needs no export
-(every rank saved the whole model), but exporting it works too, in one process.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from tessera.config import Config, from_dict
 from tessera.errors import CheckpointError
 from tessera.layout import Axis
-from tessera.model.build import build_model, meta_model
+from tessera.model.build import meta_model
 from tessera.train import checkpoint as ckpt
 from tessera.train.trainer import TrainingRun, checkpoint_dir, init_distributed
 
@@ -73,10 +76,10 @@ def export_weights(
     """Write the plain model's weights of ``checkpoint`` (default: the newest) to RUN_DIR/export/step_N, or
     with ``fmt = "hf"`` as a Hugging Face folder ``out`` (default RUN_DIR/export/hf_step_N).
 
-    Collective when the checkpoint holds shards: call it on as many ranks as saved it (``tessera export``
-    starts them). Returns the export folder on rank 0, None elsewhere. The writer on rank 0 pulls one full
-    tensor at a time from the ranks that hold it (`_PlainWeights`), so no rank ever holds the whole model.
-    """
+    Returns the export folder on rank 0, None elsewhere. A layout-free checkpoint is read by rank 0 alone, one
+    tensor at a time (any number of ranks may call this; none waits for another). A format 1 checkpoint with
+    shards is collective: call it on as many ranks as saved it (``tessera export`` starts them); the writer on
+    rank 0 pulls one full tensor at a time from the ranks that hold it (`_PlainWeights`)."""
     run_dir = Path(run_dir)
     cfg = run_config(run_dir)
     meta = source_checkpoint(run_dir, checkpoint)
@@ -86,12 +89,12 @@ def export_weights(
         raise CheckpointError(f"{meta['path']} is already an export; pass a training checkpoint")
     sharded = ckpt.is_sharded(meta)
     rank, world = init_distributed()
-    if not sharded and rank == 0:  # every rank saved the whole model: one process suffices
-        plain = build_model(cfg.model)
-        ckpt.load_model_weights(Path(meta["path"]), plain)
+    if not sharded:  # any rank can read every tensor: rank 0 does it alone, the others have nothing to do
+        if rank != 0:
+            return None
         return _save(
-            lambda name: plain.get_parameter(name).detach(),
-            plain,
+            _reader(Path(meta["path"])),
+            meta_model(cfg.model),
             cfg,
             fmt,
             out,
@@ -99,8 +102,6 @@ def export_weights(
             int(meta["step"]),
             source,
         )
-    if not sharded:
-        return None
     if world != meta.get("world_size"):
         raise CheckpointError(wrong_world_size(run_dir, meta, world))
     weights = _PlainWeights(_load_run(cfg, rank, world, Path(meta["path"])))
@@ -135,6 +136,18 @@ def _save(
 
         return save_hf(out or out_dir / f"hf_step_{step:08d}", cfg, get)
     return ckpt.save_model_weights(out_dir, step, model, source, _PullPlanner(get))
+
+
+def _reader(path: Path) -> Callable[[str], torch.Tensor]:
+    """``get(name)``: the plain model's tensor ``name`` read from the checkpoint when the writer reaches it (one
+    at a time: host memory is bounded by the largest tensor), after the checksums are verified once."""
+    ckpt_meta = ckpt.checkpoint_meta(path)
+    if ckpt_meta.get("files"):
+        problems = ckpt.verify_checkpoint(path, collective=False)
+        if problems:
+            raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems[:5])}")
+    metadata = ckpt.read_metadata_safely(path)
+    return lambda name: ckpt.read_tensor(path, f"model.{name}", metadata)
 
 
 def wrong_world_size(run_dir: Path, meta: dict, world: int) -> str:

@@ -39,8 +39,8 @@ def generate_text(
 
 
 def newest_weights(run_dir: Path) -> Path:
-    """The run's newest checkpoint that one process can load: its newest training checkpoint when every rank
-    saved the whole model, else the export of that step (``tessera export``)."""
+    """The run's newest checkpoint that one process can load: its newest training checkpoint (any layout's, once
+    layout-free; of the older rank-local format only a replicated one), else the export of that step."""
     run_dir = Path(run_dir)
     ckpt_dir = checkpoint_dir(run_dir, run_config(run_dir))
     trained = ckpt.latest_checkpoint(ckpt_dir)

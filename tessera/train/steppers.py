@@ -24,7 +24,7 @@ from tessera.execution import SCHEDULE_RUNTIME, ExecutionPlan, resolve
 from tessera.groups import Groups
 from tessera.layout import Axis, Layout
 from tessera.model.documents import Batch, batch_parts
-from tessera.model.materialize import release_parameters
+from tessera.model.materialize import ShardSpec, release_parameters
 from tessera.parallel.apply import norm_weights, tensor_groups
 from tessera.parallel.checkpointing import apply_checkpointing
 from tessera.parallel.clipping import clip_grad_norm
@@ -34,6 +34,7 @@ from tessera.parallel.saved_activations import SavedActivationCounter
 from tessera.parallel.zero import ShardedAdamW
 from tessera.pipeline.runtime import build_pipeline
 from tessera.pipeline.stage_comm import DataParallelStageComm, ZeroStageComm
+from tessera.train.checkpoint.state import RankState, specs_by_param, whole_regions, zero_regions
 
 __all__ = ["DirectStepper", "ScheduledStepper", "Stepper", "make_optimizer", "make_stepper"]
 
@@ -43,9 +44,10 @@ class Stepper(Protocol):
 
     optimizer: torch.optim.Optimizer
     state_module: nn.Module
-    """What a checkpoint saves on this rank (the model, this rank's stages, or its ZeRO shards)."""
+    """This rank's tensors as a module (the model, its stages, or its ZeRO shards): what the health check reads
+    and what a rank-local (format 1) checkpoint held; checkpoints now save `rank_state`."""
     shard_id: str | None
-    """Which rank-local slice ``state_module`` is; None when every rank holds all of it."""
+    """Which rank-local slice ``state_module`` is (format 1 checkpoints); None when every rank holds all of it."""
     scaler: DynamicLossScaler | None
     """fp16's dynamic loss scaler (saved with checkpoints, logged as loss_scale); None for other dtypes."""
     zero: ZeroStageComm | None
@@ -65,6 +67,10 @@ class Stepper(Protocol):
 
     def clip(self, max_norm: float) -> float:
         """Clip the gradients to ``max_norm`` by their global norm; returns the norm before clipping."""
+        ...
+
+    def rank_state(self, model: nn.Module, specs: dict[str, ShardSpec]) -> RankState:
+        """What a checkpoint saves and loads on this rank: its blocks of the global tensors (layout-free)."""
         ...
 
     def close(self) -> None:
@@ -151,6 +157,13 @@ class DirectStepper:
     def clip(self, max_norm: float) -> float:
         """Clip to max_norm by the global norm; tensor-parallel modules count every shard once."""
         return clip_grad_norm(self.params, max_norm, weights=self.weights, groups=self.norm_groups)
+
+    def rank_state(self, model: nn.Module, specs: dict[str, ShardSpec]) -> RankState:
+        """What this rank checkpoints: its whole (possibly tensor-parallel) parameters under their global names
+        (``specs``: `shard_specs` of ``model``, this rank's module)."""
+        return RankState(
+            whole_regions(self.params, self.optimizer), specs_by_param(model, specs), self.optimizer
+        )
 
     def close(self) -> None:
         self.sync.remove()
@@ -246,6 +259,21 @@ class ScheduledStepper:
             return self.optimizer.clip_grad_norm_(max_norm)
         return clip_grad_norm(
             self.engine.parameters(), max_norm, weights=self.weights, groups=self.norm_groups
+        )
+
+    def rank_state(self, model: nn.Module, specs: dict[str, ShardSpec]) -> RankState:
+        """What this rank checkpoints: its stages' parameters (ZeRO: its parts of them, from the flat shards)
+        under their global names; a tied weight's copy is written by the rank of its lower stage."""
+        if self.zero is not None:
+            regions = zero_regions(self.zero, self.optimizer)
+        else:
+            regions = whole_regions(self.engine.parameters(), self.optimizer)
+        return RankState(
+            regions,
+            specs_by_param(model, specs),
+            self.optimizer,
+            skip=self.engine.remote_tied_copies(),
+            after_load=self.zero.refresh_params if self.zero is not None else None,
         )
 
     def close(self) -> None:

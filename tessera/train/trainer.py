@@ -204,7 +204,8 @@ class TrainingRun:
         # then adds checkpointing, pipeline stages and ZeRO, or plain data-parallel sync.
         with torch.device("meta"):
             model = parallelize(plain, self.layout, self.groups, self.cfg)
-        declare(model, shard_specs(model), source, self.device)
+        self.specs = shard_specs(model)  # which block of which global tensor: also what checkpoints say
+        declare(model, self.specs, source, self.device)
         if self.plan.runner == DIRECT:
             materialize(model)
         return model
@@ -326,9 +327,9 @@ class TrainingRun:
             self.optimizer,
             extra,
             keep=self.cfg.checkpoint.keep,
-            shard_id=self.stepper.shard_id,
             layout=self.layout.describe(),
             background=self.saves,
+            state=self.stepper.rank_state(self.model, self.specs),
         )
 
     def resume(self) -> int:
@@ -343,11 +344,15 @@ class TrainingRun:
             path,
             self.stepper.state_module,
             self.optimizer,
-            shard_id=self.stepper.shard_id,
+            shard_id=self.stepper.shard_id,  # read only by a format 1 checkpoint (its own layout)
             layout=self.layout.describe(),
             verify=not verified,
+            state=self.stepper.rank_state(self.model, self.specs),
         )
-        ckpt.restore_rng(extra)
+        if extra["rng"] is not None:
+            ckpt.restore_rng(extra)
+        else:  # saved at another layout: its streams are other ranks' (docs/checkpoints.md)
+            ckpt.reseed_rng(self.cfg.train.seed, int(extra["step"]), self.rank)
         scaler = self.stepper.scaler
         if scaler is not None and "loss_scale" in extra:
             scaler.load_state_dict(extra["loss_scale"])

@@ -193,12 +193,24 @@ def test_missing_and_incomplete(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path) is None
 
 
-def test_world_size_change_is_refused(tmp_path: Path) -> None:
+def test_world_size_change_resumes_layout_free_and_refuses_format_1(tmp_path: Path) -> None:
     model = _model()
-    path = save_checkpoint(tmp_path, 1, model, _opt(model), {})
+    opt = _opt(model)
+    _train(model, opt, 2)
+    path = save_checkpoint(tmp_path, 1, model, opt, {})
     meta = json.loads((path / "meta.json").read_text())
     (path / "meta.json").write_text(json.dumps({**meta, "world_size": 2}))
-    with pytest.raises(CheckpointError, match=r"saved by 2 rank.*this run has 1.*not supported"):
+    fresh = _model(seed=3)
+    opt2 = _opt(fresh)
+    extra = load_checkpoint(path, fresh, opt2)  # saved by "2 ranks", resumed by 1: weights and moments
+    _assert_same(model, fresh)
+    for s1, s2 in zip(opt.state.values(), opt2.state.values(), strict=True):
+        assert all(torch.equal(s1[k], s2[k]) for k in s1)
+    assert extra["rng"] is None  # the saved ranks' streams are not this rank's: the caller re-seeds
+    (path / "meta.json").write_text(json.dumps({**meta, "world_size": 2, "format": 1}))
+    with pytest.raises(
+        CheckpointError, match=r"(?s)rank-local format 1.*2 rank.*this run has 1.*resume it once"
+    ):
         load_checkpoint(path, model, _opt(model))
 
 

@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -54,8 +54,19 @@ from tessera.train.checkpoint.files import (
     step_dir_name,
     step_dirs,
 )
-from tessera.train.checkpoint.rng import capture_rng, read_rng, restore_rng, write_rank_files
+from tessera.train.checkpoint.rng import capture_rng, read_rng, reseed_rng, restore_rng, write_rank_files
 from tessera.train.checkpoint.safe_read import SafeLoadPlanner, SafeReader, read_metadata_safely
+from tessera.train.checkpoint.state import (
+    GlobalLoadPlanner,
+    GlobalSavePlanner,
+    RankState,
+    check_shapes,
+    extra_pieces,
+    group_settings,
+    has_optimizer_state,
+    restore_group_settings,
+    state_dict_of,
+)
 from tessera.train.integrity import files_written_by, hash_files, verify_files
 
 if TYPE_CHECKING:
@@ -70,6 +81,8 @@ __all__ = [
     "load_checkpoint",
     "load_model_weights",
     "read_metadata_safely",
+    "read_tensor",
+    "reseed_rng",
     "restore_rng",
     "save_checkpoint",
     "save_model_weights",
@@ -77,7 +90,8 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-_FORMAT = 1
+_FORMAT = 2  # layout-free: global names and blocks (state.py)
+_RANK_LOCAL = 1  # each rank's own state dict; resumes only at the layout that wrote it
 _NO_PG_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 # the two steps of a save after DCP's write, looked up here at each save (the crash tests replace them)
 _write_rank_files = write_rank_files
@@ -98,14 +112,18 @@ def save_checkpoint(
     shard_id: str | None = None,
     layout: str | None = None,
     background: AsyncSaves | None = None,
+    state: RankState | None = None,
 ) -> Path:
     """Save model, optimizer, ``extra`` and every rank's RNG state as ``ckpt_dir/step_{step:08d}``; collective.
 
     ``extra`` (scheduler state, data position, ...) must be the same on every rank: its JSON values go to
-    meta.json (rank 0's copy) and its tensors into the DCP state dict. ``shard_id`` names this rank's slice of
-    model-parallel state held in plain (non-DTensor) tensors, e.g. ``"pp1.tp0"``: ranks with equal ids must
-    hold identical state (data-parallel replicas, written once); without it DCP would deduplicate equally
-    named but different shards. ``layout`` is a free-form description checked on load. Keeps the newest
+    meta.json (rank 0's copy) and its tensors into the checkpoint. The format is layout-free (state.py): every
+    parameter and optimizer moment under its global name, each rank writing its blocks of it, so any layout
+    resumes it. ``state`` says which blocks this rank holds (the trainer's steppers); without it ``model`` is
+    held whole by every rank. Only a caller that passes ``shard_id`` and no ``state`` (a module whose ranks hold
+    different, undescribed slices: ranks with equal ids hold identical state) gets the rank-local format 1,
+    which resumes only at its own layout. ``layout`` describes the layout (the RNG streams are restored only at
+    the same one). Keeps the newest
     ``keep`` complete checkpoints and returns the new folder. With ``background`` (`checkpoint.async`) it
     returns once the state is copied: the files are written and committed, in the same way, in a thread
     (tessera/train/async_save.py), and the folder exists only once ``background.wait()`` has returned.
@@ -122,9 +140,8 @@ def save_checkpoint(
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_tmp(ckpt_dir)
     _barrier()  # nobody writes into tmp before rank 0 has cleared it
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = _wrap({"model": model_sd, "optim": optim_sd}, shard_id)
-    state["extra"] = {str(i): t for i, t in enumerate(tensors)}
+    fmt, to_write, planner = _to_write(model, optimizer, tensors, shard_id, state)
+    groups = group_settings(optimizer) if fmt == _FORMAT else None
     rng = capture_rng()  # the RNG streams as of this step, wherever the files are written
 
     def publish(group: dist.ProcessGroup | None = None) -> Path:
@@ -136,13 +153,14 @@ def save_checkpoint(
         gathered = _gather((shard_id, sums), world, group)  # also the barrier: every rank's files are on disk
         if rank == 0:
             meta = {
-                "format": _FORMAT,
+                "format": fmt,
                 "step": step,
                 "world_size": world,
                 "layout": layout,
                 "shard_ids": [sid for sid, _ in gathered],
                 "extra": json_extra,
                 "extra_tensors": tensor_paths,
+                "param_groups": groups,
                 "files": {name: entry for _, files in gathered for name, entry in files.items()},
                 "complete": True,
             }
@@ -152,12 +170,30 @@ def save_checkpoint(
         return final
 
     if background is not None:
-        background.start(state, tmp, publish, functools.partial(_write_errors, step, tmp))
+        background.start(to_write, tmp, publish, functools.partial(_write_errors, step, tmp), planner)
         return final
     with _write_errors(step, tmp), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
-        dcp.save(state, storage_writer=FileSystemWriter(tmp))
+        dcp.save(to_write, storage_writer=FileSystemWriter(tmp), planner=planner)
     return publish()
+
+
+def _to_write(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tensors: list[torch.Tensor],
+    shard_id: str | None,
+    state: RankState | None,
+) -> tuple[int, dict[str, Any], SavePlanner | None]:
+    """(format, the state dict DCP writes, its planner): the layout-free pieces, or format 1's rank-local
+    state dicts for a caller that names undescribed shards."""
+    extra = {str(i): t for i, t in enumerate(tensors)}
+    if state is None and shard_id is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return _RANK_LOCAL, {**_wrap({"model": model_sd, "optim": optim_sd}, shard_id), "extra": extra}, None
+    state = state or RankState.of_module(model, optimizer)
+    parts = state.to_save() + extra_pieces(extra)
+    return _FORMAT, state_dict_of(parts), GlobalSavePlanner(parts)
 
 
 @contextlib.contextmanager
@@ -272,11 +308,17 @@ def load_checkpoint(
     shard_id: str | None = None,
     layout: str | None = None,
     verify: bool = True,
+    state: RankState | None = None,
 ) -> dict[str, Any]:
     """Restore ``model`` and ``optimizer`` in place from a checkpoint folder (or the newest one in a checkpoint
     directory); collective. Returns ``extra`` as saved, plus ``"step"`` and this rank's ``"rng"`` states
     (pass the result to `restore_rng`). The files are first checked against their checksums (`verify=False`
     when the caller just did, with `verify_checkpoint`); a damaged checkpoint is a CheckpointError.
+
+    A layout-free checkpoint loads at any layout: ``state`` (as for `save_checkpoint`) says which blocks this
+    rank reads, each straight into its live tensor. ``"rng"`` is None when the world size or ``layout`` differs
+    from the saved one: the saved ranks' streams belong to other coordinates (docs/checkpoints.md). A format 1
+    (rank-local) checkpoint loads only at its own layout, with ``shard_id`` naming this rank's slice.
     """
     path = resolve(Path(path))
     meta = read_meta(path)
@@ -287,16 +329,55 @@ def load_checkpoint(
             "from (RUN_DIR/checkpoints)"
         )
     rank, world = _rank_world()
-    _check_layout(path, meta, world, layout)
+    fmt = meta.get("format", _RANK_LOCAL)
+    if fmt not in (_RANK_LOCAL, _FORMAT):
+        raise CheckpointError(
+            f"checkpoint {path} has format {fmt!r}, which this version of tessera does not know (it reads "
+            f"{_RANK_LOCAL} and {_FORMAT})\n    fix: resume it with the tessera version that wrote it"
+        )
+    if fmt == _RANK_LOCAL:
+        _check_layout(path, meta, world, layout)
     metadata = read_metadata_safely(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = _wrap({"model": model_sd, "optim": optim_sd}, shard_id)
-    _check_shapes(path, state, metadata)
-    state["extra"] = _empty_extra(metadata, len(meta.get("extra_tensors", [])))
+    if fmt == _FORMAT:
+        _refuse_pickled(path, metadata)
+    if verify and fmt == _FORMAT:  # pieces are read into the live tensors: refuse damage before touching them
+        _refuse_damaged(path, verify_checkpoint(path))
+    extra_tensors = _empty_extra(metadata, len(meta.get("extra_tensors", [])))
+    with _read_errors(path, verify and fmt == _RANK_LOCAL):
+        if fmt == _RANK_LOCAL:
+            _load_rank_local(path, metadata, model, optimizer, shard_id, extra_tensors, verify)
+        else:
+            state = state or RankState.of_module(model, optimizer)
+            parts = state.to_load(has_optimizer_state(metadata)) + extra_pieces(extra_tensors)
+            check_shapes(path, {p.fqn: tuple(p.size) for p in parts}, metadata)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
+                reader = SafeReader(path, metadata)
+                dcp.load(state_dict_of(parts), storage_reader=reader, planner=GlobalLoadPlanner(parts))
+            if state.after_load is not None:
+                state.after_load()
+            restore_group_settings(state.optimizer, meta.get("param_groups"))
+    extra = _join_extra(meta.get("extra") or {}, meta.get("extra_tensors", []), extra_tensors)
+    same = meta.get("world_size") == world and (layout is None or meta.get("layout") in (None, layout))
+    return {"step": meta["step"], **extra, "rng": read_rng(path, rank) if same else None}
+
+
+def _refuse_pickled(path: Path, metadata: Metadata) -> None:
+    """A layout-free checkpoint holds tensors only; a pickled value in one was put there by someone else."""
+    pickled = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+    if pickled:
+        raise CheckpointError(
+            f"checkpoint {path} could not be read: it holds pickled values ({', '.join(sorted(pickled)[:3])}), "
+            "which a layout-free checkpoint never contains; refusing to unpickle them\n    fix: only load "
+            "checkpoints you or tessera wrote, or resume from an earlier checkpoint (checkpoint.load_step)"
+        )
+
+
+@contextlib.contextmanager
+def _read_errors(path: Path, verify: bool) -> Iterator[None]:
+    """DCP's read failures (on every rank) as a CheckpointError, naming damaged files when ``verify``."""
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
-            dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
+        yield
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
@@ -306,19 +387,36 @@ def load_checkpoint(
             f"checkpoint {path} could not be read: {_last_line(e)}{damaged}\n    fix: check that the folder is "
             "intact (compare with another copy) or resume from an earlier checkpoint (checkpoint.load_step)"
         ) from e
+
+
+def _load_rank_local(
+    path: Path,
+    metadata: Metadata,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    shard_id: str | None,
+    extra_tensors: dict[str, torch.Tensor],
+    verify: bool,
+) -> None:
+    """Format 1: this rank's own state dicts (``shard_id``'s), checked after the read, applied after that."""
+    state = _wrap(dict(zip(("model", "optim"), get_state_dict(model, optimizer), strict=True)), shard_id)
+    _check_shapes(path, state, metadata)
+    state["extra"] = extra_tensors
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
+        dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
     if verify:  # checked after the read (the OS cache serves one of the two), before anything is applied
         _refuse_damaged(path, verify_checkpoint(path))
     inner = state if shard_id is None else state["shards"][shard_id]
     set_state_dict(model, optimizer, model_state_dict=inner["model"], optim_state_dict=inner["optim"])
-    extra = _join_extra(meta.get("extra") or {}, meta.get("extra_tensors", []), state["extra"])
-    return {"step": meta["step"], **extra, "rng": read_rng(path, rank)}
 
 
 def load_model_weights(path: Path, model: nn.Module) -> int:
-    """Load only the model weights of a replicated (data-parallel) checkpoint, in any world size; returns its step.
+    """Load only the model weights of a checkpoint into a plain ``model`` in this process; returns its step.
 
-    For inference and export (``tessera generate``): optimizer state, RNG streams and data position are skipped,
-    so the saved world size does not matter. Checkpoints of model-parallel shards need their layout.
+    For inference (``tessera generate``): optimizer state, RNG streams and data position are skipped. Any
+    layout-free checkpoint loads, whatever its layout; of the rank-local format 1 only replicated (data-parallel)
+    ones do, since the others' weights exist only split over the ranks that saved them.
     """
     path = resolve(Path(path))
     meta = read_meta(path)
@@ -331,12 +429,32 @@ def load_model_weights(path: Path, model: nn.Module) -> int:
     metadata = read_metadata_safely(path)
     state = {"model": get_model_state_dict(model)}
     _check_shapes(path, state, metadata)
-    with warnings.catch_warnings():
+    with (
+        warnings.catch_warnings()
+    ):  # this process alone, even where a process group exists (export, generate)
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
-        dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
+        reader = SafeReader(path, metadata)
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     _refuse_damaged(path, verify_checkpoint(path, collective=False))
     set_model_state_dict(model, state["model"])
     return int(meta["step"])
+
+
+def read_tensor(path: Path, fqn: str, metadata: Metadata | None = None) -> torch.Tensor:
+    """One whole tensor of a layout-free checkpoint (``"model.blocks.0.attn.wq.weight"``), assembled from every
+    rank's blocks in this process alone: a streaming export holds one tensor at a time. ``metadata``: the
+    checkpoint's, when the caller reads many (`read_metadata_safely`); the caller verifies the checksums."""
+    path = resolve(Path(path))
+    metadata = metadata or read_metadata_safely(path)
+    entry = metadata.state_dict_metadata.get(fqn)
+    if not isinstance(entry, TensorStorageMetadata):
+        raise CheckpointError(f"checkpoint {path} has no tensor {fqn!r}\n    fix: check the model settings")
+    out = {fqn: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
+        reader = SafeReader(path, metadata)
+        dcp.load(out, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return out[fqn]
 
 
 def _refuse_damaged(path: Path, problems: list[str]) -> None:
@@ -356,8 +474,10 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
 
 
 def is_sharded(meta: dict[str, Any]) -> bool:
-    """Whether a checkpoint's ranks saved different slices of the model (tensor, pipeline or ZeRO shards), so
-    only its own layout can load it; False when every rank saved the whole model."""
+    """Whether a checkpoint's ranks saved different slices of the model in the rank-local format 1, so only its
+    own layout can load it; False for a layout-free checkpoint (any layout, one process included, reads it)."""
+    if meta.get("format", _RANK_LOCAL) != _RANK_LOCAL:
+        return False
     return any(s is not None for s in meta.get("shard_ids") or [])
 
 
@@ -379,19 +499,14 @@ def _barrier(group: dist.ProcessGroup | None = None) -> None:
 
 
 def _check_layout(path: Path, meta: dict[str, Any], world: int, layout: str | None) -> None:
+    """A format 1 checkpoint holds each saved rank's own slices: only the same ranks in the same layout."""
     saved_world, saved_layout = meta.get("world_size"), meta.get("layout")
-    if saved_world != world:
+    if saved_world != world or (layout is not None and saved_layout is not None and layout != saved_layout):
         raise CheckpointError(
-            f"checkpoint {path} was saved by {saved_world} rank(s) but this run has {world}; changing the world "
-            "size on resume is not supported (RNG streams, data positions and rank-local shards belong to the "
-            f"saved ranks)\n    fix: resume with {saved_world} rank(s) and the same parallel layout, or start "
-            "a new run with a fresh checkpoint directory"
-        )
-    if layout is not None and saved_layout is not None and layout != saved_layout:
-        raise CheckpointError(
-            f"checkpoint {path} was saved with layout {saved_layout!r} but this run uses {layout!r}; changing "
-            "the parallel layout on resume is not supported\n    fix: resume with the saved layout, or start "
-            "a new run with a fresh checkpoint directory"
+            f"checkpoint {path} is in the rank-local format 1 (written before checkpoints became layout-free): "
+            f"it holds the slices of the {saved_world} rank(s) of layout {saved_layout!r}, and this run has "
+            f"{world} rank(s) in layout {layout!r}\n    fix: resume it once with {saved_world} rank(s) in the "
+            "saved layout; its next checkpoint is layout-free and resumes at any layout"
         )
 
 
@@ -407,23 +522,7 @@ def _tensor_leaves(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 def _check_shapes(path: Path, state: dict[str, Any], metadata: Metadata) -> None:
-    """Name the first parameter whose shape differs, or that the checkpoint lacks, before DCP sees it."""
-    saved = metadata.state_dict_metadata
-    for name, t in _tensor_leaves(state).items():
-        entry = saved.get(name)
-        if entry is None:
-            raise CheckpointError(
-                f"checkpoint {path} has no entry {name!r} that this model/optimizer needs\n    fix: build the "
-                "model and parallel layout exactly as in the saved run (same config), or start a fresh run"
-            )
-        if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"checkpoint {path}: {name!r} is stored as bytes, expected a tensor")
-        if tuple(entry.size) != tuple(t.shape):
-            raise CheckpointError(
-                f"checkpoint {path}: {name} has shape {tuple(entry.size)} in the checkpoint but "
-                f"{tuple(t.shape)} in this model\n    fix: use the model config of the saved run (model size "
-                "changed?), or start a fresh run in a new checkpoint directory"
-            )
+    check_shapes(path, {name: tuple(t.shape) for name, t in _tensor_leaves(state).items()}, metadata)
 
 
 def _empty_extra(metadata: Metadata, count: int) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 
 from tessera.errors import CheckpointError
 
-__all__ = ["capture_rng", "read_rng", "restore_rng", "write_rank_files"]
+__all__ = ["capture_rng", "read_rng", "reseed_rng", "restore_rng", "write_rank_files"]
 
 
 def write_rank_files(tmp: Path, rank: int, rng: dict[str, Any]) -> None:
@@ -48,6 +48,20 @@ def capture_rng() -> dict[str, Any]:
         "cached_gaussian": float(cached),
     }
     return state
+
+
+def reseed_rng(seed: int, step: int, rank: int) -> None:
+    """Seed this process's RNGs (torch on every device, numpy, Python) from (``seed``, ``step``, ``rank``): what
+    a rank does when it resumes a checkpoint saved at another layout, whose streams belong to other ranks. The
+    result is deterministic, so two resumes at the same layout continue alike."""
+    mixed = (seed * 1_000_003 + step) * 1_000_033 + rank  # distinct per rank and step, the same every time
+    torch.manual_seed(mixed % 2**63)
+    random.seed(mixed)
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(mixed % 2**32)
 
 
 def restore_rng(extra: dict[str, Any]) -> None:
