@@ -363,7 +363,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="run directory (holds config.json and checkpoints/); writes RUN/export/step_N")
     p.add_argument("--checkpoint", default=None, help="a checkpoint folder (default: the run's newest)")
     p.add_argument(
-        "--nproc", type=int, default=None, help="local processes (default: as many as saved the checkpoint)"
+        "--nproc",
+        type=int,
+        default=None,
+        help="local processes (default: 1; a format 1 checkpoint with shards: as many as saved it)",
     )
     p.add_argument(
         "--format",

@@ -68,8 +68,9 @@ def test_prepare_train_plot_generate(workdir: Path, prepared: subprocess.Complet
     assert out.stdout.startswith("the ") and len(out.stdout) >= 10
 
 
-def test_sharded_run_exports_then_generates(workdir: Path, prepared: subprocess.CompletedProcess) -> None:
-    """2D tensor parallelism checkpoints shards; generate asks for an export, export merges them."""
+def test_sharded_run_generates_and_exports(workdir: Path, prepared: subprocess.CompletedProcess) -> None:
+    """A 2D tensor-parallel run's checkpoint is layout-free: generate reads it in one process, export writes it
+    from one process, and an export started on several ranks (each calls it) finishes instead of hanging."""
     assert prepared.returncode == 0, prepared.stderr
     overrides = [
         "--model.size=llama-tiny",
@@ -84,18 +85,14 @@ def test_sharded_run_exports_then_generates(workdir: Path, prepared: subprocess.
     ]
     out = _tessera("train", "--nproc", "4", *overrides, cwd=workdir)
     assert out.returncode == 0, out.stderr + out.stdout
-    out = _tessera("generate", "runs/tp", "--tokens", "5", cwd=workdir)
-    assert out.returncode == 2 and "run `tessera export runs/tp` first" in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr
-
-    out = _tessera("export", "runs/tp", "--nproc", "2", cwd=workdir)  # saved by 4 ranks: refused up front
-    assert out.returncode == 2 and "--nproc 4" in out.stderr and "Traceback" not in out.stderr, out.stderr
-    out = _tessera("export", "runs/tp", cwd=workdir)  # starts the 4 ranks that saved the checkpoint
+    out = _tessera("generate", "runs/tp", "--prompt", "the ", "--tokens", "5", cwd=workdir)
+    assert out.returncode == 0 and out.stdout.startswith("the "), out.stderr
+    out = _tessera("export", "runs/tp", cwd=workdir)  # one process reads every tensor
     assert out.returncode == 0, out.stderr + out.stdout
-    assert "on 4 local processes" in out.stdout and "export/step_00000002" in out.stdout, out.stdout
-    out = _tessera("generate", "runs/tp", "--prompt", "the ", "--tokens", "20", cwd=workdir)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("the ")
+    assert "local processes" not in out.stdout and "export/step_00000002" in out.stdout, out.stdout
+    out = _tessera("export", "runs/tp", "--nproc", "2", cwd=workdir)  # rank 0 exports, rank 1 returns
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "on 2 local processes" in out.stdout and "Traceback" not in out.stderr, out.stdout + out.stderr
 
 
 def test_bad_input_is_a_message_not_a_traceback(workdir: Path) -> None:
