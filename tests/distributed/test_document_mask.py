@@ -22,14 +22,14 @@ from tessera.config import ModelConfig, from_dict
 from tessera.model.build import build_model
 from tessera.model.documents import document_positions
 from tessera.train.data import prepare
-from tessera.train.metrics import read_metrics
 from tessera.train.trainer import train
 from tests.distributed.conftest import trainer_config
+from tests.distributed.test_trainer_tp import _assert_same_grad_norms
 from tests.harness import run_distributed
 
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6  # as the trainer tests (tests/distributed/conftest.py explains them)
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5
-STEPS = 2
+STEPS = 2  # as test_trainer_tp, whose grad-norm check this file shares
 EOT = 0  # the byte tokenizer's end-of-text token
 LLAMA = {"size": "llama-tiny", "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_model": 32, "ffn_hidden": 64}
 GPT = {"size": "gpt2-tiny", "n_layers": 2}
@@ -138,14 +138,6 @@ def test_document_mask_matches_single_device(
                 torch.testing.assert_close(
                     g, ref_grads[step][n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=f"{name} {n} step {step}"
                 )
-
-
-def _assert_same_grad_norms(run_dir: Path, ref_dir: Path) -> None:
-    got = {m["step"]: m["grad_norm"] for m in read_metrics(run_dir)}
-    ref = {m["step"]: m["grad_norm"] for m in read_metrics(ref_dir)}
-    assert sorted(got) == sorted(ref) == list(range(STEPS))
-    for step in ref:
-        torch.testing.assert_close(got[step], ref[step], rtol=GRAD_RTOL, atol=0.0, msg=f"grad norm {step}")
 
 
 # --- ZeRO-3's gradients, gathered from its shards --------------------------------------------------------------
