@@ -4,12 +4,11 @@ estimate (tessera.startup.startup_memory) and against the full model every rank 
 Each rank first builds a tiny model in the same layout (process groups, allocator arenas and lazily loaded code
 paths exist afterwards; the real build reuses those groups), then resets the kernel's resident high-water mark (``/proc/self/clear_refs``), builds
 the real model as `TrainingRun` does, and reports VmHWM minus the resident size just before: the bytes the build
-added at its peak, by the operating system's count (with glibc's thresholds fixed, `_fix_allocator`).
+added at its peak, by the operating system's count (with glibc's thresholds fixed, `tessera.train.host_memory.fix_allocator`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from tessera.layout import Layout
 from tessera.planner.cost import ModelShape
 from tessera.startup import startup_memory
 from tessera.train import trainer
+from tessera.train.host_memory import fix_allocator, reset_peak, status_bytes
 from tessera.train.trainer import TrainingRun
 from tests.harness import run_distributed
 
@@ -30,7 +30,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 MIB = 2**20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 TOLERANCE = 20 * MIB
 """Allowed excess over the estimate: small allocations (under glibc's 1 MiB mmap threshold) kept in the heap, and
 Python objects of the modules. Measured over three runs: at most 13.6 MiB (ZeRO-3 dp4, ranks 0-1, where up to
@@ -72,28 +71,9 @@ def _raw(model: dict, parallel: dict, world: int, run_dir: Path) -> dict:
     }
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _fix_allocator() -> None:
-    """Make glibc return freed large blocks at once, so resident memory counts live tensors.
-
-    By default glibc raises its mmap and trim thresholds as big blocks are freed (up to 32 and 64 MiB), and
-    then keeps up to that much freed heap resident; the measured peak would follow those heuristics (measured:
-    58-140 MiB for the same 52 MiB of tensors on the four ranks of one run) rather than what the build holds.
-    """
-    libc = ctypes.CDLL("libc.so.6")
-    if libc.mallopt(_M_MMAP_THRESHOLD, MIB) != 1 or libc.mallopt(_M_TRIM_THRESHOLD, MIB) != 1:
-        raise RuntimeError("glibc's mallopt refused the thresholds")
-
-
 def _build_peak(rank: int, world: int, tiny: dict, real: dict) -> int:
     """Bytes the trainer's model construction added to this rank's resident memory at its peak."""
-    _fix_allocator()
+    fix_allocator()
     # The process groups of the layout are made once, by the warm-up: gloo's buffers are not the model's.
     made: dict[str, Groups] = {}
 
@@ -105,10 +85,10 @@ def _build_peak(rank: int, world: int, tiny: dict, real: dict) -> int:
     trainer.build_groups = build_once
     TrainingRun(from_dict(tiny), rank, world, with_data=False)  # warm-up in the same layout
     gc.collect()
-    before = _status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+    before = status_bytes("VmRSS")
+    reset_peak()  # VmHWM from the current resident size
     run = TrainingRun(from_dict(real), rank, world, with_data=False)
-    peak = _status("VmHWM") - before
+    peak = status_bytes("VmHWM") - before
     del run
     return peak
 
