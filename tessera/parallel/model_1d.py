@@ -220,7 +220,8 @@ class TensorParallel1D(nn.Module):
         """Loss over the full micro-batch (or full logits without targets); hidden states in/out for a stage
         without embed/head ([b, s/t, h] with sequence parallelism). ``positions`` [b, s]: document masking
         (`tessera.model.documents`), the full micro-batch's on every rank."""
-        if self.sequence_parallel and tokens.shape[1] % self.tp:
+        # Only a stage that embeds tokens splits the sequence; later stages get [b, s/t, h] already split.
+        if self.sequence_parallel and self.embed is not None and tokens.shape[1] % self.tp:
             raise ValueError(
                 f"sequence parallelism splits the sequence over the {self.tp} tensor ranks, but the sequence "
                 f"length is {tokens.shape[1]}; use a seq_len divisible by {self.tp} or turn "

@@ -47,7 +47,7 @@ SETTINGS = settings(
 def run_configs(draw: st.DrawFn) -> tuple[int, dict]:
     """(world size, raw config sections) of a tiny model: mostly consistent with the world size."""
     world = draw(st.integers(1, 4))
-    family = draw(st.sampled_from(["gpt", "llama"]))
+    family = draw(st.sampled_from(["gpt", "llama", "qwen2"]))
     n_heads = draw(st.sampled_from([1, 2, 4]))
     model = {
         "family": family,
@@ -58,7 +58,7 @@ def run_configs(draw: st.DrawFn) -> tuple[int, dict]:
         "seq_len": draw(st.sampled_from([8, 12, 16])),
         "tie_embeddings": draw(st.booleans()),
     }
-    if family == "llama":
+    if family != "gpt":  # Llama and Qwen2 have grouped-query attention
         model["n_kv_heads"] = draw(st.sampled_from([None, 1, 2]))
     tensor_options = [t for t in (1, 2, 3, 4) if world % t == 0] + (["2x2"] if world == 4 else [])
     tensor = draw(
@@ -185,7 +185,7 @@ def _richness(plan, raw: dict) -> int:
         plan.stages_per_rank > 1 and plan.pp > 1,
         "stage_layers" in raw["parallel"],
         not raw["model"]["tie_embeddings"],
-        raw["model"]["family"] == "llama",
+        raw["model"]["family"] != "gpt",
     )
     return sum(features)
 
