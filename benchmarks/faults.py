@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tessera.procs import alive, children, environ  # noqa: E402
 from tessera.train.checkpoint import latest_checkpoint  # noqa: E402
 from tessera.train.data import prepare  # noqa: E402
 
@@ -70,29 +71,10 @@ def _until(ready: Callable[[], bool], limit: float = WAIT_S) -> bool:
     return True
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for e in Path("/proc").iterdir():
-        if e.name.isdigit():
-            try:
-                if int((e / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(e.name))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _running(tokens: Path, run_dir: Path, *extra: str) -> tuple[subprocess.Popen, list[int]]:
     p = _start(_argv(tokens, run_dir, 10**6, *extra))
     _until(lambda: len(_steps(run_dir)) >= 3 or p.poll() is not None)
-    return p, _children(p.pid)
+    return p, children(p.pid)
 
 
 def trial_launcher_kill(tokens: Path, tmp: Path) -> str:
@@ -100,7 +82,7 @@ def trial_launcher_kill(tokens: Path, tmp: Path) -> str:
     p.kill()
     p.communicate()
     time.sleep(5)
-    return f"{sum(map(_alive, workers))} of {len(workers)} workers alive 5 s after SIGKILL to the launcher"
+    return f"{sum(map(alive, workers))} of {len(workers)} workers alive 5 s after SIGKILL to the launcher"
 
 
 def trial_sigterm(tokens: Path, tmp: Path) -> str:
@@ -123,7 +105,7 @@ def trial_stopped_rank(tokens: Path, tmp: Path) -> str:
     _, err = p.communicate(timeout=WAIT_S)
     named = "not responding: rank" in err
     for w in workers:
-        if _alive(w):
+        if alive(w):
             os.kill(w, signal.SIGKILL)
     return (
         f"exit {p.returncode} after {time.monotonic() - t0:.0f} s (timeout 10 s); stopped rank named: {named}"
@@ -204,13 +186,11 @@ def trial_kill_during_save(tokens: Path, tmp: Path, kills: int, background: bool
 def trial_torchrun_agent_kill(tokens: Path, tmp: Path) -> str:
     p = _start(_torchrun(_argv(tokens, tmp / "agent", 10**6)))
     _until(lambda: len(_steps(tmp / "agent")) >= 3 or p.poll() is not None)
-    workers = _children(p.pid)
+    workers = children(p.pid)
     p.kill()
     p.communicate()
     time.sleep(5)
-    return (
-        f"{sum(map(_alive, workers))} of {len(workers)} workers alive 5 s after SIGKILL to torchrun's agent"
-    )
+    return f"{sum(map(alive, workers))} of {len(workers)} workers alive 5 s after SIGKILL to torchrun's agent"
 
 
 def trial_restarts(tokens: Path, tmp: Path, trials: int, torchrun: bool) -> str:
@@ -223,7 +203,7 @@ def trial_restarts(tokens: Path, tmp: Path, trials: int, torchrun: bool) -> str:
         argv = _argv(tokens, run, 60, "--checkpoint.every=10")
         p = _start(_torchrun(argv, "--max-restarts", "1") if torchrun else [*argv, "--max-restarts", "1"])
         _until(lambda p=p, run=run: len(_steps(run)) >= 15 or p.poll() is not None)
-        ranks = {_env(w).get("RANK"): w for w in _children(p.pid)}
+        ranks = {environ(w).get("RANK"): w for w in children(p.pid)}
         os.kill(ranks["1"], signal.SIGKILL)
         t0 = time.monotonic()
         before = _losses(run)  # rank 0 cannot finish another step without rank 1
@@ -246,14 +226,6 @@ def _torchrun(argv: list[str], *launcher: str) -> list[str]:
     """``argv`` (a `tessera train --nproc 2` command) under torchrun instead."""
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launcher]
     return [*run, "-m", "tessera", "train", *argv[6:]]
-
-
-def _env(pid: int) -> dict[str, str]:
-    try:
-        items = Path(f"/proc/{pid}/environ").read_text().split("\0")
-    except OSError:
-        return {}
-    return dict(x.split("=", 1) for x in items if "=" in x)
 
 
 def trial_corruption(tmp: Path) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tessera.errors import EXIT_HANG, EXIT_RESUMABLE
+from tessera.procs import alive, children, environ
 
 DEADLINE_S = 240  # for a 2-rank tiny run to start on a loaded 2-core machine
 
@@ -51,41 +52,11 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
 
 
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` (from /proc)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _env(pid: int) -> dict[str, str]:
-    try:
-        items = Path(f"/proc/{pid}/environ").read_text().split("\0")
-    except OSError:
-        return {}
-    return dict(x.split("=", 1) for x in items if "=" in x)
-
-
 def _training(launcher: subprocess.Popen, run_dir: Path) -> list[int]:
     """Wait until both workers run and a few steps are logged; the workers' pids."""
     _wait_for("3 logged steps", lambda: len(_records(run_dir)) >= 3 or launcher.poll() is not None)
     assert launcher.poll() is None, launcher.communicate()
-    workers = _children(launcher.pid)
+    workers = children(launcher.pid)
     assert len(workers) == 2, workers
     return workers
 
@@ -96,7 +67,7 @@ def test_workers_die_with_a_killed_launcher(token_file: Path, tmp_path: Path) ->
     workers = _training(launcher, tmp_path / "run")
     launcher.send_signal(signal.SIGKILL)
     launcher.communicate()
-    _wait_for("the workers to exit", lambda: not any(_alive(w) for w in workers), deadline_s=30)
+    _wait_for("the workers to exit", lambda: not any(alive(w) for w in workers), deadline_s=30)
 
 
 def _torchrun(argv: list[str], *launcher: str) -> list[str]:
@@ -113,7 +84,7 @@ def test_torchrun_workers_die_with_a_killed_agent(token_file: Path, tmp_path: Pa
     workers = _training(agent, tmp_path / "run")
     agent.send_signal(signal.SIGKILL)
     agent.communicate()
-    _wait_for("the workers to exit", lambda: not any(_alive(w) for w in workers), deadline_s=30)
+    _wait_for("the workers to exit", lambda: not any(alive(w) for w in workers), deadline_s=30)
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
@@ -162,7 +133,7 @@ def test_a_job_killed_while_checkpointing_resumes_bit_identically(
         time.sleep(0.005)
     launcher.send_signal(signal.SIGKILL)
     launcher.communicate()
-    _wait_for("the workers to exit", lambda: not any(_alive(w) for w in workers), deadline_s=30)
+    _wait_for("the workers to exit", lambda: not any(alive(w) for w in workers), deadline_s=30)
     before = {r["step"]: r["loss"] for r in _records(run_dir)}
     resumed = _start(argv)
     _wait_for(
@@ -200,7 +171,7 @@ def test_a_dead_worker_is_one_line_naming_rank_and_step(token_file: Path, tmp_pa
     assert "Traceback" not in err and "gloo" not in err.lower(), err
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: rank 1 was killed by SIGKILL after step "), err
-    _wait_for("the other worker to exit", lambda: not any(_alive(w) for w in workers), deadline_s=30)
+    _wait_for("the other worker to exit", lambda: not any(alive(w) for w in workers), deadline_s=30)
 
 
 def test_a_stopped_rank_is_named_and_every_live_rank_dumps_its_stack(
@@ -221,13 +192,13 @@ def test_a_stopped_rank_is_named_and_every_live_rank_dumps_its_stack(
             timeout=DEADLINE_S
         )  # expected within 6 s + a few; the bound is generous
     finally:
-        if _alive(rank1):
+        if alive(rank1):
             os.kill(rank1, signal.SIGKILL)
     assert launcher.returncode == EXIT_HANG, err
     assert "[rank 0] error: no progress for" in err and "not responding: rank 1" in err, err
     assert "Traceback" not in err, err
     assert 'File "' in (run_dir / "stacks" / "rank0.txt").read_text()  # faulthandler's dump of rank 0
-    _wait_for("the workers to exit", lambda: not any(_alive(w) for w in workers), deadline_s=30)
+    _wait_for("the workers to exit", lambda: not any(alive(w) for w in workers), deadline_s=30)
 
 
 def test_max_restarts_restarts_after_a_killed_rank_and_finishes(token_file: Path, tmp_path: Path) -> None:
@@ -251,11 +222,11 @@ def test_torchrun_max_restarts_rejoins_after_a_killed_rank_even_when_rank_0_come
     argv = _torchrun(_argv(token_file, run_dir, steps=60, every=10), "--max-restarts", "1")
     agent = _start([*argv, "--train.collective_timeout_s=60"])
     workers = _training(agent, run_dir)
-    os.kill(next(w for w in workers if _env(w).get("RANK") == "1"), signal.SIGKILL)
+    os.kill(next(w for w in workers if environ(w).get("RANK") == "1"), signal.SIGKILL)
 
     def restarted_rank0() -> int | None:
-        found = [w for w in _children(agent.pid) if _env(w).get("TORCHELASTIC_RESTART_COUNT") == "1"]
-        return next((w for w in found if _env(w).get("RANK") == "0"), None)
+        found = [w for w in children(agent.pid) if environ(w).get("TORCHELASTIC_RESTART_COUNT") == "1"]
+        return next((w for w in found if environ(w).get("RANK") == "0"), None)
 
     _wait_for("the restarted rank 0", lambda: restarted_rank0() is not None or agent.poll() is not None)
     late = restarted_rank0()
