@@ -191,6 +191,7 @@ def predict_bloom() -> float:
         zero_stage=1,
         stage_layers=BLOOM_STAGES,
         accumulation="depth_first",
+        replays_last_exit=True,  # Megatron-DeepSpeed's checkpointing re-runs each block's whole forward
     )
     step = simulate_step(shape, hw, plan, "1f1b")[0].step_time
     return 2048 * 2048 / step / 384

@@ -264,6 +264,7 @@ def predict_row(row: MegatronRow, hw: Hardware) -> Prediction:
         n_microbatches=m,
         recompute="full",
         dtype="fp16",
+        replays_last_exit=True,  # Megatron's checkpointing re-runs each block's whole forward
     )
     fwd, bwd = stage_time(shape, hw, plan, row.layers // row.pp)
     p2p = 2 * v * p2p_time_per_microbatch(shape, hw, plan)

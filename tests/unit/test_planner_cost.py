@@ -281,10 +281,15 @@ def test_depth_first_zero2_reduces_every_microbatch() -> None:
 
 def test_tp_comm_time_1d_is_two_all_reduces_per_pass() -> None:
     shape, hw = gpt(h=1024, s=512), load_hardware("a100-80gb")
-    plan = Plan(tp=8, micro_batch=1, recompute="full")
+    plan = Plan(tp=8, micro_batch=1, recompute="full", replays_last_exit=True)  # Megatron replays both
     one = all_reduce_time(512 * 1024 * 2, 8, hw.intra_node_bandwidth, hw.intra_node_latency)
     tp = tp_comm_time_per_layer(shape, hw, plan)
     assert (tp.forward, tp.backward, tp.recompute) == pytest.approx((2 * one, 2 * one, 2 * one), rel=REL)
+    # tessera's runtime replays the attention exit only (traffic.replayed_1d: nothing saves the MLP exit)
+    runtime = tp_comm_time_per_layer(shape, hw, replace(plan, replays_last_exit=False))
+    assert (runtime.forward, runtime.backward, runtime.recompute) == pytest.approx(
+        (2 * one, 2 * one, one), rel=REL
+    )
 
 
 def test_stage_time_composes_layer_pieces() -> None:

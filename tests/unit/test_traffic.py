@@ -29,6 +29,8 @@ from tessera.traffic import tensor_calls
 LAYOUTS = {
     # 1D with sequence parallelism: re-gathers, replicated vectors' gradients, the loss's all-reduces
     "tp2_sp": (2, {"tensor": 2, "sequence_parallel": True}),
+    # 1D with full checkpointing: the replayed forward without the block's last exit (traffic.replayed_1d)
+    "tp2_full": (2, {"tensor": 2, "checkpointing": "full"}),
     # 2D with full checkpointing: SUMMA blocks, norm statistics, the vocabulary SUMMA, the replayed forward
     "tp2x2_full": (4, {"tensor": "2x2", "checkpointing": "full"}),
 }

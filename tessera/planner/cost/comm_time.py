@@ -29,15 +29,25 @@ def tp_comm_time_per_layer(shape: ModelShape, hw: Hardware, plan: Plan) -> Layer
     tensor group (stride 1); with SP all-gather + reduce-scatter pairs, plus backward's re-gathers and the
     replicated vectors' gradient all-reduces. 2D: per Linear q rounds of block broadcasts / reduces on row groups
     (stride 1) and column groups (stride q), plus the norms' statistics and the bias / norm gradient sums. Full
-    recompute replays the block's forward collectives (the runtime skips the last 1D exit,
-    `traffic.replayed_1d`; this prices the whole forward, as Megatron replays it)."""
+    recompute replays what the runtime replays (`tensor_calls(..., "replay")`: the block's forward collectives
+    but the last 1D exit, `traffic.replayed_1d`), or the whole forward with `plan.replays_last_exit` (Megatron)."""
     block = tensor_calls(shape, plan, "block")
     fwd = traffic_time(hw, plan, block, FORWARD)
     return LayerTime(
         forward=fwd,
         backward=traffic_time(hw, plan, block, BACKWARD),
-        recompute=fwd if plan.recompute == "full" else 0.0,
+        recompute=_replay_time(shape, hw, plan, fwd),
     )
+
+
+def _replay_time(shape: ModelShape, hw: Hardware, plan: Plan, forward: float) -> float:
+    """Seconds of the collectives full recompute replays per block: the whole forward's (``forward``) when the
+    framework re-runs it all (`Plan.replays_last_exit`), else the runtime's replay list."""
+    if plan.recompute != "full":
+        return 0.0
+    if plan.replays_last_exit:
+        return forward
+    return traffic_time(hw, plan, tensor_calls(shape, plan, "replay"), FORWARD)
 
 
 def stage_time(
