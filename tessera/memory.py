@@ -133,6 +133,7 @@ def cost_plan(plan: ExecutionPlan) -> Plan:
         recompute=plan.checkpointing,
         accumulation=plan.accumulation,
         dtype=plan.dtype,
+        autocast=True,  # fp32 master weights under torch.autocast (tessera.parallel.precision)
         flash_attention=True,  # torch SDPA (flash / memory-efficient kernels) keeps no s×s score tensor
         rank_order=TESSERA_ORDER,  # ranks laid out by tessera.layout
         stage_layers=None if _even(plan) else plan.stage_layers,
@@ -290,7 +291,7 @@ def _adjust(
     """tessera-specific terms: exact per-rank parameters, the head's per-micro-batch activations, and the
     buffers of tessera's ZeRO implementation (see the module docstring)."""
     params, grads, optimizer = model_state_bytes(sum(stage_psi), plan.dp, plan.zero_stage, "fp32")
-    sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
+    sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.stream_bytes  # the fp32 residual stream
     logits = 4 * shape.seq_len * plan.micro_batch * shape.vocab_size / plan.tp
     head = last_inflight * (head_activation_bytes(shape, plan) + logits)
     working = base.working - (

@@ -10,6 +10,14 @@ conventions (all-reduce: the buffer; all-gather: the gathered output; reduce-sca
 broadcast / reduce: the block), in the forward or the backward pass. Groups: "tensor" (Megatron 1D), "row" (the
 Optimus row group of P_ij: same i, every j; the mesh axis TENSOR_COL) and "col" (same j; the mesh axis TENSOR_ROW).
 
+Each collective moves its tensor in that tensor's dtype. In fp32 every one is 4 bytes; under tessera's bf16
+autocast (`Plan.autocast`) a matmul's output and the gradient flowing into a matmul are bf16 (``act_bytes``),
+while the residual stream, the norms' outputs, the embedding's output and their gradients stay fp32
+(``stream_bytes``), and so do gradients of parameters and the loss's statistics. So a 1D entry moves the fp32
+norm output (forward under SP) and its fp32 gradient (backward, without SP), an exit the bf16 partial sums and
+their bf16 gradient; 2D SUMMA moves bf16 blocks and everything else fp32 (measured by the dry run,
+tests/unit/test_traffic.py). ``stream_bytes`` defaults to ``act_bytes`` (one dtype everywhere).
+
 Which Linears a block has, their biases, its norms and position table come from the family's declaration
 (`tessera.model.family.FamilyPlan`, read through `ModelShape.features`). Derivations: docs/tensor-1d.md,
 docs/tensor-2d.md. Pure Python: no torch.
@@ -86,31 +94,47 @@ def bytes_by_group(calls: list[Collective]) -> dict[tuple[str, str], float]:
 
 
 # --- Megatron 1D (t ranks), with or without sequence parallelism -------------------------------------------------
-# X = tokens·h·act_bytes is one hidden-state tensor. A region entry (f: identity forward, all-reduce backward) and
-# exit (g: all-reduce forward, identity backward) each cost one all-reduce of X; with SP an entry all-gathers
-# forward and reduce-scatters backward, an exit the reverse, and each entry's backward all-gathers its saved shard
-# again (Megatron does the same rather than keep the gathered input); the replicated parameters then used on
-# sequence shards all-reduce their gradients.
+# X = tokens·h is one hidden-state tensor. A region entry (f: identity forward, all-reduce backward) and exit
+# (g: all-reduce forward, identity backward) each cost one all-reduce of X; with SP an entry all-gathers forward
+# and reduce-scatters backward, an exit the reverse, and each entry's backward all-gathers its saved shard again
+# (Megatron does the same rather than keep the gathered input); the replicated parameters then used on sequence
+# shards all-reduce their gradients. An entry reads the stream (the norm's output: stream bytes) and its
+# backward reduce-scatter sums the Linears' input gradients (compute bytes; without SP the all-reduce runs on
+# the stream tensor's gradient); an exit carries a Linear's output (compute bytes). The embedding's exit carries
+# the looked-up stream tensor both ways.
 
 
-def _region(x: float, sp: bool, *, entry: bool) -> list[Collective]:
-    """One region boundary of Megatron 1D: an entry (f) or an exit (g)."""
+def _region(x: float, sp: bool, *, entry: bool, stream: float | None = None) -> list[Collective]:
+    """One region boundary of Megatron 1D: an entry (f) or an exit (g). ``x``: the tensor's bytes in the
+    compute dtype; ``stream``: in the stream dtype (default ``x``)."""
+    stream = x if stream is None else stream
     if not sp:
-        return [Collective("all_reduce", "tensor", x, BACKWARD if entry else FORWARD)]
-    gather, scatter = (FORWARD, BACKWARD) if entry else (BACKWARD, FORWARD)
-    out = [Collective("all_gather", "tensor", x, gather), Collective("reduce_scatter", "tensor", x, scatter)]
-    if entry:
-        out.append(Collective("all_gather", "tensor", x, BACKWARD))  # re-gather the saved shard
-    return out
+        return [Collective("all_reduce", "tensor", stream if entry else x, BACKWARD if entry else FORWARD)]
+    if not entry:
+        return [
+            Collective("all_gather", "tensor", x, BACKWARD),
+            Collective("reduce_scatter", "tensor", x, FORWARD),
+        ]
+    return [
+        Collective("all_gather", "tensor", stream, FORWARD),
+        Collective("reduce_scatter", "tensor", x, BACKWARD),
+        Collective("all_gather", "tensor", stream, BACKWARD),  # re-gather the saved shard
+    ]
 
 
 def block_1d(
-    shape: ModelShape, tokens: float, sp: bool, act_bytes: int, param_bytes: int = 4
+    shape: ModelShape,
+    tokens: float,
+    sp: bool,
+    act_bytes: int,
+    param_bytes: int = 4,
+    *,
+    stream_bytes: int | None = None,
 ) -> list[Collective]:
     """One block: attention and MLP, each an entry and an exit region; with SP the family's replicated vectors
     (norms, row-parallel biases: `FamilyPlan.replicated_block_vectors`) all-reduce their h-sized gradients."""
-    x = tokens * shape.d_model * act_bytes
-    regions = [*_region(x, sp, entry=True), *_region(x, sp, entry=False)]
+    x, stream = _hidden(shape, tokens, act_bytes, stream_bytes)
+    regions = [*_region(x, sp, entry=True, stream=stream), *_region(x, sp, entry=False)]
     out = regions + regions
     vectors = shape.features.replicated_block_vectors()
     if sp and vectors:
@@ -118,12 +142,23 @@ def block_1d(
     return out
 
 
-def replayed_1d(shape: ModelShape, tokens: float, sp: bool, act_bytes: int) -> list[Collective]:
+def _hidden(
+    shape: ModelShape, tokens: float, act_bytes: int, stream_bytes: int | None
+) -> tuple[float, float]:
+    """Bytes of one hidden-state tensor [tokens, h] in the compute and in the stream dtype."""
+    x = tokens * shape.d_model
+    return x * act_bytes, x * (act_bytes if stream_bytes is None else stream_bytes)
+
+
+def replayed_1d(
+    shape: ModelShape, tokens: float, sp: bool, act_bytes: int, *, stream_bytes: int | None = None
+) -> list[Collective]:
     """What full checkpointing replays per block before its backward: the block's forward collectives but the
     last exit's (torch.utils.checkpoint stops once the last saved tensor is rebuilt, and nothing inside the block
     saves the MLP exit's output)."""
     x = tokens * shape.d_model * act_bytes
-    forward = [c for c in block_1d(shape, tokens, sp, act_bytes) if c.phase == FORWARD]
+    block = block_1d(shape, tokens, sp, act_bytes, stream_bytes=stream_bytes)
+    forward = [c for c in block if c.phase == FORWARD]
     last_exit = "reduce_scatter" if sp else "all_reduce"
     out, dropped = [], False
     for c in reversed(forward):
@@ -135,11 +170,17 @@ def replayed_1d(shape: ModelShape, tokens: float, sp: bool, act_bytes: int) -> l
 
 
 def embedding_1d(
-    shape: ModelShape, tokens: float, sp: bool, act_bytes: int, param_bytes: int = 4
+    shape: ModelShape,
+    tokens: float,
+    sp: bool,
+    act_bytes: int,
+    param_bytes: int = 4,
+    *,
+    stream_bytes: int | None = None,
 ) -> list[Collective]:
-    """The vocabulary-parallel embedding's exit region; with SP a learned position table (replicated, used on
-    sequence shards) all-reduces its gradient [S, h]."""
-    out = _region(tokens * shape.d_model * act_bytes, sp, entry=False)
+    """The vocabulary-parallel embedding's exit region (the looked-up tensor is in the stream dtype); with SP a
+    learned position table (replicated, used on sequence shards) all-reduces its gradient [S, h]."""
+    out = _region(_hidden(shape, tokens, act_bytes, stream_bytes)[1], sp, entry=False)
     positions = shape.features.position_params(shape.seq_len, shape.d_model)
     if sp and positions:
         out.append(Collective("all_reduce", "tensor", positions * param_bytes, BACKWARD))
@@ -147,11 +188,18 @@ def embedding_1d(
 
 
 def head_1d(
-    shape: ModelShape, tokens: float, sp: bool, act_bytes: int, param_bytes: int = 4
+    shape: ModelShape,
+    tokens: float,
+    sp: bool,
+    act_bytes: int,
+    param_bytes: int = 4,
+    *,
+    stream_bytes: int | None = None,
 ) -> list[Collective]:
     """The head's entry region, the vocabulary-parallel loss (all-reduce of the row max [N], then of [Σexp,
     target] [2N], fp32) and, with SP, the final norm's replicated vectors."""
-    out = _region(tokens * shape.d_model * act_bytes, sp, entry=True)
+    x, stream = _hidden(shape, tokens, act_bytes, stream_bytes)
+    out = _region(x, sp, entry=True, stream=stream)
     out += [
         Collective("all_reduce", "tensor", tokens * _FP32, FORWARD),
         Collective("all_reduce", "tensor", 2 * tokens * _FP32, FORWARD),
@@ -214,60 +262,73 @@ def summa_bytes(op: str, m: int, k: int, n: int, q: int, elem: int = 4) -> dict[
     return {key: round(b) for key, b in bytes_by_group(summa(op, m, k, n, q, elem)).items()}
 
 
-def linear_2d(m: float, k: int, n: int, q: int, bias: bool, elem: int) -> list[Collective]:
-    """One Linear2D: AB forward; ABᵀ (input grad) and AᵀB (weight grad) backward; a bias's gradient is summed over
-    the grid rows."""
+def linear_2d(
+    m: float, k: int, n: int, q: int, bias: bool, elem: int, stream: int | None = None
+) -> list[Collective]:
+    """One Linear2D: AB forward; ABᵀ (input grad) and AᵀB (weight grad) backward, blocks of ``elem`` bytes; a
+    bias's gradient (``stream`` bytes, default ``elem``: fp32 under autocast) is summed over the grid rows."""
     out = summa("ab", m, k, n, q, elem) + summa("abt", m, k, n, q, elem, BACKWARD)
     out += summa("atb", m, k, n, q, elem, BACKWARD)
     if bias:
-        out.append(Collective("all_reduce", "col", n // q * elem, BACKWARD))
+        out.append(Collective("all_reduce", "col", n // q * (stream or elem), BACKWARD))
     return out
 
 
-def _norm_2d(shape: ModelShape, m: float, q: int, elem: int) -> list[Collective]:
+def _norm_2d(shape: ModelShape, m: float, q: int, stream: int) -> list[Collective]:
     """A norm on the grid: row sums of each local token's statistics (LayerNorm: mean and variance forward, two
-    sums backward; RMSNorm: one each), and the weight (and bias) gradients summed over the grid rows."""
+    sums backward; RMSNorm: one each), and the weight (and bias) gradients summed over the grid rows; all in
+    the stream dtype (the norm runs on the residual stream)."""
     stats = 2 if shape.features.norm_bias else 1
     return [
-        Collective("all_reduce", "row", m * elem, FORWARD, stats),
-        Collective("all_reduce", "row", stats * m * elem, BACKWARD),
-        Collective("all_reduce", "col", shape.features.norm_params(shape.d_model) // q * elem, BACKWARD),
+        Collective("all_reduce", "row", m * stream, FORWARD, stats),
+        Collective("all_reduce", "row", stats * m * stream, BACKWARD),
+        Collective("all_reduce", "col", shape.features.norm_params(shape.d_model) // q * stream, BACKWARD),
     ]
 
 
-def block_2d(shape: ModelShape, m: float, q: int, elem: int) -> list[Collective]:
-    """One block: its two norms and every Linear the family declares (`FamilyPlan.block_linears`)."""
-    out = _norm_2d(shape, m, q, elem) * 2
+def block_2d(shape: ModelShape, m: float, q: int, elem: int, stream: int | None = None) -> list[Collective]:
+    """One block: its two norms and every Linear the family declares (`FamilyPlan.block_linears`); SUMMA blocks
+    in ``elem`` bytes, the rest in ``stream`` bytes (default ``elem``)."""
+    stream = stream or elem
+    out = _norm_2d(shape, m, q, stream) * 2
     for lin in shape.features.block_linears(shape.d_model, shape.kv_dim, shape.ffn_hidden):
-        out += linear_2d(m, lin.d_in, lin.d_out, q, lin.bias, elem)
+        out += linear_2d(m, lin.d_in, lin.d_out, q, lin.bias, elem, stream)
     return out
 
 
-def replayed_2d(shape: ModelShape, m: float, q: int, elem: int) -> list[Collective]:
+def replayed_2d(
+    shape: ModelShape, m: float, q: int, elem: int, stream: int | None = None
+) -> list[Collective]:
     """What full checkpointing replays per block before its backward: the block's forward collectives."""
-    return [c for c in block_2d(shape, m, q, elem) if c.phase == FORWARD]
+    return [c for c in block_2d(shape, m, q, elem, stream) if c.phase == FORWARD]
 
 
-def embedding_2d(shape: ModelShape, m: float, seq: int, q: int, elem: int) -> list[Collective]:
+def embedding_2d(
+    shape: ModelShape, m: float, seq: int, q: int, elem: int, stream: int | None = None
+) -> list[Collective]:
     """The vocabulary-split embedding: partial rows reduce-scattered over the column group (all-gathered
-    backward); a learned position table's gradient (h/q columns of the ``seq`` rows used) summed over the rows."""
-    x = m * shape.d_model * elem
+    backward); a learned position table's gradient (h/q columns of the ``seq`` rows used) summed over the rows.
+    The looked-up rows and the gradients are in the stream dtype (``stream``, default ``elem``)."""
+    stream = stream or elem
+    x = m * shape.d_model * stream
     out = [Collective("reduce_scatter", "col", x, FORWARD), Collective("all_gather", "col", x, BACKWARD)]
     if shape.features.has_position_embedding:
-        out.append(Collective("all_reduce", "col", seq * shape.d_model // q * elem, BACKWARD))
+        out.append(Collective("all_reduce", "col", seq * shape.d_model // q * stream, BACKWARD))
     return out
 
 
-def head_2d(shape: ModelShape, m: float, q: int, elem: int) -> list[Collective]:
+def head_2d(shape: ModelShape, m: float, q: int, elem: int, stream: int | None = None) -> list[Collective]:
     """Final norm; logits Z = X·Eᵀ (ABᵀ, Z is [m, V padded to q]), backward dX = dZ·E (AB) and dE = dZᵀ·X (AᵀB);
-    the loss all-gathers the (lse, target) pairs over the row and sums the grid rows' shares."""
+    the loss all-gathers the (lse, target) pairs over the row and sums the grid rows' shares (the loss's
+    statistics in the stream dtype, ``stream``, default ``elem``: fp32 under autocast)."""
+    stream = stream or elem
     vpad = -(-shape.vocab_size // q) * q
     h = shape.d_model
-    out = _norm_2d(shape, m, q, elem) + summa("abt", m, vpad, h, q, elem)
+    out = _norm_2d(shape, m, q, stream) + summa("abt", m, vpad, h, q, elem)
     out += summa("ab", m, vpad, h, q, elem, BACKWARD) + summa("atb", m, vpad, h, q, elem, BACKWARD)
     out += [
-        Collective("all_gather", "row", q * 2 * m * elem, FORWARD),
-        Collective("all_reduce", "col", elem, FORWARD),
+        Collective("all_gather", "row", q * 2 * m * stream, FORWARD),
+        Collective("all_reduce", "col", stream, FORWARD),
     ]
     return out
 
@@ -296,26 +357,26 @@ PARTS = ("block", "replay", "embedding", "head")
 
 def tensor_calls(shape: ModelShape, plan: Any, part: str) -> list[Collective]:
     """The tensor-parallel collectives of one micro-batch for ``plan`` (a cost-model `Plan`: tp, tp_kind, q,
-    micro_batch, sequence_parallel, act_bytes), for one ``part``: "block", "replay" (what full checkpointing
+    micro_batch, sequence_parallel, act_bytes, stream_bytes), for one ``part``: "block", "replay" (what full checkpointing
     replays per block), "embedding" or "head". Empty without tensor parallelism."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     if plan.tp <= 1:
         return []
-    b, s, e = plan.micro_batch, shape.seq_len, plan.act_bytes
+    b, s, e, r = plan.micro_batch, shape.seq_len, plan.act_bytes, plan.stream_bytes
     if plan.tp_kind == "2d":
         q = plan.q
         m = b // q * s if b % q == 0 else b * s / q  # local tokens (a planner may try b < q)
         return {
-            "block": lambda: block_2d(shape, m, q, e),
-            "replay": lambda: replayed_2d(shape, m, q, e),
-            "embedding": lambda: embedding_2d(shape, m, s, q, e),
-            "head": lambda: head_2d(shape, m, q, e),
+            "block": lambda: block_2d(shape, m, q, e, r),
+            "replay": lambda: replayed_2d(shape, m, q, e, r),
+            "embedding": lambda: embedding_2d(shape, m, s, q, e, r),
+            "head": lambda: head_2d(shape, m, q, e, r),
         }[part]()
     n, sp = b * s, plan.sequence_parallel
     return {
-        "block": lambda: block_1d(shape, n, sp, e),
-        "replay": lambda: replayed_1d(shape, n, sp, e),
-        "embedding": lambda: embedding_1d(shape, n, sp, e),
-        "head": lambda: head_1d(shape, n, sp, e),
+        "block": lambda: block_1d(shape, n, sp, e, stream_bytes=r),
+        "replay": lambda: replayed_1d(shape, n, sp, e, stream_bytes=r),
+        "embedding": lambda: embedding_1d(shape, n, sp, e, stream_bytes=r),
+        "head": lambda: head_1d(shape, n, sp, e, stream_bytes=r),
     }[part]()

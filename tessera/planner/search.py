@@ -445,6 +445,7 @@ def _search_layout(
         micro_batch=b,
         n_microbatches=m,
         dtype=ctx.space.dtype,
+        autocast=True,  # tessera's mixed precision: fp32 master weights, fp32 residual stream
         flash_attention=ctx.space.flash_attention,
         rank_order=TESSERA_ORDER,  # the trainer lays ranks out with tessera.layout
     )

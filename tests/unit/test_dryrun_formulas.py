@@ -25,6 +25,24 @@ LAYOUTS = {
         {"tensor": 2, "pipeline": 2, "zero": 3, "checkpointing": "full"},
         {"global_batch": 4, "micro_batch": 1},
     ),
+    # bf16 autocast: fp32 boundary tensors and 1D entries, bf16 exits; 1D SP × pp2 (tied ends)
+    "tp2_sp_pp2_bf16": (
+        4,
+        {"tensor": 2, "sequence_parallel": True, "pipeline": 2},
+        {"global_batch": 4, "micro_batch": 2, "dtype": "bf16"},
+    ),
+    # bf16 autocast: 1D without SP, full checkpointing (replayed exits in bf16), pp2
+    "tp2_pp2_full_bf16": (
+        4,
+        {"tensor": 2, "pipeline": 2, "checkpointing": "full"},
+        {"global_batch": 4, "micro_batch": 2, "dtype": "bf16"},
+    ),
+    # bf16 autocast: bf16 SUMMA blocks, fp32 norm statistics, embedding, loss pairs and boundary tensors
+    "tp2x2_pp2_bf16": (
+        8,
+        {"tensor": "2x2", "pipeline": 2},
+        {"global_batch": 4, "micro_batch": 2, "dtype": "bf16"},
+    ),
 }
 
 

@@ -17,6 +17,7 @@ from tessera.planner.cost import (
     Plan,
     embedding_time,
     logits_time,
+    pp_p2p_volume,
     tp1d_layer_volume,
     tp2d_layer_volume,
     tp_comm_time_per_layer,
@@ -65,13 +66,16 @@ def _planner_bytes(cfg, world: int, kind: str, monkeypatch: pytest.MonkeyPatch) 
     return plan.n_microbatches * (shape.n_layers * block + ends)
 
 
+@pytest.mark.parametrize(
+    "dtype", ["fp32", "bf16"]
+)  # bf16: fp32 entries and norm statistics, bf16 exits and SUMMA
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_planner_prices_the_runtime_bytes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_planner_prices_the_runtime_bytes(name: str, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     world, parallel = LAYOUTS[name]
     raw = {
         "model": {"size": "llama-tiny"},
         "parallel": parallel,
-        "train": {"global_batch": 4, "micro_batch": 2},
+        "train": {"global_batch": 4, "micro_batch": 2, "dtype": dtype},
     }
     cfg = from_dict(raw)
     measured = {k: b for (k, axis), b in measured_by_axis(dry_run(cfg, world, 0)).items() if axis == "tensor"}
@@ -121,3 +125,17 @@ def test_published_2d_volume_and_the_runtime_traffic() -> None:
 def test_parts_are_named() -> None:
     with pytest.raises(ValueError, match="part must be one of"):
         tensor_calls(_gpt(), Plan(tp=2), "loss")
+
+
+def test_autocast_moves_fp32_boundaries_and_entries_and_bf16_exits() -> None:
+    """Under tessera's autocast the residual stream is fp32: the pipeline sends it in fp32 and a 1D entry's
+    backward all-reduces its fp32 gradient, while an exit all-reduces a bf16 Linear output; the published
+    accounting (Megatron: bf16 everywhere) keeps 2 bytes for all of them."""
+    shape, published = _gpt(), Plan(tp=4, pp=2, micro_batch=2, dtype="bf16")
+    tessera = replace(published, autocast=True)
+    x = 2 * 8 * 16  # one hidden state b·s·h, elements
+    assert pp_p2p_volume(shape, published, 0).send == 2 * x
+    assert pp_p2p_volume(shape, tessera, 0).send == 4 * x
+    by_phase = {(c.phase, c.nbytes) for c in tensor_calls(shape, tessera, "block")}
+    assert by_phase == {("forward", 2 * x), ("backward", 4 * x)}
+    assert {c.nbytes for c in tensor_calls(shape, published, "block")} == {2 * x}

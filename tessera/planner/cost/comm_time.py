@@ -70,10 +70,11 @@ def p2p_time_per_microbatch(shape: ModelShape, hw: Hardware, plan: Plan) -> floa
     boundary in one direction. Pipeline neighbours sit `axis_stride(rank_order, "pipe")` ranks apart (t·d in
     Megatron's order, t in tessera's), so they share a node only if that fits in one node. With 1D tensor
     parallelism (no SP) the scatter/gather optimisation sends 1/t and re-assembles with an all-gather on the
-    tensor group (Narayanan §4.1)."""
+    tensor group (Narayanan §4.1). The tensor is in the residual stream's dtype (fp32 under tessera's autocast,
+    `Plan.stream_bytes`)."""
     if plan.pp <= 1:
         return 0.0
-    full = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
+    full = shape.seq_len * plan.micro_batch * shape.d_model * plan.stream_bytes
     pair = group_placement(hw, plan, "pipe")
     latency = hw.intra_node_latency if pair.intra_node else hw.inter_node_latency
     t = p2p_time(full / plan.tp, bus_bandwidth(hw, pair), latency)

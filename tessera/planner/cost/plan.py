@@ -39,6 +39,14 @@ class Plan:
     accumulation: str = "layered"
     """"layered" (breadth-first: one DP reduction per layer per step) or "depth_first"."""
     dtype: str = "bf16"
+    autocast: bool = False
+    """How `dtype` is applied. False: the published accounting (Korthikanti 2022; Megatron, FSDP with
+    low-precision parameters): every activation, boundary tensor and collective on activations is in `dtype`.
+    True: tessera's mixed precision, fp32 master weights under torch.autocast: only matmul inputs and outputs
+    (and what is computed from them: attention, the MLP activation) are in `dtype`; the residual stream, the
+    norms, the embedding's output, the pipeline's boundary tensors and the collectives on them stay fp32
+    (`stream_bytes`), and each Linear saves its own cast of its input and of its weight (docs/memory.md,
+    "Mixed precision"). The same as False in fp32."""
     flash_attention: bool = False
     """Fused attention: no s×s score tensor in HBM (drops the 5as/h activation term and its traffic)."""
     rank_order: tuple[str, ...] = MEGATRON_ORDER
@@ -73,7 +81,20 @@ class Plan:
 
     @property
     def act_bytes(self) -> int:
+        """Bytes per element of matmul inputs and outputs (the compute dtype)."""
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def stream_bytes(self) -> int:
+        """Bytes per element of the residual stream, the norms and the pipeline's boundary tensors: fp32 under
+        tessera's autocast, else the compute dtype."""
+        return 4 if self.autocast else self.act_bytes
+
+    @property
+    def casts(self) -> bool:
+        """Whether each matmul casts its operands (autocast with a compute dtype narrower than fp32): the casts
+        are separate tensors, saved for backward."""
+        return self.autocast and self.act_bytes != 4
 
 
 def per_microbatch_reduction(plan: Plan) -> bool:

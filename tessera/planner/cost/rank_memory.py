@@ -13,6 +13,9 @@ from tessera.planner.cost.shape import ModelShape
 __all__ = [
     "MemoryBreakdown",
     "activation_bytes_per_layer",
+    "autocast_weight_bytes",
+    "autocast_weight_bytes_per_layer",
+    "boundary_bytes",
     "head_activation_bytes",
     "memory_per_rank",
     "model_state_bytes",
@@ -57,46 +60,121 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
 
     No recompute: s·b·h·(34 + 5as/h) without parallelism; 1D TP: s·b·h·(10 + 24/t + 5as/(ht)); 1D TP + SP:
     s·b·h·(34/t + 5as/(ht)); 2D: everything /q² (optimus §1.6). Selective: drop the 5as/h term.
-    Full: only the block input 2·s·b·h (÷t with SP, ÷q² in 2D). Generalised to GQA/SwiGLU/no-dropout by the same
-    per-tensor accounting: replicated 4 (norms) + 4 (QKV and MLP inputs) + 2 masks; sharded 2 (Q) + 4·kv/h (K,V)
-    + 2 (proj input) + MLP (GELU 4f/h, SwiGLU 6f/h); scores (2 + 3 with dropout)·as/h; flash attention stores
-    no scores. Counts assume 2-byte activations; other dtypes scale by bytes/2 (masks included, approximate).
+    Full: only the block input s·b·h (÷t with SP, ÷q² in 2D). Generalised to GQA/SwiGLU/no-dropout by the same
+    per-tensor accounting: replicated: each norm's input, each norm output read by the Linears (+ 2 masks);
+    sharded: Q, K and V (kv/h each), the output projection's input, the MLP (GELU 2 × f/h, SwiGLU 4 × f/h);
+    scores (2 + 3 with dropout)·as/h in 2-byte units; flash attention stores no scores.
 
-    The Llama family (`swiglu`) is counted as tessera's Llama block saves, tensor by tensor (measured by the dry
-    run, tests/unit/test_activation_formula.py): each RMSNorm keeps its input, the normalised tensor and its
-    output (3 × 2; the 2D norm keeps the last two), attention keeps Q, K and V expanded to all heads, SDPA's
+    Each tensor in its own dtype: `plan.act_bytes` for matmul inputs/outputs and what attention and the MLP
+    compute from them, `plan.stream_bytes` for the residual stream and the norms (fp32 under tessera's
+    autocast, `Plan.autocast`; the same 2 bytes in the published accounting). Under autocast each Linear
+    saves its own cast of its input (wq, wk, wv: three casts of the attention norm's output, `_input_bytes`),
+    except the sequence-parallel entry, which keeps the fp32 shard and gathers it again in backward; and 2D
+    keeps a fresh cast of every weight block per micro-batch (`autocast_weight_bytes` has the 1D copies, one per
+    step). Measured by the dry run tensor by tensor (tests/unit/test_activation_formula.py, fp32 and bf16).
+
+    The Llama family (`swiglu`) is counted as tessera's Llama block saves: each RMSNorm keeps its input and the
+    normalised tensor (the 2D norm only its input), attention keeps Q, K and V expanded to all heads, SDPA's
     output and the output projection's input (a transposed copy of it), SwiGLU keeps gate, up, silu(gate) and
-    their product (8f/h). Selective recomputation drops SDPA's output and the expansion (K, V at 4·kv/h).
+    their product. Selective recomputation drops SDPA's output and the expansion (K, V at kv/h).
     `recompute` overrides `plan.recompute` (the working memory of a recomputed block is its "none" count).
     """
     recompute = plan.recompute if recompute is None else recompute
     s, b, h, a = shape.seq_len, plan.micro_batch, shape.d_model, shape.n_heads
     sbh = s * b * h
+    c, r = plan.act_bytes, plan.stream_bytes
     shard_all = plan.tp if (plan.tp_kind == "2d" or plan.sequence_parallel) else 1
-    scale = plan.act_bytes / 2
     if recompute == "full":
-        return 2 * sbh / shard_all * scale
-    f_h = shape.ffn_hidden / h
+        return sbh * r / shard_all
+    fam, f_h, kv_h = shape.features, shape.ffn_hidden / h, shape.kv_dim / h
+    norms = 2 * _norm_bytes(shape, plan)
+    inputs = _input_bytes(plan, len(fam.attention_in)) + _input_bytes(plan, len(fam.mlp_in))
+    replicated = norms + inputs + (c if shape.dropout else 0)  # two 1-byte masks, in Korthikanti's units
+    # selective recomputation keeps the attention core's inputs as the Linears (and RoPE) left them
+    qkv = (_output_bytes(plan, fam.qkv_bias) if recompute == "selective" else c) * (1 + 2 * kv_h)
     if shape.swiglu:
-        replicated = (8 if plan.tp_kind == "2d" else 12) + (2 if shape.dropout else 0)
-        attention = 2 + 4 * shape.kv_dim / h + 2 if recompute == "selective" else 10
-        return sbh * (replicated / shard_all + (attention + 8 * f_h) / plan.tp) * scale
-    replicated = 8 + (2 if shape.dropout else 0)
-    sharded = 2 + 4 * shape.kv_dim / h + 2 + 4 * f_h
-    scores = 0.0 if plan.flash_attention else (5 if shape.dropout else 2) * a * s / h
-    if recompute == "selective":
-        scores = 0.0
-    return sbh * (replicated / shard_all + (sharded + scores) / plan.tp) * scale
+        attention = qkv + c if recompute == "selective" else 5 * c
+        sharded = attention + 4 * c * f_h
+    else:
+        scores = 0.0 if plan.flash_attention else (5 if shape.dropout else 2) * a * s / h * c / 2
+        mlp = (_output_bytes(plan, fam.mlp_bias) + c) * f_h  # GELU's input (fc's output), proj's input
+        sharded = qkv + c + mlp + (0.0 if recompute == "selective" else scores)
+    per_microbatch_weights = autocast_weight_bytes_per_layer(shape, plan) if plan.tp_kind == "2d" else 0.0
+    return sbh * (replicated / shard_all + sharded / plan.tp) + per_microbatch_weights
+
+
+def _norm_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Bytes per element a norm saves of its own, in the stream dtype: its input; RMSNorm also the normalised
+    tensor (the weight's gradient needs it), except the 2D norm, which recomputes it."""
+    rms_extra = shape.features.norm == "rms" and plan.tp_kind != "2d"
+    return plan.stream_bytes * (2 if rms_extra else 1)
+
+
+def _input_bytes(plan: Plan, linears: int) -> float:
+    """Bytes per element saved for the input of `linears` Linears reading one norm output: one tensor in the
+    stream dtype, or under autocast one cast per Linear (autocast casts a non-parameter on every call); the
+    sequence-parallel entry saves only its fp32 shard (tessera.parallel.tensor_1d._GatheredLinears)."""
+    gathered = plan.sequence_parallel and plan.tp_kind == "1d" and plan.tp > 1
+    if plan.casts and not gathered:
+        return linears * plan.act_bytes
+    return plan.stream_bytes
+
+
+def _output_bytes(plan: Plan, bias: bool) -> int:
+    """Bytes per element of a Linear's output: the compute dtype, except a biased 2D Linear's, whose fp32 bias
+    is added after the SUMMA product and promotes it to fp32 under autocast (a 1D F.linear adds the bias in
+    the compute dtype)."""
+    return plan.stream_bytes if bias and plan.tp_kind == "2d" else plan.act_bytes
+
+
+def autocast_weight_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
+    """Bytes of one block's weights cast to the compute dtype on one rank, 0 without casts (`Plan.casts`):
+    act_bytes × the block's matmul weights / t. Under 1D (and without tensor parallelism) autocast casts each
+    weight once per autocast region, which tessera's pipeline runtime keeps open for the whole step, so one copy
+    lives per step (`autocast_weight_bytes`); 2D's SUMMA casts its weight blocks itself on every call, so every
+    micro-batch saves its own copy (counted in `activation_bytes_per_layer`)."""
+    if not plan.casts:
+        return 0.0
+    return (
+        plan.act_bytes
+        * shape.features.block_matmul_params(shape.d_model, shape.kv_dim, shape.ffn_hidden)
+        / plan.tp
+    )
+
+
+def autocast_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
+    """The compute-dtype copies of the weights autocast keeps for the step on one rank of pipeline position
+    `stage` (1D or no tensor parallelism; 2D copies are per micro-batch): its blocks' and, on the last stage,
+    the output projection's (V·h/t). 0 without casts. An upper bound under sequence parallelism without a
+    pipeline schedule, where the column-parallel copies die with each micro-batch's forward."""
+    if not plan.casts or plan.tp_kind == "2d":
+        return 0.0
+    n = rank_layers(shape, plan, stage) * autocast_weight_bytes_per_layer(shape, plan)
+    if stage == plan.pp - 1:
+        n += plan.act_bytes * shape.vocab_size * shape.d_model / plan.tp
+    return n
 
 
 def head_activation_bytes(shape: ModelShape, plan: Plan) -> float:
     """Bytes one micro-batch keeps for backward in the head, besides its fp32 logits: the final norm's saved
-    tensors (as in the blocks: LayerNorm input and output; RMSNorm also the normalised tensor, except in 2D),
-    split by the tensor degree where the sequence is (sequence parallel, 2D)."""
-    sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
+    tensors (as in the blocks: its own, `_norm_bytes`, and the output projection's input, `_input_bytes`),
+    split by the tensor degree where the sequence is (sequence parallel, 2D); in 2D under autocast also the
+    per-micro-batch cast of the output projection's weight block."""
+    sbh = shape.seq_len * plan.micro_batch * shape.d_model
     shard_all = plan.tp if (plan.tp_kind == "2d" or plan.sequence_parallel) else 1
-    tensors = 3 if shape.swiglu and plan.tp_kind != "2d" else 2
-    return tensors * sbh / shard_all
+    saved = sbh * (_norm_bytes(shape, plan) + _input_bytes(plan, 1)) / shard_all
+    if plan.casts and plan.tp_kind == "2d":
+        vpad = -(-shape.vocab_size // plan.q) * plan.q
+        saved += plan.act_bytes * vpad * shape.d_model / plan.tp
+    return saved
+
+
+def boundary_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Bytes of one micro-batch's pipeline boundary tensor on one rank (a stage's output, sent forward and kept
+    until sent; its gradient, sent back): b·s·h in the stream dtype (`Plan.stream_bytes`: fp32 under tessera's
+    autocast, whose residual stream is fp32), divided by t when the sequence is split (sequence parallel, 2D)."""
+    shard = plan.tp if (plan.sequence_parallel or plan.tp_kind == "2d") else 1
+    return shape.seq_len * plan.micro_batch * shape.d_model * plan.stream_bytes / shard
 
 
 def model_state_bytes(
@@ -139,12 +217,13 @@ def memory_per_rank(
     w_b, g_b = (2, 2) if precision == "mixed" else (4, 4)
     z = plan.zero_stage
     acts = activation_bytes_per_layer(shape, plan) * rank_layers(shape, plan, stage) * inflight_microbatches
+    acts += autocast_weight_bytes(shape, plan, stage)
     working = 0.0
     if plan.recompute != "none":
         working += activation_bytes_per_layer(shape, plan, recompute="none")
     if stage == plan.pp - 1:
         working += 4 * shape.seq_len * plan.micro_batch * shape.vocab_size / plan.tp
-    sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
+    sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.stream_bytes
     layer_local = shape.layer_params() / plan.tp
     buffers = (2 * sbh if plan.pp > 1 else 0.0) + (2 * layer_local * w_b if z >= 3 else 0.0)
     buffers += layer_local * g_b if z >= 2 else 0.0

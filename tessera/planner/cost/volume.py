@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from tessera.planner.cost.plan import Plan, per_microbatch_reduction
+from tessera.planner.cost.rank_memory import boundary_bytes
 from tessera.planner.cost.shape import ModelShape, linears
 from tessera.traffic import FORWARD, Collective, linear_2d
 
@@ -107,7 +108,8 @@ def pp_p2p_volume(shape: ModelShape, plan: Plan, stage: int) -> CommVolume:
     Chunk c of rank `stage` is global stage c·p + stage (looping assignment). Each micro-batch sends its
     activation b·s·h forward from every chunk with a successor and its gradient backward from every chunk with a
     predecessor (Narayanan §3.2), divided by t with the scatter/gather optimisation (sequence parallel / 2D
-    layouts hold sharded boundary activations: /t, /q²). Receives mirror the sends.
+    layouts hold sharded boundary activations: /t, /q²), in the residual stream's dtype (`boundary_bytes`: fp32
+    under tessera's autocast). Receives mirror the sends.
     """
     p, v, m = plan.pp, plan.virtual_stages, plan.n_microbatches
     if p <= 1:
@@ -115,8 +117,7 @@ def pp_p2p_volume(shape: ModelShape, plan: Plan, stage: int) -> CommVolume:
     positions = [c * p + stage for c in range(v)]
     with_next = sum(pos < v * p - 1 for pos in positions)
     with_prev = sum(pos > 0 for pos in positions)
-    shard = plan.tp if (plan.sequence_parallel or plan.tp_kind == "2d") else 1
-    nbytes = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes / shard
+    nbytes = boundary_bytes(shape, plan)
     sends = m * (with_next + with_prev)
     return CommVolume(send=sends * nbytes, recv=sends * nbytes, calls=2 * sends)
 
