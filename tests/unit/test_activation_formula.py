@@ -10,21 +10,21 @@ log-sum-exp rows.
 
 Under bf16 autocast each tensor has its own dtype (fp32 residual stream and norms, bf16 matmul inputs and
 outputs, one bf16 cast of its input per Linear), and a block also saves the bf16 copies of its weights that
-autocast makes (`autocast_weight_bytes_per_layer`); a formula counting 2-byte activations fails every bf16 case.
+autocast makes (`autocast_weight_bytes`, per step; 2D's per micro-batch); a formula counting 2-byte activations
+fails every bf16 case.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tessera.config import from_dict
+from tessera.config import Config, from_dict
 from tessera.dryrun import dry_run
 from tessera.memory import plan_from_config
 from tessera.planner.cost import (
     ModelShape,
-    Plan,
     activation_bytes_per_layer,
-    autocast_weight_bytes_per_layer,
+    autocast_weight_bytes,
     head_activation_bytes,
 )
 
@@ -64,28 +64,25 @@ def _raw(family: str, parallel: dict, layers: int, checkpointing: str, dtype: st
     }
 
 
-def _saved(family: str, layout: str, checkpointing: str, dtype: str) -> tuple[dict[int, int], object, int]:
-    """Activation bytes the dry run counts for models of 1 and 2 blocks; the config of the latter; the world."""
+def _saved(
+    family: str, layout: str, checkpointing: str, dtype: str
+) -> tuple[dict[int, int], dict[int, Config], int]:
+    """Activation bytes the dry run counts for models of 1 and 2 blocks, their configs, the world size."""
     world, parallel = LAYOUTS[layout]
-    saved = {}
+    saved, cfg = {}, {}
     for layers in (1, 2):
-        cfg = from_dict(_raw(family, parallel, layers, checkpointing, dtype))
-        saved[layers] = dry_run(cfg, world, 0).activations
+        cfg[layers] = from_dict(_raw(family, parallel, layers, checkpointing, dtype))
+        saved[layers] = dry_run(cfg[layers], world, 0).activations
     return saved, cfg, world
 
 
-def _saved_weight_copies(shape: ModelShape, plan: Plan) -> float:
-    """The bf16 weight copies a block's forward saves for backward, beside its activations: every Linear's under
-    1D (2D's are counted per micro-batch in the formula itself). The sequence-parallel entry saves the fp32
-    weights instead: its Linears' copies stay in autocast's cache, not among the saved tensors."""
-    if plan.tp_kind == "2d":
-        return 0.0
-    copies = autocast_weight_bytes_per_layer(shape, plan)
-    if plan.sequence_parallel and copies:
-        linears = shape.features.block_linears(shape.d_model, shape.kv_dim, shape.ffn_hidden)
-        column = sum(lin.d_in * lin.d_out for lin in linears if lin.role == "column")
-        copies -= plan.act_bytes * column / plan.tp
-    return copies
+def _weight_copies(cfg: dict[int, Config], world: int) -> dict[int, float]:
+    """The bf16 weight copies the estimate keeps per step (`autocast_weight_bytes`) for the models of 1 and 2
+    blocks (2D's are counted per micro-batch inside the activation formulas)."""
+    return {
+        layers: autocast_weight_bytes(ModelShape.from_config(c.model), plan_from_config(c, world), 0)
+        for layers, c in cfg.items()
+    }
 
 
 @pytest.mark.parametrize(("family", "layout", "checkpointing", "dtype"), BLOCK_CASES)
@@ -94,8 +91,9 @@ def test_block_activation_bytes_equal_the_formula(
 ) -> None:
     saved, cfg, world = _saved(family, layout, checkpointing, dtype)
     per_block = saved[2] - saved[1]
-    shape, plan = ModelShape.from_config(cfg.model), plan_from_config(cfg, world)
-    formula = activation_bytes_per_layer(shape, plan) + _saved_weight_copies(shape, plan)
+    shape, plan = ModelShape.from_config(cfg[2].model), plan_from_config(cfg[2], world)
+    copies = _weight_copies(cfg, world)
+    formula = activation_bytes_per_layer(shape, plan) + copies[2] - copies[1]
     assert per_block == pytest.approx(formula, rel=RTOL)
 
 
@@ -107,11 +105,10 @@ def test_head_activation_bytes_equal_the_formula(family: str, layout: str, dtype
     output projection's input (and its bf16 weight copy), the fp32 logits the loss keeps."""
     saved, cfg, world = _saved(family, layout, "none", dtype)
     ends = 2 * saved[1] - saved[2]
-    shape, plan = ModelShape.from_config(cfg.model), plan_from_config(cfg, world)
+    shape, plan = ModelShape.from_config(cfg[1].model), plan_from_config(cfg[1], world)
     logits = 4 * SEQ * BATCH * shape.vocab_size / plan.tp
-    head_copy = 0.0  # saved once per step under 1D (2D: in head_activation_bytes; SP: autocast's cache)
-    if plan.casts and plan.tp_kind == "1d" and not plan.sequence_parallel:
-        head_copy = plan.act_bytes * shape.vocab_size * shape.d_model / plan.tp
+    copies = _weight_copies(cfg, world)
+    head_copy = 2 * copies[1] - copies[2]  # the output projection's (1D; 2D: in head_activation_bytes)
     formula = head_activation_bytes(shape, plan) + logits + head_copy
     # beside them: token and target ids (int64), norm and loss statistics: measured ≤ 28 bytes per token
     assert ends == pytest.approx(formula, abs=32 * SEQ * BATCH)

@@ -143,16 +143,38 @@ def autocast_weight_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
 
 
 def autocast_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
-    """The compute-dtype copies of the weights autocast keeps for the step on one rank of pipeline position
-    `stage` (1D or no tensor parallelism; 2D copies are per micro-batch): its blocks' and, on the last stage,
-    the output projection's (V·h/t). 0 without casts. An upper bound under sequence parallelism without a
-    pipeline schedule, where the column-parallel copies die with each micro-batch's forward."""
+    """The compute-dtype copies of the weights that live through the step on one rank of pipeline position
+    `stage` under autocast (1D or no tensor parallelism; 2D's are per micro-batch): its blocks' and, on the last
+    stage, the output projection's (act_bytes · V·h/t). 0 without casts.
+
+    A Linear saves its weight's copy for backward; the sequence-parallel entry saves the fp32 weights instead, so
+    its Linears' copies (the column-parallel ones and the head's) live only in autocast's cache, which lasts the
+    step in the schedule runtime (one autocast region per step) unless ZeRO-3 clears it at every FREE, and one
+    micro-batch's forward in the direct loop (`_cache_lasts_the_step`)."""
     if not plan.casts or plan.tp_kind == "2d":
         return 0.0
-    n = rank_layers(shape, plan, stage) * autocast_weight_bytes_per_layer(shape, plan)
-    if stage == plan.pp - 1:
-        n += plan.act_bytes * shape.vocab_size * shape.d_model / plan.tp
-    return n
+    per_layer = autocast_weight_bytes_per_layer(shape, plan)
+    head = plan.act_bytes * shape.vocab_size * shape.d_model / plan.tp
+    gathered = plan.sequence_parallel and plan.tp > 1
+    if gathered and not _cache_lasts_the_step(plan):  # only the row-parallel Linears' copies are saved
+        fam, h = shape.features, shape.d_model
+        rows = sum(
+            lin.d_in * lin.d_out
+            for lin in fam.block_linears(h, shape.kv_dim, shape.ffn_hidden)
+            if lin.role == "row"
+        )
+        per_layer, head = plan.act_bytes * rows / plan.tp, 0.0
+    return rank_layers(shape, plan, stage) * per_layer + (head if stage == plan.pp - 1 else 0.0)
+
+
+def _cache_lasts_the_step(plan: Plan) -> bool:
+    """Whether autocast's cast cache keeps each weight's copy until the step ends: the schedule runtime runs a
+    step in one autocast region and only ZeRO-3 clears the cache (when it frees a stage); the direct loop
+    (no pipeline, no ZeRO, one micro-batch at a time: `tessera.execution`) opens a region per micro-batch."""
+    direct = (
+        plan.pp == 1 and plan.zero_stage == 0 and (plan.accumulation != "layered" or plan.n_microbatches == 1)
+    )
+    return not direct and plan.zero_stage < 3
 
 
 def head_activation_bytes(shape: ModelShape, plan: Plan) -> float:
