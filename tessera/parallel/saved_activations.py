@@ -21,7 +21,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
-__all__ = ["SavedActivationCounter"]
+__all__ = ["SavedActivationCounter", "SavedStorages"]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
@@ -71,6 +71,11 @@ class SavedActivationCounter:
     def tensors(self) -> int:
         return len(self._seen)
 
+    @property
+    def storages(self) -> dict[tuple[str, int], int]:
+        """Bytes of each distinct storage saved so far, by storage identity (for `SavedStorages`)."""
+        return dict(self._seen)
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         if key is not None and key not in self._state:
@@ -95,3 +100,30 @@ class SavedActivationCounter:
         if self._hooks is not None:
             self._hooks.__exit__(exc_type, exc, tb)
             self._hooks = None
+
+
+class SavedStorages:
+    """The storages several forwards hold for backward at once (a pipeline's micro-batches in flight), each counted
+    once however many forwards saved it: under autocast every micro-batch saves the same cached bf16 copy of a
+    weight. ``add`` a forward's `SavedActivationCounter.storages` under a name; ``release`` it at its backward;
+    ``bytes`` is what is held now."""
+
+    def __init__(self) -> None:
+        self._held: dict[object, dict[tuple[str, int], int]] = {}
+        self._refs: dict[tuple[str, int], int] = {}
+        self.bytes = 0
+
+    def add(self, owner: object, storages: dict[tuple[str, int], int]) -> None:
+        self.release(owner)
+        self._held[owner] = storages
+        for key, nbytes in storages.items():
+            self._refs[key] = self._refs.get(key, 0) + 1
+            if self._refs[key] == 1:  # a storage alive while held: its identity cannot be reused meanwhile
+                self.bytes += nbytes
+
+    def release(self, owner: object) -> None:
+        for key, nbytes in self._held.pop(owner, {}).items():
+            self._refs[key] -= 1
+            if not self._refs[key]:
+                del self._refs[key]
+                self.bytes -= nbytes

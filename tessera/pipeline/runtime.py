@@ -42,7 +42,7 @@ from tessera.model.documents import Batch, batch_parts
 from tessera.model.materialize import materialize
 from tessera.modes import reduces_every_microbatch
 from tessera.parallel.clipping import squared_norm
-from tessera.parallel.saved_activations import SavedActivationCounter
+from tessera.parallel.saved_activations import SavedActivationCounter, SavedStorages
 from tessera.pipeline.build import lowered_schedule
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, infer_stage_ranks
 from tessera.pipeline.run_order import check_p2p_order, forward_only, recv_post_positions
@@ -82,7 +82,7 @@ class _StepState:
     sends: list[tuple[torch.Tensor, list[dist.Work]]] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
     gathering: set[int] = field(default_factory=set)
-    saved: dict[tuple[int, int], int] = field(default_factory=dict)  # bytes each F keeps until its backward
+    saved: SavedStorages = field(default_factory=SavedStorages)  # what each F keeps until its backward
 
 
 class PipelineEngine:
@@ -270,8 +270,8 @@ class PipelineEngine:
         else:
             with SavedActivationCounter(self.stages[s]) as saved:
                 out = self._stage_forward(state, s, x, targets, positions)
-            state.saved[(s, j)] = saved.bytes
-            self.peak_saved_bytes = max(self.peak_saved_bytes, sum(state.saved.values()))
+            state.saved.add((s, j), saved.storages)  # a storage several F's saved counts once
+            self.peak_saved_bytes = max(self.peak_saved_bytes, state.saved.bytes)
         state.inputs[(s, j)], state.outputs[(s, j)] = x, out
 
     def _stage_forward(
@@ -307,7 +307,7 @@ class PipelineEngine:
         x = state.inputs.pop((s, j))
         if not split:
             torch.autograd.backward(out, grad)
-            state.saved.pop((s, j), None)  # autograd has freed what this F saved
+            state.saved.release((s, j))  # autograd has freed what this F saved
         elif s > 0:  # input gradient only; the graph stays for W
             (x.grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
         if split:
@@ -322,7 +322,7 @@ class PipelineEngine:
         out, grad = state.split.pop((s, j))
         params = [p for p in self.stages[s].parameters() if p.requires_grad]
         torch.autograd.backward(out, grad, inputs=params)
-        state.saved.pop((s, j), None)
+        state.saved.release((s, j))
 
     # --- point-to-point ------------------------------------------------------------------------------------
 

@@ -112,3 +112,15 @@ def test_head_activation_bytes_equal_the_formula(family: str, layout: str, dtype
     formula = head_activation_bytes(shape, plan) + logits + head_copy
     # beside them: token and target ids (int64), norm and loss statistics: measured ≤ 28 bytes per token
     assert ends == pytest.approx(formula, abs=32 * SEQ * BATCH)
+
+
+def test_micro_batches_in_flight_share_the_weight_copies() -> None:
+    """GPipe keeps 4 micro-batches in flight on a 1D pipeline rank; every one saves the same cached bf16 copy of
+    each weight, which exists once: the runtime's count (`SavedStorages`) and the estimate hold 4 micro-batches'
+    activations and one set of copies."""
+    raw = _raw("gpt", {"tensor": 2, "pipeline": 2, "schedule": "gpipe"}, 4, "none", "bf16")
+    cfg = from_dict({**raw, "train": {"global_batch": 4, "micro_batch": 1, "dtype": "bf16"}})
+    shape, plan = ModelShape.from_config(cfg.model), plan_from_config(cfg, 4)
+    blocks = 2  # of 4, on pipeline rank 0
+    formula = 4 * blocks * activation_bytes_per_layer(shape, plan) + autocast_weight_bytes(shape, plan, 0)
+    assert dry_run(cfg, 4, 0).activations == pytest.approx(formula, rel=RTOL)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera.parallel.saved_activations import SavedActivationCounter
+from tessera.parallel.saved_activations import SavedActivationCounter, SavedStorages
 
 FP32 = 4
 
@@ -51,3 +51,17 @@ def test_nothing_counted_without_grad_or_outside() -> None:
     assert saved.bytes == 0
     lin(x).sum().backward()  # after the context: hooks are gone
     assert saved.bytes == 0
+
+
+def test_storages_held_by_several_forwards_count_once() -> None:
+    """A pipeline's micro-batches in flight can save one storage (autocast's cached weight copy): held once,
+    freed when the last forward holding it has run its backward."""
+    held = SavedStorages()
+    shared, own_a, own_b = ("cpu", 1), ("cpu", 2), ("cpu", 3)
+    held.add("a", {shared: 100, own_a: 10})
+    held.add("b", {shared: 100, own_b: 20})
+    assert held.bytes == 130
+    held.release("a")
+    assert held.bytes == 120  # b still holds the shared storage
+    held.release("b")
+    assert held.bytes == 0
