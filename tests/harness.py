@@ -2,14 +2,24 @@
 
 Each test gets a fresh free port, a per-test timeout and a clean teardown: a hung rank is killed rather than
 hanging CI, and the first failing rank's full traceback is re-raised in the parent.
+
+Ranks are forked from a forkserver that has imported torch and tessera once per test session (`PRELOAD`):
+a spawned rank spent about two seconds of CPU importing them, times 2-8 ranks per launch on CI's two cores,
+which was most of the distributed suite's start-up cost. Each rank is a fresh fork of that server, not of an
+earlier rank, so no test's rank state reaches another; what a spawned rank would have inherited from the test
+at its start (the environment, the working directory, sys.path, stdout and stderr) is handed over explicitly.
+Only this harness forks: the CLI and fault tests start `python -m tessera` as users do.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
+import sys
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -18,14 +28,69 @@ import torch.multiprocessing as mp
 
 from tessera.train.launch import free_port
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = ["PRELOAD", "DistributedTestError", "run_distributed"]
+
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "pytest",
+    "tessera.train.trainer",
+    "tessera.train.export",
+    "tessera.cli",
+    "tessera.parallel.apply",
+    "tessera.pipeline.runtime",
+    "tests.distributed.conftest",
+]
+"""Imported once by the forkserver, before any rank is forked: what nearly every rank imports (not
+transformers: only the Hugging Face tests' ranks use it, through lazy imports)."""
 
 
 class DistributedTestError(AssertionError):
     """A rank failed or timed out; the message holds that rank's traceback."""
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+class _Fd:
+    """A file descriptor of the parent, duplicated into the rank as it starts (the forkserver passes it)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        return _received_fd, (reduction.DupFd(self.fd),)
+
+
+def _received_fd(dup: Any) -> int:
+    return dup.detach()
+
+
+@functools.cache
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _inherit(env: dict[str, str], stdout: int, stderr: int) -> None:
+    """Give this rank what a spawned one inherits from the test at its start: the environment then (the
+    forkserver's is the one of the test that started it) and the test's captured stdout and stderr."""
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, target in ((stdout, 1), (stderr, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    queue: Any,
+    inherited: tuple[dict[str, str], int, int],
+) -> None:
+    _inherit(*inherited)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -52,11 +117,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     ``fn`` must be a module-level (picklable) function and its return value picklable. Raises
     ``DistributedTestError`` with the failing rank's traceback, or naming ranks that did not finish in time.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.SimpleQueue()
     port = free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, fn, args, queue, (dict(os.environ), _Fd(1), _Fd(2))),
+            daemon=True,
+        )
         for r in range(world_size)
     ]
     for p in procs:
