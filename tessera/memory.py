@@ -21,13 +21,16 @@ from functools import lru_cache
 
 from tessera.config import Config, even_split
 from tessera.execution import DIRECT, ExecutionPlan, resolve
-from tessera.modes import BREADTH_FIRST, LAYERED
+from tessera.modes import BREADTH_FIRST, LAYERED, reduces_every_microbatch
+from tessera.peak_memory import Moment, StageBytes, Walk, compile_walk, lowered_events
+from tessera.pipeline.build import compute_options
 from tessera.pipeline.ir import ActionKind, Schedule
-from tessera.pipeline.schedules import build_schedule
+from tessera.pipeline.schedules import build_schedule, rank_steps
 from tessera.planner.cost import (
     MemoryBreakdown,
     ModelShape,
     Plan,
+    activation_bytes_per_layer,
     head_activation_bytes,
     memory_per_rank,
     model_state_bytes,
@@ -42,6 +45,7 @@ __all__ = [
     "cost_plan",
     "estimate",
     "estimate_plan",
+    "memory_floor",
     "model_state_floor",
     "plan_from_config",
     "stage_params",
@@ -56,6 +60,12 @@ class MemoryEstimate:
     """Peak bytes of the fullest rank (pipeline position ``stage``), by component."""
 
     breakdown: MemoryBreakdown
+    """Each component at its own size: model state by the ZeRO formulas, activations at their peak, the
+    transients; not all alive at once, so its sum can exceed the peak (`at_peak`)."""
+    at_peak: MemoryBreakdown
+    """What is alive at the rank's peak moment, by component (`tessera.peak_memory`): sums to ``total``."""
+    grads_after_backward: float
+    """Gradient bytes held once backward is over (ZeRO-1: the full gradients and the reduced shard)."""
     stage: int
     """Pipeline rank (position) the estimate is for: the one with the largest total."""
     inflight: float
@@ -65,10 +75,11 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.breakdown.total
+        return self.at_peak.total
 
     def components(self) -> dict[str, float]:
-        return {name: float(getattr(self.breakdown, name)) for name in COMPONENTS}
+        """What is alive at the peak, by component (sums to ``total``)."""
+        return {name: float(getattr(self.at_peak, name)) for name in COMPONENTS}
 
     def fits(self, device_bytes: float | None = None) -> bool:
         limit = device_bytes if device_bytes is not None else self.device_memory
@@ -208,14 +219,39 @@ def model_state_floor(shape: ModelShape, plan: ExecutionPlan) -> float:
     """Bytes of model state (fp32 parameters, gradients and Adam moments, ZeRO-sharded) of the pipeline rank
     holding the most: a lower bound of `estimate_plan`'s total (the same `stage_params` and `model_state_bytes`
     its breakdown uses), cheap enough for the planner's search to reject a layout before pricing the rest."""
+    return max(sum(_rank_state(shape, plan, r)) for r in _candidate_ranks(plan))
+
+
+def memory_floor(shape: ModelShape, plan: ExecutionPlan) -> float:
+    """A lower bound of `estimate_plan`'s total without walking a schedule, for the planner's search to reject
+    most layouts cheaply: on each candidate rank, parameters and optimizer state (alive throughout) plus the
+    larger of the gradients held for the optimizer step and the blocks' activations at their peak in flight
+    (`_inflight`: the walk holds them all at one moment, with more beside them), and the point-to-point
+    buffers."""
+    if plan.runner == DIRECT:
+        return model_state_floor(shape, plan)
+    cplan = cost_plan(plan)
+    per_layer = activation_bytes_per_layer(shape, cplan)
+    p2p = 2 * _boundary(shape, cplan) if plan.pp > 1 else 0.0
+    peaks, _ = _inflight(plan)
+    out = 0.0
+    for r in _candidate_ranks(plan):
+        params, grads, optimizer = _rank_state(shape, plan, r)
+        out = max(out, params + optimizer + p2p + max(grads, per_layer * peaks[r]))
+    return out
+
+
+def _rank_state(shape: ModelShape, plan: ExecutionPlan, rank: int) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes of pipeline rank ``rank`` by the ZeRO formulas."""
     cplan = cost_plan(plan)
     per_stage = stage_params(shape, cplan, plan.stage_layers)
-    p, ranks = plan.pp, _candidate_ranks(plan)  # even stages: the ends, which add the embedding or the head
-    if plan.placement == "loop":
-        most = max(sum(per_stage[r::p]) for r in ranks)
-    else:
-        most = max(sum(per_stage[s] for s in plan.rank_stages(r)) for r in ranks)
-    return sum(model_state_bytes(most, cplan.dp, cplan.zero_stage, "fp32"))
+    p = plan.pp
+    mine = (
+        sum(per_stage[rank::p])
+        if plan.placement == "loop"
+        else sum(per_stage[s] for s in plan.rank_stages(rank))
+    )
+    return model_state_bytes(mine, cplan.dp, cplan.zero_stage, "fp32")
 
 
 def _compute_schedule(plan: ExecutionPlan) -> Schedule:
@@ -268,8 +304,17 @@ def estimate_plan(
         inflight = peaks[rank] / (rank_layers(shape, cplan, rank) or 1.0)
         base = memory_per_rank(shape, cplan, inflight_microbatches=inflight, stage=rank, precision="fp32")
         bd = _adjust(base, shape, cplan, [per_stage[s] for s in mine], last_mb[rank])
+        at_peak, after_backward = bd, bd.grads
+        if plan.runner != DIRECT:  # what coexists: the rank's action list walked (tessera.peak_memory)
+            at_peak, after_backward = _at_peak(bd, shape, plan, rank, {s: per_stage[s] for s in mine})
         candidate = MemoryEstimate(
-            breakdown=bd, stage=rank, inflight=peaks[rank] / share, plan=cplan, device_memory=device_memory
+            breakdown=bd,
+            at_peak=at_peak,
+            grads_after_backward=after_backward,
+            stage=rank,
+            inflight=peaks[rank] / share,
+            plan=cplan,
+            device_memory=device_memory,
         )
         if best is None or candidate.total > best.total:
             best = candidate
@@ -277,12 +322,147 @@ def estimate_plan(
     return best
 
 
+def _at_peak(
+    held: MemoryBreakdown, shape: ModelShape, plan: ExecutionPlan, rank: int, psi: dict[int, float]
+) -> tuple[MemoryBreakdown, float]:
+    """(the breakdown at the rank's peak moment: model state plus what its action list has alive then, the
+    gradient bytes the runtime holds once backward is over)."""
+    cplan = cost_plan(plan)
+    per_layer = activation_bytes_per_layer(shape, cplan)
+    recompute = (
+        activation_bytes_per_layer(shape, cplan, recompute="none") if cplan.recompute != "none" else 0.0
+    )
+    logits = 4 * shape.seq_len * cplan.micro_batch * shape.vocab_size / cplan.tp
+    last = plan.n_stages - 1
+    boundary = _boundary(shape, cplan)
+    # a stage whose output goes to another rank keeps it for its backward (not saved by autograd)
+    acts = {
+        s: per_layer * plan.stage_layers[s] + (boundary if s != last and s + 1 not in psi else 0.0)
+        for s in psi
+    }
+    working = {s: recompute for s in psi}
+    if last in psi:
+        acts[last] += head_activation_bytes(shape, cplan) + logits
+        # its backward begins with the cross-entropy's softmax and gradient (two more logits) and the output
+        # layer's weight gradient, before the stage's saved activations are freed
+        working[last] += 2 * logits + 4.0 * shape.vocab_size * shape.d_model / cplan.tp
+    grads = {s: 4.0 * n for s, n in psi.items()}
+    sizes = StageBytes(
+        activations=acts,
+        grads=grads,
+        flat=grads,
+        working=working,
+        zero=plan.zero,
+        dp=plan.dp,
+        deferred_reduce=_deferred(plan.zero, plan.accumulation),
+        uses={last: (last, 0)} if shape.tied and last != 0 and {0, last} <= psi.keys() else {},
+    )
+    moment, after_backward = _rank_walk(plan, rank, sizes.uses).evaluate(sizes)
+    # the optimizer step: the gradients held after backward and the update's temporaries (two of the
+    # largest shard: ZeRO's Adam denominator) beside the state
+    temporaries = 2 * max(grads.values(), default=0.0) / plan.dp if plan.zero else 0.0
+    if after_backward + temporaries > moment.total:
+        moment = Moment(grads=after_backward, working=temporaries, label="optimizer step")
+    p2p = 2 * boundary if plan.pp > 1 else 0.0  # the send and the receive buffer of one micro-batch
+    at_peak = MemoryBreakdown(
+        params=held.params,
+        grads=moment.grads,
+        optimizer=held.optimizer,
+        activations=moment.activations,
+        working=moment.working,
+        comm_buffers=moment.buffers + p2p,
+    )
+    return at_peak, after_backward
+
+
+def _boundary(shape: ModelShape, plan: Plan) -> float:
+    """Bytes of one micro-batch's stage output (split with the sequence under 2D or sequence parallelism)."""
+    sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
+    return sbh / (plan.tp if plan.tp_kind == "2d" or plan.sequence_parallel else 1)
+
+
+def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]]) -> Walk:
+    """The compiled walk of the lowered list pipeline rank ``rank`` executes (`tessera.peak_memory`)."""
+    classes = _stage_classes(plan, rank)
+    if (plan.schedule or "").endswith(".csv"):  # a hand-written schedule: its lowered lists, as the runtime's
+        events = ((a.kind, a.stage) for a in plan.lowered()[rank])
+        deferred = _deferred(plan.zero, plan.accumulation)
+        return compile_walk(
+            events, zero=plan.zero, sharded=plan.dp > 1, deferred_reduce=deferred, uses=uses, classes=classes
+        )
+    return _named_walk(
+        plan.schedule or "",
+        plan.pp,
+        plan.micro_batches,
+        plan.stages_per_rank,
+        rank,
+        plan.placement,
+        plan.accumulation,
+        plan.zero,
+        plan.dp > 1,
+        tuple(sorted(uses.items())),
+        tuple(sorted(classes.items())),
+    )
+
+
+def _stage_classes(plan: ExecutionPlan, rank: int) -> dict[int, int]:
+    """The rank's stages -> the first of its stages with the same sizes in `_at_peak` (blocks, embedding,
+    head, output sent to another rank)."""
+    mine = plan.rank_stages(rank)
+    local, last = set(mine), plan.n_stages - 1
+    first: dict[tuple, int] = {}
+    return {s: first.setdefault((plan.stage_layers[s], s == 0, s == last, s + 1 in local), s) for s in mine}
+
+
+@lru_cache(
+    maxsize=4096
+)  # a few hundred lists in a search of thousands of layouts; a Walk holds a few moments
+def _named_walk(
+    name: str,
+    p: int,
+    m: int,
+    v: int,
+    rank: int,
+    placement: str,
+    accumulation: str,
+    zero: int,
+    sharded: bool,
+    uses: tuple[tuple[int, tuple[int, ...]], ...],
+    classes: tuple[tuple[int, int], ...],
+) -> Walk:
+    options: dict[str, object] = dict(compute_options(name, accumulation))
+    if placement != "loop":
+        options["placement"] = placement
+    steps = rank_steps(name, p, m, v, rank, **options)
+    events = lowered_events(
+        steps, zero3=zero == 3, every_microbatch=reduces_every_microbatch(accumulation, zero)
+    )
+    deferred = _deferred(zero, accumulation)
+    return compile_walk(
+        events, zero=zero, sharded=sharded, deferred_reduce=deferred, uses=dict(uses), classes=dict(classes)
+    )
+
+
+def _deferred(zero: int, accumulation: str) -> bool:
+    """ZeRO-1 with depth-first accumulation reduce-scatters once, when the step's backward is over (the full
+    gradients stay until then; `ZeroStageComm.reduce` defers, `finish` launches)."""
+    return zero == 1 and accumulation != LAYERED
+
+
 def _candidate_ranks(plan: ExecutionPlan) -> list[int]:
-    """Pipeline ranks that can be the fullest. With even stages and a named schedule only the first or the last:
-    every other rank holds as many blocks, no embedding or head, and no more micro-batches in flight (the
-    in-flight counts of `_inflight` do not grow with the rank)."""
-    even = _even(plan) and not (plan.schedule or "").endswith(".csv")
-    return sorted({0, plan.pp - 1}) if even else list(range(plan.pp))
+    """Pipeline ranks that can be the fullest: the first and the last (embedding, head), and of the others the
+    first of each stage-size profile. A named schedule never holds more in flight on a later rank (warm-up
+    shrinks with the rank; `_inflight`'s counts and the walked lists of tests/unit/test_peak_memory.py), so a
+    later rank with the same stages holds no more. A hand-written schedule: every rank."""
+    p = plan.pp
+    if (plan.schedule or "").endswith(".csv"):
+        return list(range(p))
+    if _even(plan):
+        return sorted({0, p - 1})
+    first: dict[tuple[int, ...], int] = {}
+    for r in range(1, p - 1):
+        first.setdefault(tuple(plan.stage_layers[s] for s in plan.rank_stages(r)), r)
+    return sorted({0, p - 1, *first.values()})
 
 
 def _adjust(

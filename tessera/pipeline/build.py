@@ -17,9 +17,15 @@ from tessera.pipeline.passes import lower
 from tessera.pipeline.schedules import build_schedule
 from tessera.pipeline.validate import validate
 
-__all__ = ["lowered_schedule"]
+__all__ = ["compute_options", "lowered_schedule"]
 
 _BREADTH_FIRST_NAMES = ("breadth_first", "bf", "bfs")
+
+
+def compute_options(schedule_name: str, accumulation: str) -> dict[str, int]:
+    """The named schedule's options an accumulation mode implies: depth-first runs breadth_first one
+    micro-batch at a time (``consecutive = 1``)."""
+    return {"consecutive": 1} if accumulation == DEPTH_FIRST and schedule_name in _BREADTH_FIRST_NAMES else {}
 
 
 def lowered_schedule(
@@ -46,8 +52,7 @@ def lowered_schedule(
         compute = _schedule_from_file(schedule_name, p, m, v)
         placement = _placement_of(compute, p)
     else:
-        if accumulation == DEPTH_FIRST and schedule_name in _BREADTH_FIRST_NAMES:
-            options = {**options, "consecutive": 1}
+        options = {**options, **compute_options(schedule_name, accumulation)}
         compute = build_schedule(schedule_name, p, m, v, **options)
     lowered = lower(compute, p, placement, zero3=zero3, reduce_every_microbatch=reduce_every_microbatch)
     validate(lowered, p, microbatches=m)

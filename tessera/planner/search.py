@@ -23,7 +23,7 @@ from typing import Any
 
 from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from tessera.execution import ExecutionPlan, decide
-from tessera.memory import cost_plan, estimate_plan, model_state_floor
+from tessera.memory import cost_plan, estimate_plan, memory_floor
 from tessera.model.sizes import SIZES
 from tessera.modes import BREADTH_FIRST, CHECKPOINTING, DEPTH_FIRST, LAYERED, SCHEDULES
 from tessera.planner.cost import (
@@ -143,7 +143,7 @@ class Candidate:
     """Sequences per optimizer step."""
     breakdown: StepBreakdown
     memory: MemoryBreakdown
-    """The rank needing the most memory (first or last pipeline rank)."""
+    """What the rank needing the most memory holds at its peak (`MemoryEstimate.at_peak`)."""
     memory_stage: int
     tokens_per_s: float
     mfu: float
@@ -311,9 +311,7 @@ def _evaluate(ctx: _Ctx, run: Config, base: Plan, batch: int, p2p: float) -> Can
     """Price one generated run config as the trainer would execute it: its execution plan's memory (the one
     estimator, `tessera.memory.estimate_plan`) and the step time of the schedule that plan runs."""
     execution = decide(run, ctx.gpus)
-    if (
-        model_state_floor(ctx.shape, execution) > ctx.limit
-    ):  # most layouts fail here, before the full estimate
+    if memory_floor(ctx.shape, execution) > ctx.limit:  # most layouts fail here, before the full estimate
         return None
     memory = estimate_plan(ctx.shape, execution)
     if memory.total > ctx.limit:
@@ -330,7 +328,7 @@ def _evaluate(ctx: _Ctx, run: Config, base: Plan, batch: int, p2p: float) -> Can
         schedule=schedule,
         global_batch=batch,
         breakdown=bd,
-        memory=memory.breakdown,
+        memory=memory.at_peak,  # what is alive at the peak: sums to the estimate's total
         memory_stage=memory.stage,
         tokens_per_s=tokens,
         mfu=tokens * ctx.flops_token / ctx.peak_total,

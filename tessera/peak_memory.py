@@ -1,0 +1,367 @@
+"""A rank's live bytes walked along its action list: when the peak happens and what is alive then. No torch.
+
+`tessera.memory` knows each component's size (model state, one micro-batch's activations per stage, the
+transients); this module knows which of them coexist. A pipeline rank runs its lowered action list in order
+(`tessera.execution`: the list the runtime executes), and each action changes what it holds, as the runtime's
+objects do (tessera/pipeline/runtime.py, stage_comm.py, parallel/zero.py, parallel/data.py):
+
+- F(s): stage s's activations of one micro-batch are saved; B(s) (or W after I) frees them and leaves the stage's
+  full gradients (created by its first backward of the step, accumulated by the next);
+- REDUCE / REDUCE_MB(s): the stage's gradients are flattened into a new buffer while they are still alive.
+  ZeRO-1/2/3 keep one reduction in flight (the previous flat buffer lives until the next launch) and a shard
+  per stage for the result; ZeRO-2/3 then drop the full gradients, ZeRO-1 keeps them. Plain data parallelism
+  keeps every flat buffer until the step's end (`GradBucket` waits for all of them in ``finish``) and then
+  writes the gradients back (one more copy);
+- GATHER / FREE(s) (ZeRO-3): the stage's full parameters are allocated / released;
+- the moment of a backward also holds its transient (`working`: the recomputed block, the logits' gradient).
+
+The peak is the largest sum over these moments; the optimizer step's moment (state, the gradients held after
+backward, the update's temporaries) and the parameters and optimizer state, alive throughout, are the caller's.
+
+**Speed.** Which components coexist depends only on the action list, not on their sizes, so a walk is done
+once symbolically (`compile_walk`): each moment is a sum of terms (a kind of size of a stage, times a count),
+moments that another moment's terms cover are dropped, and `Walk.evaluate` prices the few that remain for
+given sizes. The planner's search prices thousands of layouts that share a few hundred lists, so
+`tessera.memory` caches the compiled walk of a rank's list, and builds only that rank's list
+(`schedules.rank_steps` and `lowered_events`, the lowering passes' rules without the point-to-point actions,
+which hold nothing the walk counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from tessera.pipeline.ir import Action, ActionKind
+from tessera.pipeline.schedules import Step
+
+__all__ = ["Moment", "StageBytes", "Walk", "compile_walk", "lowered_events", "walk"]
+
+_K = ActionKind
+# module constants: an enum member looked up on its class costs a descriptor call, per action of a long walk
+_F, _B, _I, _W = _K.FORWARD, _K.BACKWARD, _K.BACKWARD_INPUT, _K.BACKWARD_WEIGHT
+_REDUCE, _REDUCE_MB, _GATHER, _FREE = _K.REDUCE_GRAD, _K.REDUCE_MICROBATCH, _K.GATHER_PARAMS, _K.FREE_PARAMS
+
+# What a term counts, and the component it belongs to (activations, grads, buffers, working).
+_ACT, _GRAD, _SHARD, _GATHERED, _PENDING, _FLAT, _WRITEBACK, _WORK = range(8)
+_CATEGORY = (0, 1, 1, 2, 2, 2, 2, 3)
+_LABELS = (
+    "activations",
+    "gradients",
+    "gradient shard",
+    "gathered",
+    "pending flat",
+    "flat",
+    "write-back",
+    "working",
+)
+
+Term = tuple[tuple[int, int], float]
+"""((what, stage), count)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageBytes:
+    """Sizes the walk needs, in bytes, indexed by global stage."""
+
+    activations: dict[int, float]
+    """One micro-batch's activations saved by the stage (the last stage: with its head's)."""
+    grads: dict[int, float]
+    """The stage's full fp32 gradients (= its gathered parameters under ZeRO-3)."""
+    flat: dict[int, float]
+    """The stage's flattened gradients for the data-parallel reduction (reduce dtype)."""
+    working: dict[int, float]
+    """Transient of one backward of the stage (recomputed block, the logits' gradient on the last stage)."""
+    zero: int
+    dp: int
+    deferred_reduce: bool = False
+    """ZeRO-1 with depth-first accumulation: REDUCE waits for the step's end (full gradients stay)."""
+    uses: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """ZeRO-3: the stages whose flat buffers a stage's GATHER brings (default: its own; the head's stage also
+    the tied embedding's owner)."""
+
+    def table(self, what: int) -> dict[int, float]:
+        """The per-stage sizes of one kind of term."""
+        if what == _SHARD:  # ZeRO's reduced gradient: the flat buffer itself without data parallelism
+            return self.flat if self.dp == 1 else {s: f / self.dp for s, f in self.flat.items()}
+        return (
+            self.activations,
+            self.grads,
+            None,
+            self.grads,
+            self.flat,
+            self.flat,
+            self.grads,
+            self.working,
+        )[what]
+
+
+@dataclass(slots=True)
+class Moment:
+    """What is alive at one point of the step, besides parameters and optimizer state (bytes)."""
+
+    activations: float = 0.0
+    grads: float = 0.0
+    buffers: float = 0.0
+    working: float = 0.0
+    label: str = ""
+
+    @property
+    def total(self) -> float:
+        return self.activations + self.grads + self.buffers + self.working
+
+
+@dataclass(frozen=True, slots=True)
+class Walk:
+    """A walked action list, symbolically: its candidate peak moments and what it holds after backward."""
+
+    moments: tuple[tuple[Term, ...], ...]
+    labels: tuple[str, ...]
+    after_backward: tuple[Term, ...]
+
+    def evaluate(self, sizes: StageBytes) -> tuple[Moment, float]:
+        """(the largest moment at these sizes, the gradient bytes held when backward is over)."""
+        tables: dict[int, dict[int, float]] = {}
+        value: dict[tuple[int, int], float] = {}
+        for terms in (*self.moments, self.after_backward):
+            for key, _ in terms:
+                if key not in value:
+                    what, stage = key
+                    table = tables.get(what) or tables.setdefault(what, sizes.table(what))
+                    value[key] = table.get(stage, 0.0)
+        best, best_total = -1, 0.0
+        for i, terms in enumerate(self.moments):
+            total = sum([count * value[key] for key, count in terms])
+            if total > best_total:
+                best, best_total = i, total
+        held = sum([count * value[key] for key, count in self.after_backward])
+        if best < 0:
+            return Moment(), held
+        parts = [0.0, 0.0, 0.0, 0.0]
+        for key, count in self.moments[best]:
+            parts[_CATEGORY[key[0]]] += count * value[key]
+        return Moment(*parts, label=self.labels[best]), held
+
+
+@dataclass(slots=True)
+class _Live:
+    """The walk's state: what is alive, as counts per stage."""
+
+    zero: int
+    sharded: bool  # data parallelism (dp > 1)
+    cls: dict[int, int]  # stage -> the stage whose sizes it shares (terms are counted per class)
+    counts: dict[tuple[int, int], int] = field(default_factory=dict)  # (what, class) -> alive now
+    grads: set[int] = field(default_factory=set)
+    shards: set[int] = field(default_factory=set)
+    gathered: set[int] = field(default_factory=set)
+    users: dict[int, int] = field(default_factory=dict)  # ZeRO-3: gathers not yet freed, per owner stage
+    pending: set[int] = field(default_factory=set)  # plain data parallelism: stages with flat buffers kept
+    inflight: int | None = None  # ZeRO: the stage whose flat buffer is being reduced
+    grew: bool = True  # something was added since the last note
+    extras: tuple = ()  # that note's transients
+    dirty: tuple | None = None
+    """A moment not yet noted (after F or B): the next note covers it unless something is released first,
+    which flushes it (FREE, the end); half the notes of a walk, so half its time."""
+    moments: dict[tuple[Term, ...], tuple] = field(default_factory=dict)  # terms -> (stage, action)
+    chains: dict[tuple, list[tuple[tuple[Term, ...], dict[tuple[int, int], float]]]] = field(
+        default_factory=dict
+    )
+
+    def add(self, what: int, s: int, n: int = 1) -> None:
+        self.grew = self.grew or n > 0
+        key = (what, self.cls.get(s, s))
+        count = self.counts.get(key, 0) + n
+        if count:
+            self.counts[key] = count
+        else:
+            del self.counts[key]  # counts holds only what is alive: a note copies it as it is
+
+    def flush(self) -> None:
+        if self.dirty is not None:
+            self.note(self.dirty)
+
+    def note(
+        self, label: tuple, flat: int | None = None, writeback: Iterable[int] = (), working: int | None = None
+    ) -> None:
+        self.dirty = None  # nothing was released since it: this moment holds at least as much
+        extras = (flat, working, tuple(writeback))
+        if not self.grew and extras == self.extras:  # only releases since the last moment: it covers this one
+            return
+        self.grew, self.extras = False, extras
+        terms = dict(self.counts)
+        for what, s in ((_FLAT, flat), (_WORK, working), *((_WRITEBACK, w) for w in writeback)):
+            if s is not None:
+                key = (what, self.cls.get(s, s))
+                terms[key] = terms.get(key, 0) + 1
+        key = tuple(sorted(terms.items()))
+        if key in self.moments:  # a steady state repeats its moments exactly
+            return
+        self._record(key, terms, label)
+
+    def _record(self, key: tuple[Term, ...], terms: dict[tuple[int, int], float], label: tuple) -> None:
+        """Keep a new moment, and drop the previous of its shape (the same terms, other counts) if it lies
+        between the one before and this one: it never exceeds both ends, and the earlier end comes first on a
+        tie. Ramps (warm-up forwards, a backward sweep) and steady states that grow by the same step each
+        period collapse to their ends."""
+        shape = tuple(k for k, _ in key)
+        chain = self.chains.get(shape)
+        if chain is not None and len(chain) == 2:
+            (_, first), (mid_key, mid) = chain
+            if _between(first, mid, terms, shape):
+                self.moments.pop(mid_key, None)
+                chain.pop()
+        self.moments[key] = label
+        chain = self.chains.setdefault(shape, [])
+        chain.append((key, terms))
+        del chain[:-2]
+
+    def grad(self, s: int, alive: bool) -> None:
+        """The stage's full gradients appear (first backward) or are dropped."""
+        if (s in self.grads) != alive:
+            (self.grads.add if alive else self.grads.discard)(s)
+            self.add(_GRAD, s, 1 if alive else -1)
+
+    def reduce(self, s: int, label: tuple) -> None:
+        if self.zero == 0:
+            if self.sharded:
+                self.note(label, flat=s)  # flattened beside the gradients
+                self.pending.add(s)
+                self.add(_PENDING, s)
+                self.grad(s, False)
+            return
+        self.note(label, flat=s)
+        if self.inflight is not None:  # the previous reduction is waited before this one starts
+            self.add(_FLAT, self.inflight, -1)
+        self.inflight = s if self.sharded else None
+        if self.inflight is not None:
+            self.add(_FLAT, s)
+        if s not in self.shards:  # without data parallelism the flattened copy is the shard
+            self.shards.add(s)
+            self.add(_SHARD, s)
+        if self.zero >= 2:
+            self.grad(s, False)
+
+
+def _between(
+    first: dict[tuple[int, int], float], mid: dict[tuple[int, int], float], last: dict, shape: tuple
+) -> bool:
+    """``mid`` lies on the segment from ``first`` to ``last`` (counts: exact integer arithmetic)."""
+    d1 = [(mid.get(k, 0) - first.get(k, 0), last.get(k, 0) - mid.get(k, 0)) for k in shape]
+    a0, b0 = next(((a, b) for a, b in d1 if a), (0, 0))
+    return a0 * b0 > 0 and all(a * b0 == b * a0 for a, b in d1)
+
+
+def _covers(big: dict[tuple[int, int], float], small: dict[tuple[int, int], float]) -> bool:
+    return all(big.get(k, 0) >= n for k, n in small.items())
+
+
+def _label(where: tuple) -> str:
+    stage, what = where
+    text = what.value if isinstance(what, ActionKind) else what
+    return text if stage is None else f"{stage}{text}" if isinstance(what, ActionKind) else f"{text}{stage}"
+
+
+def compile_walk(
+    events: Iterable[tuple[ActionKind, int]],
+    *,
+    zero: int,
+    sharded: bool,
+    deferred_reduce: bool = False,
+    uses: dict[int, tuple[int, ...]] | None = None,
+    classes: dict[int, int] | None = None,
+) -> Walk:
+    """Walk one rank's lowered actions, given as (kind, stage), for any sizes (see the module docstring).
+    ``sharded``: data parallelism (dp > 1); ``classes``: stage -> a stage of equal sizes, whose sizes its
+    terms then use (equal blocks: few distinct terms however many stages a rank holds); the other arguments
+    as in `StageBytes`."""
+    live = _Live(zero, sharded, classes or {})
+    uses = uses or {}
+    deferred: list[int] = []
+    for kind, s in events:
+        if kind is _F:
+            live.add(_ACT, s)
+            live.dirty = (s, kind)
+        elif kind is _B or kind is _I or kind is _W:
+            live.note((s, kind), working=s)
+            if kind is not _I:  # I keeps the graph (and its activations) for W
+                live.add(_ACT, s, -1)
+                live.grad(s, True)
+            live.dirty = (s, kind)
+        elif kind is _REDUCE or kind is _REDUCE_MB:
+            if deferred_reduce:
+                deferred.append(s)
+            else:
+                live.reduce(s, (s, kind))
+        elif kind is _GATHER and zero >= 3 and sharded:
+            for owner in uses.get(s, (s,)):
+                live.users[owner] = live.users.get(owner, 0) + 1
+                if owner not in live.gathered:
+                    live.gathered.add(owner)
+                    live.add(_GATHERED, owner)
+            live.note((s, kind))
+        elif kind is _FREE:
+            live.flush()
+            for owner in uses.get(s, (s,)):
+                live.users[owner] = max(0, live.users.get(owner, 0) - 1)
+                if not live.users[owner] and owner in live.gathered:
+                    live.gathered.discard(owner)
+                    live.add(_GATHERED, owner, -1)
+    live.flush()
+    for s in sorted(deferred, reverse=True):
+        live.reduce(s, (s, "finish REDUCE"))
+    if live.pending:  # plain data parallelism writes the averaged gradients back beside the flat buffers
+        live.note((None, "finish"), writeback=sorted(live.pending))
+        for s in live.pending:
+            live.grad(s, True)
+    moments = _pareto(live.moments)
+    after = tuple(sorted((k, float(n)) for k, n in live.counts.items() if n and k[0] in (_GRAD, _SHARD)))
+    return Walk(
+        moments=tuple(m for m, _ in moments),
+        labels=tuple(_label(lb) for _, lb in moments),
+        after_backward=after,
+    )
+
+
+def _pareto(moments: dict[tuple[Term, ...], tuple]) -> list[tuple[tuple[Term, ...], tuple]]:
+    """The moments no other moment covers (term by term at least as large), in walk order: only these can be
+    the largest for some sizes (and where a covered one ties, every component ties too)."""
+    items = [(i, key, label, dict(key)) for i, (key, label) in enumerate(moments.items())]
+    items.sort(key=lambda item: -sum(item[3].values()))  # a moment is covered only by one at least as large
+    kept: list[tuple[int, tuple[Term, ...], tuple, dict[tuple[int, int], float]]] = []
+    for item in items:
+        if not any(_covers(other[3], item[3]) for other in kept):
+            kept.append(item)
+    return [(key, label) for _, key, label, _ in sorted(kept, key=lambda item: item[0])]
+
+
+def walk(actions: Sequence[Action], sizes: StageBytes) -> tuple[Moment, float]:
+    """The largest moment of one rank's step and the gradient bytes it holds when backward is over."""
+    compiled = compile_walk(
+        ((a.kind, a.stage) for a in actions),
+        zero=sizes.zero,
+        sharded=sizes.dp > 1,
+        deferred_reduce=sizes.deferred_reduce,
+        uses=sizes.uses,
+    )
+    return compiled.evaluate(sizes)
+
+
+def lowered_events(
+    steps: Sequence[Step], *, zero3: bool, every_microbatch: bool
+) -> Iterator[tuple[ActionKind, int]]:
+    """One rank's compute list with what `tessera.pipeline.passes.lower` inserts, as (kind, stage), in the
+    same order, less SEND/RECV (the walk counts no point-to-point buffer by action): REDUCE after the stage's
+    last backward (REDUCE_MB after each with ``every_microbatch``), ZeRO-3's GATHER before and FREE after each
+    run of one stage's computes, a FREE before a REDUCE at the same point. tests/unit/test_peak_memory.py
+    checks it against ``lower`` on every named schedule."""
+    last_backward = {s: i for i, (s, kind, _) in enumerate(steps) if kind is not _F}
+    reduce_kind = _REDUCE_MB if every_microbatch else _REDUCE
+    n = len(steps)
+    for i, (s, kind, _) in enumerate(steps):
+        if zero3 and (i == 0 or steps[i - 1][0] != s):
+            yield _GATHER, s
+        yield kind, s
+        if zero3 and (i == n - 1 or steps[i + 1][0] != s):
+            yield _FREE, s
+        if kind is not _F and (every_microbatch or last_backward[s] == i):
+            yield reduce_kind, s
