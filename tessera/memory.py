@@ -60,8 +60,8 @@ class MemoryEstimate:
     """Peak bytes of the fullest rank (pipeline position ``stage``), by component."""
 
     breakdown: MemoryBreakdown
-    """Each component at its own size: model state by the ZeRO formulas, activations at their peak, the
-    transients; not all alive at once, so its sum can exceed the peak (`at_peak`)."""
+    """Each component at its own size (model state by the ZeRO formulas, activations at their peak, the
+    transients) and, as its ``total``, the peak: what coexists (``at_peak``), not their sum."""
     at_peak: MemoryBreakdown
     """What is alive at the rank's peak moment, by component (`tessera.peak_memory`): sums to ``total``."""
     grads_after_backward: float
@@ -75,7 +75,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.at_peak.total
+        return self.breakdown.total
 
     def components(self) -> dict[str, float]:
         """What is alive at the peak, by component (sums to ``total``)."""
@@ -163,18 +163,27 @@ def plan_from_config(cfg: Config, world_size: int) -> Plan:
 def stage_params(
     shape: ModelShape, plan: Plan, stage_layers: list[int] | tuple[int, ...] | None = None
 ) -> list[float]:
-    """Parameters of each global stage (before tensor/ZeRO sharding are applied: divided by tp only).
+    """Parameters of each global stage held by one tensor-parallel rank (before ZeRO sharding).
 
     Stage 0 adds the embedding (+ learned positions), the last stage the final norm and an untied head (or,
-    when the head's stage is on another pipeline rank, its own copy of the tied embedding).
+    when the head's stage is on another pipeline rank, its own copy of the tied embedding). Matrices are split
+    over the tensor group; the vectors the family declares replicated are not (tessera/model/family.py): in
+    Megatron 1D the norms, the row-parallel Linears' biases and the position table are whole on every rank, in
+    Optimus 2D every vector (norms, biases, position table) is split by the grid's columns only (q of q²).
     """
-    h, V = shape.d_model, shape.vocab_size
+    h, V, fam = shape.d_model, shape.vocab_size, shape.features
     layers = stage_layers or even_split(shape.n_layers, plan.pp * plan.virtual_stages)
-    per_block = shape.layer_params()
+    t = plan.tp
+    if plan.tp_kind == "2d":  # vectors: h by j, replicated over the grid rows i
+        vector_split = round(t**0.5)
+        block_vectors = shape.layer_params() - fam.block_matmul_params(h, shape.kv_dim, shape.ffn_hidden)
+    else:  # 1D: the replicated vectors of a block (a column-parallel bias is split with its weight)
+        vector_split, block_vectors = 1, fam.replicated_block_vectors() * h
+    per_block = (shape.layer_params() - block_vectors) / t + block_vectors / vector_split
     out = [count * per_block for count in layers]
-    out[0] += V * h + shape.features.position_params(shape.seq_len, h)
-    out[-1] += shape.features.norm_params(h) + (0 if (shape.tied and plan.pp == 1) else V * h)
-    return [x / plan.tp for x in out]
+    out[0] += V * h / t + fam.position_params(shape.seq_len, h) / vector_split
+    out[-1] += fam.norm_params(h) / vector_split + (0 if (shape.tied and plan.pp == 1) else V * h / t)
+    return out
 
 
 def _inflight(plan: ExecutionPlan) -> tuple[list[float], list[int]]:
@@ -219,7 +228,7 @@ def model_state_floor(shape: ModelShape, plan: ExecutionPlan) -> float:
     """Bytes of model state (fp32 parameters, gradients and Adam moments, ZeRO-sharded) of the pipeline rank
     holding the most: a lower bound of `estimate_plan`'s total (the same `stage_params` and `model_state_bytes`
     its breakdown uses), cheap enough for the planner's search to reject a layout before pricing the rest."""
-    return max(sum(_rank_state(shape, plan, r)) for r in _candidate_ranks(plan))
+    return max(sum(state) for state in _rank_states(shape, plan).values())
 
 
 def memory_floor(shape: ModelShape, plan: ExecutionPlan) -> float:
@@ -228,30 +237,32 @@ def memory_floor(shape: ModelShape, plan: ExecutionPlan) -> float:
     larger of the gradients held for the optimizer step and the blocks' activations at their peak in flight
     (`_inflight`: the walk holds them all at one moment, with more beside them), and the point-to-point
     buffers."""
+    states = _rank_states(shape, plan)
     if plan.runner == DIRECT:
-        return model_state_floor(shape, plan)
+        return max(sum(state) for state in states.values())
     cplan = cost_plan(plan)
     per_layer = activation_bytes_per_layer(shape, cplan)
     p2p = 2 * _boundary(shape, cplan) if plan.pp > 1 else 0.0
     peaks, _ = _inflight(plan)
-    out = 0.0
-    for r in _candidate_ranks(plan):
-        params, grads, optimizer = _rank_state(shape, plan, r)
-        out = max(out, params + optimizer + p2p + max(grads, per_layer * peaks[r]))
-    return out
+    return max(
+        params + optimizer + p2p + max(grads, per_layer * peaks[r])
+        for r, (params, grads, optimizer) in states.items()
+    )
 
 
-def _rank_state(shape: ModelShape, plan: ExecutionPlan, rank: int) -> tuple[float, float, float]:
-    """(parameter, gradient, optimizer) bytes of pipeline rank ``rank`` by the ZeRO formulas."""
+def _rank_states(shape: ModelShape, plan: ExecutionPlan) -> dict[int, tuple[float, float, float]]:
+    """(parameter, gradient, optimizer) bytes by the ZeRO formulas of each rank that can be the fullest."""
     cplan = cost_plan(plan)
     per_stage = stage_params(shape, cplan, plan.stage_layers)
-    p = plan.pp
-    mine = (
-        sum(per_stage[rank::p])
-        if plan.placement == "loop"
-        else sum(per_stage[s] for s in plan.rank_stages(rank))
-    )
-    return model_state_bytes(mine, cplan.dp, cplan.zero_stage, "fp32")
+    p, out = plan.pp, {}
+    for r in _candidate_ranks(plan):
+        mine = (
+            sum(per_stage[r::p])
+            if plan.placement == "loop"
+            else sum(per_stage[s] for s in plan.rank_stages(r))
+        )
+        out[r] = model_state_bytes(mine, cplan.dp, cplan.zero_stage, "fp32")
+    return out
 
 
 def _compute_schedule(plan: ExecutionPlan) -> Schedule:
@@ -308,7 +319,7 @@ def estimate_plan(
         if plan.runner != DIRECT:  # what coexists: the rank's action list walked (tessera.peak_memory)
             at_peak, after_backward = _at_peak(bd, shape, plan, rank, {s: per_stage[s] for s in mine})
         candidate = MemoryEstimate(
-            breakdown=bd,
+            breakdown=MemoryBreakdown(**{name: getattr(bd, name) for name in COMPONENTS}, peak=at_peak.total),
             at_peak=at_peak,
             grads_after_backward=after_backward,
             stage=rank,

@@ -277,7 +277,15 @@ def compile_walk(
     live = _Live(zero, sharded, classes or {})
     uses = uses or {}
     deferred: list[int] = []
-    for kind, s in events:
+    events = list(events)
+    seen: dict[tuple, tuple[int, dict[tuple[int, int], int]]] = {}
+    i = 0
+    while i < len(events):
+        kind, s = events[i]
+        if kind is _F and s == events[0][1]:  # a period of a steady state starts with a forward
+            i = _skip_repeats(live, events, i, seen, tuple(deferred))
+            kind, s = events[i]
+        i += 1
         if kind is _F:
             live.add(_ACT, s)
             live.dirty = (s, kind)
@@ -320,6 +328,43 @@ def compile_walk(
         labels=tuple(_label(lb) for _, lb in moments),
         after_backward=after,
     )
+
+
+def _skip_repeats(live: _Live, events: list, i: int, seen: dict, deferred: tuple) -> int:
+    """Where to go on from event ``i``. If the walk was in this same state at an earlier event j (but for
+    plain data parallelism's flat-buffer counts, grown by D) and the L = i - j events from i repeat those from
+    j n times, each repetition repeats the same moments, D more flat buffers each: all but the last are
+    covered by it. Skip them (their D's added) and walk the last. Steady states of long lists (m micro-batches,
+    v stages) cost a period this way instead of m."""
+    pending = {k: n for k, n in live.counts.items() if k[0] == _PENDING}
+    state = (
+        tuple(sorted((k, n) for k, n in live.counts.items() if k[0] != _PENDING)),
+        frozenset(live.grads),
+        frozenset(live.shards),
+        frozenset(live.gathered),
+        tuple(sorted(live.users.items())),
+        frozenset(live.pending),
+        live.inflight,
+        live.dirty,
+        live.grew,
+        live.extras,
+        deferred,
+    )
+    earlier = seen.get(state)
+    seen[state] = (i, pending)
+    if earlier is None:
+        return i
+    j, before = earlier
+    period = events[j:i]
+    length, n = i - j, 0
+    while events[i + n * length : i + (n + 1) * length] == period:
+        n += 1
+    if n < 2:
+        return i
+    for key, count in pending.items():
+        live.counts[key] = count + (n - 1) * (count - before.get(key, 0))
+    seen[state] = (i + (n - 1) * length, dict(live.counts))
+    return i + (n - 1) * length
 
 
 def _pareto(moments: dict[tuple[Term, ...], tuple]) -> list[tuple[tuple[Term, ...], tuple]]:

@@ -143,7 +143,7 @@ class Candidate:
     """Sequences per optimizer step."""
     breakdown: StepBreakdown
     memory: MemoryBreakdown
-    """What the rank needing the most memory holds at its peak (`MemoryEstimate.at_peak`)."""
+    """What the rank needing the most memory holds at its peak (`MemoryEstimate.breakdown`)."""
     memory_stage: int
     tokens_per_s: float
     mfu: float
@@ -328,7 +328,7 @@ def _evaluate(ctx: _Ctx, run: Config, base: Plan, batch: int, p2p: float) -> Can
         schedule=schedule,
         global_batch=batch,
         breakdown=bd,
-        memory=memory.at_peak,  # what is alive at the peak: sums to the estimate's total
+        memory=memory.breakdown,
         memory_stage=memory.stage,
         tokens_per_s=tokens,
         mfu=tokens * ctx.flops_token / ctx.peak_total,

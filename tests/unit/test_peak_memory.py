@@ -1,11 +1,25 @@
-"""tessera.peak_memory.walk on hand-written action lists: which sizes coexist at a rank's peak."""
+"""tessera.peak_memory: which sizes coexist at a rank's peak.
+
+Hand-written action lists with hand-computed answers; then the fast path (one rank's list built alone, the
+walk compiled once, covered moments dropped, repeated periods skipped, stages of equal sizes counted together)
+against the definitions: the whole schedule's list, `lower`, and a plain walk that prices every moment.
+"""
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 
-from tessera.peak_memory import StageBytes, walk
+from tessera.config import from_dict
+from tessera.execution import resolve
+from tessera.memory import _stage_classes, estimate_plan, memory_floor
+from tessera.peak_memory import StageBytes, compile_walk, lowered_events, walk
 from tessera.pipeline.ir import Action, ActionKind
+from tessera.pipeline.passes import lower
+from tessera.pipeline.schedules import build_schedule, rank_steps
+from tessera.planner.cost import ModelShape
 
 F, B, R, RM = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.REDUCE_GRAD, ActionKind.REDUCE_MICROBATCH
 G, FREE = ActionKind.GATHER_PARAMS, ActionKind.FREE_PARAMS
@@ -68,3 +82,228 @@ def test_plain_data_parallelism_keeps_each_micro_batchs_flat_buffer() -> None:
     # the end: two flat buffers and the gradients written back
     assert moment.total == pytest.approx(300.0)
     assert held == 100.0
+
+
+# --- the fast path against the definitions ---------------------------------------------------------------------
+
+GRID = [  # (schedule, p, m, v)
+    *[(name, p, m, 1) for name in ("1f1b", "gpipe") for p in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8)],
+    *[("interleaved_1f1b", p, m, v) for p in (2, 3) for m in (p, 2 * p, 3 * p) for v in (2, 3)],
+    *[("breadth_first", p, m, v) for p in (1, 2, 3) for m in (1, 2, 4, 5) for v in (1, 2, 3)],
+]
+
+
+def _options(name: str, consecutive: bool) -> dict:
+    return {"consecutive": 1} if consecutive and name == "breadth_first" else {}
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), GRID)
+def test_one_ranks_steps_equal_its_list_of_the_whole_schedule(name: str, p: int, m: int, v: int) -> None:
+    for consecutive in (False, True):
+        whole = build_schedule(name, p, m, v, **_options(name, consecutive))
+        for r in range(p):
+            steps = rank_steps(name, p, m, v, r, **_options(name, consecutive))
+            assert [Action(s, kind, j) for s, kind, j in steps] == whole[r]
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), GRID)
+def test_lowered_events_are_lowers_list_without_point_to_point(name: str, p: int, m: int, v: int) -> None:
+    for zero3, every in itertools.product((False, True), repeat=2):
+        lowered = lower(build_schedule(name, p, m, v), p, zero3=zero3, reduce_every_microbatch=every)
+        for r in range(p):
+            want = [(a.kind, a.stage) for a in lowered[r] if not a.kind.is_comm]
+            got = list(lowered_events(rank_steps(name, p, m, v, r), zero3=zero3, every_microbatch=every))
+            assert got == want, (r, zero3, every)
+
+
+def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, list[float], float]:
+    """The walk as first written: every moment priced as it happens (the module docstring's rules, one by one).
+    (peak total, its activations/grads/buffers/working, gradients held after backward)."""
+    d, z = sizes.dp, sizes.zero
+    acts, grads, shards, gathered, users, pending = 0.0, {}, {}, {}, {}, {}
+    inflight, deferred, best = 0.0, [], [0.0, [0.0] * 4]
+
+    def note(extra: float = 0.0, working: float = 0.0) -> None:
+        parts = [
+            acts,
+            sum(grads.values()) + sum(shards.values()),
+            sum(gathered.values()) + sum(map(sum, pending.values())) + inflight + extra,
+            working,
+        ]
+        if sum(parts) > best[0]:
+            best[:] = [sum(parts), parts]
+
+    def reduce(s: int) -> None:
+        nonlocal inflight
+        flat = sizes.flat.get(s, 0.0)
+        if z == 0:
+            if d > 1:
+                note(extra=flat)
+                pending.setdefault(s, []).append(flat)
+                grads.pop(s, None)
+            return
+        note(extra=flat)
+        inflight = flat if d > 1 else 0.0
+        shards[s] = flat / d
+        if z >= 2:
+            grads.pop(s, None)
+
+    for a in actions:
+        s, kind = a.stage, a.kind
+        if kind is ActionKind.FORWARD:
+            acts += sizes.activations[s]
+            note()
+        elif kind is B:
+            note(working=sizes.working[s])
+            acts -= sizes.activations[s]
+            grads[s] = sizes.grads[s]
+            note()
+        elif kind in (R, RM):
+            if sizes.deferred_reduce:
+                deferred.append(s)
+            else:
+                reduce(s)
+        elif kind is G and z >= 3 and d > 1:
+            for owner in sizes.uses.get(s, (s,)):
+                users[owner] = users.get(owner, 0) + 1
+                gathered[owner] = sizes.grads[owner]
+            note()
+        elif kind is FREE:
+            for owner in sizes.uses.get(s, (s,)):
+                users[owner] = max(0, users.get(owner, 0) - 1)
+                if not users[owner]:
+                    gathered.pop(owner, None)
+    for s in sorted(deferred, reverse=True):
+        reduce(s)
+    if pending:  # the averaged gradients written back beside the flat buffers
+        note(extra=sum(sizes.grads[s] for s in pending))
+        grads.update({s: sizes.grads[s] for s in pending})
+    return best[0], best[1], sum(grads.values()) + sum(shards.values())
+
+
+def _random_sizes(stages: list[int], zero: int, dp: int, deferred: bool, rng: random.Random) -> StageBytes:
+    # whole multiples of dp: every sum is exact, so moments that tie (a flat copy the size of the gradients it
+    # replaces) tie in both walks, and both report the first
+    grads = {s: float(dp * rng.randint(1, 100)) for s in stages}
+    return StageBytes(
+        activations={s: float(dp * rng.randint(1, 100)) for s in stages},
+        grads=grads,
+        flat=grads,
+        working={s: float(dp * rng.randint(0, 50)) for s in stages},
+        zero=zero,
+        dp=dp,
+        deferred_reduce=deferred,
+    )
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), GRID)
+def test_the_compiled_walk_prices_like_the_plain_walk(name: str, p: int, m: int, v: int) -> None:
+    """Every mode of reduction (ZeRO 0-3, data parallel or not, per micro-batch or once, deferred), each rank,
+    random sizes: the same peak, components and gradients after backward as pricing every moment."""
+    rng = random.Random(f"{name}{p}{m}{v}")
+    for zero, dp, every, consecutive in itertools.product(range(4), (1, 3), (False, True), (False, True)):
+        deferred = zero == 1 and consecutive
+        options = _options(name, consecutive)
+        lowered = lower(
+            build_schedule(name, p, m, v, **options), p, zero3=zero == 3, reduce_every_microbatch=every
+        )
+        for r in range(p):
+            compiled = compile_walk(
+                lowered_events(
+                    rank_steps(name, p, m, v, r, **options), zero3=zero == 3, every_microbatch=every
+                ),
+                zero=zero,
+                sharded=dp > 1,
+                deferred_reduce=deferred,
+            )
+            for _ in range(3):
+                sizes = _random_sizes(sorted({a.stage for a in lowered[r]}), zero, dp, deferred, rng)
+                peak, parts, held = _reference_walk(lowered[r], sizes)
+                moment, got_held = compiled.evaluate(sizes)
+                case = (zero, dp, every, consecutive, r)
+                assert moment.total == pytest.approx(peak, rel=1e-12), case
+                got = [moment.activations, moment.grads, moment.buffers, moment.working]
+                assert got == pytest.approx(parts, rel=1e-9, abs=1e-9), case
+                assert got_held == pytest.approx(held, rel=1e-12), case
+
+
+def test_stages_of_equal_sizes_are_counted_together() -> None:
+    """`classes` (stage -> a stage of the same sizes) changes how terms are counted, not the answer."""
+    rng = random.Random(0)
+    steps = rank_steps("breadth_first", 2, 4, 3, 0)  # stages 0, 2, 4
+    for zero, every in itertools.product(range(4), (False, True)):
+        events = list(lowered_events(steps, zero3=zero == 3, every_microbatch=every))
+        one = {s: rng.uniform(1, 9) for s in (0, 2)}
+        same = {0: one[0], 2: one[2], 4: one[2]}  # stage 4 has stage 2's sizes
+        sizes = StageBytes(activations=same, grads=same, flat=same, working=same, zero=zero, dp=2)
+        plain = compile_walk(events, zero=zero, sharded=True).evaluate(sizes)
+        grouped = compile_walk(events, zero=zero, sharded=True, classes={0: 0, 2: 2, 4: 2})
+        assert grouped.evaluate(sizes)[0].total == pytest.approx(plain[0].total, rel=1e-12)
+        assert grouped.evaluate(sizes)[1] == pytest.approx(plain[1], rel=1e-12)
+
+
+MODEL = {"family": "llama", "n_heads": 4, "n_kv_heads": 2, "d_model": 64, "vocab_size": 96, "seq_len": 16}
+PLANS = [  # (world, parallel, global batch): uneven stages, every schedule, each ZeRO stage
+    (4, {"pipeline": 4, "schedule": "1f1b", "stage_layers": [2, 3, 2, 1]}, 8),
+    (
+        8,
+        {
+            "pipeline": 4,
+            "schedule": "gpipe",
+            "zero": 2,
+            "accumulation": "depth_first",
+            "stage_layers": [1, 2, 2, 3],
+        },
+        8,
+    ),
+    (
+        8,
+        {
+            "pipeline": 2,
+            "schedule": "interleaved",
+            "stages_per_rank": 3,
+            "zero": 3,
+            "stage_layers": [2, 2, 1, 2, 2, 1],
+        },
+        8,
+    ),
+    (
+        6,
+        {
+            "pipeline": 3,
+            "schedule": "breadth_first",
+            "stages_per_rank": 2,
+            "zero": 1,
+            "stage_layers": [2, 2, 1, 1, 1, 1],
+        },
+        12,
+    ),
+    (
+        4,
+        {
+            "pipeline": 4,
+            "schedule": "interleaved",
+            "stages_per_rank": 2,
+            "stage_layers": [1, 1, 2, 1, 1, 2, 1, 1],
+        },
+        8,
+    ),
+]
+
+
+@pytest.mark.parametrize(("world", "parallel", "batch"), PLANS)
+def test_the_fullest_rank_is_a_candidate_and_the_floor_is_below(
+    world: int, parallel: dict, batch: int
+) -> None:
+    """Uneven stages: the estimate (first rank of each stage profile, the ends) is the largest over every
+    pipeline rank; the search's cheap `memory_floor` never exceeds it; the classes are stages of equal sizes."""
+    model = {**MODEL, "n_layers": sum(parallel["stage_layers"])}
+    cfg = from_dict({"model": model, "parallel": parallel, "train": {"global_batch": batch}})
+    plan = resolve(cfg, world)
+    shape = ModelShape.from_config(cfg.model)
+    per_rank = [estimate_plan(shape, plan, stage=r).total for r in range(plan.pp)]
+    assert estimate_plan(shape, plan).total == max(per_rank)
+    assert memory_floor(shape, plan) <= estimate_plan(shape, plan).total
+    for r in range(plan.pp):
+        for s, c in _stage_classes(plan, r).items():
+            assert plan.stage_layers[s] == plan.stage_layers[c] and (s == 0) == (c == 0)

@@ -35,9 +35,14 @@ class MemoryBreakdown:
     working: float
     """Transient: one block's full activations while recomputing, the logits of one micro-batch on the last stage."""
     comm_buffers: float
+    peak: float | None = None
+    """What coexists at the rank's peak (`tessera.memory` walks the rank's action list for it); None: every
+    component at once, the cost model's bound."""
 
     @property
     def total(self) -> float:
+        if self.peak is not None:
+            return self.peak
         return self.params + self.grads + self.optimizer + self.activations + self.working + self.comm_buffers
 
 

@@ -1,0 +1,69 @@
+"""`tessera memory`'s per-rank peak against the dry run's allocator peak (tessera/fake.py) on small multi-axis
+layouts: the estimate walks the rank's lowered action list (tessera/peak_memory.py) for what coexists, as the
+runtime does when it executes that list; issue #11 requires 5 % at real scale (benchmarks/results/dryrun.md).
+
+The model is small but not tiny, so that what the estimate leaves out (norm statistics, SDPA's log-sum-exp rows,
+scalars, the optimizer's step counters) stays well under the tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.config import from_dict
+from tessera.dryrun import default_ranks, dry_run, estimated_memory
+from tessera.layout import Layout
+
+PEAK_RTOL = 0.05
+"""Issue #11's acceptance; measured on these layouts: within 2.2 %."""
+GRADS_RTOL = 0.005
+"""Gradients held after backward (ZeRO-1: the full gradients and the reduced shard); measured: 0.1 %."""
+
+MODEL = {
+    "family": "llama",
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "d_model": 256,
+    "vocab_size": 512,
+    "seq_len": 128,
+    "n_layers": 8,
+    "tie_embeddings": False,
+}
+LAYOUTS = {  # name: (world size, parallel section)
+    "pp2_1f1b_tp2_dp2_zero1": (8, {"pipeline": 2, "schedule": "1f1b", "tensor": 2, "zero": 1}),
+    "pp2_breadth_first_v2_dp2_zero3": (
+        4,
+        {"pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 2, "zero": 3},
+    ),
+    "pp2_interleaved_v2_dp2_depth_first": (
+        4,
+        {"pipeline": 2, "schedule": "interleaved", "stages_per_rank": 2, "accumulation": "depth_first"},
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_estimated_peak_is_the_dry_runs(layout: str) -> None:
+    world, parallel = LAYOUTS[layout]
+    cfg = from_dict({"model": MODEL, "parallel": parallel, "train": {"global_batch": 16, "micro_batch": 2}})
+    for rank in default_ranks(Layout.from_config(cfg.parallel, world)):  # first and last pipeline rank
+        measured, est = dry_run(cfg, world, rank), estimated_memory(cfg, world, rank)
+        assert est["peak"] == pytest.approx(measured.peak, rel=PEAK_RTOL), rank
+        assert est["grads"] == pytest.approx(measured.grads, rel=GRADS_RTOL), rank
+
+
+@pytest.mark.parametrize(
+    ("family", "world", "parallel"),
+    [
+        ("gpt", 2, {"tensor": 2}),  # replicated: norms, row-parallel biases, the position table
+        ("gpt", 4, {"tensor": "2x2"}),  # every vector split by the grid's columns only
+        ("llama", 4, {"tensor": 2, "pipeline": 2, "schedule": "1f1b"}),
+    ],
+)
+def test_parameter_and_gradient_bytes_are_exact(family: str, world: int, parallel: dict) -> None:
+    """`stage_params` counts what each tensor-parallel rank holds, replicated vectors whole (to the byte)."""
+    model = {"family": family, "n_heads": 4, "d_model": 128, "vocab_size": 64, "seq_len": 32, "n_layers": 2}
+    cfg = from_dict({"model": model, "parallel": parallel, "train": {"global_batch": 4, "micro_batch": 2}})
+    for rank in (0, world - 1):
+        measured, est = dry_run(cfg, world, rank), estimated_memory(cfg, world, rank)
+        assert (est["params"], est["grads"]) == (measured.params, measured.grads), rank
