@@ -31,6 +31,8 @@ from tessera.planner.cost import (
     ModelShape,
     Plan,
     activation_bytes_per_layer,
+    autocast_weight_bytes,
+    boundary_bytes,
     head_activation_bytes,
     memory_per_rank,
     model_state_bytes,
@@ -242,7 +244,7 @@ def memory_floor(shape: ModelShape, plan: ExecutionPlan) -> float:
         return max(sum(state) for state in states.values())
     cplan = cost_plan(plan)
     per_layer = activation_bytes_per_layer(shape, cplan)
-    p2p = 2 * _boundary(shape, cplan) if plan.pp > 1 else 0.0
+    p2p = 2 * boundary_bytes(shape, cplan) if plan.pp > 1 else 0.0
     peaks, _ = _inflight(plan)
     return max(
         params + optimizer + p2p + max(grads, per_layer * peaks[r])
@@ -345,7 +347,7 @@ def _at_peak(
     )
     logits = 4 * shape.seq_len * cplan.micro_batch * shape.vocab_size / cplan.tp
     last = plan.n_stages - 1
-    boundary = _boundary(shape, cplan)
+    boundary = boundary_bytes(shape, cplan)
     # a stage whose output goes to another rank keeps it for its backward (not saved by autograd)
     acts = {
         s: per_layer * plan.stage_layers[s] + (boundary if s != last and s + 1 not in psi else 0.0)
@@ -369,6 +371,8 @@ def _at_peak(
         uses={last: (last, 0)} if shape.tied and last != 0 and {0, last} <= psi.keys() else {},
     )
     moment, after_backward = _rank_walk(plan, rank, sizes.uses).evaluate(sizes)
+    # autocast's compute-dtype weight copies live through the forward/backward phase (one autocast region)
+    moment.activations += autocast_weight_bytes(shape, cplan, rank)
     # the optimizer step: the gradients held after backward and the update's temporaries (two of the
     # largest shard: ZeRO's Adam denominator) beside the state
     temporaries = 2 * max(grads.values(), default=0.0) / plan.dp if plan.zero else 0.0
@@ -384,12 +388,6 @@ def _at_peak(
         comm_buffers=moment.buffers + p2p,
     )
     return at_peak, after_backward
-
-
-def _boundary(shape: ModelShape, plan: Plan) -> float:
-    """Bytes of one micro-batch's stage output (split with the sequence under 2D or sequence parallelism)."""
-    sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
-    return sbh / (plan.tp if plan.tp_kind == "2d" or plan.sequence_parallel else 1)
 
 
 def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]]) -> Walk:
