@@ -173,6 +173,11 @@ def stage_params(
     Megatron 1D the norms, the row-parallel Linears' biases and the position table are whole on every rank, in
     Optimus 2D every vector (norms, biases, position table) is split by the grid's columns only (q of q²).
     """
+    return list(_stage_params(shape, plan, tuple(stage_layers) if stage_layers else None))
+
+
+@lru_cache(maxsize=64)  # the search asks for a layout's split twice (floor, estimate), the dry run per rank
+def _stage_params(shape: ModelShape, plan: Plan, stage_layers: tuple[int, ...] | None) -> tuple[float, ...]:
     h, V, fam = shape.d_model, shape.vocab_size, shape.features
     layers = stage_layers or even_split(shape.n_layers, plan.pp * plan.virtual_stages)
     t = plan.tp
@@ -185,9 +190,10 @@ def stage_params(
     out = [count * per_block for count in layers]
     out[0] += V * h / t + fam.position_params(shape.seq_len, h) / vector_split
     out[-1] += fam.norm_params(h) / vector_split + (0 if (shape.tied and plan.pp == 1) else V * h / t)
-    return out
+    return tuple(out)
 
 
+@lru_cache(maxsize=16)  # the search asks twice per layout (floor, estimate)
 def _inflight(plan: ExecutionPlan) -> tuple[list[float], list[int]]:
     """Per pipeline rank: peak (block × micro-batch) pairs saved for backward, and peak micro-batches of the last
     stage (0 on ranks without it).
@@ -439,17 +445,34 @@ def _named_walk(
     uses: tuple[tuple[int, tuple[int, ...]], ...],
     classes: tuple[tuple[int, int], ...],
 ) -> Walk:
-    options: dict[str, object] = dict(compute_options(name, accumulation))
-    if placement != "loop":
-        options["placement"] = placement
-    steps = rank_steps(name, p, m, v, rank, **options)
-    events = lowered_events(
-        steps, zero3=zero == 3, every_microbatch=reduces_every_microbatch(accumulation, zero)
-    )
+    every = reduces_every_microbatch(accumulation, zero)
+    events = _rank_events(name, p, m, v, rank, placement, accumulation, zero == 3, every)
     deferred = _deferred(zero, accumulation)
     return compile_walk(
         events, zero=zero, sharded=sharded, deferred_reduce=deferred, uses=dict(uses), classes=dict(classes)
     )
+
+
+@lru_cache(
+    maxsize=128
+)  # the search varies ZeRO and checkpointing around one schedule: its lists recur nearby
+def _rank_events(
+    name: str,
+    p: int,
+    m: int,
+    v: int,
+    rank: int,
+    placement: str,
+    accumulation: str,
+    zero3: bool,
+    every_microbatch: bool,
+) -> list[tuple[ActionKind, int]]:
+    """The lowered list pipeline rank ``rank`` executes, as (kind, stage), without point-to-point actions."""
+    options: dict[str, object] = dict(compute_options(name, accumulation))
+    if placement != "loop":
+        options["placement"] = placement
+    steps = rank_steps(name, p, m, v, rank, **options)
+    return lowered_events(steps, zero3=zero3, every_microbatch=every_microbatch)
 
 
 def _deferred(zero: int, accumulation: str) -> bool:

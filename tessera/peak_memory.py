@@ -29,7 +29,7 @@ which hold nothing the walk counts).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tessera.pipeline.ir import Action, ActionKind
@@ -282,7 +282,8 @@ def compile_walk(
     i = 0
     while i < len(events):
         kind, s = events[i]
-        if kind is _F and s == events[0][1]:  # a period of a steady state starts with a forward
+        # a steady state's period starts with a forward after something else (not inside a warm-up's ramp)
+        if kind is _F and s == events[0][1] and i and events[i - 1][0] is not _F:
             i = _skip_repeats(live, events, i, seen, tuple(deferred))
             kind, s = events[i]
         i += 1
@@ -393,7 +394,7 @@ def walk(actions: Sequence[Action], sizes: StageBytes) -> tuple[Moment, float]:
 
 def lowered_events(
     steps: Sequence[Step], *, zero3: bool, every_microbatch: bool
-) -> Iterator[tuple[ActionKind, int]]:
+) -> list[tuple[ActionKind, int]]:
     """One rank's compute list with what `tessera.pipeline.passes.lower` inserts, as (kind, stage), in the
     same order, less SEND/RECV (the walk counts no point-to-point buffer by action): REDUCE after the stage's
     last backward (REDUCE_MB after each with ``every_microbatch``), ZeRO-3's GATHER before and FREE after each
@@ -401,12 +402,14 @@ def lowered_events(
     checks it against ``lower`` on every named schedule."""
     last_backward = {s: i for i, (s, kind, _) in enumerate(steps) if kind is not _F}
     reduce_kind = _REDUCE_MB if every_microbatch else _REDUCE
-    n = len(steps)
+    n, out = len(steps), []
+    append = out.append
     for i, (s, kind, _) in enumerate(steps):
         if zero3 and (i == 0 or steps[i - 1][0] != s):
-            yield _GATHER, s
-        yield kind, s
+            append((_GATHER, s))
+        append((kind, s))
         if zero3 and (i == n - 1 or steps[i + 1][0] != s):
-            yield _FREE, s
+            append((_FREE, s))
         if kind is not _F and (every_microbatch or last_backward[s] == i):
-            yield reduce_kind, s
+            append((reduce_kind, s))
+    return out

@@ -23,7 +23,7 @@ from typing import Any
 
 from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from tessera.execution import ExecutionPlan, decide
-from tessera.memory import cost_plan, estimate_plan, memory_floor
+from tessera.memory import cost_plan, estimate_plan, memory_floor, model_state_floor
 from tessera.model.sizes import SIZES
 from tessera.modes import BREADTH_FIRST, CHECKPOINTING, DEPTH_FIRST, LAYERED, SCHEDULES
 from tessera.planner.cost import (
@@ -311,7 +311,8 @@ def _evaluate(ctx: _Ctx, run: Config, base: Plan, batch: int, p2p: float) -> Can
     """Price one generated run config as the trainer would execute it: its execution plan's memory (the one
     estimator, `tessera.memory.estimate_plan`) and the step time of the schedule that plan runs."""
     execution = decide(run, ctx.gpus)
-    if memory_floor(ctx.shape, execution) > ctx.limit:  # most layouts fail here, before the full estimate
+    # most layouts fail here, before the full estimate: the model state alone, then with the peak activations
+    if model_state_floor(ctx.shape, execution) > ctx.limit or memory_floor(ctx.shape, execution) > ctx.limit:
         return None
     memory = estimate_plan(ctx.shape, execution)
     if memory.total > ctx.limit:

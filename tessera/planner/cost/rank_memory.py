@@ -41,8 +41,11 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        if self.peak is not None:
-            return self.peak
+        return self.everything if self.peak is None else self.peak
+
+    @property
+    def everything(self) -> float:
+        """Every component at its size at once (what a measurement of each component's own peak adds up to)."""
         return self.params + self.grads + self.optimizer + self.activations + self.working + self.comm_buffers
 
 
