@@ -87,9 +87,9 @@ def test_plain_data_parallelism_keeps_each_micro_batchs_flat_buffer() -> None:
 # --- the fast path against the definitions ---------------------------------------------------------------------
 
 GRID = [  # (schedule, p, m, v)
-    *[(name, p, m, 1) for name in ("1f1b", "gpipe") for p in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8)],
-    *[("interleaved_1f1b", p, m, v) for p in (2, 3) for m in (p, 2 * p, 3 * p) for v in (2, 3)],
-    *[("breadth_first", p, m, v) for p in (1, 2, 3) for m in (1, 2, 4, 5) for v in (1, 2, 3)],
+    *[(name, p, m, 1) for name in ("1f1b", "gpipe") for p in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8, 13)],
+    *[("interleaved_1f1b", p, m, v) for p in (2, 3) for m in (p, 2 * p, 5 * p) for v in (2, 3)],
+    *[("breadth_first", p, m, v) for p in (1, 2, 3) for m in (1, 2, 4, 5, 9) for v in (1, 2, 3)],
 ]
 
 
