@@ -181,18 +181,28 @@ class _Live:
             self.note(self.dirty)
 
     def note(
-        self, label: tuple, flat: int | None = None, writeback: Iterable[int] = (), working: int | None = None
+        self,
+        label: tuple,
+        flat: int | None = None,
+        writeback: tuple[int, ...] = (),
+        working: int | None = None,
     ) -> None:
         self.dirty = None  # nothing was released since it: this moment holds at least as much
-        extras = (flat, working, tuple(writeback))
+        extras = (flat, working, writeback)
         if not self.grew and extras == self.extras:  # only releases since the last moment: it covers this one
             return
         self.grew, self.extras = False, extras
         terms = dict(self.counts)
-        for what, s in ((_FLAT, flat), (_WORK, working), *((_WRITEBACK, w) for w in writeback)):
-            if s is not None:
-                key = (what, self.cls.get(s, s))
-                terms[key] = terms.get(key, 0) + 1
+        cls = self.cls
+        if flat is not None:
+            key = (_FLAT, cls.get(flat, flat))
+            terms[key] = terms.get(key, 0) + 1
+        if working is not None:
+            key = (_WORK, cls.get(working, working))
+            terms[key] = terms.get(key, 0) + 1
+        for w in writeback:
+            key = (_WRITEBACK, cls.get(w, w))
+            terms[key] = terms.get(key, 0) + 1
         key = tuple(sorted(terms.items()))
         if key in self.moments:  # a steady state repeats its moments exactly
             return
@@ -319,7 +329,7 @@ def compile_walk(
     for s in sorted(deferred, reverse=True):
         live.reduce(s, (s, "finish REDUCE"))
     if live.pending:  # plain data parallelism writes the averaged gradients back beside the flat buffers
-        live.note((None, "finish"), writeback=sorted(live.pending))
+        live.note((None, "finish"), writeback=tuple(sorted(live.pending)))
         for s in live.pending:
             live.grad(s, True)
     moments = _pareto(live.moments)
