@@ -10,8 +10,10 @@ objects do (tessera/pipeline/runtime.py, stage_comm.py, parallel/zero.py, parall
 - REDUCE / REDUCE_MB(s): the stage's gradients are flattened into a new buffer while they are still alive.
   ZeRO-1/2/3 keep one reduction in flight (the previous flat buffer lives until the next launch) and a shard
   per stage for the result; ZeRO-2/3 then drop the full gradients, ZeRO-1 keeps them. Plain data parallelism
-  keeps every flat buffer until the step's end (`GradBucket` waits for all of them in ``finish``) and then
-  writes the gradients back (one more copy);
+  waits for the reduction in flight *before* flattening and adds it into its stage's running total (the
+  stage's first flat buffer, kept to the step's end: `DataParallelStageComm`, `GradBucket`), then drops the
+  gradients: one total per stage and one flat buffer in flight, however many micro-batches. At the end it
+  writes each stage's total back as gradients (one more copy), stage by stage in ascending order;
 - GATHER / FREE(s) (ZeRO-3): the stage's full parameters are allocated / released;
 - the moment of a backward also holds its transient (`working`: the recomputed block, the logits' gradient).
 
@@ -155,8 +157,8 @@ class _Live:
     shards: set[int] = field(default_factory=set)
     gathered: set[int] = field(default_factory=set)
     users: dict[int, int] = field(default_factory=dict)  # ZeRO-3: gathers not yet freed, per owner stage
-    pending: set[int] = field(default_factory=set)  # plain data parallelism: stages with flat buffers kept
-    inflight: int | None = None  # ZeRO: the stage whose flat buffer is being reduced
+    pending: set[int] = field(default_factory=set)  # plain data parallelism: stages with a running total
+    inflight: int | None = None  # the stage whose flat buffer is being reduced
     grew: bool = True  # something was added since the last note
     extras: tuple = ()  # that note's transients
     dirty: tuple | None = None
@@ -234,9 +236,10 @@ class _Live:
     def reduce(self, s: int, label: tuple) -> None:
         if self.zero == 0:
             if self.sharded:
+                self.settle()
                 self.note(label, flat=s)  # flattened beside the gradients
-                self.pending.add(s)
-                self.add(_PENDING, s)
+                self.inflight = s
+                self.add(_FLAT, s)
                 self.grad(s, False)
             return
         self.note(label, flat=s)
@@ -250,6 +253,27 @@ class _Live:
             self.add(_SHARD, s)
         if self.zero >= 2:
             self.grad(s, False)
+
+    def settle(self) -> None:
+        """Plain data parallelism: the reduction in flight is waited and added into its stage's total (its
+        first flat buffer becomes the total; a later one is freed)."""
+        s, self.inflight = self.inflight, None
+        if s is None:
+            return
+        self.flush()  # the moment before (a backward's gradients beside the buffer) is the larger one
+        if s not in self.pending:
+            self.pending.add(s)
+            self.add(_PENDING, s)
+        self.add(_FLAT, s, -1)
+
+    def write_back(self) -> None:
+        """Plain data parallelism's end of step: each stage's total becomes its gradients, stage by stage."""
+        self.settle()
+        for s in sorted(self.pending):
+            self.note((s, "finish"), writeback=(s,))
+            self.add(_PENDING, s, -1)
+            self.grad(s, True)
+        self.pending.clear()
 
 
 def _between(
@@ -288,7 +312,7 @@ def compile_walk(
     uses = uses or {}
     deferred: list[int] = []
     events = list(events)
-    seen: dict[tuple, tuple[int, dict[tuple[int, int], int]]] = {}
+    seen: dict[tuple, int] = {}
     i = 0
     while i < len(events):
         kind, s = events[i]
@@ -328,10 +352,8 @@ def compile_walk(
     live.flush()
     for s in sorted(deferred, reverse=True):
         live.reduce(s, (s, "finish REDUCE"))
-    if live.pending:  # plain data parallelism writes the averaged gradients back beside the flat buffers
-        live.note((None, "finish"), writeback=tuple(sorted(live.pending)))
-        for s in live.pending:
-            live.grad(s, True)
+    if zero == 0 and sharded:
+        live.write_back()
     moments = _pareto(live.moments)
     after = tuple(sorted((k, float(n)) for k, n in live.counts.items() if n and k[0] in (_GRAD, _SHARD)))
     return Walk(
@@ -342,14 +364,11 @@ def compile_walk(
 
 
 def _skip_repeats(live: _Live, events: list, i: int, seen: dict, deferred: tuple) -> int:
-    """Where to go on from event ``i``. If the walk was in this same state at an earlier event j (but for
-    plain data parallelism's flat-buffer counts, grown by D) and the L = i - j events from i repeat those from
-    j n times, each repetition repeats the same moments, D more flat buffers each: all but the last are
-    covered by it. Skip them (their D's added) and walk the last. Steady states of long lists (m micro-batches,
-    v stages) cost a period this way instead of m."""
-    pending = {k: n for k, n in live.counts.items() if k[0] == _PENDING}
+    """Where to go on from event ``i``. If the walk was in this same state at an earlier event j and the
+    L = i - j events from i repeat those from j n times, each repetition repeats the same moments: skip all
+    but the last. Steady states of long lists (m micro-batches, v stages) cost a period this way instead of m."""
     state = (
-        tuple(sorted((k, n) for k, n in live.counts.items() if k[0] != _PENDING)),
+        tuple(sorted(live.counts.items())),
         frozenset(live.grads),
         frozenset(live.shards),
         frozenset(live.gathered),
@@ -361,20 +380,17 @@ def _skip_repeats(live: _Live, events: list, i: int, seen: dict, deferred: tuple
         live.extras,
         deferred,
     )
-    earlier = seen.get(state)
-    seen[state] = (i, pending)
-    if earlier is None:
+    j = seen.get(state)
+    seen[state] = i
+    if j is None:
         return i
-    j, before = earlier
     period = events[j:i]
     length, n = i - j, 0
     while events[i + n * length : i + (n + 1) * length] == period:
         n += 1
     if n < 2:
         return i
-    for key, count in pending.items():
-        live.counts[key] = count + (n - 1) * (count - before.get(key, 0))
-    seen[state] = (i + (n - 1) * length, dict(live.counts))
+    seen[state] = i + (n - 1) * length
     return i + (n - 1) * length
 
 

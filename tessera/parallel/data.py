@@ -26,37 +26,55 @@ class GradBucket:
     """Some parameters' gradients reduced as one flat tensor: the one data-parallel gradient all-reduce.
 
     ``launch`` flattens the gradients (zeros for a parameter without one) and starts an asynchronous all-reduce
-    over ``group``; ``finish`` waits, adds the parts of several launches in launch order (depth-first
-    accumulation reduces after every micro-batch) and writes the group average back as each gradient. Used by
-    `GradSync` (buckets launched from backward hooks) and by the pipeline runtime's `DataParallelStageComm` (one
-    per stage, launched at the schedule's REDUCE).
+    over ``group``; ``finish`` waits and writes the group average back as each gradient. Used by `GradSync`
+    (buckets launched from backward hooks) and by the pipeline runtime's `DataParallelStageComm` (one per stage,
+    launched at the schedule's REDUCE).
+
+    Several launches per step (depth-first accumulation reduces after every micro-batch) are summed as they
+    complete: each launch first waits for the previous one (it ran under this micro-batch's backward) and adds
+    it into a running total, the first launch's buffer reused. So a bucket holds at most two flat copies, the
+    total and the one in flight, whatever the number of micro-batches; the parts are added in launch order, as
+    one sum at the end would add them, so the result is the same to the bit (docs/memory.md).
     """
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None, size: int) -> None:
         self.params, self.group, self.size = params, group, size
-        self._parts: list[tuple[torch.Tensor, dist.Work | None]] = []
+        self._total: torch.Tensor | None = None  # the reduced sum of the launches settled so far
+        self._inflight: tuple[torch.Tensor, dist.Work | None] | None = None
 
     @property
     def launched(self) -> bool:
-        return bool(self._parts)
+        return self._total is not None or self._inflight is not None
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the flat buffers held now: the running total and the reduction in flight."""
+        held = (self._total, self._inflight[0] if self._inflight is not None else None)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def launch(self, drop_grads: bool = False) -> None:
         """Start reducing the gradients as they are now; ``drop_grads``: free them (they accumulate afresh)."""
+        self.settle()  # before flattening: the previous flat copy is added and freed first
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([g.reshape(-1) for g in grads])  # a copy: dropping the gradients leaves it intact
         if drop_grads:
             for p in self.params:
                 p.grad = None
-        self._parts.append((flat, comm.all_reduce(flat, self.group, async_op=True)))
+        self._inflight = (flat, comm.all_reduce(flat, self.group, async_op=True))
+
+    def settle(self) -> None:
+        """Wait for the launch in flight and add it into the running total (the first one becomes it)."""
+        if self._inflight is None:
+            return
+        (flat, work), self._inflight = self._inflight, None
+        if work is not None:
+            work.wait()
+        self._total = flat if self._total is None else self._total.add_(flat)
 
     def finish(self) -> None:
-        """Wait for every launch and write the sum of the parts, divided by the group size, back."""
-        total: torch.Tensor | None = None
-        for flat, work in self._parts:
-            if work is not None:
-                work.wait()
-            total = flat if total is None else total.add_(flat)
-        self._parts.clear()
+        """Wait for the last launch and write the sum of the launches, divided by the group size, back."""
+        self.settle()
+        total, self._total = self._total, None
         if total is None:
             return
         total.div_(self.size)

@@ -49,7 +49,9 @@ class DataParallelStageComm:
     """Plain data parallelism: ``reduce(stage)`` launches an async all-reduce of the stage's flattened
     gradients over ``dp_group`` (None: no data parallelism); ``finish`` waits and writes back the average.
     gather/free are no-ops. Several calls per step (depth-first accumulation) reduce the gradient accumulated
-    since the previous call each time and add the results.
+    since the previous call each time and add the results. One reduction is in flight per rank, as with ZeRO:
+    a call first waits for the previous one (of any stage) and adds it into that stage's running total, so the
+    rank holds one reduced total per stage and one flat copy in flight, whatever the number of micro-batches.
 
     A Parameter held by two local stages (a tied embedding on one rank) is reduced with the lower-index stage,
     whose backward finishes last.
@@ -64,6 +66,7 @@ class DataParallelStageComm:
             own = [p for p in stages[index].parameters() if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in own)
             self.buckets[index] = GradBucket(own, dp_group, self.size)
+        self._inflight: GradBucket | None = None
 
     def gather(self, stage: int) -> None:
         pass
@@ -78,10 +81,16 @@ class DataParallelStageComm:
         bucket = self.buckets.get(stage)
         if self.size == 1 or bucket is None or not bucket.params:
             return
+        if self._inflight is not None:  # it ran under this backward: waiting costs little, and frees its copy
+            self._inflight.settle()
         bucket.launch(drop_grads=True)  # later micro-batches (depth-first: one reduce each) accumulate afresh
+        self._inflight = bucket
 
     def finish(self) -> None:
-        """Wait for every reduction; add a stage's reduced parts (one per call) and write back the average."""
+        """Wait for every reduction; write each stage's reduced total back as the average."""
+        if self._inflight is not None:  # first, so no flat copy is in flight while gradients are written back
+            self._inflight.settle()
+            self._inflight = None
         for bucket in self.buckets.values():
             bucket.finish()
 

@@ -55,6 +55,7 @@ class Case:
     q: int = 1  # Optimus 2D tensor-parallel grid side
     tp: int = 1  # Megatron 1D tensor-parallel size
     sequence_parallel: bool = False
+    tie_embeddings: bool = True  # tied across pipeline ranks: the two stages reduce once, at the end
 
     @property
     def world(self) -> int:
@@ -93,6 +94,9 @@ CASES = [
     Case("dp2_pp2_1f1b", "1f1b", 2, dp=2),
     Case("dp2_pp2_bf_v2", "breadth_first", 2, v=2, dp=2),
     Case("dp2_pp2_bf_v2_depth_first", "breadth_first", 2, v=2, dp=2, accumulation="depth_first"),
+    Case(
+        "dp2_pp2_1f1b_depth_first_m8", "1f1b", 2, m=8, dp=2, accumulation="depth_first", tie_embeddings=False
+    ),
     Case("pp2_tp2_1f1b", "1f1b", 2, tp=2, n_layers=4),
     Case("pp2_tp2_sp_bf_v2", "breadth_first", 2, v=2, tp=2, n_layers=4, sequence_parallel=True),
     Case("pp2_tp2_sp_qwen2_1f1b", "1f1b", 2, tp=2, n_layers=4, sequence_parallel=True, family="qwen2"),
@@ -108,6 +112,7 @@ def _config(case: Case) -> Config:
             "model": {
                 "size": {"gpt": "gpt2-tiny"}.get(case.family, f"{case.family}-tiny"),
                 "n_layers": case.n_layers,
+                "tie_embeddings": case.tie_embeddings,
             },
             "parallel": {
                 "pipeline": case.pp,
@@ -192,7 +197,7 @@ def _run_cases(rank: int, world: int, names: list[str]) -> dict[str, tuple]:
 
 
 def _reference(case: Case) -> tuple[float, dict[str, torch.Tensor]]:
-    return _reference_for(case.family, case.n_layers, case.dp, case.m)
+    return _reference_for(case.family, case.n_layers, case.dp, case.m, case.tie_embeddings)
 
 
 def _stage_grads(engine: PipelineEngine, model: torch.nn.Module, case: Case) -> dict[str, torch.Tensor]:
@@ -206,8 +211,12 @@ def _stage_grads(engine: PipelineEngine, model: torch.nn.Module, case: Case) -> 
 
 
 @cache
-def _reference_for(family: str, n_layers: int, dp: int, m: int) -> tuple[float, dict[str, torch.Tensor]]:
-    case = Case("reference", "gpipe", 1, family=family, n_layers=n_layers, dp=dp, m=m)
+def _reference_for(
+    family: str, n_layers: int, dp: int, m: int, tie_embeddings: bool = True
+) -> tuple[float, dict[str, torch.Tensor]]:
+    case = Case(
+        "reference", "gpipe", 1, family=family, n_layers=n_layers, dp=dp, m=m, tie_embeddings=tie_embeddings
+    )
     torch.manual_seed(SEED)
     model = build_model(_config(case).model)
     x, y = _data(case)
@@ -284,3 +293,54 @@ def test_engine_rejects_wrong_stages_and_batches() -> None:
     bad = [lowered[0][:-2]]  # drops the last backward: incomplete
     with pytest.raises(ScheduleError, match="incomplete"):
         PipelineEngine({s.index: s for s in stages}, bad, 0, None, DataParallelStageComm({}, None))
+
+
+def _held_flat_bytes(engine: PipelineEngine, batches: list[tuple]) -> tuple[int, int]:
+    """Run one step; (the most bytes the StageComm's buckets hold in flat buffers after a REDUCE, after the step)."""
+    stage_comm = engine.comm
+    assert isinstance(stage_comm, DataParallelStageComm)
+    reduce, most = stage_comm.reduce, 0
+
+    def held() -> int:
+        return sum(b.held_bytes for b in stage_comm.buckets.values())
+
+    def counting(stage: int) -> None:
+        nonlocal most
+        reduce(stage)
+        most = max(most, held())
+
+    stage_comm.reduce = counting  # the engine calls it at every REDUCE_MB
+    engine.step(batches)
+    return most, held()
+
+
+def _flat_buffer_bytes(rank: int, world: int, ms: list[int]) -> dict[int, tuple[int, int, int]]:
+    """Per m: (`_held_flat_bytes`, the stage's gradient bytes)."""
+    layout = Layout(dp=2, pp=2)
+    groups = build_groups(layout)
+    out = {}
+    for m in ms:
+        case = Case(
+            f"dp2_pp2_1f1b_df_m{m}", "1f1b", 2, m=m, dp=2, accumulation="depth_first", tie_embeddings=False
+        )
+        torch.manual_seed(SEED)
+        model = build_model(_config(case).model)
+        engine = _engine(case, model, layout, groups)
+        x, y = _data(case)
+        most, after = _held_flat_bytes(engine, _micro_batches(case, x, y, groups.coord(Axis.DATA)))
+        out[m] = (most, after, sum(4 * p.numel() for s in engine.stages.values() for p in s.parameters()))
+    return out
+
+
+def test_plain_depth_first_holds_two_flat_buffers_whatever_the_micro_batches() -> None:
+    """dp2 × pp2, depth-first 1F1B, untied embeddings (tied ones reduce once): a REDUCE_MB per micro-batch,
+    each all-reduce waited at the next launch and added into the stage's running total. The flat buffers held
+    at once: the total and the one just launched (2× the stage's gradient bytes), the same for m = 2 and m = 8
+    (before: m copies until the step's end); none after the step (the gradients written back are copies).
+    The allocator's view of the same: tests/unit/test_peak_vs_dryrun.py."""
+    torch.set_num_threads(1)
+    for per_m in run_distributed(_flat_buffer_bytes, 4, [2, 8], timeout=120):
+        most = {m: most for m, (most, _, _) in per_m.items()}
+        (grads,) = {g for _, _, g in per_m.values()}
+        assert most == {2: 2 * grads, 8: 2 * grads}, (most, grads)
+        assert all(after == 0 for _, after, _ in per_m.values()), per_m

@@ -75,13 +75,41 @@ def test_zero1_keeps_full_gradients_and_the_shard() -> None:
     assert held == 125.0
 
 
-def test_plain_data_parallelism_keeps_each_micro_batchs_flat_buffer() -> None:
+def test_plain_data_parallelism_adds_each_reduction_into_a_running_total() -> None:
     actions = [Action(0, F, 0), Action(0, F, 1), Action(0, B, 0), Action(0, RM, 0), Action(0, B, 1)]
     actions.append(Action(0, RM, 1))
     moment, held = walk(actions, _sizes(zero=0, dp=2))
-    # the end: two flat buffers and the gradients written back
-    assert moment.total == pytest.approx(300.0)
+    # at the second REDUCE_MB: the first flat buffer, reduced (the total), the gradients and their flat copy
+    assert (moment.grads, moment.buffers, moment.total) == (100.0, 200.0, pytest.approx(300.0))
     assert held == 100.0
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 64])
+def test_plain_data_parallelism_holds_two_flat_buffers_whatever_the_micro_batches(m: int) -> None:
+    # depth-first on one stage: F, B, REDUCE_MB per micro-batch. From the second REDUCE_MB on: the running
+    # total, the gradients and their new flat copy (the previous one was added into the total first); never m
+    # copies. At the end the total and the gradients written back from it.
+    actions = [Action(0, kind, j) for j in range(m) for kind in (F, B, RM)]
+    moment, held = walk(actions, _sizes(zero=0, dp=2))
+    flats = 2 if m > 1 else 1
+    assert (moment.grads, moment.buffers) == (100.0, flats * 100.0)
+    assert held == 100.0
+
+
+@pytest.mark.parametrize(("name", "p", "v"), [("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 2, 2)])
+def test_plain_depth_first_flat_buffers_do_not_grow_with_micro_batches(name: str, p: int, v: int) -> None:
+    """On a real list: only flat buffers priced (1 byte each), so the peak is the most alive at once: a
+    running total per stage of the rank and one in flight, the same for m = 2p and m = 16p."""
+    for r in range(p):
+        counts = set()
+        for m in (2 * p, 16 * p):
+            events = lowered_events(rank_steps(name, p, m, v, r), zero3=False, every_microbatch=True)
+            stages = sorted({s for _, s in events})
+            zeros = dict.fromkeys(stages, 0.0)
+            ones = dict.fromkeys(stages, 1.0)
+            sizes = StageBytes(activations=zeros, grads=zeros, flat=ones, working=zeros, zero=0, dp=2)
+            counts.add(compile_walk(events, zero=0, sharded=True).evaluate(sizes)[0].buffers)
+        assert counts == {v + 1.0}, (r, counts)
 
 
 # --- the fast path against the definitions ---------------------------------------------------------------------
@@ -120,26 +148,33 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
     """The walk as first written: every moment priced as it happens (the module docstring's rules, one by one).
     (peak total, its activations/grads/buffers/working, gradients held after backward)."""
     d, z = sizes.dp, sizes.zero
-    acts, grads, shards, gathered, users, pending = 0.0, {}, {}, {}, {}, {}
-    inflight, deferred, best = 0.0, [], [0.0, [0.0] * 4]
+    acts, grads, shards, gathered, users, totals = 0.0, {}, {}, {}, {}, {}
+    inflight, inflight_stage, deferred, best = 0.0, None, [], [0.0, [0.0] * 4]
 
     def note(extra: float = 0.0, working: float = 0.0) -> None:
         parts = [
             acts,
             sum(grads.values()) + sum(shards.values()),
-            sum(gathered.values()) + sum(map(sum, pending.values())) + inflight + extra,
+            sum(gathered.values()) + sum(totals.values()) + inflight + extra,
             working,
         ]
         if sum(parts) > best[0]:
             best[:] = [sum(parts), parts]
 
+    def settle() -> None:  # plain data parallelism: the flat buffer in flight is added into its stage's total
+        nonlocal inflight, inflight_stage
+        if inflight_stage is not None:
+            totals.setdefault(inflight_stage, inflight)
+        inflight, inflight_stage = 0.0, None
+
     def reduce(s: int) -> None:
-        nonlocal inflight
+        nonlocal inflight, inflight_stage
         flat = sizes.flat.get(s, 0.0)
         if z == 0:
             if d > 1:
+                settle()
                 note(extra=flat)
-                pending.setdefault(s, []).append(flat)
+                inflight, inflight_stage = flat, s
                 grads.pop(s, None)
             return
         note(extra=flat)
@@ -175,9 +210,11 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
                     gathered.pop(owner, None)
     for s in sorted(deferred, reverse=True):
         reduce(s)
-    if pending:  # the averaged gradients written back beside the flat buffers
-        note(extra=sum(sizes.grads[s] for s in pending))
-        grads.update({s: sizes.grads[s] for s in pending})
+    settle()
+    for s in sorted(totals):  # each stage's averaged gradients written back beside its total
+        note(extra=sizes.grads[s])
+        del totals[s]
+        grads[s] = sizes.grads[s]
     return best[0], best[1], sum(grads.values()) + sum(shards.values())
 
 
