@@ -36,7 +36,7 @@ from tessera.planner.cost.comm_time import (
     tp_comm_time_per_layer,
 )
 from tessera.planner.cost.compute import (
-    LOGIT_ELEMENTWISE_BYTES,
+    LOGIT_UPCAST_BYTES,
     OPTIMIZER_BYTES_PER_PARAM,
     LayerTime,
     elementwise_bytes_per_layer,
@@ -44,8 +44,11 @@ from tessera.planner.cost.compute import (
     gemm_time,
     layer_time,
     layers_per_stage,
+    logit_bytes,
     logits_time,
     rank_layers,
+    score_bytes,
+    weight_cast_bytes_per_layer,
 )
 from tessera.planner.cost.plan import Plan, per_microbatch_reduction
 from tessera.planner.cost.rank_memory import (
@@ -78,7 +81,7 @@ from tessera.planner.cost.volume import (
 )
 
 __all__ = [
-    "LOGIT_ELEMENTWISE_BYTES",
+    "LOGIT_UPCAST_BYTES",
     "OPTIMIZER_BYTES_PER_PARAM",
     "RECOMPUTE",
     "CommVolume",
@@ -106,6 +109,7 @@ __all__ = [
     "layer_forward_flops",
     "layer_time",
     "layers_per_stage",
+    "logit_bytes",
     "logits_forward_flops",
     "logits_time",
     "memory_per_rank",
@@ -120,8 +124,10 @@ __all__ = [
     "pp_p2p_volume",
     "rank_layers",
     "reduce_scatter_time",
+    "score_bytes",
     "stage_time",
     "tp1d_layer_volume",
     "tp2d_layer_volume",
     "tp_comm_time_per_layer",
+    "weight_cast_bytes_per_layer",
 ]

@@ -14,7 +14,7 @@ from tessera.planner.hardware import Hardware
 from tessera.traffic import BACKWARD, FORWARD, tensor_calls
 
 __all__ = [
-    "LOGIT_ELEMENTWISE_BYTES",
+    "LOGIT_UPCAST_BYTES",
     "OPTIMIZER_BYTES_PER_PARAM",
     "LayerTime",
     "elementwise_bytes_per_layer",
@@ -22,14 +22,18 @@ __all__ = [
     "gemm_time",
     "layer_time",
     "layers_per_stage",
+    "logit_bytes",
     "logits_time",
+    "score_bytes",
+    "weight_cast_bytes_per_layer",
 ]
 
 OPTIMIZER_BYTES_PER_PARAM = 32
 """HBM traffic of one fused mixed-precision Adam step per parameter: read grad 2 + master 4 + m 4 + v 4, write
 master 4 + m 4 + v 4 + param 2 (= 28) plus ≈4 for unscale/norm. Assumption (documented in docs/cost-model.md)."""
-LOGIT_ELEMENTWISE_BYTES = 10
-"""HBM bytes per logit element in the forward loss (fp32 upcast write, max/sum-exp reads); backward 2×. Assumption."""
+LOGIT_UPCAST_BYTES = 8
+"""HBM bytes per logit element in the forward loss besides reading the logits (`logit_bytes`): the fp32 upcast's
+write and the max/sum-exp reads; backward 2×. Assumption."""
 
 
 def gemm_time(hw: Hardware, m: float, n: float, k: float, *, batch: float = 1, dtype: str = "bf16") -> float:
@@ -53,19 +57,62 @@ class LayerTime:
 def elementwise_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
     """HBM bytes moved by the memory-bound (non-GEMM) ops of one block's forward, per rank, per micro-batch.
 
-    Per token-hidden element (×s·b·h): two norms 4 each (read+write 2-byte tensors); residual adds 6 each, 7 with
-    fused bias-dropout-add (1-byte mask); activation: GELU 4f/h, SwiGLU 6f/h; rotary 4(h+kv)/h (Llama). Softmax on
-    the a·s² scores: 4 bytes per score, 9 with dropout (+read/write/mask) unless flash attention. Replicated ops
-    (norms, residuals) are divided by t only with sequence parallelism (always by q² in 2D); the rest by t or q².
-    Backward is taken as 2× these bytes. (Op-by-op count of Megatron's fused kernels; an approximation.)
+    Each tensor in its own dtype, by the rules of the memory estimate (`Plan.act_bytes` c for matmul inputs and
+    outputs and what attention and the MLP compute from them, `Plan.stream_bytes` r for the residual stream and
+    the norms; c = r = 2 in the published accounting, r = 4 under tessera's autocast). Per token-hidden element
+    (×s·b·h): two norms 2r each (read + write); two residual adds 2r + c each (read the stream and the branch's
+    matmul output, write the stream), +1 with fused bias-dropout-add (1-byte mask); activation: GELU 2c·f/h,
+    SwiGLU 3c·f/h; rotary 2c(h+kv)/h (Llama). Softmax on the a·s² scores: 2c bytes per score, 4c + 1 with dropout
+    (+read/write/mask) unless flash attention. Under autocast (`Plan.casts`) each Linear reading a norm's output
+    casts it (read r, write c; wq, wk, wv and the MLP's input Linears), and 2D's SUMMA casts the block's weights
+    every micro-batch (`weight_cast_bytes_per_layer`). Published bf16: norms 4, adds 6 (7), GELU 4f/h, SwiGLU
+    6f/h, rotary 4(h+kv)/h, scores 4 (9): Megatron's fused kernels op by op (an approximation); fused bias adds.
+    Replicated ops (norms, residuals) are divided by t only with sequence parallelism (always by q² in 2D); the
+    rest by t or q²; a cast's input is the gathered tensor under sequence parallelism (not divided by t).
+    Backward is taken as 2× these bytes (`layer_time`).
     """
-    s, b, h, a, f = shape.seq_len, plan.micro_batch, shape.d_model, shape.n_heads, shape.ffn_hidden
+    s, b, h, f = shape.seq_len, plan.micro_batch, shape.d_model, shape.ffn_hidden
+    c, r = plan.act_bytes, plan.stream_bytes
     sbh = s * b * h
-    replicated = 8 + 2 * (7 if shape.dropout else 6)
-    sharded = (6 if shape.swiglu else 4) * f / h + (4 * (h + shape.kv_dim) / h if shape.features.rope else 0)
-    scores = 0.0 if plan.flash_attention else (9 if shape.dropout else 4) * a * s * s * b
+    residual_add = 2 * r + c + (1 if shape.dropout else 0)
+    replicated = 2 * (2 * r) + 2 * residual_add
+    activation = (3 if shape.swiglu else 2) * c * f / h
+    sharded = activation + (2 * c * (h + shape.kv_dim) / h if shape.features.rope else 0)
     div_rep = plan.tp if (plan.tp_kind == "2d" or plan.sequence_parallel) else 1
-    return sbh * replicated / div_rep + (sbh * sharded + scores) / plan.tp
+    out = sbh * replicated / div_rep + (sbh * sharded + score_bytes(shape, plan)) / plan.tp
+    if plan.casts:
+        fam = shape.features
+        div_cast = plan.tp if plan.tp_kind == "2d" else 1
+        out += sbh * (len(fam.attention_in) + len(fam.mlp_in)) * (r + c) / div_cast
+    return out + weight_cast_bytes_per_layer(shape, plan)[0]
+
+
+def score_bytes(shape: ModelShape, plan: Plan) -> float:
+    """HBM bytes of the softmax (and dropout) on one micro-batch's a·s²·b attention scores, before any tensor
+    split: 2c per score (read + write in the compute dtype `Plan.act_bytes`), 4c + 1 with dropout (its output and
+    1-byte mask); 0 with flash attention (the scores never reach HBM)."""
+    if plan.flash_attention:
+        return 0.0
+    per_score = 4 * plan.act_bytes + 1 if shape.dropout else 2 * plan.act_bytes
+    return per_score * shape.n_heads * shape.seq_len**2 * plan.micro_batch
+
+
+def weight_cast_bytes_per_layer(shape: ModelShape, plan: Plan) -> tuple[float, float]:
+    """(forward, backward) HBM bytes of one block's weight casts per micro-batch on one rank under autocast
+    (`Plan.casts`; (0, 0) otherwise: the published runs keep bf16 weights and accumulate weight gradients in the
+    GEMM, Megatron's gradient-accumulation fusion).
+
+    Forward: 2D's SUMMA casts its fp32 weight blocks on every call (read r, write c per local weight, the copies
+    `rank_memory.autocast_weight_bytes_per_layer` counts per micro-batch); 1D's cast lives in autocast's cache
+    (once per step, not counted per micro-batch). Backward, every layout: each weight's bf16 gradient is cast
+    back to fp32 (read c, write r) and added into the fp32 gradient (read 2r, write r), c + 4r per local weight.
+    """
+    if not plan.casts:
+        return 0.0, 0.0
+    c, r = plan.act_bytes, plan.stream_bytes
+    local = shape.features.block_matmul_params(shape.d_model, shape.kv_dim, shape.ffn_hidden) / plan.tp
+    forward = (r + c) * local if plan.tp_kind == "2d" else 0.0
+    return forward, (c + 4 * r) * local
 
 
 def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
@@ -74,7 +121,8 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     Each linear [M×h_in]·[h_in×h_out] (M = b·s) runs at its own size: 1D splits the output (column-parallel) or the
     input (row-parallel) dimension by t; 2D runs q SUMMA steps of [M/q × h_in/q]·[h_in/q × h_out/q]. Attention
     score and A·V GEMMs are batched over a·b/tp heads. Elementwise time = `elementwise_bytes_per_layer` / HBM
-    bandwidth. Backward = 2 × forward (two GEMMs per forward GEMM). Recompute: full ⇒ one forward, selective ⇒
+    bandwidth. Backward = 2 × forward (two GEMMs per forward GEMM), except the weight casts under autocast
+    (`weight_cast_bytes_per_layer`: their forward and backward bytes differ). Recompute: full ⇒ one forward, selective ⇒
     the attention core (QKᵀ, softmax/dropout on the scores, A·V) of a forward, none ⇒ 0.
     """
     s, b, dt = shape.seq_len, plan.micro_batch, plan.dtype
@@ -93,11 +141,13 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
         hw, s, d, s, batch=heads, dtype=dt
     )
     elementwise = elementwise_bytes_per_layer(shape, plan) / hw.hbm_bandwidth
-    score_bytes = 0.0 if plan.flash_attention else (9 if shape.dropout else 4) * shape.n_heads * s * s * b
     fwd = dense + attn + elementwise
-    selective = attn + score_bytes / plan.tp / hw.hbm_bandwidth  # QKᵀ, softmax(+dropout), A·V replayed
+    selective = attn + score_bytes(shape, plan) / plan.tp / hw.hbm_bandwidth  # QKᵀ, softmax(+dropout), A·V
     recompute = {"none": 0.0, "selective": selective, "full": fwd}[plan.recompute]
-    return LayerTime(forward=fwd, backward=2 * fwd, recompute=recompute)
+    # the weight gradients' cast back to fp32 and accumulation are backward-only (not twice the forward cast)
+    cast_fwd, cast_bwd = weight_cast_bytes_per_layer(shape, plan)
+    backward = 2 * (fwd - cast_fwd / hw.hbm_bandwidth) + cast_bwd / hw.hbm_bandwidth
+    return LayerTime(forward=fwd, backward=backward, recompute=recompute)
 
 
 def layers_per_stage(shape: ModelShape, plan: Plan) -> tuple[int, ...]:
@@ -135,11 +185,12 @@ def embedding_time(shape: ModelShape, hw: Hardware, plan: Plan) -> tuple[LayerTi
     """(compute, exposed tensor-parallel) seconds of the input embedding for one micro-batch on the first stage.
 
     Memory bound: the lookup reads b·s rows of h and writes the b·s·h output (GPT adds the learned positions:
-    another read and an add), 2·b·s·h·bytes (4 with positions), backward 2× (the scatter-add into the gradient).
+    another read and an add), 2·b·s·h·bytes (4 with positions), backward 2× (the scatter-add into the gradient);
+    bytes = `Plan.stream_bytes` (the table and its output are fp32 under tessera's autocast).
     Tensor parallel: the vocabulary-split embedding's collectives as the runtime issues them
     (`tessera.traffic.tensor_calls`): 1D an all-reduce of b·s·h forward (with SP a reduce-scatter forward and an
     all-gather backward, and the position table's gradient), 2D a reduce-scatter / all-gather on the columns."""
-    sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.act_bytes
+    sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.stream_bytes
     nbytes = sbh * (4 if shape.features.has_position_embedding else 2)
     shard = plan.tp if plan.tp_kind == "2d" else 1
     fwd = nbytes / shard / hw.hbm_bandwidth
@@ -152,14 +203,21 @@ def embedding_time(shape: ModelShape, hw: Hardware, plan: Plan) -> tuple[LayerTi
     return LayerTime(forward=fwd, backward=2 * fwd, recompute=0.0), comm
 
 
+def logit_bytes(plan: Plan) -> float:
+    """HBM bytes per logit in the forward loss: read the output projection's logits (a matmul output: the
+    compute dtype, `Plan.act_bytes`, under autocast too) + `LOGIT_UPCAST_BYTES` (10 in bf16; tessera's loss
+    upcasts the logits to fp32 as this count assumes). The head's final norm is not counted."""
+    return plan.act_bytes + LOGIT_UPCAST_BYTES
+
+
 def logits_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     """Output projection + loss for one micro-batch (vocabulary split over tp): GEMM [M×h]·[h×V/tp], backward 2×;
-    loss elementwise `LOGIT_ELEMENTWISE_BYTES` per logit; plus the head's tensor-parallel collectives as the runtime
+    loss elementwise `logit_bytes` per logit; plus the head's tensor-parallel collectives as the runtime
     issues them (`tessera.traffic.tensor_calls`: 1D the entry region and the loss's two small all-reduces; 2D the
     final norm, the SUMMA logits products and the loss). Never recomputed."""
     M = shape.seq_len * plan.micro_batch
     gemm = gemm_call_time(hw, M, shape.vocab_size / plan.tp, shape.d_model, dtype=plan.dtype)
-    loss = LOGIT_ELEMENTWISE_BYTES * M * shape.vocab_size / plan.tp / hw.hbm_bandwidth
+    loss = logit_bytes(plan) * M * shape.vocab_size / plan.tp / hw.hbm_bandwidth
     calls = tensor_calls(shape, plan, "head")
     fwd = gemm + loss + traffic_time(hw, plan, calls, FORWARD)
     bwd = 2 * (gemm + loss) + traffic_time(hw, plan, calls, BACKWARD)

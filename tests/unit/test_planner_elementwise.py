@@ -1,0 +1,88 @@
+"""The memory-bound bytes the cost model prices (`elementwise_bytes_per_layer`, `weight_cast_bytes_per_layer`,
+the embedding and the loss) count each tensor in its own dtype, by hand on a small Llama-shaped block: under
+tessera's autocast the norms and residual adds move the fp32 stream and every Linear reading a norm casts it;
+the published 2-byte accounting (autocast off) is unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tessera.planner.cost import (
+    ModelShape,
+    Plan,
+    elementwise_bytes_per_layer,
+    embedding_time,
+    layer_time,
+    logit_bytes,
+    weight_cast_bytes_per_layer,
+)
+from tessera.planner.hardware import load_hardware
+
+REL = 1e-12  # sums of exact binary fractions
+
+SHAPE = ModelShape(  # Llama style: RMSNorm, SwiGLU, rotary, wq/wk/wv and w_gate/w_up read the norms
+    n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=256, seq_len=8, swiglu=True
+)
+SBH = 8 * 2 * 64  # s·b·h with micro-batch 2
+WEIGHTS = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128  # wq, wk+wv (kv 32), wo, gate/up/down: 36,864
+AUTOCAST = Plan(micro_batch=2, dtype="bf16", autocast=True, flash_attention=True)
+
+# bytes per s·b·h element (c = 2, r = 4): norms 2·(2r) = 16, residual adds 2·(2r + c) = 20; SwiGLU 3c·f/h = 12,
+# rotary 2c·(h + kv)/h = 6; casts of the norms' outputs for wq, wk, wv, w_gate, w_up: 5·(r + c) = 30
+REPLICATED, SHARDED, CASTS = 36, 18, 30
+
+
+def test_autocast_counts_the_fp32_stream_and_the_casts() -> None:
+    assert elementwise_bytes_per_layer(SHAPE, AUTOCAST) == pytest.approx(SBH * 84, rel=REL)
+    # published accounting: norms 4 each, adds 6 each, SwiGLU 6f/h = 12, rotary 4(h+kv)/h = 6, no casts
+    published = replace(AUTOCAST, autocast=False)
+    assert elementwise_bytes_per_layer(SHAPE, published) == pytest.approx(SBH * 38, rel=REL)
+
+
+def test_sequence_parallel_casts_the_gathered_input() -> None:
+    """Norms and adds run on the s/t shard; each Linear casts the all-gathered norm output, not divided by t."""
+    plan = replace(AUTOCAST, tp=2, sequence_parallel=True)
+    expected = SBH * ((REPLICATED + SHARDED) / 2 + CASTS)
+    assert elementwise_bytes_per_layer(SHAPE, plan) == pytest.approx(expected, rel=REL)
+
+
+def test_2d_casts_its_weight_blocks_every_microbatch() -> None:
+    """2D (q = 2): every activation term ÷ q², plus the forward cast of the local weight blocks (r + c per
+    weight); backward casts each weight gradient back to fp32 and accumulates it (c + 4r) in every layout."""
+    plan = replace(AUTOCAST, tp=4, tp_kind="2d")
+    forward_cast, backward_cast = 6 * WEIGHTS / 4, 18 * WEIGHTS / 4
+    assert weight_cast_bytes_per_layer(SHAPE, plan) == pytest.approx((forward_cast, backward_cast), rel=REL)
+    expected = SBH * (REPLICATED + SHARDED + CASTS) / 4 + forward_cast
+    assert elementwise_bytes_per_layer(SHAPE, plan) == pytest.approx(expected, rel=REL)
+    # 1D keeps autocast's copy for the step: no forward cast per micro-batch, the same backward
+    assert weight_cast_bytes_per_layer(SHAPE, replace(AUTOCAST, tp=2)) == pytest.approx(
+        (0.0, 18 * WEIGHTS / 2)
+    )
+    assert weight_cast_bytes_per_layer(SHAPE, replace(plan, autocast=False)) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("plan", [AUTOCAST, replace(AUTOCAST, tp=4, tp_kind="2d")], ids=["1d", "2d"])
+def test_backward_prices_the_weight_casts_once(plan: Plan) -> None:
+    """Backward = 2 × forward for everything but the weight casts, whose backward bytes are their own."""
+    hw = load_hardware("h100")
+    lt = layer_time(SHAPE, hw, plan)
+    forward_cast, backward_cast = weight_cast_bytes_per_layer(SHAPE, plan)
+    expected = 2 * (lt.forward - forward_cast / hw.hbm_bandwidth) + backward_cast / hw.hbm_bandwidth
+    assert lt.backward == pytest.approx(expected, rel=1e-12)
+    assert backward_cast > 2 * forward_cast  # so the backward differs from twice the forward
+    published = layer_time(SHAPE, hw, replace(plan, autocast=False))
+    assert published.backward == 2 * published.forward
+
+
+def test_embedding_and_loss_bytes_follow_the_dtypes() -> None:
+    """The embedding's table and output are fp32 under autocast (twice the published bf16 bytes); the logits
+    are a matmul output (bf16 either way), upcast to fp32 by the loss: 2 + 8 bytes per logit."""
+    hw = load_hardware("h100")
+    published = replace(AUTOCAST, autocast=False)
+    auto_fwd = embedding_time(SHAPE, hw, AUTOCAST)[0].forward
+    assert auto_fwd == pytest.approx(2 * embedding_time(SHAPE, hw, published)[0].forward, rel=REL)
+    assert auto_fwd == pytest.approx(2 * SBH * 4 / hw.hbm_bandwidth, rel=REL)
+    assert logit_bytes(AUTOCAST) == logit_bytes(published) == 10
+    assert logit_bytes(replace(AUTOCAST, dtype="fp32")) == 12
