@@ -57,7 +57,7 @@ from tessera.planner.cost import (
     per_microbatch_reduction,
     tp_comm_time_per_layer,
 )
-from tessera.planner.hardware import DTYPE_BYTES, Hardware
+from tessera.planner.hardware import Hardware
 from tessera.planner.network import collective_time, placement
 from tessera.sim.simulator import SimResult, simulate
 
@@ -334,9 +334,10 @@ def p2p_hops(schedule: str, p: int, m: int, v: int) -> float:
 
 def dp_parts(params_local: float, hw: Hardware, plan: Plan, buckets: int = 1) -> tuple[float, float]:
     """(reduction, parameter all-gather) seconds per step of `params_local` parameters over the data group:
-    `cost.dp_collective_times` with gradients and parameters in the compute dtype's width, one call per bucket
-    (the search and the simulator pass the rank's layer count: the trainer reduces and gathers per block)."""
-    width = DTYPE_BYTES[plan.dtype]
+    `cost.dp_collective_times` with gradients and parameters `Plan.param_bytes` wide (fp32 under tessera's
+    autocast, the compute dtype in the published accounting), one call per bucket (the search and the simulator
+    pass the rank's layer count: the trainer reduces and gathers per block)."""
+    width = plan.param_bytes
     return dp_collective_times(params_local, hw, plan, grad_bytes=width, param_bytes=width, buckets=buckets)
 
 
@@ -352,11 +353,13 @@ def dp_exposure(items: list[tuple[float, float]], end: float) -> float:
 def optimizer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> float:
     """Per-step fixed work after the last backward, unoverlapped: gradient clipping's norm (an all-reduce of one
     fp32 over all ranks: pure latency, `clip_norm_time`) and the Adam step, memory bound: Ψ_local (÷d with
-    ZeRO ≥ 1) × bytes per parameter / HBM bandwidth, on the rank with the most parameters (`most_params`)."""
+    ZeRO ≥ 1) × bytes per parameter / HBM bandwidth, on the rank with the most parameters (`most_params`): the
+    fp32 AdamW's 28 when the parameters are fp32 (`Plan.param_bytes`: fp32 training, tessera's autocast, whose
+    master weights are the parameters), the mixed-precision step's 32 otherwise."""
     psi = most_params(shape, plan)
     if plan.zero_stage >= 1:
         psi /= plan.dp
-    per = FP32_OPTIMIZER_BYTES_PER_PARAM if plan.dtype == "fp32" else OPTIMIZER_BYTES_PER_PARAM
+    per = FP32_OPTIMIZER_BYTES_PER_PARAM if plan.param_bytes == 4 else OPTIMIZER_BYTES_PER_PARAM
     return psi * per / hw.hbm_bandwidth + clip_norm_time(hw, plan)
 
 

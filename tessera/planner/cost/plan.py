@@ -91,6 +91,14 @@ class Plan:
         return 4 if self.autocast else self.act_bytes
 
     @property
+    def param_bytes(self) -> int:
+        """Bytes per element of the parameters and gradients that the optimizer updates and the data-parallel
+        collectives move: fp32 under tessera's autocast (fp32 master weights are the parameters; their
+        gradients are fp32 and reduced as they are, `train.grad_reduce_dtype` = "fp32" by default, as the dry
+        run counts them), else the compute dtype (the published runs keep bf16 parameters and gradients)."""
+        return 4 if self.autocast else self.act_bytes
+
+    @property
     def casts(self) -> bool:
         """Whether each matmul casts its operands (autocast with a compute dtype narrower than fp32): the casts
         are separate tensors, saved for backward."""

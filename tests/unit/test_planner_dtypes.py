@@ -1,7 +1,8 @@
-"""The memory-bound bytes the cost model prices (`elementwise_bytes_per_layer`, `weight_cast_bytes_per_layer`,
-the embedding and the loss) count each tensor in its own dtype, by hand on a small Llama-shaped block: under
-tessera's autocast the norms and residual adds move the fp32 stream and every Linear reading a norm casts it;
-the published 2-byte accounting (autocast off) is unchanged."""
+"""The bytes the step-time model prices count each tensor in its own dtype, by hand on a small Llama-shaped
+block: the memory-bound work (`elementwise_bytes_per_layer`, `weight_cast_bytes_per_layer`, the embedding and
+the loss) — under tessera's autocast the norms and residual adds move the fp32 stream and every Linear reading a
+norm casts it — and the data-parallel collectives and the optimizer step, on fp32 parameters and gradients
+under autocast; the published 2-byte accounting (autocast off) is unchanged."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from tessera.planner.cost import (
     ModelShape,
     Plan,
+    dp_collective_times,
     elementwise_bytes_per_layer,
     embedding_time,
     layer_time,
@@ -19,6 +21,7 @@ from tessera.planner.cost import (
     weight_cast_bytes_per_layer,
 )
 from tessera.planner.hardware import load_hardware
+from tessera.planner.steptime import clip_norm_time, dp_parts, optimizer_time
 
 REL = 1e-12  # sums of exact binary fractions
 
@@ -86,3 +89,30 @@ def test_embedding_and_loss_bytes_follow_the_dtypes() -> None:
     assert auto_fwd == pytest.approx(2 * SBH * 4 / hw.hbm_bandwidth, rel=REL)
     assert logit_bytes(AUTOCAST) == logit_bytes(published) == 10
     assert logit_bytes(replace(AUTOCAST, dtype="fp32")) == 12
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_data_parallel_bytes_are_the_parameters_width(zero: int) -> None:
+    """Under autocast the gradients reduced and the parameters gathered are fp32 (what tessera's dry run counts
+    with the default fp32 reduction); the published runs move bf16."""
+    hw, psi = load_hardware("h100"), 1e9
+    plan = replace(AUTOCAST, dp=16, zero_stage=zero)
+    assert dp_parts(psi, hw, plan) == dp_collective_times(psi, hw, plan, grad_bytes=4, param_bytes=4)
+    published = replace(plan, autocast=False)
+    assert dp_parts(psi, hw, published) == dp_collective_times(
+        psi, hw, published, grad_bytes=2, param_bytes=2
+    )
+
+
+def test_optimizer_step_updates_fp32_parameters_under_autocast() -> None:
+    """AdamW on fp32 parameters reads param, grad, m, v and writes param, m, v: 28 bytes each, without the
+    published mixed-precision step's bf16 gradient read and parameter copy (32)."""
+    hw = load_hardware("h100")
+    psi = SHAPE.n_params()  # one rank holds the whole model
+    assert optimizer_time(SHAPE, hw, AUTOCAST) == pytest.approx(
+        psi * 28 / hw.hbm_bandwidth + clip_norm_time(hw, AUTOCAST), rel=REL
+    )
+    published = replace(AUTOCAST, autocast=False)
+    assert optimizer_time(SHAPE, hw, published) == pytest.approx(
+        psi * 32 / hw.hbm_bandwidth + clip_norm_time(hw, published), rel=REL
+    )
