@@ -1,5 +1,6 @@
-"""The example configs are valid at the world sizes they are written for (and say what is wrong at others), and
-`tessera dryrun` builds and steps one of their ranks at that world size.
+"""The example configs are valid at the world sizes they are written for (and say what is wrong at others), the
+GPU examples fit the device their header names by `tessera memory`, and `tessera dryrun` builds and steps one of
+their ranks at that world size.
 
 The dry runs keep everything of the example — model shape, sequence length, micro-batch size, layout, world size,
 schedule, ZeRO stage, checkpointing, dtype — except two things, to fit CI (on a loaded 2-core machine a full
@@ -7,7 +8,7 @@ llama-8b dry run took over 5 minutes; fake tensors cost about a millisecond per 
 forward, recomputation and backward of every local block per micro-batch):
 
 - one micro-batch per data-parallel rank per step (``train.global_batch`` = micro_batch × data), instead of the
-  example's 32 (llama-8b) or 64 (llama-70b): the memory of parameters, gradients and optimizer state and the
+  example's 32 (llama-8b) or 16 (llama-70b): the memory of parameters, gradients and optimizer state and the
   traffic per micro-batch are the example's, the activations held at once by a layered (breadth-first) step are
   one micro-batch's;
 - only rank 0 (the first pipeline rank, holding the embedding), not also the last one (the head).
@@ -19,6 +20,7 @@ folder (with max_position_embeddings 512, so the example's seq_len stands) and a
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -31,9 +33,34 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 WORLD = {"demo.toml": 2, "llama-8b-8gpu.toml": 8, "llama-70b-64gpu.toml": 64}
 DRY_RUN = {  # example: (world size, its data-parallel size × micro_batch: one micro-batch per rank)
     "llama-8b-8gpu.toml": (8, 8 * 1),
-    "llama-70b-64gpu.toml": (64, 2 * 2),
+    "llama-70b-64gpu.toml": (64, 2 * 2),  # data 2 × micro_batch 2
     "finetune.toml": (2, 2 * 4),
 }
+
+
+GPU_EXAMPLES = ("llama-70b-64gpu.toml", "llama-8b-8gpu.toml")
+MEMORY_LINE = re.compile(r"^#\s+tessera memory (\S+) --world-size (\d+) --hardware (\S+)\s*$", re.M)
+MARGIN = 0.9
+"""A GPU example's estimate stays under this share of the device: the estimate leaves out the CUDA context,
+NCCL's buffers and the caching allocator's fragmentation (a few GiB on an 80 GB device)."""
+
+
+def test_gpu_examples_name_their_device() -> None:
+    """Every example whose header names a device is checked below (a new one cannot slip past)."""
+    named = {p.name for p in CONFIGS.glob("*.toml") if MEMORY_LINE.search(p.read_text())}
+    assert named == set(GPU_EXAMPLES)
+
+
+@pytest.mark.parametrize("name", GPU_EXAMPLES)
+def test_gpu_example_fits_the_device_its_header_names(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The header's own `tessera memory` command, run: it fits, with MARGIN to spare."""
+    (path, world, hardware), *more = MEMORY_LINE.findall((CONFIGS / name).read_text())
+    assert not more and path == f"configs/{name}"
+    assert main(["memory", str(CONFIGS / name), "--world-size", world, "--hardware", hardware]) == 0
+    out = capsys.readouterr().out
+    fits = re.search(r"fits: ([\d.]+) GiB of ([\d.]+) GiB", out)
+    assert fits, out
+    assert float(fits[1]) <= MARGIN * float(fits[2]), out
 
 
 @pytest.mark.parametrize("name", sorted(WORLD))
