@@ -13,7 +13,9 @@ objects do (tessera/pipeline/runtime.py, stage_comm.py, parallel/zero.py, parall
   waits for the reduction in flight *before* flattening and adds it into its stage's running total (the
   stage's first flat buffer, kept to the step's end: `DataParallelStageComm`, `GradBucket`), then drops the
   gradients: one total per stage and one flat buffer in flight, however many micro-batches. At the end it
-  writes each stage's total back as gradients (one more copy), stage by stage in ascending order;
+  writes each stage's total back as gradients (one more copy), stage by stage in ascending order. A stage
+  holding a parameter tied to another rank's stage (``tied_across``) skips its REDUCEs: its gradients
+  accumulate in place and it is reduced once the actions are done, as the engine does;
 - GATHER / FREE(s) (ZeRO-3): the stage's full parameters are allocated / released;
 - the moment of a backward also holds its transient (`working`: the recomputed block, the logits' gradient).
 
@@ -81,6 +83,10 @@ class StageBytes:
     uses: dict[int, tuple[int, ...]] = field(default_factory=dict)
     """ZeRO-3: the stages whose flat buffers a stage's GATHER brings (default: its own; the head's stage also
     the tied embedding's owner)."""
+    tied_across: tuple[int, ...] = ()
+    """Stages holding a parameter tied to a stage on another pipeline rank (the embedding and the head): the
+    engine skips their REDUCEs and reduces them once the actions are done, highest stage first
+    (`PipelineEngine.deferred`), so their gradients accumulate in place all step."""
 
     def table(self, what: int) -> dict[int, float]:
         """The per-stage sizes of one kind of term."""
@@ -303,11 +309,13 @@ def compile_walk(
     deferred_reduce: bool = False,
     uses: dict[int, tuple[int, ...]] | None = None,
     classes: dict[int, int] | None = None,
+    tied_across: Iterable[int] = (),
 ) -> Walk:
     """Walk one rank's lowered actions, given as (kind, stage), for any sizes (see the module docstring).
     ``sharded``: data parallelism (dp > 1); ``classes``: stage -> a stage of equal sizes, whose sizes its
     terms then use (equal blocks: few distinct terms however many stages a rank holds); the other arguments
     as in `StageBytes`."""
+    tied = frozenset(tied_across)
     live = _Live(zero, sharded, classes or {})
     uses = uses or {}
     deferred: list[int] = []
@@ -330,7 +338,7 @@ def compile_walk(
                 live.add(_ACT, s, -1)
                 live.grad(s, True)
             live.dirty = (s, kind)
-        elif kind is _REDUCE or kind is _REDUCE_MB:
+        elif (kind is _REDUCE or kind is _REDUCE_MB) and s not in tied:  # a tied stage's: after the end
             if deferred_reduce:
                 deferred.append(s)
             else:
@@ -350,6 +358,11 @@ def compile_walk(
                     live.gathered.discard(owner)
                     live.add(_GATHERED, owner, -1)
     live.flush()
+    for s in sorted(tied & {s for _, s in events}, reverse=True):
+        if deferred_reduce:
+            deferred.append(s)
+        else:
+            live.reduce(s, (s, "tied REDUCE"))
     for s in sorted(deferred, reverse=True):
         live.reduce(s, (s, "finish REDUCE"))
     if zero == 0 and sharded:
@@ -414,6 +427,7 @@ def walk(actions: Sequence[Action], sizes: StageBytes) -> tuple[Moment, float]:
         sharded=sizes.dp > 1,
         deferred_reduce=sizes.deferred_reduce,
         uses=sizes.uses,
+        tied_across=sizes.tied_across,
     )
     return compiled.evaluate(sizes)
 

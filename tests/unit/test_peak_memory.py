@@ -193,7 +193,7 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
             acts -= sizes.activations[s]
             grads[s] = sizes.grads[s]
             note()
-        elif kind in (R, RM):
+        elif kind in (R, RM) and s not in sizes.tied_across:
             if sizes.deferred_reduce:
                 deferred.append(s)
             else:
@@ -208,6 +208,11 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
                 users[owner] = max(0, users.get(owner, 0) - 1)
                 if not users[owner]:
                     gathered.pop(owner, None)
+    for s in sorted(set(sizes.tied_across) & {a.stage for a in actions}, reverse=True):
+        if sizes.deferred_reduce:
+            deferred.append(s)
+        else:
+            reduce(s)
     for s in sorted(deferred, reverse=True):
         reduce(s)
     settle()
@@ -218,7 +223,9 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
     return best[0], best[1], sum(grads.values()) + sum(shards.values())
 
 
-def _random_sizes(stages: list[int], zero: int, dp: int, deferred: bool, rng: random.Random) -> StageBytes:
+def _random_sizes(
+    stages: list[int], zero: int, dp: int, deferred: bool, rng: random.Random, tied: tuple[int, ...] = ()
+) -> StageBytes:
     # whole multiples of dp: every sum is exact, so moments that tie (a flat copy the size of the gradients it
     # replaces) tie in both walks, and both report the first
     grads = {s: float(dp * rng.randint(1, 100)) for s in stages}
@@ -230,13 +237,15 @@ def _random_sizes(stages: list[int], zero: int, dp: int, deferred: bool, rng: ra
         zero=zero,
         dp=dp,
         deferred_reduce=deferred,
+        tied_across=tied,
     )
 
 
 @pytest.mark.parametrize(("name", "p", "m", "v"), GRID)
 def test_the_compiled_walk_prices_like_the_plain_walk(name: str, p: int, m: int, v: int) -> None:
-    """Every mode of reduction (ZeRO 0-3, data parallel or not, per micro-batch or once, deferred), each rank,
-    random sizes: the same peak, components and gradients after backward as pricing every moment."""
+    """Every mode of reduction (ZeRO 0-3, data parallel or not, per micro-batch or once, deferred, a stage tied
+    to another rank's reduced at the end or not), each rank, random sizes: the same peak, components and
+    gradients after backward as pricing every moment."""
     rng = random.Random(f"{name}{p}{m}{v}")
     for zero, dp, every, consecutive in itertools.product(range(4), (1, 3), (False, True), (False, True)):
         deferred = zero == 1 and consecutive
@@ -244,7 +253,7 @@ def test_the_compiled_walk_prices_like_the_plain_walk(name: str, p: int, m: int,
         lowered = lower(
             build_schedule(name, p, m, v, **options), p, zero3=zero == 3, reduce_every_microbatch=every
         )
-        for r in range(p):
+        for r, tied in [(rank, t) for rank in range(p) for t in ((), (rank,))]:  # stage r: the rank's first
             compiled = compile_walk(
                 lowered_events(
                     rank_steps(name, p, m, v, r, **options), zero3=zero == 3, every_microbatch=every
@@ -252,12 +261,13 @@ def test_the_compiled_walk_prices_like_the_plain_walk(name: str, p: int, m: int,
                 zero=zero,
                 sharded=dp > 1,
                 deferred_reduce=deferred,
+                tied_across=tied,
             )
             for _ in range(3):
-                sizes = _random_sizes(sorted({a.stage for a in lowered[r]}), zero, dp, deferred, rng)
+                sizes = _random_sizes(sorted({a.stage for a in lowered[r]}), zero, dp, deferred, rng, tied)
                 peak, parts, held = _reference_walk(lowered[r], sizes)
                 moment, got_held = compiled.evaluate(sizes)
-                case = (zero, dp, every, consecutive, r)
+                case = (zero, dp, every, consecutive, r, tied)
                 assert moment.total == pytest.approx(peak, rel=1e-12), case
                 got = [moment.activations, moment.grads, moment.buffers, moment.working]
                 assert got == pytest.approx(parts, rel=1e-9, abs=1e-9), case

@@ -43,13 +43,21 @@ LAYOUTS = {  # name: (world size, parallel section)
         {"pipeline": 2, "schedule": "interleaved", "stages_per_rank": 2, "accumulation": "depth_first"},
     ),
     "pp2_1f1b_dp2_depth_first": (4, {"pipeline": 2, "schedule": "1f1b", "accumulation": "depth_first"}),
+    "pp2_1f1b_dp2_depth_first_tied": (4, {"pipeline": 2, "schedule": "1f1b", "accumulation": "depth_first"}),
+    "pp2_1f1b_dp2_zero2_depth_first_tied": (
+        4,
+        {"pipeline": 2, "schedule": "1f1b", "accumulation": "depth_first", "zero": 2},
+    ),
 }
+TIED = {name for name in LAYOUTS if name.endswith("_tied")}
+"""Embedding and head tied across the two pipeline ranks: the engine reduces both stages once, at the end."""
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_estimated_peak_is_the_dry_runs(layout: str) -> None:
     world, parallel = LAYOUTS[layout]
-    cfg = from_dict({"model": MODEL, "parallel": parallel, "train": {"global_batch": 16, "micro_batch": 2}})
+    model = {**MODEL, "tie_embeddings": layout in TIED}
+    cfg = from_dict({"model": model, "parallel": parallel, "train": {"global_batch": 16, "micro_batch": 2}})
     for rank in default_ranks(Layout.from_config(cfg.parallel, world)):  # first and last pipeline rank
         measured, est = dry_run(cfg, world, rank), estimated_memory(cfg, world, rank)
         assert est["peak"] == pytest.approx(measured.peak, rel=PEAK_RTOL), rank
