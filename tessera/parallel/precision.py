@@ -9,19 +9,36 @@ mixed-precision accounting, split differently (docs/memory.md).
 fp16 needs loss scaling: its 5-bit exponent flushes small gradients to zero. ``DynamicLossScaler`` multiplies the
 loss by ``scale``; after backward it unscales the (sharded) gradients, checks every rank for inf/nan, skips the
 step and halves the scale on overflow, and doubles it after ``growth_interval`` clean steps.
+
+Weight casts, one per region. torch's autocast casts a weight (a leaf fp32 tensor that requires grad) once per
+autocast region and hands every later call in the region the cached copy, so the micro-batches of a step share one
+bf16 copy of each weight; ZeRO-3 clears that cache when it frees a stage. tessera's own matmuls (2D's SUMMA) cast
+their operands themselves, and torch exposes no op that returns autocast's cached cast (its cache is reached only
+from inside the C++ kernels of linear, mm, ...; `torch.library.register_autocast` casts without it), so
+`cast_operand` keeps the same cache for them with the same lifetime: filled inside an `autocast` region, emptied
+when the region exits and by `clear_weight_casts`, which clears autocast's own cache with it (the one call the
+runtime makes at FREE). The memory estimate counts both alike (`autocast_weight_bytes`, docs/memory.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from tessera import comm
 
-__all__ = ["DTYPES", "DynamicLossScaler", "autocast", "compute_dtype", "reduce_dtype"]
+__all__ = [
+    "DTYPES",
+    "DynamicLossScaler",
+    "autocast",
+    "cast_operand",
+    "clear_weight_casts",
+    "compute_dtype",
+    "reduce_dtype",
+]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,11 +57,77 @@ def reduce_dtype(name: str = "fp32") -> torch.dtype:
     return DTYPES[name]
 
 
-def autocast(dtype: str, device: torch.device) -> AbstractContextManager:
-    """Autocast region for the forward: disabled for fp32, else bf16/fp16 compute on fp32 weights."""
+class _WeightCasts:
+    """The compute-dtype copies of the weights cast in the open `autocast` region (None: no region open).
+
+    Keyed by the weight's id; each entry keeps the weight itself (so the id cannot be reused while the entry
+    lives), its version counter when cast (an in-place update, such as an optimizer step, makes the entry stale)
+    and the copy. Not the data pointer: fake tensors (the dry run) have none, and ZeRO-3 re-gathers into the
+    same storage anyway, which is why its FREE clears the cache. Process-wide rather than thread-local: a
+    recomputing backward thread (CUDA) reuses the copies.
+    """
+
+    casts: dict[int, tuple[torch.Tensor, int, torch.Tensor]] | None = None
+
+
+@contextmanager
+def autocast(dtype: str, device: torch.device) -> Iterator[None]:
+    """Autocast region: disabled for fp32, else bf16/fp16 compute on fp32 weights, each weight cast once in it
+    (by torch's autocast or by `cast_operand`); the copies are dropped when the region exits. tessera opens one
+    region per step in the schedule runtime and one per micro-batch's forward in the direct loop."""
     if dtype == "fp32":
-        return torch.autocast(device.type, enabled=False)
-    return torch.autocast(device.type, dtype=compute_dtype(dtype))
+        with torch.autocast(device.type, enabled=False):
+            yield
+        return
+    outer = _WeightCasts.casts
+    _WeightCasts.casts = {} if outer is None else outer  # a nested region shares the outer one's copies
+    try:
+        with torch.autocast(device.type, dtype=compute_dtype(dtype)):
+            yield
+    finally:
+        _WeightCasts.casts = outer
+
+
+def clear_weight_casts() -> None:
+    """Drop every cached compute-dtype weight copy, torch autocast's and `cast_operand`'s (ZeRO-3's FREE: the
+    stage's parameters are released; copies still saved for backward live on in the graphs that saved them)."""
+    torch.clear_autocast_cache()
+    if _WeightCasts.casts is not None:
+        _WeightCasts.casts.clear()
+
+
+def cast_operand(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, differentiably; a weight is cast once per `autocast` region and the copy reused.
+
+    A weight is what autocast's own cache takes: a leaf fp32 tensor that requires grad, not a view, cast to a
+    narrower dtype while autocast and its cache are enabled; and here also only with grad mode on (a copy made
+    under no_grad has no grad_fn and must not serve a later differentiable call). Everything else (activations)
+    is cast on every call. The cached copy is a non-leaf whose ToCopyBackward every micro-batch's graph shares,
+    so each backward's gradient reaches the fp32 weight, as through autocast's cache.
+    """
+    cache = _WeightCasts.casts
+    if cache is None or not _is_cached_weight(t, dtype):
+        return t.to(dtype)
+    hit = cache.get(id(t))
+    if hit is not None and hit[0] is t and hit[1] == t._version and hit[2].dtype == dtype:
+        return hit[2]
+    copy = t.to(dtype)
+    cache[id(t)] = (t, t._version, copy)
+    return copy
+
+
+def _is_cached_weight(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether autocast's rule caches ``t``'s cast to ``dtype`` (see `cast_operand`)."""
+    return (
+        t.dtype == torch.float32
+        and dtype in (torch.bfloat16, torch.float16)
+        and t.is_leaf
+        and t.requires_grad
+        and not t._is_view()
+        and torch.is_grad_enabled()
+        and torch.is_autocast_cache_enabled()
+        and torch.is_autocast_enabled(t.device.type)
+    )
 
 
 class DynamicLossScaler:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tessera import comm
+from tessera.parallel.precision import cast_operand
 from tessera.traffic import summa_bytes  # the SUMMA byte formula, re-exported for the tests
 
 if TYPE_CHECKING:
@@ -203,13 +204,16 @@ def _same_dtype(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
     """Cast both operands as autocast would cast a matmul's (differentiably), else to their common dtype.
 
     The blocks travel in this dtype, so under bf16 autocast SUMMA moves bf16 blocks, like F.linear computes in it.
+    A weight block is cast once per autocast region (`precision.cast_operand`, autocast's caching rule): every
+    micro-batch's SUMMA broadcasts and saves the same bf16 copy, so a rank keeps one per step, not one per
+    micro-batch in flight.
     """
     device = a.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
     else:
         dtype = torch.promote_types(a.dtype, b.dtype)
-    return a.to(dtype), b.to(dtype)
+    return cast_operand(a, dtype), cast_operand(b, dtype)
 
 
 def matmul_ab_2d(a: torch.Tensor, b: torch.Tensor, grid: Grid2D) -> torch.Tensor:

@@ -21,6 +21,7 @@ from torch import nn
 from tessera import comm
 from tessera.modes import ACCUMULATION
 from tessera.parallel.data import GradBucket
+from tessera.parallel.precision import clear_weight_casts
 from tessera.parallel.zero import FlatStage
 
 __all__ = ["DataParallelStageComm", "StageComm", "ZeroStageComm"]
@@ -178,10 +179,11 @@ class ZeroStageComm:
             if flat.users == 0:
                 flat.wait_gather()
                 flat.release()
-                # Autocast keeps the low-precision copy of every weight it cast until its region exits, and
-                # the step is one region: without this every gathered stage's bf16 copy would outlive its FREE
-                # (2 bytes per parameter of the whole model). Others still gathered are just cast again.
-                torch.clear_autocast_cache()
+                # Autocast (and 2D's SUMMA, `precision.cast_operand`) keeps the low-precision copy of every
+                # weight it cast until its region exits, and the step is one region: without this every
+                # gathered stage's bf16 copy would outlive its FREE (2 bytes per parameter of the whole
+                # model). Others still gathered are just cast again.
+                clear_weight_casts()
 
     def reduce(self, stage: int) -> None:
         """REDUCE: stage ``stage``'s gradients of this sweep are complete; launch their reduce-scatter."""

@@ -18,6 +18,7 @@ from tessera.model.build import build_model
 from tessera.parallel.data import GradSync
 from tessera.parallel.layers_2d import shard_block
 from tessera.parallel.model_2d import apply_tensor_2d, comm_bytes_2d
+from tessera.parallel.precision import autocast
 from tessera.parallel.tensor_2d import Grid2D, matmul_ab_2d, matmul_abt_2d, matmul_atb_2d
 from tests.harness import run_distributed
 
@@ -110,7 +111,13 @@ def _worker_2d(
     groups = build_groups(LAYOUTS[layout_name])
     runs = [_run_one(rank, world, groups, name, layout_name) for name in model_names]
     saved = [_saved_bytes_2d(groups, family) for family in saved_families]
-    return {"runs": runs, "saved": saved, "ops": _summa_ops_errors(Grid2D.from_groups(groups))}
+    casts = _weight_casts_2d(groups) if layout_name == "tp2x2" else None
+    return {
+        "runs": runs,
+        "saved": saved,
+        "ops": _summa_ops_errors(Grid2D.from_groups(groups)),
+        "casts": casts,
+    }
 
 
 def _summa_ops_errors(grid: Grid2D) -> dict[str, float]:
@@ -272,3 +279,63 @@ def test_saved_activation_bytes_per_rank_2x2(tp2x2_results: list[dict]) -> None:
         for r in tp2x2_results:
             got = r["saved"][k]
             assert got <= SAVED_RATIO_MAX * plain, f"{family}: 2D saves {got} B/rank, plain {plain} B"
+
+
+# bf16 autocast with several micro-batches in flight (a layered step): tessera's region casts each weight block
+# once (`precision.cast_operand`, autocast's caching rule), torch's region alone casts it on every call
+CAST_MICRO_BATCHES = 3
+
+
+def _weight_copies(model) -> tuple[object, dict[int, set[int]]]:
+    """A saved-tensor hook and the distinct storages of each parameter's bf16 copies it sees saved."""
+    params = {id(p) for p in model.parameters()}
+    copies: dict[int, set[int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        fn = t.grad_fn
+        source = getattr(fn.next_functions[0][0], "variable", None) if fn is not None else None
+        if fn is not None and fn.name() == "ToCopyBackward0" and id(source) in params:
+            copies.setdefault(id(source), set()).add(t.untyped_storage()._cdata)
+        return t
+
+    return pack, copies
+
+
+def _weight_casts_2d(groups) -> dict[str, dict]:
+    """Every micro-batch's forward, then every backward, under each region: the losses, the gradients and the
+    most bf16 copies of one weight block saved at once."""
+    cfg = ModelConfig(**MODELS["llama"])
+    b = MICRO_BATCH["tp2x2"]
+    tokens, targets = _data(cfg, b * CAST_MICRO_BATCHES)
+    regions = {
+        "tessera": lambda: autocast("bf16", torch.device("cpu")),
+        "per_call": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    }
+    out = {}
+    for name, region in regions.items():
+        model = apply_tensor_2d(_model(cfg), groups, None)
+        pack, copies = _weight_copies(model)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), region():
+            losses = [model(x, y) for x, y in zip(tokens.split(b), targets.split(b), strict=True)]
+        for loss in losses:
+            loss.backward()
+        out[name] = {
+            "losses": [loss.item() for loss in losses],
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+            "copies": max(len(c) for c in copies.values()),
+            "weights": len(copies),
+        }
+    return out
+
+
+def test_tp2x2_bf16_weight_blocks_are_cast_once_per_step(tp2x2_results: list[dict]) -> None:
+    """Under bf16 autocast every micro-batch in flight saves the same bf16 copy of each weight block (one per step,
+    as autocast's cache keeps one per weight for 1D), not its own; losses and every gradient are bit-identical to
+    casting on every call (the same casts, the same products)."""
+    for r in tp2x2_results:
+        cached, per_call = r["casts"]["tessera"], r["casts"]["per_call"]
+        assert cached["weights"] == per_call["weights"] > 0
+        assert (cached["copies"], per_call["copies"]) == (1, CAST_MICRO_BATCHES)
+        assert cached["losses"] == per_call["losses"]
+        for n, g in cached["grads"].items():
+            assert torch.equal(g, per_call["grads"][n]), n
