@@ -10,8 +10,8 @@ log-sum-exp rows.
 
 Under bf16 autocast each tensor has its own dtype (fp32 residual stream and norms, bf16 matmul inputs and
 outputs, one bf16 cast of its input per Linear), and a block also saves the bf16 copies of its weights that
-autocast makes (`autocast_weight_bytes`, per step; 2D's per micro-batch); a formula counting 2-byte activations
-fails every bf16 case.
+autocast makes (`autocast_weight_bytes`, one per step: 2D's SUMMA casts its weight blocks under autocast's caching
+rule); a formula counting 2-byte activations fails every bf16 case.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tessera.planner.cost import (
     ModelShape,
     activation_bytes_per_layer,
     autocast_weight_bytes,
+    autocast_weight_bytes_per_layer,
     head_activation_bytes,
 )
 
@@ -78,7 +79,7 @@ def _saved(
 
 def _weight_copies(cfg: dict[int, Config], world: int) -> dict[int, float]:
     """The bf16 weight copies the estimate keeps per step (`autocast_weight_bytes`) for the models of 1 and 2
-    blocks (2D's are counted per micro-batch inside the activation formulas)."""
+    blocks."""
     return {
         layers: autocast_weight_bytes(ModelShape.from_config(c.model), plan_from_config(c, world), 0)
         for layers, c in cfg.items()
@@ -108,7 +109,7 @@ def test_head_activation_bytes_equal_the_formula(family: str, layout: str, dtype
     shape, plan = ModelShape.from_config(cfg[1].model), plan_from_config(cfg[1], world)
     logits = 4 * SEQ * BATCH * shape.vocab_size / plan.tp
     copies = _weight_copies(cfg, world)
-    head_copy = 2 * copies[1] - copies[2]  # the output projection's (1D; 2D: in head_activation_bytes)
+    head_copy = 2 * copies[1] - copies[2]  # the output projection's
     formula = head_activation_bytes(shape, plan) + logits + head_copy
     # beside them: token and target ids (int64), norm and loss statistics: measured ≤ 28 bytes per token
     assert ends == pytest.approx(formula, abs=32 * SEQ * BATCH)
@@ -124,3 +125,24 @@ def test_micro_batches_in_flight_share_the_weight_copies() -> None:
     blocks = 2  # of 4, on pipeline rank 0
     formula = 4 * blocks * activation_bytes_per_layer(shape, plan) + autocast_weight_bytes(shape, plan, 0)
     assert dry_run(cfg, 4, 0).activations == pytest.approx(formula, rel=RTOL)
+
+
+def test_2d_weight_copies_do_not_grow_with_the_micro_batches_in_flight() -> None:
+    """2D 2×2 with breadth-first (layered) accumulation keeps every micro-batch in flight on a pipeline rank; all
+    of them save the same bf16 copy of each weight block (cast once per step, as autocast's cache does for 1D).
+    Going from 2 to 8 micro-batches adds 6 micro-batches' activations and no weight copy; with a fresh cast per
+    call each micro-batch would also add its blocks' weights (here about 80 % of its activations)."""
+    raw = _raw("llama", {"tensor": "2x2", "pipeline": 2, "schedule": "breadth_first"}, 4, "none", "bf16")
+    raw["parallel"]["stages_per_rank"] = 2  # pipeline rank 0: the embedding and blocks 0 and 2, no head
+    cfg = {
+        m: from_dict({**raw, "train": {"global_batch": m * BATCH, "micro_batch": BATCH, "dtype": "bf16"}})
+        for m in (2, 8)
+    }
+    shape, plan = ModelShape.from_config(cfg[2].model), plan_from_config(cfg[2], 8)
+    blocks = 2
+    weights = blocks * autocast_weight_bytes_per_layer(shape, plan)  # one bf16 copy of each weight block
+    assert autocast_weight_bytes(shape, plan, 0) == weights
+    saved = {m: dry_run(c, 8, 0).activations for m, c in cfg.items()}
+    per_microbatch = blocks * activation_bytes_per_layer(shape, plan)
+    assert (saved[8] - saved[2]) / 6 == pytest.approx(per_microbatch, rel=RTOL)
+    assert saved[2] == pytest.approx(2 * per_microbatch + weights, rel=RTOL)

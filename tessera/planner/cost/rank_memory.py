@@ -77,9 +77,9 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     compute from them, `plan.stream_bytes` for the residual stream and the norms (fp32 under tessera's
     autocast, `Plan.autocast`; the same 2 bytes in the published accounting). Under autocast each Linear
     saves its own cast of its input (wq, wk, wv: three casts of the attention norm's output, `_input_bytes`),
-    except the sequence-parallel entry, which keeps the fp32 shard and gathers it again in backward; and 2D
-    keeps a fresh cast of every weight block per micro-batch (`autocast_weight_bytes` has the 1D copies, one per
-    step). Measured by the dry run tensor by tensor (tests/unit/test_activation_formula.py, fp32 and bf16).
+    except the sequence-parallel entry, which keeps the fp32 shard and gathers it again in backward. The weights'
+    casts are not here: every micro-batch saves the same copy, one per step (`autocast_weight_bytes`). Measured
+    by the dry run tensor by tensor (tests/unit/test_activation_formula.py, fp32 and bf16).
 
     The Llama family (`swiglu`) is counted as tessera's Llama block saves: each RMSNorm keeps its input and the
     normalised tensor (the 2D norm only its input), attention keeps Q, K and V expanded to all heads, SDPA's
@@ -107,8 +107,7 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
         scores = 0.0 if plan.flash_attention else (5 if shape.dropout else 2) * a * s / h * c / 2
         mlp = (_output_bytes(plan, fam.mlp_bias) + c) * f_h  # GELU's input (fc's output), proj's input
         sharded = qkv + c + mlp + (0.0 if recompute == "selective" else scores)
-    per_microbatch_weights = autocast_weight_bytes_per_layer(shape, plan) if plan.tp_kind == "2d" else 0.0
-    return sbh * (replicated / shard_all + sharded / plan.tp) + per_microbatch_weights
+    return sbh * (replicated / shard_all + sharded / plan.tp)
 
 
 def _norm_bytes(shape: ModelShape, plan: Plan) -> float:
@@ -137,10 +136,11 @@ def _output_bytes(plan: Plan, bias: bool) -> int:
 
 def autocast_weight_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
     """Bytes of one block's weights cast to the compute dtype on one rank, 0 without casts (`Plan.casts`):
-    act_bytes × the block's matmul weights / t. Under 1D (and without tensor parallelism) autocast casts each
-    weight once per autocast region, which tessera's pipeline runtime keeps open for the whole step, so one copy
-    lives per step (`autocast_weight_bytes`); 2D's SUMMA casts its weight blocks itself on every call, so every
-    micro-batch saves its own copy (counted in `activation_bytes_per_layer`)."""
+    act_bytes × the block's matmul weights / t (2D: blocks of h·h'/q², the same /t). Each weight is cast once
+    per autocast region, by autocast's cache (1D, no tensor parallelism) or by SUMMA's cast of its weight block
+    under the same rule (2D, `tessera.parallel.precision.cast_operand`), and tessera's pipeline runtime keeps
+    one region open for the whole step, so one copy lives per step (`autocast_weight_bytes`), however many
+    micro-batches saved it."""
     if not plan.casts:
         return 0.0
     return (
@@ -152,18 +152,18 @@ def autocast_weight_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
 
 def autocast_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
     """The compute-dtype copies of the weights that live through the step on one rank of pipeline position
-    `stage` under autocast (1D or no tensor parallelism; 2D's are per micro-batch): its blocks' and, on the last
-    stage, the output projection's (act_bytes · V·h/t). 0 without casts.
+    `stage` under autocast (1D, 2D or no tensor parallelism): its blocks' and, on the last stage, the output
+    projection's (act_bytes · V·h/t; 2D: the padded table's block, V_pad·h/q²). 0 without casts.
 
     A Linear saves its weight's copy for backward; the sequence-parallel entry saves the fp32 weights instead, so
     its Linears' copies (the column-parallel ones and the head's) live only in autocast's cache, which lasts the
     step in the schedule runtime (one autocast region per step) unless ZeRO-3 clears it at every FREE, and one
     micro-batch's forward in the direct loop (`_cache_lasts_the_step`)."""
-    if not plan.casts or plan.tp_kind == "2d":
+    if not plan.casts:
         return 0.0
     per_layer = autocast_weight_bytes_per_layer(shape, plan)
-    head = plan.act_bytes * shape.vocab_size * shape.d_model / plan.tp
-    gathered = plan.sequence_parallel and plan.tp > 1
+    head = plan.act_bytes * _table_rows(shape, plan) * shape.d_model / plan.tp
+    gathered = plan.sequence_parallel and plan.tp_kind == "1d" and plan.tp > 1
     if gathered and not _cache_lasts_the_step(plan):  # only the row-parallel Linears' copies are saved
         fam, h = shape.features, shape.d_model
         rows = sum(
@@ -173,6 +173,14 @@ def autocast_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> floa
         )
         per_layer, head = plan.act_bytes * rows / plan.tp, 0.0
     return rank_layers(shape, plan, stage) * per_layer + (head if stage == plan.pp - 1 else 0.0)
+
+
+def _table_rows(shape: ModelShape, plan: Plan) -> int:
+    """Rows of the output projection's table as its casts count them: V, or in 2D V rounded up to a multiple of
+    q (the padded table, tessera.parallel.layers_2d)."""
+    if plan.tp_kind != "2d":
+        return shape.vocab_size
+    return -(-shape.vocab_size // plan.q) * plan.q
 
 
 def _cache_lasts_the_step(plan: Plan) -> bool:
@@ -188,15 +196,11 @@ def _cache_lasts_the_step(plan: Plan) -> bool:
 def head_activation_bytes(shape: ModelShape, plan: Plan) -> float:
     """Bytes one micro-batch keeps for backward in the head, besides its fp32 logits: the final norm's saved
     tensors (as in the blocks: its own, `_norm_bytes`, and the output projection's input, `_input_bytes`),
-    split by the tensor degree where the sequence is (sequence parallel, 2D); in 2D under autocast also the
-    per-micro-batch cast of the output projection's weight block."""
+    split by the tensor degree where the sequence is (sequence parallel, 2D). The output projection's weight
+    copy is one per step (`autocast_weight_bytes`)."""
     sbh = shape.seq_len * plan.micro_batch * shape.d_model
     shard_all = plan.tp if (plan.tp_kind == "2d" or plan.sequence_parallel) else 1
-    saved = sbh * (_norm_bytes(shape, plan) + _input_bytes(plan, 1)) / shard_all
-    if plan.casts and plan.tp_kind == "2d":
-        vpad = -(-shape.vocab_size // plan.q) * plan.q
-        saved += plan.act_bytes * vpad * shape.d_model / plan.tp
-    return saved
+    return sbh * (_norm_bytes(shape, plan) + _input_bytes(plan, 1)) / shard_all
 
 
 def boundary_bytes(shape: ModelShape, plan: Plan) -> float:
