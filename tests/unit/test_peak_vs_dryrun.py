@@ -48,16 +48,24 @@ LAYOUTS = {  # name: (world size, parallel section)
         4,
         {"pipeline": 2, "schedule": "1f1b", "accumulation": "depth_first", "zero": 2},
     ),
+    # 2D under bf16 autocast, 8 micro-batches in flight: every one saves the same bf16 copy of each weight block
+    "pp2_breadth_first_v2_tp2x2_bf16": (
+        8,
+        {"pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 2, "tensor": "2x2"},
+    ),
 }
 TIED = {name for name in LAYOUTS if name.endswith("_tied")}
 """Embedding and head tied across the two pipeline ranks: the engine reduces both stages once, at the end."""
+TRAIN = {"pp2_breadth_first_v2_tp2x2_bf16": {"dtype": "bf16"}}
+"""What a layout changes in the train section besides its batch."""
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_estimated_peak_is_the_dry_runs(layout: str) -> None:
     world, parallel = LAYOUTS[layout]
     model = {**MODEL, "tie_embeddings": layout in TIED}
-    cfg = from_dict({"model": model, "parallel": parallel, "train": {"global_batch": 16, "micro_batch": 2}})
+    train = {"global_batch": 16, "micro_batch": 2, **TRAIN.get(layout, {})}
+    cfg = from_dict({"model": model, "parallel": parallel, "train": train})
     for rank in default_ranks(Layout.from_config(cfg.parallel, world)):  # first and last pipeline rank
         measured, est = dry_run(cfg, world, rank), estimated_memory(cfg, world, rank)
         assert est["peak"] == pytest.approx(measured.peak, rel=PEAK_RTOL), rank
