@@ -51,15 +51,16 @@ def test_sequence_parallel_casts_the_gathered_input() -> None:
     assert elementwise_bytes_per_layer(SHAPE, plan) == pytest.approx(expected, rel=REL)
 
 
-def test_2d_casts_its_weight_blocks_every_microbatch() -> None:
-    """2D (q = 2): every activation term ÷ q², plus the forward cast of the local weight blocks (r + c per
-    weight); backward casts each weight gradient back to fp32 and accumulates it (c + 4r) in every layout."""
+def test_2d_casts_its_weight_blocks_once_per_step() -> None:
+    """2D (q = 2): every activation term ÷ q²; its weight blocks, like 1D's weights, are cast once per step (no
+    forward cast per micro-batch); backward casts each weight gradient back to fp32 and accumulates it (c + 4r)
+    in every layout."""
     plan = replace(AUTOCAST, tp=4, tp_kind="2d")
-    forward_cast, backward_cast = 6 * WEIGHTS / 4, 18 * WEIGHTS / 4
-    assert weight_cast_bytes_per_layer(SHAPE, plan) == pytest.approx((forward_cast, backward_cast), rel=REL)
-    expected = SBH * (REPLICATED + SHARDED + CASTS) / 4 + forward_cast
+    backward_cast = 18 * WEIGHTS / 4
+    assert weight_cast_bytes_per_layer(SHAPE, plan) == pytest.approx((0.0, backward_cast), rel=REL)
+    expected = SBH * (REPLICATED + SHARDED + CASTS) / 4
     assert elementwise_bytes_per_layer(SHAPE, plan) == pytest.approx(expected, rel=REL)
-    # 1D keeps autocast's copy for the step: no forward cast per micro-batch, the same backward
+    # 1D keeps autocast's copy for the step too: the same rule, the same backward
     assert weight_cast_bytes_per_layer(SHAPE, replace(AUTOCAST, tp=2)) == pytest.approx(
         (0.0, 18 * WEIGHTS / 2)
     )

@@ -64,8 +64,8 @@ def elementwise_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
     matmul output, write the stream), +1 with fused bias-dropout-add (1-byte mask); activation: GELU 2c·f/h,
     SwiGLU 3c·f/h; rotary 2c(h+kv)/h (Llama). Softmax on the a·s² scores: 2c bytes per score, 4c + 1 with dropout
     (+read/write/mask) unless flash attention. Under autocast (`Plan.casts`) each Linear reading a norm's output
-    casts it (read r, write c; wq, wk, wv and the MLP's input Linears), and 2D's SUMMA casts the block's weights
-    every micro-batch (`weight_cast_bytes_per_layer`). Published bf16: norms 4, adds 6 (7), GELU 4f/h, SwiGLU
+    casts it (read r, write c; wq, wk, wv and the MLP's input Linears); the weights are cast once per step, not
+    per micro-batch (`weight_cast_bytes_per_layer`). Published bf16: norms 4, adds 6 (7), GELU 4f/h, SwiGLU
     6f/h, rotary 4(h+kv)/h, scores 4 (9): Megatron's fused kernels op by op (an approximation); fused bias adds.
     Replicated ops (norms, residuals) are divided by t only with sequence parallelism (always by q² in 2D); the
     rest by t or q²; a cast's input is the gathered tensor under sequence parallelism (not divided by t).
@@ -102,17 +102,17 @@ def weight_cast_bytes_per_layer(shape: ModelShape, plan: Plan) -> tuple[float, f
     (`Plan.casts`; (0, 0) otherwise: the published runs keep bf16 weights and accumulate weight gradients in the
     GEMM, Megatron's gradient-accumulation fusion).
 
-    Forward: 2D's SUMMA casts its fp32 weight blocks on every call (read r, write c per local weight, the copies
-    `rank_memory.autocast_weight_bytes_per_layer` counts per micro-batch); 1D's cast lives in autocast's cache
-    (once per step, not counted per micro-batch). Backward, every layout: each weight's bf16 gradient is cast
+    Forward: nothing per micro-batch in any layout: a weight is cast once per autocast region and the copy
+    reused (autocast's cache under 1D; 2D's SUMMA casts its blocks under the same rule,
+    `tessera.parallel.precision.cast_operand`), once per step in the schedule runtime (the copies
+    `rank_memory.autocast_weight_bytes` counts). Backward, every layout: each weight's bf16 gradient is cast
     back to fp32 (read c, write r) and added into the fp32 gradient (read 2r, write r), c + 4r per local weight.
     """
     if not plan.casts:
         return 0.0, 0.0
     c, r = plan.act_bytes, plan.stream_bytes
     local = shape.features.block_matmul_params(shape.d_model, shape.kv_dim, shape.ffn_hidden) / plan.tp
-    forward = (r + c) * local if plan.tp_kind == "2d" else 0.0
-    return forward, (c + 4 * r) * local
+    return 0.0, (c + 4 * r) * local
 
 
 def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
