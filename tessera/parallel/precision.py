@@ -102,18 +102,36 @@ def cast_operand(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     A weight is what autocast's own cache takes: a leaf fp32 tensor that requires grad, not a view, cast to a
     narrower dtype while autocast and its cache are enabled; and here also only with grad mode on (a copy made
     under no_grad has no grad_fn and must not serve a later differentiable call). Everything else (activations)
-    is cast on every call. The cached copy is a non-leaf whose ToCopyBackward every micro-batch's graph shares,
-    so each backward's gradient reaches the fp32 weight, as through autocast's cache.
+    is cast on every call. Each call gets its own node over the shared copy (`_CachedCast`), so each backward's
+    gradient reaches the fp32 weight as soon as its matmul's backward has run, as with a cast per call.
     """
     cache = _WeightCasts.casts
     if cache is None or not _is_cached_weight(t, dtype):
         return t.to(dtype)
     hit = cache.get(id(t))
-    if hit is not None and hit[0] is t and hit[1] == t._version and hit[2].dtype == dtype:
-        return hit[2]
-    copy = t.to(dtype)
-    cache[id(t)] = (t, t._version, copy)
-    return copy
+    if hit is None or hit[0] is not t or hit[1] != t._version or hit[2].dtype != dtype:
+        hit = cache[id(t)] = (t, t._version, t.detach().to(dtype))
+    return _CachedCast.apply(t, hit[2])
+
+
+class _CachedCast(torch.autograd.Function):
+    """This call's differentiable cast of ``weight``, served from the region's ``copy``: forward hands out a view
+    of the copy (no new storage), backward casts the gradient to the weight's dtype, as ToCopyBackward does.
+
+    A node per call rather than one shared by every micro-batch (as autocast's own cache does): the autograd
+    engine runs ready nodes newest first, so a cast node made in the step's first forward would hold each later
+    backward's compute-dtype weight gradients until that backward ends — with full recomputation, beside the
+    last block's recomputed activations (measured on a 2D dry run: +0.6 MB transient on a 15 MB peak).
+    """
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = weight.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.dtype), None
 
 
 def _is_cached_weight(t: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -292,9 +292,9 @@ def _weight_copies(model) -> tuple[object, dict[int, set[int]]]:
     copies: dict[int, set[int]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        fn = t.grad_fn
+        fn = t.grad_fn  # a cast's node (torch's ToCopyBackward or tessera's), whose first input is the weight
         source = getattr(fn.next_functions[0][0], "variable", None) if fn is not None else None
-        if fn is not None and fn.name() == "ToCopyBackward0" and id(source) in params:
+        if t.dtype == torch.bfloat16 and id(source) in params:
             copies.setdefault(id(source), set()).add(t.untyped_storage()._cdata)
         return t
 

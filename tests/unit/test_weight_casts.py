@@ -1,6 +1,7 @@
 """`precision.cast_operand`: a weight is cast once per tessera autocast region, as autocast's own cache casts the
 weights of F.linear, and never served stale (an in-place update, the region's end, ZeRO-3's FREE); activations are
-cast on every call; gradients reach the fp32 weight through the shared copy exactly as through separate casts."""
+cast on every call; gradients reach the fp32 weight through the shared copy exactly as through separate casts, and
+as soon as each call's matmul backward has run."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ CPU = torch.device("cpu")
 BF16 = torch.bfloat16
 
 
+def _shared(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two casts are one copy (the same storage)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _weight() -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)))
 
@@ -20,23 +26,23 @@ def test_a_weight_is_cast_once_per_region() -> None:
     w = _weight()
     with autocast("bf16", CPU):
         first = cast_operand(w, BF16)
-        assert cast_operand(w, BF16) is first and first.dtype == BF16
+        assert _shared(cast_operand(w, BF16), first) and first.dtype == BF16
         assert torch.equal(first, w.detach().to(BF16))
     with autocast("bf16", CPU):  # a new region casts again
-        assert cast_operand(w, BF16) is not first
+        assert not _shared(cast_operand(w, BF16), first)
 
 
 def test_activations_and_casts_outside_a_region_are_not_cached() -> None:
     w = _weight()
     x = w * 2  # not a leaf: an activation
     with autocast("bf16", CPU):
-        assert cast_operand(x, BF16) is not cast_operand(x, BF16)
+        assert not _shared(cast_operand(x, BF16), cast_operand(x, BF16))
         with torch.no_grad():  # a copy without grad_fn must not serve a later differentiable call
-            assert cast_operand(w, BF16) is not cast_operand(w, BF16)
+            assert not _shared(cast_operand(w, BF16), cast_operand(w, BF16))
     with torch.autocast("cpu", dtype=BF16):  # torch's region alone: nothing clears tessera's cache at its end
-        assert cast_operand(w, BF16) is not cast_operand(w, BF16)
+        assert not _shared(cast_operand(w, BF16), cast_operand(w, BF16))
     with autocast("fp32", CPU):
-        assert cast_operand(w, BF16) is not cast_operand(w, BF16)
+        assert not _shared(cast_operand(w, BF16), cast_operand(w, BF16))
 
 
 def test_an_updated_or_cleared_weight_is_cast_again() -> None:
@@ -46,9 +52,9 @@ def test_an_updated_or_cleared_weight_is_cast_again() -> None:
         with torch.no_grad():
             w.add_(1.0)  # an optimizer step bumps the version counter
         after = cast_operand(w, BF16)
-        assert after is not before and torch.equal(after, w.detach().to(BF16))
+        assert not _shared(after, before) and torch.equal(after, w.detach().to(BF16))
         clear_weight_casts()  # ZeRO-3's FREE
-        assert cast_operand(w, BF16) is not after
+        assert not _shared(cast_operand(w, BF16), after)
 
 
 def test_gradients_through_the_shared_copy_equal_separate_casts() -> None:
@@ -65,3 +71,20 @@ def test_gradients_through_the_shared_copy_equal_separate_casts() -> None:
         grads.append(w.grad)
     assert grads[0].dtype == torch.float32
     assert torch.equal(grads[0], grads[1])
+
+
+def test_the_weight_gradient_is_accumulated_as_soon_as_the_matmul_backward_ran() -> None:
+    """The autograd engine runs ready nodes newest first. A cast node shared with an earlier forward (autocast's
+    own cache) is older than everything a later forward built, so it would run only at that backward's end,
+    holding its bf16 weight gradient until then; each call's own node runs right after its matmul's backward,
+    before a branch made between the two forwards."""
+    w, x = _weight(), torch.randn(3, 8)
+    other = torch.randn(3, requires_grad=True)
+    seen = []
+    other.register_hook(lambda g: seen.append(w.grad is not None))
+    with autocast("bf16", CPU):
+        cast_operand(w, BF16)  # an earlier micro-batch's forward casts the weight
+        z = (other * 2).sum()  # built between the two forwards
+        y = (x.to(BF16) @ cast_operand(w, BF16)).float().sum()
+        (y + z).backward()
+    assert seen == [True]
