@@ -32,6 +32,7 @@ from tessera.layout import Layout
 from tessera.modes import BREADTH_FIRST, DEPTH_FIRST, LAYERED, reduces_every_microbatch
 from tessera.pipeline.build import lowered_schedule
 from tessera.pipeline.ir import Schedule, ScheduleError, stage_to_rank
+from tessera.pipeline.passes import tied_across, tied_stages
 
 __all__ = [
     "DIRECT",
@@ -105,6 +106,9 @@ class ExecutionPlan:
     global_batch: int
     dtype: str
     n_layers: int
+    tied: bool
+    """The token embedding is the head's output projection (model.tie_embeddings): stage 0 and the last stage
+    share it (`tied_across`)."""
     schedule_checked: bool = field(default=False, compare=False)
     """The lowered schedule was built and validated at resolve time (see SCHEDULE_CHECK_LIMIT)."""
 
@@ -159,6 +163,15 @@ class ExecutionPlan:
             for s, n in enumerate(self.stage_layers)
         ]
 
+    def tied_across(self) -> tuple[tuple[int, int], ...]:
+        """The pairs of stages sharing a parameter on different pipeline ranks (`passes.tied_across`): each
+        rank's list ends with their EXCHANGE and their one REDUCE of the step."""
+        return tied_across(tied_stages(self.tied, self.n_stages), self.stage_rank)
+
+    def exchanged_stages(self, rank: int) -> tuple[int, ...]:
+        """Pipeline rank ``rank``'s stages of `tied_across` pairs, in the order its list exchanges them."""
+        return tuple(s for pair in self.tied_across() for s in pair if self.stage_rank(s) == rank)
+
     def lowered(self) -> Schedule:
         """The validated per-pipeline-rank action lists the schedule runtime executes (pure; rebuilt per call)."""
         if self.schedule is None:
@@ -176,6 +189,7 @@ class ExecutionPlan:
             zero3=self.zero == 3,
             accumulation=self.accumulation,
             reduce_every_microbatch=reduces_every_microbatch(self.accumulation, self.zero),
+            tied=tied_stages(self.tied, self.n_stages),
         )
 
     def describe(self) -> str:
@@ -319,6 +333,7 @@ def decide(cfg: Config, world_size: int) -> ExecutionPlan:
         global_batch=tr.global_batch,
         dtype=tr.dtype,
         n_layers=n_layers,
+        tied=cfg.model.tie_embeddings,
     )
 
 

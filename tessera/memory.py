@@ -16,7 +16,6 @@ micro-batches in flight, and adds what is specific to tessera's runtime (docs/me
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -376,9 +375,8 @@ def _at_peak(
         dp=plan.dp,
         deferred_reduce=_deferred(plan.zero, plan.accumulation),
         uses={last: (last, 0)} if shape.tied and last != 0 and {0, last} <= psi.keys() else {},
-        tied_across=_tied_across(shape, plan, psi.keys()),
     )
-    moment, after_backward = _rank_walk(plan, rank, sizes.uses, sizes.tied_across).evaluate(sizes)
+    moment, after_backward = _rank_walk(plan, rank, sizes.uses).evaluate(sizes)
     # autocast's compute-dtype weight copies live through the forward/backward phase (one autocast region)
     moment.activations += autocast_weight_bytes(shape, cplan, rank)
     # the optimizer step: the gradients held after backward and the update's temporaries (two of the
@@ -398,16 +396,7 @@ def _at_peak(
     return at_peak, after_backward
 
 
-def _tied_across(shape: ModelShape, plan: ExecutionPlan, mine: Iterable[int]) -> tuple[int, ...]:
-    """This rank's stages whose parameter is tied to another rank's stage (the embedding's and the head's,
-    when one of the two is elsewhere): the engine reduces them once, after the step's actions."""
-    ends = {0, plan.n_stages - 1} & set(mine)
-    return tuple(sorted(ends)) if shape.tied and plan.n_stages > 1 and len(ends) == 1 else ()
-
-
-def _rank_walk(
-    plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]], tied_across: tuple[int, ...] = ()
-) -> Walk:
+def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]]) -> Walk:
     """The compiled walk of the lowered list pipeline rank ``rank`` executes (`tessera.peak_memory`)."""
     classes = _stage_classes(plan, rank)
     if (plan.schedule or "").endswith(".csv"):  # a hand-written schedule: its lowered lists, as the runtime's
@@ -420,7 +409,6 @@ def _rank_walk(
             deferred_reduce=deferred,
             uses=uses,
             classes=classes,
-            tied_across=tied_across,
         )
     return _named_walk(
         plan.schedule or "",
@@ -434,7 +422,7 @@ def _rank_walk(
         plan.dp > 1,
         tuple(sorted(uses.items())),
         tuple(sorted(classes.items())),
-        tied_across,
+        plan.exchanged_stages(rank),
     )
 
 
@@ -462,10 +450,10 @@ def _named_walk(
     sharded: bool,
     uses: tuple[tuple[int, tuple[int, ...]], ...],
     classes: tuple[tuple[int, int], ...],
-    tied_across: tuple[int, ...] = (),
+    exchanged: tuple[int, ...] = (),
 ) -> Walk:
     every = reduces_every_microbatch(accumulation, zero)
-    events = _rank_events(name, p, m, v, rank, placement, accumulation, zero == 3, every)
+    events = _rank_events(name, p, m, v, rank, placement, accumulation, zero == 3, every, exchanged)
     deferred = _deferred(zero, accumulation)
     return compile_walk(
         events,
@@ -474,7 +462,6 @@ def _named_walk(
         deferred_reduce=deferred,
         uses=dict(uses),
         classes=dict(classes),
-        tied_across=tied_across,
     )
 
 
@@ -491,13 +478,15 @@ def _rank_events(
     accumulation: str,
     zero3: bool,
     every_microbatch: bool,
+    exchanged: tuple[int, ...] = (),
 ) -> list[tuple[ActionKind, int]]:
-    """The lowered list pipeline rank ``rank`` executes, as (kind, stage), without point-to-point actions."""
+    """The lowered list pipeline rank ``rank`` executes, as (kind, stage), without point-to-point actions
+    (``exchanged``: its stages tied across ranks, `ExecutionPlan.exchanged_stages`)."""
     options: dict[str, object] = dict(compute_options(name, accumulation))
     if placement != "loop":
         options["placement"] = placement
     steps = rank_steps(name, p, m, v, rank, **options)
-    return lowered_events(steps, zero3=zero3, every_microbatch=every_microbatch)
+    return lowered_events(steps, zero3=zero3, every_microbatch=every_microbatch, exchanged=exchanged)
 
 
 def _deferred(zero: int, accumulation: str) -> bool:

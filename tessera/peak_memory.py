@@ -14,8 +14,11 @@ objects do (tessera/pipeline/runtime.py, stage_comm.py, parallel/zero.py, parall
   stage's first flat buffer, kept to the step's end: `DataParallelStageComm`, `GradBucket`), then drops the
   gradients: one total per stage and one flat buffer in flight, however many micro-batches. At the end it
   writes each stage's total back as gradients (one more copy), stage by stage in ascending order. A stage
-  holding a parameter tied to another rank's stage (``tied_across``) skips its REDUCEs: its gradients
-  accumulate in place and it is reduced once the actions are done, as the engine does;
+  holding a parameter tied to another rank's stage has no REDUCE in the list until its end (the lowering puts
+  its one REDUCE after the EXCHANGE with the other rank: `tessera.pipeline.passes.add_tied_exchange`), so its
+  gradients accumulate in place until then;
+- EXCHANGE(s): nothing the walk counts (the received copy and the sum are one embedding table's gradient,
+  after backward has freed the activations);
 - GATHER / FREE(s) (ZeRO-3): the stage's full parameters are allocated / released;
 - the moment of a backward also holds its transient (`working`: the recomputed block, the logits' gradient).
 
@@ -45,6 +48,7 @@ _K = ActionKind
 # module constants: an enum member looked up on its class costs a descriptor call, per action of a long walk
 _F, _B, _I, _W = _K.FORWARD, _K.BACKWARD, _K.BACKWARD_INPUT, _K.BACKWARD_WEIGHT
 _REDUCE, _REDUCE_MB, _GATHER, _FREE = _K.REDUCE_GRAD, _K.REDUCE_MICROBATCH, _K.GATHER_PARAMS, _K.FREE_PARAMS
+_EXCHANGE = _K.EXCHANGE_TIED
 
 # What a term counts, and the component it belongs to (activations, grads, buffers, working).
 _ACT, _GRAD, _SHARD, _GATHERED, _PENDING, _FLAT, _WRITEBACK, _WORK = range(8)
@@ -83,10 +87,6 @@ class StageBytes:
     uses: dict[int, tuple[int, ...]] = field(default_factory=dict)
     """ZeRO-3: the stages whose flat buffers a stage's GATHER brings (default: its own; the head's stage also
     the tied embedding's owner)."""
-    tied_across: tuple[int, ...] = ()
-    """Stages holding a parameter tied to a stage on another pipeline rank (the embedding and the head): the
-    engine skips their REDUCEs and reduces them once the actions are done, highest stage first
-    (`PipelineEngine.deferred`), so their gradients accumulate in place all step."""
 
     def table(self, what: int) -> dict[int, float]:
         """The per-stage sizes of one kind of term."""
@@ -309,13 +309,11 @@ def compile_walk(
     deferred_reduce: bool = False,
     uses: dict[int, tuple[int, ...]] | None = None,
     classes: dict[int, int] | None = None,
-    tied_across: Iterable[int] = (),
 ) -> Walk:
     """Walk one rank's lowered actions, given as (kind, stage), for any sizes (see the module docstring).
     ``sharded``: data parallelism (dp > 1); ``classes``: stage -> a stage of equal sizes, whose sizes its
     terms then use (equal blocks: few distinct terms however many stages a rank holds); the other arguments
     as in `StageBytes`."""
-    tied = frozenset(tied_across)
     live = _Live(zero, sharded, classes or {})
     uses = uses or {}
     deferred: list[int] = []
@@ -338,7 +336,7 @@ def compile_walk(
                 live.add(_ACT, s, -1)
                 live.grad(s, True)
             live.dirty = (s, kind)
-        elif (kind is _REDUCE or kind is _REDUCE_MB) and s not in tied:  # a tied stage's: after the end
+        elif kind is _REDUCE or kind is _REDUCE_MB:
             if deferred_reduce:
                 deferred.append(s)
             else:
@@ -358,11 +356,6 @@ def compile_walk(
                     live.gathered.discard(owner)
                     live.add(_GATHERED, owner, -1)
     live.flush()
-    for s in sorted(tied & {s for _, s in events}, reverse=True):
-        if deferred_reduce:
-            deferred.append(s)
-        else:
-            live.reduce(s, (s, "tied REDUCE"))
     for s in sorted(deferred, reverse=True):
         live.reduce(s, (s, "finish REDUCE"))
     if zero == 0 and sharded:
@@ -427,19 +420,20 @@ def walk(actions: Sequence[Action], sizes: StageBytes) -> tuple[Moment, float]:
         sharded=sizes.dp > 1,
         deferred_reduce=sizes.deferred_reduce,
         uses=sizes.uses,
-        tied_across=sizes.tied_across,
     )
     return compiled.evaluate(sizes)
 
 
 def lowered_events(
-    steps: Sequence[Step], *, zero3: bool, every_microbatch: bool
+    steps: Sequence[Step], *, zero3: bool, every_microbatch: bool, exchanged: Sequence[int] = ()
 ) -> list[tuple[ActionKind, int]]:
     """One rank's compute list with what `tessera.pipeline.passes.lower` inserts, as (kind, stage), in the
     same order, less SEND/RECV (the walk counts no point-to-point buffer by action): REDUCE after the stage's
     last backward (REDUCE_MB after each with ``every_microbatch``), ZeRO-3's GATHER before and FREE after each
-    run of one stage's computes, a FREE before a REDUCE at the same point. tests/unit/test_peak_memory.py
-    checks it against ``lower`` on every named schedule."""
+    run of one stage's computes, a FREE before a REDUCE at the same point; the rank's stages tied across ranks
+    (``exchanged``, in the order the list exchanges them: `ExecutionPlan.exchanged_stages`) no REDUCE there
+    but an EXCHANGE each at the end, then their REDUCEs, highest stage first. tests/unit/test_peak_memory.py
+    checks it against ``lower`` on every named schedule, with and without tied stages."""
     last_backward = {s: i for i, (s, kind, _) in enumerate(steps) if kind is not _F}
     reduce_kind = _REDUCE_MB if every_microbatch else _REDUCE
     n, out = len(steps), []
@@ -450,6 +444,8 @@ def lowered_events(
         append((kind, s))
         if zero3 and (i == n - 1 or steps[i + 1][0] != s):
             append((_FREE, s))
-        if kind is not _F and (every_microbatch or last_backward[s] == i):
+        if kind is not _F and (every_microbatch or last_backward[s] == i) and s not in exchanged:
             append((reduce_kind, s))
+    out += [(_EXCHANGE, s) for s in exchanged]
+    out += [(_REDUCE, s) for s in sorted(set(exchanged), reverse=True)]
     return out

@@ -18,7 +18,15 @@ from tessera.pipeline.ir import (
     rank_stages,
     stage_to_rank,
 )
-from tessera.pipeline.passes import add_communication, add_grad_reduction, add_param_gather, lower
+from tessera.pipeline.passes import (
+    add_communication,
+    add_grad_reduction,
+    add_param_gather,
+    add_tied_exchange,
+    lower,
+    tied_across,
+    tied_stages,
+)
 from tessera.pipeline.schedules import (
     SCHEDULES,
     breadth_first,
@@ -39,6 +47,7 @@ __all__ = [
     "add_communication",
     "add_grad_reduction",
     "add_param_gather",
+    "add_tied_exchange",
     "breadth_first",
     "build_schedule",
     "format_schedule",
@@ -52,6 +61,8 @@ __all__ = [
     "rank_stages",
     "render_grid",
     "stage_to_rank",
+    "tied_across",
+    "tied_stages",
     "to_csv",
     "validate",
 ]

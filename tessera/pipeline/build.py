@@ -6,6 +6,7 @@ builds and is deadlock-free; the runtime calls it to get the very same lists.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,16 @@ def lowered_schedule(
     zero3: bool = False,
     accumulation: str = "layered",
     reduce_every_microbatch: bool = False,
+    tied: Iterable[tuple[int, int]] = (),
     **options: Any,
 ) -> tuple[Schedule, str]:
     """Build, lower and validate a named schedule; returns (lowered lists, placement).
 
     ``accumulation = "depth_first"`` runs breadth_first one micro-batch at a time (``consecutive = 1``);
     ``reduce_every_microbatch`` (`tessera.modes.reduces_every_microbatch`: depth-first except ZeRO-1) lowers a
-    REDUCE after every micro-batch's backward, which the runtime executes and the simulator prices.
+    REDUCE after every micro-batch's backward, which the runtime executes and the simulator prices. ``tied``:
+    pairs of stages sharing a parameter (`passes.tied_stages`); those on different ranks end their ranks' lists
+    with an EXCHANGE and their one REDUCE (`passes.add_tied_exchange`).
     """
     if accumulation not in ACCUMULATION:
         raise ConfigError(f"unknown accumulation {accumulation!r}; choose one of {', '.join(ACCUMULATION)}")
@@ -54,7 +58,9 @@ def lowered_schedule(
     else:
         options = {**options, **compute_options(schedule_name, accumulation)}
         compute = build_schedule(schedule_name, p, m, v, **options)
-    lowered = lower(compute, p, placement, zero3=zero3, reduce_every_microbatch=reduce_every_microbatch)
+    lowered = lower(
+        compute, p, placement, zero3=zero3, reduce_every_microbatch=reduce_every_microbatch, tied=tied
+    )
     validate(lowered, p, microbatches=m)
     return lowered, placement
 

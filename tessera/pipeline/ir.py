@@ -16,6 +16,9 @@ Text forms (``Action.parse(str(a)) == a``)::
     2REDUCE_MB1      reduction of stage 2's gradient of micro-batch 1 alone, right after its backward
                      (depth-first accumulation, except ZeRO-1: `tessera.modes.reduces_every_microbatch`)
     2GATHER / 2FREE  ZeRO-3: all-gather / release stage 2's sharded parameters
+    0EXCHANGE<>r1    stage 0 swaps the gradient of a parameter it shares with a stage of rank 1 (the embedding
+                     table a tied head uses) and sums the two: both ranks then hold the same total. Once per
+                     step, after the stage's last backward and before its (single) REDUCE
 
 The stage of a communication action is always the *local* stage on the rank that executes it, so a runtime can
 find the buffer without looking anything up; ``Action.message`` names the message both ends agree on.
@@ -62,6 +65,7 @@ class ActionKind(StrEnum):
     REDUCE_MICROBATCH = "REDUCE_MB"
     GATHER_PARAMS = "GATHER"
     FREE_PARAMS = "FREE"
+    EXCHANGE_TIED = "EXCHANGE"
 
     @property
     def is_compute(self) -> bool:
@@ -87,6 +91,11 @@ class ActionKind(StrEnum):
         return self in (ActionKind.REDUCE_GRAD, ActionKind.GATHER_PARAMS, ActionKind.FREE_PARAMS)
 
     @property
+    def is_exchange(self) -> bool:
+        """EXCHANGE: the tied gradients' swap with the peer rank (a whole stage, with a peer, no micro-batch)."""
+        return self is ActionKind.EXCHANGE_TIED
+
+    @property
     def is_reduce(self) -> bool:
         """REDUCE (the stage's gradient of the step) or REDUCE_MB (one micro-batch's): a data-parallel reduction."""
         return self in (ActionKind.REDUCE_GRAD, ActionKind.REDUCE_MICROBATCH)
@@ -99,13 +108,13 @@ class ActionKind(StrEnum):
 
 _COMPUTE = frozenset({"F", "B", "I", "W"})
 _KIND_ALTERNATION = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
-_ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATION})(\d+)?(?:(->|<-)r(\d+))?$")
+_ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATION})(\d+)?(?:(->|<-|<>)r(\d+))?$")
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
     """One step of one rank: ``stage`` is the global virtual stage, ``microbatch`` is ``None`` only for
-    stage-level kinds, ``peer`` is the other rank of a SEND/RECV (``None`` otherwise)."""
+    stage-level kinds and EXCHANGE, ``peer`` is the other rank of a SEND/RECV/EXCHANGE (``None`` otherwise)."""
 
     stage: int
     kind: ActionKind
@@ -116,6 +125,12 @@ class Action:
         object.__setattr__(self, "kind", ActionKind(self.kind))
         if self.stage < 0:
             raise ScheduleError(f"action stage must be >= 0, got {self.stage}")
+        if self.kind.is_exchange:
+            if self.microbatch is not None or self.peer is None or self.peer < 0:
+                raise ScheduleError(
+                    "EXCHANGE concerns a whole stage: give no micro-batch and a peer rank >= 0"
+                )
+            return
         if self.kind.is_stage_level:
             if self.microbatch is not None or self.peer is not None:
                 raise ScheduleError(f"{self.kind.name} concerns a whole stage: give no micro-batch or peer")
@@ -130,6 +145,8 @@ class Action:
     def __str__(self) -> str:
         if self.kind.is_stage_level:
             return f"{self.stage}{self.kind.value}"
+        if self.kind.is_exchange:
+            return f"{self.stage}{self.kind.value}<>r{self.peer}"
         text = f"{self.stage}{self.kind.value}{self.microbatch}"
         if self.kind.is_send:
             return f"{text}->r{self.peer}"
@@ -147,11 +164,13 @@ class Action:
         if match is None:
             raise ScheduleError(
                 f"cannot parse action {text!r}: expected e.g. '2F0', '2B1', '2SEND_F0->r1', '3RECV_B0<-r0', "
-                "'2REDUCE', '2REDUCE_MB0', '2GATHER', '2FREE'"
+                "'2REDUCE', '2REDUCE_MB0', '2GATHER', '2FREE', '0EXCHANGE<>r1'"
             )
         stage, kind_text, mb, arrow, peer = match.groups()
         kind = ActionKind(kind_text)
-        expected_arrow = "->" if kind.is_send else "<-" if kind.is_recv else None
+        expected_arrow = (
+            "->" if kind.is_send else "<-" if kind.is_recv else "<>" if kind.is_exchange else None
+        )
         if arrow != expected_arrow:
             want = f"'{expected_arrow}rN'" if expected_arrow else "no peer"
             raise ScheduleError(f"cannot parse action {text!r}: {kind.name} takes {want}")
@@ -183,6 +202,8 @@ class Action:
             return f"{self.stage}{direction}{'B' if self.kind.carries_gradient else 'F'}{self.microbatch}"
         if self.kind is ActionKind.REDUCE_MICROBATCH:
             return f"{self.stage}R{self.microbatch}"
+        if self.kind.is_exchange:
+            return f"{self.stage}X"
         return f"{self.stage}{self.kind.value[0]}"
 
 

@@ -1,6 +1,7 @@
 """Lowering passes: compute schedule → the exact per-rank lists the runtime executes and the simulator times.
 
-Order (``lower``): ``add_communication`` → ``add_grad_reduction`` → ``add_param_gather`` (optional, ZeRO-3).
+Order (``lower``): ``add_communication`` → ``add_grad_reduction`` → ``add_param_gather`` (optional, ZeRO-3) →
+``add_tied_exchange`` (stages sharing a parameter across pipeline ranks, ``tied``).
 
 Placement rules (all relative to compute actions, so each pass is independent of the others):
 
@@ -15,13 +16,28 @@ Placement rules (all relative to compute actions, so each pass is independent of
   compute actions on a rank (other stages' computes end it); with ``split_directions`` a forward run and a
   backward run are separate phases even when adjacent (weights released between the last forward and the first
   backward of the turn-around stage, the accounting of "one gather per forward and per backward sweep").
+- A stage holding a parameter tied to a stage of another rank (`tied_across`: a tied model's embedding, stage 0,
+  and head, the last stage) has no REDUCE / REDUCE_MB where the rule above puts them: its copy of the shared
+  gradient is only complete once the other rank's is added. Its rank's list ends with ``EXCHANGE`` (swap and sum
+  the shared gradient with the peer rank) and then the stage's one ``REDUCE`` of the step, whatever the
+  accumulation (several such stages on one rank: every EXCHANGE, then the REDUCEs, highest stage first).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, infer_stage_ranks, stage_to_rank
 
-__all__ = ["add_communication", "add_grad_reduction", "add_param_gather", "lower"]
+__all__ = [
+    "add_communication",
+    "add_grad_reduction",
+    "add_param_gather",
+    "add_tied_exchange",
+    "lower",
+    "tied_across",
+    "tied_stages",
+]
 
 _K = ActionKind
 
@@ -169,6 +185,49 @@ def _order_frees_first(inserts: list[tuple[int, Action]]) -> list[tuple[int, Act
     return sorted(inserts, key=lambda item: (item[0], item[1].kind is _K.GATHER_PARAMS))
 
 
+def tied_stages(tied: bool, n_stages: int) -> tuple[tuple[int, int], ...]:
+    """The pairs of stages sharing a parameter in a model of ``n_stages`` stages: a tied model's token
+    embedding (stage 0) is its head's output projection (the last stage)."""
+    return ((0, n_stages - 1),) if tied and n_stages > 1 else ()
+
+
+def tied_across(
+    pairs: Iterable[tuple[int, int]], rank_of: Callable[[int], int]
+) -> tuple[tuple[int, int], ...]:
+    """The pairs (lower stage, higher stage) of ``pairs`` whose two stages live on different pipeline ranks
+    (``rank_of(stage)``): each such stage's gradient is only complete after the EXCHANGE with the other rank,
+    so it is reduced once, after it (module docstring). The one rule the lowering, the runtime, the memory
+    walk, the simulator and the traffic formulas follow."""
+    across = {(min(a, b), max(a, b)) for a, b in pairs if a != b and rank_of(a) != rank_of(b)}
+    return tuple(sorted(across))
+
+
+def add_tied_exchange(schedule: Schedule, pairs: Iterable[tuple[int, int]]) -> Schedule:
+    """For each pair of `tied_across` (stages on different ranks): drop the two stages' REDUCE / REDUCE_MB and
+    end each rank's list with an EXCHANGE of every such stage with its partner's rank, then the REDUCEs of
+    those stages (highest first), if the list reduced them. A list that already exchanges a stage is kept."""
+    owner = infer_stage_ranks(schedule)
+    pairs = tuple(pairs)
+    lowered: Schedule = []
+    for rank, actions in enumerate(schedule):
+        peers: dict[tuple[int, int], None] = {}  # (local stage, peer rank), in the order of the pairs
+        for a, b in pairs:
+            for mine, other in ((a, b), (b, a)):
+                if owner.get(mine) == rank and owner.get(other) != rank:
+                    peers[(mine, owner[other])] = None
+        exchanged = {a.stage for a in actions if a.kind.is_exchange}
+        stages = {s for s, _ in peers} - exchanged
+        if not stages:
+            lowered.append(list(actions))
+            continue
+        reduced = {a.stage for a in actions if a.kind.is_reduce and a.stage in stages}
+        out = [a for a in actions if not (a.kind.is_reduce and a.stage in stages)]
+        out += [Action(s, _K.EXCHANGE_TIED, peer=peer) for s, peer in peers if s in stages]
+        out += [Action(s, _K.REDUCE_GRAD) for s in sorted(reduced, reverse=True)]
+        lowered.append(out)
+    return lowered
+
+
 def lower(
     schedule: Schedule,
     p: int,
@@ -177,12 +236,15 @@ def lower(
     zero3: bool = False,
     reduce_grads: bool = True,
     reduce_every_microbatch: bool = False,
+    tied: Iterable[tuple[int, int]] = (),
 ) -> Schedule:
     """Apply the passes in order: communication, gradient reduction (unless disabled; per micro-batch with
-    ``reduce_every_microbatch``), ZeRO-3 gather/free."""
+    ``reduce_every_microbatch``), ZeRO-3 gather/free, the exchange of the ``tied`` pairs of stages that live
+    on different ranks (`tied_across`; pairs on one rank need nothing)."""
     lowered = add_communication(schedule, p, placement)
     if reduce_grads:
         lowered = add_grad_reduction(lowered, p, every_microbatch=reduce_every_microbatch)
     if zero3:
         lowered = add_param_gather(lowered, p)
-    return lowered
+    across = tied_across(tied, lambda s: stage_to_rank(s, p, placement))
+    return add_tied_exchange(lowered, across) if across else lowered

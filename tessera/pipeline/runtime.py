@@ -13,6 +13,9 @@ on one rank with p = 1) and hand-written CSV schedules — because it only inter
   Receives are posted ``recv_ahead`` compute actions early so the transfer overlaps compute; a ``RECV`` action
   waits for its data. Sends never block; they are waited for (and their buffers dropped) once complete.
 - ``REDUCE`` / ``GATHER`` / ``FREE``: the ``StageComm`` hooks (data-parallel reduction, ZeRO-3 gather/free).
+- ``EXCHANGE``: the gradient of a parameter two stages share across ranks (a tied embedding and head) is sent to
+  and received from the peer rank, and both ranks keep the same sum; the lowering put it after the stage's last
+  backward and before its one REDUCE (`tessera.pipeline.passes.add_tied_exchange`).
 
 Deadlock freedom: the lowered lists are validated before anything runs, under exactly these rules (sends
 buffered, receives blocking), and posting a receive early never blocks. Gloo matches messages by tag (each
@@ -45,6 +48,7 @@ from tessera.parallel.clipping import squared_norm
 from tessera.parallel.saved_activations import SavedActivationCounter, SavedStorages
 from tessera.pipeline.build import lowered_schedule
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, infer_stage_ranks
+from tessera.pipeline.passes import add_tied_exchange, tied_across
 from tessera.pipeline.run_order import check_p2p_order, forward_only, recv_post_positions
 from tessera.pipeline.stage import Stage, TiedParameter, split_stages, tied_parameters
 from tessera.pipeline.stage_comm import DataParallelStageComm, StageComm
@@ -93,7 +97,8 @@ class PipelineEngine:
     parameters' type). Every ``comm.reduce`` call is a REDUCE action of the lowered list (one per stage and
     step, or one per micro-batch for depth-first accumulation except ZeRO-1: `tessera.modes.reduces_every_microbatch`).
     ``tied`` lists parameters shared by two stages (``tied_parameters``): when the stages sit on different
-    ranks, their gradients are exchanged and summed at the end of the step, before those stages' REDUCE.
+    ranks, the list's EXCHANGE actions sum their gradients, before those stages' one REDUCE (a list lowered
+    without them gets them here, from the same pass: `tessera.pipeline.passes.add_tied_exchange`).
     """
 
     def __init__(
@@ -112,8 +117,12 @@ class PipelineEngine:
         record: bool = False,
     ) -> None:
         p = len(lowered)
+        tied = list(tied)
+        owner = infer_stage_ranks(lowered)
+        across = tied_across(((t.stage_a, t.stage_b) for t in tied), owner.__getitem__)
+        lowered = add_tied_exchange(lowered, across)  # kept as it is when it exchanges them already
         validate(lowered, p, microbatches=microbatches)
-        self.owner = infer_stage_ranks(lowered)
+        self.owner = owner
         self.n_stages = len(self.owner)
         local = sorted(s for s, r in self.owner.items() if r == rank_in_pp)
         if sorted(stages) != local:
@@ -132,8 +141,9 @@ class PipelineEngine:
         self.dtype = dtype or _param_dtype(stages)
         self.recv_ahead, self.record = recv_ahead, record
         self.activation_shape = activation_shape or _default_activation_shape(stages)
-        self.tied = [t for t in tied if self.owner[t.stage_a] != self.owner[t.stage_b]]
-        self.deferred = {s for t in self.tied for s in (t.stage_a, t.stage_b) if s in stages}
+        self.tied = [t for t in tied if (min(t.stage_a, t.stage_b), max(t.stage_a, t.stage_b)) in across]
+        # this rank's stages reduced once, at the end of its list, after their EXCHANGE
+        self.deferred = {a.stage for a in self.actions if a.kind.is_exchange}
         self.post_at = recv_post_positions(self.actions, recv_ahead)
         self.loss_scale = 1.0  # set by the trainer for fp16 dynamic loss scaling
         self.peak_saved_bytes = 0
@@ -193,9 +203,6 @@ class PipelineEngine:
         for _, works in state.sends:
             for work in works:
                 work.wait()
-        self._exchange_tied()
-        for stage in sorted(self.deferred, reverse=True):
-            self.comm.reduce(stage)
         self.comm.finish()
         self._check_drained(state)
         return self._mean_loss(state)
@@ -241,8 +248,9 @@ class PipelineEngine:
         elif kind.is_recv:
             self._wait_recv(state, action)
         elif kind.is_reduce:  # the step's REDUCE, or one micro-batch's REDUCE_MB (depth-first)
-            if action.stage not in self.deferred:
-                self.comm.reduce(action.stage)
+            self.comm.reduce(action.stage)
+        elif kind.is_exchange:
+            self._exchange_tied(action.stage, action.peer)
         elif kind is _K.GATHER_PARAMS:
             self.comm.gather(action.stage)
             state.gathering.add(action.stage)
@@ -355,19 +363,17 @@ class PipelineEngine:
         op = comm.send(tensor, action.peer, self.group, self._tag(action.message))
         state.sends.append((tensor, comm.batch_p2p([op])))
 
-    # --- end of step ---------------------------------------------------------------------------------------
-
-    def _exchange_tied(self) -> None:
-        """Sum the two gradient contributions of every parameter tied across pipeline ranks, on both ranks."""
+    def _exchange_tied(self, s: int, peer: int) -> None:
+        """EXCHANGE: sum the two gradient contributions of every parameter stage ``s`` shares with a stage of
+        rank ``peer``, on both ranks."""
         for index, tie in enumerate(self.tied):
             mine = [(tie.stage_a, tie.name_a, tie.stage_b), (tie.stage_b, tie.name_b, tie.stage_a)]
             for stage, name, other in mine:
-                if stage not in self.stages:
+                if stage != s or self.owner[other] != peer:
                     continue
                 param = self.stages[stage].get_parameter(name)
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
                 theirs = torch.empty_like(grad)
-                peer = self.owner[other]
                 tag = 2 * self.n_stages * self.m + index  # above every activation/gradient tag
                 works = comm.batch_p2p(
                     [
@@ -379,6 +385,8 @@ class PipelineEngine:
                     work.wait()
                 # Same two addends on both ranks (a + b == b + a exactly): the copies stay identical.
                 param.grad = grad + theirs if stage < other else theirs + grad
+
+    # --- end of step ---------------------------------------------------------------------------------------
 
     def _check_drained(self, state: _StepState) -> None:
         left = {
@@ -471,6 +479,8 @@ def build_pipeline(
         stage_layers, checkpointing = par.stage_layers, par.checkpointing
         zero, accumulation = par.zero, par.accumulation
     p = layout.pp
+    all_stages = split_stages(model, p * v, stage_layers, checkpointing)
+    tied = tied_parameters(all_stages)  # before materialising: it finds ties by Parameter identity
     lowered, _ = lowered_schedule(
         name,
         p,
@@ -479,13 +489,12 @@ def build_pipeline(
         zero3=zero == 3,
         accumulation=accumulation,
         reduce_every_microbatch=reduces_every_microbatch(accumulation, zero),
+        tied=[(t.stage_a, t.stage_b) for t in tied],
         **schedule_options,
     )
-    all_stages = split_stages(model, p * v, stage_layers, checkpointing)
     rank = groups.coord(Axis.PIPE) if groups is not None else 0
     owner = infer_stage_ranks(lowered)
     stages = {s.index: s for s in all_stages if owner[s.index] == rank}
-    tied = tied_parameters(all_stages)  # before materialising: it finds ties by Parameter identity
     # Only this rank's stages get storage, replaced model-wide to keep ties. With ZeRO the flat buffers are
     # the storage (ZeRO-3: only this rank's shard of them): FlatStage fills them from the declared values.
     local = {id(param) for stage in stages.values() for param in stage.parameters()}

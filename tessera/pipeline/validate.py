@@ -3,8 +3,9 @@
 ``validate`` executes the per-rank lists symbolically in lock-step *steps*: in each step every rank that is not
 blocked runs its next action. SENDs are buffered (never block); a RECV blocks until its matching SEND ran in an
 earlier step. Every action's data dependencies are checked when it runs (F(s, j) needs F(s-1, j) on the same
-rank or a received activation, B(s, j) needs its own F and the gradient of stage s+1, ...). A step in which no
-rank can move is a deadlock. Failures raise ``ScheduleError`` whose message shows the rank × step grid with the
+rank or a received activation, B(s, j) needs its own F and the gradient of stage s+1, ...). An EXCHANGE is a
+rendezvous: it completes once the peer rank has reached its matching EXCHANGE (the n-th EXCHANGE of rank a with
+rank b matches the n-th of b with a) in an earlier step. A step in which no rank can move is a deadlock. Failures raise ``ScheduleError`` whose message shows the rank × step grid with the
 failing action marked ``>2B0<`` and a ``^`` line under its step, plus a one-line explanation.
 """
 
@@ -58,6 +59,9 @@ class _Run:
     reduced: set[int] = field(default_factory=set)
     reduced_microbatches: dict[int, set[int]] = field(default_factory=dict)  # stage -> its REDUCE j so far
     zero3: set[int] = field(default_factory=set)
+    exchanging: set[int] = field(default_factory=set)  # stages with an EXCHANGE in their rank's list
+    exchanged: set[int] = field(default_factory=set)
+    posted: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (rank, peer, n) -> step reached
 
     def fail(self, rank: int, action: Action, why: str) -> ScheduleError:
         row = self.grid[rank]
@@ -110,6 +114,7 @@ def _prepare(lowered: Schedule, p: int, microbatches: int | None) -> _Run:
     m = microbatches if microbatches is not None else max(seen, default=-1) + 1
     run = _Run(lowered, owner, stages, m, [0] * p, [[] for _ in range(p)])
     run.zero3 = {a.stage for actions in lowered for a in actions if a.kind is _K.GATHER_PARAMS}
+    run.exchanging = {a.stage for actions in lowered for a in actions if a.kind.is_exchange}
     return run
 
 
@@ -119,6 +124,8 @@ def _try_step(run: _Run, rank: int, action: Action) -> bool:
         raise run.fail(rank, action, f"micro-batch {action.microbatch} >= m = {run.microbatches}")
     if action.kind.is_recv:
         return _recv(run, rank, action)
+    if action.kind.is_exchange:
+        return _exchange(run, rank, action)
     checks = {
         _K.FORWARD: _forward,
         _K.BACKWARD: _backward,
@@ -220,10 +227,34 @@ def _recv(run: _Run, rank: int, a: Action) -> bool:
     return True
 
 
+def _exchange(run: _Run, rank: int, a: Action) -> bool:
+    """EXCHANGE(s) with rank ``a.peer``: after every backward of s and before its REDUCE; it completes when
+    the peer's matching EXCHANGE was reached in an earlier step (both sides wait for each other)."""
+    s = a.stage
+    if a.peer == rank or not 0 <= a.peer < len(run.lowered):
+        raise run.fail(rank, a, f"peer r{a.peer} is not another pipeline rank")
+    if s in run.exchanged:
+        raise run.fail(rank, a, f"stage {s} exchanges its tied gradients twice")
+    if s in run.reduced or s in run.reduced_microbatches:
+        raise run.fail(rank, a, f"exchanges after stage {s}'s gradients were reduced; EXCHANGE goes first")
+    pending = [j for j in range(run.microbatches) if not _weight_grad_done(run, s, j)]
+    if pending:
+        raise run.fail(rank, a, f"exchanges before the last backward: micro-batches {pending} of stage {s}")
+    n = sum(1 for x in run.lowered[rank][: run.pc[rank]] if x.kind.is_exchange and x.peer == a.peer)
+    run.posted.setdefault((rank, a.peer, n), run.step)
+    theirs = run.posted.get((a.peer, rank, n))
+    if theirs is None or theirs >= run.step:
+        return False
+    run.exchanged.add(s)
+    return True
+
+
 def _reduce(run: _Run, rank: int, a: Action) -> str:
     s = a.stage
     if s in run.reduced:
         return f"stage {s} gradients reduced twice"
+    if s in run.exchanging and s not in run.exchanged:
+        return f"reduces stage {s} before its tied gradients are exchanged ({s}EXCHANGE goes first)"
     if a.kind is _K.REDUCE_MICROBATCH:
         return _reduce_microbatch(run, s, a.microbatch)
     if s in run.reduced_microbatches:
@@ -283,6 +314,14 @@ def _deadlock(run: _Run) -> ScheduleError:
         if run.pc[rank] >= len(actions):
             continue
         recv = actions[run.pc[rank]]
+        if recv.kind.is_exchange:
+            peer = recv.peer or 0
+            at = run.lowered[peer][run.pc[peer]] if run.pc[peer] < len(run.lowered[peer]) else None
+            where = f"blocked at {at}" if at is not None else "done, and never exchanges with it"
+            reasons.append(f"rank {rank} waits at {recv} for rank {peer}'s EXCHANGE; rank {peer} is {where}")
+            run.grid[rank][run.step] = str(recv)
+            marks.add((rank, run.step))
+            continue
         send, sender = _expected_send(run, rank, recv), recv.peer or 0  # a RECV always has a peer
         rest = run.lowered[sender][run.pc[sender] :]
         if send in rest:

@@ -16,8 +16,8 @@ from tessera.config import from_dict
 from tessera.execution import resolve
 from tessera.memory import _stage_classes, estimate_plan, memory_floor
 from tessera.peak_memory import StageBytes, compile_walk, lowered_events, walk
-from tessera.pipeline.ir import Action, ActionKind
-from tessera.pipeline.passes import lower
+from tessera.pipeline.ir import Action, ActionKind, stage_to_rank
+from tessera.pipeline.passes import lower, tied_across, tied_stages
 from tessera.pipeline.schedules import build_schedule, rank_steps
 from tessera.planner.cost import ModelShape
 
@@ -134,14 +134,29 @@ def test_one_ranks_steps_equal_its_list_of_the_whole_schedule(name: str, p: int,
             assert [Action(s, kind, j) for s, kind, j in steps] == whole[r]
 
 
+def _tied_cases(p: int, v: int) -> list[tuple[tuple[int, int], ...]]:
+    """Pairs of stages sharing a parameter: none, a tied embedding and head, and (with p > 1) stages 0 and 1,
+    on ranks 0 and 1 (a middle rank's stage tied across)."""
+    return [(), tied_stages(True, p * v), *([((0, 1),)] if p > 1 else [])]
+
+
+def _exchanged(pairs: tuple[tuple[int, int], ...], p: int, r: int) -> tuple[int, ...]:
+    """Rank r's stages exchanged at the end of its list (`ExecutionPlan.exchanged_stages`'s rule)."""
+    rank_of = lambda s: stage_to_rank(s, p)  # noqa: E731
+    return tuple(s for pair in tied_across(pairs, rank_of) for s in pair if rank_of(s) == r)
+
+
 @pytest.mark.parametrize(("name", "p", "m", "v"), GRID)
 def test_lowered_events_are_lowers_list_without_point_to_point(name: str, p: int, m: int, v: int) -> None:
-    for zero3, every in itertools.product((False, True), repeat=2):
-        lowered = lower(build_schedule(name, p, m, v), p, zero3=zero3, reduce_every_microbatch=every)
+    for zero3, every, tied in itertools.product((False, True), (False, True), _tied_cases(p, v)):
+        lowered = lower(
+            build_schedule(name, p, m, v), p, zero3=zero3, reduce_every_microbatch=every, tied=tied
+        )
         for r in range(p):
             want = [(a.kind, a.stage) for a in lowered[r] if not a.kind.is_comm]
-            got = list(lowered_events(rank_steps(name, p, m, v, r), zero3=zero3, every_microbatch=every))
-            assert got == want, (r, zero3, every)
+            steps = rank_steps(name, p, m, v, r)
+            got = lowered_events(steps, zero3=zero3, every_microbatch=every, exchanged=_exchanged(tied, p, r))
+            assert got == want, (r, zero3, every, tied)
 
 
 def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, list[float], float]:
@@ -193,7 +208,7 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
             acts -= sizes.activations[s]
             grads[s] = sizes.grads[s]
             note()
-        elif kind in (R, RM) and s not in sizes.tied_across:
+        elif kind in (R, RM):
             if sizes.deferred_reduce:
                 deferred.append(s)
             else:
@@ -208,11 +223,6 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
                 users[owner] = max(0, users.get(owner, 0) - 1)
                 if not users[owner]:
                     gathered.pop(owner, None)
-    for s in sorted(set(sizes.tied_across) & {a.stage for a in actions}, reverse=True):
-        if sizes.deferred_reduce:
-            deferred.append(s)
-        else:
-            reduce(s)
     for s in sorted(deferred, reverse=True):
         reduce(s)
     settle()
@@ -223,9 +233,7 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
     return best[0], best[1], sum(grads.values()) + sum(shards.values())
 
 
-def _random_sizes(
-    stages: list[int], zero: int, dp: int, deferred: bool, rng: random.Random, tied: tuple[int, ...] = ()
-) -> StageBytes:
+def _random_sizes(stages: list[int], zero: int, dp: int, deferred: bool, rng: random.Random) -> StageBytes:
     # whole multiples of dp: every sum is exact, so moments that tie (a flat copy the size of the gradients it
     # replaces) tie in both walks, and both report the first
     grads = {s: float(dp * rng.randint(1, 100)) for s in stages}
@@ -237,34 +245,36 @@ def _random_sizes(
         zero=zero,
         dp=dp,
         deferred_reduce=deferred,
-        tied_across=tied,
     )
 
 
 @pytest.mark.parametrize(("name", "p", "m", "v"), GRID)
 def test_the_compiled_walk_prices_like_the_plain_walk(name: str, p: int, m: int, v: int) -> None:
-    """Every mode of reduction (ZeRO 0-3, data parallel or not, per micro-batch or once, deferred, a stage tied
-    to another rank's reduced at the end or not), each rank, random sizes: the same peak, components and
-    gradients after backward as pricing every moment."""
+    """Every mode of reduction (ZeRO 0-3, data parallel or not, per micro-batch or once, deferred, stages tied
+    across ranks exchanged and reduced at the end or none), each rank, random sizes: the same peak, components
+    and gradients after backward as pricing every moment of `lower`'s list."""
     rng = random.Random(f"{name}{p}{m}{v}")
-    for zero, dp, every, consecutive in itertools.product(range(4), (1, 3), (False, True), (False, True)):
+    modes = itertools.product(range(4), (1, 3), (False, True), (False, True), _tied_cases(p, v))
+    for zero, dp, every, consecutive, tied in modes:
         deferred = zero == 1 and consecutive
         options = _options(name, consecutive)
         lowered = lower(
-            build_schedule(name, p, m, v, **options), p, zero3=zero == 3, reduce_every_microbatch=every
+            build_schedule(name, p, m, v, **options),
+            p,
+            zero3=zero == 3,
+            reduce_every_microbatch=every,
+            tied=tied,
         )
-        for r, tied in [(rank, t) for rank in range(p) for t in ((), (rank,))]:  # stage r: the rank's first
-            compiled = compile_walk(
-                lowered_events(
-                    rank_steps(name, p, m, v, r, **options), zero3=zero == 3, every_microbatch=every
-                ),
-                zero=zero,
-                sharded=dp > 1,
-                deferred_reduce=deferred,
-                tied_across=tied,
+        for r in range(p):
+            events = lowered_events(
+                rank_steps(name, p, m, v, r, **options),
+                zero3=zero == 3,
+                every_microbatch=every,
+                exchanged=_exchanged(tied, p, r),
             )
+            compiled = compile_walk(events, zero=zero, sharded=dp > 1, deferred_reduce=deferred)
             for _ in range(3):
-                sizes = _random_sizes(sorted({a.stage for a in lowered[r]}), zero, dp, deferred, rng, tied)
+                sizes = _random_sizes(sorted({a.stage for a in lowered[r]}), zero, dp, deferred, rng)
                 peak, parts, held = _reference_walk(lowered[r], sizes)
                 moment, got_held = compiled.evaluate(sizes)
                 case = (zero, dp, every, consecutive, r, tied)
