@@ -198,10 +198,12 @@ def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, 
     - tensor: `tessera.traffic`'s collectives (the runtime's, which the planner prices) for this rank's blocks,
       with the embedding's and the head's where its stages hold them, per micro-batch; full checkpointing adds
       each block's replayed forward collectives (`traffic.replayed_1d` / `replayed_2d`);
-    - pipeline: the cost model's `pp_p2p_volume`, plus the exchange of a tied embedding's gradient between the
-      first and the last pipeline rank (send and receive of the fp32 table shard);
-    - data: the cost model's `dp_volume` with fp32 master weights and the configured gradient-reduction dtype;
-      ZeRO-3 gathers each stage as often as the lowered schedule's GATHER actions say;
+    - pipeline: the cost model's `pp_p2p_volume`, plus each EXCHANGE of the rank's list (a tied embedding's
+      gradient swapped between the ranks of the embedding and the head, `ExecutionPlan.exchanged_stages`: send
+      and receive of the fp32 table shard);
+    - data: the cost model's `dp_volume` with fp32 master weights and the configured gradient-reduction dtype,
+      the stages exchanged reduced once; ZeRO-3 gathers each stage as often as the lowered schedule's GATHER
+      actions say;
     - the step's scalars: the loss summed over data ranks and broadcast over the pipeline, the gradient norm's
       sum of squares reduced over every group holding gradient shards (4 bytes each).
 
@@ -219,7 +221,7 @@ def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, 
     out: dict[tuple[str, str], float] = {}
     for part in (
         _tensor_traffic(cfg, plan, [layers[s] for s in mine], first=0 in mine, last=len(layers) - 1 in mine),
-        _pipe_traffic(shape, plan, stage),
+        _pipe_traffic(shape, plan, stage, execution.exchanged_stages(stage)),
         _data_traffic(cfg, execution, plan, {s: stage_params(shape, plan, layers)[s] for s in mine}),
         _scalar_traffic(plan),
     ):
@@ -255,14 +257,16 @@ def _tensor_traffic(cfg: Config, plan: Any, blocks: list[int], *, first: bool, l
     return out
 
 
-def _pipe_traffic(shape: Any, plan: Any, stage: int) -> dict:
-    from tessera.planner.cost import pp_p2p_volume
+def _pipe_traffic(shape: Any, plan: Any, stage: int, exchanged: tuple[int, ...]) -> dict:
+    """``exchanged``: the pipeline rank's stages whose tied gradient its list exchanges."""
+    from tessera.planner.cost import pp_p2p_volume, tied_exchange_bytes
 
     out = _volume(pp_p2p_volume(shape, plan, stage), "pipe")
-    if shape.tied and plan.pp > 1 and stage in (0, plan.pp - 1):
-        table = shape.vocab_size * shape.d_model / plan.tp * 4  # the fp32 gradient of this rank's table shard
+    if exchanged:
         for kind in ("send", "recv"):
-            out[(kind, "pipe")] = out.get((kind, "pipe"), 0.0) + table
+            out[(kind, "pipe")] = out.get((kind, "pipe"), 0.0) + tied_exchange_bytes(shape, plan) * len(
+                exchanged
+            )
     return out
 
 
@@ -272,7 +276,10 @@ def _data_traffic(cfg: Config, execution: Any, plan: Any, psi: dict[int, float])
     from tessera.planner.cost import dp_volume
 
     grad_bytes = 2 if cfg.train.grad_reduce_dtype == "bf16" else 4
-    out = _volume(dp_volume(sum(psi.values()), plan, grad_bytes=grad_bytes, param_bytes=4), "data")
+    tied = {s for pair in execution.tied_across() for s in pair}  # reduced once, after their EXCHANGE
+    once = sum(n for s, n in psi.items() if s in tied)
+    volume = dp_volume(sum(psi.values()), plan, grad_bytes=grad_bytes, param_bytes=4, reduced_once=once)
+    out = _volume(volume, "data")
     if plan.zero_stage == 3 and plan.dp > 1:  # a stage is gathered once per GATHER of the executed schedule
         lowered = execution.lowered()
         gathers = [a.stage for actions in lowered for a in actions if a.kind is ActionKind.GATHER_PARAMS]

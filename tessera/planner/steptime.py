@@ -14,6 +14,9 @@ Per-action durations (all from `tessera.planner.cost`):
   queue, released evenly over the step (prefetch), except the first, which is exposed; ZeRO-1/2's all-gather of
   the updated parameters runs inside the optimizer step and is exposed in full (`_gathers`, as
   `parallel/zero.py` does it). Data-parallel collectives are issued per block (`dp_parts` buckets).
+- ``EXCHANGE`` (a tied embedding and head on two pipeline ranks): both ranks swap the table's gradient
+  (`tied_exchange_time`) once both reached it, at the end of their lists (counted as PP time); the two stages'
+  one REDUCE follows it and is released whole when it runs, not under a backward.
 - Gradient clipping's norm all-reduce and the optimizer step (`optimizer_time`) follow, unoverlapped.
 
 Two ways to get the number, which agree (tests/unit/test_search.py checks them against each other):
@@ -40,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from tessera.pipeline.passes import lower
+from tessera.pipeline.passes import lower, tied_stages
 from tessera.pipeline.schedules import build_schedule
 from tessera.planner.cost import (
     OPTIMIZER_BYTES_PER_PARAM,
@@ -55,6 +58,7 @@ from tessera.planner.cost import (
     p2p_time_per_microbatch,
     params_per_rank,
     per_microbatch_reduction,
+    tied_exchange_time,
     tp_comm_time_per_layer,
 )
 from tessera.planner.hardware import Hardware
@@ -505,13 +509,15 @@ def _per_microbatch_reduce(plan: Plan) -> bool:
     return plan.dp > 1 and per_microbatch_reduction(plan)
 
 
-def _durations(pc: PipelineCosts):
+def _durations(pc: PipelineCosts, exchange: float = 0.0):
     def duration(action, rank: int) -> float:
         kind = action.kind.value
         if kind == "F":
             return pc.forward(action.stage)
         if kind == "B":
             return pc.backward(action.stage)
+        if action.kind.is_exchange:
+            return exchange
         return 0.0
 
     return duration
@@ -530,12 +536,17 @@ def simulate_step(
         p,
         zero3=plan.zero_stage == 3 and plan.dp > 1,
         reduce_every_microbatch=_per_microbatch_reduce(plan),
+        tied=tied_stages(shape.tied, p * v),
     )
-    durations = _durations(pc)
+    exchange = tied_exchange_time(shape, hw, plan) if p > 1 else 0.0
     p2p = pc.block.p2p
     # check=False: the builders emit valid schedules and simulate() itself raises on a deadlock
-    with_p2p = simulate(lowered, p, durations, comm_latency=p2p, check=False)
-    free = simulate(lowered, p, durations, comm_latency=0.0, check=False) if p2p > 0 else with_p2p
+    with_p2p = simulate(lowered, p, _durations(pc, exchange), comm_latency=p2p, check=False)
+    free = (
+        simulate(lowered, p, _durations(pc), comm_latency=0.0, check=False)
+        if p2p > 0 or exchange > 0
+        else with_p2p
+    )
     compute, tp = (m * x for x in pc.rank_parts(p, pc.critical_rank(p)))
     exposed = _simulated_dp(shape, hw, plan, with_p2p, pc)
     breakdown = StepBreakdown(
@@ -551,9 +562,10 @@ def simulate_step(
 
 def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, pc: PipelineCosts) -> float:
     """Per rank: reductions released from the timeline's REDUCE actions, layer by layer during the backward
-    that precedes each (the stage's last one; for a REDUCE_MB j, micro-batch j's), each stage's
-    share in proportion to its blocks (÷ m for a REDUCE_MB); gathers spread over the step; the worst rank's
-    lateness past the step end is exposed."""
+    that precedes each (the stage's last one; for a REDUCE_MB j, micro-batch j's) — a REDUCE after the stage's
+    EXCHANGE whole when it runs —, each stage's share in proportion to its blocks (one reduction: ÷ m where
+    the step reduces every micro-batch); gathers spread over the step; the worst rank's lateness past the
+    step end is exposed."""
     if plan.dp <= 1:
         return 0.0
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
@@ -567,13 +579,16 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, p
         reduce, gather = dp_parts(params_per_rank(shape, plan, rank), hw, plan, buckets=max(1, blocks))
         last_b: dict[int, tuple[float, float]] = {}
         items: list[tuple[float, float]] = []
+        reps = m if _per_microbatch_reduce(plan) else 1  # `reduce` is reps reductions of every stage
         for e in entries:
             if e.action.kind.value == "B":
                 last_b[e.action.stage] = (e.start, e.end)
+            elif e.action.kind.is_exchange:
+                last_b[e.action.stage] = (e.end, e.end)  # its REDUCE starts the reduction, all at once
             elif e.action.kind.is_reduce and blocks:
                 start, stop = last_b[e.action.stage]
                 layers = pc.counts[e.action.stage]
-                share = reduce * layers / blocks / (m if e.action.microbatch is not None else 1)
+                share = reduce * layers / blocks / reps
                 items += _reduce_items(stop, stop - start, max(1, layers), share)
         pieces = 2 * v * (m if plan.accumulation == "depth_first" and plan.zero_stage == 3 else 1)
         queued, exposed = _gathers(plan, gather, end, min(pieces, 64))

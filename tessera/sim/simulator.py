@@ -1,7 +1,8 @@
 """Discrete-event simulation of a *lowered* schedule: the same lists the runtime executes.
 
 Each rank runs its list in order. An action starts when the rank is free; a RECV additionally waits until the
-matching SEND finished plus ``comm_latency``. Durations come from a ``CostTable`` (t_f per stage, t_b = 2 t_f by
+matching SEND finished plus ``comm_latency``; an EXCHANGE (the tied gradients' swap of two ranks) starts when
+both ranks have reached it and lasts its duration on both. Durations come from a ``CostTable`` (t_f per stage, t_b = 2 t_f by
 default, per-(stage, kind) measured overrides), a dict of measured timings, or any ``(action, rank) -> float``.
 
 Definitions: ``compute[r]`` = time in F/B/I/W; ``busy[r]`` = time in any action (compute + communication +
@@ -55,6 +56,8 @@ class CostTable:
     """Exposed time of one ZeRO-3 parameter gather (GATHER)."""
     free: float = 0.0
     """Time of FREE (normally 0)."""
+    exchange: float = 0.0
+    """Time of one EXCHANGE (the send and receive of a tied parameter's gradient, both ranks at once)."""
     measured: Mapping[tuple[int, str], float] = field(default_factory=dict)
     """Measured durations keyed by (stage, kind value), e.g. ``{(0, "F"): 1.3, (0, "B"): 2.5}``."""
 
@@ -85,6 +88,7 @@ class CostTable:
             _K.REDUCE_MICROBATCH: self.reduce,
             _K.GATHER_PARAMS: self.gather,
             _K.FREE_PARAMS: self.free,
+            _K.EXCHANGE_TIED: self.exchange,
         }
         return defaults[action.kind]
 
@@ -150,6 +154,8 @@ def simulate(
     cost = _duration_fn(durations)
     clock, pc = [0.0] * p, [0] * p
     arrivals: dict[tuple, float] = {}
+    exchanges: dict[tuple[int, int], int] = {}  # (rank, peer) -> EXCHANGEs done
+    reached: dict[tuple[int, int, int], float] = {}  # (rank, peer, n) -> when the rank reached its n-th
     timeline: list[TimelineEntry] = []
     while any(pc[r] < len(lowered[r]) for r in range(p)):
         progressed = False
@@ -161,6 +167,15 @@ def simulate(
                     if action.message not in arrivals:
                         break  # the sender has not been simulated that far yet
                     start = max(start, arrivals[action.message])
+                elif action.kind.is_exchange:  # a rendezvous: the n-th with a peer meets the peer's n-th
+                    pair = (rank, action.peer)
+                    n = exchanges.get(pair, 0)
+                    reached.setdefault((*pair, n), start)
+                    theirs = reached.get((action.peer, rank, n))
+                    if theirs is None:
+                        break  # the peer has not been simulated that far yet
+                    start = max(start, theirs)
+                    exchanges[pair] = n + 1
                 end = start + cost(action, rank)
                 if action.kind.is_send:
                     arrivals[action.message] = end + comm_latency

@@ -37,6 +37,19 @@ LAYOUTS = {
         {"tensor": 2, "pipeline": 2, "checkpointing": "full"},
         {"global_batch": 4, "micro_batch": 2, "dtype": "bf16"},
     ),
+    # tied ends on two pipeline ranks, plain data parallelism, depth-first: every other stage would all-reduce
+    # each micro-batch, these two reduce once, after the EXCHANGE of the table's gradient (send/recv on pipe)
+    "pp2_dp2_depth_first_tied": (
+        4,
+        {"pipeline": 2, "accumulation": "depth_first"},
+        {"global_batch": 16, "micro_batch": 2},
+    ),
+    # the same with interleaved stages: ranks 0 and 1 each hold one tied stage and one reduced per micro-batch
+    "pp2_v2_dp2_depth_first_tied": (
+        4,
+        {"pipeline": 2, "schedule": "interleaved", "stages_per_rank": 2, "accumulation": "depth_first"},
+        {"global_batch": 16, "micro_batch": 2},
+    ),
     # bf16 autocast: bf16 SUMMA blocks, fp32 norm statistics, embedding, loss pairs and boundary tensors
     "tp2x2_pp2_bf16": (
         8,
@@ -45,11 +58,13 @@ LAYOUTS = {
     ),
 }
 
+MODEL = {"pp2_v2_dp2_depth_first_tied": {"n_layers": 4}}  # llama-tiny's model section, changed
+
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_formulas_equal_the_dry_runs_bytes(name: str) -> None:
     world, parallel, train = LAYOUTS[name]
-    raw = {"model": {"size": "llama-tiny"}, "parallel": parallel, "train": train}
+    raw = {"model": {"size": "llama-tiny", **MODEL.get(name, {})}, "parallel": parallel, "train": train}
     cfg = from_dict(raw)
     for rank in default_ranks(Layout.from_config(cfg.parallel, world)):
         measured = measured_by_axis(dry_run(cfg, world, rank))

@@ -10,7 +10,14 @@ from tessera.modes import reduces_every_microbatch
 from tessera.pipeline import build_schedule, lower
 from tessera.pipeline.ir import Action, ActionKind, ScheduleError
 from tessera.pipeline.validate import validate
-from tessera.planner.cost import ModelShape, Plan, dp_volume, params_per_rank, per_microbatch_reduction
+from tessera.planner.cost import (
+    ModelShape,
+    Plan,
+    dp_volume,
+    params_per_rank,
+    per_microbatch_reduction,
+    tied_exchange_time,
+)
 from tessera.planner.hardware import load_hardware
 from tessera.planner.steptime import dp_parts, pipeline_costs, simulate_step
 
@@ -38,6 +45,19 @@ def test_rule_depth_first_except_zero1() -> None:
         dp_volume(10.0, Plan(dp=8, pp=2, accumulation="depth_first", n_microbatches=4)).all_reduce == 4 * 20.0
     )
     assert dp_volume(10.0, flat).all_reduce == 20.0
+
+
+def test_stages_tied_across_ranks_are_reduced_once_in_the_volume() -> None:
+    """10 parameters of which 4 are a stage tied to another rank's (reduced once, after its EXCHANGE), 2 bytes
+    each, m = 4: ZeRO-0 all-reduces 4 × 12 + 8 bytes in 5 calls; ZeRO-2 reduce-scatters the same."""
+    plan = Plan(dp=8, pp=2, accumulation="depth_first", n_microbatches=4)
+    plain = dp_volume(10.0, plan, reduced_once=4.0)
+    assert (plain.all_reduce, plain.calls) == (4 * 12.0 + 8.0, 5)
+    assert dp_volume(4.0, plan, reduced_once=4.0).calls == 1
+    z2 = dp_volume(
+        10.0, Plan(dp=8, pp=2, zero_stage=2, accumulation="depth_first", n_microbatches=4), reduced_once=4
+    )
+    assert (z2.reduce_scatter, z2.all_gather, z2.calls) == (4 * 12.0 + 8.0, 20.0, 6)
 
 
 def test_lowering_puts_one_reduce_after_every_backward_and_its_send() -> None:
@@ -100,6 +120,28 @@ def test_simulator_prices_each_reduce_mb_where_it_runs() -> None:
     backward = pipeline_costs(shape, hw, plan).backward(0)
     assert backward > R / 4  # the precondition of the hand computation
     assert step.dp_comm == pytest.approx(R / (4 * 8) + G, rel=1e-9)
+
+
+def test_simulator_prices_the_tied_exchange_and_the_one_reduce_after_it() -> None:
+    """A tied model on pp2 × dp8, plain data parallelism, depth-first, m = 4: each rank's only stage is tied
+    to the other's, so instead of 4 all-reduces under the backwards the IR has one EXCHANGE then one REDUCE per
+    rank. Both ranks end with the EXCHANGE (`tied_exchange_time`, at the step's end) and then release their one
+    all-reduce, R_r / 4 of the step's m all-reduces `dp_parts` prices, whole: nothing hides it, so the exposed
+    DP time is the larger of the two."""
+    hw, shape = load_hardware("a100-80gb"), _gpt()
+    plan = Plan(dp=8, pp=2, n_microbatches=4, accumulation="depth_first", flash_attention=True)
+    assert shape.tied and per_microbatch_reduction(plan)
+    step, sim = simulate_step(shape, hw, plan, "1f1b")
+    kinds = [(e.rank, e.action.kind) for e in sim.timeline if not e.action.kind.is_compute]
+    assert [k for r, k in kinds if k.is_reduce or k.is_exchange] == [K.EXCHANGE_TIED] * 2 + [
+        K.REDUCE_GRAD
+    ] * 2
+    exchange = tied_exchange_time(shape, hw, plan)
+    for e in (e for e in sim.timeline if e.action.kind.is_exchange):
+        assert (e.end - e.start, e.end) == pytest.approx((exchange, sim.step_time), rel=1e-12)
+    blocks = shape.n_layers // 2
+    one = [dp_parts(params_per_rank(shape, plan, r), hw, plan, buckets=blocks)[0] / 4 for r in (0, 1)]
+    assert step.dp_comm == pytest.approx(max(one), rel=1e-9)
 
 
 def test_execution_plan_lowers_the_reductions_the_runtime_runs() -> None:

@@ -113,3 +113,26 @@ def test_show_schedule_writes_a_picture(tmp_path: Path, suffix: str) -> None:
 def test_render_image_rejects_unknown_extension(tmp_path: Path) -> None:
     with pytest.raises(ScheduleError, match=r"\.png or \.svg"):
         render_image([], 1, tmp_path / "x.jpg")
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_tied_ends_exchange_then_reduce_once_at_the_end(every: bool) -> None:
+    """1F1B, p = 2, m = 2, stages 0 and 1 tied (an embedding and its head), t_f = 1, t_b = 2, EXCHANGE 0.5,
+    REDUCE 0.25. Rank 0: F0 0-1, F1 1-2, B0 4-6 (after rank 1's B0 2-4), B1 7-9 (after rank 1's F1 4-5, B1
+    5-7). Rank 1 reaches its EXCHANGE at 7 and waits for rank 0 (9): both exchange 9-9.5, then reduce each
+    stage once, 9.5-9.75 (per-micro-batch reduction or not: the tied stages' REDUCE_MBs are gone)."""
+    lowered = lower(build_schedule("1f1b", 2, 2), 2, reduce_every_microbatch=every, tied=((0, 1),))
+    result = simulate(lowered, 2, CostTable(forward=1.0, exchange=0.5, reduce=0.25))
+    assert result.step_time == pytest.approx(9.75, abs=EXACT)
+    ends = [(e.rank, str(e.action), e.start, e.end) for e in result.timeline if not e.action.kind.is_compute]
+    exchanges = [x for x in ends if "EXCHANGE" in x[1]]
+    reduces = [x for x in ends if "REDUCE" in x[1]]
+    assert sorted(exchanges) == [(0, "0EXCHANGE<>r1", 9.0, 9.5), (1, "1EXCHANGE<>r0", 9.0, 9.5)]
+    assert sorted(reduces) == [(0, "0REDUCE", 9.5, 9.75), (1, "1REDUCE", 9.5, 9.75)]
+
+
+def test_an_exchange_without_its_peer_deadlocks() -> None:
+    lowered = lower(build_schedule("1f1b", 2, 1), 2, tied=((0, 1),))
+    lowered[1] = [a for a in lowered[1] if not a.kind.is_exchange]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(lowered, 2, check=False)

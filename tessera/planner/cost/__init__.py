@@ -33,6 +33,7 @@ from tessera.planner.cost.comm_time import (
     dp_time,
     p2p_time_per_microbatch,
     stage_time,
+    tied_exchange_time,
     tp_comm_time_per_layer,
 )
 from tessera.planner.cost.compute import (
@@ -76,6 +77,7 @@ from tessera.planner.cost.volume import (
     CommVolume,
     dp_volume,
     pp_p2p_volume,
+    tied_exchange_bytes,
     tp1d_layer_volume,
     tp2d_layer_volume,
 )
@@ -126,6 +128,8 @@ __all__ = [
     "reduce_scatter_time",
     "score_bytes",
     "stage_time",
+    "tied_exchange_bytes",
+    "tied_exchange_time",
     "tp1d_layer_volume",
     "tp2d_layer_volume",
     "tp_comm_time_per_layer",

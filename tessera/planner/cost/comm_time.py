@@ -8,6 +8,7 @@ from tessera.planner.cost.collectives import group_placement, p2p_time, traffic_
 from tessera.planner.cost.compute import LayerTime, layer_time, logits_time
 from tessera.planner.cost.plan import Plan, per_microbatch_reduction
 from tessera.planner.cost.shape import ModelShape
+from tessera.planner.cost.volume import tied_exchange_bytes
 from tessera.planner.hardware import Hardware
 from tessera.planner.network import bus_bandwidth, collective_time
 from tessera.traffic import BACKWARD, FORWARD, tensor_calls
@@ -81,6 +82,14 @@ def p2p_time_per_microbatch(shape: ModelShape, hw: Hardware, plan: Plan) -> floa
     if plan.tp_kind == "1d" and not plan.sequence_parallel and plan.tp > 1:
         t += collective_time(hw, "all_gather", full, group_placement(hw, plan, "tensor"))
     return t
+
+
+def tied_exchange_time(shape: ModelShape, hw: Hardware, plan: Plan) -> float:
+    """Seconds of one EXCHANGE (`tied_exchange_bytes` sent and received at once, each direction on its own
+    link) between the embedding's and the head's pipeline ranks, placed like pipeline neighbours."""
+    pair = group_placement(hw, plan, "pipe")
+    latency = hw.intra_node_latency if pair.intra_node else hw.inter_node_latency
+    return p2p_time(tied_exchange_bytes(shape, plan), bus_bandwidth(hw, pair), latency)
 
 
 def dp_collective_times(

@@ -122,7 +122,15 @@ def pp_p2p_volume(shape: ModelShape, plan: Plan, stage: int) -> CommVolume:
     return CommVolume(send=sends * nbytes, recv=sends * nbytes, calls=2 * sends)
 
 
-def dp_volume(params_local: float, plan: Plan, *, grad_bytes: int = 2, param_bytes: int = 2) -> CommVolume:
+def tied_exchange_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Bytes one EXCHANGE sends (and receives): the gradient of this rank's shard of a tied embedding table,
+    V·h/t in the parameters' dtype (fp32 under tessera's autocast, `Plan.param_bytes`)."""
+    return shape.vocab_size * shape.d_model / plan.tp * plan.param_bytes
+
+
+def dp_volume(
+    params_local: float, plan: Plan, *, grad_bytes: int = 2, param_bytes: int = 2, reduced_once: float = 0.0
+) -> CommVolume:
     """Data-parallel payload per rank per step for `params_local` parameters (those held by this rank's stage
     and tensor shard, before ZeRO sharding).
 
@@ -131,18 +139,31 @@ def dp_volume(params_local: float, plan: Plan, *, grad_bytes: int = 2, param_byt
     (Rajbhandari 2020 Table). Depth-first accumulation: ZeRO 2 reduce-scatters every micro-batch (×m) and ZeRO 3
     also gathers every micro-batch (×m); layered accumulation does each once per step (layered-pipeline §2.2).
     ZeRO 0 depth-first in tessera's pipeline runtime all-reduces every micro-batch (×m, `per_microbatch_reduction`).
+    ``reduced_once`` of the `params_local` are reduced once per step whatever the accumulation: the stages tied
+    to another pipeline rank's, reduced after their EXCHANGE (`tessera.pipeline.passes.tied_across`).
     """
     if plan.dp <= 1:
         return CommVolume()
-    g, w = params_local * grad_bytes, params_local * param_bytes
+    g, w, once = params_local * grad_bytes, params_local * param_bytes, reduced_once * grad_bytes
     m = plan.n_microbatches if plan.accumulation == "depth_first" else 1
     if plan.zero_stage == 0:
         reps = m if per_microbatch_reduction(plan) else 1
-        return CommVolume(all_reduce=reps * g, calls=reps)
+        return CommVolume(all_reduce=reps * (g - once) + once, calls=_reduce_calls(reps, g, once))
     if plan.zero_stage == 1:
         return CommVolume(reduce_scatter=g, all_gather=w, calls=2)
     if plan.zero_stage == 2:
-        return CommVolume(reduce_scatter=m * g, all_gather=w, calls=m + 1)
+        return CommVolume(
+            reduce_scatter=m * (g - once) + once, all_gather=w, calls=_reduce_calls(m, g, once) + 1
+        )
     if plan.zero_stage == 3:
-        return CommVolume(reduce_scatter=m * g, all_gather=2 * m * w, calls=3 * m)
+        return CommVolume(
+            reduce_scatter=m * (g - once) + once,
+            all_gather=2 * m * w,
+            calls=_reduce_calls(m, g, once) + 2 * m,
+        )
     raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {plan.zero_stage}")
+
+
+def _reduce_calls(reps: int, g: float, once: float) -> int:
+    """Reductions per step: ``reps`` of the gradients reduced every time, one of those reduced once."""
+    return (reps if g > once else 0) + (1 if once else 0)
