@@ -22,7 +22,7 @@ from functools import lru_cache
 from tessera.config import Config, even_split
 from tessera.execution import DIRECT, ExecutionPlan, resolve
 from tessera.modes import BREADTH_FIRST, LAYERED, reduces_every_microbatch
-from tessera.peak_memory import Moment, StageBytes, Walk, compile_walk, lowered_events
+from tessera.peak_memory import Moment, StageBytes, Walk, compile_walk, floor, lowered_events
 from tessera.pipeline.build import compute_options
 from tessera.pipeline.ir import ActionKind, Schedule
 from tessera.pipeline.schedules import build_schedule, rank_steps
@@ -239,38 +239,72 @@ def model_state_floor(shape: ModelShape, plan: ExecutionPlan) -> float:
     return max(sum(state) for state in _rank_states(shape, plan).values())
 
 
-def memory_floor(shape: ModelShape, plan: ExecutionPlan) -> float:
+def memory_floor(shape: ModelShape, plan: ExecutionPlan, *, stop_above: float | None = None) -> float:
     """A lower bound of `estimate_plan`'s total without walking a schedule, for the planner's search to reject
-    most layouts cheaply: on each candidate rank, parameters and optimizer state (alive throughout) plus the
-    larger of the gradients held for the optimizer step and the blocks' activations at their peak in flight
-    (`_inflight`: the walk holds them all at one moment, with more beside them), and the point-to-point
-    buffers."""
-    states = _rank_states(shape, plan)
-    if plan.runner == DIRECT:
-        return max(sum(state) for state in states.values())
+    most layouts cheaply: the largest `_rank_floor` of the candidate ranks. With ``stop_above``, the first
+    rank's bound above it is returned without pricing the others (the search only asks whether it exceeds)."""
+    best = 0.0
+    for rank in _candidate_ranks(plan):
+        best = max(best, _rank_floor(shape, plan, rank))
+        if stop_above is not None and best > stop_above:
+            break
+    return best
+
+
+def _rank_floor(shape: ModelShape, plan: ExecutionPlan, rank: int) -> float:
+    """A lower bound of pipeline rank ``rank``'s total (`estimate_plan` with ``stage=rank``), as `_at_peak`
+    adds it up: parameters and optimizer state (alive throughout) and the point-to-point buffers, plus the
+    larger of the optimizer step's moment (the gradients held after backward and the update's temporaries) and
+    a lower bound of the walked moment (`peak_memory.floor`: the backward after the activations' peak, the last
+    reduction) with autocast's step-long weight copies beside it. The activations at their peak come from the
+    (block × micro-batch) pairs in flight (`_inflight`, the walk's own count; `_peak_activations`)."""
+    params, grads, optimizer = _rank_state(shape, plan, rank)
+    if plan.runner == DIRECT:  # no walk: the estimate adds every component
+        return params + grads + optimizer
     cplan = cost_plan(plan)
-    per_layer = activation_bytes_per_layer(shape, cplan)
     p2p = 2 * boundary_bytes(shape, cplan) if plan.pp > 1 else 0.0
-    peaks, _ = _inflight(plan)
-    return max(
-        params + optimizer + p2p + max(grads, per_layer * peaks[r])
-        for r, (params, grads, optimizer) in states.items()
+    sizes = _stage_sizes(shape, plan, rank)
+    every = reduces_every_microbatch(plan.accumulation, plan.zero)
+    # a stage tied across ranks has one REDUCE, at the end of the list (after its EXCHANGE)
+    exchanged = len(set(plan.exchanged_stages(rank)))
+    moment, after = floor(
+        sizes,
+        activations=_peak_activations(plan, sizes, _inflight(plan)[0][rank]),
+        reductions=exchanged + (len(sizes.grads) - exchanged) * (plan.micro_batches if every else 1),
+        # not where a hand-written list may split a backward into I and W, nor a tied stage's
+        reduced_backwards=every and not exchanged and not (plan.schedule or "").endswith(".csv"),
     )
+    held = max(moment + autocast_weight_bytes(shape, cplan, rank), after + _temporaries(plan, sizes.grads))
+    return params + optimizer + p2p + held
+
+
+def _peak_activations(plan: ExecutionPlan, sizes: StageBytes, pairs: float) -> float:
+    """A lower bound of the activation bytes alive at the walk's peak on a rank holding ``sizes``' stages with
+    ``pairs`` (block × micro-batch) pairs in flight: exact where each of its stages holds as many micro-batches
+    then (one stage; layered breadth-first keeps a whole sweep of every stage), else the pairs at the smallest
+    bytes per block of any of its stages."""
+    layers = plan.stage_layers
+    blocks = sum(layers[s] for s in sizes.activations)
+    if len(sizes.activations) == 1 or (plan.schedule == BREADTH_FIRST and plan.accumulation == LAYERED):
+        return pairs / (blocks or 1) * sum(sizes.activations.values())
+    return pairs * min((a / layers[s] for s, a in sizes.activations.items() if layers[s]), default=0.0)
 
 
 def _rank_states(shape: ModelShape, plan: ExecutionPlan) -> dict[int, tuple[float, float, float]]:
-    """(parameter, gradient, optimizer) bytes by the ZeRO formulas of each rank that can be the fullest."""
+    """`_rank_state` of each rank that can be the fullest."""
+    return {r: _rank_state(shape, plan, r) for r in _candidate_ranks(plan)}
+
+
+def _rank_state(shape: ModelShape, plan: ExecutionPlan, rank: int) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes by the ZeRO formulas of pipeline rank ``rank``."""
     cplan = cost_plan(plan)
     per_stage = stage_params(shape, cplan, plan.stage_layers)
-    p, out = plan.pp, {}
-    for r in _candidate_ranks(plan):
-        mine = (
-            sum(per_stage[r::p])
-            if plan.placement == "loop"
-            else sum(per_stage[s] for s in plan.rank_stages(r))
-        )
-        out[r] = model_state_bytes(mine, cplan.dp, cplan.zero_stage, "fp32")
-    return out
+    mine = (
+        sum(per_stage[rank :: plan.pp])
+        if plan.placement == "loop"
+        else sum(per_stage[s] for s in plan.rank_stages(rank))
+    )
+    return model_state_bytes(mine, cplan.dp, cplan.zero_stage, "fp32")
 
 
 def _compute_schedule(plan: ExecutionPlan) -> Schedule:
@@ -308,10 +342,16 @@ def estimate(
 
 
 def estimate_plan(
-    shape: ModelShape, plan: ExecutionPlan, device_memory: float | None = None, *, stage: int | None = None
+    shape: ModelShape,
+    plan: ExecutionPlan,
+    device_memory: float | None = None,
+    *,
+    stage: int | None = None,
+    stop_above: float | None = None,
 ) -> MemoryEstimate:
     """Peak memory per rank of an execution plan: the fullest pipeline rank's breakdown. The one memory model:
-    `tessera memory` and the planner's search both call it."""
+    `tessera memory` and the planner's search both call it. With ``stop_above``, the first rank whose total
+    exceeds it is returned without walking the others (the search drops such a layout whichever rank it is)."""
     cplan = cost_plan(plan)
     per_stage = stage_params(shape, cplan, plan.stage_layers)
     peaks, last_mb = _inflight(plan)
@@ -325,7 +365,7 @@ def estimate_plan(
         bd = _adjust(base, shape, cplan, [per_stage[s] for s in mine], last_mb[rank])
         at_peak, after_backward = bd, bd.grads
         if plan.runner != DIRECT:  # what coexists: the rank's action list walked (tessera.peak_memory)
-            at_peak, after_backward = _at_peak(bd, shape, plan, rank, {s: per_stage[s] for s in mine})
+            at_peak, after_backward = _at_peak(bd, shape, plan, rank)
         candidate = MemoryEstimate(
             breakdown=MemoryBreakdown(**{name: getattr(bd, name) for name in COMPONENTS}, peak=at_peak.total),
             at_peak=at_peak,
@@ -337,54 +377,28 @@ def estimate_plan(
         )
         if best is None or candidate.total > best.total:
             best = candidate
+        if stop_above is not None and best.total > stop_above:
+            break
     assert best is not None  # pp >= 1
     return best
 
 
 def _at_peak(
-    held: MemoryBreakdown, shape: ModelShape, plan: ExecutionPlan, rank: int, psi: dict[int, float]
+    held: MemoryBreakdown, shape: ModelShape, plan: ExecutionPlan, rank: int
 ) -> tuple[MemoryBreakdown, float]:
     """(the breakdown at the rank's peak moment: model state plus what its action list has alive then, the
     gradient bytes the runtime holds once backward is over)."""
     cplan = cost_plan(plan)
-    per_layer = activation_bytes_per_layer(shape, cplan)
-    recompute = (
-        activation_bytes_per_layer(shape, cplan, recompute="none") if cplan.recompute != "none" else 0.0
-    )
-    logits = 4 * shape.seq_len * cplan.micro_batch * shape.vocab_size / cplan.tp
-    last = plan.n_stages - 1
-    boundary = boundary_bytes(shape, cplan)
-    # a stage whose output goes to another rank keeps it for its backward (not saved by autograd)
-    acts = {
-        s: per_layer * plan.stage_layers[s] + (boundary if s != last and s + 1 not in psi else 0.0)
-        for s in psi
-    }
-    working = {s: recompute for s in psi}
-    if last in psi:
-        acts[last] += head_activation_bytes(shape, cplan) + logits
-        # its backward begins with the cross-entropy's softmax and gradient (two more logits) and the output
-        # layer's weight gradient, before the stage's saved activations are freed
-        working[last] += 2 * logits + 4.0 * shape.vocab_size * shape.d_model / cplan.tp
-    grads = {s: 4.0 * n for s, n in psi.items()}
-    sizes = StageBytes(
-        activations=acts,
-        grads=grads,
-        flat=grads,
-        working=working,
-        zero=plan.zero,
-        dp=plan.dp,
-        deferred_reduce=_deferred(plan.zero, plan.accumulation),
-        uses={last: (last, 0)} if shape.tied and last != 0 and {0, last} <= psi.keys() else {},
-    )
+    sizes = _stage_sizes(shape, plan, rank)
     moment, after_backward = _rank_walk(plan, rank, sizes.uses).evaluate(sizes)
     # autocast's compute-dtype weight copies live through the forward/backward phase (one autocast region)
     moment.activations += autocast_weight_bytes(shape, cplan, rank)
     # the optimizer step: the gradients held after backward and the update's temporaries (two of the
     # largest shard: ZeRO's Adam denominator) beside the state
-    temporaries = 2 * max(grads.values(), default=0.0) / plan.dp if plan.zero else 0.0
+    temporaries = _temporaries(plan, sizes.grads)
     if after_backward + temporaries > moment.total:
         moment = Moment(grads=after_backward, working=temporaries, label="optimizer step")
-    p2p = 2 * boundary if plan.pp > 1 else 0.0  # the send and the receive buffer of one micro-batch
+    p2p = 2 * boundary_bytes(shape, cplan) if plan.pp > 1 else 0.0  # one micro-batch's send and receive
     at_peak = MemoryBreakdown(
         params=held.params,
         grads=moment.grads,
@@ -394,6 +408,57 @@ def _at_peak(
         comm_buffers=moment.buffers + p2p,
     )
     return at_peak, after_backward
+
+
+@lru_cache(maxsize=16)  # the search asks for a rank's sizes twice (floor, estimate)
+def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageBytes:
+    """The sizes the walk of pipeline rank ``rank``'s list prices, by its stages (not to be mutated: cached)."""
+    cplan = cost_plan(plan)
+    per_stage = stage_params(shape, cplan, plan.stage_layers)
+    psi = {s: per_stage[s] for s in plan.rank_stages(rank)}
+    per_layer, recompute, boundary, head, head_working = _micro_batch_bytes(shape, cplan)
+    last = plan.n_stages - 1
+    # a stage whose output goes to another rank keeps it for its backward (not saved by autograd)
+    acts = {
+        s: per_layer * plan.stage_layers[s] + (boundary if s != last and s + 1 not in psi else 0.0)
+        for s in psi
+    }
+    working = {s: recompute for s in psi}
+    if last in psi:
+        acts[last] += head
+        working[last] += head_working
+    grads = {s: 4.0 * n for s, n in psi.items()}
+    return StageBytes(
+        activations=acts,
+        grads=grads,
+        flat=grads,
+        working=working,
+        zero=plan.zero,
+        dp=plan.dp,
+        deferred_reduce=_deferred(plan.zero, plan.accumulation),
+        uses={last: (last, 0)} if shape.tied and last != 0 and {0, last} <= psi.keys() else {},
+    )
+
+
+@lru_cache(maxsize=16)  # a layout's cost view, asked for by each of its candidate ranks
+def _micro_batch_bytes(shape: ModelShape, cplan: Plan) -> tuple[float, float, float, float, float]:
+    """One micro-batch's (activations saved per block, a recomputed block's transient, the boundary tensor,
+    the head's saved activations with its fp32 logits, the head's backward transient)."""
+    per_layer = activation_bytes_per_layer(shape, cplan)
+    recompute = (
+        activation_bytes_per_layer(shape, cplan, recompute="none") if cplan.recompute != "none" else 0.0
+    )
+    logits = 4 * shape.seq_len * cplan.micro_batch * shape.vocab_size / cplan.tp
+    head = head_activation_bytes(shape, cplan) + logits
+    # the head's backward begins with the cross-entropy's softmax and gradient (two more logits) and the
+    # output layer's weight gradient, before the stage's saved activations are freed
+    head_working = 2 * logits + 4.0 * shape.vocab_size * shape.d_model / cplan.tp
+    return per_layer, recompute, boundary_bytes(shape, cplan), head, head_working
+
+
+def _temporaries(plan: ExecutionPlan, grads: dict[int, float]) -> float:
+    """The optimizer step's temporaries beside the state: two of the largest shard (ZeRO's Adam denominator)."""
+    return 2 * max(grads.values(), default=0.0) / plan.dp if plan.zero else 0.0
 
 
 def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]]) -> Walk:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from tessera.pipeline.ir import Action, ActionKind
 from tessera.pipeline.schedules import Step
 
-__all__ = ["Moment", "StageBytes", "Walk", "compile_walk", "lowered_events", "walk"]
+__all__ = ["Moment", "StageBytes", "Walk", "compile_walk", "floor", "lowered_events", "walk"]
 
 _K = ActionKind
 # module constants: an enum member looked up on its class costs a descriptor call, per action of a long walk
@@ -221,7 +221,7 @@ class _Live:
         between the one before and this one: it never exceeds both ends, and the earlier end comes first on a
         tie. Ramps (warm-up forwards, a backward sweep) and steady states that grow by the same step each
         period collapse to their ends."""
-        shape = tuple(k for k, _ in key)
+        shape = tuple([k for k, _ in key])
         chain = self.chains.get(shape)
         if chain is not None and len(chain) == 2:
             (_, first), (mid_key, mid) = chain
@@ -285,14 +285,28 @@ class _Live:
 def _between(
     first: dict[tuple[int, int], float], mid: dict[tuple[int, int], float], last: dict, shape: tuple
 ) -> bool:
-    """``mid`` lies on the segment from ``first`` to ``last`` (counts: exact integer arithmetic)."""
-    d1 = [(mid.get(k, 0) - first.get(k, 0), last.get(k, 0) - mid.get(k, 0)) for k in shape]
-    a0, b0 = next(((a, b) for a, b in d1 if a), (0, 0))
-    return a0 * b0 > 0 and all(a * b0 == b * a0 for a, b in d1)
+    """``mid`` lies on the segment from ``first`` to ``last`` (counts: exact integer arithmetic). The three
+    have the terms ``shape`` (a chain holds moments of one shape)."""
+    a0 = b0 = 0
+    for k in shape:  # the first term that moves gives the direction
+        a0 = mid[k] - first[k]
+        if a0:
+            b0 = last[k] - mid[k]
+            break
+    if a0 * b0 <= 0:
+        return False
+    for k in shape:  # noqa: SIM110 - a loop, not all(generator): a walk asks ~1e5 times
+        if (mid[k] - first[k]) * b0 != (last[k] - mid[k]) * a0:
+            return False
+    return True
 
 
 def _covers(big: dict[tuple[int, int], float], small: dict[tuple[int, int], float]) -> bool:
-    return all(big.get(k, 0) >= n for k, n in small.items())
+    get = big.get
+    for k, n in small.items():  # noqa: SIM110 - a loop, not all(generator): a walk asks ~1e5 times
+        if get(k, 0) < n:
+            return False
+    return True
 
 
 def _label(where: tuple) -> str:
@@ -422,6 +436,50 @@ def walk(actions: Sequence[Action], sizes: StageBytes) -> tuple[Moment, float]:
         uses=sizes.uses,
     )
     return compiled.evaluate(sizes)
+
+
+def floor(
+    sizes: StageBytes, *, activations: float, reductions: int, reduced_backwards: bool = False
+) -> tuple[float, float]:
+    """Lower bounds of what any walk of one rank's lowered list holding ``sizes``' stages returns, without
+    walking it: (the largest moment's total, the gradient bytes held after backward). ``activations``: a lower
+    bound of the activations alive at their peak; ``reductions``: how many REDUCE actions the list has at least;
+    ``reduced_backwards``: every backward is a whole B (no I/W split) followed by its REDUCE_MB (not so where a
+    stage tied across ranks has its one REDUCE at the end).
+
+    Each term is alive at a moment every such list has (module docstring for what an action holds); a stage's
+    size is bounded by its rank's smallest (``min``) where which stage it is depends on the list:
+
+    - the backward after the activations' peak (the first backward action that follows it: nothing freed them
+      in between) notes them with its transient beside, and under ZeRO-3 with data parallelism its stage's
+      gathered parameters (a compute runs between its stage's GATHER and FREE); with ``reduced_backwards`` under
+      ZeRO-2/3 its REDUCE_MB follows, with the activations less that backward's micro-batch beside its stage's
+      gradients and their flat copy (and, on a one-stage list of several micro-batches, the gathered
+      parameters: that B is not the last action, so the list's one FREE is still ahead);
+    - the reduction after the list's last backward action (a B or W, which leaves its stage's gradients)
+      flattens them beside those gradients; ZeRO-1 keeps every stage's gradients (all complete by then), ZeRO's
+      earlier reductions left one flat buffer in flight (with data parallelism, from the second on) and a shard
+      per other stage. Plain data parallelism: only that flat buffer beside its gradients is counted.
+    - after backward: every stage's gradients (no ZeRO, ZeRO-1) and ZeRO's shards.
+    """
+    grads, flat, zero = sizes.grads, sizes.flat, sizes.zero
+    shards = sizes.table(_SHARD) if zero else {}
+    at_backward = activations + min(sizes.working.values(), default=0.0)
+    gathered = min(grads.values(), default=0.0) if zero >= 3 and sizes.dp > 1 else 0.0
+    at_backward += gathered
+    if reduced_backwards and zero >= 2:
+        after_peak = activations - max(sizes.activations.values()) + min(grads.values()) + min(flat.values())
+        one_stage = len(grads) == 1 and reductions > 1
+        at_backward = max(at_backward, after_peak + (gathered if one_stage else 0.0))
+    at_reduce = 0.0
+    if reductions and (zero or sizes.dp > 1):
+        at_reduce = (sum(grads.values()) if zero == 1 else min(grads.values())) + min(flat.values())
+        if zero and sizes.dp > 1 and reductions > 1:
+            at_reduce += min(flat.values())
+        if shards:
+            at_reduce += sum(shards.values()) - max(shards.values())
+    after = (sum(grads.values()) if zero <= 1 else 0.0) + sum(shards.values())
+    return max(at_backward, at_reduce), after
 
 
 def lowered_events(

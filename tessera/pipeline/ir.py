@@ -67,6 +67,9 @@ class ActionKind(StrEnum):
     FREE_PARAMS = "FREE"
     EXCHANGE_TIED = "EXCHANGE"
 
+    # the groups are module tuples of members: looking a member up on its class costs a descriptor call, and
+    # the simulator and the lowering passes ask these of every action
+
     @property
     def is_compute(self) -> bool:
         """F, B, I or W: runs the stage's module."""
@@ -74,39 +77,46 @@ class ActionKind(StrEnum):
 
     @property
     def is_send(self) -> bool:
-        return self in (ActionKind.SEND_F, ActionKind.SEND_B)
+        return self in _SENDS
 
     @property
     def is_recv(self) -> bool:
-        return self in (ActionKind.RECV_F, ActionKind.RECV_B)
+        return self in _RECVS
 
     @property
     def is_comm(self) -> bool:
         """Point-to-point pipeline communication (carries a micro-batch and a peer rank)."""
-        return self.is_send or self.is_recv
+        return self in _COMM
 
     @property
     def is_stage_level(self) -> bool:
         """REDUCE, GATHER, FREE: concern a whole stage, no micro-batch."""
-        return self in (ActionKind.REDUCE_GRAD, ActionKind.GATHER_PARAMS, ActionKind.FREE_PARAMS)
+        return self in _STAGE_LEVEL
 
     @property
     def is_exchange(self) -> bool:
         """EXCHANGE: the tied gradients' swap with the peer rank (a whole stage, with a peer, no micro-batch)."""
-        return self is ActionKind.EXCHANGE_TIED
+        return self is _EXCHANGE
 
     @property
     def is_reduce(self) -> bool:
         """REDUCE (the stage's gradient of the step) or REDUCE_MB (one micro-batch's): a data-parallel reduction."""
-        return self in (ActionKind.REDUCE_GRAD, ActionKind.REDUCE_MICROBATCH)
+        return self in _REDUCES
 
     @property
     def carries_gradient(self) -> bool:
         """True for SEND_B/RECV_B (gradients flow backward), False for SEND_F/RECV_F (activations)."""
-        return self in (ActionKind.SEND_B, ActionKind.RECV_B)
+        return self in _GRADIENT_MESSAGES
 
 
-_COMPUTE = frozenset({"F", "B", "I", "W"})
+_K = ActionKind
+_COMPUTE = (_K.FORWARD, _K.BACKWARD, _K.BACKWARD_INPUT, _K.BACKWARD_WEIGHT)
+_SENDS, _RECVS = (_K.SEND_F, _K.SEND_B), (_K.RECV_F, _K.RECV_B)
+_COMM = _SENDS + _RECVS
+_STAGE_LEVEL = (_K.REDUCE_GRAD, _K.GATHER_PARAMS, _K.FREE_PARAMS)
+_EXCHANGE = _K.EXCHANGE_TIED
+_REDUCES = (_K.REDUCE_GRAD, _K.REDUCE_MICROBATCH)
+_GRADIENT_MESSAGES = (_K.SEND_B, _K.RECV_B)
 _KIND_ALTERNATION = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
 _ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATION})(\d+)?(?:(->|<-|<>)r(\d+))?$")
 
@@ -122,25 +132,29 @@ class Action:
     peer: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", ActionKind(self.kind))
+        kind = self.kind
+        if type(kind) is not ActionKind:  # a letter: schedules are built by the hundred thousand from members
+            kind = ActionKind(kind)
+            object.__setattr__(self, "kind", kind)
         if self.stage < 0:
             raise ScheduleError(f"action stage must be >= 0, got {self.stage}")
-        if self.kind.is_exchange:
+        if kind is _EXCHANGE:
             if self.microbatch is not None or self.peer is None or self.peer < 0:
                 raise ScheduleError(
                     "EXCHANGE concerns a whole stage: give no micro-batch and a peer rank >= 0"
                 )
             return
-        if self.kind.is_stage_level:
+        if kind in _STAGE_LEVEL:
             if self.microbatch is not None or self.peer is not None:
-                raise ScheduleError(f"{self.kind.name} concerns a whole stage: give no micro-batch or peer")
+                raise ScheduleError(f"{kind.name} concerns a whole stage: give no micro-batch or peer")
             return
         if self.microbatch is None or self.microbatch < 0:
-            raise ScheduleError(f"{self.kind.name} needs a micro-batch index >= 0, got {self.microbatch}")
-        if self.kind.is_comm and (self.peer is None or self.peer < 0):
-            raise ScheduleError(f"{self.kind.name} needs a peer rank >= 0, got {self.peer}")
-        if (self.kind.is_compute or self.kind.is_reduce) and self.peer is not None:
-            raise ScheduleError(f"{self.kind.name} takes no peer rank")
+            raise ScheduleError(f"{kind.name} needs a micro-batch index >= 0, got {self.microbatch}")
+        if kind in _COMM:
+            if self.peer is None or self.peer < 0:
+                raise ScheduleError(f"{kind.name} needs a peer rank >= 0, got {self.peer}")
+        elif self.peer is not None:  # compute or REDUCE_MB
+            raise ScheduleError(f"{kind.name} takes no peer rank")
 
     def __str__(self) -> str:
         if self.kind.is_stage_level:

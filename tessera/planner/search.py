@@ -312,9 +312,12 @@ def _evaluate(ctx: _Ctx, run: Config, base: Plan, batch: int, p2p: float) -> Can
     estimator, `tessera.memory.estimate_plan`) and the step time of the schedule that plan runs."""
     execution = decide(run, ctx.gpus)
     # most layouts fail here, before the full estimate: the model state alone, then with the peak activations
-    if model_state_floor(ctx.shape, execution) > ctx.limit or memory_floor(ctx.shape, execution) > ctx.limit:
+    if (
+        model_state_floor(ctx.shape, execution) > ctx.limit
+        or memory_floor(ctx.shape, execution, stop_above=ctx.limit) > ctx.limit
+    ):
         return None
-    memory = estimate_plan(ctx.shape, execution)
+    memory = estimate_plan(ctx.shape, execution, stop_above=ctx.limit)
     if memory.total > ctx.limit:
         return None
     timed = cost_plan(execution)

@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
+from tessera.pipeline.ir import ActionKind
 from tessera.pipeline.passes import lower, tied_stages
 from tessera.pipeline.schedules import build_schedule
 from tessera.planner.cost import (
@@ -63,7 +64,7 @@ from tessera.planner.cost import (
 )
 from tessera.planner.hardware import Hardware
 from tessera.planner.network import collective_time, placement
-from tessera.sim.simulator import SimResult, simulate
+from tessera.sim.simulator import SimResult, simulate, step_time
 
 __all__ = [
     "CONFIG_TO_IR",
@@ -509,14 +510,21 @@ def _per_microbatch_reduce(plan: Plan) -> bool:
     return plan.dp > 1 and per_microbatch_reduction(plan)
 
 
+_FORWARD, _BACKWARD, _EXCHANGE = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.EXCHANGE_TIED
+
+
 def _durations(pc: PipelineCosts, exchange: float = 0.0):
+    # per stage once: the simulator asks for every action of the lowered lists (kinds compared by identity)
+    forward = [pc.forward(s) for s in range(len(pc.counts))]
+    backward = [pc.backward(s) for s in range(len(pc.counts))]
+
     def duration(action, rank: int) -> float:
-        kind = action.kind.value
-        if kind == "F":
-            return pc.forward(action.stage)
-        if kind == "B":
-            return pc.backward(action.stage)
-        if action.kind.is_exchange:
+        kind = action.kind
+        if kind is _FORWARD:
+            return forward[action.stage]
+        if kind is _BACKWARD:
+            return backward[action.stage]
+        if kind is _EXCHANGE:
             return exchange
         return 0.0
 
@@ -542,18 +550,15 @@ def simulate_step(
     p2p = pc.block.p2p
     # check=False: the builders emit valid schedules and simulate() itself raises on a deadlock
     with_p2p = simulate(lowered, p, _durations(pc, exchange), comm_latency=p2p, check=False)
-    free = (
-        simulate(lowered, p, _durations(pc), comm_latency=0.0, check=False)
-        if p2p > 0 or exchange > 0
-        else with_p2p
-    )
+    # the free-communication run: only its length is used
+    free = step_time(lowered, p, _durations(pc)) if p2p > 0 or exchange > 0 else with_p2p.step_time
     compute, tp = (m * x for x in pc.rank_parts(p, pc.critical_rank(p)))
     exposed = _simulated_dp(shape, hw, plan, with_p2p, pc)
     breakdown = StepBreakdown(
         compute=compute,
         tp_comm=tp,
-        bubble=max(0.0, free.step_time - compute - tp),
-        pp_comm=max(0.0, with_p2p.step_time - free.step_time),
+        bubble=max(0.0, free - compute - tp),
+        pp_comm=max(0.0, with_p2p.step_time - free),
         dp_comm=exposed,
         optimizer=optimizer_time(shape, hw, plan),
     )

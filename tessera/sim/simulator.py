@@ -20,9 +20,12 @@ from typing import NamedTuple
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError
 from tessera.pipeline.validate import validate as validate_schedule
 
-__all__ = ["CostTable", "SimResult", "TimelineEntry", "simulate"]
+__all__ = ["CostTable", "SimResult", "TimelineEntry", "simulate", "step_time"]
 
 _K = ActionKind
+# module constants: the run compares every action's kind, and a member looked up on its class is a descriptor call
+_SEND_F, _SEND_B, _RECV_F, _RECV_B = _K.SEND_F, _K.SEND_B, _K.RECV_F, _K.RECV_B
+_EXCHANGE = _K.EXCHANGE_TIED
 
 
 class TimelineEntry(NamedTuple):
@@ -151,23 +154,47 @@ def simulate(
     """
     if check:
         validate_schedule(lowered, p)
-    cost = _duration_fn(durations)
+    timeline: list[TimelineEntry] = []
+    _run(lowered, p, _duration_fn(durations), comm_latency, timeline)
+    return _summarise(timeline, p, activation_bytes)
+
+
+def step_time(
+    lowered: Schedule, p: int, durations: Durations | None = None, *, comm_latency: float = 0.0
+) -> float:
+    """``simulate(...).step_time`` without a timeline or summary (the planner's run with free communication)."""
+    return _run(lowered, p, _duration_fn(durations), comm_latency, None)
+
+
+def _run(
+    lowered: Schedule,
+    p: int,
+    cost: Callable[[Action, int], float],
+    comm_latency: float,
+    timeline: list[TimelineEntry] | None,
+) -> float:
+    """Each rank runs its list in order until a RECV whose message has not arrived (or an EXCHANGE its peer has
+    not reached); repeat until all are done. Appends each action as it ran to ``timeline`` (unless None), rank
+    by rank; returns the step time."""
     clock, pc = [0.0] * p, [0] * p
     arrivals: dict[tuple, float] = {}
     exchanges: dict[tuple[int, int], int] = {}  # (rank, peer) -> EXCHANGEs done
     reached: dict[tuple[int, int, int], float] = {}  # (rank, peer, n) -> when the rank reached its n-th
-    timeline: list[TimelineEntry] = []
+    append = None if timeline is None else timeline.append
+    step = 0.0
     while any(pc[r] < len(lowered[r]) for r in range(p)):
         progressed = False
         for rank in range(p):
-            while pc[rank] < len(lowered[rank]):
-                action = lowered[rank][pc[rank]]
-                start = clock[rank]
-                if action.kind.is_recv:
-                    if action.message not in arrivals:
+            actions, i, start = lowered[rank], pc[rank], clock[rank]
+            while i < len(actions):
+                action = actions[i]
+                kind = action.kind
+                if kind is _RECV_F or kind is _RECV_B:
+                    arrival = arrivals.get(action.message)
+                    if arrival is None:
                         break  # the sender has not been simulated that far yet
-                    start = max(start, arrivals[action.message])
-                elif action.kind.is_exchange:  # a rendezvous: the n-th with a peer meets the peer's n-th
+                    start = max(start, arrival)
+                elif kind is _EXCHANGE:  # a rendezvous: the n-th with a peer meets the peer's n-th
                     pair = (rank, action.peer)
                     n = exchanges.get(pair, 0)
                     reached.setdefault((*pair, n), start)
@@ -177,13 +204,16 @@ def simulate(
                     start = max(start, theirs)
                     exchanges[pair] = n + 1
                 end = start + cost(action, rank)
-                if action.kind.is_send:
+                if kind is _SEND_F or kind is _SEND_B:
                     arrivals[action.message] = end + comm_latency
-                timeline.append(TimelineEntry(rank, action, start, end))
-                clock[rank], pc[rank], progressed = end, pc[rank] + 1, True
+                if append is not None:
+                    append(TimelineEntry(rank, action, start, end))
+                step = max(step, end)
+                start, i, progressed = end, i + 1, True
+            clock[rank], pc[rank] = start, i
         if not progressed:
             raise ScheduleError("schedule deadlocks; run tessera.pipeline.validate for the grid")
-    return _summarise(timeline, p, activation_bytes)
+    return step
 
 
 def _summarise(

@@ -14,8 +14,8 @@ import pytest
 
 from tessera.config import from_dict
 from tessera.execution import resolve
-from tessera.memory import _stage_classes, estimate_plan, memory_floor
-from tessera.peak_memory import StageBytes, compile_walk, lowered_events, walk
+from tessera.memory import _rank_floor, _stage_classes, estimate_plan, memory_floor
+from tessera.peak_memory import StageBytes, compile_walk, floor, lowered_events, walk
 from tessera.pipeline.ir import Action, ActionKind, stage_to_rank
 from tessera.pipeline.passes import lower, tied_across, tied_stages
 from tessera.pipeline.schedules import build_schedule, rank_steps
@@ -110,6 +110,65 @@ def test_plain_depth_first_flat_buffers_do_not_grow_with_micro_batches(name: str
             sizes = StageBytes(activations=zeros, grads=zeros, flat=ones, working=zeros, zero=0, dp=2)
             counts.add(compile_walk(events, zero=0, sharded=True).evaluate(sizes)[0].buffers)
         assert counts == {v + 1.0}, (r, counts)
+
+
+# --- the floor: each term is alive in every walk, and equals the walk's peak where that moment is the peak ------
+
+
+def _one_stage(acts: float, grads: float, working: float, zero: int, dp: int) -> StageBytes:
+    return StageBytes(
+        activations={0: acts}, grads={0: grads}, flat={0: grads}, working={0: working}, zero=zero, dp=dp
+    )
+
+
+def test_the_floor_is_the_backward_after_the_activations_peak() -> None:
+    # ZeRO-3: B0 notes both micro-batches (200), its transient (5) and the gathered stage (10); reduced once
+    actions = [Action(0, G), Action(0, F, 0), Action(0, F, 1), Action(0, B, 0), Action(0, B, 1)]
+    actions += [Action(0, FREE), Action(0, R)]
+    sizes = _one_stage(acts=100.0, grads=10.0, working=5.0, zero=3, dp=2)
+    moment, held = walk(actions, sizes)
+    assert moment.total == 215.0
+    assert floor(sizes, activations=200.0, reductions=1) == (215.0, held)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_the_floor_is_the_reduction_after_the_peaks_backward(zero: int) -> None:
+    # per micro-batch: at REDUCE_MB 0 one micro-batch (100), the gradients and their flat copy (60 + 60); the
+    # gathered stage (60) under ZeRO-3: the one-stage list's FREE comes after B1
+    actions = [Action(0, F, 0), Action(0, F, 1), Action(0, B, 0), Action(0, RM, 0), Action(0, B, 1)]
+    actions += [Action(0, RM, 1)]
+    if zero == 3:
+        actions = [Action(0, G), *actions[:-1], Action(0, FREE), actions[-1]]
+    sizes = _one_stage(acts=100.0, grads=60.0, working=0.0, zero=zero, dp=2)
+    moment, held = walk(actions, sizes)
+    assert moment.total == {2: 220.0, 3: 280.0}[zero]
+    got = floor(sizes, activations=200.0, reductions=2, reduced_backwards=True)
+    assert got == (moment.total, held)
+
+
+@pytest.mark.parametrize(
+    ("zero", "dp", "peak", "held"), [(0, 2, 80.0, 40.0), (1, 2, 180.0, 120.0), (2, 2, 140.0, 40.0)]
+)
+def test_the_floor_is_the_last_reduction(zero: int, dp: int, peak: float, held: float) -> None:
+    # two stages of 40 bytes of gradients, reduced once each. At R0, ZeRO-2: its gradients and flat copy, stage
+    # 1's flat buffer in flight and its shard (40 + 40 + 40 + 20); ZeRO-1 also keeps stage 1's gradients (+40);
+    # plain data parallelism: R0's flat copy beside the gradients (the write-back at the end holds as much)
+    actions = [Action(0, F, 0), Action(1, F, 0), Action(1, B, 0), Action(1, R), Action(0, B, 0), Action(0, R)]
+    if zero == 0:
+        actions = [Action(0, F, 0), Action(0, B, 0), Action(0, R)]
+    stages = (0,) if zero == 0 else (0, 1)
+    grads = dict.fromkeys(stages, 40.0)
+    sizes = StageBytes(
+        activations=dict.fromkeys(stages, 1.0),
+        grads=grads,
+        flat=grads,
+        working=dict.fromkeys(stages, 0.0),
+        zero=zero,
+        dp=dp,
+    )
+    moment, got_held = walk(actions, sizes)
+    assert (moment.total, got_held) == (peak, held)
+    assert floor(sizes, activations=2.0, reductions=len(stages)) == (peak, held)
 
 
 # --- the fast path against the definitions ---------------------------------------------------------------------
@@ -284,6 +343,60 @@ def test_the_compiled_walk_prices_like_the_plain_walk(name: str, p: int, m: int,
                 assert got_held == pytest.approx(held, rel=1e-12), case
 
 
+def _exact_peak_activations(actions: list[Action], acts: dict[int, float]) -> float:
+    live = peak = 0.0
+    for a in actions:
+        if a.kind is F:
+            live += acts[a.stage]
+        elif a.kind in (B, ActionKind.BACKWARD_WEIGHT):
+            live -= acts[a.stage]
+        peak = max(peak, live)
+    return peak
+
+
+FLOOR_GRID = [
+    *[(name, 3, 5, 1) for name in ("1f1b", "gpipe")],
+    ("1f1b", 2, 1, 1),  # one micro-batch: its backward is the last action
+    ("interleaved_1f1b", 2, 4, 3),
+    ("breadth_first", 2, 5, 3),
+    ("breadth_first", 1, 4, 2),
+]
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), FLOOR_GRID)
+def test_the_floor_is_below_the_walk(name: str, p: int, m: int, v: int) -> None:
+    """Every mode of reduction, each rank, random sizes: the floor never exceeds the walked peak or the
+    gradients held after backward."""
+    rng = random.Random(f"floor{name}{p}{m}{v}")
+    modes = itertools.product(range(4), (1, 3), (False, True), (False, True), _tied_cases(p, v))
+    for zero, dp, every, consecutive, tied in modes:
+        deferred = zero == 1 and consecutive
+        options = _options(name, consecutive)
+        lowered = lower(
+            build_schedule(name, p, m, v, **options),
+            p,
+            zero3=zero == 3,
+            reduce_every_microbatch=every,
+            tied=tied,
+        )
+        for r in range(p):
+            exchanged = _exchanged(tied, p, r)
+            events = [(a.kind, a.stage) for a in lowered[r] if not a.kind.is_comm]
+            compiled = compile_walk(events, zero=zero, sharded=dp > 1, deferred_reduce=deferred)
+            for _ in range(3):
+                sizes = _random_sizes(sorted({a.stage for a in lowered[r]}), zero, dp, deferred, rng)
+                moment, held = compiled.evaluate(sizes)
+                low, low_held = floor(
+                    sizes,
+                    activations=_exact_peak_activations(lowered[r], sizes.activations),
+                    reductions=sum(kind in (R, RM) for kind, _ in events),
+                    reduced_backwards=every and not exchanged,
+                )
+                case = (zero, dp, every, consecutive, r, tied)
+                assert low <= moment.total * (1 + 1e-12), case
+                assert low_held <= held * (1 + 1e-12), case
+
+
 def test_stages_of_equal_sizes_are_counted_together() -> None:
     """`classes` (stage -> a stage of the same sizes) changes how terms are counted, not the answer."""
     rng = random.Random(0)
@@ -364,3 +477,95 @@ def test_the_fullest_rank_is_a_candidate_and_the_floor_is_below(
     for r in range(plan.pp):
         for s, c in _stage_classes(plan, r).items():
             assert plan.stage_layers[s] == plan.stage_layers[c] and (s == 0) == (c == 0)
+
+
+HEAVY = {"family": "gpt", "n_heads": 4, "d_model": 32, "vocab_size": 64, "seq_len": 256, "n_layers": 4}
+"""Activations outweigh the model state: a backward at the activations' peak is the step's peak."""
+
+
+def _plan(model: dict, parallel: dict, dp: int, dtype: str, world: int, batch: int = 8):
+    cfg = from_dict(
+        {
+            "model": model,
+            "parallel": {"data": dp, **parallel},
+            "train": {"global_batch": batch * dp, "micro_batch": 4 if model is HEAVY else 2, "dtype": dtype},
+        }
+    )
+    return ModelShape.from_config(cfg.model), resolve(cfg, world)
+
+
+@pytest.mark.parametrize(("zero", "dp"), [(z, d) for z in range(4) for d in (1, 2)])
+def test_the_floor_equals_the_estimate_where_the_peaks_backward_is_the_peak(zero: int, dp: int) -> None:
+    """GPipe, two ranks, two micro-batches, activations outweighing the model state: the peak is the first
+    backward (with its reduction after it under ZeRO-2/3), which the floor prices exactly on both ranks: the
+    boundary sent on, the head's activations and transient, the recompute transient, autocast's copies, ZeRO-3's
+    gathered stage. A term the floor over-counted would put it above the estimate here."""
+    for checkpointing, dtype, tied in itertools.product(
+        ("none", "selective", "full"), ("bf16", "fp32"), (True, False)
+    ):
+        parallel = {"pipeline": 2, "schedule": "gpipe", "zero": zero, "checkpointing": checkpointing}
+        shape, plan = _plan({**HEAVY, "tie_embeddings": tied}, parallel, dp, dtype, 2 * dp)
+        for r in range(2):
+            want = estimate_plan(shape, plan, stage=r).total
+            assert _rank_floor(shape, plan, r) == pytest.approx(want, rel=1e-12), (
+                checkpointing,
+                dtype,
+                tied,
+                r,
+            )
+
+
+SCHEDULE_GRID = [  # (pipeline, schedule, stages per rank, accumulation)
+    (1, "1f1b", 1, "depth_first"),
+    (1, "breadth_first", 4, "layered"),
+    (2, "1f1b", 1, "depth_first"),
+    (2, "gpipe", 1, "layered"),
+    (2, "interleaved", 2, "depth_first"),
+    (2, "breadth_first", 2, "layered"),
+    (2, "breadth_first", 2, "depth_first"),
+]
+
+
+@pytest.mark.parametrize(("pp", "schedule", "v", "accumulation"), SCHEDULE_GRID)
+def test_the_floor_is_below_the_estimate_on_every_rank(
+    pp: int, schedule: str, v: int, accumulation: str
+) -> None:
+    """Every schedule, ZeRO 0-3, with and without data parallelism, each checkpointing mode, bf16 and fp32,
+    tied and untied head, a model whose state dominates and one whose activations do: each rank's floor is at
+    most its estimate."""
+    small = {**MODEL, "n_layers": 4}
+    for model, zero, dp, checkpointing, dtype, tied in itertools.product(
+        (small, HEAVY), range(4), (1, 2), ("none", "selective", "full"), ("bf16", "fp32"), (True, False)
+    ):
+        parallel = {
+            "pipeline": pp,
+            "schedule": schedule,
+            "stages_per_rank": v,
+            "accumulation": accumulation,
+            "zero": zero,
+            "checkpointing": checkpointing,
+        }
+        shape, plan = _plan({**model, "tie_embeddings": tied}, parallel, dp, dtype, pp * dp)
+        for r in range(plan.pp):
+            case = (model["family"], zero, dp, checkpointing, dtype, tied, r)
+            assert _rank_floor(shape, plan, r) <= estimate_plan(shape, plan, stage=r).total * (1 + 1e-12), (
+                case
+            )
+
+
+@pytest.mark.parametrize(("world", "parallel", "batch"), PLANS)
+def test_stop_above_answers_whether_the_limit_is_exceeded(world: int, parallel: dict, batch: int) -> None:
+    """The search's early stop: with ``stop_above`` the floor and the estimate exceed the limit exactly when the
+    full answers do; below it the estimate is the full one."""
+    model = {**MODEL, "n_layers": sum(parallel["stage_layers"])}
+    cfg = from_dict({"model": model, "parallel": parallel, "train": {"global_batch": batch}})
+    plan = resolve(cfg, world)
+    shape = ModelShape.from_config(cfg.model)
+    full, low = estimate_plan(shape, plan), memory_floor(shape, plan)
+    per_rank = sorted({estimate_plan(shape, plan, stage=r).total for r in range(plan.pp)} | {low})
+    for limit in [x * f for x in per_rank for f in (0.999, 1.0, 1.001)]:
+        assert (memory_floor(shape, plan, stop_above=limit) > limit) == (low > limit)
+        stopped = estimate_plan(shape, plan, stop_above=limit)
+        assert (stopped.total > limit) == (full.total > limit)
+        if full.total <= limit:
+            assert stopped == full
