@@ -16,7 +16,7 @@ Per-action durations (all from `tessera.planner.cost`):
   `parallel/zero.py` does it). Data-parallel collectives are issued per block (`dp_parts` buckets).
 - ``EXCHANGE`` (a tied embedding and head on two pipeline ranks): both ranks swap the table's gradient
   (`tied_exchange_time`) once both reached it, at the end of their lists (counted as PP time); the two stages'
-  one REDUCE follows it and is released whole when it runs, not under a backward.
+  one REDUCE follows it and is released whole when it runs, not under a backward (`fast_step` likewise).
 - Gradient clipping's norm all-reduce and the optimizer step (`optimizer_time`) follow, unoverlapped.
 
 Two ways to get the number, which agree (tests/unit/test_search.py checks them against each other):
@@ -428,12 +428,13 @@ def _fast(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, pc: Pipeli
     pp = pipeline_time(schedule, p, m, v, c.fwd, c.bwd, c.p2p) - pipeline_time(
         schedule, p, m, v, c.fwd, c.bwd, 0.0
     )
-    dp = _fast_dp(shape, hw, plan, schedule, c, free + pp)
+    exchange = _tied_exchange(shape, hw, plan)  # both end ranks, once both are done: it ends the step
+    dp = _fast_dp(shape, hw, plan, schedule, c, free + pp, exchange)
     return StepBreakdown(
         compute=compute,
         tp_comm=tp,
         bubble=max(0.0, free - compute - tp),
-        pp_comm=pp,
+        pp_comm=pp + exchange,
         dp_comm=dp,
         optimizer=optimizer_time(shape, hw, plan),
     )
@@ -449,9 +450,26 @@ def _rank_loads(pc: PipelineCosts, p: int) -> list[float]:
     return [first, *([middle] * (p - 2)), last]
 
 
-def _fast_dp(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, c: ChunkCosts, end: float) -> float:
+def _tied_exchange(shape: ModelShape, hw: Hardware, plan: Plan) -> float:
+    """Seconds of the EXCHANGE that ends the step when a tied embedding and head sit on two pipeline ranks
+    (the loop placement puts stage 0 on rank 0 and the last on rank p − 1); 0 otherwise."""
+    return tied_exchange_time(shape, hw, plan) if shape.tied and plan.pp > 1 else 0.0
+
+
+def _fast_dp(
+    shape: ModelShape,
+    hw: Hardware,
+    plan: Plan,
+    schedule: str,
+    c: ChunkCosts,
+    end: float,
+    exchange: float = 0.0,
+) -> float:
     """DP exposure of rank 0 with release times from the schedule order: local chunk j's last backward is
-    followed by j·K backwards of earlier chunks (K = p interleaved, m breadth-first, 0 otherwise)."""
+    followed by j·K backwards of earlier chunks (K = p interleaved, m breadth-first, 0 otherwise). With a tied
+    embedding on another rank than the head (``exchange`` > 0), chunk 0 (stage 0) is reduced once, whole, after
+    the ``exchange`` that follows the last compute at ``end``; per micro-batch, its m backwards are taken to
+    be every v-th from the end (exact for v = 1)."""
     if plan.dp <= 1:
         return 0.0
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
@@ -459,15 +477,20 @@ def _fast_dp(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, c: Chun
     psi = max(params_per_rank(shape, plan, 0), params_per_rank(shape, plan, p - 1))
     reduce, gather = dp_parts(psi, hw, plan, buckets=c.layers * v)
     after = {"interleaved": p, "breadth_first": m}.get(schedule, 0)
+    tied = exchange > 0
     items: list[tuple[float, float]] = []
-    if _per_microbatch_reduce(plan):  # one reduction per micro-batch and chunk, under its backward
-        items += _backward_releases(schedule, p, m, v, c, end, reduce / (m * v))
+    per_microbatch = _per_microbatch_reduce(plan)
+    if per_microbatch:  # one reduction per micro-batch and chunk, under its backward
+        skip = v if tied else 0
+        items += _backward_releases(schedule, p, m, v, c, end, reduce / (m * v), skip_every=skip)
     else:
-        for j in range(v):
+        for j in range(1 if tied else 0, v):
             items += _reduce_items(end - j * after * c.bwd, c.bwd, c.layers, reduce / v)
+    if tied:
+        items.append((end + exchange, reduce / (v * (m if per_microbatch else 1))))
     pieces = 2 * v * (m if plan.accumulation == "depth_first" and plan.zero_stage == 3 else 1)
     queued, exposed = _gathers(plan, gather, end, min(pieces, 64))
-    return dp_exposure(items + queued, end) + exposed
+    return dp_exposure(items + queued, end + exchange) + exposed
 
 
 BUCKETED_RELEASES = 16
@@ -478,7 +501,7 @@ MAX_RELEASES = 256
 
 
 def _backward_releases(
-    schedule: str, p: int, m: int, v: int, c: ChunkCosts, end: float, share: float
+    schedule: str, p: int, m: int, v: int, c: ChunkCosts, end: float, share: float, skip_every: int = 0
 ) -> list[tuple[float, float]]:
     """Rank 0's m·v chunk backwards, each releasing `share` of reduction, counted back from `end`. The last ones
     run back to back, c.bwd apart — all of them in GPipe (and interleaved with m = p), the last (v − 1)·p + 1
@@ -490,6 +513,8 @@ def _backward_releases(
     tail = total if all_at_end else min(total, (v - 1) * p + 1)
     ends = [end - k * c.bwd for k in range(tail)]
     ends += [ends[-1] - (k + 1) * (c.fwd + c.bwd) for k in range(total - tail)]
+    if skip_every:  # chunk 0's backwards, reduced once after the tied exchange instead
+        ends = [e for k, e in enumerate(ends) if k % skip_every]
     items: list[tuple[float, float]] = []
     for e in ends[:BUCKETED_RELEASES]:
         items += _reduce_items(e, c.bwd, c.layers, share)

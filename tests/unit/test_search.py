@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -13,7 +14,7 @@ from tessera.errors import ConfigError
 from tessera.memory import estimate_plan
 from tessera.pipeline import build_schedule, lower
 from tessera.planner.cli import add_plan_parsers
-from tessera.planner.cost import ModelShape, Plan
+from tessera.planner.cost import ModelShape, Plan, tied_exchange_time
 from tessera.planner.hardware import load_hardware
 from tessera.planner.report import config_toml, explain, render_text, to_json
 from tessera.planner.scaling import critical_batch
@@ -109,6 +110,34 @@ def test_fast_step_matches_simulated_step() -> None:
                     simulated, _ = simulate_step(shape, A100, plan, schedule)
                     assert fast.step_time == pytest.approx(simulated.step_time, rel=FAST_VS_SIM_TOLERANCE)
                     assert fast.compute == pytest.approx(simulated.compute)
+
+
+def test_fast_step_matches_simulated_step_with_the_tied_exchange() -> None:
+    """A tied embedding and head on two pipeline ranks: the simulator runs their EXCHANGE at the end and
+    reduces those stages once, after it (tessera.pipeline.passes.tied_across); the closed form prices the
+    same within the same tolerance, for every reduction mode (plain depth-first too, whose other stages
+    reduce every micro-batch)."""
+    shape = dataclasses.replace(ModelShape.from_config(model_config("llama-8b")[1]), tied=True)
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("breadth_first", 2)):
+        for p, m in ((2, 8), (4, 16)):
+            for dp, zero, accumulation in ((8, 0, "depth_first"), (8, 1, "layered"), (16, 2, "depth_first")):
+                plan = Plan(
+                    dp=dp,
+                    pp=p,
+                    tp=2,
+                    virtual_stages=v,
+                    zero_stage=zero,
+                    n_microbatches=m,
+                    recompute="selective",
+                    accumulation=accumulation,
+                    flash_attention=True,
+                )
+                fast = fast_step(shape, A100, plan, schedule)
+                simulated, sim = simulate_step(shape, A100, plan, schedule)
+                assert any(e.action.kind.is_exchange for e in sim.timeline)
+                case = (schedule, p, m, dp, zero, accumulation)
+                assert fast.step_time == pytest.approx(simulated.step_time, rel=FAST_VS_SIM_TOLERANCE), case
+                assert fast.pp_comm >= tied_exchange_time(shape, A100, plan) > 0, case
 
 
 def test_dp_exposure_queue() -> None:
