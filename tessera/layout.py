@@ -30,8 +30,9 @@ class Layout:
         for name in LAYOUT_FIELDS:
             if getattr(self, name) < 1:
                 raise ValueError(f"Layout.{name} = {getattr(self, name)} must be at least 1")
+        sizes = self.sizes
         for d in DIMS:
-            d.shape(self.sizes)  # raises when two alternative shapes (1D tp and a 2D grid q) both exceed 1
+            d.shape(sizes)  # raises when two alternative shapes (1D tp and a 2D grid q) both exceed 1
 
     @classmethod
     def from_config(cls, parallel: object, world_size: int) -> Layout:
@@ -53,7 +54,8 @@ class Layout:
 
     def plan_sizes(self) -> dict[str, int]:
         """The cost model `Plan`'s size fields: each dimension's rank count (``tp`` = t or q²)."""
-        return {d.plan_field: d.ranks(self.sizes) for d in DIMS}
+        sizes = self.sizes  # once: the planner's search asks for every layout it prices
+        return {d.plan_field: d.ranks(sizes) for d in DIMS}
 
     @property
     def tensor_size(self) -> int:

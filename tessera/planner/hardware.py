@@ -14,8 +14,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from tessera.errors import ConfigError
 
 __all__ = [
@@ -115,6 +113,8 @@ class Hardware:
 
     def efficiency(self, flops: float) -> float:
         """Achieved fraction of peak for one GEMM call of `flops` FLOPs (log-space linear interpolation)."""
+        import numpy as np  # here, not at the top: numpy's import is a third of `tessera plan`'s start-up
+
         xs, ys = zip(*sorted(self.gemm_efficiency), strict=True)
         # np.interp clamps to the end values outside the listed range.
         return float(np.interp(math.log10(max(flops, 1.0)), np.log10(xs), ys))

@@ -208,7 +208,8 @@ def _run(
                     arrivals[action.message] = end + comm_latency
                 if append is not None:
                     append(TimelineEntry(rank, action, start, end))
-                step = max(step, end)
+                if end > step:
+                    step = end
                 start, i, progressed = end, i + 1, True
             clock[rank], pc[rank] = start, i
         if not progressed:
