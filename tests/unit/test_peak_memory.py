@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -199,6 +200,22 @@ def _tied_cases(p: int, v: int) -> list[tuple[tuple[int, int], ...]]:
     return [(), tied_stages(True, p * v), *([((0, 1),)] if p > 1 else [])]
 
 
+def _reduction_modes(name: str, p: int, m: int, v: int) -> Iterator[tuple]:
+    """Every mode of reduction of one schedule: (ZeRO stage, dp, per micro-batch, consecutive, tied pairs,
+    schedule options, `lower`'s lists)."""
+    modes = itertools.product(range(4), (1, 3), (False, True), (False, True), _tied_cases(p, v))
+    for zero, dp, every, consecutive, tied in modes:
+        options = _options(name, consecutive)
+        lowered = lower(
+            build_schedule(name, p, m, v, **options),
+            p,
+            zero3=zero == 3,
+            reduce_every_microbatch=every,
+            tied=tied,
+        )
+        yield zero, dp, every, consecutive, tied, options, lowered
+
+
 def _exchanged(pairs: tuple[tuple[int, int], ...], p: int, r: int) -> tuple[int, ...]:
     """Rank r's stages exchanged at the end of its list (`ExecutionPlan.exchanged_stages`'s rule)."""
     rank_of = lambda s: stage_to_rank(s, p)  # noqa: E731
@@ -313,17 +330,8 @@ def test_the_compiled_walk_prices_like_the_plain_walk(name: str, p: int, m: int,
     across ranks exchanged and reduced at the end or none), each rank, random sizes: the same peak, components
     and gradients after backward as pricing every moment of `lower`'s list."""
     rng = random.Random(f"{name}{p}{m}{v}")
-    modes = itertools.product(range(4), (1, 3), (False, True), (False, True), _tied_cases(p, v))
-    for zero, dp, every, consecutive, tied in modes:
+    for zero, dp, every, consecutive, tied, options, lowered in _reduction_modes(name, p, m, v):
         deferred = zero == 1 and consecutive
-        options = _options(name, consecutive)
-        lowered = lower(
-            build_schedule(name, p, m, v, **options),
-            p,
-            zero3=zero == 3,
-            reduce_every_microbatch=every,
-            tied=tied,
-        )
         for r in range(p):
             events = lowered_events(
                 rank_steps(name, p, m, v, r, **options),
@@ -368,17 +376,8 @@ def test_the_floor_is_below_the_walk(name: str, p: int, m: int, v: int) -> None:
     """Every mode of reduction, each rank, random sizes: the floor never exceeds the walked peak or the
     gradients held after backward."""
     rng = random.Random(f"floor{name}{p}{m}{v}")
-    modes = itertools.product(range(4), (1, 3), (False, True), (False, True), _tied_cases(p, v))
-    for zero, dp, every, consecutive, tied in modes:
+    for zero, dp, every, consecutive, tied, _, lowered in _reduction_modes(name, p, m, v):
         deferred = zero == 1 and consecutive
-        options = _options(name, consecutive)
-        lowered = lower(
-            build_schedule(name, p, m, v, **options),
-            p,
-            zero3=zero == 3,
-            reduce_every_microbatch=every,
-            tied=tied,
-        )
         for r in range(p):
             exchanged = _exchanged(tied, p, r)
             events = [(a.kind, a.stage) for a in lowered[r] if not a.kind.is_comm]
