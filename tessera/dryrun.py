@@ -263,10 +263,9 @@ def _pipe_traffic(shape: Any, plan: Any, stage: int, exchanged: tuple[int, ...])
 
     out = _volume(pp_p2p_volume(shape, plan, stage), "pipe")
     if exchanged:
+        swapped = tied_exchange_bytes(shape, plan) * len(exchanged)
         for kind in ("send", "recv"):
-            out[(kind, "pipe")] = out.get((kind, "pipe"), 0.0) + tied_exchange_bytes(shape, plan) * len(
-                exchanged
-            )
+            out[(kind, "pipe")] = out.get((kind, "pipe"), 0.0) + swapped
     return out
 
 

@@ -262,7 +262,7 @@ def _rank_floor(shape: ModelShape, plan: ExecutionPlan, rank: int) -> float:
     if plan.runner == DIRECT:  # no walk: the estimate adds every component
         return params + grads + optimizer
     cplan = cost_plan(plan)
-    p2p = 2 * boundary_bytes(shape, cplan) if plan.pp > 1 else 0.0
+    p2p = _p2p_buffer_bytes(shape, cplan, plan)
     sizes = _stage_sizes(shape, plan, rank)
     every = reduces_every_microbatch(plan.accumulation, plan.zero)
     # a stage tied across ranks has one REDUCE, at the end of the list (after its EXCHANGE)
@@ -398,7 +398,7 @@ def _at_peak(
     temporaries = _temporaries(plan, sizes.grads)
     if after_backward + temporaries > moment.total:
         moment = Moment(grads=after_backward, working=temporaries, label="optimizer step")
-    p2p = 2 * boundary_bytes(shape, cplan) if plan.pp > 1 else 0.0  # one micro-batch's send and receive
+    p2p = _p2p_buffer_bytes(shape, cplan, plan)
     at_peak = MemoryBreakdown(
         params=held.params,
         grads=moment.grads,
@@ -454,6 +454,12 @@ def _micro_batch_bytes(shape: ModelShape, cplan: Plan) -> tuple[float, float, fl
     # output layer's weight gradient, before the stage's saved activations are freed
     head_working = 2 * logits + 4.0 * shape.vocab_size * shape.d_model / cplan.tp
     return per_layer, recompute, boundary_bytes(shape, cplan), head, head_working
+
+
+def _p2p_buffer_bytes(shape: ModelShape, cplan: Plan, plan: ExecutionPlan) -> float:
+    """The point-to-point buffers beside the walked moment: one micro-batch's send and receive of the boundary
+    tensor, with a pipeline."""
+    return 2 * boundary_bytes(shape, cplan) if plan.pp > 1 else 0.0
 
 
 def _temporaries(plan: ExecutionPlan, grads: dict[int, float]) -> float:

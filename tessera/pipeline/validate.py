@@ -1,12 +1,13 @@
 """Prove a lowered schedule complete, correctly ordered and deadlock-free before anything runs.
 
-``validate`` executes the per-rank lists symbolically in lock-step *steps*: in each step every rank that is not
-blocked runs its next action. SENDs are buffered (never block); a RECV blocks until its matching SEND ran in an
-earlier step. Every action's data dependencies are checked when it runs (F(s, j) needs F(s-1, j) on the same
-rank or a received activation, B(s, j) needs its own F and the gradient of stage s+1, ...). An EXCHANGE is a
-rendezvous: it completes once the peer rank has reached its matching EXCHANGE (the n-th EXCHANGE of rank a with
-rank b matches the n-th of b with a) in an earlier step. A step in which no rank can move is a deadlock. Failures raise ``ScheduleError`` whose message shows the rank × step grid with the
-failing action marked ``>2B0<`` and a ``^`` line under its step, plus a one-line explanation.
+``validate`` executes the per-rank lists symbolically in lock-step *steps*: in each step every rank that is
+not blocked runs its next action. SENDs are buffered (never block); a RECV blocks until its matching SEND ran
+in an earlier step. Every action's data dependencies are checked when it runs (F(s, j) needs F(s-1, j) on the
+same rank or a received activation, B(s, j) needs its own F and the gradient of stage s+1, ...). An EXCHANGE
+is a rendezvous: it completes once the peer rank has reached its matching EXCHANGE (the n-th EXCHANGE of rank
+a with rank b matches the n-th of b with a) in an earlier step. A step in which no rank can move is a
+deadlock. Failures raise ``ScheduleError`` whose message shows the rank × step grid with the failing action
+marked ``>2B0<`` and a ``^`` line under its step, plus a one-line explanation.
 """
 
 from __future__ import annotations

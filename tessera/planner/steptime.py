@@ -571,7 +571,7 @@ def simulate_step(
         reduce_every_microbatch=_per_microbatch_reduce(plan),
         tied=tied_stages(shape.tied, p * v),
     )
-    exchange = tied_exchange_time(shape, hw, plan) if p > 1 else 0.0
+    exchange = _tied_exchange(shape, hw, plan)
     p2p = pc.block.p2p
     # check=False: the builders emit valid schedules and simulate() itself raises on a deadlock
     with_p2p = simulate(lowered, p, _durations(pc, exchange), comm_latency=p2p, check=False)

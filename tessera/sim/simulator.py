@@ -2,8 +2,9 @@
 
 Each rank runs its list in order. An action starts when the rank is free; a RECV additionally waits until the
 matching SEND finished plus ``comm_latency``; an EXCHANGE (the tied gradients' swap of two ranks) starts when
-both ranks have reached it and lasts its duration on both. Durations come from a ``CostTable`` (t_f per stage, t_b = 2 t_f by
-default, per-(stage, kind) measured overrides), a dict of measured timings, or any ``(action, rank) -> float``.
+both ranks have reached it and lasts its duration on both. Durations come from a ``CostTable`` (t_f per stage,
+t_b = 2 t_f by default, per-(stage, kind) measured overrides), a dict of measured timings, or any ``(action,
+rank) -> float``.
 
 Definitions: ``compute[r]`` = time in F/B/I/W; ``busy[r]`` = time in any action (compute + communication +
 REDUCE/GATHER/FREE costs); ``idle[r] = step_time - busy[r]``; ``bubble[r] = 1 - compute[r] / step_time``;

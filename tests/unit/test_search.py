@@ -82,6 +82,21 @@ def test_inflight_matches_simulator_peak(schedule: str) -> None:
             assert inflight_microbatches(schedule, p, m, v, stage) == pytest.approx(peak[stage] / v)
 
 
+def _tp2_plan(dp: int, p: int, v: int, zero: int, m: int, accumulation: str) -> Plan:
+    """The pipelined tp2 layout the fast-vs-simulated comparisons price (selective recompute, flash)."""
+    return Plan(
+        dp=dp,
+        pp=p,
+        tp=2,
+        virtual_stages=v,
+        zero_stage=zero,
+        n_microbatches=m,
+        recompute="selective",
+        accumulation=accumulation,
+        flash_attention=True,
+    )
+
+
 def test_fast_step_matches_simulated_step() -> None:
     shape = ModelShape.from_config(model_config("llama-8b")[1])
     for schedule, vs in (
@@ -95,17 +110,8 @@ def test_fast_step_matches_simulated_step() -> None:
                 if not _ok(schedule, p, m, v):
                     continue
                 for dp, zero in ((1, 0), (8, 1), (16, 3)):
-                    plan = Plan(
-                        dp=dp,
-                        pp=p,
-                        tp=2,
-                        virtual_stages=v,
-                        zero_stage=zero,
-                        n_microbatches=m,
-                        recompute="selective",
-                        accumulation="layered" if schedule == "breadth_first" else "depth_first",
-                        flash_attention=True,
-                    )
+                    accumulation = "layered" if schedule == "breadth_first" else "depth_first"
+                    plan = _tp2_plan(dp, p, v, zero, m, accumulation)
                     fast = fast_step(shape, A100, plan, schedule)
                     simulated, _ = simulate_step(shape, A100, plan, schedule)
                     assert fast.step_time == pytest.approx(simulated.step_time, rel=FAST_VS_SIM_TOLERANCE)
@@ -121,17 +127,7 @@ def test_fast_step_matches_simulated_step_with_the_tied_exchange() -> None:
     for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("breadth_first", 2)):
         for p, m in ((2, 8), (4, 16)):
             for dp, zero, accumulation in ((8, 0, "depth_first"), (8, 1, "layered"), (16, 2, "depth_first")):
-                plan = Plan(
-                    dp=dp,
-                    pp=p,
-                    tp=2,
-                    virtual_stages=v,
-                    zero_stage=zero,
-                    n_microbatches=m,
-                    recompute="selective",
-                    accumulation=accumulation,
-                    flash_attention=True,
-                )
+                plan = _tp2_plan(dp, p, v, zero, m, accumulation)
                 fast = fast_step(shape, A100, plan, schedule)
                 simulated, sim = simulate_step(shape, A100, plan, schedule)
                 assert any(e.action.kind.is_exchange for e in sim.timeline)

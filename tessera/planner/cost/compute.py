@@ -118,12 +118,13 @@ def weight_cast_bytes_per_layer(shape: ModelShape, plan: Plan) -> tuple[float, f
 def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     """Compute seconds of one block for one micro-batch on one rank (communication excluded).
 
-    Each linear [M×h_in]·[h_in×h_out] (M = b·s) runs at its own size: 1D splits the output (column-parallel) or the
-    input (row-parallel) dimension by t; 2D runs q SUMMA steps of [M/q × h_in/q]·[h_in/q × h_out/q]. Attention
-    score and A·V GEMMs are batched over a·b/tp heads. Elementwise time = `elementwise_bytes_per_layer` / HBM
-    bandwidth. Backward = 2 × forward (two GEMMs per forward GEMM), except the weight casts under autocast
-    (`weight_cast_bytes_per_layer`: their forward and backward bytes differ). Recompute: full ⇒ one forward, selective ⇒
-    the attention core (QKᵀ, softmax/dropout on the scores, A·V) of a forward, none ⇒ 0.
+    Each linear [M×h_in]·[h_in×h_out] (M = b·s) runs at its own size: 1D splits the output (column-parallel)
+    or the input (row-parallel) dimension by t; 2D runs q SUMMA steps of [M/q × h_in/q]·[h_in/q × h_out/q].
+    Attention score and A·V GEMMs are batched over a·b/tp heads. Elementwise time =
+    `elementwise_bytes_per_layer` / HBM bandwidth. Backward = 2 × forward (two GEMMs per forward GEMM), except
+    the weight casts under autocast (`weight_cast_bytes_per_layer`: their forward and backward bytes differ).
+    Recompute: full ⇒ one forward, selective ⇒ the attention core (QKᵀ, softmax/dropout on the scores, A·V) of
+    a forward, none ⇒ 0.
     """
     s, b, dt = shape.seq_len, plan.micro_batch, plan.dtype
     M, q = s * b, plan.q
