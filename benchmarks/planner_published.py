@@ -47,38 +47,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tessera.planner.cost import ModelShape, Plan, dp_volume, group_placement, params_per_rank  # noqa: E402
-from tessera.planner.hardware import Hardware, load_hardware  # noqa: E402
+from tessera.planner.hardware import load_hardware  # noqa: E402
 from tessera.planner.megatron_table import MEGATRON_README_2020, MEGATRON_TABLE1, compare_table  # noqa: E402
+from tessera.planner.mosaic_table import (  # noqa: E402
+    HOPPER_CALIBRATION,
+    FsdpRow,
+    fsdp_plan,
+    fsdp_step,
+    mpt_shape,
+    predict_fsdp,
+    tokens_per_gpu,
+)
 from tessera.planner.network import bus_bandwidth  # noqa: E402
-from tessera.planner.steptime import StepBreakdown, dp_parts, fast_step, simulate_step  # noqa: E402
+from tessera.planner.steptime import dp_parts, simulate_step  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "planner_published.md"
-MPT_SHAPES = {  # (layers, d_model, heads), llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml; V = 50,368
-    "1b": (24, 2048, 16),
-    "3b": (32, 2560, 20),
-    "7b": (32, 4096, 32),
-    "13b": (40, 5120, 40),
-    "30b": (48, 7168, 56),
-    "70b": (80, 8192, 64),
-}
-
-
-@dataclass(frozen=True)
-class FsdpRow:
-    """One MosaicML benchmark row: hardware, model, seq len, GPUs, micro-batch, grad accumulation, activation
-    checkpointing, published tokens/s/GPU and MFU (%), NumParams."""
-
-    hardware: str
-    model: str
-    seq_len: int
-    gpus: int
-    micro_batch: int
-    accumulation: int
-    checkpointing: bool
-    tokens_per_gpu: float
-    mfu: float
-    n_params: int
-
 
 MOSAIC_ROWS = (
     FsdpRow("a100-80gb", "70b", 2048, 64, 8, 4, True, 410, 53.33, 64862437376),
@@ -101,6 +84,50 @@ MOSAIC_ROWS = (
     FsdpRow("a100-40gb", "7b", 2048, 64, 18, 1, True, 3665, 50.73, 6658859008),
     FsdpRow("a100-40gb", "7b", 2048, 128, 18, 1, True, 3623, 50.14, 6658859008),
 )
+
+
+def _h(model: str, gpus: int, b: int, m: int, ckpt: bool, tokens: float, mfu: float, n: int, zero: int = 3):
+    return FsdpRow("h100", model, 2048, gpus, b, m, ckpt, tokens, mfu, n, zero)
+
+
+H100_ROWS = (  # the H100 BF16 tables' multi-node rows ("Large Scale, >= 128 GPUs" and 16-64 GPUs), all s = 2048
+    _h("70b", 512, 8, 1, True, 1007, 41.25, 64862437376),
+    _h("70b", 256, 8, 1, True, 1035, 42.42, 64862437376),
+    _h("70b", 128, 8, 1, True, 1058, 43.36, 64862437376),
+    _h("30b", 512, 8, 1, True, 2115, 40.27, 29975214080),
+    _h("30b", 256, 8, 1, True, 2148, 40.89, 29975214080),
+    _h("30b", 128, 8, 1, True, 2199, 41.85, 29975214080),
+    _h("13b", 512, 16, 1, True, 4952, 41.12, 12853954560),
+    _h("13b", 256, 16, 1, True, 4989, 41.42, 12853954560),
+    _h("13b", 128, 16, 1, True, 5080, 42.18, 12853954560),
+    _h("7b", 512, 6, 1, False, 9670, 42.2, 6658859008),
+    _h("7b", 256, 6, 1, False, 10119, 44.15, 6658859008),
+    _h("7b", 128, 6, 1, False, 10475, 45.71, 6658859008),
+    _h("3b", 512, 8, 1, False, 21664, 39.24, 2651837440, zero=2),
+    _h("3b", 256, 8, 1, False, 22772, 41.25, 2651837440, zero=2),
+    _h("3b", 128, 8, 1, False, 23422, 42.43, 2651837440, zero=2),
+    _h("1b", 512, 12, 1, False, 39837, 36.65, 1315950592, zero=2),
+    _h("1b", 256, 12, 1, False, 42555, 39.15, 1315950592, zero=2),
+    _h("1b", 128, 12, 1, False, 44123, 40.6, 1315950592, zero=2),
+    _h("70b", 64, 8, 4, True, 1039, 42.57, 64862437376),
+    _h("70b", 32, 2, 16, True, 882, 36.15, 64862437376),
+    _h("30b", 32, 14, 3, True, 2308, 43.92, 29975214080),
+    _h("30b", 16, 10, 3, True, 2263, 43.07, 29975214080),
+    _h("13b", 64, 2, 1, False, 4800, 39.86, 12853954560),
+    _h("13b", 32, 2, 1, False, 4811, 39.95, 12853954560),
+    _h("13b", 16, 2, 1, False, 4767, 39.58, 12853954560),
+    _h("3b", 64, 6, 3, False, 22525, 40.8, 2651837440),
+    _h("3b", 32, 6, 3, False, 23021, 41.7, 2651837440),
+    _h("3b", 16, 10, 3, False, 24142, 43.73, 2651837440),
+    _h("1b", 64, 20, 1, False, 44402, 40.85, 1315950592),
+    _h("1b", 32, 20, 1, False, 45130, 41.52, 1315950592),
+    _h("1b", 16, 20, 1, False, 46037, 42.36, 1315950592),
+    _h("760m", 32, 24, 1, False, 67971, 37.57, 760470528),
+    _h("760m", 16, 24, 1, False, 68551, 37.89, 760470528),
+)
+"""MosaicML's H100 BF16 rows across nodes (amp_bf16, "DEFAULT" mixed precision: bf16 gathers, fp32 reduce-
+scatters), validation only; the 8-GPU rows calibrate the file (`mosaic_table.HOPPER_CALIBRATION`)."""
+
 DP_SCALING = {("7b", "a100-40gb"), ("13b", "a100-40gb")}
 """Series run at 16 → 128 GPUs with the per-GPU batch (nearly) fixed: the data-parallel scaling cases."""
 
@@ -134,57 +161,20 @@ class Case:
         return self.predicted / self.published - 1
 
 
-def mpt_shape(row: FsdpRow) -> ModelShape:
-    """MPT as benchmarked: GPT blocks with biases, learned positions, tied head; checked against NumParams."""
-    layers, h, heads = MPT_SHAPES[row.model]
-    shape = ModelShape(
-        n_layers=layers,
-        d_model=h,
-        n_heads=heads,
-        n_kv_heads=heads,
-        ffn_hidden=4 * h,
-        vocab_size=50368,
-        seq_len=row.seq_len,
-    )
-    if shape.n_params() != row.n_params:
-        raise ValueError(
-            f"MPT-{row.model}: our shape has {shape.n_params()} parameters, the row {row.n_params}"
-        )
-    return shape
-
-
-def fsdp_plan(row: FsdpRow) -> Plan:
-    """FSDP FULL_SHARD = ZeRO-3 with depth-first accumulation, flash attention, bf16 (gathers and reduce-scatters in
-    bf16: the rows' "PURE" mixed precision)."""
-    return Plan(
-        dp=row.gpus,
-        zero_stage=3,
-        micro_batch=row.micro_batch,
-        n_microbatches=row.accumulation,
-        recompute="full" if row.checkpointing else "none",
-        accumulation="depth_first",
-        flash_attention=True,
-    )
-
-
-def fsdp_step(row: FsdpRow, hw: Hardware | None = None) -> StepBreakdown:
-    """The row's step on `hw` (default: the shipped file of its GPU)."""
-    return fast_step(mpt_shape(row), hw or load_hardware(row.hardware), fsdp_plan(row), "1f1b")
-
-
-def tokens_per_gpu(row: FsdpRow, step_time: float) -> float:
-    return row.micro_batch * row.accumulation * row.seq_len / step_time
-
-
-def predict_fsdp(row: FsdpRow) -> float:
-    """Tokens/s/GPU of the row (`fsdp_step`)."""
-    return tokens_per_gpu(row, fsdp_step(row).step_time)
-
-
 def _group(row: FsdpRow) -> str:
+    if row.hardware == "h100":
+        if row.gpus >= 128:
+            return f"H100 ZeRO-{row.zero_stage} at scale (FSDP, 128→512 GPUs)"
+        return "H100 ZeRO-3 across 2-8 nodes (FSDP)"
     if (row.model, row.hardware) in DP_SCALING:
         return "DP scaling (FSDP, 16→128 GPUs)"
     return "ZeRO-3 across nodes (FSDP)" if row.gpus > 8 else "ZeRO-3 in one node (FSDP)"
+
+
+def _fsdp_case(row: FsdpRow, group: str) -> Case:
+    label = f"MosaicML MPT-{row.model} s{row.seq_len} {row.gpus}×{row.hardware} b{row.micro_batch}×{row.accumulation}"
+    label += " ckpt" if row.checkpointing else ""
+    return Case(group, label, row.tokens_per_gpu, predict_fsdp(row), "tokens/s/GPU")
 
 
 BLOOM_ITERATION_S = 105.22
@@ -222,17 +212,7 @@ def predict_bloom() -> float:
 
 
 def cases() -> list[Case]:
-    out = [
-        Case(
-            _group(r),
-            f"MosaicML MPT-{r.model} s{r.seq_len} {r.gpus}×{r.hardware} b{r.micro_batch}×{r.accumulation}"
-            + (" ckpt" if r.checkpointing else ""),
-            r.tokens_per_gpu,
-            predict_fsdp(r),
-            "tokens/s/GPU",
-        )
-        for r in MOSAIC_ROWS
-    ]
+    out = [_fsdp_case(r, _group(r)) for r in (*MOSAIC_ROWS, *H100_ROWS)]
     bloom = 2048 * 2048 / BLOOM_ITERATION_S / 384
     out.append(
         Case(
@@ -251,10 +231,13 @@ def cases() -> list[Case]:
     for p in compare_table(load_hardware("a100-80gb"), MEGATRON_TABLE1):
         label = f"Narayanan 2021 {p.row.params_b:g}B t{p.row.tp} p{p.row.pp} d{p.row.dp}"
         out.append(Case(CALIBRATION, label, p.row.tflops_per_gpu, p.tflops_per_gpu, "TFLOP/s/GPU"))
+    out += [_fsdp_case(r, HOPPER_CALIBRATION_GROUP) for r in HOPPER_CALIBRATION]
     return out
 
 
 CALIBRATION = "Megatron 2021 Table 1 (GEMM calibration, not validation)"
+HOPPER_CALIBRATION_GROUP = "H100 in one node (the H100 calibration, not validation)"
+CALIBRATION_GROUPS = (CALIBRATION, HOPPER_CALIBRATION_GROUP)
 
 
 def _stats(errors: list[float]) -> str:
@@ -264,7 +247,7 @@ def _stats(errors: list[float]) -> str:
 
 def report() -> str:
     all_cases = cases()
-    validation = [c for c in all_cases if c.group != CALIBRATION]
+    validation = [c for c in all_cases if c.group not in CALIBRATION_GROUPS]
     groups = list(dict.fromkeys(c.group for c in all_cases))
     lines = [
         "# Planner vs published runs",

@@ -101,6 +101,10 @@ class Hardware:
     what the cost model does not itemise)."""
     gemm_table: list[GemmRow] = field(default_factory=list)
     """Measured GEMMs (published or from `tessera calibrate`); the kernel fraction is fitted on them."""
+    flash_attention_flops: float = 0.0
+    """Measured forward + backward FLOP/s of the fused causal attention kernel in bf16/fp16, FLOPs counted as
+    FlashAttention's benchmark counts them (4·s²·d per head forward, halved for causal, backward 2.5×); what
+    `cost.compute.attention_core_time` prices flash attention at. 0: not measured (two batched GEMMs)."""
 
     def peak(self, dtype: str = "bf16") -> float:
         """Dense peak FLOP/s for `dtype`; clear error for a dtype the file does not list."""
@@ -159,6 +163,8 @@ def _gemm_problems(hw: Hardware) -> list[str]:
         )
     if not 0 < hw.gemm_framework_share <= 1:
         problems.append(f"gemm_framework_share must be in (0, 1] (got {hw.gemm_framework_share})")
+    if hw.flash_attention_flops < 0:
+        problems.append(f"flash_attention_flops must be >= 0 (got {hw.flash_attention_flops})")
     if hw.sm_count > 0 and not hw.gemm_table:
         problems.append(
             "sm_count > 0 needs gemm_table rows [m, n, k, dtype, FLOP/s, source] to fit the GEMM fraction"
@@ -182,6 +188,7 @@ OPTIONAL_KEYS = frozenset(
         "gemm_tile",
         "gemm_framework_share",
         "gemm_table",
+        "flash_attention_flops",
     }
 )
 """Hardware keys a file may omit (they have defaults)."""
@@ -254,6 +261,7 @@ def save_hardware(hw: Hardware, path: str | Path) -> None:
         "best_published_mfu",
         "sm_count",
         "gemm_framework_share",
+        "flash_attention_flops",
     ):
         lines.append(f"{key} = {getattr(hw, key)!r}")
     lines.append(f"gemm_tile = [{hw.gemm_tile[0]}, {hw.gemm_tile[1]}]")

@@ -19,6 +19,7 @@ from tessera.planner.gemm import (
 )
 from tessera.planner.hardware import GemmRow, Hardware, load_hardware, save_hardware
 from tessera.planner.megatron_table import fit_gemm_constants
+from tessera.planner.mosaic_table import fit_hopper_share
 
 REL = 1e-12  # exact arithmetic on hand-computed cases
 
@@ -121,6 +122,10 @@ def test_shipped_a100_constants_are_the_table1_fit() -> None:
         hw = load_hardware(name)
         assert (hw.sm_count, hw.gemm_tile, hw.gemm_framework_share) == (108, tile, share)
     assert median <= 0.05
-    # Hopper: its own measured kernel fraction, A100's framework share (documented assumption)
+    # Hopper: its own measured kernel fraction, A100's tile, its framework share fitted on MosaicML's one-node H100
+    # runs (the H200 is the same chip)
+    hopper_share, hopper_median = fit_hopper_share()
+    assert hopper_median <= 0.06
     for name in ("h100", "h200"):
-        assert load_hardware(name).gemm_framework_share == share
+        hw = load_hardware(name)
+        assert (hw.gemm_tile, hw.gemm_framework_share) == (tile, hopper_share)

@@ -14,9 +14,11 @@ from tessera.planner.hardware import Hardware
 from tessera.traffic import BACKWARD, FORWARD, tensor_calls
 
 __all__ = [
+    "FLASH_BACKWARD_FACTOR",
     "LOGIT_UPCAST_BYTES",
     "OPTIMIZER_BYTES_PER_PARAM",
     "LayerTime",
+    "attention_core_time",
     "elementwise_bytes_per_layer",
     "embedding_time",
     "gemm_time",
@@ -52,6 +54,33 @@ class LayerTime:
     """Backward without recompute (≈ 2× forward)."""
     recompute: float
     """Extra forward work replayed before backward (0, attention part, or a full forward)."""
+
+
+FLASH_BACKWARD_FACTOR = 2.5
+"""Backward FLOPs of fused (flash) attention per forward FLOP: the backward recomputes the scores QKᵀ and their
+softmax from the saved log-sum-exp, then runs four products (dV, dP, dQ, dK), five matmuls against the forward's
+two (Dao, FlashAttention-2, arXiv 2307.08691 §4.1, whose benchmark counts backward = 2.5 × forward)."""
+
+
+def attention_core_time(shape: ModelShape, hw: Hardware, plan: Plan) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core (QKᵀ, softmax, A·V) of one block for one micro-batch on
+    one rank: a·b/tp heads of s×s scores over head dimension d.
+
+    Fused (flash) attention on hardware with a measured kernel rate (`Hardware.flash_attention_flops`): the
+    scores never reach HBM and a causal kernel skips the masked half, so forward FLOPs = 4·s²·d per head / 2,
+    backward `FLASH_BACKWARD_FACTOR` × that, both at the measured rate × `gemm_framework_share` (the share of a
+    kernel's rate a framework keeps, as for GEMMs). Otherwise two batched GEMMs (QKᵀ and A·V, full s×s: the
+    masked half is computed, and the roofline charges the scores' HBM traffic), backward 2× forward."""
+    s, d = shape.seq_len, shape.head_dim
+    heads = shape.n_heads * plan.micro_batch / plan.tp
+    if plan.flash_attention and hw.flash_attention_flops > 0 and plan.act_bytes == 2:
+        forward = 4 * s * s * d * heads / 2 / (hw.flash_attention_flops * hw.gemm_framework_share)
+        return forward, FLASH_BACKWARD_FACTOR * forward
+    dt = plan.dtype
+    forward = gemm_call_time(hw, s, s, d, batch=heads, dtype=dt) + gemm_call_time(
+        hw, s, d, s, batch=heads, dtype=dt
+    )
+    return forward, 2 * forward
 
 
 def elementwise_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
@@ -120,9 +149,10 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
 
     Each linear [M×h_in]·[h_in×h_out] (M = b·s) runs at its own size: 1D splits the output (column-parallel)
     or the input (row-parallel) dimension by t; 2D runs q SUMMA steps of [M/q × h_in/q]·[h_in/q × h_out/q].
-    Attention score and A·V GEMMs are batched over a·b/tp heads. Elementwise time =
-    `elementwise_bytes_per_layer` / HBM bandwidth. Backward = 2 × forward (two GEMMs per forward GEMM), except
-    the weight casts under autocast (`weight_cast_bytes_per_layer`: their forward and backward bytes differ).
+    The attention core is `attention_core_time` (a fused kernel's measured rate, or two GEMMs batched over
+    a·b/tp heads). Elementwise time = `elementwise_bytes_per_layer` / HBM bandwidth. Backward = 2 × forward (two
+    GEMMs per forward GEMM), except the attention core (its own backward) and the weight casts under autocast
+    (`weight_cast_bytes_per_layer`: their forward and backward bytes differ).
     Recompute: full ⇒ one forward, selective ⇒ the attention core (QKᵀ, softmax/dropout on the scores, A·V) of
     a forward, none ⇒ 0.
     """
@@ -136,18 +166,16 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
             dense += gemm_call_time(hw, M, n_out, k_in / plan.tp, dtype=dt)
         else:
             dense += gemm_call_time(hw, M, n_out / plan.tp, k_in, dtype=dt)
-    heads = shape.n_heads * b / plan.tp
-    d = shape.head_dim
-    attn = gemm_call_time(hw, s, s, d, batch=heads, dtype=dt) + gemm_call_time(
-        hw, s, d, s, batch=heads, dtype=dt
-    )
+    attn, attn_backward = attention_core_time(shape, hw, plan)
     elementwise = elementwise_bytes_per_layer(shape, plan) / hw.hbm_bandwidth
     fwd = dense + attn + elementwise
     selective = attn + score_bytes(shape, plan) / plan.tp / hw.hbm_bandwidth  # QKᵀ, softmax(+dropout), A·V
     recompute = {"none": 0.0, "selective": selective, "full": fwd}[plan.recompute]
     # the weight gradients' cast back to fp32 and accumulation are backward-only (not twice the forward cast)
     cast_fwd, cast_bwd = weight_cast_bytes_per_layer(shape, plan)
-    backward = 2 * (fwd - cast_fwd / hw.hbm_bandwidth) + cast_bwd / hw.hbm_bandwidth
+    backward = (
+        2 * (dense + elementwise - cast_fwd / hw.hbm_bandwidth) + attn_backward + cast_bwd / hw.hbm_bandwidth
+    )
     return LayerTime(forward=fwd, backward=backward, recompute=recompute)
 
 
