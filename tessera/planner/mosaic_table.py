@@ -26,6 +26,7 @@ __all__ = [
     "HOPPER_CALIBRATION",
     "HOPPER_SHARE_GRID",
     "MPT_SHAPES",
+    "WHOLE_FORWARD_REPLAY",
     "FsdpRow",
     "calibration_errors",
     "fit_hopper_share",
@@ -85,6 +86,13 @@ def mpt_shape(row: FsdpRow) -> ModelShape:
     return shape
 
 
+WHOLE_FORWARD_REPLAY = frozenset({"a100-80gb", "a100-40gb"})
+"""Tables whose checkpointing replays each block's whole forward: the A100 rows were published with llm-foundry
+pinned to torch 1.13.1 (May 2023), before torch's non-reentrant checkpoint stopped early. The H100 rows (October
+2023, January 2024; torch 2.1 pinned by the latter) stop once every saved tensor is rebuilt, as tessera does, so
+the MLP's output GEMM is not replayed (`cost.compute.layer_time`)."""
+
+
 def fsdp_plan(row: FsdpRow) -> Plan:
     """FSDP as ZeRO-`row.zero_stage` with depth-first accumulation, flash attention, bf16 gathers and
     reduce-scatters (the A100 rows' "PURE" mixed precision; the H100 rows' "DEFAULT" reduces in fp32, which this
@@ -97,6 +105,7 @@ def fsdp_plan(row: FsdpRow) -> Plan:
         recompute="full" if row.checkpointing else "none",
         accumulation="depth_first",
         flash_attention=True,
+        replays_last_exit=row.hardware in WHOLE_FORWARD_REPLAY,
     )
 
 

@@ -20,6 +20,7 @@ from tessera.planner.cost import (
     logit_bytes,
     weight_cast_bytes_per_layer,
 )
+from tessera.planner.cost.compute import attention_core_time
 from tessera.planner.hardware import load_hardware
 from tessera.planner.steptime import clip_norm_time, dp_parts, optimizer_time
 
@@ -69,15 +70,21 @@ def test_2d_casts_its_weight_blocks_once_per_step() -> None:
 
 @pytest.mark.parametrize("plan", [AUTOCAST, replace(AUTOCAST, tp=4, tp_kind="2d")], ids=["1d", "2d"])
 def test_backward_prices_the_weight_casts_once(plan: Plan) -> None:
-    """Backward = 2 × forward for everything but the weight casts, whose backward bytes are their own."""
+    """Backward = 2 × forward for everything but the weight casts, whose backward bytes are their own, and the
+    fused attention core (its own backward, `attention_core_time`)."""
     hw = load_hardware("h100")
     lt = layer_time(SHAPE, hw, plan)
+    attn_fwd, attn_bwd = attention_core_time(SHAPE, hw, plan)
     forward_cast, backward_cast = weight_cast_bytes_per_layer(SHAPE, plan)
-    expected = 2 * (lt.forward - forward_cast / hw.hbm_bandwidth) + backward_cast / hw.hbm_bandwidth
+    expected = (
+        2 * (lt.forward - attn_fwd - forward_cast / hw.hbm_bandwidth)
+        + attn_bwd
+        + backward_cast / hw.hbm_bandwidth
+    )
     assert lt.backward == pytest.approx(expected, rel=1e-12)
     assert backward_cast > 2 * forward_cast  # so the backward differs from twice the forward
     published = layer_time(SHAPE, hw, replace(plan, autocast=False))
-    assert published.backward == 2 * published.forward
+    assert published.backward == pytest.approx(2 * (published.forward - attn_fwd) + attn_bwd, rel=1e-12)
 
 
 def test_embedding_and_loss_bytes_follow_the_dtypes() -> None:

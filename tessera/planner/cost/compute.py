@@ -153,24 +153,30 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     a·b/tp heads). Elementwise time = `elementwise_bytes_per_layer` / HBM bandwidth. Backward = 2 × forward (two
     GEMMs per forward GEMM), except the attention core (its own backward) and the weight casts under autocast
     (`weight_cast_bytes_per_layer`: their forward and backward bytes differ).
-    Recompute: full ⇒ one forward, selective ⇒ the attention core (QKᵀ, softmax/dropout on the scores, A·V) of
-    a forward, none ⇒ 0.
+    Recompute: full ⇒ one forward less the MLP's output GEMM (torch's non-reentrant checkpoint stops early;
+    the whole forward under `Plan.replays_last_exit`), selective ⇒ the attention core (QKᵀ, softmax/dropout on
+    the scores, A·V) of a forward, none ⇒ 0.
     """
     s, b, dt = shape.seq_len, plan.micro_batch, plan.dtype
     M, q = s * b, plan.q
-    dense = 0.0
+    gemms = []
     for (k_in, n_out), row_parallel in zip(linears(shape), ROW_PARALLEL, strict=True):
         if plan.tp_kind == "2d":
-            dense += q * gemm_call_time(hw, M / q, n_out / q, k_in / q, dtype=dt)
+            gemms.append(q * gemm_call_time(hw, M / q, n_out / q, k_in / q, dtype=dt))
         elif row_parallel:  # proj, fc2: the input width is split, the output is full (then all-reduced)
-            dense += gemm_call_time(hw, M, n_out, k_in / plan.tp, dtype=dt)
+            gemms.append(gemm_call_time(hw, M, n_out, k_in / plan.tp, dtype=dt))
         else:
-            dense += gemm_call_time(hw, M, n_out / plan.tp, k_in, dtype=dt)
+            gemms.append(gemm_call_time(hw, M, n_out / plan.tp, k_in, dtype=dt))
+    dense = sum(gemms)
     attn, attn_backward = attention_core_time(shape, hw, plan)
     elementwise = elementwise_bytes_per_layer(shape, plan) / hw.hbm_bandwidth
     fwd = dense + attn + elementwise
     selective = attn + score_bytes(shape, plan) / plan.tp / hw.hbm_bandwidth  # QKᵀ, softmax(+dropout), A·V
-    recompute = {"none": 0.0, "selective": selective, "full": fwd}[plan.recompute]
+    # torch's non-reentrant checkpoint stops once every tensor the backward saved is rebuilt: nothing saves the
+    # MLP's output projection's output, so its GEMM (with the exit collective, tessera.traffic.replayed_1d) is
+    # not replayed; Megatron's checkpointing (replays_last_exit) re-runs the whole forward
+    full = fwd if plan.replays_last_exit else fwd - gemms[-1]
+    recompute = {"none": 0.0, "selective": selective, "full": full}[plan.recompute]
     # the weight gradients' cast back to fp32 and accumulation are backward-only (not twice the forward cast)
     cast_fwd, cast_bwd = weight_cast_bytes_per_layer(shape, plan)
     backward = (

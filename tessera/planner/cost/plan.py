@@ -55,9 +55,11 @@ class Plan:
     """Blocks per global stage (p·v entries, 0 allowed), as the trainer's `parallel.stage_layers`; None: an
     even split, which requires p·v to divide the layer count (`layers_per_stage`)."""
     replays_last_exit: bool = False
-    """Full recompute replays each block's whole forward, its last exit collective included, as Megatron-LM's
-    checkpointing does (it re-runs the checkpointed layers' forward); the published Megatron runs are priced with
-    it. False (tessera's runtime): the last exit is not replayed (`tessera.traffic.replayed_1d`)."""
+    """Full recompute replays each block's whole forward, its last exit (the MLP's output GEMM and collective)
+    included, as Megatron-LM's checkpointing does (it re-runs the checkpointed layers' forward) and torch's
+    non-reentrant checkpoint did before it stopped early; the published Megatron runs are priced with it. False
+    (tessera's runtime, torch's non-reentrant checkpoint): recomputation stops once every saved tensor is rebuilt,
+    so the last exit is not replayed (`cost.compute.layer_time`, `tessera.traffic.replayed_1d`)."""
 
     @property
     def q(self) -> int:
