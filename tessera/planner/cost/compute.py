@@ -53,7 +53,8 @@ class LayerTime:
     backward: float
     """Backward without recompute (≈ 2× forward)."""
     recompute: float
-    """Extra forward work replayed before backward (0, attention part, or a full forward)."""
+    """Extra forward work replayed before backward (0, the attention part, or the forward less what the
+    checkpoint does not replay: `layer_time`)."""
 
 
 FLASH_BACKWARD_FACTOR = 2.5
