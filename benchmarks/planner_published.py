@@ -17,6 +17,18 @@ Sources (full configurations; see the report for the per-case table):
   without a stated network: the 8-GPU rows calibrate the H100 file (`tessera.planner.mosaic_table`), the
   multi-node rows (16-512 GPUs) are validated here on the h100 file's DGX H100 fabric, an assumption whose
   weight the report's sensitivity lines bound.
+- Llama 3 405B (Llama Team, "The Llama 3 Herd of Models", arXiv 2407.21783 v3): Table 4's two rows without
+  context parallelism — 8,192 and 16,384 H100s (700 W, 80 GB), TP 8, PP 16, DP 64 / 128, sequence 8,192, 32 / 16
+  sequences per data-parallel rank per step, 430 / 400 TFLOP/s per GPU (43 / 41 % BF16 MFU, PaLM's convention
+  6N + 12·L·h·s per token); shape from Table 3 (126 layers, h 16,384, FFN 53,248, 128 heads, 8 KV heads,
+  vocabulary 128K, untied). §3.3.2: an interleaved schedule with one block removed from the first and the last
+  stage, "the first model chunk on the first stage has only the embedding, and the last model chunk on the last
+  stage has only output projection and loss" (so 8 chunks of one block per rank; micro-batch 1 inferred from
+  §7.3's "8 instead of 1"), no activation checkpointing at 8K, FSDP sharding optimizer state and gradients
+  without resharding parameters (priced as ZeRO-1: one reduce-scatter and one gather per step; the paper
+  reduce-scatters in FP32, priced in bf16 here), flash attention assumed. §3.3.1: 400 Gb/s RoCE per GPU, pods of
+  3,072 GPUs at full bisection and 1:7 oversubscription above them (the h100 file with `pod_gpus` and
+  `oversubscription` set so). The row with context parallelism 16 is left out: tessera has none.
 - Megatron-LM README, Sept 2020 (NVIDIA/Megatron-LM commit 5281919): 1D tensor parallelism in one DGX A100 and
   128-way data parallelism (no overlap of the all-reduce), TFLOP/s in Narayanan's convention (with recompute).
 - Narayanan et al. 2021 (arXiv 2104.04473) Table 1: tensor + pipeline + data parallelism up to 3,072 A100s.
@@ -151,6 +163,10 @@ READING = [
     "predicted while the others sit within ±7 %: the one share fitted on both kinds splits the difference.",
     "Checkpointed H100 rows replay the forward less the MLP's output GEMM (torch 2.1's early-stopping",
     "checkpoint, as tessera's runtime); the A100 rows, published on torch 1.13, replay it all. The",
+    "Llama 3 405B on 8,192 and 16,384 H100s (TP 8, interleaved PP 16, DP 64 / 128) comes out at -11.4 % in both",
+    "rows: the H100 share, fitted on MosaicML's 2023 FSDP stack, under-rates Meta's; the fall from 8K to 16K",
+    "GPUs (half the micro-batches per pipeline, so twice the bubble's share) is reproduced: -7.0 % published,",
+    "-7.0 % predicted. The",
     "2020 single-node TP rows are over-predicted by 7-12 %: achieved NVLink all-reduce bandwidth is below the link",
     "rate the hardware file states. No data-parallel strong scaling at a fixed global batch was found with full",
     "configurations, so the DP-scaling series keep the per-GPU batch (nearly) fixed.",
@@ -220,6 +236,64 @@ def predict_bloom() -> float:
     return 2048 * 2048 / step / 384
 
 
+@dataclass(frozen=True)
+class Llama3Row:
+    """One row of Llama 3 405B's Table 4 (CP = 1): GPUs, data-parallel degree, sequences per data-parallel rank
+    per step (= micro-batches at micro-batch 1) and the published TFLOP/s per GPU."""
+
+    gpus: int
+    dp: int
+    microbatches: int
+    tflops_per_gpu: float
+
+
+LLAMA3_ROWS = (Llama3Row(8192, 64, 32, 430.0), Llama3Row(16384, 128, 16, 400.0))
+LLAMA3_SHAPE = ModelShape(
+    n_layers=126,
+    d_model=16384,
+    n_heads=128,
+    n_kv_heads=8,
+    ffn_hidden=53248,
+    vocab_size=128000,
+    seq_len=8192,
+    swiglu=True,
+    tied=False,
+)
+LLAMA3_STAGES = (0, *([1] * 126), 0)
+"""16 pipeline ranks × 8 interleaved chunks of one block, the first chunk only the embedding and the last only the
+head (the paper removes one block from the first and the last stage)."""
+
+
+def llama3_flops_per_token() -> float:
+    """The paper's MFU convention (PaLM's): 6·N + 12·L·h·s per token, attention over the whole sequence."""
+    s = LLAMA3_SHAPE
+    return 6 * s.n_params() + 12 * s.n_layers * s.d_model * s.seq_len
+
+
+def predict_llama3(row: Llama3Row) -> float:
+    """TFLOP/s per GPU of Llama 3 405B's layout (docstring) in the paper's convention, timed by the simulator."""
+    hw = dataclasses.replace(
+        load_hardware("h100"), name="meta-h100-roce", pod_gpus=3072, oversubscription=7.0
+    )
+    plan = Plan(
+        dp=row.dp,
+        pp=16,
+        tp=8,
+        sequence_parallel=True,
+        virtual_stages=8,
+        zero_stage=1,
+        micro_batch=1,
+        n_microbatches=row.microbatches,
+        recompute="none",
+        accumulation="depth_first",
+        flash_attention=True,
+        stage_layers=LLAMA3_STAGES,
+    )
+    step = simulate_step(LLAMA3_SHAPE, hw, plan, "interleaved")[0].step_time
+    tokens_per_gpu = row.microbatches * LLAMA3_SHAPE.seq_len / step / (plan.tp * plan.pp)
+    return tokens_per_gpu * llama3_flops_per_token() / 1e12
+
+
 def cases() -> list[Case]:
     out = [_fsdp_case(r, _group(r)) for r in (*MOSAIC_ROWS, *H100_ROWS)]
     bloom = 2048 * 2048 / BLOOM_ITERATION_S / 384
@@ -232,6 +306,9 @@ def cases() -> list[Case]:
             "tokens/s/GPU",
         )
     )
+    for r in LLAMA3_ROWS:
+        label = f"Llama 3 405B {r.gpus}×H100 t8 p16 v8 d{r.dp} m{r.microbatches}"
+        out.append(Case(LLAMA3_GROUP, label, r.tflops_per_gpu, predict_llama3(r), "TFLOP/s/GPU (PaLM MFU)"))
     readme = compare_table(load_hardware("a100-40gb"), MEGATRON_README_2020)
     for p in readme:
         group = "DP scaling (Megatron 2020, 128-way)" if p.row.dp > 1 else "Megatron 2020 TP in one node"
@@ -245,6 +322,7 @@ def cases() -> list[Case]:
 
 
 CALIBRATION = "Megatron 2021 Table 1 (GEMM calibration, not validation)"
+LLAMA3_GROUP = "TP + interleaved PP + ZeRO-1 DP on 8K-16K H100 (Llama 3 405B)"
 HOPPER_CALIBRATION_GROUP = "H100 in one node (the H100 calibration, not validation)"
 CALIBRATION_GROUPS = (CALIBRATION, HOPPER_CALIBRATION_GROUP)
 
