@@ -177,14 +177,27 @@ def _why_compute(result: SearchResult, win: Candidate, run: Candidate) -> str:
     )
 
 
+def _why_bubble(win: Candidate, run: Candidate) -> str:
+    """The runner-up's idle share of its step, from its own breakdown (not a schedule formula: breadth-first and
+    looped schedules with fewer micro-batches than pipeline ranks idle far more than (p−1)/(v·m + p − 1))."""
+    w, r = win.plan, run.plan
+    idle = run.breakdown.bubble / run.step_time
+    starved = (
+        f"; with fewer micro-batches than pipeline ranks (m={r.n_microbatches} < p={r.pp}) each rank waits for the "
+        "others"
+        if r.n_microbatches < r.pp
+        else ""
+    )
+    return (
+        f"because {run.schedule} with p={r.pp}, m={r.n_microbatches}, v={r.virtual_stages} idles {idle:.0%} of "
+        f"its step{starved} (winner: p={w.pp}, m={w.n_microbatches}, v={w.virtual_stages})"
+    )
+
+
 def _why(part: str, win: Candidate, run: Candidate, result: SearchResult) -> str:
     w, r = win.plan, run.plan
     if part == "bubble":
-        ideal = (r.pp - 1) / (r.virtual_stages * r.n_microbatches + r.pp - 1)
-        return (
-            f"because {run.schedule} with p={r.pp}, m={r.n_microbatches}, v={r.virtual_stages} idles "
-            f"≈{ideal:.1%} of the pipeline (winner: p={w.pp}, m={w.n_microbatches}, v={w.virtual_stages})"
-        )
+        return _why_bubble(win, run)
     if part == "compute":
         return _why_compute(result, win, run)
     if part == "tp_comm":

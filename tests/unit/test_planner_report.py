@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from tessera.planner.hardware import load_hardware
-from tessera.planner.report import _why_compute, explain, mfu_warning
+from tessera.planner.report import _why, _why_compute, explain, mfu_warning
 from tessera.planner.search import SearchSpace, search
 
 A100 = load_hardware("a100-80gb")
@@ -45,3 +45,29 @@ def test_mfu_above_the_best_published_is_flagged(two_pipelines) -> None:
     assert "#1, #2" in (mfu_warning(low, entries) or "")
     unknown = dataclasses.replace(two_pipelines, hardware=dataclasses.replace(A100, best_published_mfu=0.0))
     assert mfu_warning(unknown, entries) is None
+
+
+def test_bubble_reason_is_the_runner_ups_own_idle_share() -> None:
+    """Breadth-first over p = 2 with one micro-batch leaves each rank idle while the other works: the reason
+    reports the simulated bubble's share of the step, not the interleaved formula (p−1)/(v·m + p − 1)."""
+    space = SearchSpace(
+        tensor_1d=(1,),
+        tensor_2d=(),
+        pipeline=(1, 2),
+        schedules=("breadth_first",),
+        zero_stages=(3,),
+        checkpointing=("full",),
+        sequence_parallel=(False,),
+        micro_batches=(1, 2),
+    )
+    result = search("gpt2-124m", 8, A100, 8, space=space)
+    win = result.candidates[0]
+    starved = max(
+        (c for c in result.candidates if c.plan.pp == 2 and c.plan.n_microbatches == 1),
+        key=lambda c: c.breakdown.bubble / c.step_time,
+    )
+    idle = starved.breakdown.bubble / starved.step_time
+    assert idle > 0.3
+    reason = _why("bubble", win, starved, result)
+    assert f"idles {idle:.0%} of its step" in reason
+    assert "m=1 < p=2" in reason
