@@ -201,8 +201,8 @@ def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, 
     - pipeline: the cost model's `pp_p2p_volume`, plus each EXCHANGE of the rank's list (a tied embedding's
       gradient swapped between the ranks of the embedding and the head, `ExecutionPlan.exchanged_stages`: send
       and receive of the fp32 table shard);
-    - data: the cost model's `dp_volume` with fp32 master weights and the configured gradient-reduction dtype,
-      the stages exchanged reduced once; ZeRO-3 gathers each stage as often as the lowered schedule's GATHER
+    - data: the cost model's `dp_volume` with fp32 master weights (`Plan.param_bytes`) and the execution plan's
+      gradient-reduction width (`Plan.grad_reduce_width`), the stages exchanged reduced once; ZeRO-3 gathers each stage as often as the lowered schedule's GATHER
       actions say;
     - the step's scalars: the loss summed over data ranks and broadcast over the pipeline, the gradient norm's
       sum of squares reduced over every group holding gradient shards (4 bytes each).
@@ -274,10 +274,15 @@ def _data_traffic(cfg: Config, execution: Any, plan: Any, psi: dict[int, float])
     from tessera.pipeline.ir import ActionKind
     from tessera.planner.cost import dp_volume
 
-    grad_bytes = 2 if cfg.train.grad_reduce_dtype == "bf16" else 4
     tied = {s for pair in execution.tied_across() for s in pair}  # reduced once, after their EXCHANGE
     once = sum(n for s, n in psi.items() if s in tied)
-    volume = dp_volume(sum(psi.values()), plan, grad_bytes=grad_bytes, param_bytes=4, reduced_once=once)
+    volume = dp_volume(
+        sum(psi.values()),
+        plan,
+        grad_bytes=plan.grad_reduce_width,
+        param_bytes=plan.param_bytes,
+        reduced_once=once,
+    )
     out = _volume(volume, "data")
     if plan.zero_stage == 3 and plan.dp > 1:  # a stage is gathered once per GATHER of the executed schedule
         lowered = execution.lowered()
@@ -286,7 +291,7 @@ def _data_traffic(cfg: Config, execution: Any, plan: Any, psi: dict[int, float])
         last = execution.n_stages - 1
         if cfg.model.tie_embeddings and 0 in psi and last in psi and last != 0:
             count[0] += count[last]  # the head uses the tied table, which lives in stage 0's flat buffer
-        out[("all_gather", "data")] = sum(4 * n * count[s] for s, n in psi.items())
+        out[("all_gather", "data")] = sum(plan.param_bytes * n * count[s] for s, n in psi.items())
     return out
 
 

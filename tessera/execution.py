@@ -13,10 +13,11 @@ Decisions made here (and only here):
   block and runs it breadth-first (layered accumulation, so ZeRO's gathers and reduce-scatters happen once per
   block per step; docs/zero.md) unless the config asks for several stages per rank itself;
 - the stages: how many per pipeline rank, each global stage's blocks, and which pipeline rank holds it;
-- accumulation order, checkpointing, ZeRO stage, micro-batch size and count, dtype.
+- accumulation order, checkpointing, ZeRO stage, micro-batch size and count, dtype, and the dtype of the
+  gradient reduction (`train.grad_reduce_dtype`: ZeRO's reduce-scatter; plain data parallelism reduces fp32).
 
-The cross-section rules (world size, tensor and pipeline divisibility, batch arithmetic, schedule constraints)
-live here; `tessera.config` keeps the per-section field checks.
+The cross-section rules (world size, tensor and pipeline divisibility, batch arithmetic, schedule constraints,
+the gradient reduction's dtype against the ZeRO stage) live here; `tessera.config` keeps the per-section field checks.
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ class ExecutionPlan:
     micro_batches: int
     global_batch: int
     dtype: str
+    grad_reduce_dtype: str
+    """dtype of the data-parallel gradient reduction, "fp32" or "bf16" (ZeRO's reduce-scatter; a bf16 one halves
+    its bytes). Plain data parallelism all-reduces fp32 gradients, so bf16 there is a violation."""
     n_layers: int
     tied: bool
     """The token embedding is the head's output projection (model.tie_embeddings): stage 0 and the last stage
@@ -214,6 +218,7 @@ class ExecutionPlan:
         lines.append(
             f"accumulation: {self.accumulation}; checkpointing: {self.checkpointing} (every stage); "
             f"ZeRO: {self.zero}; dtype: {self.dtype}"
+            + (f"; gradient reduce-scatter: {self.grad_reduce_dtype}" if self.zero else "")
         )
         lines.append(
             f"micro-batches: {self.micro_batches} of {self.micro_batch} sequences per data-parallel rank "
@@ -263,6 +268,7 @@ def _resolve(cfg: Config, world_size: int) -> tuple[ExecutionPlan | None, list[V
         return None, found  # the cross-section rules divide by these numbers
     found.extend(_check_layout(cfg, world_size))
     found.extend(_check_data(cfg))
+    found.extend(_check_grad_reduction(cfg))
     if found:
         return None, found
     plan = decide(cfg, world_size)
@@ -332,6 +338,7 @@ def decide(cfg: Config, world_size: int) -> ExecutionPlan:
         micro_batches=m,
         global_batch=tr.global_batch,
         dtype=tr.dtype,
+        grad_reduce_dtype=tr.grad_reduce_dtype,
         n_layers=n_layers,
         tied=cfg.model.tie_embeddings,
     )
@@ -499,6 +506,21 @@ def _check_batch(tr: TrainConfig, dp: int) -> list[Violation]:
             problem=f"train.global_batch = {tr.global_batch} is not micro_batch "
             f"{tr.micro_batch} × micro-batches × data-parallel size {dp}",
             fix=f"set train.global_batch = {lo} or {hi} (multiples of {unit})",
+        )
+    ]
+
+
+def _check_grad_reduction(cfg: Config) -> list[Violation]:
+    """train.grad_reduce_dtype sets ZeRO's gradient reduce-scatter; plain data parallelism (the direct loop's
+    bucketed all-reduce, `DataParallelStageComm`) reduces fp32 gradients as they are, so bf16 would be ignored."""
+    if cfg.train.grad_reduce_dtype != "bf16" or cfg.parallel.zero != 0:
+        return []
+    return [
+        Violation(
+            rule="train.grad_reduce_dtype",
+            problem="train.grad_reduce_dtype = 'bf16' sets the dtype of ZeRO's gradient reduce-scatter, but "
+            "parallel.zero = 0 (plain data parallelism all-reduces fp32 gradients)",
+            fix="set parallel.zero >= 1 (1, 2 or 3) to reduce-scatter in bf16, or train.grad_reduce_dtype = 'fp32'",
         )
     ]
 

@@ -38,6 +38,7 @@ from tessera.planner.cost import (
     model_state_bytes,
     rank_layers,
 )
+from tessera.planner.hardware import DTYPE_BYTES
 from tessera.planner.network import TESSERA_ORDER
 from tessera.planner.steptime import inflight_microbatches
 
@@ -147,6 +148,7 @@ def cost_plan(plan: ExecutionPlan) -> Plan:
         accumulation=plan.accumulation,
         dtype=plan.dtype,
         autocast=True,  # fp32 master weights under torch.autocast (tessera.parallel.precision)
+        grad_reduce_bytes=DTYPE_BYTES[plan.grad_reduce_dtype],  # ZeRO's reduce-scatter (plain DP: fp32)
         flash_attention=True,  # torch SDPA (flash / memory-efficient kernels) keeps no s×s score tensor
         rank_order=TESSERA_ORDER,  # ranks laid out by tessera.layout
         stage_layers=None if _even(plan) else plan.stage_layers,

@@ -273,7 +273,7 @@ def predict_row(row: MegatronRow, hw: Hardware) -> Prediction:
     steady = m * (per_mb + lg.forward + lg.backward)
     bubble = (row.pp - 1) / v * per_mb
     psi = max(params_per_rank(shape, plan, 0), params_per_rank(shape, plan, row.pp - 1))
-    t_dp = dp_time(psi, hw, plan, grad_bytes=2)
+    t_dp = dp_time(psi, hw, plan, grad_bytes=plan.grad_reduce_width, param_bytes=plan.param_bytes)
     t_opt = psi * OPTIMIZER_BYTES_PER_PARAM / hw.hbm_bandwidth
     total = steady + bubble + t_dp + t_opt
     flops = narayanan_flops_per_iteration(row.batch, row.seq_len, row.layers, row.hidden, row.vocab)

@@ -341,7 +341,14 @@ def _evaluate(ctx: _Ctx, run: Config, base: Plan, batch: int, p2p: float) -> Can
     )
 
 
-_EXECUTION_FIELDS = ("virtual_stages", "zero_stage", "recompute", "accumulation", "stage_layers")
+_EXECUTION_FIELDS = (
+    "virtual_stages",
+    "zero_stage",
+    "recompute",
+    "accumulation",
+    "stage_layers",
+    "grad_reduce_bytes",
+)
 """What the execution plan decides beyond the layout the search fixed in its base Plan."""
 
 

@@ -339,11 +339,18 @@ def p2p_hops(schedule: str, p: int, m: int, v: int) -> float:
 
 def dp_parts(params_local: float, hw: Hardware, plan: Plan, buckets: int = 1) -> tuple[float, float]:
     """(reduction, parameter all-gather) seconds per step of `params_local` parameters over the data group:
-    `cost.dp_collective_times` with gradients and parameters `Plan.param_bytes` wide (fp32 under tessera's
-    autocast, the compute dtype in the published accounting), one call per bucket (the search and the simulator
-    pass the rank's layer count: the trainer reduces and gathers per block)."""
-    width = plan.param_bytes
-    return dp_collective_times(params_local, hw, plan, grad_bytes=width, param_bytes=width, buckets=buckets)
+    `cost.dp_collective_times` with parameters `Plan.param_bytes` wide (fp32 under tessera's autocast, the
+    compute dtype in the published accounting) and gradients `Plan.grad_reduce_width` wide (the same unless a
+    bf16 ZeRO reduce-scatter narrows them), one call per bucket (the search and the simulator pass the rank's
+    layer count: the trainer reduces and gathers per block)."""
+    return dp_collective_times(
+        params_local,
+        hw,
+        plan,
+        grad_bytes=plan.grad_reduce_width,
+        param_bytes=plan.param_bytes,
+        buckets=buckets,
+    )
 
 
 def dp_exposure(items: list[tuple[float, float]], end: float) -> float:

@@ -189,7 +189,7 @@ class ScheduledStepper:
         def stage_comm(stages: dict) -> DataParallelStageComm | ZeroStageComm:
             if plan.zero == 0:
                 return DataParallelStageComm(stages, dp_group)
-            reduce = reduce_dtype(cfg.train.grad_reduce_dtype)
+            reduce = reduce_dtype(plan.grad_reduce_dtype)
             # The data-parallel group itself, even of size 1: ZeRO treats a None group as the whole world,
             # which with pipeline ranks reduce-scattered different stages' gradients together.
             group = groups.dp if groups is not None else None

@@ -71,3 +71,25 @@ def test_formulas_equal_the_dry_runs_bytes(name: str) -> None:
         formula = formula_traffic(cfg, world, rank)
         exact = [key for key in measured if key[1] != "data" or key[0] == "all_reduce"]
         assert {k: formula.get(k) for k in exact} == {k: measured[k] for k in exact}, f"rank {rank}"
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_bf16_gradient_reduction_halves_the_reduce_scatter_bytes(zero: int) -> None:
+    """train.grad_reduce_dtype = "bf16": the dry run counts 2-byte reduce-scatters and the formula
+    (`Plan.grad_reduce_width`) agrees, to the byte; the parameters' all-gathers stay fp32. Without tensor
+    parallelism every data-axis collective is exact (no replicated norm weights to count)."""
+    data = {}
+    for reduce in ("fp32", "bf16"):
+        raw = {
+            "model": {"size": "llama-tiny"},
+            "parallel": {"data": 2, "zero": zero},
+            "train": {"global_batch": 4, "micro_batch": 1, "grad_reduce_dtype": reduce},
+        }
+        cfg = from_dict(raw)
+        measured = measured_by_axis(dry_run(cfg, 2, 0))
+        formula = formula_traffic(cfg, 2, 0)
+        data[reduce] = {k: v for k, v in measured.items() if k[1] == "data"}
+        assert {k: formula.get(k) for k in data[reduce]} == data[reduce], reduce
+    rs, ag = ("reduce_scatter", "data"), ("all_gather", "data")
+    assert data["bf16"][rs] * 2 == data["fp32"][rs] > 0
+    assert data["bf16"][ag] == data["fp32"][ag] > 0

@@ -85,6 +85,31 @@ def test_validate_rejects_what_train_would_refuse(
     assert str(problems[0]) in capsys.readouterr().err
 
 
+BF16_REDUCE = ['train.grad_reduce_dtype="bf16"']
+"""The demo's plain data parallelism (parallel.zero = 0) with a bf16 gradient reduction, which only ZeRO has."""
+
+
+def test_bf16_gradient_reduction_without_zero_is_refused_by_validate_and_train(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    (v,) = violations(load_config(DEMO, BF16_REDUCE), 2)
+    assert v.rule == "train.grad_reduce_dtype" and "parallel.zero = 0" in v.problem
+    assert "parallel.zero >= 1" in v.fix and "train.grad_reduce_dtype = 'fp32'" in v.fix
+    assert main(["validate", DEMO, "--world-size", "2", *BF16_REDUCE]) == 1
+    assert str(v) in capsys.readouterr().out
+    assert main(["train", DEMO, "--nproc", "2", *(f"--{o}" for o in BF16_REDUCE)]) == 2
+    assert str(v) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_the_plan_carries_the_gradient_reduction_dtype(zero: int) -> None:
+    """ZeRO reduce-scatters in the configured dtype (the stepper and the cost model read it from the plan)."""
+    assert resolve(load_config(DEMO), 2).grad_reduce_dtype == "fp32"
+    plan = resolve(load_config(DEMO, [*BF16_REDUCE, f"parallel.zero={zero}"]), 2)
+    assert plan.grad_reduce_dtype == "bf16"
+    assert "gradient reduce-scatter: bf16" in plan.describe()
+
+
 def test_interleaved_fix_names_valid_batches() -> None:
     (v,) = violations(load_config(DEMO, INTERLEAVED_M3), 2)
     assert "train.global_batch = 16 or 32" in v.fix

@@ -112,6 +112,24 @@ def test_data_parallel_bytes_are_the_parameters_width(zero: int) -> None:
     )
 
 
+@pytest.mark.parametrize(("zero", "gathers"), [(2, 1), (3, 2)])
+def test_bf16_gradient_reduction_halves_the_reduce_scatter_bytes(zero: int, gathers: int) -> None:
+    """`Plan.grad_reduce_bytes` = 2 (a bf16 ZeRO reduce-scatter, `train.grad_reduce_dtype`) halves the
+    reduce-scatter's bandwidth term; its latency and the parameters' fp32 all-gathers are unchanged. By hand:
+    dp 8 inside one H100 node, a ring over n = 8 ranks moves (n − 1)/n of the buffer per rank in n − 1 steps."""
+    hw, psi, n = load_hardware("h100"), 1e9, 8
+    plan = replace(AUTOCAST, dp=n, zero_stage=zero)
+    bf16 = replace(plan, grad_reduce_bytes=2)
+    assert (plan.grad_reduce_width, bf16.grad_reduce_width, bf16.param_bytes) == (4, 2, 4)
+    latency = (n - 1) * hw.intra_node_latency
+    ring = (n - 1) / n * psi / hw.intra_node_bandwidth  # seconds per byte of width
+    reduce4, gather4 = dp_parts(psi, hw, plan)
+    reduce2, gather2 = dp_parts(psi, hw, bf16)
+    assert reduce4 == pytest.approx(4 * ring + latency, rel=REL)
+    assert reduce2 == pytest.approx(2 * ring + latency, rel=REL)
+    assert gather2 == gather4 == pytest.approx(gathers * (4 * ring + latency), rel=REL)
+
+
 def test_optimizer_step_updates_fp32_parameters_under_autocast() -> None:
     """AdamW on fp32 parameters reads param, grad, m, v and writes param, m, v: 28 bytes each, without the
     published mixed-precision step's bf16 gradient read and parameter copy (32)."""

@@ -54,6 +54,10 @@ class Plan:
     stage_layers: tuple[int, ...] | None = None
     """Blocks per global stage (p·v entries, 0 allowed), as the trainer's `parallel.stage_layers`; None: an
     even split, which requires p·v to divide the layer count (`layers_per_stage`)."""
+    grad_reduce_bytes: int = 0
+    """Bytes per element of the data-parallel gradient reduction (tessera's `train.grad_reduce_dtype`: 2 for a
+    bf16 ZeRO reduce-scatter); 0: as wide as the parameters (`param_bytes`). Read it through
+    `grad_reduce_width`."""
     replays_last_exit: bool = False
     """Full recompute replays each block's whole forward, its last exit (the MLP's output GEMM and collective)
     included, as Megatron-LM's checkpointing does (it re-runs the checkpointed layers' forward) and torch's
@@ -96,9 +100,16 @@ class Plan:
     def param_bytes(self) -> int:
         """Bytes per element of the parameters and gradients that the optimizer updates and the data-parallel
         collectives move: fp32 under tessera's autocast (fp32 master weights are the parameters; their
-        gradients are fp32 and reduced as they are, `train.grad_reduce_dtype` = "fp32" by default, as the dry
-        run counts them), else the compute dtype (the published runs keep bf16 parameters and gradients)."""
+        gradients are fp32 and reduced as they are unless `grad_reduce_bytes` narrows the reduction), else the
+        compute dtype (the published runs keep bf16 parameters and gradients)."""
         return 4 if self.autocast else self.act_bytes
+
+    @property
+    def grad_reduce_width(self) -> int:
+        """Bytes per element of the gradients the data-parallel collectives reduce (all-reduce or ZeRO's
+        reduce-scatter): `grad_reduce_bytes` when set, else `param_bytes`. Parameters' all-gathers keep
+        `param_bytes`."""
+        return self.grad_reduce_bytes or self.param_bytes
 
     @property
     def casts(self) -> bool:
