@@ -108,7 +108,8 @@ class ExecutionPlan:
     dtype: str
     grad_reduce_dtype: str
     """dtype of the data-parallel gradient reduction, "fp32" or "bf16" (ZeRO's reduce-scatter; a bf16 one halves
-    its bytes). Plain data parallelism all-reduces fp32 gradients, so bf16 there is a violation."""
+    its bytes). Plain data parallelism all-reduces fp32 gradients, so bf16 there is a violation; with one data
+    rank nothing is reduced and the gradients stay fp32 (no rounding without traffic to save)."""
     n_layers: int
     tied: bool
     """The token embedding is the head's output projection (model.tie_embeddings): stage 0 and the last stage
@@ -338,7 +339,7 @@ def decide(cfg: Config, world_size: int) -> ExecutionPlan:
         micro_batches=m,
         global_batch=tr.global_batch,
         dtype=tr.dtype,
-        grad_reduce_dtype=tr.grad_reduce_dtype,
+        grad_reduce_dtype=tr.grad_reduce_dtype if layout.dp > 1 else "fp32",
         n_layers=n_layers,
         tied=cfg.model.tie_embeddings,
     )

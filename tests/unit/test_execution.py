@@ -108,6 +108,8 @@ def test_the_plan_carries_the_gradient_reduction_dtype(zero: int) -> None:
     plan = resolve(load_config(DEMO, [*BF16_REDUCE, f"parallel.zero={zero}"]), 2)
     assert plan.grad_reduce_dtype == "bf16"
     assert "gradient reduce-scatter: bf16" in plan.describe()
+    one = resolve(load_config(DEMO, [*BF16_REDUCE, f"parallel.zero={zero}", "parallel.data=1"]), 1)
+    assert one.grad_reduce_dtype == "fp32"  # one data rank reduces nothing: no rounding to bf16
 
 
 def test_interleaved_fix_names_valid_batches() -> None:
