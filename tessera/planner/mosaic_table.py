@@ -23,6 +23,7 @@ from tessera.planner.hardware import Hardware, load_hardware
 from tessera.planner.steptime import StepBreakdown, fast_step
 
 __all__ = [
+    "FP32_REDUCTION",
     "HOPPER_CALIBRATION",
     "HOPPER_SHARE_GRID",
     "MPT_SHAPES",
@@ -93,10 +94,14 @@ pinned to torch 1.13.1 (May 2023), before torch's non-reentrant checkpoint stopp
 the MLP's output GEMM is not replayed (`cost.compute.layer_time`)."""
 
 
+FP32_REDUCTION = frozenset({"h100"})
+"""Tables run with Composer's "DEFAULT" FSDP mixed precision: bf16 parameters and gathers, gradients reduced in
+fp32 (mosaicml/composer `get_mixed_precision`); the A100 tables' "PURE" reduces in bf16 too."""
+
+
 def fsdp_plan(row: FsdpRow) -> Plan:
-    """FSDP as ZeRO-`row.zero_stage` with depth-first accumulation, flash attention, bf16 gathers and
-    reduce-scatters (the A100 rows' "PURE" mixed precision; the H100 rows' "DEFAULT" reduces in fp32, which this
-    leaves out: docs/cost-model.md §10)."""
+    """FSDP as ZeRO-`row.zero_stage` with depth-first accumulation, flash attention, bf16 gathers, and reduce-
+    scatters in bf16 ("PURE", the A100 rows) or fp32 ("DEFAULT", the H100 rows: `FP32_REDUCTION`)."""
     return Plan(
         dp=row.gpus,
         zero_stage=row.zero_stage,
@@ -106,6 +111,7 @@ def fsdp_plan(row: FsdpRow) -> Plan:
         accumulation="depth_first",
         flash_attention=True,
         replays_last_exit=row.hardware in WHOLE_FORWARD_REPLAY,
+        grad_reduce_bytes=4 if row.hardware in FP32_REDUCTION else 0,
     )
 
 
