@@ -356,21 +356,46 @@ def measured(results: Path) -> None:
 
 SEARCH_CHANGES = (
     "## What moved in this re-run\n\n"
-    "The previous report predates the estimator's per-dtype bf16 memory count and walked peak; at main just "
-    "before the per-dtype step time, 1T on 3072 GPUs already picked d6 p64 t8+SP 1F1B m512 ZeRO-1 (83.2 s, MFU "
-    "48.4 %; d12 p32 interleaved v4, 71.4 s, no longer fits without checkpointing) and Llama-70B on 512 picked "
-    "d128 p1 t4+SP ZeRO-3 "
-    "with depth-first accumulation, b2 m19 (22.75 days, MFU 58.5 %). The step time now prices tessera's own "
-    "bytes under autocast (docs/cost-model.md §3-4: fp32 stream and input casts, the weight gradients' cast "
-    "back to fp32 and accumulation, fp32 gradients and ZeRO gathers, the fp32 Adam step). 1T keeps its layout, "
-    "95.7 s (compute 68.3 → 79.3 s per step), MFU 42.0 %. The 70B winner of before loses most: its FSDP-style "
-    "reduce-scatters and gathers carry fp32 (14.7 → 28.0 s and 29.5 → 56.1 s per step) and no longer hide "
-    "behind 47 s of compute (exposed 0.7 → 34 s, 41.8 days); the winner is now d256 t2+SP ZeRO-3 with b8 m2 "
-    "and full checkpointing (25.5 → 26.8 days, MFU 45.8 %), whose larger micro-batches spread each step's "
-    "weight-gradient accumulation and whose gathers hide; no listed MFU is above the best published A100 "
-    "figure any more.\n"
+    "Two changes to the step time, each against the commit just before it. (1) Flash attention (the search's "
+    "default) is priced at FlashAttention-2's measured causal forward + backward rate "
+    "(`Hardware.flash_attention_flops`, 155 TFLOP/s on A100; `cost.compute.attention_core_time`: forward 4·s²·d "
+    "per head halved for the causal mask, backward 2.5 × forward) instead of two batched GEMMs over the full "
+    "s × s scores, whose roofline charged the scores' HBM traffic, with backward 2 × forward. 1T on 3072 GPUs: "
+    "95.8 → 95.6 s per step, MFU 42.0 → 42.1 % (compute 79.2 → 79.0 s): its 20 heads of d = 160 per rank cost "
+    "1.01 → 0.77 ms per block, forward + backward, the old A·V GEMM having lost 38 % of its rate to tile "
+    "quantisation (d = 160 in 128-wide tiles). Llama-70B on 512: 49.7 → 49.6 s per step, 26.8 → 26.7 days "
+    "(compute 48.2 → 48.1 s): at t2 b8 (256 heads per rank) the old GEMMs ran near the plateau, so the attention "
+    "core's forward gets cheaper (2.62 → 2.26 ms per block) and its backward dearer (5.23 → 5.65 ms). (2) Full "
+    "checkpointing is priced as torch's non-reentrant checkpoint runs it: the recomputation stops once every "
+    "tensor the backward saved is rebuilt, so the MLP's output GEMM is not replayed. 1T's winner does not "
+    "checkpoint and stays at 95.6 s; its full-checkpointing runner-ups gain, d12 p32 interleaved v4 (105 → 98 s) "
+    "now second. The 70B winner checkpoints fully and keeps its layout (d256 t2+SP ZeRO-3, b8 m2): 49.6 → 46.7 s "
+    "per step (compute 48.1 → 45.2 s), 26.7 → 25.1 days, MFU 45.9 → 48.7 %; d128 t4+SP b16, also fully "
+    "checkpointed, moves from fourth to second (53.3 → 50.4 s). The 70B search enumerates 24 more layouts "
+    "(22,728): the balanced uneven stage split, tried beside the even one, is computed from the block's time "
+    "with its recomputation, and differs from the even split in more pipelines. The Hopper framework share, "
+    "changed meanwhile, does not enter these A100 plans.\n"
 )
-"""What the last re-run changed and why (against main just before it, same searches), written into the report."""
+"""What the last re-run changed and why (against the commit just before it, same searches), written at the top
+of the report."""
+
+EARLIER_SEARCH = (
+    "## Earlier re-runs\n\n"
+    "After the per-dtype step time: the previous report predated the estimator's per-dtype bf16 memory count and "
+    "walked peak; at main just before the per-dtype step time, 1T on 3072 GPUs already picked d6 p64 t8+SP 1F1B "
+    "m512 ZeRO-1 (83.2 s, MFU 48.4 %; d12 p32 interleaved v4, 71.4 s, no longer fits without checkpointing) and "
+    "Llama-70B on 512 picked d128 p1 t4+SP ZeRO-3 with depth-first accumulation, b2 m19 (22.75 days, MFU "
+    "58.5 %). The step time then priced tessera's own bytes under autocast (docs/cost-model.md §3-4: fp32 stream "
+    "and input casts, the weight gradients' cast back to fp32 and accumulation, fp32 gradients and ZeRO gathers, "
+    "the fp32 Adam step). 1T kept its layout, 95.7 s (compute 68.3 → 79.3 s per step), MFU 42.0 %. The 70B "
+    "winner of before lost most: its FSDP-style reduce-scatters and gathers carry fp32 (14.7 → 28.0 s and "
+    "29.5 → 56.1 s per step) and no longer hid behind 47 s of compute (exposed 0.7 → 34 s, 41.8 days); the "
+    "winner became d256 t2+SP ZeRO-3 with b8 m2 and full checkpointing (25.5 → 26.8 days, MFU 45.8 %), whose "
+    "larger micro-batches spread each step's weight-gradient accumulation and whose gathers hide; no listed MFU "
+    "was above the best published A100 figure any more. The tied embedding's gradient exchange, entering the "
+    "lowered IR afterwards, moved 1T's winner from 95.7 to 95.8 s (its 655 MB exchange), same layout.\n"
+)
+"""What the re-runs before the last one changed, written at the end of the report."""
 
 
 def search_speed(results: Path) -> None:
@@ -390,7 +415,7 @@ def search_speed(results: Path) -> None:
     render_picture(plan, entries, results / "planner_plan_llama70b.png")
     text = (
         "# Layout search: speed and a sample plan\n\n"
-        "Command: `python benchmarks/planner_validation.py --part search`.\n\n"
+        "Command: `python benchmarks/planner_validation.py --part search`.\n\n" + SEARCH_CHANGES + "\n"
         f"## 1T parameters (Megatron's 128-layer GPT) on 3072 A100-80GB, global batch 3072\n\n"
         f"{res.enumerated:,} valid layouts enumerated, {res.rejected_memory:,} pruned by memory; search time "
         f"best of 3: **{best:.2f} s** wall, {cpu:.2f} s CPU, on one core of this shared {os.cpu_count()}-core "
@@ -400,7 +425,7 @@ def search_speed(results: Path) -> None:
         "```\n"
         + render_text(plan, entries)
         + "\n```\n\n![breakdown](planner_plan_llama70b.png)\n\n"
-        + SEARCH_CHANGES
+        + EARLIER_SEARCH
     )
     (results / "planner_search.md").write_text(text)
     print(text)

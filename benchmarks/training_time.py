@@ -60,23 +60,58 @@ def plot(analyses: list[ModelAnalysis], path: Path) -> None:
 
 CHANGES = (
     "## What moved in this re-run\n\n"
-    "The previous table predates the estimator's per-dtype bf16 memory count and walked peak: at main just before "
-    "the per-dtype step time (below), the 1T winner was already d256 p32 t8+SP breadth-first v4 m50 (10.3 days, "
-    "MFU 49 %), since d2048 p4 v32 (8.5 days) needs full checkpointing under that count (11.4 days), and the "
-    "data-parallel family had no fitting layout from 39.1B up. The step time now prices tessera's own bytes "
-    "under autocast (`Plan.autocast`, docs/cost-model.md §3-4): the fp32 residual stream and each Linear's "
-    "input cast, backward's weight-gradient cast back to fp32 and accumulation into the fp32 gradient (18 bytes "
-    "per local weight per micro-batch), fp32 gradients and ZeRO gathers on the data-parallel group, and the "
-    "fp32 Adam step. Every time grows and no family's ranking changes: 1T 10.3 → 12.0 days on the same layout "
-    "(compute per step 12.7 → 14.9 s, mostly the weight-gradient accumulation; exposed data-parallel traffic "
-    "0.17 → 0.33 s), MFU 49 → 42 %; 1D tensor + 1F1B 14.6 → 17.2 days, 2D tensor + 1F1B 50.8 → 53.3 days "
-    "(with 2D's weights now cast once per step, which landed meanwhile and also moved which 2D layouts fit). The "
-    "small models move most, their fp32 gradient all-reduce over 2,048 nodes being exposed (1.7B: step "
-    "0.031 → 0.044 s, data-parallel 5 → 16 ms, MFU 7 → 5 %). Modular breadth-first + ZeRO-3 stays the fastest "
-    "family for 310B and 1T (tied with all methods); at 145.6B all methods now finds a breadth-first ZeRO-0 "
-    "layout 6 % faster than the ZeRO-3 family (21.2 against 22.6 hours; tied before).\n"
+    "Two changes to the step time, each against the commit just before it (same searches). (1) Flash attention "
+    "(the search's default, `Plan.flash_attention`) is priced at FlashAttention-2's measured causal forward + "
+    "backward rate (`Hardware.flash_attention_flops`: 155 TFLOP/s on A100; `cost.compute.attention_core_time`): "
+    "forward FLOPs 4·s²·d per head, halved for the causal mask, backward 2.5 × forward, at that rate × the "
+    "framework share. It used to be two batched GEMMs over the full s × s scores, whose roofline charged the "
+    "scores' HBM traffic, with backward 2 × forward. At s = 2048 the two prices are close where many heads share "
+    "a rank (Llama-70B, t2 b8: 7.85 → 7.91 ms per block, forward + backward) and the new one is lower where few "
+    "do: there the old A·V GEMM (an s × d output per head, a few 128 × 128 tiles) lost 40–67 % of its rate to "
+    "tile and wave quantisation and, at d = 96, QKᵀ was bound by the scores' HBM traffic (1T, t8 b1, 20 heads of "
+    "d = 160: 1.01 → 0.77 ms of a 71 ms block; 1.7B, t8 b1, 3 heads of d = 96: 0.144 → 0.069 ms of 1.1 ms). The "
+    "attention core is 1–13 % of a block at these sizes, so every time falls by a few percent at most and no "
+    "winner or layout changes: 1T 12.1 → 12.0 days on the same layout (d256 p32 t8+SP breadth-first v4 m50, "
+    "ZeRO-3; step 18.7 → 18.6 s, MFU 42 %), 2D tensor + 1F1B 53.5 → 53.4 days, 1D tensor + 1F1B 17.3 days "
+    "(unchanged at this precision); 310.1B step 3.85 → 3.84 s (MFU 40 → 41 %); the 1.7B model moves most (data "
+    "parallel + ZeRO 57 → 55 min, 1D tensor 30 → 29 min, 2D 46 → 45 min, breadth-first + ZeRO-3 34 → 33 min; "
+    "all methods 17 min, step 0.0438 → 0.0433 s). (2) Full checkpointing is priced as torch's non-reentrant "
+    "checkpoint runs it: the recomputation stops once every tensor the backward saved is rebuilt, so the MLP's "
+    "output GEMM, whose output nothing saves, is not replayed (a third of a GPT block's linear FLOPs; Megatron's "
+    "published runs keep the whole forward, `Plan.replays_last_exit`). Only layouts with full checkpointing move, "
+    "on the same layouts: no all-methods winner checkpoints at the critical batch, so the winners' tables do not "
+    "move; 1T's 2D tensor + 1F1B family (d256 p64 2×2 1F1B, ZeRO-1, full) 53.4 → 50.4 days (step 82.6 → "
+    "78.1 s), and breadth-first + ZeRO-3 on 1T at 16,384 and 32,768 GPUs (full checkpointing where memory is "
+    "short) 49.4 → 46.0 and 24.2 → 22.5 days. The Hopper framework share changed meanwhile (fitted on "
+    "MosaicML's H100 runs) does not enter this A100 table.\n"
 )
-"""What the last re-run changed and why (against main just before it, same searches), written into the report."""
+"""What the last re-run changed and why (against the commit just before it, same searches), written at the top
+of the report."""
+
+EARLIER = (
+    "## Earlier re-runs\n\n"
+    "After the per-dtype step time: the previous table predated the estimator's per-dtype bf16 memory count and "
+    "walked peak: at main just before the per-dtype step time, the 1T winner was already d256 p32 t8+SP "
+    "breadth-first v4 m50 (10.3 days, MFU 49 %), since d2048 p4 v32 (8.5 days) needs full checkpointing under "
+    "that count (11.4 days), and the data-parallel family had no fitting layout from 39.1B up. The step time "
+    "then priced tessera's own bytes under autocast (`Plan.autocast`, docs/cost-model.md §3-4): the fp32 "
+    "residual stream and each Linear's input cast, backward's weight-gradient cast back to fp32 and accumulation "
+    "into the fp32 gradient (18 bytes per local weight per micro-batch), fp32 gradients and ZeRO gathers on the "
+    "data-parallel group, and the fp32 Adam step. Every time grew and no family's ranking changed: 1T 10.3 → "
+    "12.0 days on the same layout (compute per step 12.7 → 14.9 s, mostly the weight-gradient accumulation; "
+    "exposed data-parallel traffic 0.17 → 0.33 s), MFU 49 → 42 %; 1D tensor + 1F1B 14.6 → 17.2 days, 2D "
+    "tensor + 1F1B 50.8 → 53.3 days (with 2D's weights then cast once per step, which landed meanwhile and also "
+    "moved which 2D layouts fit). The small models moved most, their fp32 gradient all-reduce over 2,048 nodes "
+    "being exposed (1.7B: step 0.031 → 0.044 s, data-parallel 5 → 16 ms, MFU 7 → 5 %). Modular breadth-first + "
+    "ZeRO-3 stayed the fastest family for 310B and 1T (tied with all methods); at 145.6B all methods found a "
+    "breadth-first ZeRO-0 layout 6 % faster than the ZeRO-3 family (21.2 against 22.6 hours; tied before).\n\n"
+    "After the tied embedding's gradient exchange entered the lowered IR (one reduction of the first and last "
+    "stage, after an EXCHANGE at the step's end, priced by `fast_step` and the simulator as the runtime runs "
+    "it): every GPT time grew by at most a few percent (1T 12.0 → 12.1 days, same layouts), except 1D tensor + "
+    "1F1B at the small sizes (1.7B 25 → 30 min, 7.5B 2.0 → 2.3 h at 65,536 GPUs): their depth-first reductions "
+    "of the tied stages no longer overlap the backward but wait for the exchange. No winner changed.\n"
+)
+"""What the re-runs before the last one changed, oldest first, written at the end of the report."""
 
 
 def main() -> None:
@@ -109,6 +144,8 @@ def main() -> None:
         f"{hw.name} ({hw.memory_bytes / 1e9:.0f} GB, layouts must fit in 95 %). "
         "Cell: shortest training time @ the GPU count reaching it; @ 65536 means the cap was binding (the time "
         "was still falling). Method: tessera/planner/analysis.py, docs/planner.md.\n\n"
+        + CHANGES
+        + "\n## Shortest training time\n\n"
         + analysis_table(analyses)
         + "\n## Winning layouts (all methods)\n\n"
         + layouts_table(analyses)
@@ -118,7 +155,7 @@ def main() -> None:
         + "| family | GPUs: time |\n|---|---|\n"
         + curve
         + "\n\n![training time](planner_training_time.png)\n\n"
-        + CHANGES
+        + EARLIER
     )
     (results / "planner_training_time.md").write_text(text)
     print(text)
