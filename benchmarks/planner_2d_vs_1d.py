@@ -112,8 +112,8 @@ READING = [
     "`cost.compute.attention_core_time`) instead of two batched GEMMs over the full s × s scores. No bold cell and",
     "no crossing moves: the attention core is the same on both sides (a·b/T heads per rank) and at most 4 % of a",
     "block here, so it shifts 2D's and 1D's times by the same amount, under 0.25 ms per block (cheaper at few",
-    "heads per rank, 0.7 % dearer at many, its backward being 2.5 × its forward), and only ratios well above 1 move, by",
-    "at most +0.04 (b ≤ 4; 8-GPU nodes, 25 GB/s, T = 64, b = 1: 5.09 → 5.13).",
+    "heads per rank, 0.7 % dearer at many, its backward being 2.5 × its forward), and only ratios well above 1",
+    "move, by at most +0.04 (b ≤ 4; 8-GPU nodes, 25 GB/s, T = 64, b = 1: 5.09 → 5.13).",
 ]
 
 

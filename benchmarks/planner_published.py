@@ -5,8 +5,8 @@ each case in its source's own convention, nothing fitted to any case.
 
 Sources (full configurations; see the report for the per-case table):
 
-- MosaicML llm-foundry, `scripts/train/benchmarking/README.md` (commit 061f2c7; the A100 rows): MPT models trained with PyTorch
-  FSDP FULL_SHARD (= ZeRO-3, depth-first gradient accumulation: one reduce-scatter per micro-batch), on A100
+- MosaicML llm-foundry, `scripts/train/benchmarking/README.md` (commit 061f2c7; the A100 rows): MPT models
+  trained with PyTorch FSDP FULL_SHARD (= ZeRO-3, depth-first gradient accumulation: one reduce-scatter per micro-batch), on A100
   80GB and A100 40GB nodes with "1600 Gbps node-node interconnect" (8 × 200 Gb/s, our a100 files' 25 GB/s per
   GPU). Model shape, sequence length, GPUs, micro-batch, gradient-accumulation steps and activation
   checkpointing are listed per row; the row's NumParams is reproduced exactly by our GPT shape (biases, learned
@@ -512,9 +512,9 @@ def worst_case_section() -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|",
         *decomposition_rows(),
         "",
-        "Candidate mechanisms applied to all 19 A100 FSDP rows alike: error of the worst case, of its twin (32×A100-80GB",
-        "b2×16: the same micro-batch, the same bytes per rank per micro-batch, the same stated interconnect), and the",
-        "A100 FSDP rows' median and worst |error|.",
+        "Candidate mechanisms applied to all 19 A100 FSDP rows alike: error of the worst case, of its twin",
+        "(32×A100-80GB b2×16: the same micro-batch, the same bytes per rank per micro-batch, the same stated",
+        "interconnect), and the A100 FSDP rows' median and worst |error|.",
         "",
         "| hypothesis | 64×a100-40gb b2×1 | 32×a100-80gb b2×16 | A100 FSDP median | A100 FSDP worst |",
         "|---|---|---|---|---|",
@@ -540,9 +540,9 @@ WORST_CASE_READING = [
     "contradicts NCCL's measured multi-node bus bandwidth (≈ the node's aggregate NIC rate: NVIDIA/nccl-tests#100,",
     "NVIDIA/nccl#495). Two sourced effects stop just short: a RoCE ring at the 75 % of line rate one thread",
     "measured (+26.0 %), and compute slowed by the collectives it overlaps (SM and memory contention, 18.9 % on",
-    "average in a published measurement: +26.1 %, twin -1.1 %, A100 FSDP median 6.7 %) — real and uniform, but measured",
-    "with collectives inside a node, not NIC-bound ones, so it stays out of the model until `tessera calibrate` can",
-    "measure it. FSDP's per-block gather unit would move the row the wrong way (+36 %). The differences left",
+    "average in a published measurement: +26.1 %, twin -1.1 %, A100 FSDP median 6.7 %) — real and uniform, but",
+    "measured with collectives inside a node, not NIC-bound ones, so it stays out of the model until `tessera",
+    "calibrate` can measure it. FSDP's per-block gather unit would move the row the wrong way (+36 %). The differences left",
     "between the row and its twin are 8 nodes instead of 4, no accumulation (per-step costs, bounded by the 30B and",
     "70B acc = 1 rows at -2 to -9 %) and 40 GB of memory (the 128-GPU b4 sibling, at -2 %, holds as much: 17-22 GB",
     "of sharded state and checkpoints in both). A fabric that loses bandwidth beyond 4 nodes would touch only this",

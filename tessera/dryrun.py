@@ -202,8 +202,8 @@ def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, 
       gradient swapped between the ranks of the embedding and the head, `ExecutionPlan.exchanged_stages`: send
       and receive of the fp32 table shard);
     - data: the cost model's `dp_volume` with fp32 master weights (`Plan.param_bytes`) and the execution plan's
-      gradient-reduction width (`Plan.grad_reduce_width`), the stages exchanged reduced once; ZeRO-3 gathers each stage as often as the lowered schedule's GATHER
-      actions say;
+      gradient-reduction width (`Plan.grad_reduce_width`), the stages exchanged reduced once; ZeRO-3 gathers each
+      stage as often as the lowered schedule's GATHER actions say;
     - the step's scalars: the loss summed over data ranks and broadcast over the pipeline, the gradient norm's
       sum of squares reduced over every group holding gradient shards (4 bytes each).
 

@@ -17,7 +17,8 @@ Decisions made here (and only here):
   gradient reduction (`train.grad_reduce_dtype`: ZeRO's reduce-scatter; plain data parallelism reduces fp32).
 
 The cross-section rules (world size, tensor and pipeline divisibility, batch arithmetic, schedule constraints,
-the gradient reduction's dtype against the ZeRO stage) live here; `tessera.config` keeps the per-section field checks.
+the gradient reduction's dtype against the ZeRO stage) live here; `tessera.config` keeps the per-section field
+checks.
 """
 
 from __future__ import annotations
