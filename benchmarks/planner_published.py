@@ -5,19 +5,18 @@ each case in its source's own convention, nothing fitted to any case.
 
 Sources (full configurations; see the report for the per-case table):
 
-- MosaicML llm-foundry, `scripts/train/benchmarking/README.md` (commit 061f2c7; the A100 rows): MPT models
-  trained with PyTorch FSDP FULL_SHARD (= ZeRO-3, depth-first gradient accumulation: one reduce-scatter per micro-batch), on A100
-  80GB and A100 40GB nodes with "1600 Gbps node-node interconnect" (8 × 200 Gb/s, our a100 files' 25 GB/s per
-  GPU). Model shape, sequence length, GPUs, micro-batch, gradient-accumulation steps and activation
+- MosaicML llm-foundry, `scripts/train/benchmarking/README.md` (commit 061f2c7; the A100 rows): MPT models trained
+  with PyTorch FSDP FULL_SHARD (= ZeRO-3, depth-first gradient accumulation: one reduce-scatter per micro-batch),
+  on A100 80GB and A100 40GB nodes with "1600 Gbps node-node interconnect" (8 × 200 Gb/s, our a100 files' 25 GB/s
+  per GPU). Model shape, sequence length, GPUs, micro-batch, gradient-accumulation steps and activation
   checkpointing are listed per row; the row's NumParams is reproduced exactly by our GPT shape (biases, learned
-  positions, tied head), which checks the transcription. Compared: tokens/s/GPU (their "Throughput (T/s/GPU)"),
-  so the error equals the MFU error in their convention (MFU = (6·N·s + 12·L·h·s²)·sequences/s / (GPUs·peak)).
-  The same file at commit 8c8dd48 adds H100 80GB BF16 tables (amp_bf16, Composer's "DEFAULT" FSDP mixed
-  precision: bf16 gathers, fp32 reduce-scatters, both priced so; SHARD_GRAD_OP = ZeRO-2 for the 1B and 3B rows
-  at 128-512 GPUs)
-  without a stated network: the 8-GPU rows calibrate the H100 file (`tessera.planner.mosaic_table`), the
-  multi-node rows (16-512 GPUs) are validated here on the h100 file's DGX H100 fabric, an assumption whose
-  weight the report's sensitivity lines bound.
+  positions, tied head), which checks the transcription. Compared: tokens/s/GPU (their "Throughput (T/s/GPU)"), so
+  the error equals the MFU error in their convention (MFU = (6·N·s + 12·L·h·s²)·sequences/s / (GPUs·peak)). The
+  same file at commit 8c8dd48 adds H100 80GB BF16 tables (amp_bf16, Composer's "DEFAULT" FSDP mixed precision:
+  bf16 gathers, fp32 reduce-scatters, both priced so; SHARD_GRAD_OP = ZeRO-2 for the 1B and 3B rows at 128-512
+  GPUs) without a stated network: the 8-GPU rows calibrate the H100 file (`tessera.planner.mosaic_table`), the
+  multi-node rows (16-512 GPUs) are validated here on the h100 file's DGX H100 fabric, an assumption whose weight
+  the report's sensitivity lines bound.
 - Llama 3 405B (Llama Team, "The Llama 3 Herd of Models", arXiv 2407.21783 v3): Table 4's two rows without
   context parallelism — 8,192 and 16,384 H100s (700 W, 80 GB), TP 8, PP 16, DP 64 / 128, sequence 8,192, 32 / 16
   sequences per data-parallel rank per step, 430 / 400 TFLOP/s per GPU (43 / 41 % BF16 MFU, PaLM's convention
@@ -371,11 +370,14 @@ def report() -> str:
     )
 
 
-def _h100_errors(scale: float) -> list[float]:
-    """Errors of the multi-node H100 rows with the file's inter-node bandwidth × `scale`."""
-    hw = load_hardware("h100")
-    hw = dataclasses.replace(hw, inter_node_bandwidth=hw.inter_node_bandwidth * scale)
-    return [predict_fsdp(r, hw) / r.tokens_per_gpu - 1 for r in H100_ROWS]
+def _scaled_errors(rows: tuple[FsdpRow, ...], field: str, scale: float) -> list[float]:
+    """predicted / published − 1 of each row on its GPU's shipped file with `field` × `scale` (each file loaded
+    once)."""
+    files = {}
+    for name in {r.hardware for r in rows}:
+        hw = load_hardware(name)
+        files[name] = dataclasses.replace(hw, **{field: getattr(hw, field) * scale})
+    return [predict_fsdp(r, files[r.hardware]) / r.tokens_per_gpu - 1 for r in rows]
 
 
 def attention_sensitivity() -> list[str]:
@@ -402,11 +404,7 @@ def attention_sensitivity() -> list[str]:
         (0.55, "0.55 × FA2"),
         (0.4, "0.4 × FA2"),
     ):
-        errors = []
-        for r in MOSAIC_ROWS:
-            hw = load_hardware(r.hardware)
-            hw = dataclasses.replace(hw, flash_attention_flops=hw.flash_attention_flops * scale)
-            errors.append(predict_fsdp(r, hw) / r.tokens_per_gpu - 1)
+        errors = _scaled_errors(MOSAIC_ROWS, "flash_attention_flops", scale)
         median = statistics.median(abs(e) for e in errors)
         lines.append(f"| {name} | {median:.1%} | {errors[MOSAIC_ROWS.index(WORST)]:+.1%} |")
     return lines
@@ -424,7 +422,7 @@ def h100_sensitivity() -> list[str]:
         ("the h100 file: 8 × 400 Gb/s per node (50 GB/s per GPU)", 1.0),
         ("a quarter of it: 8 × 100 Gb/s per node", 0.25),
     ):
-        errors = [abs(e) for e in _h100_errors(scale)]
+        errors = [abs(e) for e in _scaled_errors(H100_ROWS, "inter_node_bandwidth", scale)]
         lines.append(f"| {name} | {statistics.median(errors):.1%} | {max(errors):.1%} |")
     return lines
 
@@ -579,12 +577,13 @@ WORST_CASE_READING = [
     "measured (+26.0 %), and compute slowed by the collectives it overlaps (SM and memory contention, 18.9 % on",
     "average in a published measurement: +26.1 %, twin -1.1 %, A100 FSDP median 6.7 %) — real and uniform, but",
     "measured with collectives inside a node, not NIC-bound ones, so it stays out of the model until `tessera",
-    "calibrate` can measure it. FSDP's per-block gather unit would move the row the wrong way (+36 %). The differences left",
-    "between the row and its twin are 8 nodes instead of 4, no accumulation (per-step costs, bounded by the 30B and",
-    "70B acc = 1 rows at -2 to -9 %) and 40 GB of memory (the 128-GPU b4 sibling, at -2 %, holds as much: 17-22 GB",
-    "of sharded state and checkpoints in both). A fabric that loses bandwidth beyond 4 nodes would touch only this",
-    "row (the other rows on 8+ nodes have 2-10× more compute per byte), but none of this is priced from a",
-    "documented cause, so the row stays outside the 25 % bound rather than being fitted (docs/cost-model.md §10).",
+    "calibrate` can measure it. FSDP's per-block gather unit would move the row the wrong way (+36 %). The",
+    "differences left between the row and its twin are 8 nodes instead of 4, no accumulation (per-step costs,",
+    "bounded by the 30B and 70B acc = 1 rows at -2 to -9 %) and 40 GB of memory (the 128-GPU b4 sibling, at -2 %,",
+    "holds as much: 17-22 GB of sharded state and checkpoints in both). A fabric that loses bandwidth beyond 4",
+    "nodes would touch only this row (the other rows on 8+ nodes have 2-10× more compute per byte), but none of",
+    "this is priced from a documented cause, so the row stays outside the 25 % bound rather than being fitted",
+    "(docs/cost-model.md §10).",
 ]
 
 

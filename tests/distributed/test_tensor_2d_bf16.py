@@ -13,8 +13,9 @@ bf16; they differ in how a product C = Σ_t P_t is formed. One device rounds the
 accumulates the running sum in bf16 (q roundings), ABᵀ and AᵀB (backward, logits, weight gradients) round each
 P_t and reduce them in bf16 across the grid (q + 1 roundings). With q = 2 the two runs' products of equal inputs
 thus differ by at most (q + 1)·u·Σ_t|P_t| = 3u relative to the product (Σ_t|P_t| = |C| unless the partials
-cancel; 2D adds a bias in fp32 after the product, one device inside its bf16 linear: one rounding fewer). A weight gradient is such a product (AᵀB of the input activation and the output gradient) whose inputs
-carry the differences of every product before them, forward and backward; but it sums over the b·s tokens, whose
+cancel; 2D adds a bias in fp32 after the product, one device inside its bf16 linear: one rounding fewer). A
+weight gradient is such a product (AᵀB of the input activation and the output gradient) whose inputs carry the
+differences of every product before them, forward and backward; but it sums over the b·s tokens, whose
 independent rounding differences mostly cancel, so the upstream products add about u in all, not 3u each (the
 first block's gradients differ no more than the last block's). Prediction: ≤ 3u + ~1u = 4u of the tensor's
 largest reference entry; the bound takes a factor 2 over it: GRAD_BOUND = 8u. A bias's gradient is the token sum of
