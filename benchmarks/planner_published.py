@@ -63,6 +63,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from published_case import Case  # noqa: E402
+
 from tessera.planner.cost import ModelShape, Plan, dp_volume, group_placement, params_per_rank  # noqa: E402
 from tessera.planner.hardware import load_hardware  # noqa: E402
 from tessera.planner.megatron_table import MEGATRON_README_2020, MEGATRON_TABLE1, compare_table  # noqa: E402
@@ -171,19 +173,6 @@ READING = [
     "rate the hardware file states. No data-parallel strong scaling at a fixed global batch was found with full",
     "configurations, so the DP-scaling series keep the per-GPU batch (nearly) fixed.",
 ]
-
-
-@dataclass(frozen=True)
-class Case:
-    group: str
-    label: str
-    published: float
-    predicted: float
-    unit: str
-
-    @property
-    def error(self) -> float:
-        return self.predicted / self.published - 1
 
 
 def _group(row: FsdpRow) -> str:
