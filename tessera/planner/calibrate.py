@@ -16,31 +16,53 @@ machine does not inflate them; collectives use wall time (best of several), sinc
 - Memory capacity: physical RAM divided by the cores.
 
 Takes a few seconds (`quick`) to about half a minute.
+
+On a GPU node (`calibrate_gpu`, `tessera calibrate --device cuda`) the profile is a shipped *base* file with the
+fields one node can measure replaced (`gpu_profile`, a pure function: base + `GpuMeasurements` → `Hardware` and
+a report): `sm_count` and bf16 `gemm_table` rows, `hbm_bandwidth` (device-to-device copy),
+`flash_attention_flops` (causal bf16 SDPA forward + backward, FLOPs as `cost.compute.attention_core_time` counts
+them) and, over more than one GPU, the intra-node bandwidth and latency (the same sweep and fit with NCCL). The
+published peak, the network between nodes and the fitted shares stay the base's (docs/planner.md §5). The CUDA
+functions here have not yet been run on a GPU.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from tessera.planner.hardware import GemmRow, Hardware
+from tessera.errors import ConfigError, TesseraError
+from tessera.planner.hardware import GemmRow, Hardware, list_hardware, load_hardware
 
 __all__ = [
+    "ATTENTION_SHAPE",
+    "AttentionShape",
+    "CollectiveFit",
+    "GpuMeasurements",
     "MeasuredSteps",
+    "attention_flops",
+    "base_for_device",
     "calibrate",
+    "calibrate_gpu",
     "fit_collectives",
+    "gpu_attention_seconds",
+    "gpu_copy_bandwidth",
     "gpu_gemm_profile",
+    "gpu_profile",
     "measure_collectives",
     "measure_gemm",
+    "measure_gpu",
     "measure_memory_bandwidth",
     "measure_trainer_step",
     "predict_trainer_step",
+    "resolve_device",
     "run_queue_wait",
     "trainer_plan",
 ]
@@ -49,6 +71,8 @@ GEMM_SIZES = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 GEMM_SIZES_QUICK = (16, 32, 64, 128, 256, 512)
 COLLECTIVE_BYTES = tuple(2**k for k in range(10, 25, 2))  # 1 KiB .. 16 MiB
 COLLECTIVE_BYTES_QUICK = tuple(2**k for k in range(10, 23, 3))  # 1 KiB .. 4 MiB
+NCCL_BYTES = tuple(2**k for k in range(10, 29, 2))  # 1 KiB .. 256 MiB: NVLink reaches its bandwidth late
+NCCL_BYTES_QUICK = tuple(2**k for k in range(10, 29, 3))  # 1 KiB .. 256 MiB
 
 
 def _best_time(fn: Any, min_seconds: float, max_repeats: int = 200) -> float:
@@ -85,6 +109,23 @@ GPU_GEMM_SHAPES = ((8192, 8192, 8192), (4096, 4096, 4096), (2048, 12288, 4096), 
 """Square and transformer-like (tokens × hidden) shapes `gpu_gemm_profile` measures."""
 
 
+def _cuda_seconds(fn: Any, repeats: int) -> float:
+    """Best of `repeats` timings of ``fn()`` on the current CUDA stream with CUDA events, after one warm-up call
+    (cuBLAS / the attention backend pick and load their kernels on the first call)."""
+    import torch
+
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        best = min(best, start.elapsed_time(stop) / 1e3)
+    return best
+
+
 def gpu_gemm_profile(
     shapes: tuple[tuple[int, int, int], ...] = GPU_GEMM_SHAPES, dtype: str = "bf16", repeats: int = 20
 ) -> tuple[int, list[GemmRow]]:
@@ -99,17 +140,40 @@ def gpu_gemm_profile(
     for m, n, k in shapes:
         a = torch.randn(m, k, device="cuda", dtype=torch_dtype)
         b = torch.randn(k, n, device="cuda", dtype=torch_dtype)
-        torch.matmul(a, b)  # warm-up: cuBLAS picks and loads its kernel
-        best = float("inf")
-        for _ in range(repeats):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.matmul(a, b)
-            stop.record()
-            stop.synchronize()
-            best = min(best, start.elapsed_time(stop) / 1e3)
+        best = _cuda_seconds(lambda a=a, b=b: torch.matmul(a, b), repeats)
         rows.append(GemmRow(m, n, k, dtype, 2.0 * m * n * k / best, "tessera calibrate"))
     return torch.cuda.get_device_properties(0).multi_processor_count, rows
+
+
+def gpu_copy_bandwidth(nbytes: int = 2**30, repeats: int = 20) -> float:
+    """Bytes/s (read + write) of a device-to-device copy of `nbytes` on the current CUDA device, CUDA events."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _cuda_seconds(lambda: dst.copy_(src), repeats)
+
+
+def gpu_attention_seconds(shape: AttentionShape | None = None, repeats: int = 10) -> float:
+    """Seconds (CUDA events, best of `repeats`) of forward + backward of causal bf16
+    `torch.nn.functional.scaled_dot_product_attention` (the call tessera's attention makes) on `shape`."""
+    import torch
+    import torch.nn.functional as F
+
+    shape = shape or ATTENTION_SHAPE
+    q, k, v = (
+        torch.randn(
+            shape.batch, shape.heads, shape.seq, shape.head_dim, device="cuda", dtype=torch.bfloat16
+        ).requires_grad_()
+        for _ in range(3)
+    )  # [b, nh, s, hd]
+    grad = torch.randn_like(q)
+
+    def step() -> None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, nh, s, hd]
+        torch.autograd.grad(out, (q, k, v), grad)  # returned, not accumulated into .grad: no extra adds
+
+    return _cuda_seconds(step, repeats)
 
 
 def measure_memory_bandwidth(nbytes: int = 64 * 2**20, min_seconds: float = 0.2) -> float:
@@ -127,8 +191,9 @@ def measure_memory_bandwidth(nbytes: int = 64 * 2**20, min_seconds: float = 0.2)
 
 
 def _collective_worker() -> None:
-    """Entry point of one collective-sweep process (env: RANK, WORLD_SIZE, MASTER_PORT, SIZES, REPEATS); rank 0
-    prints one JSON list of [collective, bytes, best seconds] rows."""
+    """Entry point of one collective-sweep process (env: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT, SIZES,
+    REPEATS, BACKEND); rank 0 prints one JSON list of [collective, bytes, best seconds] rows. With nccl each rank
+    drives GPU LOCAL_RANK and a timing waits for the device (the collective is asynchronous on its stream)."""
     import json
 
     import torch
@@ -137,22 +202,29 @@ def _collective_worker() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     sizes = [int(x) for x in os.environ["TESSERA_CAL_SIZES"].split(",")]
     repeats = int(os.environ["TESSERA_CAL_REPEATS"])
+    backend = os.environ.get("TESSERA_CAL_BACKEND", "gloo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device, sync = torch.device("cpu"), (lambda: None)
+    if backend == "nccl":
+        device, sync = torch.device("cuda", int(os.environ["LOCAL_RANK"])), torch.cuda.synchronize
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         rows = []
         for nbytes in sizes:
-            x = torch.ones(nbytes // 4)
-            parts = [torch.empty(nbytes // 4 // world) for _ in range(world)]
+            x = torch.ones(nbytes // 4, device=device)
+            parts = [torch.empty(nbytes // 4 // world, device=device) for _ in range(world)]
             for name in ("all_reduce", "all_gather"):
                 best = float("inf")
                 for _ in range(repeats + 1):  # the first call warms up the connection
                     dist.barrier()
+                    sync()
                     t0 = time.perf_counter()
                     if name == "all_reduce":
                         dist.all_reduce(x)
                     else:
                         dist.all_gather(parts, parts[rank].clone())
+                    sync()
                     best = min(best, time.perf_counter() - t0)
                 rows.append([name, nbytes, best])
         if rank == 0:
@@ -162,13 +234,21 @@ def _collective_worker() -> None:
 
 
 def measure_collectives(
-    world: int = 2, sizes: tuple[int, ...] = COLLECTIVE_BYTES, repeats: int = 5, timeout: float = 60.0
+    world: int = 2,
+    sizes: tuple[int, ...] = COLLECTIVE_BYTES,
+    repeats: int = 5,
+    timeout: float = 60.0,
+    backend: str = "gloo",
 ) -> list[tuple[str, int, float]]:
-    """(collective, full buffer bytes, best seconds) over `world` gloo processes on localhost (subprocesses, so
-    no main-module import guard is needed in the caller)."""
+    """(collective, full buffer bytes, best seconds) over `world` local processes (subprocesses, so no
+    main-module import guard is needed in the caller): gloo on CPU tensors, or nccl with one GPU per process."""
     import json
 
-    env = {"TESSERA_CAL_SIZES": ",".join(map(str, sizes)), "TESSERA_CAL_REPEATS": str(repeats)}
+    env = {
+        "TESSERA_CAL_SIZES": ",".join(map(str, sizes)),
+        "TESSERA_CAL_REPEATS": str(repeats),
+        "TESSERA_CAL_BACKEND": backend,
+    }
     code = "from tessera.planner.calibrate import _collective_worker; _collective_worker()"
     outputs = _run_ranks(code, world, env, timeout, "collective calibration", keep_stdout=True)
     return [(str(n), int(b), float(t)) for n, b, t in json.loads(outputs[0].strip().splitlines()[-1])]
@@ -315,6 +395,276 @@ def _square_row(flops: float, rate: float) -> GemmRow:
     """The fp32 square matmul of `flops` = 2n³ FLOPs measured at `rate`, as a `gemm_table` row."""
     n = round((flops / 2) ** (1 / 3))
     return GemmRow(n, n, n, "fp32", rate, "tessera calibrate")
+
+
+# ---- GPU calibration: a shipped base file with the fields one node can measure replaced ----------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """The fused-attention call `gpu_attention_seconds` times: [batch, heads, seq, head_dim] q, k and v."""
+
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+
+
+ATTENTION_SHAPE = AttentionShape(batch=4, heads=16, seq=4096, head_dim=128)
+"""A training-sized causal attention (GPT-3 2.7B-like heads at a 4k sequence): long enough that the kernel's
+rate, not its launch, is measured."""
+
+
+def attention_flops(shape: AttentionShape) -> float:
+    """Forward + backward FLOPs of causal fused attention on `shape`, counted as `cost.compute.attention_core_time`
+    charges them (FlashAttention's benchmark convention): forward 4·s²·d per head, halved for causal; backward
+    `FLASH_BACKWARD_FACTOR` × forward. Measured time × the rate this gives = the model's time by construction."""
+    from tessera.planner.cost.compute import FLASH_BACKWARD_FACTOR
+
+    forward = 4.0 * shape.seq**2 * shape.head_dim * shape.batch * shape.heads / 2
+    return forward * (1 + FLASH_BACKWARD_FACTOR)
+
+
+class CollectiveFit(NamedTuple):
+    """An NCCL all-reduce/all-gather sweep over `world` GPUs of one node, fitted by `fit_collectives`."""
+
+    world: int
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True, slots=True)
+class GpuMeasurements:
+    """What `measure_gpu` measured on one node (the inputs of the pure `gpu_profile`)."""
+
+    device_name: str
+    """`torch.cuda.get_device_name(0)`."""
+    sm_count: int
+    gemm_rows: tuple[GemmRow, ...]
+    """bf16 `torch.matmul` rows (`gpu_gemm_profile`)."""
+    hbm_bandwidth: float
+    """Bytes/s (read + write) of a large device-to-device copy."""
+    attention_seconds: float
+    """Forward + backward of causal bf16 SDPA on `attention_shape`."""
+    attention_shape: AttentionShape = ATTENTION_SHAPE
+    collectives: CollectiveFit | None = None
+    """None: one GPU visible, no intra-node sweep."""
+
+
+GPU_KEPT_REASONS = {
+    "peak_flops": "the published dense peak; the kernel fraction is a measured rate over it",
+    "memory_bytes": "the datasheet capacity",
+    "gpus_per_node": "the node's size as published (CUDA_VISIBLE_DEVICES may show fewer)",
+    "intra_node_bandwidth": "one GPU visible: no NCCL sweep possible",
+    "intra_node_latency": "one GPU visible: no NCCL sweep possible",
+    "inter_node_bandwidth": "one node cannot measure the network between nodes",
+    "inter_node_latency": "one node cannot measure the network between nodes",
+    "topology": "the cluster's network, not visible from one node",
+    "pod_gpus": "the cluster's network, not visible from one node",
+    "oversubscription": "the cluster's network, not visible from one node",
+    "best_published_mfu": "a published figure",
+    "gemm_efficiency": "the size curve, unused with an SM count",
+    "gemm_tile": "fitted on published runs with the quantization model",
+    "gemm_framework_share": "fitted on published end-to-end runs; it scales the measured kernel rates",
+}
+"""Why each field a GPU calibration does not measure comes from the base file."""
+PEAK_TOLERANCE = 1.05
+"""A measured GEMM above 1.05 × the base's peak × its quantization means the base describes another GPU."""
+
+
+def gpu_profile(base: Hardware, measured: GpuMeasurements, name: str) -> tuple[Hardware, list[str]]:
+    """The GPU profile: `base` with the fields this node measured replaced (`sm_count`, `gemm_table`,
+    `hbm_bandwidth`, `flash_attention_flops`, and the intra-node bandwidth and latency when an NCCL sweep ran),
+    renamed `name`; and the report, one line per field, measured or kept (with why). Pure: no torch, no device. `peak_flops` stays the published peak, so the
+    measured rows read as kernel fractions of it exactly as the base's published rows did (`gemm.kernel_fraction`);
+    a row above that peak is an error (the base describes another GPU)."""
+    rows = [r._replace(source=f"tessera calibrate, {measured.device_name}") for r in measured.gemm_rows]
+    _check_rows_under_peak(base, rows, measured.sm_count)
+    fields: dict[str, Any] = {
+        "sm_count": measured.sm_count,
+        "gemm_table": rows,
+        "hbm_bandwidth": measured.hbm_bandwidth,
+        "flash_attention_flops": attention_flops(measured.attention_shape) / measured.attention_seconds,
+    }
+    if measured.collectives is not None:
+        fields |= {
+            "intra_node_bandwidth": measured.collectives.bandwidth,
+            "intra_node_latency": measured.collectives.latency,
+        }
+    hw = replace(base, name=name, **fields)
+    return hw, _gpu_report(base, hw, measured, set(fields))
+
+
+def _check_rows_under_peak(base: Hardware, rows: list[GemmRow], sms: int) -> None:
+    from tessera.planner.gemm import quantization
+
+    for r in rows:
+        ceiling = base.peak(r.dtype) * quantization(r.m, r.n, 1, base.gemm_tile, sms)
+        if r.flops_per_s > PEAK_TOLERANCE * ceiling:
+            raise ConfigError(
+                f"measured {r.dtype} GEMM {r.m}x{r.n}x{r.k} at {r.flops_per_s / 1e12:.0f} TFLOP/s exceeds base "
+                f"{base.name!r}'s peak {base.peak(r.dtype) / 1e12:.0f} TFLOP/s (× quantization "
+                f"{ceiling / base.peak(r.dtype):.2f}): the base file describes another GPU; pass --base with "
+                f"the file of this one ({', '.join(list_hardware())} or a TOML path)"
+            )
+
+
+def _gpu_report(base: Hardware, hw: Hardware, measured: GpuMeasurements, replaced: set[str]) -> list[str]:
+    """One line per `Hardware` field (measured: new value and the base's; kept: why), then the checks."""
+    lines = [f"GPU calibration of {measured.device_name}, base file {base.name!r}:"]
+    for key in Hardware.__dataclass_fields__:
+        if key == "name":
+            continue
+        if key in replaced:
+            lines.append(
+                f"  measured {key}: {_show(key, getattr(hw, key))} (base {_show(key, getattr(base, key))})"
+            )
+        else:
+            lines.append(f"  kept     {key}: {GPU_KEPT_REASONS[key]}")
+    lines += _fraction_lines(base, hw)
+    measured_rates = {(r.m, r.n, r.k, r.dtype): r.flops_per_s for r in hw.gemm_table}
+    lines += [
+        f"at the base's published shape {r.m}x{r.n}x{r.k} {r.dtype}: measured "
+        f"{measured_rates[r.m, r.n, r.k, r.dtype] / 1e12:.0f} TFLOP/s, published {r.flops_per_s / 1e12:.0f}"
+        for r in base.gemm_table
+        if (r.m, r.n, r.k, r.dtype) in measured_rates
+    ]
+    a = measured.attention_shape
+    lines.append(
+        f"attention: causal bf16 SDPA, batch {a.batch} × heads {a.heads} × seq {a.seq} × head dim {a.head_dim}, "
+        f"forward + backward {measured.attention_seconds * 1e3:.2f} ms = {attention_flops(a) / 1e12:.2f} TFLOP"
+    )
+    if measured.collectives is not None:
+        lines.append(f"NCCL all-reduce/all-gather sweep over {measured.collectives.world} GPUs (ring fit)")
+    if base.sm_count and hw.sm_count != base.sm_count:
+        lines.append(
+            f"WARNING: this device has {hw.sm_count} SMs, base {base.name!r} {base.sm_count}: check that --base "
+            "describes this GPU (its peak and network are kept)"
+        )
+    return lines
+
+
+def _fraction_lines(base: Hardware, hw: Hardware) -> list[str]:
+    """The measured kernel fraction next to the base's, and what their ratio does to GEMM times."""
+    from tessera.planner.gemm import kernel_fraction
+
+    measured = kernel_fraction(hw.gemm_table, hw.peak_flops, hw.gemm_tile, hw.sm_count)
+    line = f"kernel fraction of peak (gemm.kernel_fraction): measured {measured:.3f}"
+    if not (base.gemm_table and base.sm_count > 0):  # the base priced GEMMs by the size curve
+        return [
+            line + f"; the base had no per-shape GEMM model (gemm_framework_share {hw.gemm_framework_share})"
+        ]
+    published = kernel_fraction(base.gemm_table, base.peak_flops, base.gemm_tile, base.sm_count)
+    return [
+        line + f", base {published:.3f}: wave-filling GEMMs take {published / measured:.2f}x the base file's "
+        f"time (gemm_framework_share {hw.gemm_framework_share} kept)"
+    ]
+
+
+def _show(key: str, value: Any) -> str:
+    """A measured field's value in the report's units."""
+    if key == "gemm_table":
+        return (
+            "["
+            + ", ".join(f"{r.m}x{r.n}x{r.k} {r.dtype} {r.flops_per_s / 1e12:.0f} TFLOP/s" for r in value)
+            + "]"
+        )
+    if key.endswith("bandwidth"):
+        return f"{value / 1e9:.0f} GB/s"
+    if key.endswith("latency"):
+        return f"{value * 1e6:.1f} µs"
+    if key.endswith("flops"):
+        return f"{value / 1e12:.0f} TFLOP/s"
+    return str(value)
+
+
+SHIPPED_GPU_NAMES: tuple[tuple[str, frozenset[str]], ...] = (
+    ("h200", frozenset({"h200"})),
+    ("h100", frozenset({"h100"})),
+    ("a100-80gb", frozenset({"a100", "80gb"})),
+    ("a100-40gb", frozenset({"a100", "40gb"})),
+)
+"""Shipped base file for a `torch.cuda.get_device_name` reading: the words it must contain (the shipped files are
+SXM parts; "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA H200")."""
+OTHER_FORM_FACTORS = frozenset({"pcie", "nvl"})
+"""Words that mark another part of the same chip (other clocks, peak, memory and links): no automatic base."""
+
+
+def base_for_device(device_name: str) -> str:
+    """The shipped hardware file describing `device_name`, matched by whole words (so "GH200" is not "H200");
+    a clear error asking for --base when none or several match."""
+    words = set(re.split(r"[^a-z0-9]+", device_name.lower()))
+    matches = [] if words & OTHER_FORM_FACTORS else [n for n, need in SHIPPED_GPU_NAMES if need <= words]
+    if len(matches) != 1:
+        raise ConfigError(
+            f"no shipped hardware file describes {device_name!r} (they describe SXM parts: "
+            f"{', '.join(list_hardware())}); pass --base NAME or --base FILE.toml with this GPU's published peak, "
+            "memory and network (the measured fields replace its own)"
+        )
+    return matches[0]
+
+
+def resolve_device(requested: str, cuda_available: bool, detail: str = "") -> str:
+    """The device to measure for --device `requested`, "cpu" or "cuda" ("auto": cuda when available); a clear
+    error for cuda without a CUDA device (`detail` says what torch reports)."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise TesseraError(f"--device {requested!r}: use auto, cpu or cuda")
+    if requested == "cuda" and not cuda_available:
+        raise TesseraError(
+            f"--device cuda, but torch.cuda.is_available() is False here{f' ({detail})' if detail else ''}; run "
+            "on a GPU node with a CUDA build of PyTorch (and CUDA_VISIBLE_DEVICES not empty), or use --device cpu"
+        )
+    if requested == "auto":
+        return "cuda" if cuda_available else "cpu"
+    return requested
+
+
+def measure_gpu(
+    *,
+    quick: bool = False,
+    world: int | None = None,
+    shapes: tuple[tuple[int, int, int], ...] = GPU_GEMM_SHAPES,
+) -> GpuMeasurements:
+    """Run the CUDA measurements on this node: bf16 GEMMs of `shapes` and the SM count on GPU 0, copy
+    bandwidth, attention, and an NCCL sweep over `world` GPUs (default: all visible; skipped with one)."""
+    import torch
+
+    world = torch.cuda.device_count() if world is None else world
+    if not 1 <= world <= torch.cuda.device_count():
+        raise ConfigError(
+            f"--processes {world}: this node shows {torch.cuda.device_count()} GPUs; use 1 to that"
+        )
+    repeats = 5 if quick else 20
+    sms, rows = gpu_gemm_profile(shapes, repeats=repeats)
+    collectives = None
+    if world > 1:
+        sweep = measure_collectives(
+            world, NCCL_BYTES_QUICK if quick else NCCL_BYTES, 3 if quick else 5, 300.0, "nccl"
+        )
+        collectives = CollectiveFit(world, *fit_collectives(sweep, world))
+    return GpuMeasurements(
+        device_name=torch.cuda.get_device_name(0),
+        sm_count=sms,
+        gemm_rows=tuple(rows),
+        hbm_bandwidth=gpu_copy_bandwidth(repeats=repeats),
+        attention_seconds=gpu_attention_seconds(repeats=max(3, repeats // 2)),
+        collectives=collectives,
+    )
+
+
+def calibrate_gpu(
+    name: str, base: str | None = None, *, quick: bool = False, world: int | None = None
+) -> tuple[Hardware, str]:
+    """Measure this GPU node into a profile: `base` (a shipped name or TOML path; default from the device name,
+    `base_for_device`) with the measured fields replaced (`gpu_profile`); the profile and its report."""
+    import torch
+
+    base_hw = load_hardware(base or base_for_device(torch.cuda.get_device_name(0)))  # fail before measuring
+    # the base's own published shapes too, so the report compares like with like
+    published = tuple((r.m, r.n, r.k) for r in base_hw.gemm_table if r.dtype == "bf16")
+    shapes = tuple(dict.fromkeys(GPU_GEMM_SHAPES + published))
+    hw, lines = gpu_profile(base_hw, measure_gpu(quick=quick, world=world, shapes=shapes), name)
+    return hw, "\n".join(lines)
 
 
 def trainer_plan(cfg: Any, world: int, *, flash_attention: bool = True) -> tuple[Any, str]:

@@ -65,13 +65,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """Measure this machine and write a hardware TOML usable with `tessera plan --hardware FILE`."""
-    from tessera.planner.calibrate import calibrate
+    """Measure this machine and write a hardware TOML usable with `tessera plan --hardware FILE`: the CPU
+    (`calibrate`) or, with --device cuda (auto when CUDA is available), this GPU node (`calibrate_gpu`)."""
+    import torch
+
+    from tessera.planner.calibrate import calibrate, calibrate_gpu, resolve_device
     from tessera.planner.hardware import save_hardware
 
+    available = torch.cuda.is_available()
+    detail = f"torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}"
+    device = resolve_device(args.device, available, detail)
+    if device == "cpu" and args.base is not None:
+        raise TesseraError(
+            f"--base {args.base} applies to a GPU calibration (--device cuda); a CPU profile is measured whole"
+        )
+    name = args.name or Path(args.out).stem
     try:
-        hw, report = calibrate(name=args.name or Path(args.out).stem, quick=args.quick, world=args.processes)
-    except (RuntimeError, TimeoutError) as e:  # a collective process failed or hung
+        if device == "cuda":
+            hw, report = calibrate_gpu(name, args.base, quick=args.quick, world=args.processes)
+        else:
+            hw, report = calibrate(
+                name=name, quick=args.quick, world=2 if args.processes is None else args.processes
+            )
+    except (RuntimeError, TimeoutError) as e:  # a measurement or a collective process failed or hung
         raise TesseraError(f"calibration failed: {e}") from None
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     save_hardware(hw, args.out)
@@ -121,6 +137,23 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
     c = subparsers.add_parser("calibrate", help="measure this machine into a hardware TOML")
     c.add_argument("--out", required=True, help="hardware TOML to write, e.g. hardware/this-cpu.toml")
     c.add_argument("--name", default=None)
-    c.add_argument("--processes", type=int, default=2, help="gloo processes for the collective sweep")
+    c.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="what to measure: this CPU, or this GPU node (auto: cuda when torch sees a CUDA device)",
+    )
+    c.add_argument(
+        "--base",
+        default=None,
+        help="cuda: the hardware file whose published fields (peak, network, fitted shares) are kept, a shipped "
+        "name (h100, a100-80gb, ...) or a TOML path; default: chosen from the device name",
+    )
+    c.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help="collective sweep: gloo processes on cpu (default 2), GPUs of this node on cuda (default all)",
+    )
     c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a few seconds)")
     c.set_defaults(fn=_no_extra(cmd_calibrate))
