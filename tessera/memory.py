@@ -430,10 +430,12 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
         acts[last] += head
         working[last] += head_working
     grads = {s: 4.0 * n for s, n in psi.items()}
+    # the flat copy that the data-parallel reduction sends is in the reduce dtype (ZeroStage.flat_grads)
+    width = DTYPE_BYTES[plan.grad_reduce_dtype]
     return StageBytes(
         activations=acts,
         grads=grads,
-        flat=grads,
+        flat={s: width * n for s, n in psi.items()},
         working=working,
         zero=plan.zero,
         dp=plan.dp,
@@ -597,7 +599,8 @@ def _adjust(
         logits if last_inflight else 0.0
     )  # the logits are counted per micro-batch above
     biggest = max(stage_psi, default=0.0) * 4.0
-    buffers = (2 * sbh if plan.pp > 1 else 0.0) + (biggest if plan.dp > 1 or plan.zero_stage else 0.0)
+    flat = max(stage_psi, default=0.0) * plan.grad_reduce_width  # the reduction's flat copy, in its dtype
+    buffers = (2 * sbh if plan.pp > 1 else 0.0) + (flat if plan.dp > 1 or plan.zero_stage else 0.0)
     if plan.zero_stage >= 2:
         buffers += biggest  # the full gradients of the stage in backward, before its reduce-scatter
     if plan.zero_stage >= 3 and plan.dp > 1:

@@ -90,8 +90,8 @@ class StageBytes:
 
     def table(self, what: int) -> dict[int, float]:
         """The per-stage sizes of one kind of term."""
-        if what == _SHARD:  # ZeRO's reduced gradient: the flat buffer itself without data parallelism
-            return self.flat if self.dp == 1 else {s: f / self.dp for s, f in self.flat.items()}
+        if what == _SHARD:  # ZeRO's reduced gradient, fp32 whatever the reduce dtype (ZeroStage.wait_reduce)
+            return {s: g / self.dp for s, g in self.grads.items()}
         return (
             self.activations,
             self.grads,

@@ -53,10 +53,15 @@ LAYOUTS = {  # name: (world size, parallel section)
         8,
         {"pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 2, "tensor": "2x2"},
     ),
+    # the direct loop, its flat gradient copy reduce-scattered in bf16 (train.grad_reduce_dtype)
+    "dp2_zero2_depth_first_bf16_reduce": (2, {"zero": 2, "accumulation": "depth_first"}),
 }
 TIED = {name for name in LAYOUTS if name.endswith("_tied")}
 """Embedding and head tied across the two pipeline ranks: the engine reduces both stages once, at the end."""
-TRAIN = {"pp2_breadth_first_v2_tp2x2_bf16": {"dtype": "bf16"}}
+TRAIN = {
+    "pp2_breadth_first_v2_tp2x2_bf16": {"dtype": "bf16"},
+    "dp2_zero2_depth_first_bf16_reduce": {"grad_reduce_dtype": "bf16"},
+}
 """What a layout changes in the train section besides its batch."""
 
 
@@ -102,3 +107,26 @@ def test_plain_depth_first_peak_does_not_grow_with_micro_batches() -> None:
         estimates.append(estimated_memory(cfg, world, 0)["peak"])
     assert peaks[1] == pytest.approx(peaks[0], rel=MICRO_BATCHES_RTOL)
     assert estimates[1] == estimates[0]
+
+
+@pytest.mark.parametrize(
+    ("world", "parallel"),
+    [
+        (4, {"pipeline": 2, "schedule": "1f1b", "zero": 2}),
+        (4, {"pipeline": 2, "schedule": "1f1b", "zero": 3}),
+    ],
+)
+def test_bf16_reduce_scatter_buffer_is_two_bytes(world: int, parallel: dict) -> None:
+    """`train.grad_reduce_dtype = "bf16"`: the flat copy ZeRO reduce-scatters (`ZeroStage.flat_grads`) is bf16,
+    so the estimate's communication buffer is 2 bytes less per parameter of the rank's stage (one per rank
+    here) than under fp32, and the gradients it holds (the fp32 reduced shard) do not change."""
+    est = {}
+    for dtype in ("fp32", "bf16"):
+        train = {"global_batch": 8, "micro_batch": 1, "grad_reduce_dtype": dtype}
+        est[dtype] = estimated_memory(
+            from_dict({"model": MODEL, "parallel": parallel, "train": train}), world, 0
+        )
+    dp = world // parallel.get("pipeline", 1)
+    stage_params = est["fp32"]["params"] / 4 * (dp if parallel["zero"] == 3 else 1)  # fp32 master weights
+    assert est["bf16"]["grads"] == est["fp32"]["grads"]
+    assert est["fp32"]["comm_buffers"] - est["bf16"]["comm_buffers"] == pytest.approx(2 * stage_params)
