@@ -68,6 +68,15 @@ Relation to the calibration: the GEMM model's tile and framework share are fitte
 contains this very model shape (t 8, p 35, d 9, batch 2,520: 163 TFLOP/s with Megatron's interleaved schedule).
 These rows run the same shape with DeepSpeed's pipeline engine at another batch and degree; their errors measure
 how well a model calibrated on Megatron's engine carries to DeepSpeed's, not new GEMM shapes.
+
+Considered with it and left out: OPT-175B (Zhang et al., arXiv 2205.01068 §2.4; facebookresearch/metaseq
+`projects/OPT/chronicles`). Its 147 TFLOP/s per GPU on 992 A100 80GB (FSDP + Megatron TP 8) is an "up to" figure,
+not the step time of a stated configuration; the final chronicle's "~33 days on 1024 A100s" for 4.30e23 FLOPs is
+that same rate extrapolated (4.30e23 / (1024 · 33 days) = 147 TFLOP/s), not a second measurement. (Its FLOPs are
+Narayanan's eq. 3 with V = 50,272: 300B tokens × 1.434e12 = 4.30e23, so recompute is counted.) The main run's
+micro-batch and batch split are not stated: the public launcher (`metaseq/launcher/opt_baselines.py`,
+`opt_job_constants.py`, commit f2cd367) gives the 175B entry 0.25M tokens per batch, not the paper's 2M, and 2M
+tokens over 124 data-parallel replicas is no whole number of 2,048-token sequences; nor is the network stated.
 """
 
 from __future__ import annotations
