@@ -1,5 +1,6 @@
-"""Transcription checks of the Megatron-Core H100 rows (benchmarks/published_megatron_core.py): the table's own
-derived columns and stated sizes are reproduced from its other columns. No planner prediction is checked here."""
+"""Transcription checks of the Megatron-Core H100 rows (benchmarks/published_megatron_core.py): the table's
+own derived columns and stated sizes are reproduced from its other columns. No planner prediction is checked
+here."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_mfu_column_is_per_gpu_over_the_bf16_peak(row: MegatronRow, derived: tup
     assert 100 * row.tflops_per_gpu * 1e12 / mc.PEAK_BF16 == pytest.approx(derived[1], abs=0.5)
 
 
-@pytest.mark.parametrize("row", ROWS, ids=lambda r: f"{r.params_b:g}B")
+@pytest.mark.parametrize("row", ROWS, ids=IDS)
 def test_untied_shape_reproduces_the_stated_size(row: MegatronRow) -> None:
     # sizes are printed to two significant digits below 10B (1.754B reads 1.7B) and to whole billions above
     params = mc.shape(row).n_params() / 1e9
@@ -58,10 +59,10 @@ def test_only_the_untied_shape_gives_the_gpt3_size_the_readme_describes() -> Non
     assert round(replace(untied, tied=True).n_params() / 1e9) == 176
 
 
-@pytest.mark.parametrize("row", ROWS, ids=lambda r: f"{r.params_b:g}B")
+@pytest.mark.parametrize("row", ROWS, ids=IDS)
 def test_megatron_flop_formula_equals_the_cost_models_model_flops(row: MegatronRow) -> None:
-    # Megatron's num_floating_point_operations (transcribed) = 3 × forward matmul FLOPs over the full s×s, i.e.
-    # the cost model's MFU convention for a dense GPT; the 12·B·s·L·h² closed form by hand for one row below
+    # Megatron's num_floating_point_operations (transcribed) = 3 × forward matmul FLOPs over the full s×s,
+    # i.e. the cost model's MFU convention for a dense GPT; the 12·B·s·L·h² closed form by hand below
     s = mc.shape(row)
     per_token = mc.megatron_flops_per_iteration(s, 1) / s.seq_len
     assert per_token == pytest.approx(model_flops_per_token(s), rel=1e-12)
