@@ -38,6 +38,8 @@ Assumptions (not stated by the source; one global rule each, nothing per row)
 - Distributed optimizer = ZeRO-1 (required by --overlap-param-gather: arguments.py asserts it).
 - Sequence parallelism on whenever TP > 1 (--tp-comm-overlap asserts --sequence-parallel).
 - Micro-batch 1: the table keeps sequences per pipeline at 4·PP for every PP > 1 row (m = 4p at b = 1).
+  Checked, not reported as a table: b = 2 or 4 moves the rows without PP by +0.1 to +9.5 points (32B) and
+  the PP rows mostly the other way (up to -19 points at 4608 GPUs), so b = 1 is not what makes them low.
 - Interleaved 1F1B for PP > 1: the README overlaps pipeline communication "by default", which Megatron does
   only in the interleaved schedule (arguments.py turns overlap_p2p_comm off otherwise). Virtual stages v = the
   smallest divisor > 1 of the layers per stage (`megatron_table`'s rule for Narayanan 2021, the same team's
