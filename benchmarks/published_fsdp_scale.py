@@ -96,6 +96,7 @@ from published_case import Case  # noqa: E402
 
 from tessera.planner.cost import ModelShape, Plan, params_per_rank  # noqa: E402
 from tessera.planner.hardware import Hardware, load_hardware  # noqa: E402
+from tessera.planner.mosaic_table import FSDP_SCHEDULE, fsdp_units  # noqa: E402
 from tessera.planner.network import collective_time, placement  # noqa: E402
 from tessera.planner.steptime import StepBreakdown, dp_parts, fast_step  # noqa: E402
 
@@ -245,7 +246,7 @@ def plan(row: FsdpScaleRow) -> Plan:
 
 def step(row: FsdpScaleRow, hw: Hardware | None = None) -> StepBreakdown:
     """The row's step on `hw` (default: `hardware(row.network)`)."""
-    return fast_step(row.shape, hw or hardware(row.network), plan(row), "1f1b")
+    return fast_step(row.shape, hw or hardware(row.network), fsdp_units(row.shape, plan(row)), FSDP_SCHEDULE)
 
 
 def predict(row: FsdpScaleRow, hw: Hardware | None = None) -> float:

@@ -466,6 +466,7 @@ GPU_KEPT_REASONS = {
     "gemm_efficiency": "the size curve, unused with an SM count",
     "gemm_tile": "fitted on published runs with the quantization model",
     "gemm_framework_share": "fitted on published end-to-end runs; it scales the measured kernel rates",
+    "overlap_slowdown": "a published average (compute slowed under overlapped collectives); not measured",
 }
 """Why each field a GPU calibration does not measure comes from the base file."""
 PEAK_TOLERANCE = 1.05

@@ -105,6 +105,10 @@ class Hardware:
     """Measured forward + backward FLOP/s of the fused causal attention kernel in bf16/fp16, FLOPs counted as
     FlashAttention's benchmark counts them (4·s²·d per head forward, halved for causal, backward 2.5×); what
     `cost.compute.attention_core_time` prices flash attention at. 0: not measured (two batched GEMMs)."""
+    overlap_slowdown: float = 0.0
+    """Fraction by which compute slows while a data-parallel collective runs under it (the collective's kernels
+    take SMs and memory bandwidth): each hidden second of such a collective adds this many seconds to the step
+    (`steptime.dp_cost`). 0: overlap is free."""
 
     def peak(self, dtype: str = "bf16") -> float:
         """Dense peak FLOP/s for `dtype`; clear error for a dtype the file does not list."""
@@ -163,6 +167,8 @@ def _gemm_problems(hw: Hardware) -> list[str]:
         )
     if not 0 < hw.gemm_framework_share <= 1:
         problems.append(f"gemm_framework_share must be in (0, 1] (got {hw.gemm_framework_share})")
+    if not 0 <= hw.overlap_slowdown < 1:
+        problems.append(f"overlap_slowdown must be in [0, 1) (got {hw.overlap_slowdown})")
     if hw.flash_attention_flops < 0:
         problems.append(f"flash_attention_flops must be >= 0 (got {hw.flash_attention_flops})")
     if hw.sm_count > 0 and not hw.gemm_table:
@@ -189,6 +195,7 @@ OPTIONAL_KEYS = frozenset(
         "gemm_framework_share",
         "gemm_table",
         "flash_attention_flops",
+        "overlap_slowdown",
     }
 )
 """Hardware keys a file may omit (they have defaults)."""
@@ -262,6 +269,7 @@ def save_hardware(hw: Hardware, path: str | Path) -> None:
         "sm_count",
         "gemm_framework_share",
         "flash_attention_flops",
+        "overlap_slowdown",
     ):
         lines.append(f"{key} = {getattr(hw, key)!r}")
     lines.append(f"gemm_tile = [{hw.gemm_tile[0]}, {hw.gemm_tile[1]}]")

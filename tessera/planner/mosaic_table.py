@@ -24,6 +24,7 @@ from tessera.planner.steptime import StepBreakdown, fast_step
 
 __all__ = [
     "FP32_REDUCTION",
+    "FSDP_SCHEDULE",
     "HOPPER_CALIBRATION",
     "HOPPER_SHARE_GRID",
     "MPT_SHAPES",
@@ -33,6 +34,7 @@ __all__ = [
     "fit_hopper_share",
     "fsdp_plan",
     "fsdp_step",
+    "fsdp_units",
     "mpt_shape",
     "predict_fsdp",
     "tokens_per_gpu",
@@ -115,9 +117,23 @@ def fsdp_plan(row: FsdpRow) -> Plan:
     )
 
 
+FSDP_SCHEDULE = "breadth_first"
+"""How an FSDP run is timed: FSDP wraps each transformer block as its own unit (llm-foundry, torchtitan and
+fms-fsdp all do), gathered just before it runs and freed after, so one block's gather is exposed at the step's
+start and the rest run under the previous block's compute. tessera runs the same thing for a pipeline-free ZeRO
+layout (`execution.decide` switches it to one stage per block), so it is priced as that: `fsdp_units`."""
+
+
+def fsdp_units(shape: ModelShape, plan: Plan) -> Plan:
+    """`plan` (pipeline-free, FSDP's sharding as a ZeRO stage) with one stage per block: FSDP's gather unit."""
+    return replace(plan, virtual_stages=shape.n_layers)
+
+
 def fsdp_step(row: FsdpRow, hw: Hardware | None = None) -> StepBreakdown:
-    """The row's step on `hw` (default: the shipped file of its GPU)."""
-    return fast_step(mpt_shape(row), hw or load_hardware(row.hardware), fsdp_plan(row), "1f1b")
+    """The row's step on `hw` (default: the shipped file of its GPU), one FSDP unit per block."""
+    shape = mpt_shape(row)
+    plan = fsdp_units(shape, fsdp_plan(row))
+    return fast_step(shape, hw or load_hardware(row.hardware), plan, FSDP_SCHEDULE)
 
 
 def tokens_per_gpu(row: FsdpRow, step_time: float) -> float:

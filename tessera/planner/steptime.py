@@ -10,7 +10,8 @@ Per-action durations (all from `tessera.planner.cost`):
   rank has nothing else to do).
 - ``REDUCE``: free on the rank; its data-parallel reduction is queued on the rank's DP channel, released layer by
   layer during the stage's last backward (bucketed overlap), and only what is still running after the rank's
-  last compute is exposed (`dp_exposure`). ZeRO-3's parameter gathers (before each use) go through the same
+  last compute is exposed (`dp_exposure`), and each hidden second slows the compute under it by the hardware's
+  `overlap_slowdown` (`dp_cost`). ZeRO-3's parameter gathers (before each use) go through the same
   queue, released evenly over the step (prefetch), except the first, which is exposed; ZeRO-1/2's all-gather of
   the updated parameters runs inside the optimizer step and is exposed in full (`_gathers`, as
   `parallel/zero.py` does it). Data-parallel collectives are issued per block (`dp_parts` buckets).
@@ -35,7 +36,7 @@ Two ways to get the number, which agree (tests/unit/test_search.py checks them a
 
 Breakdown (seconds on the critical rank; the parts add up to the step time): compute (F/B incl. recompute and
 the output layer), exposed TP, bubble (idle time of the pipeline with free p2p), PP (extra time the p2p transfers
-add), DP (exposed data-parallel traffic), optimizer.
+add), DP (exposed data-parallel traffic and the compute its hidden part slows), optimizer.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ __all__ = [
     "chunk_costs",
     "chunk_from_layer",
     "clip_norm_time",
+    "dp_cost",
     "dp_exposure",
     "dp_parts",
     "fast_step",
@@ -362,6 +364,15 @@ def dp_exposure(items: list[tuple[float, float]], end: float) -> float:
     return max(0.0, clock - end)
 
 
+def dp_cost(items: list[tuple[float, float]], end: float, hw: Hardware) -> float:
+    """Seconds a rank's data-parallel channel adds to its step: what still runs after `end` (`dp_exposure`) plus
+    the compute it slows while hidden under it, `hw.overlap_slowdown` × the hidden seconds (first order: the
+    slowed compute does not move the releases)."""
+    exposed = dp_exposure(items, end)
+    hidden = max(0.0, sum(duration for _, duration in items) - exposed)
+    return exposed + hw.overlap_slowdown * hidden
+
+
 def optimizer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> float:
     """Per-step fixed work after the last backward, unoverlapped: gradient clipping's norm (an all-reduce of one
     fp32 over all ranks: pure latency, `clip_norm_time`) and the Adam step, memory bound: Ψ_local (÷d with
@@ -397,8 +408,16 @@ def _gathers(plan: Plan, gather: float, end: float, pieces: int) -> tuple[list[t
         return [], 0.0
     if plan.zero_stage < 3:
         return [], gather
-    piece = gather / pieces
-    return [(k * end / pieces, piece) for k in range(1, pieces)], piece
+    first = gather / pieces
+    queued = (
+        min(pieces, MAX_GATHER_ITEMS) - 1
+    )  # the rest in at most this many even items (the search's speed)
+    rest = (gather - first) / queued if queued else 0.0
+    return [(k * end / (queued + 1), rest) for k in range(1, queued + 1)], first
+
+
+MAX_GATHER_ITEMS = 64
+"""ZeRO-3's gathers after the first are queued as at most this many items (each a share of the rest)."""
 
 
 REDUCE_PIECES = 8
@@ -476,7 +495,8 @@ def _fast_dp(
     followed by j·K backwards of earlier chunks (K = p interleaved, m breadth-first, 0 otherwise). With a tied
     embedding on another rank than the head (``exchange`` > 0), chunk 0 (stage 0) is reduced once, whole, after
     the ``exchange`` that follows the last compute at ``end``; per micro-batch, its m backwards are taken to
-    be every v-th from the end (exact for v = 1)."""
+    be every v-th from the end (exact for v = 1); the ranks between hold no tied stage and reduce all of theirs,
+    so where there are such ranks (p > 2) the larger of rank 0's and rank 1's exposure is the step's."""
     if plan.dp <= 1:
         return 0.0
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
@@ -496,8 +516,15 @@ def _fast_dp(
     if tied:
         items.append((end + exchange, reduce / (v * (m if per_microbatch else 1))))
     pieces = 2 * v * (m if plan.accumulation == "depth_first" and plan.zero_stage == 3 else 1)
-    queued, exposed = _gathers(plan, gather, end, min(pieces, 64))
-    return dp_exposure(items + queued, end + exchange) + exposed
+    queued, exposed = _gathers(plan, gather, end, pieces)
+    cost = dp_cost(items + queued, end + exchange, hw)
+    if tied and per_microbatch and p > 2:  # rank 1 holds no tied stage: it reduces every micro-batch's
+        # gradients, its last backward ending one chunk backward before rank 0's
+        middle_reduce = dp_parts(params_per_rank(shape, plan, 1), hw, plan, buckets=c.layers * v)[0]
+        middle_end = end - c.bwd
+        middle = _backward_releases(schedule, p, m, v, c, middle_end, middle_reduce / (m * v))
+        cost = max(cost, dp_cost(middle + queued, middle_end, hw) - (end + exchange - middle_end))
+    return cost + exposed
 
 
 BUCKETED_RELEASES = 16
@@ -628,6 +655,6 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, p
                 share = reduce * layers / blocks / reps
                 items += _reduce_items(stop, stop - start, max(1, layers), share)
         pieces = 2 * v * (m if plan.accumulation == "depth_first" and plan.zero_stage == 3 else 1)
-        queued, exposed = _gathers(plan, gather, end, min(pieces, 64))
-        worst = max(worst, end + dp_exposure(items + queued, end) + exposed)
+        queued, exposed = _gathers(plan, gather, end, pieces)
+        worst = max(worst, end + dp_cost(items + queued, end, hw) + exposed)
     return max(0.0, worst - sim.step_time)
