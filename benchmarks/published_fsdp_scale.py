@@ -2,10 +2,10 @@
 
     python benchmarks/published_fsdp_scale.py     # prints the cases and each row's step breakdown
 
-`cases()` is read by `planner_published.py`; nothing here is fitted to any row. The standalone output adds, per
-row, the StepBreakdown, the step's first ZeRO-3 gather as the model prices it (tessera's flat buffer per stage:
-the whole model here) with the error if only one block's gather were exposed (FSDP's unit), the HSDP rows' error
-with their omitted all-reduce exposed, and the fms-fsdp rows' error with the stated bandwidth read per GPU.
+`cases()` is read by `planner_published.py`; nothing here is fitted to any row. Every row is priced with FSDP's
+gather unit, one block (`mosaic_table.fsdp_units`). The standalone output adds, per row, the StepBreakdown, the
+HSDP rows' error with their omitted all-reduce exposed, and the fms-fsdp rows' error with the stated bandwidth
+read per GPU.
 
 Sources
 -------
@@ -94,11 +94,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from published_case import Case  # noqa: E402
 
-from tessera.planner.cost import ModelShape, Plan, params_per_rank  # noqa: E402
+from tessera.planner.cost import ModelShape, Plan  # noqa: E402
 from tessera.planner.hardware import Hardware, load_hardware  # noqa: E402
 from tessera.planner.mosaic_table import FSDP_SCHEDULE, fsdp_units  # noqa: E402
 from tessera.planner.network import collective_time, placement  # noqa: E402
-from tessera.planner.steptime import StepBreakdown, dp_parts, fast_step  # noqa: E402
+from tessera.planner.steptime import StepBreakdown, fast_step  # noqa: E402
 
 LLAMA_SHAPES = {  # (layers, d_model, heads, kv heads, FFN, vocabulary); SwiGLU, RMSNorm, no biases, untied head
     "llama2-7b": (32, 4096, 32, 32, 11008, 32000),
@@ -292,31 +292,18 @@ def hsdp_all_reduce(row: FsdpScaleRow) -> float:
     return collective_time(hw, "all_reduce", shard_bytes, nodes)
 
 
-def first_gather(row: FsdpScaleRow) -> float:
-    """Seconds of the step's first ZeRO-3 gather as tessera runs it and the model prices it (the stage's flat
-    buffer, the whole model with one stage: half of the step's two gathers, `steptime._gathers`). FSDP wraps
-    each block, so only one block's gather, 1/L of it, waits for nothing to hide it."""
-    p = plan(row)
-    return (
-        dp_parts(params_per_rank(row.shape, p, 0), hardware(row.network), p, buckets=row.shape.n_layers)[1]
-        / 2
-    )
-
-
 def _breakdown_lines() -> list[str]:
-    """Each row's StepBreakdown (tp, pp and bubble are 0 here), the published step, the first gather, and the
-    error with only one block's first gather exposed (FSDP's unit) or, for HSDP, with its all-reduce exposed."""
+    """Each row's StepBreakdown (tp, pp and bubble are 0 here), the published step, the error, and for HSDP the
+    error with its omitted cross-node all-reduce exposed."""
     lines = [
-        "| case | compute s | dp_comm s | optimizer s | step s | published s | first gather s | error | "
-        "block-unit gather | + HSDP all-reduce |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| case | compute s | dp_comm s | optimizer s | step s | published s | error | + HSDP all-reduce |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in (*TORCHTITAN_ROWS, *FMS_ROWS):
-        bd, published, gather = step(r), r.micro_batch * r.seq_len / r.tokens_per_gpu, first_gather(r)
-        block = bd.step_time - gather + gather / r.shape.n_layers
+        bd, published = step(r), r.micro_batch * r.seq_len / r.tokens_per_gpu
         lines.append(
             f"| {_label(r)} | {bd.compute:.2f} | {bd.dp_comm:.2f} | {bd.optimizer:.3f} | {bd.step_time:.2f} | "
-            f"{published:.2f} | {gather:.2f} | {published / bd.step_time - 1:+.1%} | {published / block - 1:+.1%} | "
+            f"{published:.2f} | {published / bd.step_time - 1:+.1%} | "
             f"{published / (bd.step_time + hsdp_all_reduce(r)) - 1:+.1%} |"
         )
     return lines

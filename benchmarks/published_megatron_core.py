@@ -317,12 +317,14 @@ def what_if_lines() -> list[str]:
     return lines
 
 
+H100_SHARE = load_hardware("h100").gemm_framework_share
+
 SENSITIVITIES = (
-    ("gemm_framework_share", (1.0, 0.72 / 0.63, 0.80 / 0.63)),
+    ("gemm_framework_share", (1.0, 0.72 / H100_SHARE, 0.80 / H100_SHARE)),
     ("flash_attention_flops", (1.0, 1.5, 2.0)),
 )
 """h100-file fields scaled for the sensitivity tables (illustrations of how much of the error is the compute
-rate; nothing is fitted or applied): the GEMM framework share 0.63 (fitted on MosaicML's FSDP runs) raised to
+rate; nothing is fitted or applied): the file's GEMM framework share (fitted on MosaicML's FSDP runs) raised to
 0.72 and 0.80, and the fused-attention rate (FlashAttention-2's) × 1.5 and × 2, FlashAttention-3's stated
 speed-up over FlashAttention-2 on H100 in BF16/FP16 (arXiv 2407.08608: 1.5-2.0×), the class of kernel
 Transformer Engine's fused attention is."""
@@ -352,25 +354,24 @@ def sensitivity_lines(field: str, scales: tuple[float, ...]) -> list[str]:
 
 
 READING = [
-    "Reading it. Every row is under-predicted: the planner is pessimistic for Megatron-Core on H100.",
-    "First-order cause, the compute rate: the planner's compute alone (GEMMs, fused attention, elementwise;",
-    "no communication) is 95-112 % of the published iteration time in every row, i.e. 382-443 TFLOP/s in",
-    "Megatron's convention against 409-489 published end to end. The h100 file prices a large bf16 GEMM at",
-    "0.80 (measured kernel fraction) x 0.63 (framework share, fitted on MosaicML's PyTorch FSDP runs) of",
-    "peak, about 420-500 TFLOP/s for these shapes, and fused attention at FlashAttention-2's 265 TFLOP/s x",
-    "0.63 (31 % of the 1.7B row's published step at s = 4096, h = 2048); Megatron-Core with Transformer",
-    "Engine sustains more on both (the Llama 3 405B rows, priced on the same file, are -12 % for the same",
-    "reason). Second: two overlaps the planner cannot express, priced as it prices them (exposed):",
-    "tensor-parallel communication (--tp-comm-overlap; tp_comm = 7-41 % of the published step for TP 2-8)",
-    "and the distributed optimizer's parameter all-gather (--overlap-param-gather; 1-17 %). Hiding both",
-    "entirely (an upper bound) leaves median 10.9 %, worst 20.0 % (32B, TP 8 without PP: 4 micro-batches,",
-    "so ZeRO-1's fp32 reduce-scatter of 15.8 GB per rank is mostly exposed after the last backward). Third,",
-    "for the PP rows, the unstated virtual-stage count: v = 1 moves them to -32..-37 %, one block per chunk",
-    "to -20..-28 %. DP strong scaling at fixed batch: published MFU falls 47 -> 42 % from 96 to 4608 GPUs",
-    "(-11 %), predicted 36.7 -> 28.8 % (-22 %): at 4608 GPUs (12 micro-batches per pipeline, v = 2) the",
-    "bubble is 23 % of the published step; with one block per chunk (v = 16) the predicted fall is about",
-    "-9 %. The sensitivity tables below scale one h100-file field at a time; none is applied (a",
-    "framework-specific share would be a model change, and fitting it here would use validation rows).",
+    "Reading it. Every row is under-predicted: the planner is pessimistic for Megatron-Core on H100. First-",
+    "order cause, the compute rate: the planner's compute alone (GEMMs, fused attention, elementwise; no",
+    "communication) is 92-108 % of the published iteration time in every row. The h100 file prices a large",
+    "bf16 GEMM at 0.80 (measured kernel fraction) x 0.65 (framework share, fitted on MosaicML's PyTorch FSDP",
+    "runs) of peak and fused attention at FlashAttention-2's 265 TFLOP/s x 0.65 (30 % of the 1.7B row's",
+    "published step at s = 4096, h = 2048); Megatron-Core with Transformer Engine sustains more on both (the",
+    "Llama 3 405B rows, priced on the same file, are -10 % for the same reason). Second: two overlaps the",
+    "planner cannot express, priced as it prices them (exposed): tensor-parallel communication (--tp-comm-",
+    "overlap; tp_comm = 7-41 % of the published step for TP 2-8) and the distributed optimizer's parameter",
+    "all-gather (--overlap-param-gather; 1-17 %). Hiding both entirely (an upper bound) leaves median 9.0 %,",
+    "worst 20.8 % (32B, TP 8 without PP: 4 micro-batches, so ZeRO-1's fp32 reduce-scatter of 15.8 GB per rank",
+    "is mostly exposed after the last backward). Third, for the PP rows, the unstated virtual-stage count: v",
+    "= 1 moves them to -31..-37 %, one block per chunk to -18..-28 %. DP strong scaling at fixed batch:",
+    "published MFU falls 47 -> 42 % from 96 to 4608 GPUs (-11 %), predicted 37.7 -> 29.1 % (-23 %): at 4608",
+    "GPUs (12 micro-batches per pipeline, v = 2) the bubble is 22 % of the published step; with one block per",
+    "chunk (v = 16) the predicted fall is -11 %. The sensitivity tables below scale one h100-file field at a",
+    "time; none is applied (a framework-specific share would be a model change, and fitting it here would use",
+    "validation rows).",
 ]
 
 

@@ -91,6 +91,7 @@ from tessera.planner.cost import ModelShape, Plan, elementwise_bytes_per_layer, 
 from tessera.planner.cost.compute import attention_core_time  # noqa: E402
 from tessera.planner.gemm import gemm_call_time  # noqa: E402
 from tessera.planner.hardware import Hardware, load_hardware  # noqa: E402
+from tessera.planner.mosaic_table import FSDP_SCHEDULE, fsdp_units  # noqa: E402
 from tessera.planner.steptime import StepBreakdown, dp_parts, fast_step  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "published_torchtitan.md"
@@ -230,7 +231,8 @@ def plan(row: TitanRow) -> Plan:
 
 
 def step(row: TitanRow, hw: Hardware | None = None) -> StepBreakdown:
-    return fast_step(row.shape, hw or hardware(row.gpu), plan(row), "1f1b")
+    """FSDP's gather unit is a block (`mosaic_table.fsdp_units`)."""
+    return fast_step(row.shape, hw or hardware(row.gpu), fsdp_units(row.shape, plan(row)), FSDP_SCHEDULE)
 
 
 def tokens_per_gpu(row: TitanRow, step_time: float) -> float:
