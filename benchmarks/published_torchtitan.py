@@ -38,9 +38,8 @@ block and on the root = ZeRO-3, one step without accumulation, parameters gather
 scattered in fp32 (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: `grad_reduce_bytes=4`), fp32 sharded
 master weights and AdamW states; SDPA's flash kernel (`flash_attention=True`). Tensor parallelism (the 405B row):
 torchtitan's column/row plan with sequence parallelism on the norms (`sequence_parallel=True`), no async TP in the
-bf16 row; TP innermost (8 ranks of a host), FSDP across hosts. One difference stays: the model prices tessera's
-ZeRO-3, which gathers a rank's whole shard at the step's first gather (exposed) where FSDP2 gathers block by block;
-`block_first_gather` measures it per row (a diagnosis in the report, not in the cases). Shapes: Llama 3.1
+bf16 row; TP innermost (8 ranks of a host), FSDP across hosts; FSDP2's gather unit, one block
+(`mosaic_table.fsdp_units`). Shapes: Llama 3.1
 8B/70B/405B and Llama 2 13B/70B as torchtitan's `ModelArgs` define them (SwiGLU widths 14336, 28672, 53248, 13824,
 28672; GQA 8 KV heads except Llama 2 13B; vocabularies 128,256 and 32,000; untied head); their parameter counts are
 checked in the unit test against the published MFUs.
@@ -87,12 +86,12 @@ from published_fsdp_scale import llama_shape, source_flops_per_token  # noqa: E4
 
 from tessera.config import ModelConfig  # noqa: E402
 from tessera.model.sizes import SIZES  # noqa: E402
-from tessera.planner.cost import ModelShape, Plan, elementwise_bytes_per_layer, params_per_rank  # noqa: E402
+from tessera.planner.cost import ModelShape, Plan, elementwise_bytes_per_layer  # noqa: E402
 from tessera.planner.cost.compute import attention_core_time  # noqa: E402
 from tessera.planner.gemm import gemm_call_time  # noqa: E402
 from tessera.planner.hardware import Hardware, load_hardware  # noqa: E402
 from tessera.planner.mosaic_table import FSDP_SCHEDULE, fsdp_units  # noqa: E402
-from tessera.planner.steptime import StepBreakdown, dp_parts, fast_step  # noqa: E402
+from tessera.planner.steptime import StepBreakdown, fast_step  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "published_torchtitan.md"
 
@@ -284,15 +283,6 @@ def opsac_extra(row: TitanRow, hw: Hardware | None = None) -> float:
     return s.n_layers * (gemms + elementwise - attention_core_time(s, hw, p)[0])
 
 
-def block_first_gather(row: TitanRow) -> float:
-    """Step seconds if the step's first all-gather were one block's, as FSDP2 runs it (`fully_shard` per block,
-    the next block prefetched), instead of the rank's whole parameter shard, as tessera's ZeRO-3 runs it and the
-    model prices it (`steptime._gathers`: 2·m pieces, the first exposed; m = 1 here)."""
-    hw, p, s = hardware(row.gpu), plan(row), row.shape
-    first = dp_parts(params_per_rank(s, p, 0), hw, p, buckets=s.n_layers)[1] / 2
-    return step(row).step_time - first + first / s.n_layers
-
-
 def _scaled(hw: Hardware, field: str, scale: float) -> Hardware:
     return dataclasses.replace(hw, **{field: getattr(hw, field) * scale})
 
@@ -310,8 +300,8 @@ def case_table() -> list[str]:
 def breakdown_table() -> list[str]:
     lines = [
         "| case | compute | tp_comm | dp_comm | optimizer | step | published step | op-SAC extra | "
-        "error with it | error, FSDP2 gather unit |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "error with it |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in ROWS:
         bd = step(r)
@@ -321,10 +311,9 @@ def breakdown_table() -> list[str]:
             x = opsac_extra(r)
             extra = f"{x:.2f}"
             with_extra = f"{tokens_per_gpu(r, bd.step_time + x) / r.tokens_per_gpu - 1:+.1%}"
-        unit = tokens_per_gpu(r, block_first_gather(r)) / r.tokens_per_gpu - 1
         lines.append(
             f"| {label(r)} | {bd.compute:.2f} | {bd.tp_comm:.2f} | {bd.dp_comm:.2f} | {bd.optimizer:.3f} | "
-            f"{bd.step_time:.2f} | {published:.2f} | {extra} | {with_extra} | {unit:+.1%} |"
+            f"{bd.step_time:.2f} | {published:.2f} | {extra} | {with_extra} |"
         )
     return lines
 
@@ -359,7 +348,6 @@ def reading() -> list[str]:
     eager_h = f"{_err(h8, step(h8).step_time)} and {_err(h128, step(h128).step_time)}"
     gain = c8.tokens_per_gpu / h8.tokens_per_gpu - 1
     bd = step(big)
-    first = bd.step_time - block_first_gather(big)
     return [
         "Reading it. The op-SAC",
         "rows are priced with tessera's `selective` (the attention core replayed), which replays less than",
@@ -368,13 +356,10 @@ def reading() -> list[str]:
         f"so their {eager_h} come from elsewhere: the 500 W power cap and the HBM2e part's unknown peak",
         "(torchtitan's own caveat) are not modelled; the H100 file's framework share was fitted on MosaicML's",
         f"runs on H100 80GB (HBM3) parts, power limit not stated. The compiled twins run {gain:.0%} faster than",
-        "eager; the planner cannot tell them apart. The 405B row (FSDP 16 × TP 8) matches, but",
-        f"{first:.2f} s of its {bd.step_time:.2f} s predicted step is the step's first all-gather of the rank's",
-        "whole shard (tessera's ZeRO-3 unit; each rank's data group is one GPU per host, on its own 400 Gb/s NIC);",
-        f"FSDP2 gathers block by block and would expose about 1/{big.shape.n_layers} of it. Its tensor-parallel",
-        f"collectives are exposed ({bd.tp_comm:.2f} s; no async TP in the bf16 row). With FSDP2's gather unit the",
-        f"row is {_err(big, block_first_gather(big))}. The same unit difference moves every FSDP row up (the last",
-        "column): the agreement of the exactly priced rows relies on exposing a gather that FSDP2 mostly hides.",
+        f"eager; the planner cannot tell them apart. The 405B row (FSDP 16 × TP 8) is {_err(big, bd.step_time)}:",
+        f"its tensor-parallel collectives are exposed ({bd.tp_comm:.2f} s; no async TP in the bf16 row) and its",
+        f"data-parallel traffic, on one 400 Gb/s NIC per rank, adds {bd.dp_comm:.2f} s (one block's gather, the",
+        "last block's reduce-scatter and the compute slowed under the rest).",
     ]
 
 
@@ -396,9 +381,7 @@ def report() -> str:
     lines += [
         "*op-SAC extra*: what torchtitan's op-SAC replays beyond tessera's `selective` (wk, wo, w3 and the",
         "forward's non-matmul ops, less the attention core), first order, from the cost model's own prices;",
-        "*error with it*: the case's error if that time were added. *FSDP2 gather unit*: the error if the step's",
-        "first all-gather were one block's (FSDP2) instead of the rank's whole shard (tessera's ZeRO-3, as priced).",
-        "Diagnoses, not predictions.",
+        "*error with it*: the case's error if that time were added (a diagnosis, not a prediction).",
         "",
         *breakdown_table(),
         "",
