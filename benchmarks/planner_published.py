@@ -75,7 +75,7 @@ import published_fsdp_scale  # noqa: E402
 import published_megatron_core  # noqa: E402
 import published_mtnlg  # noqa: E402
 import published_torchtitan  # noqa: E402
-from published_case import Case  # noqa: E402
+from published_case import Case, case_table, group_table, summary  # noqa: E402
 
 from tessera.planner.cost import ModelShape, Plan, dp_volume, group_placement, params_per_rank  # noqa: E402
 from tessera.planner.hardware import load_hardware  # noqa: E402
@@ -348,15 +348,9 @@ HOPPER_CALIBRATION_GROUP = "H100 in one node (the H100 calibration, not validati
 CALIBRATION_GROUPS = (CALIBRATION, HOPPER_CALIBRATION_GROUP)
 
 
-def _stats(errors: list[float]) -> str:
-    a = [abs(e) for e in errors]
-    return f"{len(a)} cases, median |error| {statistics.median(a):.1%}, worst {max(a):.1%}"
-
-
 def report() -> str:
     all_cases = cases()
     validation = [c for c in all_cases if c.group not in CALIBRATION_GROUPS]
-    groups = list(dict.fromkeys(c.group for c in all_cases))
     lines = [
         "# Planner vs published runs",
         "",
@@ -366,24 +360,13 @@ def report() -> str:
         "Narayanan 2021 Table 1 and the one-GPU 2020 README row (docs/cost-model.md, GEMM efficiency), so Table 1 is",
         "listed last as calibration and left out of the validation statistics.",
         "",
-        f"**Validation: {_stats([c.error for c in validation])}.**",
+        f"**Validation: {summary(validation)}.**",
         "",
-        "| group | cases | median abs. error | worst |",
-        "|---|---|---|---|",
-    ]
-    for g in groups:
-        errs = [abs(c.error) for c in all_cases if c.group == g]
-        lines.append(f"| {g} | {len(errs)} | {statistics.median(errs):.1%} | {max(errs):.1%} |")
-    lines += [
+        *group_table(all_cases),
         "",
         *READING,
         "",
-        "| group | case | published | predicted | unit | error |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {c.group} | {c.label} | {c.published:,.1f} | {c.predicted:,.1f} | {c.unit} | {c.error:+.1%} |"
-        for c in all_cases
+        *case_table(all_cases),
     ]
     return (
         "\n".join([*lines, "", *h100_sensitivity(), "", *attention_sensitivity(), "", *worst_case_section()])

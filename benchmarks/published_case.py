@@ -34,3 +34,14 @@ def group_table(cases: list[Case]) -> list[str]:
         errors = [abs(c.error) for c in cases if c.group == group]
         lines.append(f"| {group} | {len(errors)} | {statistics.median(errors):.1%} | {max(errors):.1%} |")
     return lines
+
+
+def case_table(cases: list[Case], decimals: int = 1) -> list[str]:
+    """Markdown table of every case: group, label, published, predicted (`decimals` places), unit, error."""
+    lines = ["| group | case | published | predicted | unit | error |", "|---|---|---|---|---|---|"]
+    lines += [
+        f"| {c.group} | {c.label} | {c.published:,.{decimals}f} | {c.predicted:,.{decimals}f} | {c.unit} | "
+        f"{c.error:+.1%} |"
+        for c in cases
+    ]
+    return lines

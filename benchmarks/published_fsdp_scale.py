@@ -83,7 +83,6 @@ Left out (each with its reason)
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +91,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from published_case import Case  # noqa: E402
+from published_case import Case, case_table, summary  # noqa: E402
 
 from tessera.planner.cost import ModelShape, Plan  # noqa: E402
 from tessera.planner.hardware import Hardware, load_hardware  # noqa: E402
@@ -323,21 +322,12 @@ def _network_lines() -> list[str]:
 
 def report() -> str:
     all_cases = cases()
-    lines = ["| group | case | published | predicted | unit | error |", "|---|---|---|---|---|---|"]
+    lines = [*case_table(all_cases, decimals=0), ""]
     lines += [
-        f"| {c.group} | {c.label} | {c.published:,.0f} | {c.predicted:,.0f} | {c.unit} | {c.error:+.1%} |"
-        for c in all_cases
+        f"- {g}: {summary([c for c in all_cases if c.group == g])}"
+        for g in dict.fromkeys(c.group for c in all_cases)
     ]
-    lines.append("")
-    for g in dict.fromkeys(c.group for c in all_cases):
-        errs = [abs(c.error) for c in all_cases if c.group == g]
-        lines.append(
-            f"- {g}: {len(errs)} cases, median |error| {statistics.median(errs):.1%}, worst {max(errs):.1%}"
-        )
-    errs = [abs(c.error) for c in all_cases]
-    lines.append(
-        f"- all: {len(errs)} cases, median |error| {statistics.median(errs):.1%}, worst {max(errs):.1%}"
-    )
+    lines.append(f"- all: {summary(all_cases)}")
     return "\n".join([*lines, "", *_breakdown_lines(), "", *_network_lines()])
 
 
