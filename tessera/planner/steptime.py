@@ -399,6 +399,10 @@ def clip_norm_time(hw: Hardware, plan: Plan) -> float:
     return collective_time(hw, "all_reduce", 4.0, placement(plan.world_size, 1, hw.gpus_per_node))
 
 
+MAX_GATHER_ITEMS = 64
+"""ZeRO-3's gathers after the first are queued as at most this many items (each a share of the rest)."""
+
+
 def _gathers(plan: Plan, gather: float, end: float, pieces: int) -> tuple[list[tuple[float, float]], float]:
     """(queued gathers, exposed gather seconds) of a step, as the trainer runs them (`parallel/zero.py`):
     ZeRO-3 gathers each stage's parameters at its GATHER action, prefetched, so they queue evenly over the step —
@@ -408,16 +412,10 @@ def _gathers(plan: Plan, gather: float, end: float, pieces: int) -> tuple[list[t
         return [], 0.0
     if plan.zero_stage < 3:
         return [], gather
-    first = gather / pieces
-    queued = (
-        min(pieces, MAX_GATHER_ITEMS) - 1
-    )  # the rest in at most this many even items (the search's speed)
+    first = gather / pieces  # one unit's, however many units the step has
+    queued = min(pieces, MAX_GATHER_ITEMS) - 1  # the rest in a bounded number of items: the search's speed
     rest = (gather - first) / queued if queued else 0.0
     return [(k * end / (queued + 1), rest) for k in range(1, queued + 1)], first
-
-
-MAX_GATHER_ITEMS = 64
-"""ZeRO-3's gathers after the first are queued as at most this many items (each a share of the rest)."""
 
 
 REDUCE_PIECES = 8
