@@ -74,7 +74,8 @@ Left out (each with its reason)
   Llama 3.1 405B with FSDP 16 × TP 8 on 128 H100, and Llama 3.1 8B with FSDP alone on 8 and 128 H100, on H100s
   with HBM2e at a lower power limit ("lower TDP"; 500 W in 2025) whose peak the source says it does not know, so
   no shipped file describes them; besides, the 8B rows use selective checkpointing and the other rows fp8,
-  async TP or context parallelism, except one 405B row.
+  async TP or context parallelism, except one 405B row. (`published_torchtitan.py` prices the bf16 ones on the
+  h100 file with the stated memory and HBM bandwidth, op-SAC as `selective`, in groups of their own.)
 - Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel" (arXiv 2304.11277): the
   paper itself was not reachable from our search tools (only second-hand summaries of it), so none of its
   GPT-175B / T5-11B measurements could be transcribed with a configuration.
