@@ -77,7 +77,14 @@ import published_mtnlg  # noqa: E402
 import published_torchtitan  # noqa: E402
 from published_case import Case, case_table, group_table, summary  # noqa: E402
 
-from tessera.planner.cost import ModelShape, Plan, dp_volume, group_placement, params_per_rank  # noqa: E402
+from tessera.planner.cost import (  # noqa: E402
+    ModelShape,
+    Plan,
+    dp_volume,
+    group_placement,
+    palm_flops_per_token,
+    params_per_rank,
+)
 from tessera.planner.hardware import load_hardware  # noqa: E402
 from tessera.planner.megatron_table import MEGATRON_README_2020, MEGATRON_TABLE1, compare_table  # noqa: E402
 from tessera.planner.mosaic_table import (  # noqa: E402
@@ -277,12 +284,6 @@ LLAMA3_STAGES = (0, *([1] * 126), 0)
 head (the paper removes one block from the first and the last stage)."""
 
 
-def llama3_flops_per_token() -> float:
-    """The paper's MFU convention (PaLM's): 6·N + 12·L·h·s per token, attention over the whole sequence."""
-    s = LLAMA3_SHAPE
-    return 6 * s.n_params() + 12 * s.n_layers * s.d_model * s.seq_len
-
-
 def predict_llama3(row: Llama3Row) -> float:
     """TFLOP/s per GPU of Llama 3 405B's layout (docstring) in the paper's convention, timed by the simulator."""
     hw = dataclasses.replace(
@@ -305,7 +306,7 @@ def predict_llama3(row: Llama3Row) -> float:
     )
     step = simulate_step(LLAMA3_SHAPE, hw, plan, "interleaved")[0].step_time
     tokens_per_gpu = row.microbatches * LLAMA3_SHAPE.seq_len / step / (plan.tp * plan.pp)
-    return tokens_per_gpu * llama3_flops_per_token() / 1e12
+    return tokens_per_gpu * palm_flops_per_token(LLAMA3_SHAPE) / 1e12  # the paper's MFU convention
 
 
 def cases() -> list[Case]:

@@ -35,7 +35,7 @@ Sources
 Conventions and transcription checks
 ------------------------------------
 Compared: tokens/s per GPU, the figure both sources measure (`Case.unit`); MFU follows from it by the source's
-own convention (`source_flops_per_token`), so the error is the same in either. Every shape reproduces its
+own convention (`palm_flops_per_token`), so the error is the same in either. Every shape reproduces its
 checkpoint's parameter count exactly (`PARAMS`: the Hugging Face Llama 2, Code Llama 34B and Llama 3
 checkpoints). torchtitan's WPS reproduces its MFU to 0.1 point in all eight rows of its table (the test). The
 fms-fsdp columns agree less well: its MFU is what its tokens/s give in the convention it names +0.3 % (13B A100,
@@ -94,7 +94,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from published_case import Case, case_table, summary  # noqa: E402
 
-from tessera.planner.cost import ModelShape, Plan  # noqa: E402
+from tessera.planner.cost import ModelShape, Plan, palm_flops_per_token  # noqa: E402
 from tessera.planner.hardware import Hardware, load_hardware  # noqa: E402
 from tessera.planner.mosaic_table import FSDP_SCHEDULE, fsdp_units  # noqa: E402
 from tessera.planner.network import collective_time, placement  # noqa: E402
@@ -139,12 +139,6 @@ def llama_shape(model: str, seq_len: int) -> ModelShape:
         swiglu=True,
         tied=False,
     )
-
-
-def source_flops_per_token(shape: ModelShape) -> float:
-    """Both sources' MFU numerator per token (PaLM's convention as torchtitan and nanoGPT code it): 6·N + 12·L·h·s,
-    N every parameter (embedding included), attention over the whole sequence (no causal halving)."""
-    return 6 * shape.n_params() + 12 * shape.n_layers * shape.d_model * shape.seq_len
 
 
 @dataclass(frozen=True)
@@ -255,8 +249,8 @@ def predict(row: FsdpScaleRow, hw: Hardware | None = None) -> float:
 
 
 def mfu(row: FsdpScaleRow, tokens_per_gpu: float) -> float:
-    """MFU of `tokens_per_gpu` in the sources' convention (`source_flops_per_token`)."""
-    return tokens_per_gpu * source_flops_per_token(row.shape) / peak(row)
+    """MFU of `tokens_per_gpu` in the sources' convention (`palm_flops_per_token`)."""
+    return tokens_per_gpu * palm_flops_per_token(row.shape) / peak(row)
 
 
 def _group(row: FsdpScaleRow) -> str:

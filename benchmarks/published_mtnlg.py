@@ -91,7 +91,7 @@ sys.path.insert(0, str(ROOT))
 
 from published_case import Case, summary  # noqa: E402
 
-from tessera.planner.cost import ModelShape, Plan, narayanan_flops_per_iteration  # noqa: E402
+from tessera.planner.cost import ModelShape, Plan, narayanan_flops_per_iteration, palm_flops_per_token  # noqa: E402
 from tessera.planner.hardware import Hardware, load_hardware  # noqa: E402
 from tessera.planner.steptime import StepBreakdown, simulate_step  # noqa: E402
 
@@ -160,7 +160,7 @@ def palm_mfu(row: MtnlgRow, attention: bool = False) -> float:
     """PaLM's MFU (arXiv 2204.02311 App. B) of the published iteration: 6N (+ 12·L·h·s with attention) FLOPs per
     token × tokens/s over the GPUs' peak."""
     s = SHAPE
-    per_token = 6 * s.n_params() + (12 * s.n_layers * s.d_model * s.seq_len if attention else 0)
+    per_token = palm_flops_per_token(s) if attention else 6 * s.n_params()
     tokens_per_s = GLOBAL_BATCH * s.seq_len / row.iteration_s
     return per_token * tokens_per_s / (row.gpus * PEAK_FLOPS)
 

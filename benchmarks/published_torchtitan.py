@@ -82,11 +82,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from published_case import Case, group_table, summary  # noqa: E402
-from published_fsdp_scale import llama_shape, source_flops_per_token  # noqa: E402
+from published_fsdp_scale import llama_shape  # noqa: E402
 
 from tessera.config import ModelConfig  # noqa: E402
 from tessera.model.sizes import SIZES  # noqa: E402
-from tessera.planner.cost import ModelShape, Plan, elementwise_bytes_per_layer  # noqa: E402
+from tessera.planner.cost import ModelShape, Plan, elementwise_bytes_per_layer, palm_flops_per_token  # noqa: E402
 from tessera.planner.cost.compute import attention_core_time  # noqa: E402
 from tessera.planner.gemm import gemm_call_time  # noqa: E402
 from tessera.planner.hardware import Hardware, load_hardware  # noqa: E402
@@ -194,7 +194,7 @@ def flop_per_token(row: TitanRow) -> float:
     """torchtitan's MFU numerator per token (`get_num_flop_per_token`): 6·N + 12·L·h·s, N by `row.convention`."""
     s = row.shape
     embedding = s.vocab_size * s.d_model if row.convention == AUGUST_2024 else 0
-    return source_flops_per_token(s) - 6 * embedding
+    return palm_flops_per_token(s) - 6 * embedding
 
 
 def mfu(row: TitanRow, tokens_per_gpu: float) -> float:

@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import published_fsdp_scale as src
 
+from tessera.planner.cost import palm_flops_per_token
+
 
 @pytest.mark.parametrize("model", sorted(src.LLAMA_SHAPES))
 def test_shape_reproduces_the_checkpoint_parameter_count(model: str) -> None:
@@ -28,7 +30,7 @@ def _torchtitan_rows() -> list[tuple[str, int, float, float]]:
 @pytest.mark.parametrize(("model", "seq_len", "wps", "mfu"), _torchtitan_rows())
 def test_torchtitan_mfu_follows_from_its_wps(model: str, seq_len: int, wps: float, mfu: float) -> None:
     # published to 0.1 point, WPS to the token: 0.05 point of rounding plus a hair
-    flops = src.source_flops_per_token(src.llama_shape(model, seq_len))
+    flops = palm_flops_per_token(src.llama_shape(model, seq_len))
     assert wps * flops / src.A100_PEAK == pytest.approx(mfu, abs=6e-4)
 
 

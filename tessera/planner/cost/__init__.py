@@ -72,6 +72,7 @@ from tessera.planner.cost.shape import (
     model_flops_per_token,
     narayanan_flops_per_iteration,
     narayanan_params,
+    palm_flops_per_token,
 )
 from tessera.planner.cost.volume import (
     CommVolume,
@@ -121,6 +122,7 @@ __all__ = [
     "narayanan_params",
     "p2p_time",
     "p2p_time_per_microbatch",
+    "palm_flops_per_token",
     "params_per_rank",
     "per_microbatch_reduction",
     "pp_p2p_volume",

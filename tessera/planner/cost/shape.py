@@ -159,6 +159,12 @@ def hardware_flops_per_token(shape: ModelShape, recompute: str = "full") -> floa
     return model_flops_per_token(shape) + extra
 
 
+def palm_flops_per_token(shape: ModelShape) -> float:
+    """PaLM's MFU numerator (arXiv 2204.02311 App. B), as Llama 3, torchtitan, fms-fsdp and MosaicML count: 6·N +
+    12·L·h·s per token, N every parameter, attention over the whole sequence (no causal halving)."""
+    return 6 * shape.n_params() + 12 * shape.n_layers * shape.d_model * shape.seq_len
+
+
 def narayanan_flops_per_iteration(batch: int, seq_len: int, n_layers: int, hidden: int, vocab: int) -> float:
     """Narayanan 2021 eq. 3: F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (includes the recompute forward)."""
     b, s, l, h, v = batch, seq_len, n_layers, hidden, vocab
