@@ -476,9 +476,10 @@ PEAK_TOLERANCE = 1.05
 def gpu_profile(base: Hardware, measured: GpuMeasurements, name: str) -> tuple[Hardware, list[str]]:
     """The GPU profile: `base` with the fields this node measured replaced (`sm_count`, `gemm_table`,
     `hbm_bandwidth`, `flash_attention_flops`, and the intra-node bandwidth and latency when an NCCL sweep ran),
-    renamed `name`; and the report, one line per field, measured or kept (with why). Pure: no torch, no device. `peak_flops` stays the published peak, so the
-    measured rows read as kernel fractions of it exactly as the base's published rows did (`gemm.kernel_fraction`);
-    a row above that peak is an error (the base describes another GPU)."""
+    renamed `name`; and the report, one line per field, measured or kept (with why). Pure: no torch, no device.
+    `peak_flops` stays the published peak, so the measured rows read as kernel fractions of it exactly as the
+    base's published rows did (`gemm.kernel_fraction`); a row above that peak is an error (the base describes
+    another GPU)."""
     rows = [r._replace(source=f"tessera calibrate, {measured.device_name}") for r in measured.gemm_rows]
     _check_rows_under_peak(base, rows, measured.sm_count)
     fields: dict[str, Any] = {
