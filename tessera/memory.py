@@ -598,8 +598,9 @@ def _adjust(
     working = base.working - (
         logits if last_inflight else 0.0
     )  # the logits are counted per micro-batch above
-    biggest = max(stage_psi, default=0.0) * 4.0
-    flat = max(stage_psi, default=0.0) * plan.grad_reduce_width  # the reduction's flat copy, in its dtype
+    largest = max(stage_psi, default=0.0)
+    biggest = largest * 4.0
+    flat = largest * plan.grad_reduce_width  # the reduction's flat copy, in its dtype
     buffers = (2 * sbh if plan.pp > 1 else 0.0) + (flat if plan.dp > 1 or plan.zero_stage else 0.0)
     if plan.zero_stage >= 2:
         buffers += biggest  # the full gradients of the stage in backward, before its reduce-scatter
