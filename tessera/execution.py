@@ -27,7 +27,15 @@ import math
 from dataclasses import dataclass, field, replace
 
 from tessera.axes import DIMS
-from tessera.config import ARITHMETIC_RULES, Config, ModelConfig, TrainConfig, Violation, even_split
+from tessera.config import (
+    ARITHMETIC_RULES,
+    Config,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    Violation,
+    even_split,
+)
 from tessera.config.checks import divisors_near, multiple_near
 from tessera.errors import ConfigError, DataError
 from tessera.layout import Layout
@@ -86,6 +94,10 @@ class ExecutionPlan:
     layout: Layout
     """The size of every parallel dimension (`tessera.axes.DIMS`); ``dp``, ``pp``, ``tp``, ``q`` read it."""
     sequence_parallel: bool
+    tp_comm_overlap: bool = False
+    """Tensor-parallel collectives (1D + SP) run as rings under their GEMM chunks (`parallel.tp_comm_overlap`)."""
+    overlap_param_gather: bool = False
+    """ZeRO-1/2's post-step parameter all-gather is waited for per stage at its next compute, not at the step."""
     runner: str
     """DIRECT or SCHEDULE_RUNTIME."""
     schedule: str | None
@@ -326,6 +338,8 @@ def decide(cfg: Config, world_size: int) -> ExecutionPlan:
         world_size=world_size,
         layout=layout,
         sequence_parallel=par.sequence_parallel,
+        tp_comm_overlap=par.tp_comm_overlap,
+        overlap_param_gather=par.overlap_param_gather,
         runner=runner,
         schedule=schedule,
         configured_schedule=par.schedule,
@@ -405,6 +419,7 @@ def _check_layout(cfg: Config, world_size: int) -> list[Violation]:
             )
         )
     v.extend(_check_tensor(cfg.model, t, q, p.sequence_parallel))
+    v.extend(_check_overlaps(p, t))
     v.extend(_check_pipeline(cfg))
     v.extend(_check_batch(cfg.train, dp))
     if q > 1 and cfg.train.micro_batch % q:
@@ -454,6 +469,36 @@ def _check_tensor(m: ModelConfig, t: int, q: int, sequence_parallel: bool) -> li
                 rule="tensor.sequence_parallel",
                 problem=f"model.seq_len = {m.seq_len} is not divisible by tensor {t}",
                 fix=f"set model.seq_len = {multiple_near(m.seq_len, t)}",
+            )
+        )
+    return v
+
+
+def _check_overlaps(p: ParallelConfig, t: int) -> list[Violation]:
+    """The two communication overlaps exist only where their collectives do (Megatron asserts the same)."""
+    v: list[Violation] = []
+    if p.tp_comm_overlap and not (t > 1 and p.sequence_parallel):
+        v.append(
+            Violation(
+                rule="tensor.tp_comm_overlap",
+                problem="parallel.tp_comm_overlap overlaps sequence parallelism's all-gather / reduce-scatter with "
+                f"the GEMMs; it needs 1D tensor parallelism with sequence_parallel (tensor = {p.tensor!r}, "
+                f"sequence_parallel = {str(p.sequence_parallel).lower()})",
+                fix="set parallel.sequence_parallel = true with a 1D tensor size > 1, or parallel.tp_comm_overlap = false",
+            )
+        )
+    if p.overlap_param_gather and p.zero not in (1, 2):
+        v.append(
+            Violation(
+                rule="zero.overlap_param_gather",
+                problem=f"parallel.overlap_param_gather defers ZeRO-1/2's post-step parameter all-gather; with "
+                f"parallel.zero = {p.zero} there is none ("
+                + (
+                    "ZeRO-3 already gathers each stage ahead of its compute)"
+                    if p.zero == 3
+                    else "plain data parallelism keeps full parameters)"
+                ),
+                fix="set parallel.zero = 1 or 2, or parallel.overlap_param_gather = false",
             )
         )
     return v

@@ -140,6 +140,8 @@ def cost_plan(plan: ExecutionPlan) -> Plan:
         **plan.layout.plan_sizes(),  # every dimension's rank count (tessera.axes.DIMS)
         tp_kind="2d" if plan.q > 1 else "1d",
         sequence_parallel=plan.sequence_parallel,
+        tp_comm_overlap=plan.tp_comm_overlap,
+        overlap_param_gather=plan.overlap_param_gather,
         virtual_stages=plan.stages_per_rank,
         zero_stage=plan.zero,
         micro_batch=plan.micro_batch,

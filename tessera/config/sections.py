@@ -96,6 +96,9 @@ class ParallelConfig:
     """Megatron 1D tensor parallelism of size t (an int), or Optimus 2D on a q×q grid (a string such as "2x2")."""
     sequence_parallel: bool = False
     """1D only: shard norm/dropout regions along the sequence (all-gather/reduce-scatter instead of all-reduce)."""
+    tp_comm_overlap: bool = False
+    """1D with sequence parallelism only: split each tensor-parallel all-gather / reduce-scatter into a ring of
+    point-to-point steps run under the GEMM chunks they feed (Megatron's --tp-comm-overlap)."""
     pipeline: int = 1
     """Pipeline-parallel size p."""
     schedule: str = "1f1b"
@@ -106,6 +109,9 @@ class ParallelConfig:
     """Explicit layers per stage (p·v entries summing to n_layers), e.g. lighter first and last stages."""
     zero: int = 0
     """ZeRO stage over the data-parallel group: 0 (plain all-reduce), 1, 2 or 3."""
+    overlap_param_gather: bool = False
+    """ZeRO-1/2 only: all-gather the updated parameters asynchronously after the optimizer step and wait for each
+    stage's only before its first compute of the next step (Megatron's --overlap-param-gather)."""
     accumulation: str = "layered"
     """Gradient accumulation order: layered (breadth-first) or depth_first."""
     checkpointing: str = "none"

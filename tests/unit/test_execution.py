@@ -163,3 +163,40 @@ def test_mode_names_are_defined_once() -> None:
     assert checkpointing.MODES is stage.CHECKPOINT_MODES is cost.RECOMPUTE is modes.CHECKPOINTING
     assert zero.ACCUMULATION is config.ACCUMULATION is modes.ACCUMULATION
     assert config.SCHEDULES is modes.SCHEDULES
+
+
+@pytest.mark.parametrize(
+    ("overrides", "rule"),
+    [
+        (["parallel.tensor=2", "parallel.data=1", "parallel.tp_comm_overlap=true"], "tensor.tp_comm_overlap"),
+        (["parallel.tp_comm_overlap=true"], "tensor.tp_comm_overlap"),
+        (["parallel.overlap_param_gather=true"], "zero.overlap_param_gather"),
+        (["parallel.zero=3", "parallel.overlap_param_gather=true"], "zero.overlap_param_gather"),
+    ],
+)
+def test_an_overlap_without_its_collectives_is_a_violation_naming_the_fix(
+    overrides: list[str], rule: str
+) -> None:
+    found = [v for v in violations(load_config(DEMO, overrides), 2) if v.rule == rule]
+    assert len(found) == 1 and "= false" in found[0].fix
+
+
+def test_the_overlaps_reach_the_execution_plan_and_the_cost_model() -> None:
+    from tessera.memory import cost_plan
+
+    cfg = load_config(
+        DEMO,
+        [
+            "parallel.tensor=2",
+            "parallel.data=2",
+            "parallel.sequence_parallel=true",
+            "parallel.tp_comm_overlap=true",
+            "parallel.zero=1",
+            "parallel.overlap_param_gather=true",
+        ],
+    )
+    plan = resolve(cfg, 4)
+    assert plan.tp_comm_overlap and plan.overlap_param_gather
+    cost = cost_plan(plan)
+    assert cost.tp_comm_overlap and cost.overlap_param_gather
+    assert not resolve(load_config(DEMO), 2).tp_comm_overlap

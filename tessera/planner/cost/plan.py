@@ -30,6 +30,12 @@ class Plan:
     tp_kind: str = "1d"
     """"1d" (Megatron) or "2d" (Optimus/SUMMA on a q×q grid, tp = q²)."""
     sequence_parallel: bool = False
+    tp_comm_overlap: bool = False
+    """1D + SP: each tensor-parallel all-gather / reduce-scatter runs as a ring under the GEMM chunks it feeds
+    (tessera's `parallel.tp_comm_overlap`, Megatron's --tp-comm-overlap)."""
+    overlap_param_gather: bool = False
+    """ZeRO-1/2: the post-step parameter all-gather runs under the next step's forward (`parallel.
+    overlap_param_gather`, Megatron's --overlap-param-gather) instead of after the optimizer step."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved / looped schedules)."""
     zero_stage: int = 0
