@@ -13,8 +13,11 @@ Per-action durations (all from `tessera.planner.cost`):
   last compute is exposed (`dp_exposure`), and each hidden second slows the compute under it by the hardware's
   `overlap_slowdown` (`dp_cost`). ZeRO-3's parameter gathers (before each use) go through the same
   queue, released evenly over the step (prefetch), except the first, which is exposed; ZeRO-1/2's all-gather of
-  the updated parameters runs inside the optimizer step and is exposed in full (`_gathers`, as
-  `parallel/zero.py` does it). Data-parallel collectives are issued per block (`dp_parts` buckets).
+  the updated parameters runs inside the optimizer step and is exposed in full, or with `Plan.overlap_param_gather`
+  is deferred to the next step, its first stage's share exposed and the rest queued from the step's start
+  (`_gathers`, as `parallel/zero.py` does it). Data-parallel collectives are issued per block (`dp_parts`
+  buckets). Tensor-parallel time is `cost.tp_comm_time_per_layer` in each F/B (rings under the GEMM chunks with
+  `Plan.tp_comm_overlap`, `cost.tp_overlap`).
 - ``EXCHANGE`` (a tied embedding and head on two pipeline ranks): both ranks swap the table's gradient
   (`tied_exchange_time`) once both reached it, at the end of their lists (counted as PP time); the two stages'
   one REDUCE follows it and is released whole when it runs, not under a backward (`fast_step` likewise).
@@ -81,6 +84,7 @@ __all__ = [
     "dp_exposure",
     "dp_parts",
     "fast_step",
+    "gather_units",
     "inflight_microbatches",
     "most_params",
     "optimizer_time",
@@ -403,17 +407,34 @@ MAX_GATHER_ITEMS = 64
 """ZeRO-3's gathers after the first are queued as at most this many items (each a share of the rest)."""
 
 
-def _gathers(plan: Plan, gather: float, end: float, pieces: int) -> tuple[list[tuple[float, float]], float]:
-    """(queued gathers, exposed gather seconds) of a step, as the trainer runs them (`parallel/zero.py`):
-    ZeRO-3 gathers each stage's parameters at its GATHER action, prefetched, so they queue evenly over the step —
-    except the first, which nothing can hide (the step starts with it); ZeRO-1/2 all-gather the updated
-    parameters inside the optimizer step and wait for them, so all of it is exposed."""
+def gather_units(plan: Plan) -> int:
+    """Parameter all-gathers a rank issues per step, one per stage and use: ZeRO-3 gathers each of its v stages
+    before the forward and again before the backward (2·v; ×m with depth-first accumulation, which gathers per
+    micro-batch); ZeRO-1/2 gather each stage's updated parameters once (v)."""
+    v, m = plan.virtual_stages, plan.n_microbatches
+    if plan.zero_stage == 3:
+        return 2 * v * (m if plan.accumulation == "depth_first" else 1)
+    return v
+
+
+def _gathers(plan: Plan, gather: float, end: float) -> tuple[list[tuple[float, float]], float]:
+    """(queued gathers, exposed gather seconds) of a step, as the trainer runs them (`parallel/zero.py`), with
+    `gather_units` units: ZeRO-3 gathers each stage's parameters at its GATHER action, prefetched, so they queue
+    evenly over the step — except the first, which nothing can hide (the step starts with it); ZeRO-1/2
+    all-gather the updated parameters inside the optimizer step and wait for them, so all of it is exposed —
+    unless `Plan.overlap_param_gather` defers them: the optimizer step launches every stage's gather (in the order
+    of the next step's first computes) and each stage waits only before its first compute, so the first unit is
+    exposed and the rest queue on the data-parallel channel from the step's start, ahead of the reductions.
+    That never prices slower: an item of R seconds adds at most R·(s + (1 − s)) = R to `dp_cost`."""
     if gather <= 0:
         return [], 0.0
+    units = gather_units(plan)
+    first = gather / units  # one unit's, however many units the step has
     if plan.zero_stage < 3:
-        return [], gather
-    first = gather / pieces  # one unit's, however many units the step has
-    queued = min(pieces, MAX_GATHER_ITEMS) - 1  # the rest in a bounded number of items: the search's speed
+        if not plan.overlap_param_gather:
+            return [], gather
+        return ([(0.0, gather - first)] if units > 1 else []), first
+    queued = min(units, MAX_GATHER_ITEMS) - 1  # the rest in a bounded number of items: the search's speed
     rest = (gather - first) / queued if queued else 0.0
     return [(k * end / (queued + 1), rest) for k in range(1, queued + 1)], first
 
@@ -513,8 +534,7 @@ def _fast_dp(
             items += _reduce_items(end - j * after * c.bwd, c.bwd, c.layers, reduce / v)
     if tied:
         items.append((end + exchange, reduce / (v * (m if per_microbatch else 1))))
-    pieces = 2 * v * (m if plan.accumulation == "depth_first" and plan.zero_stage == 3 else 1)
-    queued, exposed = _gathers(plan, gather, end, pieces)
+    queued, exposed = _gathers(plan, gather, end)
     cost = dp_cost(items + queued, end + exchange, hw)
     if tied and per_microbatch and p > 2:  # rank 1 holds no tied stage: it reduces every micro-batch's
         # gradients, its last backward ending one chunk backward before rank 0's
@@ -630,7 +650,7 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, p
     step end is exposed."""
     if plan.dp <= 1:
         return 0.0
-    p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
+    p, m = plan.pp, plan.n_microbatches
     worst = 0.0
     by_rank: list[list] = [[] for _ in range(p)]
     for e in sim.timeline:  # one pass: the timeline is sorted by start, so each rank's list is too
@@ -652,7 +672,6 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, p
                 layers = pc.counts[e.action.stage]
                 share = reduce * layers / blocks / reps
                 items += _reduce_items(stop, stop - start, max(1, layers), share)
-        pieces = 2 * v * (m if plan.accumulation == "depth_first" and plan.zero_stage == 3 else 1)
-        queued, exposed = _gathers(plan, gather, end, pieces)
+        queued, exposed = _gathers(plan, gather, end)
         worst = max(worst, end + dp_cost(items + queued, end, hw) + exposed)
     return max(0.0, worst - sim.step_time)

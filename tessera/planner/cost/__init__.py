@@ -13,7 +13,8 @@ including exposed tensor-parallel communication), `p2p_time_per_microbatch` (one
 Pure Python: no torch import.
 
 The package holds one job per module: `shape` (ModelShape, FLOPs), `plan` (Plan), `compute` (compute seconds),
-`collectives` (seconds of one collective, group placement), `volume` (bytes per collective kind), `comm_time`
+`collectives` (seconds of one collective, group placement), `tp_overlap` (tensor-parallel collectives as rings
+under their GEMM chunks), `volume` (bytes per collective kind), `comm_time`
 (exposed communication seconds of the step pieces), `rank_memory` (bytes per rank). Import from here.
 """
 
@@ -45,6 +46,7 @@ from tessera.planner.cost.compute import (
     gemm_time,
     layer_time,
     layers_per_stage,
+    linear_gemm_times,
     logit_bytes,
     logits_time,
     rank_layers,
@@ -74,6 +76,14 @@ from tessera.planner.cost.shape import (
     narayanan_params,
     palm_flops_per_token,
 )
+from tessera.planner.cost.tp_overlap import (
+    RingCost,
+    overlaps_tensor_comm,
+    ring_added_time,
+    ring_cost,
+    ring_step_time,
+    tensor_traffic_time,
+)
 from tessera.planner.cost.volume import (
     CommVolume,
     dp_volume,
@@ -92,6 +102,7 @@ __all__ = [
     "MemoryBreakdown",
     "ModelShape",
     "Plan",
+    "RingCost",
     "activation_bytes_per_layer",
     "all_gather_time",
     "all_reduce_time",
@@ -112,6 +123,7 @@ __all__ = [
     "layer_forward_flops",
     "layer_time",
     "layers_per_stage",
+    "linear_gemm_times",
     "logit_bytes",
     "logits_forward_flops",
     "logits_time",
@@ -120,6 +132,7 @@ __all__ = [
     "model_state_bytes",
     "narayanan_flops_per_iteration",
     "narayanan_params",
+    "overlaps_tensor_comm",
     "p2p_time",
     "p2p_time_per_microbatch",
     "palm_flops_per_token",
@@ -128,8 +141,12 @@ __all__ = [
     "pp_p2p_volume",
     "rank_layers",
     "reduce_scatter_time",
+    "ring_added_time",
+    "ring_cost",
+    "ring_step_time",
     "score_bytes",
     "stage_time",
+    "tensor_traffic_time",
     "tied_exchange_bytes",
     "tied_exchange_time",
     "tp1d_layer_volume",

@@ -4,10 +4,11 @@ exposed tensor-parallel time), one stage boundary's transfer, the data-parallel 
 
 from __future__ import annotations
 
-from tessera.planner.cost.collectives import group_placement, p2p_time, traffic_time
-from tessera.planner.cost.compute import LayerTime, layer_time, logits_time
+from tessera.planner.cost.collectives import group_placement, p2p_time
+from tessera.planner.cost.compute import LayerTime, layer_time, linear_gemm_times, logits_time
 from tessera.planner.cost.plan import Plan, per_microbatch_reduction
 from tessera.planner.cost.shape import ModelShape
+from tessera.planner.cost.tp_overlap import overlaps_tensor_comm, tensor_traffic_time
 from tessera.planner.cost.volume import tied_exchange_bytes
 from tessera.planner.hardware import Hardware
 from tessera.planner.network import bus_bandwidth, collective_time
@@ -23,32 +24,63 @@ __all__ = [
 
 
 def tp_comm_time_per_layer(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
-    """Exposed tensor-parallel seconds per block per micro-batch, split like `LayerTime`: the block's collectives
-    as the runtime issues them (`tessera.traffic.tensor_calls`), each priced on its group (`traffic_time`).
+    """Seconds tensor-parallel communication adds per block per micro-batch, split like `LayerTime`: the block's
+    collectives as the runtime issues them (`tessera.traffic.tensor_calls`), each priced on its group
+    (`traffic_time`).
 
-    Assumed not overlapped with compute (Megatron 2021 behaviour). 1D: two all-reduces of b·s·h per pass on the
-    tensor group (stride 1); with SP all-gather + reduce-scatter pairs, plus backward's re-gathers and the
+    Not overlapped with compute by default (Megatron 2021 behaviour). 1D: two all-reduces of b·s·h per pass on
+    the tensor group (stride 1); with SP all-gather + reduce-scatter pairs, plus backward's re-gathers and the
     replicated vectors' gradient all-reduces. 2D: per Linear q rounds of block broadcasts / reduces on row groups
     (stride 1) and column groups (stride q), plus the norms' statistics and the bias / norm gradient sums. Full
     recompute replays what the runtime replays (`tensor_calls(..., "replay")`: the block's forward collectives
-    but the last 1D exit, `traffic.replayed_1d`), or the whole forward with `plan.replays_last_exit` (Megatron)."""
+    but the last 1D exit, `traffic.replayed_1d`), or the whole forward with `plan.replays_last_exit` (Megatron).
+
+    With `Plan.tp_comm_overlap` (1D + SP) every all-gather / reduce-scatter is a ring under its GEMM chunks
+    (`cost.tp_overlap`), priced as what it adds beyond the GEMMs (`_ring_gemms` pairs them); a replay replays
+    the rings."""
     block = tensor_calls(shape, plan, "block")
-    fwd = traffic_time(hw, plan, block, FORWARD)
+    fwd_gemms, bwd_gemms = _ring_gemms(shape, hw, plan)
+    fwd = tensor_traffic_time(hw, plan, block, FORWARD, fwd_gemms)
     return LayerTime(
         forward=fwd,
-        backward=traffic_time(hw, plan, block, BACKWARD),
-        recompute=_replay_time(shape, hw, plan, fwd),
+        backward=tensor_traffic_time(hw, plan, block, BACKWARD, bwd_gemms),
+        recompute=_replay_time(shape, hw, plan, fwd, fwd_gemms),
     )
 
 
-def _replay_time(shape: ModelShape, hw: Hardware, plan: Plan, forward: float) -> float:
-    """Seconds of the collectives full recompute replays per block: the whole forward's (``forward``) when the
-    framework re-runs it all (`Plan.replays_last_exit`), else the runtime's replay list."""
+def _ring_gemms(
+    shape: ModelShape, hw: Hardware, plan: Plan
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(forward, backward) (chunk, whole) GEMM seconds each ring collective of a block runs under, in the order of
+    `traffic.block_1d`; empty without `Plan.tp_comm_overlap`. Per region (attention: QKV then proj; MLP: fc1 then
+    fc2): forward, the entry's all-gather under the column-parallel GEMM and the exit's reduce-scatter under the
+    row-parallel one; backward, the entry's input-gradient reduce-scatter under the column GEMM's dgrad chunks and
+    its re-gather under the wgrad chunks (each a forward-shaped GEMM, as `layer_time` prices backward), the
+    exit's output-gradient all-gather under the row GEMM's dgrad and wgrad chunks together."""
+    if not overlaps_tensor_comm(plan):
+        return [], []
+    rows = shape.seq_len * plan.micro_batch
+    chunks = linear_gemm_times(shape, hw, plan, rows / plan.tp)
+    wholes = linear_gemm_times(shape, hw, plan, rows)
+    qkv, proj, fc1, fc2 = zip(chunks, wholes, strict=True)
+    fwd = [qkv, proj, fc1, fc2]
+    bwd = []
+    for column, row in ((qkv, proj), (fc1, fc2)):
+        bwd += [column, column, (2 * row[0], 2 * row[1])]
+    return fwd, bwd
+
+
+def _replay_time(
+    shape: ModelShape, hw: Hardware, plan: Plan, forward: float, gemms: list[tuple[float, float]]
+) -> float:
+    """Seconds the collectives full recompute replays add per block: the whole forward's (``forward``) when the
+    framework re-runs it all (`Plan.replays_last_exit`), else the runtime's replay list (its rings under the
+    forward's GEMMs, ``gemms``, in order)."""
     if plan.recompute != "full":
         return 0.0
     if plan.replays_last_exit:
         return forward
-    return traffic_time(hw, plan, tensor_calls(shape, plan, "replay"), FORWARD)
+    return tensor_traffic_time(hw, plan, tensor_calls(shape, plan, "replay"), FORWARD, gemms)
 
 
 def stage_time(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from tessera.planner.cost.collectives import traffic_time
 from tessera.planner.cost.plan import Plan
 from tessera.planner.cost.shape import ROW_PARALLEL, ModelShape, linears
+from tessera.planner.cost.tp_overlap import overlaps_tensor_comm, tensor_traffic_time
 from tessera.planner.gemm import gemm_call_time, plateau_time
 from tessera.planner.hardware import Hardware
 from tessera.traffic import BACKWARD, FORWARD, tensor_calls
@@ -24,6 +25,7 @@ __all__ = [
     "gemm_time",
     "layer_time",
     "layers_per_stage",
+    "linear_gemm_times",
     "logit_bytes",
     "logits_time",
     "score_bytes",
@@ -158,16 +160,7 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     the whole forward under `Plan.replays_last_exit`), selective ⇒ the attention core (QKᵀ, softmax/dropout on
     the scores, A·V) of a forward, none ⇒ 0.
     """
-    s, b, dt = shape.seq_len, plan.micro_batch, plan.dtype
-    M, q = s * b, plan.q
-    gemms = []
-    for (k_in, n_out), row_parallel in zip(linears(shape), ROW_PARALLEL, strict=True):
-        if plan.tp_kind == "2d":
-            gemms.append(q * gemm_call_time(hw, M / q, n_out / q, k_in / q, dtype=dt))
-        elif row_parallel:  # proj, fc2: the input width is split, the output is full (then all-reduced)
-            gemms.append(gemm_call_time(hw, M, n_out, k_in / plan.tp, dtype=dt))
-        else:
-            gemms.append(gemm_call_time(hw, M, n_out / plan.tp, k_in, dtype=dt))
+    gemms = linear_gemm_times(shape, hw, plan, shape.seq_len * plan.micro_batch)
     dense = sum(gemms)
     attn, attn_backward = attention_core_time(shape, hw, plan)
     elementwise = elementwise_bytes_per_layer(shape, plan) / hw.hbm_bandwidth
@@ -184,6 +177,23 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
         2 * (dense + elementwise - cast_fwd / hw.hbm_bandwidth) + attn_backward + cast_bwd / hw.hbm_bandwidth
     )
     return LayerTime(forward=fwd, backward=backward, recompute=recompute)
+
+
+def linear_gemm_times(shape: ModelShape, hw: Hardware, plan: Plan, rows: float) -> list[float]:
+    """Forward seconds of each of the block's four linears (`shape.linears`: QKV, proj, fc1 (+gate), fc2) on
+    `rows` token rows (b·s for the block, b·s/t for a tensor-parallel ring's chunk): 1D column-parallel
+    [rows×h_in]·[h_in×h_out/t], row-parallel [rows×h_in/t]·[h_in/t×h_out]; 2D q SUMMA steps of
+    [rows/q × h_in/q]·[h_in/q × h_out/q]; each priced by `gemm.gemm_call_time`."""
+    dt, q = plan.dtype, plan.q
+    out = []
+    for (k_in, n_out), row_parallel in zip(linears(shape), ROW_PARALLEL, strict=True):
+        if plan.tp_kind == "2d":
+            out.append(q * gemm_call_time(hw, rows / q, n_out / q, k_in / q, dtype=dt))
+        elif row_parallel:  # proj, fc2: the input width is split, the output is full (then all-reduced)
+            out.append(gemm_call_time(hw, rows, n_out, k_in / plan.tp, dtype=dt))
+        else:
+            out.append(gemm_call_time(hw, rows, n_out / plan.tp, k_in, dtype=dt))
+    return out
 
 
 def layers_per_stage(shape: ModelShape, plan: Plan) -> tuple[int, ...]:
@@ -250,11 +260,21 @@ def logits_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     """Output projection + loss for one micro-batch (vocabulary split over tp): GEMM [M×h]·[h×V/tp], backward 2×;
     loss elementwise `logit_bytes` per logit; plus the head's tensor-parallel collectives as the runtime
     issues them (`tessera.traffic.tensor_calls`: 1D the entry region and the loss's two small all-reduces; 2D the
-    final norm, the SUMMA logits products and the loss). Never recomputed."""
+    final norm, the SUMMA logits products and the loss); with `Plan.tp_comm_overlap` the entry's all-gather and
+    its backward pair run as rings under the logits GEMM's chunks (`cost.tp_overlap`). Never recomputed."""
     M = shape.seq_len * plan.micro_batch
     gemm = gemm_call_time(hw, M, shape.vocab_size / plan.tp, shape.d_model, dtype=plan.dtype)
     loss = logit_bytes(plan) * M * shape.vocab_size / plan.tp / hw.hbm_bandwidth
     calls = tensor_calls(shape, plan, "head")
-    fwd = gemm + loss + traffic_time(hw, plan, calls, FORWARD)
-    bwd = 2 * (gemm + loss) + traffic_time(hw, plan, calls, BACKWARD)
+    ring = []  # with tp_comm_overlap the head's entry is a ring under the logits GEMM's chunks (backward: the
+    # input gradient's reduce-scatter under the dgrad chunks, then the re-gather under the wgrad chunks)
+    if overlaps_tensor_comm(plan):
+        ring = [
+            (
+                gemm_call_time(hw, M / plan.tp, shape.vocab_size / plan.tp, shape.d_model, dtype=plan.dtype),
+                gemm,
+            )
+        ]
+    fwd = gemm + loss + tensor_traffic_time(hw, plan, calls, FORWARD, ring)
+    bwd = 2 * (gemm + loss) + tensor_traffic_time(hw, plan, calls, BACKWARD, ring * 2)
     return LayerTime(forward=fwd, backward=bwd, recompute=0.0)
