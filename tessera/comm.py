@@ -38,6 +38,7 @@ __all__ = [
     "reduce_from_region",
     "reduce_scatter",
     "reduce_scatter_to_region",
+    "ring_shift",
     "scatter_to_region",
     "send",
 ]
@@ -157,6 +158,25 @@ def batch_p2p(ops: list[dist.P2POp]) -> list[dist.Work]:
     Gloo matches messages by tag, NCCL by issue order per pair of ranks: callers keep both ends' orders equal.
     """
     return dist.batch_isend_irecv(ops) if ops else []
+
+
+def ring_shift(t: torch.Tensor, group: dist.ProcessGroup, tag: int) -> tuple[torch.Tensor, list[dist.Work]]:
+    """Start one step of a ring over ``group``: send ``t`` to the next member (group rank r + 1), receive the
+    previous member's tensor (same shape) into the returned buffer; wait on the returned works before reading it.
+
+    Not counted here: t − 1 such steps move what one all-gather or reduce-scatter moves, and the caller records
+    its ring as that collective (``STATS.record``), so the traffic formulas hold with or without the ring. Two rings
+    in flight at once on one group need different ``tag``s (gloo matches by tag; NCCL by issue order, the same on
+    every member because every member runs the same loop).
+    """
+    n, r = group_size(group), dist.get_rank(group)
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    ops = [
+        dist.P2POp(dist.isend, t, group=group, tag=tag, group_peer=(r + 1) % n),
+        dist.P2POp(dist.irecv, out, group=group, tag=tag, group_peer=(r - 1) % n),
+    ]
+    return out, batch_p2p(ops)
 
 
 def all_gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:

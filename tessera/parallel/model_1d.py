@@ -8,7 +8,8 @@ Every rank builds the same plain model (same seed) and cuts its shard from the i
   activation elementwise and local (tessera/model/family.py declares which is which);
 - token embedding and output projection vocabulary-parallel (vocabulary padded to a multiple of t internally;
   tied embeddings share one shard); GPT's position table and all norms replicated;
-- with sequence parallelism the residual stream between the regions is [b, s/t, h] (see tensor_1d.py).
+- with sequence parallelism the residual stream between the regions is [b, s/t, h] (see tensor_1d.py); with
+  ``tp_comm_overlap`` its all-gathers / reduce-scatters around the linears run as rings under their GEMMs.
 
 The returned `TensorParallel1D` keeps the plain model's attribute and parameter names (`embed`, `blocks["i"]`,
 `head`, `attn.wq`, ...), so `full_parameters()` is keyed like the plain model's `named_parameters()`.
@@ -17,7 +18,7 @@ The returned `TensorParallel1D` keeps the plain model's attribute and parameter 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from tessera.parallel.tensor_1d import (
     SequenceParallelNorm,
     VocabParallelEmbedding,
     VocabParallelOutput,
+    check_overlap,
     column_parallel,
     group_rank,
 )
@@ -44,23 +46,35 @@ from tessera.traffic import tensor_1d_comm  # the traffic formula, re-exported f
 __all__ = ["TensorParallel1D", "apply_tensor_1d", "check_tensor_1d", "tensor_1d_comm"]
 
 
+class Regions(NamedTuple):
+    """How the blocks' tensor regions are entered and left (one pair of settings, passed to every layer)."""
+
+    sequence_parallel: bool
+    tp_comm_overlap: bool  # SP's all-gathers / reduce-scatters as rings under their GEMMs (ring_1d.py)
+
+    def options(self) -> dict[str, bool]:
+        """The 1D layers' constructor keywords."""
+        return self._asdict()
+
+
 class ParallelAttention(nn.Module):
     """Attention on this rank's n_heads/t query heads and n_kv_heads/t KV heads; one region entry for q, k, v."""
 
-    def __init__(self, attn: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool) -> None:
+    def __init__(self, attn: nn.Module, group: dist.ProcessGroup, regions: Regions) -> None:
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.tp_comm_overlap = group, *regions
         self.head_dim = attn.head_dim
-        col = {"sequence_parallel": sequence_parallel}
-        self.wq = ColumnParallelLinear.from_linear(attn.wq, group, **col)
-        self.wk = ColumnParallelLinear.from_linear(attn.wk, group, **col)
-        self.wv = ColumnParallelLinear.from_linear(attn.wv, group, **col)
-        self.wo = RowParallelLinear.from_linear(attn.wo, group, sequence_parallel=sequence_parallel)
+        opts = regions.options()
+        self.wq = ColumnParallelLinear.from_linear(attn.wq, group, **opts)
+        self.wk = ColumnParallelLinear.from_linear(attn.wk, group, **opts)
+        self.wv = ColumnParallelLinear.from_linear(attn.wv, group, **opts)
+        self.wo = RowParallelLinear.from_linear(attn.wo, group, **opts)
         self.core = attn.core  # parameter-free: checkpointing may wrap it as in the plain model
         self.rope = attn.rope
 
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
-        q, k, v = column_parallel(x, (self.wq, self.wk, self.wv), self.group, self.sequence_parallel)
+        linears = (self.wq, self.wk, self.wv)
+        q, k, v = column_parallel(x, linears, self.group, self.sequence_parallel, self.tp_comm_overlap)
         b, s, _ = q.shape  # q: [b, s, nh·hd/t] (the full sequence, also with SP)
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)  # q: [b, nh/t, s, hd]
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # k: [b, nkv/t, s, hd]
@@ -76,21 +90,20 @@ class ParallelMLP(nn.Module):
     elementwise ``activate`` on ffn/t features, its ``mlp_out`` row-parallel (GELU: fc → proj; SwiGLU:
     w_gate, w_up → w_down)."""
 
-    def __init__(
-        self, mlp: nn.Module, plan: FamilyPlan, group: dist.ProcessGroup, sequence_parallel: bool
-    ) -> None:
+    def __init__(self, mlp: nn.Module, plan: FamilyPlan, group: dist.ProcessGroup, regions: Regions) -> None:
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.tp_comm_overlap = group, *regions
         self.inputs, self.output = plan.mlp_in, plan.mlp_out
         self.activate = type(mlp).activate  # a staticmethod of the plain MLP: elementwise, so local
-        sp = {"sequence_parallel": sequence_parallel}
+        opts = regions.options()
         for name in plan.mlp_in:
-            setattr(self, name, ColumnParallelLinear.from_linear(getattr(mlp, name), group, **sp))
-        setattr(self, plan.mlp_out, RowParallelLinear.from_linear(getattr(mlp, plan.mlp_out), group, **sp))
+            setattr(self, name, ColumnParallelLinear.from_linear(getattr(mlp, name), group, **opts))
+        setattr(self, plan.mlp_out, RowParallelLinear.from_linear(getattr(mlp, plan.mlp_out), group, **opts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linears = tuple(getattr(self, name) for name in self.inputs)
-        hidden = column_parallel(x, linears, self.group, self.sequence_parallel)  # each [b, s, ffn/t]
+        # each [b, s, ffn/t]
+        hidden = column_parallel(x, linears, self.group, self.sequence_parallel, self.tp_comm_overlap)
         x = self.activate(*hidden)  # x: [b, s, ffn/t]
         return getattr(self, self.output)(x)  # [b, s, h] or [b, s/t, h]
 
@@ -148,23 +161,32 @@ class TensorParallel1D(nn.Module):
     gradients (replicated parameters get the full gradient on every rank).
     """
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        group: dist.ProcessGroup,
+        sequence_parallel: bool = False,
+        *,
+        tp_comm_overlap: bool = False,
+    ) -> None:
         super().__init__()
         cfg = model.cfg
         check_tensor_1d(cfg, comm.group_size(group))
+        check_overlap(sequence_parallel, tp_comm_overlap)
         self.cfg = self.plain_config = cfg
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.tp_comm_overlap = group, sequence_parallel, tp_comm_overlap
         self.tp = comm.group_size(group)
         sp, plan = sequence_parallel, model.plan
+        regions = Regions(sequence_parallel, tp_comm_overlap)
         self.plan = plan
         token_name = plan.token_embedding
         self.embed = None if model.embed is None else ParallelEmbedding(model.embed, plan, group, sp)
         self.blocks = nn.ModuleDict(
-            {name: _parallel_block(blk, plan, group, sp) for name, blk in model.blocks.items()}
+            {name: _parallel_block(blk, plan, group, regions) for name, blk in model.blocks.items()}
         )
         self.head = None
         if model.head is not None:
-            out = VocabParallelOutput.from_linear(model.head.out, group, sequence_parallel=sp)
+            out = VocabParallelOutput.from_linear(model.head.out, group, **regions.options())
             if cfg.tie_embeddings and self.embed is not None:
                 out.weight = getattr(self.embed, token_name).weight  # one shard, two uses
             self.head = ParallelHead(_norm(model.head.norm, group, sp), out)
@@ -284,12 +306,13 @@ def _norm(norm: nn.Module, group: dist.ProcessGroup, sp: bool) -> nn.Module:
     return SequenceParallelNorm(norm, group) if sp and comm.group_size(group) > 1 else norm
 
 
-def _parallel_block(block: nn.Module, plan: FamilyPlan, group: dist.ProcessGroup, sp: bool) -> Block:
+def _parallel_block(block: nn.Module, plan: FamilyPlan, group: dist.ProcessGroup, regions: Regions) -> Block:
+    sp = regions.sequence_parallel
     return Block(
         attn_norm=_norm(block.attn_norm, group, sp),
-        attn=ParallelAttention(block.attn, group, sp),
+        attn=ParallelAttention(block.attn, group, regions),
         mlp_norm=_norm(block.mlp_norm, group, sp),
-        mlp=ParallelMLP(block.mlp, plan, group, sp),
+        mlp=ParallelMLP(block.mlp, plan, group, regions),
     )
 
 
@@ -313,8 +336,14 @@ def check_tensor_1d(cfg: Any, t: int) -> None:
 def apply_tensor_1d(model: nn.Module, groups: Any, cfg: Any) -> TensorParallel1D:
     """This rank's Megatron 1D shard of ``model`` over ``groups.tp``.
 
-    ``cfg`` is the run `Config` (or its `ParallelConfig`); only ``parallel.sequence_parallel`` is read. The plain
-    model must be identical on every rank of the tensor group (build it with the same seed).
+    ``cfg`` is the run `Config` (or its `ParallelConfig`); only ``parallel.sequence_parallel`` and
+    ``parallel.tp_comm_overlap`` are read. The plain model must be identical on every rank of the tensor group
+    (build it with the same seed).
     """
     parallel = getattr(cfg, "parallel", cfg)
-    return TensorParallel1D(model, groups.tp, bool(getattr(parallel, "sequence_parallel", False)))
+    return TensorParallel1D(
+        model,
+        groups.tp,
+        bool(getattr(parallel, "sequence_parallel", False)),
+        tp_comm_overlap=bool(getattr(parallel, "tp_comm_overlap", False)),
+    )

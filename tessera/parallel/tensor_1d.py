@@ -20,6 +20,10 @@ gradient accumulation, unlike a hook on the accumulated ``.grad``).
 The vocabulary is split like a column-parallel linear (padded to a multiple of t; the padding rows are never looked
 up and their logits are masked out), and the loss is computed without gathering logits.
 
+With ``tp_comm_overlap`` (sequence parallelism only) the entry's all-gather and the row-parallel exit's
+reduce-scatter run as rings of point-to-point steps under the GEMM chunks they feed (tessera/parallel/ring_1d.py);
+the vocabulary-parallel embedding's exit has no GEMM to hide under and stays a reduce-scatter.
+
 Shapes in comments: b batch, s sequence, h hidden, t tensor-group size, V vocabulary, Vl = padded V / t.
 """
 
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import comm
+from tessera.parallel.ring_1d import ring_gathered_linears, ring_row_parallel
 
 __all__ = [
     "SEQ_DIM",
@@ -41,10 +46,12 @@ __all__ = [
     "SequenceParallelNorm",
     "VocabParallelEmbedding",
     "VocabParallelOutput",
+    "check_overlap",
     "column_parallel",
     "exit_tensor_region",
     "group_rank",
     "padded_vocab",
+    "row_parallel",
     "shard",
     "vocab_parallel_cross_entropy",
 ]
@@ -74,6 +81,15 @@ def shard(full: torch.Tensor, dim: int, group: dist.ProcessGroup, padded: int | 
 def group_rank(group: dist.ProcessGroup) -> int:
     """This rank's index in ``group`` (0 on a group of size 1, even without torch.distributed)."""
     return dist.get_rank(group) if comm.group_size(group) > 1 else 0
+
+
+def check_overlap(sequence_parallel: bool, tp_comm_overlap: bool) -> None:
+    """The ring overlap decomposes sequence parallelism's collectives: without them there is nothing to overlap."""
+    if tp_comm_overlap and not sequence_parallel:
+        raise ValueError(
+            "tp_comm_overlap runs sequence parallelism's all-gather / reduce-scatter as rings under the GEMMs; "
+            "it needs sequence_parallel=True (parallel.sequence_parallel = true), or set tp_comm_overlap=False"
+        )
 
 
 def exit_tensor_region(x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
@@ -120,15 +136,22 @@ class _GatheredLinears(torch.autograd.Function):
 
 
 def column_parallel(
-    x: torch.Tensor, linears: Sequence[nn.Module], group: dist.ProcessGroup, sequence_parallel: bool
+    x: torch.Tensor,
+    linears: Sequence[nn.Module],
+    group: dist.ProcessGroup,
+    sequence_parallel: bool,
+    tp_comm_overlap: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Enter the tensor region once and apply column-parallel linears (``.weight`` [out/t, in], ``.bias``) to it.
 
     Several linears reading one input (wq, wk, wv; w_gate, w_up) share one entry, so their input gradients are
     summed before one collective. x: [b, s, h] (replicated) or [b, s/t, h] (SP) → outputs [b, s, out_i/t].
+    ``tp_comm_overlap`` (SP only): the all-gather runs as a ring under the linears' sequence chunks.
     """
     if sequence_parallel and comm.group_size(group) > 1:
         params = [p for lin in linears for p in (lin.weight, lin.bias)]
+        if tp_comm_overlap:
+            return ring_gathered_linears(x, SEQ_DIM, group, params)
         return _GatheredLinears.apply(x, group, *params)
     x = comm.copy_to_region(x, group)  # backward: all-reduce
     return tuple(F.linear(x, lin.weight, lin.bias) for lin in linears)
@@ -148,14 +171,16 @@ class ColumnParallelLinear(nn.Module):
         group: dist.ProcessGroup,
         *,
         sequence_parallel: bool = False,
+        tp_comm_overlap: bool = False,
     ) -> None:
         super().__init__()
+        check_overlap(sequence_parallel, tp_comm_overlap)
         t = comm.group_size(group)
         if out_features % t:
             raise ValueError(
                 f"column-parallel linear: {out_features} output features not divisible by t = {t}"
             )
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.tp_comm_overlap = group, sequence_parallel, tp_comm_overlap
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features))  # [out/t, in]
         self.bias = nn.Parameter(torch.zeros(out_features // t)) if bias else None  # [out/t]
@@ -170,7 +195,8 @@ class ColumnParallelLinear(nn.Module):
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_parallel(x, (self,), self.group, self.sequence_parallel)[0]  # [b, s, out/t]
+        out = column_parallel(x, (self,), self.group, self.sequence_parallel, self.tp_comm_overlap)
+        return out[0]  # [b, s, out/t]
 
 
 class RowParallelLinear(nn.Module):
@@ -188,12 +214,14 @@ class RowParallelLinear(nn.Module):
         group: dist.ProcessGroup,
         *,
         sequence_parallel: bool = False,
+        tp_comm_overlap: bool = False,
     ) -> None:
         super().__init__()
+        check_overlap(sequence_parallel, tp_comm_overlap)
         t = comm.group_size(group)
         if in_features % t:
             raise ValueError(f"row-parallel linear: {in_features} input features not divisible by t = {t}")
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.tp_comm_overlap = group, sequence_parallel, tp_comm_overlap
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t))  # [out, in/t]
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # [out], replicated
@@ -207,13 +235,29 @@ class RowParallelLinear(nn.Module):
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # x: [b, s, in/t] -> y: [b, s, out], a partial sum
-        y = exit_tensor_region(y, self.group, self.sequence_parallel)  # y: [b, s, out] or [b, s/t, out]
+        y = row_parallel(x, self.weight, self.group, self.sequence_parallel, self.tp_comm_overlap)
         if self.bias is None:
             return y
         # With SP each rank adds the bias to its own tokens only: its gradient is partial, all-reduce it.
         bias = comm.copy_to_region(self.bias, self.group) if self.sequence_parallel else self.bias
         return y + bias
+
+
+def row_parallel(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: dist.ProcessGroup,
+    sequence_parallel: bool,
+    tp_comm_overlap: bool = False,
+) -> torch.Tensor:
+    """Σ_r x_r W_rᵀ leaving the region: x [b, s, in/t], weight [out, in/t] → [b, s, out] ([b, s/t, out] with SP).
+
+    ``tp_comm_overlap`` (SP only): the reduce-scatter runs as a ring under the GEMM's sequence chunks.
+    """
+    if tp_comm_overlap and sequence_parallel and comm.group_size(group) > 1:
+        return ring_row_parallel(x, weight, SEQ_DIM, group)  # [b, s/t, out]
+    y = F.linear(x, weight)  # y: [b, s, out], a partial sum
+    return exit_tensor_region(y, group, sequence_parallel)  # [b, s, out] or [b, s/t, out]
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -332,11 +376,19 @@ class VocabParallelOutput(nn.Module):
     """
 
     def __init__(
-        self, vocab_size: int, dim: int, group: dist.ProcessGroup, *, sequence_parallel: bool = False
+        self,
+        vocab_size: int,
+        dim: int,
+        group: dist.ProcessGroup,
+        *,
+        sequence_parallel: bool = False,
+        tp_comm_overlap: bool = False,
     ) -> None:
         super().__init__()
+        check_overlap(sequence_parallel, tp_comm_overlap)
         t = comm.group_size(group)
         self.vocab_size, self.group, self.sequence_parallel = vocab_size, group, sequence_parallel
+        self.tp_comm_overlap = tp_comm_overlap
         self.rows = padded_vocab(vocab_size, t) // t
         self.start = group_rank(group) * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, dim))  # [Vl, h]
@@ -350,7 +402,8 @@ class VocabParallelOutput(nn.Module):
         return mod
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        (logits,) = column_parallel(x, (self,), self.group, self.sequence_parallel)  # logits: [b, s, Vl]
+        # logits: [b, s, Vl]
+        (logits,) = column_parallel(x, (self,), self.group, self.sequence_parallel, self.tp_comm_overlap)
         if targets is not None:
             return vocab_parallel_cross_entropy(logits, targets, self.group, self.start, self.vocab_size)
         full = comm.gather_from_region(logits, -1, self.group)  # full: [b, s, V_pad]

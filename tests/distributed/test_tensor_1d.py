@@ -1,5 +1,6 @@
 """Megatron 1D tensor parallelism: loss and every gradient equal the single-device model's; counted bytes equal
-the analytical formula exactly.
+the analytical formula exactly. The ``_overlap`` cases run sequence parallelism's collectives as rings under the
+GEMMs (``parallel.tp_comm_overlap``): same bytes, same formula, and the number of ring steps is checked too.
 
 One spawn per world size runs a named matrix of layouts (spawning is the expensive part on 2 cores); a failure
 names every failing case.
@@ -8,6 +9,7 @@ names every failing case.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -53,6 +55,7 @@ class Case:
     vocab: int = 64
     tied: bool = True
     micro: int = 1  # gradient accumulation over this many micro-batches per rank
+    overlap: bool = False  # tp_comm_overlap: SP's all-gathers / reduce-scatters as rings under the GEMMs
 
 
 def _model_cfg(case: Case) -> ModelConfig:
@@ -80,6 +83,11 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         "gpt_tp1d_2_sp_accumulate2": Case("gpt", 2, sp=True, micro=2),
         "llama_tp1d_2_sp_vocab257_untied": Case("llama", 2, sp=True, vocab=257, tied=False),
         "qwen2_tp1d_2_sp_vocab257_untied": Case("qwen2", 2, sp=True, vocab=257, tied=False),
+        "gpt_tp1d_2_sp_overlap": Case("gpt", 2, sp=True, overlap=True),
+        "gpt_tp1d_2_sp_overlap_accumulate2": Case("gpt", 2, sp=True, micro=2, overlap=True),
+        "llama_tp1d_2_sp_overlap_vocab257_untied": Case(
+            "llama", 2, sp=True, vocab=257, tied=False, overlap=True
+        ),
     },
     4: {
         "gpt_tp1d_4": Case("gpt", 4),
@@ -89,6 +97,9 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         "gpt_dp2_tp1d_2": Case("gpt", 2, dp=2),
         "llama_dp2_tp1d_2_sp": Case("llama", 2, dp=2, sp=True),
         "qwen2_tp1d_4_vocab257": Case("qwen2", 4, vocab=257),
+        "gpt_tp1d_4_sp_overlap_vocab257": Case("gpt", 4, sp=True, vocab=257, overlap=True),
+        "llama_tp1d_4_sp_overlap_untied": Case("llama", 4, sp=True, tied=False, overlap=True),
+        "llama_dp2_tp1d_2_sp_overlap": Case("llama", 2, dp=2, sp=True, overlap=True),
     },
 }
 
@@ -128,23 +139,23 @@ def _run_case(name: str, case: Case) -> list[str]:
 
     groups = _groups(Layout(dp=case.dp, tp=case.tp))
     torch.manual_seed(SEED)
-    pmodel = apply_tensor_1d(
-        build_model(cfg), groups, Config(parallel=ParallelConfig(tensor=case.tp, sequence_parallel=case.sp))
-    )
+    parallel = ParallelConfig(tensor=case.tp, sequence_parallel=case.sp, tp_comm_overlap=case.overlap)
+    pmodel = apply_tensor_1d(build_model(cfg), groups, Config(parallel=parallel))
     sync = GradSync(pmodel.parameters(), groups.dp)
     d, rows = groups.coord(Axis.DATA), BATCH // case.dp
     mine = slice(d * rows, (d + 1) * rows)  # this data-parallel rank's rows of the batch
 
     comm.STATS.reset()
     loss, rows = torch.zeros(()), rows // case.micro
-    for m in range(case.micro):
-        part = slice(mine.start + m * rows, mine.start + (m + 1) * rows)
-        if m == case.micro - 1:
-            sync.arm()  # the last micro-batch's backward makes the step's gradients final
-        with SavedActivationCounter(pmodel) as saved:
-            micro_loss = pmodel(tokens[part], targets[part]) / case.micro
-        micro_loss.backward()
-        loss += micro_loss.detach()
+    with mock.patch.object(comm, "ring_shift", wraps=comm.ring_shift) as ring_steps:
+        for m in range(case.micro):
+            part = slice(mine.start + m * rows, mine.start + (m + 1) * rows)
+            if m == case.micro - 1:
+                sync.arm()  # the last micro-batch's backward makes the step's gradients final
+            with SavedActivationCounter(pmodel) as saved:
+                micro_loss = pmodel(tokens[part], targets[part]) / case.micro
+            micro_loss.backward()
+            loss += micro_loss.detach()
     tensor_stats = {k: (comm.STATS.calls[k], b) for k, b in comm.STATS.bytes.items() if k[1] == "tensor"}
     others = {g for (_, g) in comm.STATS.bytes if g not in ("tensor", "data")}
     sync.finish()
@@ -157,6 +168,8 @@ def _run_case(name: str, case: Case) -> list[str]:
         errors.append(f"{name}: comm {tensor_stats} != formula {expected}")
     if others:
         errors.append(f"{name}: unexpected groups {others}")
+    if ring_steps.call_count != _ring_steps(case, expected):
+        errors.append(f"{name}: {ring_steps.call_count} ring steps, expected {_ring_steps(case, expected)}")
     if abs(loss.item() - ref_loss.item()) > LOSS_RTOL * abs(ref_loss.item()):
         errors.append(f"{name}: loss {loss.item()} != {ref_loss.item()}")
     grads = pmodel.full_parameters(grad=True)
@@ -188,6 +201,15 @@ def _run_case(name: str, case: Case) -> list[str]:
                 errors.append(f"{name}: unclear error {e}")
     sync.remove()
     return errors
+
+
+def _ring_steps(case: Case, expected: dict[str, tuple[int, int]]) -> int:
+    """Ring steps the overlap takes: t − 1 per all-gather / reduce-scatter of the formula, except the token
+    embedding's (a reduce-scatter forward, an all-gather backward per micro-batch: no GEMM to hide under)."""
+    if not case.overlap:
+        return 0
+    collectives = sum(expected.get(kind, (0, 0))[0] for kind in ("all_gather", "reduce_scatter"))
+    return (case.tp - 1) * (collectives - 2) * case.micro
 
 
 def _worker(rank: int, world: int) -> dict[str, list[str]]:
