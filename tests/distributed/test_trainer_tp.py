@@ -28,6 +28,11 @@ LAYOUTS = {  # name: (world size, parallel section)
     "tp2x2": (4, {"tensor": "2x2"}),
     # recomputation replays the blocks' collectives in backward: every rank must replay the same ones
     "tp1d_2_sp_full_ckpt": (2, {"tensor": 2, "sequence_parallel": True, "checkpointing": "full"}),
+    # tp_comm_overlap: the all-gathers / reduce-scatters as rings under the GEMMs, replayed by recomputation too
+    "tp1d_2_sp_overlap_full_ckpt": (
+        2,
+        {"tensor": 2, "sequence_parallel": True, "tp_comm_overlap": True, "checkpointing": "full"},
+    ),
     "tp2x2_full_ckpt": (4, {"tensor": "2x2", "checkpointing": "full"}),
     "tp2x2_selective_ckpt": (4, {"tensor": "2x2", "checkpointing": "selective"}),
 }
