@@ -97,8 +97,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """1D only: shard norm/dropout regions along the sequence (all-gather/reduce-scatter instead of all-reduce)."""
     tp_comm_overlap: bool = False
-    """1D with sequence parallelism only: split each tensor-parallel all-gather / reduce-scatter into a ring of
-    point-to-point steps run under the GEMM chunks they feed (Megatron's --tp-comm-overlap)."""
+    """1D with sequence parallelism only: split each tensor-parallel all-gather / reduce-scatter next to a GEMM into
+    a ring of point-to-point steps run under the GEMM's chunks (Megatron's --tp-comm-overlap; docs/tensor-1d.md)."""
     pipeline: int = 1
     """Pipeline-parallel size p."""
     schedule: str = "1f1b"
