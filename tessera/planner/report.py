@@ -298,10 +298,12 @@ def _candidate_json(c: Candidate, timed_by: str, reason: str | None) -> dict[str
         "pipeline": pl.pp,
         "tensor": f"{pl.q}x{pl.q}" if pl.tp_kind == "2d" else pl.tp,
         "sequence_parallel": pl.sequence_parallel,
+        "tp_comm_overlap": pl.tp_comm_overlap,
         "schedule": c.schedule,
         "stages_per_rank": pl.virtual_stages,
         "stage_layers": None if pl.stage_layers is None else list(pl.stage_layers),
         "zero": pl.zero_stage,
+        "overlap_param_gather": pl.overlap_param_gather,
         "checkpointing": pl.recompute,
         "micro_batch": pl.micro_batch,
         "microbatches": pl.n_microbatches,
@@ -362,8 +364,17 @@ def config_toml(result: SearchResult, cand: Candidate) -> str:
             for k in ("family", "n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "tie_embeddings")
         }
         model |= {"n_kv_heads": cfg.kv_heads, "ffn_hidden": cfg.ffn}
-    keys = ("data", "tensor", "sequence_parallel", "pipeline", "schedule", "stages_per_rank", "stage_layers")
-    parallel = {k: getattr(par, k) for k in (*keys, "zero", "accumulation", "checkpointing")}
+    keys = (
+        "data",
+        "tensor",
+        "sequence_parallel",
+        "tp_comm_overlap",
+        "pipeline",
+        "schedule",
+        "stages_per_rank",
+    )
+    keys += ("stage_layers", "zero", "overlap_param_gather", "accumulation", "checkpointing")
+    parallel = {k: getattr(par, k) for k in keys}  # the overlaps too: the file runs what was priced
     if par.stage_layers is None:  # even stages: nothing to write
         del parallel["stage_layers"]
     train = {"global_batch": tr.global_batch, "micro_batch": tr.micro_batch, "dtype": tr.dtype}

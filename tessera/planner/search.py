@@ -131,6 +131,10 @@ class SearchSpace:
     flash_attention: bool = True
     memory_fraction: float = 0.95
     """Usable fraction of device memory (headroom for fragmentation, CUDA context, NCCL buffers)."""
+    comm_overlap: bool = True
+    """Turn on the communication overlaps tessera runs where they apply: `parallel.tp_comm_overlap` (1D + SP) on
+    a layout whose step prices faster with it (both are priced, `_evaluate`), and `parallel.overlap_param_gather`
+    for ZeRO-1/2 with d > 1 (never slower: `steptime._gathers`). False: neither."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -165,7 +169,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """One-line description, e.g. ``d64 p8 t8+SP | interleaved v2 | b1 m24 | ZeRO-1 | selective``."""
+        """One-line description, e.g. ``d64 p8 t8+SP | interleaved v2 | b1 m24 | ZeRO-1 | ckpt selective | overlap
+        TP comm + param gather`` (the overlaps the layout runs, `parallel.tp_comm_overlap` / `overlap_param_gather`)."""
         pl = self.plan
         tensor = (
             f"{pl.q}x{pl.q}" if pl.tp_kind == "2d" else f"t{pl.tp}" + ("+SP" if pl.sequence_parallel else "")
@@ -174,9 +179,15 @@ class Candidate:
         if pl.stage_layers is not None:
             c = pl.stage_layers
             sched += " stages " + (",".join(map(str, c)) if len(c) <= 4 else f"{c[0]},{c[1]},…,{c[-1]}")
+        overlaps = [
+            name
+            for name, on in (("TP comm", pl.tp_comm_overlap), ("param gather", pl.overlap_param_gather))
+            if on
+        ]
         return (
             f"d{pl.dp} p{pl.pp} {tensor} | {sched} | b{pl.micro_batch} m{pl.n_microbatches} | "
             f"ZeRO-{pl.zero_stage} | ckpt {pl.recompute}"
+            + (f" | overlap {' + '.join(overlaps)}" if overlaps else "")
         )
 
 
@@ -295,7 +306,14 @@ class _Ctx:
 
 def _layer_parts(ctx: _Ctx, plan: Plan) -> tuple:
     """Per-layer compute, TP, output layer and embedding times: depend only on the tensor/micro-batch choices."""
-    key = (plan.tp, plan.tp_kind, plan.sequence_parallel, plan.micro_batch, plan.recompute)
+    key = (
+        plan.tp,
+        plan.tp_kind,
+        plan.sequence_parallel,
+        plan.micro_batch,
+        plan.recompute,
+        plan.tp_comm_overlap,
+    )
     if key not in ctx.layer_cache:
         base = replace(plan, dp=1, pp=1, zero_stage=0, n_microbatches=1, virtual_stages=1)
         ctx.layer_cache[key] = (
@@ -323,9 +341,14 @@ def _evaluate(ctx: _Ctx, run: Config, base: Plan, batch: int, p2p: float) -> Can
     timed = cost_plan(execution)
     plan = replace(base, **{f: getattr(timed, f) for f in _EXECUTION_FIELDS})
     schedule = execution.schedule or "1f1b"  # the direct loop: one micro-batch after another
-    lt, tp, lg, (emb, emb_tp) = _layer_parts(ctx, plan)
-    counts = layers_per_stage(ctx.shape, plan)
-    bd = _fast(ctx.shape, ctx.hw, plan, schedule, pipeline_from_layer(counts, lt, tp, lg, p2p, emb, emb_tp))
+    bd = _step(ctx, plan, schedule, p2p)
+    if ctx.space.comm_overlap and plan.tp_kind == "1d" and plan.sequence_parallel and plan.tp > 1:
+        # the rings' smaller GEMM chunks can cost more than the transfer they hide: on only where faster
+        ringed = replace(plan, tp_comm_overlap=True)
+        ring_bd = _step(ctx, ringed, schedule, p2p)
+        if ring_bd.step_time < bd.step_time:
+            plan, bd, execution = ringed, ring_bd, replace(execution, tp_comm_overlap=True)
+            run = replace(run, parallel=replace(run.parallel, tp_comm_overlap=True))
     tokens = batch * ctx.shape.seq_len / bd.step_time
     return Candidate(
         plan=plan,
@@ -341,7 +364,16 @@ def _evaluate(ctx: _Ctx, run: Config, base: Plan, batch: int, p2p: float) -> Can
     )
 
 
+def _step(ctx: _Ctx, plan: Plan, schedule: str, p2p: float) -> StepBreakdown:
+    """`steptime.fast_step` of `plan` from the cached per-layer parts."""
+    lt, tp, lg, (emb, emb_tp) = _layer_parts(ctx, plan)
+    counts = layers_per_stage(ctx.shape, plan)
+    return _fast(ctx.shape, ctx.hw, plan, schedule, pipeline_from_layer(counts, lt, tp, lg, p2p, emb, emb_tp))
+
+
 _EXECUTION_FIELDS = (
+    "tp_comm_overlap",
+    "overlap_param_gather",
     "virtual_stages",
     "zero_stage",
     "recompute",
@@ -464,9 +496,11 @@ def _search_layout(
     train = replace(ctx.run.train, global_batch=batch, micro_batch=b)  # the same for every variant below
     for recompute in ctx.space.checkpointing:
         for zero in zeros:
+            deferred = ctx.space.comm_overlap and zero in (1, 2) and dp > 1
             for schedule, v in schedules:
                 plan = replace(
                     base,
+                    overlap_param_gather=deferred,
                     recompute=recompute,
                     zero_stage=zero,
                     virtual_stages=v,
@@ -482,6 +516,7 @@ def _search_layout(
                         stages_per_rank=v,
                         stage_layers=None if split is None else list(split),
                         zero=zero,
+                        overlap_param_gather=deferred,
                         accumulation=plan.accumulation,
                         checkpointing=recompute,
                     )

@@ -243,3 +243,62 @@ def test_fast_step_matches_simulated_step_with_both_overlaps(
             assert fast.dp_comm < off.dp_comm
         else:  # one stage per rank: its gather is the first unit, exposed as before
             assert fast.dp_comm == pytest.approx(off.dp_comm, rel=REL)
+
+
+# --- the search and the config it writes ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sp_search():
+    from tessera.planner.search import SearchSpace, search
+
+    space = SearchSpace(tensor_2d=(), checkpointing=("selective",), schedules=("1f1b", "interleaved"))
+    return search("llama-8b", 32, A100, 128, space=space, keep=10**9)
+
+
+def test_the_search_turns_each_overlap_on_only_where_it_prices_no_slower(sp_search) -> None:
+    cands = sp_search.candidates
+    rings = {c.plan.tp_comm_overlap for c in cands if c.plan.sequence_parallel}
+    assert rings == {True, False}  # on this space the rings win for some layouts and lose for others
+    for c in cands:
+        pl = c.plan
+        assert pl.overlap_param_gather == (pl.zero_stage in (1, 2) and pl.dp > 1)
+        assert not pl.tp_comm_overlap or pl.sequence_parallel
+        assert (c.config.parallel.tp_comm_overlap, c.config.parallel.overlap_param_gather) == (
+            pl.tp_comm_overlap,
+            pl.overlap_param_gather,
+        )
+    for c in [c for c in cands if c.plan.sequence_parallel][:: max(1, len(cands) // 40)]:
+        other = dataclasses.replace(c.plan, tp_comm_overlap=not c.plan.tp_comm_overlap)
+        assert c.step_time <= fast_step(sp_search.shape, A100, other, c.schedule).step_time * (1 + REL), (
+            c.label
+        )
+
+
+def test_plan_out_writes_both_overlaps_and_runs_what_was_priced(sp_search, tmp_path) -> None:
+    from tessera.config import load_config
+    from tessera.execution import resolve
+    from tessera.memory import cost_plan
+    from tessera.planner.report import config_toml
+
+    for want in (True, False):
+        cand = next(
+            c for c in sp_search.candidates if c.plan.tp_comm_overlap is want and c.plan.overlap_param_gather
+        )
+        path = tmp_path / f"plan_{want}.toml"
+        path.write_text(config_toml(sp_search, cand))
+        text = path.read_text()
+        assert f"tp_comm_overlap = {str(want).lower()}" in text and "overlap_param_gather = true" in text
+        described = text.splitlines()[0]  # the layout's description names the overlaps it runs
+        assert "param gather" in described and ("TP comm" in described) is want
+        priced = cost_plan(resolve(load_config(path), sp_search.gpus))
+        assert (priced.tp_comm_overlap, priced.overlap_param_gather) == (want, True)
+
+
+def test_the_search_without_overlaps_sets_neither() -> None:
+    from tessera.planner.search import SearchSpace, search
+
+    space = SearchSpace(tensor_2d=(), checkpointing=("selective",), schedules=("1f1b",), comm_overlap=False)
+    res = search("llama-8b", 32, A100, 128, space=space)
+    assert res.candidates
+    assert not any(c.plan.tp_comm_overlap or c.plan.overlap_param_gather for c in res.candidates)
