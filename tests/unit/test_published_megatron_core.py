@@ -91,3 +91,15 @@ def test_strong_scaling_layout_keeps_the_177b_model_parallel_group() -> None:
 @pytest.mark.parametrize(("row", "v"), [(ROWS[0], 1), (ROWS[4], 2), (ROWS[5], 23), (ROWS[8], 7)])
 def test_virtual_stage_rule(row: MegatronRow, v: int) -> None:
     assert mc.megatron_virtual_stages(row) == v
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_plan_runs_the_overlaps_the_readme_states(row: MegatronRow) -> None:
+    """--tp-comm-overlap (with sequence parallelism, so only where TP > 1) and --overlap-param-gather (ZeRO-1)."""
+    plan = mc.plan(row)
+    assert plan.tp_comm_overlap == plan.sequence_parallel == (row.tp > 1)
+    assert plan.overlap_param_gather and plan.zero_stage == 1
+    off = mc.plan(row, overlaps=False)
+    assert not (off.tp_comm_overlap or off.overlap_param_gather)
+    # without PP, one stage per block: tessera's pipeline-free ZeRO, the deferred gather's unit
+    assert plan.virtual_stages == (row.layers if row.pp == 1 else mc.megatron_virtual_stages(row))
