@@ -55,6 +55,12 @@ Sources (full configurations; see the report for the per-case table):
   `overlap_slowdown`): arXiv 2507.03114 (Characterizing Compute-Communication Overlap in GPU-Accelerated
   Distributed Deep Learning), 18.9 % average.
 
+Communication overlaps (`Plan.tp_comm_overlap`, `Plan.overlap_param_gather`, docs/cost-model.md §6) are on only
+where the source states them: Megatron-Core's README (--tp-comm-overlap, --overlap-param-gather;
+`published_megatron_core`). Not for BLOOM (Megatron-DeepSpeed), MT-NLG, Megatron 2020 / 2021 (none stated), Llama 3
+(its §3.3 describes no tensor-parallel communication overlap; its FSDP-style ZeRO-1 stays priced with the gather
+exposed), nor torchtitan's 405B FSDP + TP row (bf16, no async TP).
+
 The hardware files are the shipped ones. The per-shape GEMM model's two fitted constants (tile and framework share,
 `megatron_table.fit_gemm_constants`) come from Narayanan 2021 Table 1 and the one-GPU row of the 2020 README: Table 1
 is therefore listed as the calibration it is and left out of the validation statistics.
@@ -194,15 +200,18 @@ READING = [
     "bandwidth is below the link rate the file states), BLOOM +10 %, Llama 3 405B on 8K and 16K H100s -10 % in",
     "both rows (the fall from 8K to 16K GPUs is reproduced). Two other stacks are off by more than the bound, in",
     "opposite directions. Megatron-Core on H100 (its README's weak-scaling table and GPT-3 177B strong-scaling",
-    "end points) is under-predicted by 8 % at tensor degree 1, growing to 46 % at degree 8 without a pipeline:",
-    "Megatron-Core overlaps its tensor-parallel collectives with the GEMMs (userbuffers) and the distributed",
-    "optimizer's parameter gather with the forward, which tessera does not run and the planner therefore prices",
-    "exposed (7-41 % and 1-17 % of those steps), and Transformer Engine's fused kernels run above the H100 share",
-    "fitted on an eager PyTorch stack. MT-NLG 530B on DeepSpeed's pipeline engine is over-predicted by 21-27 % at",
-    "micro-batch 1 (the paper does not state it; at 2 it is +7 to +9 %): per micro-batch 9 % slower than the",
-    "Megatron engine Table 1 calibrates and a fixed part twice the 1F1B bubble. One framework share per GPU",
-    "describes the stack tessera runs (eager PyTorch with SDPA, FSDP-like sharding); it cannot also describe",
-    "these two (benchmarks/results/published_megatron_core.md and published_mtnlg.md decompose them).",
+    "end points) is under-predicted by 6-35 % (median 23.2 %). Its README's two overlaps are now priced as",
+    "tessera runs them (tensor-parallel rings under the GEMM chunks, ZeRO-1's gather deferred to the next step):",
+    "with both off the rows were median 24.6 %, worst 42.0 %. The deferred gather helps every row; the rings help",
+    "at h <= 8192 and h = 16384 and hurt at h = 10240, 12288 and 18432, where the 512-row chunks of the column-",
+    "parallel GEMMs leave a wave of the one-tile H100 model mostly empty (an upper estimate of that loss). What",
+    "is left is mainly Transformer Engine's kernels running above the H100 share fitted on an eager PyTorch stack",
+    "(the planner's compute alone is 92-108 % of the published steps). MT-NLG 530B on DeepSpeed's pipeline engine",
+    "is over-predicted by 21-27 % at micro-batch 1 (the paper does not state it; at 2 it is +7 to +9 %): per",
+    "micro-batch 9 % slower than the Megatron engine Table 1 calibrates and a fixed part twice the 1F1B bubble.",
+    "One framework share per GPU describes the stack tessera runs (eager PyTorch with SDPA, FSDP-like sharding);",
+    "it cannot also describe these two (benchmarks/results/published_megatron_core.md and published_mtnlg.md",
+    "decompose them).",
 ]
 
 
