@@ -12,6 +12,8 @@ onto the IR (docs/zero.md explains why this and not FSDP2) through the runtime's
 - ``free(s)`` (FREE, ZeRO-3): resize the storage to 0 bytes. Tensors saved for backward keep referring to the same
   storage, which the backward phase's GATHER refills before use (FSDP1's trick).
 - ``finish()``: wait for every reduction; the averaged gradient shards are ready for `ShardedAdamW`.
+- ``wait_gather(s)`` also completes ZeRO-1/2's post-step all-gather, which `ShardedAdamW.step` leaves in flight
+  with ``overlap_param_gather`` (`FlatStage.launch_param_gather`): the runtime calls it before every compute.
 
 Accumulation order decides how often the collectives run. Layered: REDUCE once per stage per step. Depth-first:
 the runtime calls ``reduce`` after each micro-batch group; ZeRO-2/3 reduce-scatter every time into an accumulating
@@ -113,6 +115,7 @@ class FlatStage:
         self.grad_shard: torch.Tensor | None = None
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._gather_work: Any = None
+        self._gather_input: torch.Tensor | None = None
         self.users = 0
         self.shard_param: nn.Parameter | None = None
 
@@ -160,6 +163,11 @@ class FlatStage:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
+    @property
+    def gather_pending(self) -> bool:
+        """An all-gather into ``full`` was launched and not yet waited for: the parameters are incomplete."""
+        return self._gather_work is not None
+
     def launch_gather(self) -> None:
         if self.gathered or self._gather_work is not None:
             return
@@ -171,20 +179,32 @@ class FlatStage:
         self._gather_work = _all_gather_async(self.full, self.shard, self.group)
 
     def wait_gather(self) -> None:
+        """Complete a launched all-gather (ZeRO-3's GATHER, or ZeRO-1/2's post-step one); else nothing."""
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = None
+            self._gather_input = None
             self.gathered = True
 
     def release(self) -> None:
         if self.sharded_params and self.gathered:
             self._release()
 
+    def launch_param_gather(self) -> None:
+        """After the optimizer updated ``shard`` in place (ZeRO-1/2): start refreshing every rank's full copy
+        (asynchronous; `wait_gather` completes it). Until then the parameters mix this rank's updated slice with
+        the other ranks' old ones."""
+        if self.world == 1 or self.sharded_params:
+            return
+        self.wait_gather()  # one in flight: a second launch must not race the first one's writes into full
+        self._gather_input = self.shard.clone()  # the input must not alias the output (kept until the wait)
+        self._gather_work = _all_gather_async(self.full, self._gather_input, self.group)
+        self.gathered = False
+
     def all_gather_params(self) -> None:
-        """After the optimizer updated ``shard`` in place (ZeRO-1/2): refresh every rank's full copy."""
-        if self.world > 1 and not self.sharded_params:
-            shard = self.shard.clone()  # the input must not alias the output
-            _all_gather_async(self.full, shard, self.group).wait()
+        """`launch_param_gather` and wait for it."""
+        self.launch_param_gather()
+        self.wait_gather()
 
     # --- gradients ----------------------------------------------------------------------------------------
 
@@ -299,15 +319,16 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        """One AdamW update of the shards from ``zero``'s reduced gradient shards, then refresh the params."""
+        """One AdamW update of the shards from ``zero``'s reduced gradient shards, then refresh the params
+        (ZeRO-1/2; with ``overlap_param_gather`` the all-gathers are left in flight: `ZeroStageComm`)."""
         if closure is not None:
             raise ValueError("ShardedAdamW.step takes no closure")
+        self.zero.finish_param_gathers()  # the update writes the shards, which a gather in flight writes too
         self._attach_grads()
         for group in self.param_groups:
             for shard in group["params"]:
                 self._update(shard, group)
-        for flat in self.zero.flats.values():
-            flat.all_gather_params()
+        self.zero.gather_updated_params()
 
     def _update(self, shard: torch.Tensor, group: dict[str, Any]) -> None:
         flat = self._flat_of[id(shard)]

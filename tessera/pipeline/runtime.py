@@ -13,6 +13,8 @@ on one rank with p = 1) and hand-written CSV schedules — because it only inter
   Receives are posted ``recv_ahead`` compute actions early so the transfer overlaps compute; a ``RECV`` action
   waits for its data. Sends never block; they are waited for (and their buffers dropped) once complete.
 - ``REDUCE`` / ``GATHER`` / ``FREE``: the ``StageComm`` hooks (data-parallel reduction, ZeRO-3 gather/free).
+  Before every compute of a stage the engine calls ``wait_gather``: the one place where a stage's parameters
+  must be complete (a ZeRO-3 GATHER, or ZeRO-1/2's post-step all-gather with ``overlap_param_gather``).
 - ``EXCHANGE``: the gradient of a parameter two stages share across ranks (a tied embedding and head) is sent to
   and received from the peer rank, and both ranks keep the same sum; the lowering put it after the stage's last
   backward and before its one REDUCE (`tessera.pipeline.passes.add_tied_exchange`).
@@ -85,7 +87,6 @@ class _StepState:
     received: dict[tuple, torch.Tensor] = field(default_factory=dict)
     sends: list[tuple[torch.Tensor, list[dist.Work]]] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
-    gathering: set[int] = field(default_factory=set)
     saved: SavedStorages = field(default_factory=SavedStorages)  # what each F keeps until its backward
 
 
@@ -253,19 +254,18 @@ class PipelineEngine:
             self._exchange_tied(action.stage, action.peer)
         elif kind is _K.GATHER_PARAMS:
             self.comm.gather(action.stage)
-            state.gathering.add(action.stage)
         elif kind is _K.FREE_PARAMS:
             self.comm.free(action.stage)
 
     # --- compute -------------------------------------------------------------------------------------------
 
-    def _ready(self, state: _StepState, stage: int) -> None:
-        if stage in state.gathering:
-            self.comm.wait_gather(stage)
-            state.gathering.discard(stage)
+    def _ready(self, stage: int) -> None:
+        """Before every compute of ``stage``: the StageComm completes whatever gather of its parameters is in
+        flight (ZeRO-3's GATHER; ZeRO-1/2's post-step one with overlap_param_gather, at the first compute)."""
+        self.comm.wait_gather(stage)
 
     def _forward(self, state: _StepState, s: int, j: int) -> None:
-        self._ready(state, s)
+        self._ready(s)
         tokens, targets, positions = batch_parts(state.batches[j])
         if s == 0:
             x = tokens
@@ -310,7 +310,7 @@ class PipelineEngine:
         return state.received.pop(("grad", s + 1, j))
 
     def _backward(self, state: _StepState, s: int, j: int, split: bool) -> None:
-        self._ready(state, s)
+        self._ready(s)
         out, grad = state.outputs.pop((s, j)), self._output_grad(state, s, j)
         x = state.inputs.pop((s, j))
         if not split:
@@ -326,7 +326,7 @@ class PipelineEngine:
             state.input_grads[(s, j)] = x.grad
 
     def _weight(self, state: _StepState, s: int, j: int) -> None:
-        self._ready(state, s)
+        self._ready(s)
         out, grad = state.split.pop((s, j))
         params = [p for p in self.stages[s].parameters() if p.requires_grad]
         torch.autograd.backward(out, grad, inputs=params)

@@ -6,17 +6,20 @@ The engine (`tessera.pipeline.runtime`) interprets ``REDUCE``, ``GATHER`` and ``
 - `DataParallelStageComm`: ZeRO-0, an all-reduce of each stage's flattened gradients (``parallel.zero = 0``).
 - `ZeroStageComm`: ZeRO-1/2/3 on `tessera.parallel.zero.FlatStage` buffers, a reduce-scatter into this rank's
   shard, and (ZeRO-3) the all-gather and release of the stage's parameters around its compute. Its optimizer
-  is `tessera.parallel.zero.ShardedAdamW`; docs/zero.md explains the buffers.
+  is `tessera.parallel.zero.ShardedAdamW`; docs/zero.md explains the buffers. With ``overlap_param_gather``
+  (ZeRO-1/2) the optimizer's all-gather of the updated parameters stays in flight until each stage's first
+  compute of the next step (``wait_gather``), or `ZeroStageComm.finish_param_gathers` for other readers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from tessera import comm
 from tessera.modes import ACCUMULATION
@@ -34,7 +37,8 @@ class StageComm(Protocol):
         """GATHER: start the ZeRO-3 all-gather of the stage's parameters (may be asynchronous)."""
 
     def wait_gather(self, stage: int) -> None:
-        """Called before the stage's next compute after ``gather``: the parameters must be complete."""
+        """Called before every compute of the stage: its parameters must be complete on return (a ZeRO-3
+        GATHER's, or a ZeRO-1/2 post-step all-gather left in flight by ``overlap_param_gather``)."""
 
     def free(self, stage: int) -> None:
         """FREE: drop the gathered full parameters."""
@@ -109,6 +113,9 @@ class ZeroStageComm:
     several stages (tied embedding and head on one rank) belongs to the lowest stage, whose backward finishes
     last in every schedule; gathering any stage that uses it gathers the owner's buffer too (reference-counted).
     ``reduce_dtype``: dtype of the gradient reduce-scatter (fp32 default; bf16 halves the traffic).
+    ``overlap_param_gather`` (ZeRO-1/2): `gather_updated_params` leaves each stage's all-gather in flight, to be
+    waited for at the stage's first compute of the next step; until then every module holding its parameters
+    refuses to run ``forward`` or ``state_dict`` outside the runtime (`finish_param_gathers` first).
     """
 
     def __init__(
@@ -119,11 +126,17 @@ class ZeroStageComm:
         accumulation: str = "layered",
         *,
         reduce_dtype: torch.dtype = torch.float32,
+        overlap_param_gather: bool = False,
     ) -> None:
         if zero_stage not in (1, 2, 3):
             raise ValueError(
                 f"ZeroStageComm needs zero_stage 1, 2 or 3, got {zero_stage}; for parallel.zero = 0 use "
                 "DataParallelStageComm"
+            )
+        if overlap_param_gather and zero_stage == 3:
+            raise ValueError(
+                "overlap_param_gather defers ZeRO-1/2's post-step all-gather; ZeRO-3 has none (its GATHERs "
+                "already run ahead of each compute): pass overlap_param_gather=False"
             )
         if accumulation not in ACCUMULATION:
             raise ValueError(f"accumulation must be one of {ACCUMULATION}, got {accumulation!r}")
@@ -151,6 +164,8 @@ class ZeroStageComm:
         self._pending_reduce: set[int] = set()
         self._inflight: list[FlatStage] = []
         self._shard_module: nn.Module | None = None
+        self.overlap_param_gather = overlap_param_gather
+        self._guards = self._guard_stale_reads(items) if overlap_param_gather else []
 
     # --- StageComm protocol -------------------------------------------------------------------------------
 
@@ -164,8 +179,8 @@ class ZeroStageComm:
             flat.launch_gather()
 
     def wait_gather(self, stage: int) -> None:
-        if self.zero_stage < 3:
-            return
+        """Before every compute of ``stage``: complete the all-gathers in flight of the buffers it computes with
+        (ZeRO-3's GATHER, or with ``overlap_param_gather`` the post-step one); nothing in flight, nothing to do."""
         for owner in self.uses.get(stage, []):
             self.flats[owner].wait_gather()
 
@@ -211,6 +226,52 @@ class ZeroStageComm:
         for flat in self.flats.values():
             flat.wait_reduce()
 
+    # --- the updated parameters (ZeRO-1/2) -------------------------------------------------------------------
+
+    def gather_updated_params(self) -> None:
+        """After `ShardedAdamW` updated the shards (ZeRO-1/2): all-gather every stage's buffer, in ascending
+        stage order, which is the order this rank's list first computes them (a stage's first forward needs the
+        same micro-batch's forward of every lower local stage before it). Without ``overlap_param_gather`` each
+        is waited for at once (one shard copy at a time); with it they stay in flight until `wait_gather`."""
+        for s in sorted(self.flats):
+            flat = self.flats[s]
+            flat.launch_param_gather()
+            if not self.overlap_param_gather:
+                flat.wait_gather()
+
+    def finish_param_gathers(self) -> None:
+        """Wait for every post-step all-gather still in flight (ZeRO-1/2): what reads or writes the parameters
+        or the shards outside the runtime calls this first (checkpoints, export, evaluation outside the
+        runtime, the end of training). ZeRO-3's gathers between a GATHER and its compute are the runtime's."""
+        if self.zero_stage < 3:
+            for s in sorted(self.flats):
+                self.flats[s].wait_gather()
+
+    def _guard_stale_reads(self, items: list[tuple[int, nn.Module]]) -> list[RemovableHandle]:
+        """Hooks on every module that holds a parameter of a flat buffer: its ``forward`` and ``state_dict``
+        raise while that buffer's post-step gather is in flight. The runtime waits before each compute, so
+        they fire only for a reader that forgot `finish_param_gathers`: a loud error, not stale weights."""
+        flat_of = {id(p): flat for flat in self.flats.values() for p in flat.params}
+        handles: list[RemovableHandle] = []
+        seen: set[int] = set()
+        for s, stage in items:
+            for name, module in stage.named_modules():
+                held = [flat_of[id(p)] for p in module.parameters(recurse=False) if id(p) in flat_of]
+                if not held or id(module) in seen:
+                    continue
+                seen.add(id(module))
+                check = _stale_read_check(list(dict.fromkeys(held)), f"stage {s}'s {name or 'module'}")
+                handles.append(module.register_forward_pre_hook(check))
+                handles.append(module.register_state_dict_pre_hook(check))
+        return handles
+
+    def close(self) -> None:
+        """Wait for the gathers in flight and remove the stale-read guards (the end of training)."""
+        self.finish_param_gathers()
+        for handle in self._guards:
+            handle.remove()
+        self._guards = []
+
     # --- helpers for the trainer --------------------------------------------------------------------------
 
     def params(self) -> list[nn.Parameter]:
@@ -228,7 +289,9 @@ class ZeroStageComm:
                 p.grad = None
 
     def gather_all(self) -> None:
-        """Materialise every stage's full parameters (ZeRO-3), e.g. to evaluate or export; undo with free_all."""
+        """Materialise every stage's full parameters (ZeRO-3; ZeRO-1/2: wait for the post-step gathers), e.g. to
+        evaluate or export; undo with free_all."""
+        self.finish_param_gathers()
         for s in self.flats:
             self.gather(s)
         for s in self.flats:
@@ -242,6 +305,7 @@ class ZeroStageComm:
         """Rebuild the parameters from the shards after the shards were overwritten (a checkpoint load);
         collective. ZeRO-1/2 keep full copies between steps: without this every rank would train on its own
         fresh shard and the other ranks' stale slices. ZeRO-3 re-gathers only what is currently gathered."""
+        self.finish_param_gathers()
         for flat in self.flats.values():
             if not flat.sharded_params:
                 flat.all_gather_params()
@@ -256,6 +320,19 @@ class ZeroStageComm:
         if self._shard_module is None:
             self._shard_module = _ShardModule(self)
         return self._shard_module
+
+
+def _stale_read_check(flats: list[FlatStage], what: str) -> Callable[..., None]:
+    def check(*_: Any) -> None:
+        if any(flat.gather_pending for flat in flats):
+            raise RuntimeError(
+                f"{what} was run or saved while its parameters' post-step all-gather "
+                "(parallel.overlap_param_gather) was still in flight: it would read the other data-parallel "
+                "ranks' slices from before the optimizer step. The pipeline runtime waits before each stage's "
+                "compute; any other reader must call ZeroStageComm.finish_param_gathers() first"
+            )
+
+    return check
 
 
 class _ShardModule(nn.Module):

@@ -193,7 +193,14 @@ class ScheduledStepper:
             # The data-parallel group itself, even of size 1: ZeRO treats a None group as the whole world,
             # which with pipeline ranks reduce-scattered different stages' gradients together.
             group = groups.dp if groups is not None else None
-            self.zero = ZeroStageComm(stages, group, plan.zero, plan.accumulation, reduce_dtype=reduce)
+            self.zero = ZeroStageComm(
+                stages,
+                group,
+                plan.zero,
+                plan.accumulation,
+                reduce_dtype=reduce,
+                overlap_param_gather=plan.overlap_param_gather,
+            )
             return self.zero
 
         self.engine = build_pipeline(module, layout, groups, cfg, plan=plan, stage_comm=stage_comm)
@@ -263,8 +270,10 @@ class ScheduledStepper:
 
     def rank_state(self, model: nn.Module, specs: dict[str, ShardSpec]) -> RankState:
         """What this rank checkpoints: its stages' parameters (ZeRO: its parts of them, from the flat shards)
-        under their global names; a tied weight's copy is written by the rank of its lower stage."""
+        under their global names; a tied weight's copy is written by the rank of its lower stage. ZeRO: the
+        parameter gathers still in flight finish first (a save reads, a load writes, the shards they write)."""
         if self.zero is not None:
+            self.zero.finish_param_gathers()
             regions = zero_regions(self.zero, self.optimizer)
         else:
             regions = whole_regions(self.engine.parameters(), self.optimizer)
@@ -277,7 +286,9 @@ class ScheduledStepper:
         )
 
     def close(self) -> None:
-        pass
+        """ZeRO: wait for the parameter gathers the last step left in flight; remove their guards."""
+        if self.zero is not None:
+            self.zero.close()
 
 
 def make_stepper(

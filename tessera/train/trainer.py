@@ -315,6 +315,7 @@ class TrainingRun:
             self.saves = None
 
     def _save(self, step: int) -> None:
+        state = self.stepper.rank_state(self.model, self.specs)  # first: ZeRO's gathers in flight finish
         check_state_finite(self.stepper.state_module, step)
         extra = {"step": step, "samples": step * self.cfg.train.global_batch, "settings": self.settings}
         scaler = self.stepper.scaler
@@ -329,7 +330,7 @@ class TrainingRun:
             keep=self.cfg.checkpoint.keep,
             layout=self.layout.describe(),
             background=self.saves,
-            state=self.stepper.rank_state(self.model, self.specs),
+            state=state,
         )
 
     def resume(self) -> int:

@@ -26,6 +26,8 @@ MODEL = {"size": "llama-tiny", "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_
 LAYOUTS = {  # name: (world size, parallel section)
     "dp2": (2, {"data": 2}),
     "dp2_z3": (2, {"data": 2, "zero": 3}),
+    # evaluated right after each update, while the parameters' all-gathers are still in flight
+    "dp2_z1_overlap_param_gather": (2, {"data": 2, "zero": 1, "overlap_param_gather": True}),
     "pp2_bf": (2, {"pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 2}),
     "tp2x2": (4, {"tensor": "2x2"}),
 }

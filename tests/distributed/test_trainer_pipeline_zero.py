@@ -2,7 +2,7 @@
 
 Each layout trains 3 steps; the loss of every step (which after step 0 depends on every earlier update) and, where
 gradients live in parameters (no ZeRO), every gradient of every step must match the single-device
-run. The component tests (test_pipeline_runtime.py, test_zero.py, test_zero_tp2d.py) check gradients of the
+run. A layout with parallel.overlap_param_gather must also equal its twin without it exactly (`OVERLAP_TWINS`). The component tests (test_pipeline_runtime.py, test_zero.py, test_zero_tp2d.py) check gradients of the
 sharded cases; this file checks the whole step: data, schedule, synchronisation, clipping, optimizer, metrics.
 """
 
@@ -17,6 +17,7 @@ import torch
 from tessera.config import from_dict
 from tessera.pipeline.csvio import to_csv
 from tessera.pipeline.schedules import build_schedule
+from tessera.train import checkpoint as ckpt
 from tessera.train.trainer import train
 from tests.distributed.conftest import trainer_config
 from tests.harness import run_distributed
@@ -37,6 +38,8 @@ LAYOUTS = {  # name: (world size, parallel section)
     "dp2_z3": (2, {"data": 2, "zero": 3}),
     "dp2_z3_depth_first": (2, {"data": 2, "zero": 3, "accumulation": "depth_first"}),
     "dp2_z3_full_ckpt": (2, {"data": 2, "zero": 3, "checkpointing": "full"}),
+    "dp2_z1_overlap": (2, {"data": 2, "zero": 1, "overlap_param_gather": True}),
+    "dp2_z2_overlap": (2, {"data": 2, "zero": 2, "overlap_param_gather": True}),
     "pp2_tp2_z1_dp1": (4, {"data": 1, "pipeline": 2, "tensor": 2, "zero": 1}),
     # sequence parallelism's collectives as rings under the GEMMs (tp_comm_overlap) inside pipeline stages:
     # losses only here (every step's depends on the earlier gradients)
@@ -45,11 +48,16 @@ LAYOUTS = {  # name: (world size, parallel section)
         {"pipeline": 2, "tensor": 2, "sequence_parallel": True, "tp_comm_overlap": True},
     ),
     "dp2_pp2_bf": (4, {"data": 2, "pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 2}),
+    "dp2_pp2_z1_overlap": (4, {"data": 2, "pipeline": 2, "zero": 1, "overlap_param_gather": True}),
     "dp2_pp2_z3": (
         4,
         {"data": 2, "pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 2, "zero": 3},
     ),
 }
+
+OVERLAP_TWINS = {"dp2_z1_overlap": "dp2_z1", "dp2_z2_overlap": "dp2_z2"}
+"""parallel.overlap_param_gather only waits for the same all-gathers later: a run with it equals its twin
+without it bit for bit, in its losses and in the checkpoint the trainer writes right after the last update."""
 
 
 def _config(token_file: Path, run_dir: Path, parallel: dict, **train: object) -> dict:
@@ -87,6 +95,10 @@ def test_layouts_match_single_device(token_file: Path, tmp_path: Path, world: in
             torch.testing.assert_close(
                 losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL, msg=name
             )
+        if name in OVERLAP_TWINS:
+            twin = names.index(OVERLAP_TWINS[name])
+            assert losses == results[0][twin][0], f"{name}: losses differ from {OVERLAP_TWINS[name]}'s"
+            _same_final_checkpoint(tmp_path / name, tmp_path / OVERLAP_TWINS[name])
         if LAYOUTS[name][1].get("zero", 0) >= 1:
             continue  # reduced gradients live in ZeRO shards; checked in test_zero.py and test_zero_tp2d.py
         if LAYOUTS[name][1].get("tensor", 1) != 1:
@@ -100,6 +112,20 @@ def test_layouts_match_single_device(token_file: Path, tmp_path: Path, world: in
                 torch.testing.assert_close(
                     g, ref_grads[step][n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=f"{name} {n}"
                 )
+
+
+def _same_final_checkpoint(run_dir: Path, twin_dir: Path) -> None:
+    """Every tensor (weights, Adam moments) of the two runs' last checkpoints is equal."""
+    path, twin = (ckpt.latest_checkpoint(d / "checkpoints") for d in (run_dir, twin_dir))
+    assert path is not None and twin is not None and path.name == twin.name == ckpt.step_dir_name(STEPS)
+    meta, twin_meta = ckpt.read_metadata_safely(path), ckpt.read_metadata_safely(twin)
+    fqns = sorted(k for k in meta.state_dict_metadata if k.startswith(("model.", "optim.")))
+    assert fqns and fqns == sorted(
+        k for k in twin_meta.state_dict_metadata if k.startswith(("model.", "optim."))
+    )
+    for fqn in fqns:
+        a, b = ckpt.read_tensor(path, fqn, meta), ckpt.read_tensor(twin, fqn, twin_meta)
+        assert torch.equal(a, b), f"{run_dir.name}: {fqn} differs from {twin_dir.name}'s checkpoint"
 
 
 def test_users_csv_schedule_trains_like_the_builtin(token_file: Path, tmp_path: Path) -> None:

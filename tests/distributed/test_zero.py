@@ -6,6 +6,13 @@ counter tests check that layered accumulation moves the same bytes for any micro
 grows linearly in m, against ``tessera.planner.cost.dp_volume`` and the GATHER count of the lowered schedule.
 
 One spawn per world size: every (ZeRO stage, accumulation) case runs inside the same worker.
+
+``parallel.overlap_param_gather`` (ZeRO-1/2; `OVERLAP_CASES`: d = 2 with two stages on one rank and with a
+pipeline of 2, tied embedding and head, layered and depth-first) trains 3 steps through the pipeline runtime
+and must equal the same run without the overlap bit for bit (losses, every gradient, every parameter) and the
+single-device run within the tolerances below; within it, every gather must still be in flight after the step
+and until the first compute of a stage using its buffer, reading parameters meanwhile must raise, and evaluating
+right after a step must give the next step's loss.
 """
 
 from __future__ import annotations
@@ -115,13 +122,16 @@ def _full_grads(zero: ZeroStageComm) -> dict[int, torch.Tensor]:
 
 
 def _reference(cfg: ModelConfig, batches) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    losses, grads, params = _reference_steps(cfg, [batches])
+    return losses[0], grads[0], params
+
+
+def _reference_steps(
+    cfg: ModelConfig, steps: list[list]
+) -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """One process, torch.optim.AdamW, one step per entry of ``steps`` (a global batch's micro-batches): every
+    step's mean loss and gradients (by every name, tied aliases too), then the parameters."""
     model = _model(cfg)
-    total = 0.0
-    for x, y in batches:
-        loss = model(x, y) / len(batches)
-        loss.backward()
-        total += loss.item()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -131,8 +141,18 @@ def _reference(cfg: ModelConfig, batches) -> tuple[float, dict[str, torch.Tensor
         eps=EPS,
         foreach=False,
     )
-    opt.step()
-    return total, grads, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    losses, grads = [], []
+    for batches in steps:
+        total = 0.0
+        for x, y in batches:
+            loss = model(x, y) / len(batches)
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _check_case(rank: int, world: int, zero_stage: int, accumulation: str, m: int) -> None:
@@ -197,16 +217,17 @@ def _counters(rank: int, world: int) -> dict:
     }
 
 
-def _matrix_and_counters(rank: int, world: int) -> dict:
+def _matrix_and_counters(rank: int, world: int) -> tuple[dict, int]:
     _matrix(rank, world)
-    return _counters(rank, world)
+    return _counters(rank, world), _overlap_cases(rank, world)
 
 
 def test_zero_dp2_matches_reference_and_counts_bytes() -> None:
-    """dp2 × ZeRO 1/2/3 × layered/depth-first against the reference, then the byte counters (one spawn:
-    starting gloo workers costs ~10 s on two cores)."""
-    got = run_distributed(_matrix_and_counters, 2, timeout=180)[0]
+    """dp2 × ZeRO 1/2/3 × layered/depth-first against the reference, then the byte counters, then the
+    overlap_param_gather cases of two ranks (one spawn: starting gloo workers costs ~10 s on two cores)."""
+    got, overlap_cases = run_distributed(_matrix_and_counters, 2, timeout=180)[0]
     _check_counters(got)
+    assert overlap_cases == sum(w == 2 for w, _ in OVERLAP_CASES.values())
 
 
 def _check_counters(got: dict) -> None:
@@ -308,9 +329,15 @@ def _pp2_zero3(rank: int, world: int) -> float:
     return len(grads)
 
 
-def test_zero3_layered_dp2_pp2_matches_reference() -> None:
-    counts = run_distributed(_pp2_zero3, 4, timeout=120)
-    assert all(c > 0 for c in counts)
+def _pp2_cases(rank: int, world: int) -> tuple[int, int]:
+    return _pp2_zero3(rank, world), _overlap_cases(rank, world)
+
+
+def test_dp2_pp2_zero3_and_overlapped_zero12_match_reference() -> None:
+    """ZeRO-3 layered, then the overlap_param_gather cases of four ranks (pipeline 2, tied across it)."""
+    counts = run_distributed(_pp2_cases, 4, timeout=120)
+    assert all(c > 0 for c, _ in counts)
+    assert all(n == sum(w == 4 for w, _ in OVERLAP_CASES.values()) for _, n in counts)
 
 
 def test_dynamic_loss_scaler_skips_on_overflow_and_grows() -> None:
@@ -333,3 +360,157 @@ def test_dynamic_loss_scaler_skips_on_overflow_and_grows() -> None:
     other = DynamicLossScaler()
     other.load_state_dict(state)
     assert other.scale == scaler.scale
+
+
+# --- parallel.overlap_param_gather: ZeRO-1/2's post-step all-gather waited for at each stage's first compute ----
+
+OVERLAP_STEPS = 3
+"""Step k's loss and gradients depend on step k-1's update: a stage computing before its gather completed would
+show in steps 1 and 2 (its other rank's half of every buffer is one update old)."""
+OVERLAP_M = 4
+OVERLAP_CASES = {  # name: (world size, parallel section); every model ties its embedding and head
+    "dp2_z1_two_stages": (2, {"zero": 1, "schedule": "breadth_first", "stages_per_rank": 2}),
+    "dp2_z2_two_stages_depth_first": (
+        2,
+        {"zero": 2, "schedule": "breadth_first", "stages_per_rank": 2, "accumulation": "depth_first"},
+    ),
+    "dp2_pp2_z1_1f1b": (4, {"pipeline": 2, "schedule": "1f1b", "zero": 1}),
+    "dp2_pp2_z2_bf_depth_first": (
+        4,
+        {"pipeline": 2, "schedule": "breadth_first", "zero": 2, "accumulation": "depth_first"},
+    ),
+}
+
+
+def _record_waits(zero: ZeroStageComm) -> list[tuple[int, set[int]]]:
+    """From now on: before every ``wait_gather(stage)`` the runtime makes, (stage, the buffers still in flight)."""
+    log: list[tuple[int, set[int]]] = []
+    wait = zero.wait_gather
+
+    def recording(stage: int) -> None:
+        log.append((stage, {o for o, f in zero.flats.items() if f.gather_pending}))
+        wait(stage)
+
+    zero.wait_gather = recording  # type: ignore[method-assign]
+    return log
+
+
+def _check_deferred(zero: ZeroStageComm, log: list[tuple[int, set[int]]], case: str) -> None:
+    """Every buffer's post-step gather stayed in flight until the first compute of a stage using it, and the
+    stages are first computed in ascending order (the order `gather_updated_params` launches them in)."""
+    assert log and log[0][1] == set(zero.flats), f"{case}: waited for before the first compute: {log[:1]}"
+    for owner in zero.flats:
+        first = next(i for i, (s, _) in enumerate(log) if owner in zero.uses[s])
+        assert owner in log[first][1], (
+            f"{case}: stage {owner}'s gather was waited for before its first compute"
+        )
+    firsts = list(dict.fromkeys(s for s, _ in log))
+    assert firsts == sorted(firsts), f"{case}: stages first computed in the order {firsts}"
+    assert not any(f.gather_pending for f in zero.flats.values()), f"{case}: a gather outlived the step"
+
+
+def _check_in_flight(zero: ZeroStageComm, engine, case: str) -> None:
+    """Right after the optimizer step every buffer's gather is still in flight, and reading a stage's
+    parameters outside the runtime raises instead of seeing the old slices."""
+    assert all(f.gather_pending for f in zero.flats.values()), f"{case}: the step waited for its gathers"
+    try:
+        next(iter(engine.stages.values())).state_dict()
+    except RuntimeError as e:
+        assert "finish_param_gathers" in str(e), e
+    else:
+        raise AssertionError(f"{case}: reading parameters with their gather in flight did not raise")
+
+
+def _train_engine(cfg, layout, groups, steps: list[list], case: str):
+    """``cfg``'s layout through the pipeline runtime with ShardedAdamW: per step the data-parallel mean loss
+    and every reduced gradient by name, then every parameter by name. With overlap_param_gather it also checks
+    the gathers are deferred (step 1) and that evaluating right after a step sees the update (step 2)."""
+    from tessera.layout import Axis
+    from tessera.pipeline.runtime import build_pipeline
+
+    holder: dict[str, ZeroStageComm] = {}
+    par, overlap = cfg.parallel, cfg.parallel.overlap_param_gather
+
+    def make(stages):
+        holder["zero"] = ZeroStageComm(
+            stages, groups.dp, par.zero, par.accumulation, overlap_param_gather=overlap
+        )
+        return holder["zero"]
+
+    engine = build_pipeline(_model(cfg.model), layout, groups, cfg, stage_comm=make)
+    zero = holder["zero"]
+    opt = ShardedAdamW(zero, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    names = {id(p): n for st in engine.stages.values() for n, p in st.named_parameters()}
+    d, m = groups.coord(Axis.DATA), engine.m
+    losses, grads = [], []
+    for k, batches in enumerate(steps):
+        mine = batches[d * m : (d + 1) * m]
+        log = _record_waits(zero) if overlap and k == 1 else None
+        evaluated = engine.evaluate(mine) if overlap and k == 2 else None
+        loss = engine.step(mine)
+        if log is not None:
+            del zero.wait_gather  # the class's method again
+            _check_deferred(zero, log, case)
+        if evaluated is not None:
+            assert evaluated == loss, f"{case}: evaluated {evaluated} right after step 1, trained {loss}"
+        total = torch.tensor(loss)
+        comm.all_reduce(total, groups.dp)
+        losses.append(total.item() / layout.dp)
+        grads.append({names[pid]: g.clone() for pid, g in _full_grads(zero).items()})
+        opt.step()
+        if overlap:
+            _check_in_flight(zero, engine, case)
+        opt.zero_grad()
+    zero.close()
+    params = {n: p.detach().clone() for st in engine.stages.values() for n, p in st.named_parameters()}
+    return losses, grads, params
+
+
+def _overlap_cases(rank: int, world: int) -> int:
+    """This world size's overlap cases: each trained with and without the overlap (bit-identical: the same
+    collectives on the same data, only waited for later) and against the single-device reference."""
+    from tessera.config import Config, ParallelConfig, TrainConfig
+    from tessera.groups import build_groups
+    from tessera.layout import Layout
+
+    names = [n for n, (w, _) in OVERLAP_CASES.items() if w == world]
+    first = ParallelConfig(**OVERLAP_CASES[names[0]][1])
+    layout = Layout.from_config(first, world)
+    groups = build_groups(layout)  # one set of groups: every case of a world size has the same layout
+    dp = layout.dp
+    steps = [_batches(dp * OVERLAP_M * OVERLAP_STEPS)[k::OVERLAP_STEPS] for k in range(OVERLAP_STEPS)]
+    ref_losses, ref_grads, ref_params = _reference_steps(_cfg(), steps)
+    for name in names:
+        runs = {}
+        for overlap in (False, True):
+            parallel = ParallelConfig(**OVERLAP_CASES[name][1], overlap_param_gather=overlap)
+            cfg = Config(
+                model=_cfg(),
+                parallel=parallel,
+                train=TrainConfig(global_batch=dp * OVERLAP_M * MICRO, micro_batch=MICRO),
+            )
+            assert Layout.from_config(parallel, world) == layout, name
+            runs[overlap] = _train_engine(cfg, layout, groups, steps, name)
+        (losses, grads, params), (sync_losses, sync_grads, sync_params) = runs[True], runs[False]
+        assert losses == sync_losses, f"{name}: losses {losses} vs {sync_losses} without the overlap"
+        for k in range(OVERLAP_STEPS):
+            assert abs(losses[k] - ref_losses[k]) < LOSS_ATOL, (
+                f"{name} step {k}: {losses[k]} vs {ref_losses[k]}"
+            )
+            for n, g in grads[k].items():
+                assert torch.equal(g, sync_grads[k][n]), (
+                    f"{name} step {k} grad {n} differs without the overlap"
+                )
+                torch.testing.assert_close(
+                    g,
+                    ref_grads[k][n],
+                    atol=GRAD_ATOL,
+                    rtol=GRAD_RTOL,
+                    msg=lambda e, n=n, k=k, c=name: f"{c} step {k} grad {n}: {e}",
+                )
+        for n, p in params.items():
+            assert torch.equal(p, sync_params[n]), f"{name} param {n} differs without the overlap"
+            torch.testing.assert_close(
+                p, ref_params[n], atol=PARAM_ATOL, rtol=0, msg=lambda e, n=n, c=name: f"{c} param {n}: {e}"
+            )
+    return len(names)
