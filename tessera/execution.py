@@ -233,6 +233,7 @@ class ExecutionPlan:
             f"accumulation: {self.accumulation}; checkpointing: {self.checkpointing} (every stage); "
             f"ZeRO: {self.zero}; dtype: {self.dtype}"
             + (f"; gradient reduce-scatter: {self.grad_reduce_dtype}" if self.zero else "")
+            + ("; parameter all-gather: under the next forward" if self.overlap_param_gather else "")
         )
         lines.append(
             f"micro-batches: {self.micro_batches} of {self.micro_batch} sequences per data-parallel rank "

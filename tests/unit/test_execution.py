@@ -200,3 +200,9 @@ def test_the_overlaps_reach_the_execution_plan_and_the_cost_model() -> None:
     cost = cost_plan(plan)
     assert cost.tp_comm_overlap and cost.overlap_param_gather
     assert not resolve(load_config(DEMO), 2).tp_comm_overlap
+
+
+def test_the_plan_says_when_the_parameter_all_gather_runs() -> None:
+    on = ["parallel.zero=1", "parallel.overlap_param_gather=true"]
+    assert "parameter all-gather: under the next forward" in resolve(load_config(DEMO, on), 2).describe()
+    assert "parameter all-gather" not in resolve(load_config(DEMO, ["parallel.zero=1"]), 2).describe()
