@@ -200,7 +200,7 @@ READING = [
     "bandwidth is below the link rate the file states), BLOOM +10 %, Llama 3 405B on 8K and 16K H100s -10 % in",
     "both rows (the fall from 8K to 16K GPUs is reproduced). Two other stacks are off by more than the bound, in",
     "opposite directions. Megatron-Core on H100 (its README's weak-scaling table and GPT-3 177B strong-scaling",
-    "end points) is under-predicted by 6-35 % (median 23.2 %). Its README's two overlaps are now priced as",
+    "end points) is under-predicted by 6-35 % (median 23.3 %). Its README's two overlaps are now priced as",
     "tessera runs them (tensor-parallel rings under the GEMM chunks, ZeRO-1's gather deferred to the next step):",
     "with both off the rows were median 24.6 %, worst 42.0 %. The deferred gather helps every row; the rings help",
     "at h <= 8192 and h = 16384 and hurt at h = 10240, 12288 and 18432, where the 512-row chunks of the column-",

@@ -63,6 +63,7 @@ from tessera.planner.cost import (
     p2p_time_per_microbatch,
     params_per_rank,
     per_microbatch_reduction,
+    stage_params_per_rank,
     tied_exchange_time,
     tp_comm_time_per_layer,
 )
@@ -417,23 +418,29 @@ def gather_units(plan: Plan) -> int:
     return v
 
 
-def _gathers(plan: Plan, gather: float, end: float) -> tuple[list[tuple[float, float]], float]:
+def _gathers(
+    shape: ModelShape, plan: Plan, rank: int, gather: float, end: float, params: float | None = None
+) -> tuple[list[tuple[float, float]], float]:
     """(queued gathers, exposed gather seconds) of a step, as the trainer runs them (`parallel/zero.py`), with
     `gather_units` units: ZeRO-3 gathers each stage's parameters at its GATHER action, prefetched, so they queue
     evenly over the step — except the first, which nothing can hide (the step starts with it); ZeRO-1/2
     all-gather the updated parameters inside the optimizer step and wait for them, so all of it is exposed —
     unless `Plan.overlap_param_gather` defers them: the optimizer step launches every stage's gather (in the order
-    of the next step's first computes) and each stage waits only before its first compute, so the first unit is
-    exposed and the rest queue on the data-parallel channel from the step's start, ahead of the reductions.
-    That never prices slower: an item of R seconds adds at most R·(s + (1 − s)) = R to `dp_cost`."""
+    of the next step's first computes) and each stage waits only before its first compute, so pipeline rank
+    `rank`'s first stage's share (`stage_params_per_rank`, with the embedding on rank 0, of the `params` the
+    gather moves: the rank's own by default) is exposed and the rest queues on the data-parallel channel from
+    the step's start, ahead of the reductions. That never prices slower: an item of R seconds adds at most
+    R·(s + (1 − s)) = R to `dp_cost`."""
     if gather <= 0:
         return [], 0.0
     units = gather_units(plan)
-    first = gather / units  # one unit's, however many units the step has
     if plan.zero_stage < 3:
         if not plan.overlap_param_gather:
             return [], gather
-        return ([(0.0, gather - first)] if units > 1 else []), first
+        params = params or params_per_rank(shape, plan, rank)
+        first = min(gather, gather * stage_params_per_rank(shape, plan, rank) / params)
+        return ([(0.0, gather - first)] if gather > first else []), first
+    first = gather / units  # one unit's, however many units the step has
     queued = min(units, MAX_GATHER_ITEMS) - 1  # the rest in a bounded number of items: the search's speed
     rest = (gather - first) / queued if queued else 0.0
     return [(k * end / (queued + 1), rest) for k in range(1, queued + 1)], first
@@ -534,7 +541,13 @@ def _fast_dp(
             items += _reduce_items(end - j * after * c.bwd, c.bwd, c.layers, reduce / v)
     if tied:
         items.append((end + exchange, reduce / (v * (m if per_microbatch else 1))))
-    queued, exposed = _gathers(plan, gather, end)
+    # a deferred ZeRO-1/2 gather exposes the larger of the end ranks' first stages (rank 0's holds the embedding)
+    first = (
+        max(sorted({0, p - 1}), key=lambda r: stage_params_per_rank(shape, plan, r))
+        if plan.overlap_param_gather
+        else 0
+    )
+    queued, exposed = _gathers(shape, plan, first, gather, end, psi)
     cost = dp_cost(items + queued, end + exchange, hw)
     if tied and per_microbatch and p > 2:  # rank 1 holds no tied stage: it reduces every micro-batch's
         # gradients, its last backward ending one chunk backward before rank 0's
@@ -672,6 +685,6 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, p
                 layers = pc.counts[e.action.stage]
                 share = reduce * layers / blocks / reps
                 items += _reduce_items(stop, stop - start, max(1, layers), share)
-        queued, exposed = _gathers(plan, gather, end)
+        queued, exposed = _gathers(shape, plan, rank, gather, end)
         worst = max(worst, end + dp_cost(items + queued, end, hw) + exposed)
     return max(0.0, worst - sim.step_time)

@@ -64,6 +64,7 @@ from tessera.planner.cost.rank_memory import (
     memory_per_rank,
     model_state_bytes,
     params_per_rank,
+    stage_params_per_rank,
 )
 from tessera.planner.cost.shape import (
     RECOMPUTE,
@@ -145,6 +146,7 @@ __all__ = [
     "ring_cost",
     "ring_step_time",
     "score_bytes",
+    "stage_params_per_rank",
     "stage_time",
     "tensor_traffic_time",
     "tied_exchange_bytes",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.planner.cost.compute import rank_layers
+from tessera.planner.cost.compute import layers_per_stage, rank_layers
 from tessera.planner.cost.plan import Plan
 from tessera.planner.cost.shape import ModelShape
 
@@ -20,6 +20,7 @@ __all__ = [
     "memory_per_rank",
     "model_state_bytes",
     "params_per_rank",
+    "stage_params_per_rank",
 ]
 
 
@@ -55,12 +56,26 @@ def params_per_rank(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
     untied (or a tied copy if p > 1), all divided by the tensor degree (norm/bias vectors are counted as sharded
     too: a small over-estimate of savings)."""
     n = rank_layers(shape, plan, stage) * shape.layer_params()
+    return (n + _end_params(shape, plan, first=stage == 0, last=stage == plan.pp - 1)) / plan.tp
+
+
+def stage_params_per_rank(shape: ModelShape, plan: Plan, stage: int) -> float:
+    """Parameters of global stage `stage` (chunk c of pipeline rank r is stage c·p + r) on one rank before ZeRO
+    sharding, counted as `params_per_rank` counts a rank's: its blocks (`layers_per_stage`), the embedding on
+    stage 0, the head on the last stage, divided by the tensor degree."""
+    n = layers_per_stage(shape, plan)[stage] * shape.layer_params()
+    last = plan.pp * plan.virtual_stages - 1
+    return (n + _end_params(shape, plan, first=stage == 0, last=stage == last)) / plan.tp
+
+
+def _end_params(shape: ModelShape, plan: Plan, *, first: bool, last: bool) -> float:
+    """The embedding (+ positions) on the first stage; the final norm and the head (untied, or a tied copy on
+    another pipeline rank) on the last."""
     h, V = shape.d_model, shape.vocab_size
-    if stage == 0:
-        n += V * h + shape.features.position_params(shape.seq_len, h)
-    if stage == plan.pp - 1:
+    n = V * h + shape.features.position_params(shape.seq_len, h) if first else 0.0
+    if last:
         n += shape.features.norm_params(h) + (0 if (shape.tied and plan.pp == 1) else V * h)
-    return n / plan.tp
+    return n
 
 
 def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | None = None) -> float:
