@@ -2,8 +2,9 @@
 
 Configs are drawn across families (GPT, Llama), tied/untied embeddings, world sizes 1-4, data × pipeline ×
 tensor (1D, 1D + sequence parallelism with or without its communication overlap, 2D), the four schedules, stages
-per rank, explicit stage splits, ZeRO 0-3, accumulation orders and checkpointing modes; most are drawn consistent
-with their world size so that many are accepted. Two properties:
+per rank, explicit stage splits, ZeRO 0-3 (1/2 with or without the overlapped parameter all-gather), accumulation
+orders and checkpointing modes; most are drawn consistent with their world size so that many are accepted. Two
+properties:
 
 - every config the plan rejects, `tessera train` rejects before starting a rank, with the same violations;
 - a bounded, feature-spread sample of the accepted ones trains one step on gloo (every config of one world size
@@ -103,6 +104,9 @@ def run_configs(draw: st.DrawFn) -> tuple[int, dict]:
     # drawn last, so the draws above stay as they were; mostly with SP (accepted), sometimes without (rejected)
     if parallel["sequence_parallel"] or not draw(st.integers(0, 9)):
         parallel["tp_comm_overlap"] = draw(st.booleans())
+    # likewise: mostly with ZeRO-1/2 (accepted), sometimes with ZeRO-0/3 (rejected)
+    if parallel["zero"] in (1, 2) or not draw(st.integers(0, 9)):
+        parallel["overlap_param_gather"] = draw(st.booleans())
     return world, {"model": model, "parallel": parallel, "train": train}
 
 
@@ -184,6 +188,7 @@ def _richness(plan, raw: dict) -> int:
         plan.tp > 1,
         plan.sequence_parallel,
         plan.tp_comm_overlap,
+        plan.overlap_param_gather,
         plan.zero > 0,
         plan.dp > 1,
         plan.stages_per_rank > 1 and plan.pp > 1,
