@@ -469,8 +469,14 @@ def _p2p_buffer_bytes(shape: ModelShape, cplan: Plan, plan: ExecutionPlan) -> fl
 
 
 def _temporaries(plan: ExecutionPlan, grads: dict[int, float]) -> float:
-    """The optimizer step's temporaries beside the state: two of the largest shard (ZeRO's Adam denominator)."""
-    return 2 * max(grads.values(), default=0.0) / plan.dp if plan.zero else 0.0
+    """The optimizer step's temporaries beside the state: two of the largest shard (ZeRO's Adam denominator), or,
+    once the update is done, with ``overlap_param_gather`` (d > 1) every stage's copy of its shard, the input of
+    its all-gather left in flight (`ZeroStageComm.gather_updated_params`), if that is more."""
+    if not plan.zero:
+        return 0.0
+    adam = 2 * max(grads.values(), default=0.0) / plan.dp
+    inputs = sum(grads.values()) / plan.dp if plan.overlap_param_gather and plan.dp > 1 else 0.0
+    return max(adam, inputs)
 
 
 def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]]) -> Walk:
