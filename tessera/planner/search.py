@@ -134,7 +134,8 @@ class SearchSpace:
     comm_overlap: bool = True
     """Turn on the communication overlaps tessera runs where they apply: `parallel.tp_comm_overlap` (1D + SP) on
     a layout whose step prices faster with it (both are priced, `_evaluate`), and `parallel.overlap_param_gather`
-    for ZeRO-1/2 with d > 1 (never slower: `steptime._gathers`). False: neither."""
+    for ZeRO-1/2 with d > 1 where the layout still fits with its shard copies (never slower:
+    `steptime._gathers`). False: neither."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -325,9 +326,13 @@ def _layer_parts(ctx: _Ctx, plan: Plan) -> tuple:
     return ctx.layer_cache[key]
 
 
-def _evaluate(ctx: _Ctx, run: Config, base: Plan, batch: int, p2p: float) -> Candidate | None:
+def _evaluate(
+    ctx: _Ctx, run: Config, base: Plan, batch: int, p2p: float, defer_gather: bool = False
+) -> Candidate | None:
     """Price one generated run config as the trainer would execute it: its execution plan's memory (the one
-    estimator, `tessera.memory.estimate_plan`) and the step time of the schedule that plan runs."""
+    estimator, `tessera.memory.estimate_plan`) and the step time of the schedule that plan runs. With
+    `defer_gather`, `parallel.overlap_param_gather` is turned on where the layout still fits with it (its shard
+    copies can raise the optimizer step's moment, `memory._temporaries`); it never prices slower."""
     execution = decide(run, ctx.gpus)
     # most layouts fail here, before the full estimate: the model state alone, then with the peak activations
     if (
@@ -338,6 +343,12 @@ def _evaluate(ctx: _Ctx, run: Config, base: Plan, batch: int, p2p: float) -> Can
     memory = estimate_plan(ctx.shape, execution, stop_above=ctx.limit)
     if memory.total > ctx.limit:
         return None
+    if defer_gather:
+        deferred = replace(run, parallel=replace(run.parallel, overlap_param_gather=True))
+        deferred_execution = decide(deferred, ctx.gpus)
+        deferred_memory = estimate_plan(ctx.shape, deferred_execution, stop_above=ctx.limit)
+        if deferred_memory.total <= ctx.limit:
+            run, execution, memory = deferred, deferred_execution, deferred_memory
     timed = cost_plan(execution)
     plan = replace(base, **{f: getattr(timed, f) for f in _EXECUTION_FIELDS})
     schedule = execution.schedule or "1f1b"  # the direct loop: one micro-batch after another
@@ -496,11 +507,10 @@ def _search_layout(
     train = replace(ctx.run.train, global_batch=batch, micro_batch=b)  # the same for every variant below
     for recompute in ctx.space.checkpointing:
         for zero in zeros:
-            deferred = ctx.space.comm_overlap and zero in (1, 2) and dp > 1
+            deferred = ctx.space.comm_overlap and zero in (1, 2) and dp > 1  # where it fits (`_evaluate`)
             for schedule, v in schedules:
                 plan = replace(
                     base,
-                    overlap_param_gather=deferred,
                     recompute=recompute,
                     zero_stage=zero,
                     virtual_stages=v,
@@ -516,12 +526,12 @@ def _search_layout(
                         stages_per_rank=v,
                         stage_layers=None if split is None else list(split),
                         zero=zero,
-                        overlap_param_gather=deferred,
                         accumulation=plan.accumulation,
                         checkpointing=recompute,
                     )
                     result.enumerated += 1
-                    cand = _evaluate(ctx, replace(ctx.run, parallel=parallel, train=train), base, batch, p2p)
+                    run = replace(ctx.run, parallel=parallel, train=train)
+                    cand = _evaluate(ctx, run, base, batch, p2p, defer_gather=deferred)
                     if cand is None:
                         result.rejected_memory += 1
                     else:

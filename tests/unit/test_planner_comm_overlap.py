@@ -267,7 +267,7 @@ def test_the_search_turns_each_overlap_on_only_where_it_prices_no_slower(sp_sear
     assert rings == {True, False}  # on this space the rings win for some layouts and lose for others
     for c in cands:
         pl = c.plan
-        assert pl.overlap_param_gather == (pl.zero_stage in (1, 2) and pl.dp > 1)
+        assert not pl.overlap_param_gather or (pl.zero_stage in (1, 2) and pl.dp > 1)
         assert not pl.tp_comm_overlap or pl.sequence_parallel
         assert (c.config.parallel.tp_comm_overlap, c.config.parallel.overlap_param_gather) == (
             pl.tp_comm_overlap,
@@ -278,6 +278,20 @@ def test_the_search_turns_each_overlap_on_only_where_it_prices_no_slower(sp_sear
         assert c.step_time <= fast_step(sp_search.shape, A100, other, c.schedule).step_time * (1 + REL), (
             c.label
         )
+
+
+def test_the_deferred_gather_is_left_off_only_where_its_shard_copies_do_not_fit(sp_search) -> None:
+    from tessera.execution import decide
+    from tessera.memory import estimate_plan
+
+    applicable = [c for c in sp_search.candidates if c.plan.zero_stage in (1, 2) and c.plan.dp > 1]
+    assert any(c.plan.overlap_param_gather for c in applicable)
+    limit = 0.95 * A100.memory_bytes  # SearchSpace.memory_fraction
+    for c in [c for c in applicable if not c.plan.overlap_param_gather]:
+        run = dataclasses.replace(
+            c.config, parallel=dataclasses.replace(c.config.parallel, overlap_param_gather=True)
+        )
+        assert estimate_plan(sp_search.shape, decide(run, sp_search.gpus)).total > limit, c.label
 
 
 def test_plan_out_writes_both_overlaps_and_runs_what_was_priced(sp_search, tmp_path) -> None:
