@@ -357,14 +357,15 @@ def measured(results: Path) -> None:
 SEARCH_CHANGES = (
     "## What moved in this re-run\n\nOne change to the search, against the commit just before it: it now "
     "considers the two communication overlaps tessera runs (docs/cost-model.md §6, docs/planner.md §1), "
-    "`parallel.overlap_param_gather` on every ZeRO-1/2 layout with d > 1 and `parallel.tp_comm_overlap` (1D + "
-    "SP) where it prices faster, and names them in the layout. 1T on 3072 GPUs keeps its layout and step (d6 p64 "
-    "t8+SP 1F1B, 95.6 s): its one stage per rank is the deferred gather's first stage, exposed as before, and "
-    "its b1 chunks of 256 rows make the rings slower than the exposed collectives; the search takes 1.95 s (1.98 "
-    "s before). Llama-70B on 512 GPUs keeps its winner's layout, d256 t2+SP breadth-first ZeRO-3 b8 with full "
-    "checkpointing, now with the TP rings: tensor-parallel time 1.38 → 0.26 s, step 48.3 → 47.2 s, 26.0 → 25.4 "
-    "days, MFU 47.1 → 48.2 %; #2 (t4, b16) gains most (52.0 → 48.8 s, tensor-parallel time 4.13 → 0.97 s) and "
-    "the t8 interleaved ZeRO-1 layout moves from #5 to #3 (59.7 → 58.0 s)."
+    "`parallel.overlap_param_gather` on every ZeRO-1/2 layout with d > 1 that still fits with its shard copies "
+    "and `parallel.tp_comm_overlap` (1D + SP) where it prices faster, and names them in the layout. 1T on 3072 "
+    "GPUs keeps its layout and step (d6 p64 t8+SP 1F1B, 95.6 s): its one stage per rank is the deferred gather's "
+    "first stage, exposed as before, and its b1 chunks of 256 rows make the rings slower than the exposed "
+    "collectives; the search takes 1.99 s (1.98 s before). Llama-70B on 512 GPUs keeps its winner's layout, d256 "
+    "t2+SP breadth-first ZeRO-3 b8 with full checkpointing, now with the TP rings: tensor-parallel time 1.38 → "
+    "0.26 s, step 48.3 → 47.2 s, 26.0 → 25.4 days, MFU 47.1 → 48.2 %; #2 (t4, b16) gains most (52.0 → 48.8 s, "
+    "tensor-parallel time 4.13 → 0.97 s) and the t8 interleaved ZeRO-1 layout moves from #5 to #3 (59.7 → 58.0 "
+    "s)."
 )
 """What the last re-run changed and why (against the commit just before it, same searches), written at the top
 of the report."""
