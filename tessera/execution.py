@@ -229,6 +229,10 @@ class ExecutionPlan:
             by_rank.setdefault(st.rank, []).append(st.describe())
         for rank in sorted(by_rank):
             lines.append(f"pipeline rank {rank}: " + "; ".join(by_rank[rank]))
+        if self.tp_comm_overlap:
+            lines.append(
+                "tensor-parallel all-gathers / reduce-scatters: rings under their GEMM chunks (tp_comm_overlap)"
+            )
         lines.append(
             f"accumulation: {self.accumulation}; checkpointing: {self.checkpointing} (every stage); "
             f"ZeRO: {self.zero}; dtype: {self.dtype}"

@@ -197,6 +197,7 @@ def test_the_overlaps_reach_the_execution_plan_and_the_cost_model() -> None:
     )
     plan = resolve(cfg, 4)
     assert plan.tp_comm_overlap and plan.overlap_param_gather
+    assert "rings under their GEMM chunks" in plan.describe() and "under the next forward" in plan.describe()
     cost = cost_plan(plan)
     assert cost.tp_comm_overlap and cost.overlap_param_gather
     assert not resolve(load_config(DEMO), 2).tp_comm_overlap
