@@ -173,7 +173,7 @@ def layouts_table(analyses: list[ModelAnalysis], family: str = "all methods") ->
             lines.append(f"| {a.model} | – | no fit | | | | | |")
             continue
         lines.append(
-            f"| {a.model} | {fb.gpus} | {c.label} | {c.global_batch} | {c.steps:,.0f} | {c.step_time:.3g} s | "
+            f"| {a.model} | {fb.gpus} | {c.table_label} | {c.global_batch} | {c.steps:,.0f} | {c.step_time:.3g} s | "
             f"{c.mfu:.0%} | {c.memory.total / 1e9:.0f} GB |"
         )
     return "\n".join(lines) + "\n"

@@ -262,7 +262,7 @@ def render_text(result: SearchResult, entries: list[Explained]) -> str:
     for i, e in enumerate(entries, 1):
         c = e.candidate
         lines.append(
-            f"| {i} | {c.label} | {c.step_time:.3g} s | {c.mfu:.1%} | {c.tokens_per_s:,.0f} | "
+            f"| {i} | {c.table_label} | {c.step_time:.3g} s | {c.mfu:.1%} | {c.tokens_per_s:,.0f} | "
             f"{c.memory.total / 1e9:.1f} GB | {e.timed_by} |"
         )
     lines += ["", "Breakdown (seconds per step on the critical rank):", ""]

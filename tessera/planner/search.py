@@ -191,6 +191,11 @@ class Candidate:
             + (f" | overlap {' + '.join(overlaps)}" if overlaps else "")
         )
 
+    @property
+    def table_label(self) -> str:
+        """`label` for a markdown table cell: its ``|`` separators escaped, so they do not split the cell."""
+        return self.label.replace("|", "\\|")
+
 
 @dataclass(kw_only=True, slots=True)
 class SearchResult:

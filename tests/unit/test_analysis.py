@@ -75,7 +75,10 @@ def test_tables(analysis) -> None:
     table = analysis_table([analysis])
     assert "megatron-1.7b" in table and all(name in table for name in METHOD_FAMILIES)
     assert "@ " in table
-    assert "ZeRO" in layouts_table([analysis])
+    layouts = layouts_table([analysis])
+    assert "ZeRO" in layouts
+    rows = [r.replace("\\|", "") for r in layouts.splitlines() if r.startswith("|")]
+    assert len({r.count("|") for r in rows}) == 1  # a layout label's "|" must not split its cell
     assert (
         format_duration(0.01) == "14 min"
         and format_duration(0.5) == "12.0 h"

@@ -258,8 +258,17 @@ def test_explain_gives_reasons_for_runner_ups(small_search) -> None:
         assert "vs" in e.reason and "%" in e.reason
     text = render_text(small_search, entries)
     assert "Why the runner-ups lose" in text and "compute" in text
+    layouts = text[text.index("| # | layout") : text.index("Breakdown")].strip().splitlines()
+    assert all(
+        _cells(row) == _cells(layouts[0]) == 7 for row in layouts
+    )  # a label's "|" must not split a cell
     doc = json.loads(to_json(small_search, entries))
     assert doc["layouts"][0]["step_time_s"] == pytest.approx(entries[0].candidate.step_time)
+
+
+def _cells(row: str) -> int:
+    """Cells of a markdown table row (escaped ``\\|`` does not separate)."""
+    return len(row.replace("\\|", "").strip().strip("|").split("|"))
 
 
 def _cli(argv: list[str]) -> int:
