@@ -361,7 +361,7 @@ SEARCH_CHANGES = (
     "and `parallel.tp_comm_overlap` (1D + SP) where it prices faster, and names them in the layout. 1T on 3072 "
     "GPUs keeps its layout and step (d6 p64 t8+SP 1F1B, 95.6 s): its one stage per rank is the deferred gather's "
     "first stage, exposed as before, and its b1 chunks of 256 rows make the rings slower than the exposed "
-    "collectives; the search takes 1.99 s (1.98 s before). Llama-70B on 512 GPUs keeps its winner's layout, d256 "
+    "collectives; the search time is unchanged within this machine's noise (about 2 s). Llama-70B on 512 GPUs keeps its winner's layout, d256 "
     "t2+SP breadth-first ZeRO-3 b8 with full checkpointing, now with the TP rings: tensor-parallel time 1.38 → "
     "0.26 s, step 48.3 → 47.2 s, 26.0 → 25.4 days, MFU 47.1 → 48.2 %; #2 (t4, b16) gains most (52.0 → 48.8 s, "
     "tensor-parallel time 4.13 → 0.97 s) and the t8 interleaved ZeRO-1 layout moves from #5 to #3 (59.7 → 58.0 "
