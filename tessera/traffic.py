@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # the cost model's package imports this module: import its Mo
 __all__ = [
     "BACKWARD",
     "FORWARD",
+    "RING_GEMM_LANES",
     "Collective",
     "block_1d",
     "block_2d",
@@ -57,6 +58,17 @@ __all__ = [
 FORWARD, BACKWARD = "forward", "backward"
 _FP32 = 4
 """Loss statistics are fp32."""
+
+RING_GEMM_LANES = 3
+"""Side streams ("lanes") a ``tp_comm_overlap`` ring issues its chunk GEMMs on, round robin, on CUDA:
+min(RING_GEMM_LANES, t) for a ring of t chunks (``tessera.parallel.ring_1d``; CPU runs one lane, the current
+stream). A chunk GEMM alone on one stream ends with a partly empty wave of thread blocks that the next chunk
+cannot fill; chunks on different streams fill each other's tails. The value is Transformer Engine's default
+pool: ``NVTE_COMM_OVERLAP_MAX_STREAMS`` = 3 in NVIDIA/TransformerEngine
+``transformer_engine/common/include/transformer_engine/comm_gemm_overlap.h``, the pool
+min(that, num_splits) that ``CommOverlapP2PBase::split_overlap_ag`` in
+``transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp`` round-robins its chunk GEMMs over (commit
+d0067d0da6cb01811b8072a7d304f0e00344ce2b). Moves no bytes: the traffic lists below do not depend on it."""
 
 
 @dataclass(frozen=True, slots=True)

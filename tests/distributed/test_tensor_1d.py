@@ -1,6 +1,9 @@
 """Megatron 1D tensor parallelism: loss and every gradient equal the single-device model's; counted bytes equal
 the analytical formula exactly. The ``_overlap`` cases run sequence parallelism's collectives as rings under the
-GEMMs (``parallel.tp_comm_overlap``): same bytes, same formula, and the number of ring steps is checked too.
+GEMMs (``parallel.tp_comm_overlap``): same bytes, same formula, and the number of ring steps is checked too. The
+``_lanes`` cases run those rings with the chunk GEMMs on S forced lanes of synchronous stand-in streams (the CUDA
+path's bookkeeping, `tests.sync_streams`): same tolerances, every lane used, and bit for bit the one-lane run of
+the same case where each lane sums one chunk (t ≤ S).
 
 One spawn per world size runs a named matrix of layouts (spawning is the expensive part on 2 cores); a failure
 names every failing case.
@@ -8,7 +11,8 @@ names every failing case.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from unittest import mock
 
 import pytest
@@ -25,6 +29,7 @@ from tessera.parallel.model_1d import apply_tensor_1d, check_tensor_1d, tensor_1
 from tessera.parallel.saved_activations import SavedActivationCounter
 from tessera.parallel.tensor_1d import padded_vocab
 from tests.harness import run_distributed
+from tests.sync_streams import forced_lanes, lanes_entered
 
 LOSS_RTOL = 1e-5
 """Relative tolerance of the loss against the single-device loss (fp32, reordered sums)."""
@@ -56,6 +61,7 @@ class Case:
     tied: bool = True
     micro: int = 1  # gradient accumulation over this many micro-batches per rank
     overlap: bool = False  # tp_comm_overlap: SP's all-gathers / reduce-scatters as rings under the GEMMs
+    lanes: int = 0  # with overlap: the rings' chunk GEMMs on this many forced lanes (0: CPU's one lane)
 
 
 def _model_cfg(case: Case) -> ModelConfig:
@@ -88,6 +94,10 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         "llama_tp1d_2_sp_overlap_vocab257_untied": Case(
             "llama", 2, sp=True, vocab=257, tied=False, overlap=True
         ),
+        "gpt_tp1d_2_sp_overlap_lanes3": Case("gpt", 2, sp=True, overlap=True, lanes=3),
+        "llama_tp1d_2_sp_overlap_vocab257_untied_lanes2": Case(
+            "llama", 2, sp=True, vocab=257, tied=False, overlap=True, lanes=2
+        ),
     },
     4: {
         "gpt_tp1d_4": Case("gpt", 4),
@@ -100,6 +110,8 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         "gpt_tp1d_4_sp_overlap_vocab257": Case("gpt", 4, sp=True, vocab=257, overlap=True),
         "llama_tp1d_4_sp_overlap_untied": Case("llama", 4, sp=True, tied=False, overlap=True),
         "llama_dp2_tp1d_2_sp_overlap": Case("llama", 2, dp=2, sp=True, overlap=True),
+        "gpt_tp1d_4_sp_overlap_vocab257_lanes3": Case("gpt", 4, sp=True, vocab=257, overlap=True, lanes=3),
+        "llama_tp1d_4_sp_overlap_untied_lanes2": Case("llama", 4, sp=True, tied=False, overlap=True, lanes=2),
     },
 }
 
@@ -125,8 +137,12 @@ def _groups(layout: Layout) -> Groups:
     return _GROUPS[layout]
 
 
-def _run_case(name: str, case: Case) -> list[str]:
-    """Errors of one case on this rank (empty when everything matches)."""
+Run = tuple[torch.Tensor, dict[str, torch.Tensor]]
+"""A case's loss and full parameter gradients on this rank."""
+
+
+def _run_case(name: str, case: Case) -> tuple[list[str], Run]:
+    """Errors of one case on this rank (empty when everything matches), and what it computed."""
     cfg = _model_cfg(case)
     tokens, targets = _batch(case.vocab)
     torch.manual_seed(SEED)
@@ -147,7 +163,8 @@ def _run_case(name: str, case: Case) -> list[str]:
 
     comm.STATS.reset()
     loss, rows = torch.zeros(()), rows // case.micro
-    with mock.patch.object(comm, "ring_shift", wraps=comm.ring_shift) as ring_steps:
+    lanes = forced_lanes(case.lanes) if case.lanes else nullcontext([])
+    with mock.patch.object(comm, "ring_shift", wraps=comm.ring_shift) as ring_steps, lanes as lane_log:
         for m in range(case.micro):
             part = slice(mine.start + m * rows, mine.start + (m + 1) * rows)
             if m == case.micro - 1:
@@ -170,6 +187,8 @@ def _run_case(name: str, case: Case) -> list[str]:
         errors.append(f"{name}: unexpected groups {others}")
     if ring_steps.call_count != _ring_steps(case, expected):
         errors.append(f"{name}: {ring_steps.call_count} ring steps, expected {_ring_steps(case, expected)}")
+    if case.lanes and lanes_entered(lane_log) != set(range(min(case.lanes, case.tp))):
+        errors.append(f"{name}: chunk GEMMs ran on lanes {lanes_entered(lane_log)} of {case.lanes}")
     if abs(loss.item() - ref_loss.item()) > LOSS_RTOL * abs(ref_loss.item()):
         errors.append(f"{name}: loss {loss.item()} != {ref_loss.item()}")
     grads = pmodel.full_parameters(grad=True)
@@ -200,7 +219,7 @@ def _run_case(name: str, case: Case) -> list[str]:
             if "sequence_parallel" not in str(e):
                 errors.append(f"{name}: unclear error {e}")
     sync.remove()
-    return errors
+    return errors, (loss, grads)
 
 
 def _ring_steps(case: Case, expected: dict[str, tuple[int, int]]) -> int:
@@ -213,7 +232,27 @@ def _ring_steps(case: Case, expected: dict[str, tuple[int, int]]) -> int:
 
 
 def _worker(rank: int, world: int) -> dict[str, list[str]]:
-    return {name: _run_case(name, case) for name, case in LAYOUTS[world].items()}
+    errors: dict[str, list[str]] = {}
+    runs: dict[Case, Run] = {}
+    for name, case in LAYOUTS[world].items():
+        errors[name], runs[case] = _run_case(name, case)
+        one_lane = replace(case, lanes=0)
+        if case.tp <= case.lanes:  # one chunk per lane: the one-lane sums' order
+            errors[name] += (
+                _differences(name, runs[case], runs[one_lane])
+                if one_lane in runs
+                else [f"{name}: no one-lane case before it to compare with"]
+            )
+    return errors
+
+
+def _differences(name: str, run: Run, one_lane: Run) -> list[str]:
+    """Where a forced-lane run differs at all from the one-lane run of the same case."""
+    (loss, grads), (loss1, grads1) = run, one_lane
+    errors = [] if torch.equal(loss, loss1) else [f"{name}: loss {loss.item()} != one lane's {loss1.item()}"]
+    return errors + [
+        f"{name}: grad {n} differs from one lane's" for n, g in grads.items() if not torch.equal(g, grads1[n])
+    ]
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
