@@ -362,6 +362,13 @@ def comm_bytes_2d(
     return {key: round(b) for key, b in bytes_by_group(calls).items()}
 
 
+RING_GEMM_LANES = 3
+"""CUDA streams a tensor-parallel ring's chunk GEMMs rotate over (`tessera.parallel.ring_1d`; chunk k on lane k mod 3),
+so one chunk's last, partly empty wave of thread blocks overlaps the next chunk's first. Transformer Engine's
+userbuffers overlap does the same with its default of 3 compute streams (NVIDIA/TransformerEngine
+``NVTE_COMM_OVERLAP_MAX_STREAMS``, ``CommOverlapP2PBase::split_overlap_ag``). The planner prices a ring's chunks as
+min(3, t) concurrent GEMMs on a GPU (`tessera.planner.cost.tp_overlap.ring_lanes`)."""
+
 # --- a layout's parts --------------------------------------------------------------------------------------------
 
 PARTS = ("block", "replay", "embedding", "head")

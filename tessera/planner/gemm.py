@@ -34,6 +34,7 @@ __all__ = [
     "gemm_call_time",
     "gemm_efficiency",
     "kernel_fraction",
+    "lanes_call_time",
     "plateau_time",
     "quantization",
     "shape_fraction",
@@ -122,6 +123,26 @@ def gemm_call_time(
     if hw.sm_count > 0:
         return shape_time(hw, m, n, k, batch=batch, dtype=dtype)
     return plateau_time(hw, m, n, k, batch=batch, dtype=dtype)
+
+
+def lanes_call_time(
+    hw: Hardware, m: float, n: float, k: float, *, calls: int, lanes: int, dtype: str = "bf16"
+) -> float:
+    """Seconds of `calls` identical GEMMs issued round-robin on `lanes` streams (a tensor-parallel ring's chunks,
+    `tessera.traffic.RING_GEMM_LANES`), their thread blocks sharing the SMs. When the calls in flight hold enough
+    tiles to occupy every SM (lanes × tiles of one call ≥ `Hardware.sm_count`) the SMs never wait between calls
+    and only the last wave of all of them is partly empty: one call batched over `calls`. Otherwise each round of
+    `lanes` calls runs as one batched call: ceil(calls / lanes) of them. One lane (or no SM count): `calls` calls
+    one after the other."""
+    if lanes <= 1 or hw.sm_count <= 0:
+        return calls * gemm_call_time(hw, m, n, k, dtype=dtype)
+    tm, tn = hw.gemm_tile
+    if lanes * math.ceil(m / tm) * math.ceil(n / tn) >= hw.sm_count:
+        return gemm_call_time(hw, m, n, k, batch=calls, dtype=dtype)
+    rounds, rest = divmod(calls, lanes)
+    return rounds * gemm_call_time(hw, m, n, k, batch=lanes, dtype=dtype) + (
+        gemm_call_time(hw, m, n, k, batch=rest, dtype=dtype) if rest else 0.0
+    )
 
 
 def gemm_efficiency(

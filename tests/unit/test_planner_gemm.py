@@ -12,6 +12,7 @@ from tessera.planner.gemm import (
     gemm_call_time,
     gemm_efficiency,
     kernel_fraction,
+    lanes_call_time,
     plateau_time,
     quantization,
     shape_fraction,
@@ -129,3 +130,32 @@ def test_shipped_a100_constants_are_the_table1_fit() -> None:
     for name in ("h100", "h200"):
         hw = load_hardware(name)
         assert (hw.gemm_tile, hw.gemm_framework_share) == (tile, hopper_share)
+
+
+# --- chunk GEMMs on concurrent lanes (a tensor-parallel ring's, gemm.lanes_call_time) ------------------------------
+
+
+def test_lanes_that_hold_a_full_wave_pack_the_calls_into_one_stream_of_tiles() -> None:
+    hw = toy()  # 4 SMs at 0.8 × 0.5 of 100 TFLOP/s = 40 TFLOP/s per full wave
+    flops = 2 * 384 * 128 * 1024  # one call: 3 × 1 tiles, alone 3 of 4 SMs busy
+    alone = gemm_call_time(hw, 384, 128, 1024)
+    assert alone == pytest.approx(flops / (40e12 * 0.75), rel=REL)
+    # 2 lanes hold 6 ≥ 4 tiles: the 4 calls' 12 tiles run as 3 full waves
+    packed = lanes_call_time(hw, 384, 128, 1024, calls=4, lanes=2)
+    assert packed == pytest.approx(4 * flops / 40e12, rel=REL)
+    assert lanes_call_time(hw, 384, 128, 1024, calls=4, lanes=1) == pytest.approx(4 * alone, rel=REL)
+
+
+def test_lanes_that_cannot_fill_the_sms_run_in_rounds() -> None:
+    hw = toy()
+    flops = 2 * 128 * 128 * 1024  # one tile per call
+    # 3 lanes hold 3 < 4 tiles: 7 calls run as rounds of 3, 3 and 1 calls, one wave each
+    wave = flops / (40e12 * 0.25)  # one tile's time: a wave with one of 4 SMs busy
+    assert gemm_call_time(hw, 128, 128, 1024) == pytest.approx(wave, rel=REL)
+    assert lanes_call_time(hw, 128, 128, 1024, calls=7, lanes=3) == pytest.approx(3 * wave, rel=REL)
+
+
+def test_without_an_sm_count_the_chunks_run_one_after_the_other() -> None:
+    hw = dataclasses.replace(load_hardware("a100-80gb"), sm_count=0)
+    one = gemm_call_time(hw, 512, 4608, 12288)
+    assert lanes_call_time(hw, 512, 4608, 12288, calls=8, lanes=3) == pytest.approx(8 * one, rel=REL)

@@ -82,6 +82,7 @@ from tessera.planner.cost.tp_overlap import (
     overlaps_tensor_comm,
     ring_added_time,
     ring_cost,
+    ring_lanes,
     ring_step_time,
     tensor_traffic_time,
 )
@@ -144,6 +145,7 @@ __all__ = [
     "reduce_scatter_time",
     "ring_added_time",
     "ring_cost",
+    "ring_lanes",
     "ring_step_time",
     "score_bytes",
     "stage_params_per_rank",

@@ -8,7 +8,7 @@ from tessera.planner.cost.collectives import group_placement, p2p_time
 from tessera.planner.cost.compute import LayerTime, layer_time, linear_gemm_times, logits_time
 from tessera.planner.cost.plan import Plan, per_microbatch_reduction
 from tessera.planner.cost.shape import ModelShape
-from tessera.planner.cost.tp_overlap import overlaps_tensor_comm, tensor_traffic_time
+from tessera.planner.cost.tp_overlap import overlaps_tensor_comm, ring_lanes, tensor_traffic_time
 from tessera.planner.cost.volume import tied_exchange_bytes
 from tessera.planner.hardware import Hardware
 from tessera.planner.network import bus_bandwidth, collective_time
@@ -56,11 +56,12 @@ def _ring_gemms(
     fc2): forward, the entry's all-gather under the column-parallel GEMM and the exit's reduce-scatter under the
     row-parallel one; backward, the entry's input-gradient reduce-scatter under the column GEMM's dgrad chunks and
     its re-gather under the wgrad chunks (each a forward-shaped GEMM, as `layer_time` prices backward), the
-    exit's output-gradient all-gather under the row GEMM's dgrad and wgrad chunks together."""
+    exit's output-gradient all-gather under the row GEMM's dgrad and wgrad chunks together. A chunk's seconds are
+    the ring's t chunk GEMMs on the runtime's `tp_overlap.ring_lanes` streams, / t."""
     if not overlaps_tensor_comm(plan):
         return [], []
     rows = shape.seq_len * plan.micro_batch
-    chunks = linear_gemm_times(shape, hw, plan, rows / plan.tp)
+    chunks = linear_gemm_times(shape, hw, plan, rows / plan.tp, chunks=plan.tp, lanes=ring_lanes(hw, plan))
     wholes = linear_gemm_times(shape, hw, plan, rows)
     qkv, proj, fc1, fc2 = zip(chunks, wholes, strict=True)
     fwd = [qkv, proj, fc1, fc2]

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from tessera.planner.cost.collectives import traffic_time
 from tessera.planner.cost.plan import Plan
 from tessera.planner.cost.shape import ROW_PARALLEL, ModelShape, linears
-from tessera.planner.cost.tp_overlap import overlaps_tensor_comm, tensor_traffic_time
-from tessera.planner.gemm import gemm_call_time, plateau_time
+from tessera.planner.cost.tp_overlap import overlaps_tensor_comm, ring_lanes, tensor_traffic_time
+from tessera.planner.gemm import gemm_call_time, lanes_call_time, plateau_time
 from tessera.planner.hardware import Hardware
 from tessera.traffic import BACKWARD, FORWARD, tensor_calls
 
@@ -179,20 +179,28 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     return LayerTime(forward=fwd, backward=backward, recompute=recompute)
 
 
-def linear_gemm_times(shape: ModelShape, hw: Hardware, plan: Plan, rows: float) -> list[float]:
+def linear_gemm_times(
+    shape: ModelShape, hw: Hardware, plan: Plan, rows: float, *, chunks: int = 1, lanes: int = 1
+) -> list[float]:
     """Forward seconds of each of the block's four linears (`shape.linears`: QKV, proj, fc1 (+gate), fc2) on
     `rows` token rows (b·s for the block, b·s/t for a tensor-parallel ring's chunk): 1D column-parallel
     [rows×h_in]·[h_in×h_out/t], row-parallel [rows×h_in/t]·[h_in/t×h_out]; 2D q SUMMA steps of
-    [rows/q × h_in/q]·[h_in/q × h_out/q]; each priced by `gemm.gemm_call_time`."""
+    [rows/q × h_in/q]·[h_in/q × h_out/q]; each priced by `gemm.gemm_call_time`. A ring's `chunks` such GEMMs
+    issued on `lanes` streams (`tp_overlap.ring_lanes`) are priced together (`gemm.lanes_call_time`, their tiles
+    filling waves together) and each entry is their time / `chunks`."""
     dt, q = plan.dtype, plan.q
+
+    def per_chunk(m: float, n: float, k: float) -> float:
+        return lanes_call_time(hw, m, n, k, calls=chunks, lanes=lanes, dtype=dt) / chunks
+
     out = []
     for (k_in, n_out), row_parallel in zip(linears(shape), ROW_PARALLEL, strict=True):
         if plan.tp_kind == "2d":
-            out.append(q * gemm_call_time(hw, rows / q, n_out / q, k_in / q, dtype=dt))
+            out.append(q * per_chunk(rows / q, n_out / q, k_in / q))
         elif row_parallel:  # proj, fc2: the input width is split, the output is full (then all-reduced)
-            out.append(gemm_call_time(hw, rows, n_out, k_in / plan.tp, dtype=dt))
+            out.append(per_chunk(rows, n_out, k_in / plan.tp))
         else:
-            out.append(gemm_call_time(hw, rows, n_out / plan.tp, k_in, dtype=dt))
+            out.append(per_chunk(rows, n_out / plan.tp, k_in))
     return out
 
 
@@ -269,12 +277,17 @@ def logits_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     ring = []  # with tp_comm_overlap the head's entry is a ring under the logits GEMM's chunks (backward: the
     # input gradient's reduce-scatter under the dgrad chunks, then the re-gather under the wgrad chunks)
     if overlaps_tensor_comm(plan):
-        ring = [
-            (
-                gemm_call_time(hw, M / plan.tp, shape.vocab_size / plan.tp, shape.d_model, dtype=plan.dtype),
-                gemm,
-            )
-        ]
+        t = plan.tp  # t chunks on the runtime's concurrent streams (cost.tp_overlap)
+        chunks = lanes_call_time(
+            hw,
+            M / t,
+            shape.vocab_size / t,
+            shape.d_model,
+            calls=t,
+            lanes=ring_lanes(hw, plan),
+            dtype=plan.dtype,
+        )
+        ring = [(chunks / t, gemm)]
     fwd = gemm + loss + tensor_traffic_time(hw, plan, calls, FORWARD, ring)
     bwd = 2 * (gemm + loss) + tensor_traffic_time(hw, plan, calls, BACKWARD, ring * 2)
     return LayerTime(forward=fwd, backward=bwd, recompute=0.0)

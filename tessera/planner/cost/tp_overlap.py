@@ -18,8 +18,14 @@ to the step beyond the unchunked GEMM `whole` (which `compute` already counts) i
 
 the smaller chunks' GEMM efficiency (tile and wave quantization: t·chunk ≥ whole), the exposed transfer, and
 the compute that the hidden transfer slows (`Hardware.overlap_slowdown`, as `steptime.dp_cost` charges
-data-parallel overlap). Collectives the ring does not replace (the replicated vectors' gradient all-reduces,
-the loss's statistics, the vocabulary embedding's exit, whose lookup is no GEMM) keep `traffic_time`.
+data-parallel overlap).
+
+On a GPU the runtime issues the chunk GEMMs round-robin on `traffic.RING_GEMM_LANES` CUDA streams (Transformer
+Engine's userbuffers overlap does the same with its default of 3), so a chunk's last, partly filled wave of
+thread blocks overlaps the next chunk's: `chunk` is then 1/t of the t chunk GEMMs priced together on
+``ring_lanes`` streams (`gemm.lanes_call_time`: one batched call when the lanes hold enough tiles to occupy every
+SM, else rounds of ``ring_lanes`` calls). In a transfer-bound ring the chunks wait for their data rather than for
+each other and the last one runs alone, which the packed time understates by at most its tail wave.
 Pure Python: no torch import.
 """
 
@@ -32,7 +38,7 @@ from tessera.planner.cost.collectives import group_placement, p2p_time, traffic_
 from tessera.planner.cost.plan import Plan
 from tessera.planner.hardware import Hardware
 from tessera.planner.network import bus_bandwidth
-from tessera.traffic import Collective
+from tessera.traffic import RING_GEMM_LANES, Collective
 
 __all__ = [
     "RING_KINDS",
@@ -40,6 +46,7 @@ __all__ = [
     "overlaps_tensor_comm",
     "ring_added_time",
     "ring_cost",
+    "ring_lanes",
     "ring_step_time",
     "tensor_traffic_time",
 ]
@@ -76,6 +83,13 @@ def ring_added_time(chunk: float, whole: float, transfer: float, t: int, slowdow
     slowdown × hidden transfer (module docstring)."""
     ring = ring_cost(chunk, transfer, t)
     return ring.seconds - whole + slowdown * ring.hidden
+
+
+def ring_lanes(hw: Hardware, plan: Plan) -> int:
+    """Chunk GEMMs of a ring that run concurrently: min(`traffic.RING_GEMM_LANES`, t) on hardware priced by SM waves
+    (`Hardware.sm_count` > 0, a GPU), 1 otherwise (a CPU runs the chunks one after the other; the size curve has
+    no waves to fill)."""
+    return min(RING_GEMM_LANES, plan.tp) if hw.sm_count > 0 else 1
 
 
 def ring_step_time(hw: Hardware, plan: Plan, nbytes: float) -> float:
