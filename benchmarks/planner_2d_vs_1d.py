@@ -125,6 +125,15 @@ READING = [
     "rises, by up to 0.32: at T = 16, b = 16 on 25-50 GB/s networks 1D wins again (1.10-1.20, was 0.88-0.95 with",
     "4- and 8-GPU nodes), inside a node 1D leads 2D by 7 % at b = 64 (1.07, was 1.00), and across nodes 2D keeps",
     "every bold cell at T ≥ 36 and at 1.5-6.25 GB/s. The crossing moves up to b = 64 at T = 16 on fast networks.",
+    "",
+    "The rings' chunk GEMMs are now priced on the runtime's 3 CUDA lanes (docs/cost-model.md §6, as Transformer",
+    "Engine runs them): a chunk's partly empty last wave shares the SMs with the next chunk's, so the rings also",
+    "win at b = 1 for T = 4 (and T = 16 on the slow networks) and at b = 4 for T = 36 on most networks, and the",
+    "ratios they touch rise by up to 0.61 (8-GPU nodes, 6.25 GB/s, T = 16, b = 1: 7.13 → 7.74). Six cells stop",
+    "favouring 2D (ratio ≥ 1.00), all on 25-50 GB/s networks at b ≥ 16 (8-GPU nodes, 50 GB/s, T = 36, b = 16: 0.83 → 1.00; T = 64,",
+    "b = 16: 0.95 → 1.02). 2D keeps every bold cell on the 1.5-6.25 GB/s networks and at b = 64 for T ≥ 36 on",
+    "every network: the Optimus regime (slow inter-node network, large micro-batch) is where the model still",
+    "says SUMMA wins.",
 ]
 
 
