@@ -68,7 +68,8 @@ pool: ``NVTE_COMM_OVERLAP_MAX_STREAMS`` = 3 in NVIDIA/TransformerEngine
 ``transformer_engine/common/include/transformer_engine/comm_gemm_overlap.h``, the pool
 min(that, num_splits) that ``CommOverlapP2PBase::split_overlap_ag`` in
 ``transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp`` round-robins its chunk GEMMs over (commit
-d0067d0da6cb01811b8072a7d304f0e00344ce2b). Moves no bytes: the traffic lists below do not depend on it."""
+d0067d0da6cb01811b8072a7d304f0e00344ce2b). Moves no bytes: the traffic lists below do not depend on it. The
+planner prices a ring's chunks on these lanes (`tessera.planner.cost.tp_overlap.ring_lanes`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,13 +362,6 @@ def comm_bytes_2d(
     calls += head_2d(shape, m, q, elem) if last else []
     return {key: round(b) for key, b in bytes_by_group(calls).items()}
 
-
-RING_GEMM_LANES = 3
-"""CUDA streams a tensor-parallel ring's chunk GEMMs rotate over (`tessera.parallel.ring_1d`; chunk k on lane k mod 3),
-so one chunk's last, partly empty wave of thread blocks overlaps the next chunk's first. Transformer Engine's
-userbuffers overlap does the same with its default of 3 compute streams (NVIDIA/TransformerEngine
-``NVTE_COMM_OVERLAP_MAX_STREAMS``, ``CommOverlapP2PBase::split_overlap_ag``). The planner prices a ring's chunks as
-min(3, t) concurrent GEMMs on a GPU (`tessera.planner.cost.tp_overlap.ring_lanes`)."""
 
 # --- a layout's parts --------------------------------------------------------------------------------------------
 

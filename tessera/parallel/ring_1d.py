@@ -27,12 +27,13 @@ gathered bytes for an all-gather, the unscattered bytes for a reduce-scatter): a
 Lanes. On CUDA every chunk GEMM is issued round robin on min(``RING_GEMM_LANES``, t) side streams (`_Lanes`),
 as Transformer Engine's userbuffers overlap does (``CommOverlapP2PBase::split_overlap_ag``, cited in
 docs/tensor-1d.md): a chunk GEMM alone on one stream ends with a partly empty wave of thread blocks that the next
-chunk cannot fill, on another stream it can. A lane waits for the current stream before each chunk (the data
-received so far), the current stream waits for a lane where it consumes a chunk's result (a reduce ring's
-partial) and for every lane at the end; sums across chunks (weight gradients) are kept per lane and added on the
-current stream after that join. CPU runs one lane, the current stream itself: the same arithmetic in the same
-order as without lanes, bit for bit. The CUDA path follows PyTorch's multi-stream rules but has not run on a GPU
-yet.
+chunk cannot fill, on another stream it can. A gather ring's lane waits for the current stream before each chunk
+(the data received so far); a reduce ring's chunks read only inputs that were ready when the lanes forked
+(`_Lanes.fork`), so they wait for nothing more and consecutive partials overlap. The current stream waits for a
+lane where it consumes a chunk's result (a reduce ring's partial) and for every lane at the end; sums across
+chunks (weight gradients) are kept per lane and added on the current stream after that join. CPU runs one lane,
+the current stream itself: the same arithmetic in the same order as without lanes, bit for bit. The CUDA path
+follows PyTorch's multi-stream rules but has not run on a GPU yet.
 
 Shapes in comments for ``dim`` = 1 (the sequence): b batch, s sequence, n = s/t, h input features, o output
 features of this rank (o/t of the layer's for a column-parallel linear).
@@ -163,15 +164,26 @@ class _Lanes:
         """The lane of chunk step k: round robin."""
         return k % self.count
 
-    def run(self, k: int, fn: Callable[..., _T], *used: torch.Tensor) -> _T:
-        """``fn(*used)`` on lane k mod S, after everything queued on the current stream so far (the chunks
-        received, the outputs allocated). ``used``: the tensors fn reads that the current stream may free before
-        the join (a received ring buffer); their memory is kept until the lane is done with them."""
+    def fork(self) -> None:
+        """Every lane waits, once, for what the current stream has queued so far: the ring's inputs and the
+        outputs allocated before the loop. A reduce ring's chunks read nothing else, so they `run` with
+        ``follow=False`` after this."""
+        for lane in self._lanes:
+            lane.wait(self._current)
+
+    def run(self, k: int, fn: Callable[..., _T], *used: torch.Tensor, follow: bool = True) -> _T:
+        """``fn(*used)`` on lane k mod S. ``follow``: after everything queued on the current stream so far (a
+        gather ring's chunk needs the chunk just received); without it only after `fork` (a reduce ring's chunk
+        reads inputs that were ready then: waiting for the current stream would queue its GEMM behind the
+        previous chunk's hand-over and send, one chunk after the other). ``used``: the tensors fn reads that the
+        current stream may free before the join (a received ring buffer); their memory is kept until the lane
+        is done with them."""
         if not self._lanes:
             return fn(*used)
         j = self.lane(k)
         lane = self._lanes[j]
-        lane.wait(self._current)
+        if follow:
+            lane.wait(self._current)
         for t in used:
             lane.keep(t)
         self._used.add(j)
@@ -248,11 +260,12 @@ class _RingGatheredLinears(torch.autograd.Function):
         _count("reduce_scatter", group, t * x.numel() * dtype.itemsize)
         held, pending = x.contiguous(), None
         lanes = _open_lanes(held, t)
+        lanes.fork()  # the input-gradient partials read only g and the weights
         for k in range(t):
             chunk, dest = (r - k) % t, (r - 1 - k) % t
             nxt, gathering = _ring_step(held, group, GATHER_TAG, k == t - 1)
             part = lanes.hand_over(
-                k, lanes.run(k, functools.partial(_input_grad, live, dim, dest, n, x))
+                k, lanes.run(k, functools.partial(_input_grad, live, dim, dest, n, x), follow=False)
             )  # part: [b, n, h], this rank's share of chunk dest's
             if pending is not None:
                 _wait(pending[1])
@@ -348,11 +361,12 @@ class _RingRowParallel(torch.autograd.Function):
         n = x.shape[dim] // t
         _cast_weights_here(x, dim, (weight, None))
         lanes = _open_lanes(x, t)
+        lanes.fork()  # the partials read only x and the weight
         pending = None
         for k in range(t):
             dest = (r - 1 - k) % t
             part = lanes.hand_over(
-                k, lanes.run(k, functools.partial(F.linear, _rows(x, dim, dest, n), weight))
+                k, lanes.run(k, functools.partial(F.linear, _rows(x, dim, dest, n), weight), follow=False)
             )  # part: [b, n, o], this rank's share of chunk dest's
             if pending is not None:
                 _wait(pending[1])

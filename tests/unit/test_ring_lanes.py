@@ -76,6 +76,27 @@ def test_forced_lanes_round_robin_wait_keep_and_join(count: int, t: int) -> None
     assert log == [("wait", "current", f"lane{j}") for j in range(s)]
 
 
+@pytest.mark.parametrize("count, t", [(2, 4), (3, 5)])
+def test_a_reduce_rings_chunks_wait_only_for_the_fork(count: int, t: int) -> None:
+    """A reduce ring's partials (`run(..., follow=False)`) read inputs ready before the loop: each lane waits for
+    the current stream once, at `fork`, so chunk k + 1 does not queue behind chunk k's hand-over."""
+    with forced_lanes(count) as log:
+        lanes = ring_1d._open_lanes(torch.zeros(1), t)
+    s = min(count, t)
+    lanes.fork()
+    assert log == [("wait", f"lane{j}", "current") for j in range(s)]
+    for k in range(t):
+        log.clear()
+        out = lanes.hand_over(k, lanes.run(k, functools.partial(torch.ones, 2), follow=False))
+        lane = f"lane{k % s}"
+        assert log == [
+            ("enter", lane, None),
+            ("exit", lane, None),
+            ("wait", "current", lane),
+            ("keep", "current", id(out)),
+        ]
+
+
 @pytest.mark.parametrize("count, t", [(2, 4), (3, 4), (3, 5), (3, 2), (3, 3)])
 def test_per_lane_partial_sums_add_up_lane_0_first(count: int, t: int) -> None:
     values = _values(t)
