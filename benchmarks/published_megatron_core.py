@@ -62,10 +62,11 @@ both overlaps on, on the 7.1B, 32B, 70B, 119B, 462B and 4608-GPU rows).
 
 What the planner prices differently from Megatron-Core (say so in every reading)
 --------------------------------------------------------------------------------
-- Transformer Engine's userbuffers move the ring's chunks with copy engines and launch the chunk GEMMs on several
-  streams; tessera's ring runs its chunk GEMMs one after another, so each pays its own wave quantization and the
-  hidden transfer slows them by the GPU file's `overlap_slowdown` (measured for NCCL kernels: an upper bound for
-  copy-engine transfers). `StepBreakdown.tp_comm` is what the rings add (chunk losses, exposed transfer,
+- Transformer Engine's userbuffers move the ring's chunks with copy engines; tessera's ring moves them with
+  NCCL point-to-point, so the hidden transfer slows the GEMMs by the GPU file's `overlap_slowdown` (measured for
+  NCCL kernels: an upper bound for copy-engine transfers). Both launch the chunk GEMMs round robin on 3 streams
+  (TE's default pool; `traffic.RING_GEMM_LANES`), priced as the t chunks' tiles filling waves together
+  (`gemm.lanes_call_time`). `StepBreakdown.tp_comm` is what the rings add (chunk losses, exposed transfer,
   slowdown). The "overlaps off" column of the what-ifs is the prediction before the flags were priced.
 
 Left out
