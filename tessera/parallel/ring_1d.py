@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -251,11 +251,13 @@ class _RingGatheredLinears(torch.autograd.Function):
         dim, group = ctx.dim, ctx.group
         t, r, n = comm.group_size(group), dist.get_rank(group), x.shape[dim]
         live = [
-            (i, g.contiguous(), w)  # g: [b, s, o_i]
+            _Live(
+                i, g.contiguous(), w.to(g.dtype), w.dtype
+            )  # g: [b, s, o_i]; the weight cast once, not per chunk
             for i, (g, w) in enumerate(zip(grads, params[0::2], strict=True))
             if g is not None  # an output that did not reach the loss
         ]
-        dtype = live[0][1].dtype if live else x.dtype
+        dtype = live[0].grad.dtype if live else x.dtype
         _count("all_gather", group, t * x.numel() * x.element_size())
         _count("reduce_scatter", group, t * x.numel() * dtype.itemsize)
         held, pending = x.contiguous(), None
@@ -319,10 +321,23 @@ def _linears_into(
         _rows(out, dim, chunk, n).copy_(F.linear(held, params[i], params[i + 1]))  # [b, n, o_i]
 
 
+class _Live(NamedTuple):
+    """A column-parallel linear whose output reached the loss, in the entry's backward."""
+
+    index: int
+    grad: torch.Tensor
+    """Its output gradient, [b, s, o_i]."""
+    weight_cast: torch.Tensor
+    """Its weight in the gradient's dtype, cast once before the chunks (each lane reads it; a cast per chunk would
+    re-read the weight t times)."""
+    weight_dtype: torch.dtype
+    """The weight's own dtype: its gradient's."""
+
+
 def _weight_grads(
     lanes: _Lanes,
     k: int,
-    live: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+    live: Sequence[_Live],
     dim: int,
     chunk: int,
     held: torch.Tensor,
@@ -330,18 +345,16 @@ def _weight_grads(
     """Each live linear's weight gradient from one chunk (held: x's chunk ``chunk``, [b, n, h]), added to lane
     k's partial sum of it."""
     n = held.shape[dim]
-    for i, g, w in live:
-        gw = _flat(_rows(g, dim, chunk, n)).t().matmul(_flat(held).to(g.dtype)).to(w.dtype)  # [o_i, h]
+    for i, g, _, w_dtype in live:
+        gw = _flat(_rows(g, dim, chunk, n)).t().matmul(_flat(held).to(g.dtype)).to(w_dtype)  # [o_i, h]
         lanes.accumulate(k, i, gw)
 
 
-def _input_grad(
-    live: Sequence[tuple[int, torch.Tensor, torch.Tensor]], dim: int, chunk: int, n: int, x: torch.Tensor
-) -> torch.Tensor:
+def _input_grad(live: Sequence[_Live], dim: int, chunk: int, n: int, x: torch.Tensor) -> torch.Tensor:
     """Σ_i g_i[chunk] W_i: this rank's partial input gradient of one chunk ([b, n, h]; zeros if nothing is live)."""
     part = None
-    for _, g, w in live:
-        term = _rows(g, dim, chunk, n).matmul(w.to(g.dtype))  # [b, n, o_i] @ [o_i, h] -> [b, n, h]
+    for _, g, w_cast, _ in live:
+        term = _rows(g, dim, chunk, n).matmul(w_cast)  # [b, n, o_i] @ [o_i, h] -> [b, n, h]
         part = term if part is None else part + term
     return torch.zeros_like(x) if part is None else part
 
@@ -386,11 +399,12 @@ class _RingRowParallel(torch.autograd.Function):
         _count("all_gather", group, t * g.numel() * g.element_size())
         gx = g.new_empty(x.shape)  # gx: [b, s, h/t]
         held = g.contiguous()
+        w_cast = weight.to(g.dtype)  # once, on the current stream, before the lanes read it
         lanes = _open_lanes(held, t)
         for k in range(t):
             chunk = (r - k) % t  # the output-gradient shard held now: rank chunk's
             nxt, works = _ring_step(held, group, GATHER_TAG, k == t - 1)
-            lanes.run(k, functools.partial(_row_grads, lanes, k, x, weight, gx, dim, chunk), held)
+            lanes.run(k, functools.partial(_row_grads, lanes, k, x, weight, w_cast, gx, dim, chunk), held)
             _wait(works)
             held = nxt
         lanes.join()
@@ -406,15 +420,17 @@ def _row_grads(
     k: int,
     x: torch.Tensor,
     weight: torch.Tensor,
+    w_cast: torch.Tensor,
     gx: torch.Tensor,
     dim: int,
     chunk: int,
     held: torch.Tensor,
 ) -> None:
     """A row-parallel linear's gradients from one chunk of the output gradient (held: [b, n, o]): the input
-    gradient's rows of that chunk into gx, the weight gradient added to lane k's partial sum."""
+    gradient's rows of that chunk into gx, the weight gradient added to lane k's partial sum. w_cast: the weight
+    in the gradient's dtype, cast once before the chunks."""
     n = held.shape[dim]
-    _rows(gx, dim, chunk, n).copy_(held.matmul(weight.to(held.dtype)))  # [b, n, o] @ [o, h/t]
+    _rows(gx, dim, chunk, n).copy_(held.matmul(w_cast))  # [b, n, o] @ [o, h/t]
     gw = _flat(held).t().matmul(_flat(_rows(x, dim, chunk, n)).to(held.dtype)).to(weight.dtype)  # [o, h/t]
     lanes.accumulate(k, _WEIGHT, gw)
 
