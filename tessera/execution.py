@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache, partial
 
 from tessera.axes import DIMS
 from tessera.config import (
@@ -188,7 +189,7 @@ class ExecutionPlan:
 
     def exchanged_stages(self, rank: int) -> tuple[int, ...]:
         """Pipeline rank ``rank``'s stages of `tied_across` pairs, in the order its list exchanges them."""
-        return tuple(s for pair in self.tied_across() for s in pair if self.stage_rank(s) == rank)
+        return _exchanged_stages(self.tied, self.n_stages, self.pp, self.placement, rank)
 
     def lowered(self) -> Schedule:
         """The validated per-pipeline-rank action lists the schedule runtime executes (pure; rebuilt per call)."""
@@ -328,7 +329,7 @@ def decide(cfg: Config, world_size: int) -> ExecutionPlan:
     For a caller that generates only valid configs and cannot afford the checks per config (the planner's search
     over thousands of layouts); everything else calls `resolve`, which checks and then calls this."""
     par, tr, n_layers = cfg.parallel, cfg.train, cfg.model.n_layers
-    layout = Layout.from_config(par, world_size)
+    layout = _layout(tuple(par.layout_sizes(world_size).items()))  # = Layout.from_config(par, world_size)
     m = tr.micro_batches(layout.dp)
     layered = par.accumulation == LAYERED and m > 1
     runner = SCHEDULE_RUNTIME if (par.pipeline > 1 or par.zero > 0 or layered) else DIRECT
@@ -350,7 +351,7 @@ def decide(cfg: Config, world_size: int) -> ExecutionPlan:
         configured_schedule=par.schedule,
         switched_to_breadth_first=switched,
         stages_per_rank=v,
-        stage_layers=tuple(stage_layers or even_split(n_layers, par.pipeline * v)),
+        stage_layers=tuple(stage_layers or _even_stages(n_layers, par.pipeline * v)),
         placement="loop",
         accumulation=accumulation,
         checkpointing=par.checkpointing,
@@ -363,6 +364,26 @@ def decide(cfg: Config, world_size: int) -> ExecutionPlan:
         n_layers=n_layers,
         tied=cfg.model.tie_embeddings,
     )
+
+
+@lru_cache(maxsize=1024)  # the planner's search asks per layout and rank; a few hundred distinct
+def _exchanged_stages(tied: bool, n_stages: int, p: int, placement: str, rank: int) -> tuple[int, ...]:
+    """`ExecutionPlan.exchanged_stages` from the fields it reads (the tied pairs and the stages' ranks)."""
+    rank_of = partial(stage_to_rank, p=p, placement=placement)
+    across = tied_across(tied_stages(tied, n_stages), rank_of)
+    return tuple(s for pair in across for s in pair if rank_of(s) == rank)
+
+
+@lru_cache(maxsize=256)  # the planner's search decides ~1e4 configs over a few dozen layouts
+def _layout(sizes: tuple[tuple[str, int], ...]) -> Layout:
+    """The Layout of these (field, size) pairs: built and checked once per distinct sizes (frozen: shared)."""
+    return Layout(**dict(sizes))
+
+
+@lru_cache(maxsize=256)  # as _layout: a few (layers, stages) pairs per search
+def _even_stages(n_layers: int, n_stages: int) -> tuple[int, ...]:
+    """`even_split` as a tuple (immutable: shared between the plans that ask)."""
+    return tuple(even_split(n_layers, n_stages))
 
 
 def _check_schedule(plan: ExecutionPlan) -> list[Violation]:

@@ -16,11 +16,14 @@ micro-batches in flight, and adds what is specific to tessera's runtime (docs/me
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TypeVar
 
 from tessera.config import Config, even_split
 from tessera.execution import DIRECT, ExecutionPlan, resolve
+from tessera.layout import Layout
 from tessera.modes import BREADTH_FIRST, LAYERED, reduces_every_microbatch
 from tessera.peak_memory import Moment, StageBytes, Walk, compile_walk, floor, lowered_events
 from tessera.pipeline.build import compute_options
@@ -55,7 +58,23 @@ __all__ = [
 ]
 
 GIB = 2**30
+_V = TypeVar("_V")
 COMPONENTS = ("params", "grads", "optimizer", "activations", "working", "comm_buffers")
+
+
+_MEMO_SIZE = 4096
+"""Entries a memo table (`_memo`) holds before it starts over: the planner's search of ~1e4 layouts has at most
+a few thousand distinct keys per table."""
+
+
+def _memo(table: dict[tuple, _V], key: tuple, compute: Callable[[], _V]) -> _V:
+    """``table[key]``, computing it with ``compute()`` on a miss (the table starts over when full)."""
+    value = table.get(key)
+    if value is None:
+        if len(table) >= _MEMO_SIZE:
+            table.clear()
+        value = table[key] = compute()
+    return value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,7 +156,7 @@ def _fix_for(component: str, plan: Plan) -> str:
 def cost_plan(plan: ExecutionPlan) -> Plan:
     """The cost model's view of an execution plan (activation memory uses torch SDPA: no s×s score tensor)."""
     return Plan(
-        **plan.layout.plan_sizes(),  # every dimension's rank count (tessera.axes.DIMS)
+        **dict(_plan_sizes(plan.layout)),  # every dimension's rank count (tessera.axes.DIMS)
         tp_kind="2d" if plan.q > 1 else "1d",
         sequence_parallel=plan.sequence_parallel,
         tp_comm_overlap=plan.tp_comm_overlap,
@@ -155,6 +174,12 @@ def cost_plan(plan: ExecutionPlan) -> Plan:
         rank_order=TESSERA_ORDER,  # ranks laid out by tessera.layout
         stage_layers=None if _even(plan) else plan.stage_layers,
     )
+
+
+@lru_cache(maxsize=256)  # a few dozen layouts per search, each asked for by every plan built on it
+def _plan_sizes(layout: Layout) -> tuple[tuple[str, int], ...]:
+    """`Layout.plan_sizes` as (field, ranks) pairs (immutable: shared; the layout is frozen)."""
+    return tuple(layout.plan_sizes().items())
 
 
 def _even(plan: ExecutionPlan) -> bool:
@@ -197,16 +222,49 @@ def _stage_params(shape: ModelShape, plan: Plan, stage_layers: tuple[int, ...] |
     return tuple(out)
 
 
-@lru_cache(maxsize=16)  # the search asks twice per layout (floor, estimate)
+_STAGE_PARAMS: dict[tuple, tuple[float, ...]] = {}
+
+
+def _plan_stage_params(shape: ModelShape, plan: ExecutionPlan) -> tuple[float, ...]:
+    """`stage_params` of the plan's stages, memoized on what it reads: the layout (tensor ranks, 1D or 2D, the
+    pipeline size) and the stage split (`cost_plan` takes its tp, tp_kind and pp from ``plan.layout``)."""
+    key = (shape, plan.layout, plan.stage_layers)
+    return _memo(_STAGE_PARAMS, key, lambda: _stage_params(shape, cost_plan(plan), plan.stage_layers))
+
+
+_INFLIGHT: dict[tuple, tuple[list[float], list[int]]] = {}
+
+
 def _inflight(plan: ExecutionPlan) -> tuple[list[float], list[int]]:
     """Per pipeline rank: peak (block × micro-batch) pairs saved for backward, and peak micro-batches of the last
-    stage (0 on ranks without it).
+    stage (0 on ranks without it). Not to be mutated: memoized.
 
     A rank runs its list in order, so these peaks follow from its action order alone. Named schedules with one
     stage per rank, equal stages, or breadth-first use closed forms (`steptime.inflight_microbatches`; equal to
     the scan, tests/unit) so the planner's search can price thousands of layouts; the rest (several uneven
     stages per rank, hand-written schedules) scan the list.
     """
+    # a named schedule's counts read only these (not ZeRO, checkpointing or the micro-batch size: the search
+    # prices each schedule under several of those); a hand-written one's lowered lists read the whole plan
+    key = (
+        (plan,)
+        if (plan.schedule or "").endswith(".csv")
+        else (
+            plan.runner,
+            plan.n_layers,
+            plan.schedule,
+            plan.layout.pp,
+            plan.micro_batches,
+            plan.stages_per_rank,
+            plan.stage_layers,
+            plan.placement,
+            plan.accumulation,
+        )
+    )
+    return _memo(_INFLIGHT, key, lambda: _count_inflight(plan))
+
+
+def _count_inflight(plan: ExecutionPlan) -> tuple[list[float], list[int]]:
     p, m, v, n = plan.pp, plan.micro_batches, plan.stages_per_rank, plan.n_stages
     last_rank = plan.stage_rank(n - 1)
     if plan.runner == DIRECT:
@@ -236,10 +294,28 @@ def _rank_blocks(plan: ExecutionPlan) -> list[int]:
     return [sum(layers[s] for s in plan.rank_stages(r)) for r in range(p)]
 
 
+_STATE_FLOORS: dict[tuple, float] = {}
+_RANK_STATES: dict[tuple, tuple[float, float, float]] = {}
+
+
+def _state_key(shape: ModelShape, plan: ExecutionPlan) -> tuple:
+    """What the model state of a plan's pipeline ranks reads: the layout (the ranks of each dimension, 1D/2D), the
+    ZeRO stage, the stage split and its placement on the ranks (`stage_params`, `model_state_bytes`,
+    `ExecutionPlan.rank_stages`). Not the schedule's name, the micro-batching, checkpointing or the overlaps: the
+    search prices many layouts that differ only in those."""
+    return (shape, plan.layout, plan.zero, plan.stage_layers, plan.placement)
+
+
 def model_state_floor(shape: ModelShape, plan: ExecutionPlan) -> float:
     """Bytes of model state (fp32 parameters, gradients and Adam moments, ZeRO-sharded) of the pipeline rank
     holding the most: a lower bound of `estimate_plan`'s total (the same `stage_params` and `model_state_bytes`
-    its breakdown uses), cheap enough for the planner's search to reject a layout before pricing the rest."""
+    its breakdown uses), cheap enough for the planner's search to reject a layout before pricing the rest.
+    Memoized on `_state_key` and whether the schedule is hand-written (`_candidate_ranks` reads that too)."""
+    key = (*_state_key(shape, plan), (plan.schedule or "").endswith(".csv"))
+    return _memo(_STATE_FLOORS, key, lambda: _model_state_floor(shape, plan))
+
+
+def _model_state_floor(shape: ModelShape, plan: ExecutionPlan) -> float:
     return max(sum(state) for state in _rank_states(shape, plan).values())
 
 
@@ -300,9 +376,14 @@ def _rank_states(shape: ModelShape, plan: ExecutionPlan) -> dict[int, tuple[floa
 
 
 def _rank_state(shape: ModelShape, plan: ExecutionPlan, rank: int) -> tuple[float, float, float]:
-    """(parameter, gradient, optimizer) bytes by the ZeRO formulas of pipeline rank ``rank``."""
+    """(parameter, gradient, optimizer) bytes by the ZeRO formulas of pipeline rank ``rank`` (memoized on
+    `_state_key`: `_price_rank_state` reads nothing else)."""
+    return _memo(_RANK_STATES, (*_state_key(shape, plan), rank), lambda: _price_rank_state(shape, plan, rank))
+
+
+def _price_rank_state(shape: ModelShape, plan: ExecutionPlan, rank: int) -> tuple[float, float, float]:
     cplan = cost_plan(plan)
-    per_stage = stage_params(shape, cplan, plan.stage_layers)
+    per_stage = _plan_stage_params(shape, plan)
     mine = (
         sum(per_stage[rank :: plan.pp])
         if plan.placement == "loop"
@@ -357,7 +438,7 @@ def estimate_plan(
     `tessera memory` and the planner's search both call it. With ``stop_above``, the first rank whose total
     exceeds it is returned without walking the others (the search drops such a layout whichever rank it is)."""
     cplan = cost_plan(plan)
-    per_stage = stage_params(shape, cplan, plan.stage_layers)
+    per_stage = _plan_stage_params(shape, plan)
     peaks, last_mb = _inflight(plan)
     best: MemoryEstimate | None = None
     for rank in _candidate_ranks(plan) if stage is None else [stage]:
@@ -418,7 +499,7 @@ def _at_peak(
 def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageBytes:
     """The sizes the walk of pipeline rank ``rank``'s list prices, by its stages (not to be mutated: cached)."""
     cplan = cost_plan(plan)
-    per_stage = stage_params(shape, cplan, plan.stage_layers)
+    per_stage = _plan_stage_params(shape, plan)
     psi = {s: per_stage[s] for s in plan.rank_stages(rank)}
     per_layer, recompute, boundary, head, head_working = _micro_batch_bytes(shape, cplan)
     last = plan.n_stages - 1
@@ -446,10 +527,30 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     )
 
 
-@lru_cache(maxsize=16)  # a layout's cost view, asked for by each of its candidate ranks
+_MICRO_BATCH_BYTES: dict[tuple, tuple[float, float, float, float, float]] = {}
+
+
 def _micro_batch_bytes(shape: ModelShape, cplan: Plan) -> tuple[float, float, float, float, float]:
     """One micro-batch's (activations saved per block, a recomputed block's transient, the boundary tensor,
-    the head's saved activations with its fp32 logits, the head's backward transient)."""
+    the head's saved activations with its fp32 logits, the head's backward transient). Memoized on the fields
+    `activation_bytes_per_layer`, `head_activation_bytes` and `boundary_bytes` read (the tensor split, the
+    micro-batch, checkpointing, the dtypes, flash attention): not ZeRO, the pipeline or the schedule, which the
+    search varies around one micro-batch shape."""
+    key = (
+        shape,
+        cplan.tp,
+        cplan.tp_kind,
+        cplan.sequence_parallel,
+        cplan.micro_batch,
+        cplan.recompute,
+        cplan.dtype,
+        cplan.autocast,
+        cplan.flash_attention,
+    )
+    return _memo(_MICRO_BATCH_BYTES, key, lambda: _price_micro_batch(shape, cplan))
+
+
+def _price_micro_batch(shape: ModelShape, cplan: Plan) -> tuple[float, float, float, float, float]:
     per_layer = activation_bytes_per_layer(shape, cplan)
     recompute = (
         activation_bytes_per_layer(shape, cplan, recompute="none") if cplan.recompute != "none" else 0.0

@@ -250,6 +250,7 @@ def _ends_or_all(counts: tuple[int, ...], p: int) -> list[int]:
     return list(range(p))
 
 
+@lru_cache(maxsize=1024)  # pure; the search asks once per layout variant, for a few hundred distinct splits
 def balanced_stage_layers(n_layers: int, p: int, first_extra: float, last_extra: float) -> tuple[int, ...]:
     """Blocks per stage (one chunk per rank) that even out the work when the first stage also runs the embedding
     and the last the output layer and loss, `first_extra`/`last_extra` in units of one block's work: the ends get
@@ -676,7 +677,7 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, p
         items: list[tuple[float, float]] = []
         reps = m if _per_microbatch_reduce(plan) else 1  # `reduce` is reps reductions of every stage
         for e in entries:
-            if e.action.kind.value == "B":
+            if e.action.kind is _BACKWARD:  # B, by identity: an enum's .value is a call per entry
                 last_b[e.action.stage] = (e.start, e.end)
             elif e.action.kind.is_exchange:
                 last_b[e.action.stage] = (e.end, e.end)  # its REDUCE starts the reduction, all at once
