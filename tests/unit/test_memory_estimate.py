@@ -82,17 +82,18 @@ def test_closed_form_inflight_equals_the_scan_of_the_schedule(schedule: str, une
                 for accumulation in ("layered", "depth_first"):
                     cfg = Config(
                         model=ModelConfig(n_layers=2 * p * v, n_heads=2, d_model=16, seq_len=8),
-                        # uneven: stages of 1 and 3 blocks in turn (still 2 per stage on average)
+                        # uneven: stages of 1 and 3 blocks in turn (2 per stage on average: p·v must be even)
                         parallel=ParallelConfig(
                             pipeline=p,
                             schedule=schedule,
                             stages_per_rank=v,
                             accumulation=accumulation,
                             zero=1,
+                            stage_layers=[1 + 2 * (i % 2) for i in range(p * v)] if uneven else None,
                         ),
                         train=TrainConfig(global_batch=m, micro_batch=1),
                     )
-                    if violations(cfg, p) or (uneven and p * v == 1):
+                    if violations(cfg, p) or (uneven and p * v % 2):
                         continue
                     plan = resolve(cfg, p)
                     scanned = _scan(plan.lowered(), plan.stage_layers, plan.n_stages - 1)
