@@ -47,6 +47,7 @@ __all__ = [
     "linear_2d",
     "replayed_1d",
     "replayed_2d",
+    "ring_gemm_lanes",
     "summa",
     "summa_bytes",
     "tensor_1d_comm",
@@ -70,6 +71,12 @@ min(that, num_splits) that ``CommOverlapP2PBase::split_overlap_ag`` in
 ``transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp`` round-robins its chunk GEMMs over (commit
 d0067d0da6cb01811b8072a7d304f0e00344ce2b). Moves no bytes: the traffic lists below do not depend on it. The
 planner prices a ring's chunks on these lanes (`tessera.planner.cost.tp_overlap.ring_lanes`)."""
+
+
+def ring_gemm_lanes(t: int) -> int:
+    """Lanes a ring of t chunks runs its chunk GEMMs on, on CUDA: min(`RING_GEMM_LANES`, t) (the runtime's
+    `ring_1d._open_lanes` and the planner's `tp_overlap.ring_lanes` both ask here)."""
+    return min(RING_GEMM_LANES, t)
 
 
 @dataclass(frozen=True, slots=True)

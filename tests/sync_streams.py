@@ -10,6 +10,7 @@ from unittest import mock
 
 import torch
 
+from tessera import traffic
 from tessera.parallel import ring_1d
 
 Log = list[tuple[str, str, object]]
@@ -45,9 +46,9 @@ def forced_lanes(count: int | None = None) -> Iterator[Log]:
     def streams(like: torch.Tensor, n: int) -> tuple[SyncStream, list[SyncStream]]:
         return SyncStream("current", log), [SyncStream(f"lane{j}", log) for j in range(n)]
 
-    lanes = ring_1d.RING_GEMM_LANES if count is None else count
+    lanes = traffic.RING_GEMM_LANES if count is None else count
     with (
-        mock.patch.object(ring_1d, "RING_GEMM_LANES", lanes),
+        mock.patch.object(traffic, "RING_GEMM_LANES", lanes),
         mock.patch.object(ring_1d, "_streams", streams),
     ):
         yield log

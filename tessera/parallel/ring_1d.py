@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessera import comm
-from tessera.traffic import RING_GEMM_LANES
+from tessera.traffic import ring_gemm_lanes
 
 __all__ = ["ring_gathered_linears", "ring_row_parallel"]
 
@@ -135,8 +135,8 @@ def _streams(like: torch.Tensor, count: int) -> tuple[_Stream, Sequence[_Stream]
 
 def _open_lanes(like: torch.Tensor, t: int) -> _Lanes:
     """The lanes of one ring call of t chunks on ``like``'s device: min(RING_GEMM_LANES, t) side streams on CUDA,
-    the pass-through elsewhere."""
-    streams = _streams(like, min(RING_GEMM_LANES, t))
+    the pass-through elsewhere (`traffic.ring_gemm_lanes`)."""
+    streams = _streams(like, ring_gemm_lanes(t))
     return _Lanes() if streams is None else _Lanes(streams[1], streams[0])
 
 

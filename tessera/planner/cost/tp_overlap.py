@@ -38,7 +38,7 @@ from tessera.planner.cost.collectives import group_placement, p2p_time, traffic_
 from tessera.planner.cost.plan import Plan
 from tessera.planner.hardware import Hardware
 from tessera.planner.network import bus_bandwidth
-from tessera.traffic import RING_GEMM_LANES, Collective
+from tessera.traffic import Collective, ring_gemm_lanes
 
 __all__ = [
     "RING_KINDS",
@@ -89,7 +89,7 @@ def ring_lanes(hw: Hardware, plan: Plan) -> int:
     """Chunk GEMMs of a ring that run concurrently: min(`traffic.RING_GEMM_LANES`, t) on hardware priced by SM waves
     (`Hardware.sm_count` > 0, a GPU), 1 otherwise (a CPU runs the chunks one after the other; the size curve has
     no waves to fill)."""
-    return min(RING_GEMM_LANES, plan.tp) if hw.sm_count > 0 else 1
+    return ring_gemm_lanes(plan.tp) if hw.sm_count > 0 else 1
 
 
 def ring_step_time(hw: Hardware, plan: Plan, nbytes: float) -> float:
