@@ -185,7 +185,7 @@ class ExecutionPlan:
     def tied_across(self) -> tuple[tuple[int, int], ...]:
         """The pairs of stages sharing a parameter on different pipeline ranks (`passes.tied_across`): each
         rank's list ends with their EXCHANGE and their one REDUCE of the step."""
-        return tied_across(tied_stages(self.tied, self.n_stages), self.stage_rank)
+        return _tied_across(self.tied, self.n_stages, self.pp, self.placement)
 
     def exchanged_stages(self, rank: int) -> tuple[int, ...]:
         """Pipeline rank ``rank``'s stages of `tied_across` pairs, in the order its list exchanges them."""
@@ -366,12 +366,17 @@ def decide(cfg: Config, world_size: int) -> ExecutionPlan:
     )
 
 
+@lru_cache(maxsize=1024)  # the planner's search asks per layout; a few hundred distinct
+def _tied_across(tied: bool, n_stages: int, p: int, placement: str) -> tuple[tuple[int, int], ...]:
+    """`ExecutionPlan.tied_across` from the fields it reads (the tied pairs and the stages' ranks)."""
+    return tied_across(tied_stages(tied, n_stages), partial(stage_to_rank, p=p, placement=placement))
+
+
 @lru_cache(maxsize=1024)  # the planner's search asks per layout and rank; a few hundred distinct
 def _exchanged_stages(tied: bool, n_stages: int, p: int, placement: str, rank: int) -> tuple[int, ...]:
-    """`ExecutionPlan.exchanged_stages` from the fields it reads (the tied pairs and the stages' ranks)."""
-    rank_of = partial(stage_to_rank, p=p, placement=placement)
-    across = tied_across(tied_stages(tied, n_stages), rank_of)
-    return tuple(s for pair in across for s in pair if rank_of(s) == rank)
+    """`ExecutionPlan.exchanged_stages` from the fields it reads: `_tied_across`'s stages on ``rank``."""
+    across = _tied_across(tied, n_stages, p, placement)
+    return tuple(s for pair in across for s in pair if stage_to_rank(s, p, placement) == rank)
 
 
 @lru_cache(maxsize=256)  # the planner's search decides ~1e4 configs over a few dozen layouts
