@@ -26,10 +26,9 @@ from tessera.planner.network import TESSERA_ORDER
 from tessera.planner.search import model_config
 from tessera.planner.steptime import dp_parts, fast_step, simulate_step
 from tessera.traffic import BACKWARD, FORWARD, tensor_calls
+from tests.unit.test_search import FAST_VS_SIM_TOLERANCE  # the closed form within 1 % of the simulated step
 
 REL = 1e-9
-FAST_VS_SIM_TOLERANCE = 0.01
-"""As tests/unit/test_search.py: the closed form agrees with the simulated step within 1 %."""
 
 FLAT = Hardware(
     name="flat",
