@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +85,20 @@ def write_results(out: Path, name: str, text: str, draw: Callable[[Path], None])
     (out / f"{name}.md").write_text(text + "\n")
     draw(out / f"{name}.png")
     print(f"wrote {out / f'{name}.md'} and {out / f'{name}.png'}")
+
+
+def publish(
+    name: str,
+    rows: list[dict[str, Any]],
+    args: Any,
+    argv: Sequence[str] | None,
+    report: Callable[[list[dict[str, Any]], Any, str], str],
+    plot: Callable[[list[dict[str, Any]], Path], None],
+) -> None:
+    """Print `report` (rows, args, the command that ran, from ``argv`` or the process's) and, unless
+    ``args.quick``, write it and `plot`'s picture as `name`.md / .png under ``args.out``."""
+    command = f"python benchmarks/{name}.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = report(rows, args, command.strip())
+    print(text)
+    if not args.quick:
+        write_results(args.out, name, text, lambda path: plot(rows, path))

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: import the repository's tessera
     sys.path.insert(0, str(ROOT))
 
-from off_on import VARIANTS, bar_chart, machine_line, median_range_ms, on_off_ratio, write_results  # noqa: E402
+from off_on import VARIANTS, bar_chart, machine_line, median_range_ms, on_off_ratio, publish  # noqa: E402
 
 from tessera import comm  # noqa: E402
 from tessera.config import ModelConfig  # noqa: E402
@@ -173,11 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"t = {t}: on / off {r['ratio']:.2f}", flush=True)
         rows.append(r)
     args.load = (load_before, os.getloadavg()[0])
-    command = "python benchmarks/tp_overlap.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = report(rows, args, command.strip())
-    print(text)
-    if not args.quick:
-        write_results(args.out, "tp_overlap", text, lambda path: plot(rows, path))
+    publish("tp_overlap", rows, args, argv, report, plot)
 
 
 if __name__ == "__main__":
