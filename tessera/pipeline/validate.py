@@ -12,6 +12,7 @@ marked ``>2B0<`` and a ``^`` line under its step, plus a one-line explanation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError
@@ -51,7 +52,9 @@ class _Run:
     stages: int
     microbatches: int
     pc: list[int]
-    grid: list[list[str]]
+    grid: list[list[Action | str]]
+    """Each rank's action per step ("" while blocked); kept as Actions and turned into text only by `text_grid`
+    for a failure's message, since a valid schedule (up to hundreds of thousands of actions) never shows it."""
     step: int = 0
     done: set[tuple[ActionKind, int, int]] = field(default_factory=set)
     sent: dict[tuple, tuple[int, int, Action]] = field(default_factory=dict)  # message -> (rank, step, send)
@@ -67,10 +70,14 @@ class _Run:
     def fail(self, rank: int, action: Action, why: str) -> ScheduleError:
         row = self.grid[rank]
         row += [""] * (self.step + 1 - len(row))
-        row[self.step] = str(action)
+        row[self.step] = action
         return ScheduleError(
-            f"step {self.step}, rank {rank}, {action}: {why}\n{render_grid(self.grid, {(rank, self.step)})}"
+            f"step {self.step}, rank {rank}, {action}: {why}\n{render_grid(self.text_grid(), {(rank, self.step)})}"
         )
+
+    def text_grid(self) -> list[list[str]]:
+        """`grid` as `render_grid` draws it."""
+        return [[str(cell) for cell in row] for row in self.grid]
 
 
 def validate(lowered: Schedule, p: int, *, microbatches: int | None = None) -> None:
@@ -78,14 +85,19 @@ def validate(lowered: Schedule, p: int, *, microbatches: int | None = None) -> N
     with exactly one F and one B (or one I and one W) per stage and micro-batch, every SEND received once,
     and REDUCE/GATHER/FREE consistent. ``microbatches`` defaults to the largest index seen plus one."""
     run = _prepare(lowered, p, microbatches)
-    while any(run.pc[r] < len(lowered[r]) for r in range(p)):
+    lengths = [len(actions) for actions in lowered]
+    pc = run.pc
+    while any(pc[r] < lengths[r] for r in range(p)):
         progressed = False
         for rank in range(p):
-            run.grid[rank].append("")
-            if run.pc[rank] < len(lowered[rank]) and _try_step(run, rank, lowered[rank][run.pc[rank]]):
-                run.grid[rank][run.step] = str(lowered[rank][run.pc[rank]])
-                run.pc[rank] += 1
-                progressed = True
+            row = run.grid[rank]
+            row.append("")
+            if pc[rank] < lengths[rank]:
+                action = lowered[rank][pc[rank]]
+                if _try_step(run, rank, action):
+                    row[run.step] = action
+                    pc[rank] += 1
+                    progressed = True
         if not progressed:
             raise _deadlock(run)
         run.step += 1
@@ -95,7 +107,6 @@ def validate(lowered: Schedule, p: int, *, microbatches: int | None = None) -> N
 def _prepare(lowered: Schedule, p: int, microbatches: int | None) -> _Run:
     if len(lowered) != p:
         raise ScheduleError(f"schedule has {len(lowered)} rank lists but p = {p}; give one list per rank")
-    static = [[str(a) for a in actions] for actions in lowered]
     owner: dict[int, int] = {}
     for rank, actions in enumerate(lowered):
         for index, action in enumerate(actions):
@@ -105,7 +116,7 @@ def _prepare(lowered: Schedule, p: int, microbatches: int | None) -> _Run:
             if previous != rank:
                 raise ScheduleError(
                     f"rank {rank}, position {index}, {action}: stage {action.stage} already lives on rank "
-                    f"{previous}; each stage must live on exactly one rank\n{render_grid(static, {(rank, index)})}"
+                    f"{previous}; each stage must live on exactly one rank\n{_static_grid(lowered, rank, index)}"
                 )
     stages = max(owner, default=-1) + 1
     missing = sorted(set(range(stages)) - set(owner))
@@ -119,6 +130,11 @@ def _prepare(lowered: Schedule, p: int, microbatches: int | None) -> _Run:
     return run
 
 
+def _static_grid(lowered: Schedule, rank: int, index: int) -> str:
+    """The lists as written (position, not step, per column) with ``lowered[rank][index]`` marked."""
+    return render_grid([[str(a) for a in actions] for actions in lowered], {(rank, index)})
+
+
 def _try_step(run: _Run, rank: int, action: Action) -> bool:
     """Run ``action`` if it can; False if it is a RECV still waiting; raise if it is wrong."""
     if action.microbatch is not None and action.microbatch >= run.microbatches:
@@ -127,19 +143,7 @@ def _try_step(run: _Run, rank: int, action: Action) -> bool:
         return _recv(run, rank, action)
     if action.kind.is_exchange:
         return _exchange(run, rank, action)
-    checks = {
-        _K.FORWARD: _forward,
-        _K.BACKWARD: _backward,
-        _K.BACKWARD_INPUT: _backward,
-        _K.BACKWARD_WEIGHT: _weight,
-        _K.SEND_F: _send,
-        _K.SEND_B: _send,
-        _K.REDUCE_GRAD: _reduce,
-        _K.REDUCE_MICROBATCH: _reduce,
-        _K.GATHER_PARAMS: _gather,
-        _K.FREE_PARAMS: _free,
-    }
-    why = checks[action.kind](run, rank, action)
+    why = _CHECKS[action.kind](run, rank, action)
     if why:
         raise run.fail(rank, action, why)
     return True
@@ -303,6 +307,21 @@ def _free(run: _Run, rank: int, a: Action) -> str:
     return ""
 
 
+_CHECKS: dict[ActionKind, Callable[[_Run, int, Action], str]] = {
+    _K.FORWARD: _forward,
+    _K.BACKWARD: _backward,
+    _K.BACKWARD_INPUT: _backward,
+    _K.BACKWARD_WEIGHT: _weight,
+    _K.SEND_F: _send,
+    _K.SEND_B: _send,
+    _K.REDUCE_GRAD: _reduce,
+    _K.REDUCE_MICROBATCH: _reduce,
+    _K.GATHER_PARAMS: _gather,
+    _K.FREE_PARAMS: _free,
+}
+"""The check of every kind `_try_step` runs (RECV and EXCHANGE, which may wait, are handled before it)."""
+
+
 def _expected_send(run: _Run, rank: int, recv: Action) -> Action:
     if recv.kind is _K.RECV_F:
         return Action(recv.stage - 1, _K.SEND_F, recv.microbatch, rank)
@@ -320,7 +339,7 @@ def _deadlock(run: _Run) -> ScheduleError:
             at = run.lowered[peer][run.pc[peer]] if run.pc[peer] < len(run.lowered[peer]) else None
             where = f"blocked at {at}" if at is not None else "done, and never exchanges with it"
             reasons.append(f"rank {rank} waits at {recv} for rank {peer}'s EXCHANGE; rank {peer} is {where}")
-            run.grid[rank][run.step] = str(recv)
+            run.grid[rank][run.step] = recv
             marks.add((rank, run.step))
             continue
         send, sender = _expected_send(run, rank, recv), recv.peer or 0  # a RECV always has a peer
@@ -331,12 +350,12 @@ def _deadlock(run: _Run) -> ScheduleError:
         else:
             where = f"which rank {sender} never sends"
         reasons.append(f"rank {rank} waits at {recv} for {send}, {where}")
-        run.grid[rank][run.step] = str(recv)
+        run.grid[rank][run.step] = recv
         marks.add((rank, run.step))
     reasons.sort(key=lambda reason: "never sends" not in reason)  # the root cause first
     detail = "\n".join(f"  {reason}" for reason in reasons[1:])
     headline = f"deadlock at step {run.step}: {reasons[0]}" + (f"\n{detail}" if detail else "")
-    return ScheduleError(f"{headline}\n{render_grid(run.grid, marks)}")
+    return ScheduleError(f"{headline}\n{render_grid(run.text_grid(), marks)}")
 
 
 def _check_complete(run: _Run) -> None:
@@ -359,4 +378,6 @@ def _check_complete(run: _Run) -> None:
         )
     if problems:
         more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
-        raise ScheduleError(f"incomplete schedule: {'; '.join(problems[:5])}{more}\n{render_grid(run.grid)}")
+        raise ScheduleError(
+            f"incomplete schedule: {'; '.join(problems[:5])}{more}\n{render_grid(run.text_grid())}"
+        )
