@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 
+from tessera.planner import analysis as analysis_module
 from tessera.planner.analysis import (
     METHOD_FAMILIES,
     analyse_model,
@@ -12,12 +16,33 @@ from tessera.planner.analysis import (
     layouts_table,
 )
 from tessera.planner.cost import ModelShape
-from tessera.planner.hardware import load_hardware
+from tessera.planner.hardware import Hardware, load_hardware
 from tessera.planner.scaling import ALPHA_B, B_STAR, loss_from_params, min_steps, steps_for_batch
-from tessera.planner.search import default_target_loss, model_config
+from tessera.planner.search import SearchResult, default_target_loss, model_config
 
 A100 = load_hardware("a100-80gb")
 GPU_COUNTS = (8, 64, 512)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _each_search_once() -> Iterator[None]:
+    """`analyse_model` runs one planner search per GPU count; test_family_filters' 64-GPU analysis asks for the
+    very search the module analysis already ran at 64 GPUs (the search is deterministic), so it is run once and
+    `analyse_model`'s own work — picking each family's best and its curve — still runs on it in both."""
+    results: dict[tuple, SearchResult] = {}
+    search = analysis_module.search
+
+    def once(
+        model: str, gpus: int, hw: Hardware, global_batch: int | None = None, **options: Any
+    ) -> SearchResult:
+        key = (model, gpus, id(hw), global_batch, tuple(sorted((k, repr(v)) for k, v in options.items())))
+        if key not in results:
+            results[key] = search(model, gpus, hw, global_batch, **options)
+        return results[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(analysis_module, "search", once)
+        yield
 
 
 @pytest.fixture(scope="module")
