@@ -28,7 +28,7 @@ from tessera.modes import BREADTH_FIRST, LAYERED, reduces_every_microbatch
 from tessera.peak_memory import Moment, StageBytes, Walk, compile_walk, floor, lowered_events
 from tessera.pipeline.build import compute_options
 from tessera.pipeline.ir import ActionKind, Schedule
-from tessera.pipeline.schedules import build_schedule, rank_steps
+from tessera.pipeline.schedules import Step, build_schedule, rank_steps
 from tessera.planner.cost import (
     MemoryBreakdown,
     ModelShape,
@@ -53,6 +53,7 @@ __all__ = [
     "estimate_plan",
     "memory_floor",
     "model_state_floor",
+    "model_state_mean",
     "plan_from_config",
     "stage_params",
 ]
@@ -319,12 +320,42 @@ def _model_state_floor(shape: ModelShape, plan: ExecutionPlan) -> float:
     return max(sum(state) for state in _rank_states(shape, plan).values())
 
 
+_BOUND_MARGIN = 1e-9
+"""Relative margin of a cheap lower bound (`model_state_mean`, `_rank_state_floor`) below its exact value: its
+float sums and those of the bound it is under round differently (a few ulps), and it must not exceed a bound it
+equals exactly."""
+
+
+def model_state_mean(shape: ModelShape, plan: Plan) -> float:
+    """The model state (fp32 parameters, gradients and Adam moments, ZeRO-sharded, as `model_state_floor` counts
+    it) of a pipeline rank holding the mean share of the parameters, for the layout (``plan.dp``, ``pp``, ``tp``,
+    ``tp_kind``) and ZeRO stage (``zero_stage``) of ``plan``; its other fields are not read.
+
+    A lower bound of `model_state_floor` of every execution plan with that layout and ZeRO stage, whatever its
+    stage split, stages per rank, schedule, micro-batching or checkpointing: the stages' parameters
+    (`stage_params`) sum to the same total however the blocks are split (each block once, the embedding and head
+    once), the ranks' shares sum to it (each stage on one rank), the fullest rank holds at least the mean, the
+    candidate ranks `model_state_floor` takes the largest of include the fullest (`_candidate_ranks`), and
+    `model_state_bytes` is linear in the parameters. The planner's search rejects all the variants of a layout
+    and ZeRO stage with it before building their configs."""
+    total = sum(_stage_params(shape, plan, None))
+    return (1 - _BOUND_MARGIN) * sum(model_state_bytes(total / plan.pp, plan.dp, plan.zero_stage, "fp32"))
+
+
 def memory_floor(shape: ModelShape, plan: ExecutionPlan, *, stop_above: float | None = None) -> float:
     """A lower bound of `estimate_plan`'s total without walking a schedule, for the planner's search to reject
     most layouts cheaply: the largest `_rank_floor` of the candidate ranks. With ``stop_above``, the first
-    rank's bound above it is returned without pricing the others (the search only asks whether it exceeds)."""
+    bound above it is returned without pricing the rest (the search only asks whether it exceeds): first each
+    rank's `_rank_state_floor` (a lower bound of its `_rank_floor` from memoized parts: most rejected layouts
+    stop there), then each `_rank_floor`."""
+    ranks = _candidate_ranks(plan)
+    if stop_above is not None:
+        for rank in ranks:
+            cheap = _rank_state_floor(shape, plan, rank)
+            if cheap > stop_above:
+                return cheap
     best = 0.0
-    for rank in _candidate_ranks(plan):
+    for rank in ranks:
         best = max(best, _rank_floor(shape, plan, rank))
         if stop_above is not None and best > stop_above:
             break
@@ -356,6 +387,40 @@ def _rank_floor(shape: ModelShape, plan: ExecutionPlan, rank: int) -> float:
     )
     held = max(moment + autocast_weight_bytes(shape, cplan, rank), after + _temporaries(plan, sizes.grads))
     return params + optimizer + p2p + held
+
+
+def _rank_state_floor(shape: ModelShape, plan: ExecutionPlan, rank: int) -> float:
+    """A lower bound of `_rank_floor` (pipeline rank ``rank``) from memoized parts, without the rank's stage
+    sizes: its parameters and optimizer state, the point-to-point buffers and the (block × micro-batch) pairs in
+    flight at one block's saved activations. `_rank_floor` adds the same state and buffers to ``held``, which is
+    at least the walked moment's lower bound (`peak_memory.floor`: at least the activations at their peak), which
+    is at least `_peak_activations`, which is at least the pairs at the smallest bytes per block of any of the
+    rank's stages, each a block's activations or more (a stage adds its boundary or head). Less
+    `_BOUND_MARGIN`: the two sums round differently."""
+    params, grads, optimizer = _rank_state(shape, plan, rank)
+    if plan.runner == DIRECT:  # `_rank_floor` is this sum
+        return params + grads + optimizer
+    per_block, p2p = _block_and_p2p(shape, plan)
+    pairs = _inflight(plan)[0][rank]
+    return (1 - _BOUND_MARGIN) * (params + optimizer + p2p + pairs * per_block)
+
+
+_BLOCK_AND_P2P: dict[tuple, tuple[float, float]] = {}
+
+
+def _block_and_p2p(shape: ModelShape, plan: ExecutionPlan) -> tuple[float, float]:
+    """(one block's saved activations of one micro-batch, the point-to-point buffers): `_micro_batch_bytes`'
+    first and `_p2p_buffer_bytes` of the plan's cost view (`cost_plan`), memoized on the execution-plan fields
+    from which `cost_plan` derives what those two read (the layout: the tensor split, 1D or 2D, the pipeline;
+    sequence parallelism, the micro-batch, checkpointing, the dtype; it fixes autocast and flash attention), so
+    that the search's first check of a layout builds no cost view."""
+    key = (shape, plan.layout, plan.sequence_parallel, plan.micro_batch, plan.checkpointing, plan.dtype)
+    return _memo(_BLOCK_AND_P2P, key, lambda: _price_block_and_p2p(shape, plan))
+
+
+def _price_block_and_p2p(shape: ModelShape, plan: ExecutionPlan) -> tuple[float, float]:
+    cplan = cost_plan(plan)
+    return _micro_batch_bytes(shape, cplan)[0], _p2p_buffer_bytes(shape, cplan, plan)
 
 
 def _peak_activations(plan: ExecutionPlan, sizes: StageBytes, pairs: float) -> float:
@@ -666,11 +731,22 @@ def _rank_events(
 ) -> list[tuple[ActionKind, int]]:
     """The lowered list pipeline rank ``rank`` executes, as (kind, stage), without point-to-point actions
     (``exchanged``: its stages tied across ranks, `ExecutionPlan.exchanged_stages`)."""
+    steps = _rank_steps(name, p, m, v, rank, placement, accumulation)
+    return lowered_events(steps, zero3=zero3, every_microbatch=every_microbatch, exchanged=exchanged)
+
+
+@lru_cache(
+    maxsize=256
+)  # the ZeRO stages of one schedule share its compute list: 188 distinct of 421 in 1T's search
+def _rank_steps(
+    name: str, p: int, m: int, v: int, rank: int, placement: str, accumulation: str
+) -> tuple[Step, ...]:
+    """Pipeline rank ``rank``'s compute list (`schedules.rank_steps`), immutable: shared by the lowered lists of
+    the ZeRO stages and reductions that `_rank_events` builds on it."""
     options: dict[str, object] = dict(compute_options(name, accumulation))
     if placement != "loop":
         options["placement"] = placement
-    steps = rank_steps(name, p, m, v, rank, **options)
-    return lowered_events(steps, zero3=zero3, every_microbatch=every_microbatch, exchanged=exchanged)
+    return tuple(rank_steps(name, p, m, v, rank, **options))
 
 
 def _deferred(zero: int, accumulation: str) -> bool:

@@ -117,6 +117,8 @@ _STAGE_LEVEL = (_K.REDUCE_GRAD, _K.GATHER_PARAMS, _K.FREE_PARAMS)
 _EXCHANGE = _K.EXCHANGE_TIED
 _REDUCES = (_K.REDUCE_GRAD, _K.REDUCE_MICROBATCH)
 _GRADIENT_MESSAGES = (_K.SEND_B, _K.RECV_B)
+_MESSAGE_OF = {_K.SEND_F: ("act", 0), _K.RECV_F: ("act", -1), _K.SEND_B: ("grad", 0), _K.RECV_B: ("grad", 1)}
+"""A SEND/RECV kind -> (what its message carries, the producer stage's offset from the action's stage)."""
 _KIND_ALTERNATION = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
 _ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATION})(\d+)?(?:(->|<-|<>)r(\d+))?$")
 
@@ -197,15 +199,13 @@ class Action:
     def message(self) -> tuple[str, int, int | None] | None:
         """The message a SEND/RECV moves, identical at both ends: ``("act", producer_stage, microbatch)`` for
         activations, ``("grad", producer_stage, microbatch)`` for gradients; ``None`` for other kinds."""
-        if self.kind is ActionKind.SEND_F:
-            return ("act", self.stage, self.microbatch)
-        if self.kind is ActionKind.RECV_F:
-            return ("act", self.stage - 1, self.microbatch)
-        if self.kind is ActionKind.SEND_B:
-            return ("grad", self.stage, self.microbatch)
-        if self.kind is ActionKind.RECV_B:
-            return ("grad", self.stage + 1, self.microbatch)
-        return None
+        # one dict lookup, not four comparisons with members looked up on their class: the simulator asks this of
+        # every SEND and RECV it runs
+        entry = _MESSAGE_OF.get(self.kind)
+        if entry is None:
+            return None
+        what, offset = entry
+        return (what, self.stage + offset, self.microbatch)
 
     def short(self) -> str:
         """A compact label for pictures: compute actions as ``str``; others abbreviated (``2sF0``, ``2R``)."""

@@ -1,8 +1,8 @@
 """Output of `tessera plan`: text tables, JSON, the chosen layout as a config TOML, and a breakdown picture.
 
-`explain` re-times the top layouts of a search with the simulator (`steptime.simulate_step`) when the schedule is
-small enough (`SIM_ACTION_LIMIT`), re-ranks them, and attaches a one-sentence reason to every runner-up: its
-largest loss component against the winner, with the layout choice that causes it.
+`explain` re-times the top layouts of a search with the simulator (`steptime.simulated_breakdown`) when the
+schedule is small enough (`SIM_ACTION_LIMIT`), re-ranks them, and attaches a one-sentence reason to every
+runner-up: its largest loss component against the winner, with the layout choice that causes it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from tessera.config import load_config
 from tessera.errors import ConfigError
 from tessera.planner.search import Candidate, SearchResult
-from tessera.planner.steptime import StepBreakdown, p2p_hops, pipeline_costs, rank_blocks, simulate_step
+from tessera.planner.steptime import StepBreakdown, p2p_hops, pipeline_costs, rank_blocks, simulated_breakdown
 
 __all__ = [
     "COMPONENT_NAMES",
@@ -67,7 +67,7 @@ def _retime(result: SearchResult, cand: Candidate) -> tuple[Candidate, str]:
     pl = cand.plan
     if 2 * pl.pp * pl.virtual_stages * pl.n_microbatches > SIM_ACTION_LIMIT:
         return cand, "closed form"
-    bd, _ = simulate_step(result.shape, result.hardware, pl, cand.schedule)
+    bd = simulated_breakdown(result.shape, result.hardware, pl, cand.schedule)
     tokens = cand.global_batch * result.shape.seq_len / bd.step_time
     mfu = cand.mfu * cand.step_time / bd.step_time
     return replace(cand, breakdown=bd, tokens_per_s=tokens, mfu=mfu), "simulator"

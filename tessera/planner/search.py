@@ -23,7 +23,7 @@ from typing import Any
 
 from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from tessera.execution import ExecutionPlan, decide
-from tessera.memory import cost_plan, estimate_plan, memory_floor, model_state_floor
+from tessera.memory import cost_plan, estimate_plan, memory_floor, model_state_floor, model_state_mean
 from tessera.model.sizes import SIZES
 from tessera.modes import BREADTH_FIRST, CHECKPOINTING, DEPTH_FIRST, LAYERED, SCHEDULES
 from tessera.planner.cost import (
@@ -514,30 +514,48 @@ def _search_layout(
     # scan per variant: ~1e4 variants per search)
     base_fields = _init_fields(base)
     run_fields = {**_init_fields(ctx.run), "train": train}
+    # a ZeRO stage whose mean model state per pipeline rank is over the limit: every variant below fails
+    # `model_state_floor` (`memory.model_state_mean` bounds it whatever the split, schedule or checkpointing),
+    # so they are counted without building their configs
+    over = {z for z in zeros if model_state_mean(ctx.shape, replace(base, zero_stage=z)) > ctx.limit}
+    tensor = f"{base.q}x{base.q}" if kind == "2d" else tp
     for recompute in ctx.space.checkpointing:
-        for zero in zeros:
-            deferred = ctx.space.comm_overlap and zero in (1, 2) and dp > 1  # where it fits (`_evaluate`)
-            for schedule, v in schedules:
-                plan = Plan(
+        # each schedule's stage splits: they read the layout, v and the per-layer costs, not the ZeRO stage
+        splits_of = {
+            (schedule, v): _splits(
+                ctx,
+                Plan(
                     **{
                         **base_fields,
                         "recompute": recompute,
-                        "zero_stage": zero,
+                        "zero_stage": zeros[0],
                         "virtual_stages": v,
-                        "accumulation": LAYERED if schedule == BREADTH_FIRST else DEPTH_FIRST,
+                        "accumulation": _accumulation(schedule),
                     }
-                )
-                for split in _splits(ctx, plan, p2p):
+                ),
+                p2p,
+            )
+            for schedule, v in schedules
+        }
+        for zero in zeros:
+            deferred = ctx.space.comm_overlap and zero in (1, 2) and dp > 1  # where it fits (`_evaluate`)
+            for schedule, v in schedules:
+                splits = splits_of[schedule, v]
+                if zero in over:
+                    result.enumerated += len(splits)
+                    result.rejected_memory += len(splits)
+                    continue
+                for split in splits:
                     parallel = ParallelConfig(
                         data=dp,
-                        tensor=f"{plan.q}x{plan.q}" if kind == "2d" else tp,
+                        tensor=tensor,
                         sequence_parallel=sp,
                         pipeline=p,
                         schedule=schedule,
                         stages_per_rank=v,
                         stage_layers=None if split is None else list(split),
                         zero=zero,
-                        accumulation=plan.accumulation,
+                        accumulation=_accumulation(schedule),
                         checkpointing=recompute,
                     )
                     result.enumerated += 1
@@ -550,6 +568,11 @@ def _search_layout(
                     else:
                         out.append(cand)
     return out
+
+
+def _accumulation(schedule: str) -> str:
+    """The accumulation the search runs a schedule with: layered for breadth-first, else depth-first."""
+    return LAYERED if schedule == BREADTH_FIRST else DEPTH_FIRST
 
 
 def _init_fields(obj: Any) -> dict[str, Any]:

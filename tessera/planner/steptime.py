@@ -69,7 +69,7 @@ from tessera.planner.cost import (
 )
 from tessera.planner.hardware import Hardware
 from tessera.planner.network import collective_time, placement
-from tessera.sim.simulator import SimResult, simulate, step_time
+from tessera.sim.simulator import SimResult, TimelineEntry, simulate, step_time, timeline
 
 __all__ = [
     "CONFIG_TO_IR",
@@ -96,6 +96,7 @@ __all__ = [
     "pipeline_units",
     "rank_blocks",
     "simulate_step",
+    "simulated_breakdown",
 ]
 
 CONFIG_TO_IR = {
@@ -577,20 +578,25 @@ def _backward_releases(
     total = m * v
     all_at_end = schedule == "gpipe" or (schedule == "interleaved" and m == p)
     tail = total if all_at_end else min(total, (v - 1) * p + 1)
-    ends = [end - k * c.bwd for k in range(tail)]
-    ends += [ends[-1] - (k + 1) * (c.fwd + c.bwd) for k in range(total - tail)]
-    if skip_every:  # chunk 0's backwards, reduced once after the tied exchange instead
-        ends = [e for k, e in enumerate(ends) if k % skip_every]
+    bwd, slot = c.bwd, c.fwd + c.bwd
+    last_of_tail = end - (tail - 1) * bwd
+    # the backwards counted back from `end` (without chunk 0's, reduced once after the tied exchange instead);
+    # only those that become items get an end: at most BUCKETED_RELEASES + MAX_RELEASES of the m·v
+    kept = range(total) if not skip_every else [k for k in range(total) if k % skip_every]
+    near = kept[:BUCKETED_RELEASES]
     items: list[tuple[float, float]] = []
-    for e in ends[:BUCKETED_RELEASES]:
-        items += _reduce_items(e, c.bwd, c.layers, share)
-    rest = ends[BUCKETED_RELEASES:]
-    group = max(1, -(-len(rest) // MAX_RELEASES))
+    for k in near:
+        e = end - k * bwd if k < tail else last_of_tail - (k - tail + 1) * slot
+        items += _reduce_items(e, bwd, c.layers, share)
+    rest = len(kept) - len(near)
+    group = max(1, -(-rest // MAX_RELEASES))
     # a group releases at its earliest member's end (slightly early; groups form only past 256 backwards)
-    items += [
-        (rest[min(i + group, len(rest)) - 1], share * len(rest[i : i + group]))
-        for i in range(0, len(rest), group)
-    ]
+    for i in range(0, rest, group):
+        stop = min(i + group, rest)
+        k = kept[len(near) + stop - 1]
+        items.append(
+            (end - k * bwd if k < tail else last_of_tail - (k - tail + 1) * slot, share * (stop - i))
+        )
     return items
 
 
@@ -627,6 +633,20 @@ def simulate_step(
 ) -> tuple[StepBreakdown, SimResult]:
     """Step time by simulating the lowered schedule (module docstring); also returns the timeline. Stages may
     be uneven (`plan.stage_layers`): each F/B lasts its own stage's time."""
+    breakdown, sim = _simulate(shape, hw, plan, schedule, summary=True)
+    assert isinstance(sim, SimResult)
+    return breakdown, sim
+
+
+def simulated_breakdown(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str) -> StepBreakdown:
+    """`simulate_step`'s breakdown without the simulation's summary (per-rank busy and idle time, a timeline
+    sorted by start), which it does not read: what `tessera plan` re-times its top layouts with."""
+    return _simulate(shape, hw, plan, schedule, summary=False)[0]
+
+
+def _simulate(
+    shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, *, summary: bool
+) -> tuple[StepBreakdown, SimResult | None]:
     pc = pipeline_costs(shape, hw, plan)
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
     ir = build_schedule(CONFIG_TO_IR[schedule], p, m, v)
@@ -639,24 +659,36 @@ def simulate_step(
     )
     exchange = _tied_exchange(shape, hw, plan)
     p2p = pc.block.p2p
-    # check=False: the builders emit valid schedules and simulate() itself raises on a deadlock
-    with_p2p = simulate(lowered, p, _durations(pc, exchange), comm_latency=p2p, check=False)
+    sim: SimResult | None = None
+    if summary:
+        # check=False: the builders emit valid schedules and simulate() itself raises on a deadlock
+        sim = simulate(lowered, p, _durations(pc, exchange), comm_latency=p2p, check=False)
+        end, entries = sim.step_time, sim.timeline
+    else:
+        end, entries = timeline(lowered, p, _durations(pc, exchange), comm_latency=p2p)
     # the free-communication run: only its length is used
-    free = step_time(lowered, p, _durations(pc)) if p2p > 0 or exchange > 0 else with_p2p.step_time
+    free = step_time(lowered, p, _durations(pc)) if p2p > 0 or exchange > 0 else end
     compute, tp = (m * x for x in pc.rank_parts(p, pc.critical_rank(p)))
-    exposed = _simulated_dp(shape, hw, plan, with_p2p, pc)
+    exposed = _simulated_dp(shape, hw, plan, entries, end, pc)
     breakdown = StepBreakdown(
         compute=compute,
         tp_comm=tp,
         bubble=max(0.0, free - compute - tp),
-        pp_comm=max(0.0, with_p2p.step_time - free),
+        pp_comm=max(0.0, end - free),
         dp_comm=exposed,
         optimizer=optimizer_time(shape, hw, plan),
     )
-    return breakdown, with_p2p
+    return breakdown, sim
 
 
-def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, pc: PipelineCosts) -> float:
+def _simulated_dp(
+    shape: ModelShape,
+    hw: Hardware,
+    plan: Plan,
+    entries: list[TimelineEntry],
+    end_of_step: float,
+    pc: PipelineCosts,
+) -> float:
     """Per rank: reductions released from the timeline's REDUCE actions, layer by layer during the backward
     that precedes each (the stage's last one; for a REDUCE_MB j, micro-batch j's) — a REDUCE after the stage's
     EXCHANGE whole when it runs —, each stage's share in proportion to its blocks (one reduction: ÷ m where
@@ -667,16 +699,16 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, p
     p, m = plan.pp, plan.n_microbatches
     worst = 0.0
     by_rank: list[list] = [[] for _ in range(p)]
-    for e in sim.timeline:  # one pass: the timeline is sorted by start, so each rank's list is too
+    for e in entries:  # one pass: each rank's entries come in its list order (sorted by start or as run)
         by_rank[e.rank].append(e)
-    for rank, entries in enumerate(by_rank):
-        end = max(e.end for e in entries if e.action.kind.is_compute)
+    for rank, own in enumerate(by_rank):
+        end = max(e.end for e in own if e.action.kind.is_compute)
         blocks = rank_blocks(pc.counts, p)[rank]
         reduce, gather = dp_parts(params_per_rank(shape, plan, rank), hw, plan, buckets=max(1, blocks))
         last_b: dict[int, tuple[float, float]] = {}
         items: list[tuple[float, float]] = []
         reps = m if _per_microbatch_reduce(plan) else 1  # `reduce` is reps reductions of every stage
-        for e in entries:
+        for e in own:
             if e.action.kind is _BACKWARD:  # B, by identity: an enum's .value is a call per entry
                 last_b[e.action.stage] = (e.start, e.end)
             elif e.action.kind.is_exchange:
@@ -688,4 +720,4 @@ def _simulated_dp(shape: ModelShape, hw: Hardware, plan: Plan, sim: SimResult, p
                 items += _reduce_items(stop, stop - start, max(1, layers), share)
         queued, exposed = _gathers(shape, plan, rank, gather, end)
         worst = max(worst, end + dp_cost(items + queued, end, hw) + exposed)
-    return max(0.0, worst - sim.step_time)
+    return max(0.0, worst - end_of_step)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError
 from tessera.pipeline.validate import validate as validate_schedule
 
-__all__ = ["CostTable", "SimResult", "TimelineEntry", "simulate", "step_time"]
+__all__ = ["CostTable", "SimResult", "TimelineEntry", "simulate", "step_time", "timeline"]
 
 _K = ActionKind
 # module constants: the run compares every action's kind, and a member looked up on its class is a descriptor call
@@ -165,6 +165,17 @@ def step_time(
 ) -> float:
     """``simulate(...).step_time`` without a timeline or summary (the planner's run with free communication)."""
     return _run(lowered, p, _duration_fn(durations), comm_latency, None)
+
+
+def timeline(
+    lowered: Schedule, p: int, durations: Durations | None = None, *, comm_latency: float = 0.0
+) -> tuple[float, list[TimelineEntry]]:
+    """``simulate(...)``'s step time and timeline without its summary (for a caller that reads only those: the
+    planner's re-timing of a layout). The entries come rank by rank as they ran, so each rank's in its list
+    order, which is also its order in ``simulate(...).timeline`` (sorted by start: a rank's starts do not
+    decrease, and the sort is stable)."""
+    entries: list[TimelineEntry] = []
+    return _run(lowered, p, _duration_fn(durations), comm_latency, entries), entries
 
 
 def _run(

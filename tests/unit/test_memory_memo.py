@@ -21,6 +21,7 @@ TABLES = (
     memory._STATE_FLOORS,
     memory._RANK_STATES,
     memory._MICRO_BATCH_BYTES,
+    memory._BLOCK_AND_P2P,
 )
 
 
@@ -86,6 +87,8 @@ def _values(plan: ExecutionPlan) -> tuple:
         [memory._rank_state(SHAPE, plan, r) for r in range(plan.pp)],
         memory._micro_batch_bytes(SHAPE, memory.cost_plan(plan)),
         memory.memory_floor(SHAPE, plan),
+        memory._block_and_p2p(SHAPE, plan),
+        [memory._rank_state_floor(SHAPE, plan, r) for r in range(plan.pp)],
         [memory.estimate_plan(SHAPE, plan, stage=r).total for r in range(plan.pp)],
     )
 

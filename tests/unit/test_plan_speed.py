@@ -1,0 +1,242 @@
+"""The planner's shortcuts answer as the computations they replace: the search's cheap lower bounds
+(`memory.model_state_mean`, `memory._rank_state_floor`) never exceed the bound they stand in for, so they only
+reject layouts the exact check rejects; the step time's backward releases, the report's re-timing without the
+simulator's summary and the cached compute lists equal the plain computations exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from tessera import memory
+from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from tessera.execution import ExecutionPlan, resolve, violations
+from tessera.pipeline.build import compute_options
+from tessera.pipeline.schedules import rank_steps
+from tessera.planner import search as search_module
+from tessera.planner.cost import ModelShape, Plan
+from tessera.planner.hardware import load_hardware
+from tessera.planner.search import SearchSpace, model_config, search
+from tessera.planner.steptime import (
+    BUCKETED_RELEASES,
+    MAX_RELEASES,
+    ChunkCosts,
+    _backward_releases,
+    _reduce_items,
+    simulate_step,
+    simulated_breakdown,
+)
+
+A100 = load_hardware("a100-80gb")
+
+
+def _grid(tied: bool) -> list[tuple[ModelShape, ExecutionPlan]]:
+    """Valid plans over the layout, ZeRO, schedule, split and checkpointing, 1D and 2D, of a small model whose
+    head is heavy (a large vocabulary: the end stages hold much more than the middle ones)."""
+    model = ModelConfig(n_layers=6, d_model=64, n_heads=4, vocab_size=4096, seq_len=32, tie_embeddings=tied)
+    shape = ModelShape.from_config(model)
+    plans = []
+    for tensor, pipeline, data, schedule, v, zero, ckpt, split in itertools.product(
+        (1, 2, "2x2"),
+        (1, 2, 3),
+        (1, 2),
+        ("1f1b", "gpipe", "interleaved", "breadth_first"),
+        (1, 3),
+        (0, 1, 2, 3),
+        ("none", "full"),
+        (None, [1, 2, 3], [1, 4, 1]),
+    ):
+        if split is not None and (pipeline, v) != (3, 1):
+            continue
+        parallel = ParallelConfig(
+            tensor=tensor,
+            pipeline=pipeline,
+            data=data,
+            schedule=schedule,
+            stages_per_rank=v,
+            zero=zero,
+            checkpointing=ckpt,
+            stage_layers=split,
+            accumulation="layered" if schedule == "breadth_first" else "depth_first",  # as the search
+        )
+        world = (4 if tensor == "2x2" else tensor) * pipeline * data
+        cfg = Config(model=model, parallel=parallel, train=TrainConfig(global_batch=12, micro_batch=2))
+        if not violations(cfg, world):
+            plans.append((shape, resolve(cfg, world)))
+    return plans
+
+
+@pytest.fixture(scope="module")
+def grid() -> list[tuple[ModelShape, ExecutionPlan]]:
+    return _grid(tied=False) + _grid(tied=True)
+
+
+def test_the_grid_covers_the_cases(grid: list[tuple[ModelShape, ExecutionPlan]]) -> None:
+    kinds = {(p.pp, p.q, p.zero, p.schedule, p.stage_layers) for _, p in grid}
+    assert len(grid) > 400 and len(kinds) > 100
+    assert any(len(set(p.stage_layers)) > 1 and p.pp == 3 for _, p in grid)  # uneven stages
+    assert any(p.q > 1 for _, p in grid) and any(p.runner == "direct" for _, p in grid)
+
+
+def test_model_state_mean_is_at_most_every_plans_model_state_floor(
+    grid: list[tuple[ModelShape, ExecutionPlan]],
+) -> None:
+    """The mean over the ranks, from the layout and ZeRO stage alone, is below the fullest rank's model state
+    whatever the split, schedule, stages per rank and checkpointing; where every rank holds the same share of
+    parameters (the middle of a deep even pipeline) it is close to it, so a wrong term would show."""
+    ratios = []
+    for shape, plan in grid:
+        mean = memory.model_state_mean(shape, memory.cost_plan(plan))
+        floor = memory.model_state_floor(shape, plan)
+        assert mean <= floor, plan
+        ratios.append(mean / floor)
+    assert max(ratios) > 0.9  # the one-rank layouts: the mean is the rank's state (less the rounding margin)
+
+
+def test_model_state_mean_reads_the_layout_and_zero_stage() -> None:
+    """Each of the fields it reads moves it (a bound that ignored one would be wrong for some layout)."""
+    shape = ModelShape.from_config(model_config("llama-8b")[1])
+    base = Plan(dp=4, pp=2, tp=2, zero_stage=1)
+    value = memory.model_state_mean(shape, base)
+    for change in (dict(dp=8), dict(pp=4), dict(tp=4), dict(zero_stage=2), dict(tp=4, tp_kind="2d")):
+        assert memory.model_state_mean(shape, dataclasses.replace(base, **change)) != value, change
+    # the fields it does not read (the search builds it from a base plan of one micro-batch variant)
+    for same in (dict(micro_batch=4), dict(recompute="full"), dict(virtual_stages=2), dict(n_microbatches=8)):
+        assert memory.model_state_mean(shape, dataclasses.replace(base, **same)) == value, same
+
+
+def test_rank_state_floor_is_at_most_the_rank_floor(grid: list[tuple[ModelShape, ExecutionPlan]]) -> None:
+    """`memory_floor`'s early answer: each candidate rank's cheap bound is below its `_rank_floor`, and with
+    ``stop_above`` anywhere around those values the floor exceeds the limit exactly when the full floor does."""
+    stopped_early = 0
+    for shape, plan in grid:
+        full = memory.memory_floor(shape, plan)
+        cheap = []
+        for rank in memory._candidate_ranks(plan):
+            state = memory._rank_state_floor(shape, plan, rank)
+            assert state <= memory._rank_floor(shape, plan, rank), (plan, rank)
+            cheap.append(state)
+        for limit in [x * f for x in (*cheap, full) for f in (0.999, 1.0, 1.001)]:
+            answer = memory.memory_floor(shape, plan, stop_above=limit)
+            assert (answer > limit) == (full > limit), (plan, limit)
+            stopped_early += answer > limit and answer in cheap
+    assert stopped_early > 100  # the early answer was taken
+
+
+def test_search_with_the_mean_bound_equals_the_search_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search skips a ZeRO stage whose mean model state is over the limit; with the bound turned off (0)
+    every one of those layouts is built and rejected by `model_state_floor` instead: the same counts and the
+    same candidates, in the same order."""
+    space = SearchSpace(micro_batches=(1, 2), checkpointing=("none", "full"))
+    fired = []
+    mean = memory.model_state_mean
+
+    def counting(shape: ModelShape, plan: Plan) -> float:
+        value = mean(shape, plan)
+        fired.append(value > 0.95 * A100.memory_bytes)
+        return value
+
+    monkeypatch.setattr(search_module, "model_state_mean", counting)
+    bounded = search("llama-8b", 8, A100, 16, space=space)
+    assert any(fired) and not all(fired)
+    monkeypatch.setattr(search_module, "model_state_mean", lambda shape, plan: 0.0)
+    plain = search("llama-8b", 8, A100, 16, space=space)
+    assert (bounded.enumerated, bounded.rejected_memory) == (plain.enumerated, plain.rejected_memory)
+    assert bounded.candidates and bounded.rejected_memory > 0
+    assert [(c.label, c.step_time, c.memory) for c in bounded.candidates] == [
+        (c.label, c.step_time, c.memory) for c in plain.candidates
+    ]
+
+
+def _releases_by_list(
+    schedule: str, p: int, m: int, v: int, c: ChunkCosts, end: float, share: float, skip_every: int = 0
+) -> list[tuple[float, float]]:
+    """`_backward_releases` as first written: every backward's end in a list, then the items from it."""
+    total = m * v
+    all_at_end = schedule == "gpipe" or (schedule == "interleaved" and m == p)
+    tail = total if all_at_end else min(total, (v - 1) * p + 1)
+    ends = [end - k * c.bwd for k in range(tail)]
+    ends += [ends[-1] - (k + 1) * (c.fwd + c.bwd) for k in range(total - tail)]
+    if skip_every:
+        ends = [e for k, e in enumerate(ends) if k % skip_every]
+    items: list[tuple[float, float]] = []
+    for e in ends[:BUCKETED_RELEASES]:
+        items += _reduce_items(e, c.bwd, c.layers, share)
+    rest = ends[BUCKETED_RELEASES:]
+    group = max(1, -(-len(rest) // MAX_RELEASES))
+    items += [
+        (rest[min(i + group, len(rest)) - 1], share * len(rest[i : i + group]))
+        for i in range(0, len(rest), group)
+    ]
+    return items
+
+
+def test_backward_releases_equal_the_list_of_every_backward() -> None:
+    """Only the backwards that become items are computed: the same floats as the list of all m·v of them, for
+    short steps and for ones long enough to be grouped (more than 16 + 256 backwards), with and without the
+    tied stage's backwards skipped (every v-th, v = 1 skipping all)."""
+    c = ChunkCosts(
+        fwd_compute=0.0123,
+        bwd_compute=0.0371,
+        fwd_tp=0.0007,
+        bwd_tp=0.0011,
+        out_fwd=0.0,
+        out_bwd=0.0,
+        p2p=0.001,
+        layers=3,
+    )
+    for schedule in ("1f1b", "gpipe", "interleaved", "breadth_first"):
+        for p, m, v in itertools.product((1, 2, 4, 8), (1, 3, 8, 64, 300, 1024), (1, 2, 3, 5)):
+            for skip in sorted({0, 1, 2, 3, v}):
+                args = (schedule, p, m, v, c, 123.456, 0.789)
+                want = _releases_by_list(*args, skip_every=skip)
+                assert _backward_releases(*args, skip_every=skip) == want, (schedule, p, m, v, skip)
+
+
+def _tp2(dp: int, p: int, v: int, zero: int, m: int, accumulation: str) -> Plan:
+    return Plan(
+        dp=dp,
+        pp=p,
+        tp=2,
+        virtual_stages=v,
+        zero_stage=zero,
+        n_microbatches=m,
+        recompute="selective",
+        accumulation=accumulation,
+        flash_attention=True,
+    )
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_simulated_breakdown_equals_simulate_steps(tied: bool) -> None:
+    """The report's re-timing without the simulator's summary: the same breakdown as `simulate_step` (its
+    per-rank entries in the same order), with data-parallel reductions per step and per micro-batch, ZeRO-3's
+    gathers and the tied exchange."""
+    shape = dataclasses.replace(ModelShape.from_config(model_config("llama-8b")[1]), tied=tied)
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("breadth_first", 2)):
+        for p, m in ((2, 4), (4, 8)):
+            for dp, zero, accumulation in ((1, 0, "depth_first"), (8, 0, "depth_first"), (8, 1, "layered")):
+                plan = _tp2(dp, p, v, zero, m, accumulation)
+                assert (
+                    simulated_breakdown(shape, A100, plan, schedule)
+                    == simulate_step(shape, A100, plan, schedule)[0]
+                ), (schedule, p, m, dp, zero)
+            plan = _tp2(16, p, v, 3, m, "depth_first")
+            assert (
+                simulated_breakdown(shape, A100, plan, schedule)
+                == simulate_step(shape, A100, plan, schedule)[0]
+            )
+
+
+def test_cached_compute_lists_are_the_schedules() -> None:
+    """`memory._rank_steps` is `rank_steps` with the options the accumulation implies, per rank; it keeps the
+    accumulation in its key (breadth-first depth-first runs one micro-batch at a time: another list)."""
+    for name, p, m, v in (("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("breadth_first", 2, 4, 2)):
+        for accumulation in ("layered", "depth_first"):
+            for rank in range(p):
+                want = rank_steps(name, p, m, v, rank, **compute_options(name, accumulation))
+                assert memory._rank_steps(name, p, m, v, rank, "loop", accumulation) == tuple(want)
+    layered = memory._rank_steps("breadth_first", 2, 4, 2, 0, "loop", "layered")
+    assert memory._rank_steps("breadth_first", 2, 4, 2, 0, "loop", "depth_first") != layered
