@@ -202,14 +202,24 @@ def test_a_stopped_rank_is_named_and_every_live_rank_dumps_its_stack(
 
 
 def test_max_restarts_restarts_after_a_killed_rank_and_finishes(token_file: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    launcher = _start([*_argv(token_file, run_dir, steps=400, every=10), "--max-restarts", "1"])
+    # killed once the first checkpoint (step 10) is written, so that the restart has one to resume from (killed
+    # after step 3, as before, it restarted from step 0). The kill must land before the last step: it comes one
+    # poll (0.1 s) after the checkpoint, while the 90 steps left, with a save every 10, take seconds (the run had
+    # 400 steps, all of them paid for again by the restarted attempt)
+    run_dir, steps = tmp_path / "run", 100
+    launcher = _start([*_argv(token_file, run_dir, steps=steps, every=10), "--max-restarts", "1"])
     workers = _training(launcher, run_dir)
+    latest = run_dir / "checkpoints" / "latest"
+    _wait_for("the first checkpoint", lambda: latest.is_file() or launcher.poll() is not None)
     os.kill(workers[-1], signal.SIGKILL)
     _, err = launcher.communicate(timeout=DEADLINE_S)
     assert launcher.returncode == 0, err
     assert "restarting all 2 ranks from the newest checkpoint (1 of 1)" in err
-    assert sorted(set(r["step"] for r in _records(run_dir))) == list(range(400))  # every step, resumed
+    starts = [
+        json.loads(x)["resumed_from"] for x in (run_dir / "config_history.jsonl").read_text().splitlines()
+    ]
+    assert starts[0] == 0 and starts[1] > 0 and starts[1] % 10 == 0, starts  # the restart resumed from one
+    assert sorted(set(r["step"] for r in _records(run_dir))) == list(range(steps))  # every step, resumed
 
 
 def test_torchrun_max_restarts_rejoins_after_a_killed_rank_even_when_rank_0_comes_back_late(
