@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,13 @@ def _tessera(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
     )
+
+
+def _concurrently(*commands: tuple[tuple[str, ...], Path]) -> list[subprocess.CompletedProcess]:
+    """Run independent single-process commands, each ``(args, cwd)``, side by side; results in order. Each
+    spends seconds of one core importing torch, and CI has two."""
+    with ThreadPoolExecutor(max_workers=len(commands)) as pool:
+        return list(pool.map(lambda command: _tessera(*command[0], cwd=command[1]), commands))
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +68,13 @@ def test_prepare_train_plot_generate(workdir: Path, prepared: subprocess.Complet
     assert (run / "metrics.jsonl").read_text().count("\n") == 6
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000003", "step_00000006"]
 
-    out = _tessera("plot", "runs/cli", cwd=workdir)
-    assert out.returncode == 0 and (run / "curves.png").stat().st_size > 1000, out.stderr
+    # plot reads metrics.jsonl and writes curves.png; generate reads the checkpoint: independent
+    plot, out = _concurrently(
+        (("plot", "runs/cli"), workdir),
+        (("generate", "runs/cli", "--prompt", "the ", "--tokens", "20"), workdir),
+    )
+    assert plot.returncode == 0 and (run / "curves.png").stat().st_size > 1000, plot.stderr
 
-    out = _tessera("generate", "runs/cli", "--prompt", "the ", "--tokens", "20", cwd=workdir)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("the ") and len(out.stdout) >= 10
 
@@ -106,8 +117,13 @@ def test_bad_input_is_a_message_not_a_traceback(workdir: Path) -> None:
         ("train", "--nproc", "2", "--parallel.tensor=3"),
         ("train", "--nproc", "2", "--data.path=missing.bin"),
     ]
-    for args in cases:
-        out = _tessera(*args, cwd=workdir)
+    # side by side, each in a folder of its own (the same relative paths are missing there): the default run
+    # directory's lock is per folder, so no case can fail on another's lock instead of on its own input
+    folders = [workdir / f"bad_input_{i}" for i in range(len(cases))]
+    for folder in folders:
+        folder.mkdir()
+    outs = _concurrently(*zip(cases, folders, strict=True))
+    for args, out in zip(cases, outs, strict=True):
         assert out.returncode != 0, args
         assert "Traceback" not in out.stderr + out.stdout, (args, out.stderr)
         assert "error:" in out.stderr, (args, out.stderr)
