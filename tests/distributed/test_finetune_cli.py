@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from tests.distributed.conftest import synthetic_corpus
-from tests.distributed.test_cli_end_to_end import _tessera
+from tests.distributed.test_cli_end_to_end import _concurrently, _tessera
 from tests.hf_models import VOCAB, make_hf, train_bpe
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "finetune.toml"
@@ -40,12 +40,13 @@ def test_finetune_walkthrough(tmp_path: Path) -> None:
     longer = [small[0], "--train.steps=3", *small[2:], "--log.tensorboard=false"]
     out = _tessera("train", str(CONFIG), "--nproc", "2", *longer, cwd=tmp_path)
     assert out.returncode == 0, out.stderr  # resumed from step 2
-    out = _tessera(
-        "generate", "runs/finetune", "--prompt", "Et", "--tokens", "8", "--top-p", "0.9", cwd=tmp_path
+    # side by side: generate reads the run's checkpoint (or RUN/export, never models/), export writes models/
+    out, exported_out = _concurrently(
+        (("generate", "runs/finetune", "--prompt", "Et", "--tokens", "8", "--top-p", "0.9"), tmp_path),
+        (("export", "runs/finetune", "--format", "hf", "--out", "models/finetuned"), tmp_path),
     )
     assert out.returncode == 0 and out.stdout.startswith("Et"), out.stderr
-    out = _tessera("export", "runs/finetune", "--format", "hf", "--out", "models/finetuned", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
+    assert exported_out.returncode == 0, exported_out.stderr
     exported = tmp_path / "models" / "finetuned"
     model = transformers.AutoModelForCausalLM.from_pretrained(exported)
     assert model.config.model_type == "llama" and model.config.max_position_embeddings == 32
