@@ -52,6 +52,9 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
             heartbeat_dir=beats,
             max_restarts=args.max_restarts,
         )
+    # Reject a wrong config before the trainer's imports (torch: seconds) and the run directory's lock, as the
+    # multi-process path above does; the trainer resolves the same plan again and would raise the same message.
+    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     from tessera.train.trainer import train
 
     result = train(cfg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,26 @@ micro_batch = 4
 def test_config_imports_without_torch() -> None:
     code = "import sys, tessera.config, tessera.layout; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_single_process_train_rejects_a_wrong_config_before_torch_and_the_run_directory(
+    tmp_path: Path,
+) -> None:
+    """`tessera train` in one process names the problem as `validate` does, without importing torch (seconds) or
+    creating the run directory first (its lock would be left for the next run to meet)."""
+    run_dir = tmp_path / "run"
+    code = (
+        "import sys\n"
+        "from tessera.cli import main\n"
+        f"code = main(['train', '--model.n_layers=2', '--parallel.pipeline=4', '--log.run_dir={run_dir}'])\n"
+        "assert 'torch' not in sys.modules, 'train imported torch before rejecting the config'\n"
+        "sys.exit(code)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 2, out.stderr
+    assert "pipeline" in out.stderr and "configuration problem" in out.stderr, out.stderr
+    assert not run_dir.exists()
 
 
 def test_toml_and_overrides(tmp_path: Path) -> None:
