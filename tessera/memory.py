@@ -735,9 +735,8 @@ def _rank_events(
     return lowered_events(steps, zero3=zero3, every_microbatch=every_microbatch, exchanged=exchanged)
 
 
-@lru_cache(
-    maxsize=256
-)  # the ZeRO stages of one schedule share its compute list: 188 distinct of 421 in 1T's search
+# the ZeRO stages of one schedule share its compute list: 188 distinct of 421 in 1T's search
+@lru_cache(maxsize=256)
 def _rank_steps(
     name: str, p: int, m: int, v: int, rank: int, placement: str, accumulation: str
 ) -> tuple[Step, ...]:
