@@ -246,4 +246,6 @@ def test_torchrun_max_restarts_rejoins_after_a_killed_rank_even_when_rank_0_come
     os.kill(late, signal.SIGCONT)
     _, err = agent.communicate(timeout=DEADLINE_S)
     assert agent.returncode == 0, err[-3000:]
-    assert sorted(set(r["step"] for r in _records(run_dir))) == list(range(60))  # every step, resumed
+    # every step ran; the restarted attempt may begin at step 0 (the kill usually lands before the first save):
+    # this test is about the restarted ranks meeting, the max-restarts test above about resuming
+    assert sorted(set(r["step"] for r in _records(run_dir))) == list(range(60))
