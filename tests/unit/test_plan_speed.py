@@ -28,6 +28,7 @@ from tessera.planner.steptime import (
     simulate_step,
     simulated_breakdown,
 )
+from tests.unit.test_search import _tp2_plan
 
 A100 = load_hardware("a100-80gb")
 
@@ -195,20 +196,6 @@ def test_backward_releases_equal_the_list_of_every_backward() -> None:
                 assert _backward_releases(*args, skip_every=skip) == want, (schedule, p, m, v, skip)
 
 
-def _tp2(dp: int, p: int, v: int, zero: int, m: int, accumulation: str) -> Plan:
-    return Plan(
-        dp=dp,
-        pp=p,
-        tp=2,
-        virtual_stages=v,
-        zero_stage=zero,
-        n_microbatches=m,
-        recompute="selective",
-        accumulation=accumulation,
-        flash_attention=True,
-    )
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_simulated_breakdown_equals_simulate_steps(tied: bool) -> None:
     """The report's re-timing without the simulator's summary: the same breakdown as `simulate_step` (its
@@ -218,12 +205,12 @@ def test_simulated_breakdown_equals_simulate_steps(tied: bool) -> None:
     for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("breadth_first", 2)):
         for p, m in ((2, 4), (4, 8)):
             for dp, zero, accumulation in ((1, 0, "depth_first"), (8, 0, "depth_first"), (8, 1, "layered")):
-                plan = _tp2(dp, p, v, zero, m, accumulation)
+                plan = _tp2_plan(dp, p, v, zero, m, accumulation)
                 assert (
                     simulated_breakdown(shape, A100, plan, schedule)
                     == simulate_step(shape, A100, plan, schedule)[0]
                 ), (schedule, p, m, dp, zero)
-            plan = _tp2(16, p, v, 3, m, "depth_first")
+            plan = _tp2_plan(16, p, v, 3, m, "depth_first")
             assert (
                 simulated_breakdown(shape, A100, plan, schedule)
                 == simulate_step(shape, A100, plan, schedule)[0]
