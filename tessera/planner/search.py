@@ -510,9 +510,8 @@ def _search_layout(
     schedules = _schedule_options(ctx.space, ctx.shape.n_layers, p, m)
     zeros = [z for z in ctx.space.zero_stages if dp > 1 or z == 0] or [0]
     train = replace(ctx.run.train, global_batch=batch, micro_batch=b)  # the same for every variant below
-    # the variants below are built by keyword from these (what dataclasses.replace copies, without its field
-    # scan per variant: ~1e4 variants per search)
-    base_fields = _init_fields(base)
+    # the configs below are built by keyword from these (what dataclasses.replace copies, without its field scan
+    # per config: ~1e4 per search)
     run_fields = {**_init_fields(ctx.run), "train": train}
     # a ZeRO stage whose mean model state per pipeline rank is over the limit: every variant below fails
     # `model_state_floor` (`memory.model_state_mean` bounds it whatever the split, schedule or checkpointing),
@@ -524,14 +523,12 @@ def _search_layout(
         splits_of = {
             (schedule, v): _splits(
                 ctx,
-                Plan(
-                    **{
-                        **base_fields,
-                        "recompute": recompute,
-                        "zero_stage": zeros[0],
-                        "virtual_stages": v,
-                        "accumulation": _accumulation(schedule),
-                    }
+                replace(
+                    base,
+                    recompute=recompute,
+                    zero_stage=zeros[0],
+                    virtual_stages=v,
+                    accumulation=_accumulation(schedule),
                 ),
                 p2p,
             )
@@ -559,9 +556,8 @@ def _search_layout(
                         checkpointing=recompute,
                     )
                     result.enumerated += 1
-                    run = Config(
-                        **{**run_fields, "parallel": parallel}
-                    )  # = replace(ctx.run, parallel=..., train=train)
+                    # = replace(ctx.run, parallel=parallel, train=train)
+                    run = Config(**{**run_fields, "parallel": parallel})
                     cand = _evaluate(ctx, run, base, batch, p2p, defer_gather=deferred)
                     if cand is None:
                         result.rejected_memory += 1
