@@ -251,9 +251,8 @@ class _RingGatheredLinears(torch.autograd.Function):
         dim, group = ctx.dim, ctx.group
         t, r, n = comm.group_size(group), dist.get_rank(group), x.shape[dim]
         live = [
-            _Live(
-                i, g.contiguous(), w.to(g.dtype), w.dtype
-            )  # g: [b, s, o_i]; the weight cast once, not per chunk
+            # g: [b, s, o_i]; the weight cast once, not per chunk
+            _Live(i, g.contiguous(), w.to(g.dtype), w.dtype)
             for i, (g, w) in enumerate(zip(grads, params[0::2], strict=True))
             if g is not None  # an output that did not reach the loss
         ]
