@@ -10,8 +10,9 @@ import pytest
 
 from tessera import memory
 from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from tessera.execution import ExecutionPlan, Layout, resolve, violations
+from tessera.execution import ExecutionPlan, Layout, resolve
 from tessera.planner.cost import ModelShape
+from tests.plan_grid import valid_plan
 
 MODEL = ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=128, seq_len=32, tie_embeddings=True)
 SHAPE = ModelShape.from_config(MODEL)
@@ -66,15 +67,9 @@ def _grid() -> list[ExecutionPlan]:
             checkpointing=ckpt,
             stage_layers=split,
         )
-        world = tensor * pipeline * data
-        cfg = Config(
-            model=MODEL,
-            parallel=ParallelConfig(**parallel),
-            train=TrainConfig(global_batch=8, micro_batch=mb),
-        )
-        if violations(cfg, world):
-            continue
-        plans.append(resolve(cfg, world))
+        plan = valid_plan(MODEL, parallel, global_batch=8, micro_batch=mb)
+        if plan is not None:
+            plans.append(plan)
     return plans
 
 

@@ -11,8 +11,8 @@ import itertools
 import pytest
 
 from tessera import memory
-from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from tessera.execution import ExecutionPlan, resolve, violations
+from tessera.config import ModelConfig
+from tessera.execution import ExecutionPlan
 from tessera.pipeline.build import compute_options
 from tessera.pipeline.schedules import rank_steps
 from tessera.planner import search as search_module
@@ -28,6 +28,7 @@ from tessera.planner.steptime import (
     simulate_step,
     simulated_breakdown,
 )
+from tests.plan_grid import valid_plan
 from tests.unit.test_search import _tp2_plan
 
 A100 = load_hardware("a100-80gb")
@@ -51,7 +52,7 @@ def _grid(tied: bool) -> list[tuple[ModelShape, ExecutionPlan]]:
     ):
         if split is not None and (pipeline, v) != (3, 1):
             continue
-        parallel = ParallelConfig(
+        parallel = dict(
             tensor=tensor,
             pipeline=pipeline,
             data=data,
@@ -62,10 +63,9 @@ def _grid(tied: bool) -> list[tuple[ModelShape, ExecutionPlan]]:
             stage_layers=split,
             accumulation="layered" if schedule == "breadth_first" else "depth_first",  # as the search
         )
-        world = (4 if tensor == "2x2" else tensor) * pipeline * data
-        cfg = Config(model=model, parallel=parallel, train=TrainConfig(global_batch=12, micro_batch=2))
-        if not violations(cfg, world):
-            plans.append((shape, resolve(cfg, world)))
+        plan = valid_plan(model, parallel, global_batch=12, micro_batch=2)
+        if plan is not None:
+            plans.append((shape, plan))
     return plans
 
 
