@@ -25,14 +25,14 @@ _LAZY = {
     "train": "tessera.train.trainer",
     "TrainResult": "tessera.train.trainer",
     "StepHook": "tessera.train.trainer",
-    "read_metrics": "tessera.train.metrics",
+    "read_metrics": "tessera.train.run_files",
 }
 
 __all__ = ["Config", "StepHook", "TrainResult", "__version__", "load_config", "read_metrics", "train"]
 
 if TYPE_CHECKING:
     from tessera.config import Config, load_config
-    from tessera.train.metrics import read_metrics
+    from tessera.train.run_files import read_metrics
     from tessera.train.trainer import StepHook, TrainResult, train
 
 

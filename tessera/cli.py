@@ -168,10 +168,15 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tessera.train.generate import generate_text
+    from tessera.train.run_files import newest_weights
 
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise TesseraError(f"--top-p {args.top_p} must be in (0, 1], e.g. 0.9")
+    # Name a wrong run folder (no config.json, no checkpoint, only split weights) before torch's import (seconds);
+    # generate_text looks the weights up again with the same function.
+    newest_weights(Path(args.run))
+    from tessera.train.generate import generate_text
+
     text = generate_text(
         Path(args.run),
         args.prompt,
@@ -187,11 +192,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from tessera.train.checkpoint import is_sharded
-    from tessera.train.export import export_weights, source_checkpoint, wrong_world_size
+    from tessera.train.checkpoint_files import is_sharded
+    from tessera.train.run_files import source_checkpoint, wrong_world_size
 
+    if args.nproc is not None and args.nproc < 1:
+        raise TesseraError(
+            f"--nproc {args.nproc} must be at least 1; leave it out to start as many processes as the checkpoint "
+            "needs"
+        )
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     if "RANK" not in os.environ:
+        # The launcher reads only meta.json (no torch), so a wrong run folder, checkpoint or --nproc is named at
+        # once, and only the ranks it starts (or this process, alone) import torch.
         meta = source_checkpoint(Path(args.run), checkpoint)
         sharded = is_sharded(meta)
         if sharded and args.nproc not in (None, meta.get("world_size")):
@@ -200,6 +212,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         if nproc > 1:
             print(f"exporting {meta['path']} ({meta.get('layout')}) on {nproc} local processes", flush=True)
             return _relaunch_with_torchrun(nproc)
+    from tessera.train.export import export_weights
+
     out = Path(args.out) if args.out else None
     path = export_weights(Path(args.run), checkpoint, args.format, out)
     if path is not None and args.format == "hf":
@@ -210,7 +224,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from tessera.train.plot import plot_run
+    from tessera.train.plot import plot_run  # no torch; it reads and checks the metrics before matplotlib
 
     out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
     print(f"wrote {out}")
@@ -256,8 +270,7 @@ def cmd_memory(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_dryrun(args: argparse.Namespace, extra: list[str]) -> int:
-    from tessera.dryrun import dry_run, estimated_memory, format_rank, formula_traffic, parse_ranks
-    from tessera.layout import Layout
+    from tessera.layout import Layout, parse_ranks
 
     cfg = _load(args, extra)
     cfg.validate(args.world_size)
@@ -266,6 +279,9 @@ def cmd_dryrun(args: argparse.Namespace, extra: list[str]) -> int:
         ranks = parse_ranks(args.ranks, layout)
     except ValueError as e:
         raise TesseraError(str(e)) from None
+    # the dry run imports torch (seconds): only once the config and --ranks are known to be right
+    from tessera.dryrun import dry_run, estimated_memory, format_rank, formula_traffic
+
     print(f"dry run of {args.config or 'the defaults'}: {layout.describe()}, ranks {ranks}", flush=True)
     for rank in ranks:
         result = dry_run(cfg, args.world_size, rank)

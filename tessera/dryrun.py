@@ -28,7 +28,7 @@ from tessera import comm
 from tessera.axes import dim_of
 from tessera.config import Config
 from tessera.fake import FakeRank, fake_process_group
-from tessera.layout import Axis, Layout
+from tessera.layout import Axis, Layout, default_ranks, parse_ranks
 
 __all__ = [
     "RankResult",
@@ -58,26 +58,6 @@ class RankResult:
     build_peak: int
     comm: Traffic = field(default_factory=dict)
     seconds: float = 0.0
-
-
-def default_ranks(layout: Layout) -> list[int]:
-    """The first and the last pipeline rank of the first replica (tensor coordinates 0)."""
-    return sorted({layout.rank({Axis.PIPE: 0}), layout.rank({Axis.PIPE: layout.pp - 1})})
-
-
-def parse_ranks(text: str | None, layout: Layout) -> list[int]:
-    """``"0,127"`` → [0, 127]; None → `default_ranks`. Raises ValueError naming a bad entry."""
-    if not text:
-        return default_ranks(layout)
-    out = []
-    for item in text.split(","):
-        if not item.strip().isdigit() or not 0 <= int(item) < layout.world_size:
-            raise ValueError(
-                f"--ranks entry {item!r} is not a rank of {layout.describe()}; "
-                f"give comma-separated integers in 0..{layout.world_size - 1}"
-            )
-        out.append(int(item))
-    return out
 
 
 def _dry_config(cfg: Config) -> Config:

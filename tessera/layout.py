@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tessera.axes import DIMS, LAYOUT_FIELDS, Axis, dim_of, world_size
 
-__all__ = ["Axis", "Layout"]
+__all__ = ["Axis", "Layout", "default_ranks", "parse_ranks"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,3 +128,27 @@ class Layout:
             n = getattr(self, field)
             parts.append(f"{d.key} {'2D ' + 'x'.join([str(n)] * len(axes)) if len(axes) > 1 else n}")
         return f"{' × '.join(parts)} = {self.world_size} ranks"
+
+
+# The ranks `tessera dryrun` builds; here, without torch, so that a wrong --ranks is named before the dry run's
+# imports (tessera/dryrun.py: torch, seconds).
+
+
+def default_ranks(layout: Layout) -> list[int]:
+    """The first and the last pipeline rank of the first replica (tensor coordinates 0)."""
+    return sorted({layout.rank({Axis.PIPE: 0}), layout.rank({Axis.PIPE: layout.pp - 1})})
+
+
+def parse_ranks(text: str | None, layout: Layout) -> list[int]:
+    """``"0,127"`` → [0, 127]; None → `default_ranks`. Raises ValueError naming a bad entry."""
+    if not text:
+        return default_ranks(layout)
+    out = []
+    for item in text.split(","):
+        if not item.strip().isdigit() or not 0 <= int(item) < layout.world_size:
+            raise ValueError(
+                f"--ranks entry {item!r} is not a rank of {layout.describe()}; "
+                f"give comma-separated integers in 0..{layout.world_size - 1}"
+            )
+        out.append(int(item))
+    return out

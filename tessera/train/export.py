@@ -20,7 +20,6 @@ ZeRO shards loads only in the layout that wrote it. Export then runs in that lay
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,12 +29,13 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from tessera.config import Config, from_dict
+from tessera.config import Config
 from tessera.errors import CheckpointError
 from tessera.layout import Axis
 from tessera.model.build import meta_model
 from tessera.train import checkpoint as ckpt
-from tessera.train.trainer import TrainingRun, checkpoint_dir, init_distributed
+from tessera.train.run_files import EXPORT_DIR, run_config, source_checkpoint, wrong_world_size
+from tessera.train.trainer import TrainingRun, init_distributed
 
 __all__ = [
     "EXPORT_DIR",
@@ -44,30 +44,6 @@ __all__ = [
     "source_checkpoint",
     "wrong_world_size",
 ]
-
-EXPORT_DIR = "export"
-"""Exports go to RUN_DIR/export/step_N, next to RUN_DIR/checkpoints."""
-
-
-def run_config(run_dir: Path) -> Config:
-    """The config a run was trained with (RUN_DIR/config.json, written by `tessera train`)."""
-    config_file = Path(run_dir) / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(
-            f"{run_dir} has no config.json; pass the run directory that `tessera train` wrote"
-        )
-    return from_dict(json.loads(config_file.read_text()))
-
-
-def source_checkpoint(run_dir: Path, checkpoint: Path | None = None) -> dict:
-    """meta.json (+ "path") of ``checkpoint``, or of the run's newest complete training checkpoint."""
-    ckpt_dir = checkpoint_dir(run_dir, run_config(run_dir))
-    path = Path(checkpoint) if checkpoint is not None else ckpt.latest_checkpoint(ckpt_dir)
-    if path is None:
-        raise CheckpointError(
-            f"no complete checkpoint in {ckpt_dir}; train with checkpoint.every > 0 or to the end"
-        )
-    return ckpt.checkpoint_meta(path)
 
 
 def export_weights(
@@ -85,8 +61,6 @@ def export_weights(
     meta = source_checkpoint(run_dir, checkpoint)
     source = {"path": meta["path"], "layout": meta.get("layout"), "world_size": meta.get("world_size")}
     out_dir = run_dir / EXPORT_DIR
-    if meta.get("weights_only"):
-        raise CheckpointError(f"{meta['path']} is already an export; pass a training checkpoint")
     sharded = ckpt.is_sharded(meta)
     rank, world = init_distributed()
     if not sharded:  # any rank can read every tensor: rank 0 does it alone, the others have nothing to do
@@ -148,15 +122,6 @@ def _reader(path: Path) -> Callable[[str], torch.Tensor]:
             raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems[:5])}")
     metadata = ckpt.read_metadata_safely(path)
     return lambda name: ckpt.read_tensor(path, f"model.{name}", metadata)
-
-
-def wrong_world_size(run_dir: Path, meta: dict, world: int) -> str:
-    """The message for exporting a sharded checkpoint on a number of ranks other than the one that saved it."""
-    return (
-        f"checkpoint {meta['path']} was saved by {meta.get('world_size')} ranks ({meta.get('layout')}), but "
-        f"export was asked to run on {world}; each rank loads its own slice\n    fix: run `tessera export "
-        f"{run_dir}` without --nproc (it starts the ranks it needs), or with --nproc {meta.get('world_size')}"
-    )
 
 
 def _load_run(cfg: Config, rank: int, world: int, path: Path) -> TrainingRun:

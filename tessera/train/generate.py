@@ -6,12 +6,10 @@ from pathlib import Path
 
 import torch
 
-from tessera.errors import CheckpointError
 from tessera.model.build import build_model, generate
 from tessera.train import checkpoint as ckpt
-from tessera.train.export import EXPORT_DIR, run_config
+from tessera.train.run_files import newest_weights, run_config
 from tessera.train.tokenizer import load_tokenizer
-from tessera.train.trainer import checkpoint_dir
 
 __all__ = ["generate_text", "newest_weights"]
 
@@ -36,30 +34,3 @@ def generate_text(
         model, ids, tokens, temperature, top_k, torch.Generator().manual_seed(seed), top_p, kv_cache
     )
     return tok.decode(out[0].tolist())
-
-
-def newest_weights(run_dir: Path) -> Path:
-    """The run's newest checkpoint that one process can load: its newest training checkpoint (any layout's, once
-    layout-free; of the older rank-local format only a replicated one), else the export of that step."""
-    run_dir = Path(run_dir)
-    ckpt_dir = checkpoint_dir(run_dir, run_config(run_dir))
-    trained = ckpt.latest_checkpoint(ckpt_dir)
-    exported = ckpt.latest_checkpoint(run_dir / EXPORT_DIR) if (run_dir / EXPORT_DIR).is_dir() else None
-    if trained is None and exported is None:
-        raise CheckpointError(
-            f"no complete checkpoint in {ckpt_dir}; train with checkpoint.every > 0 or to the end"
-        )
-    if trained is None:
-        return exported
-    meta = ckpt.checkpoint_meta(trained)
-    if not ckpt.is_sharded(meta):
-        return trained
-    export_step = ckpt.checkpoint_meta(exported)["step"] if exported is not None else None
-    if export_step == meta["step"]:
-        return exported
-    older = f" (the newest export is of step {export_step})" if export_step is not None else ""
-    raise CheckpointError(
-        f"the newest checkpoint, {trained}, holds the weights split over {meta.get('world_size')} ranks "
-        f"({meta.get('layout')}){older}\n    fix: run `tessera export {run_dir}` first; it merges them into "
-        f"{run_dir / EXPORT_DIR}"
-    )

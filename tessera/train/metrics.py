@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import torch
 
-from tessera.errors import DataError
+from tessera.train.run_files import METRICS_FILE, read_metrics, read_records
 
 __all__ = [
     "PEAK_FLOPS_ENV",
@@ -30,7 +30,6 @@ __all__ = [
     "read_metrics",
 ]
 
-METRICS_FILE = "metrics.jsonl"
 PEAK_FLOPS_ENV = "TESSERA_PEAK_FLOPS"
 """Environment variable giving the peak FLOP/s of one device, e.g. ``2e12`` for a CPU; overrides the table."""
 
@@ -234,7 +233,7 @@ def _truncate(path: Path, start: int) -> None:
     """Keep only the records of steps before ``start`` (atomically: a crash leaves the old file or the new)."""
     if not path.is_file():
         return
-    keep = [r for r in _records(path, skip_bad=True) if isinstance(r, dict) and r.get("step", 0) < start]
+    keep = [r for r in read_records(path, skip_bad=True) if isinstance(r, dict) and r.get("step", 0) < start]
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
     os.replace(tmp, path)
@@ -244,38 +243,6 @@ def _ends_with_newline(path: Path) -> bool:
     with open(path, "rb") as f:
         f.seek(-1, os.SEEK_END)
         return f.read(1) == b"\n"
-
-
-def read_metrics(run_dir: Path, *, skip_bad: bool = False) -> list[dict[str, Any]]:
-    """The records of ``run_dir/metrics.jsonl``, one per step in step order: the records of one step are merged,
-    later values winning (a step's validation loss may come in its own record, and a file written before
-    resumes truncated it can hold a step twice). A torn last line (a crash mid-write) is skipped, and so is any
-    line that is not JSON when ``skip_bad`` (a torn record a resumed run wrote after, in older files)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        raise DataError(
-            f"{path} does not exist\n    fix: pass the run directory of a run that logged metrics"
-        )
-    by_step: dict[int, dict[str, Any]] = {}
-    for record in _records(path, skip_bad):
-        if isinstance(record, dict) and "step" in record:
-            by_step.setdefault(record["step"], {}).update(record)
-    return [by_step[k] for k in sorted(by_step)]
-
-
-def _records(path: Path, skip_bad: bool = False) -> list[dict[str, Any]]:
-    lines = path.read_text(errors="replace").splitlines()  # a torn write may split a character
-    out: list[dict[str, Any]] = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            if i == len(lines) - 1 or skip_bad:
-                continue
-            raise DataError(f"{path}:{i + 1} is not a JSON object: {line[:80]!r}") from None
-    return out
 
 
 # --- progress ----------------------------------------------------------------------------------------------------

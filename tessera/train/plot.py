@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.errors import DataError
-from tessera.train.metrics import METRICS_FILE, read_metrics
+from tessera.train.run_files import METRICS_FILE, read_metrics
 
 __all__ = ["plot_run"]
 
@@ -15,11 +15,9 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     """Draw loss (+ ``val_loss`` when logged) and tokens/s against step as a two-panel PNG; return its path.
 
     Writes ``run_dir/curves.png`` unless ``out`` is given. Uses matplotlib's Agg canvas directly, so it works
-    without a display and never touches pyplot's global state.
+    without a display and never touches pyplot's global state. The metrics are read and checked before
+    matplotlib is imported (a second or so), so a wrong ``run_dir`` is named at once.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     run_dir = Path(run_dir)
     records = read_metrics(run_dir, skip_bad=True)  # plot what survives of a crashed and resumed run
     loss = _series(records, "loss")
@@ -28,6 +26,9 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
             f"{run_dir / METRICS_FILE} has no loss records\n    fix: plot a run that trained at least one "
             "logged step (log.every <= train.steps)"
         )
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(10, 4), layout="constrained")
     FigureCanvasAgg(fig)
     ax_loss, ax_tps = fig.subplots(1, 2)

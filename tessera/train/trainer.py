@@ -41,6 +41,7 @@ from tessera.train.compat import check_compatible, run_settings
 from tessera.train.data import Blend, TokenDataset, ensure_default_corpus, get_batch, open_data
 from tessera.train.health import StepHealth, check_state_finite
 from tessera.train.metrics import MetricsLogger, Progress, memory_bytes, peak_flops_for
+from tessera.train.run_files import checkpoint_dir
 from tessera.train.runlock import run_dir_lock
 from tessera.train.steppers import make_optimizer, make_stepper
 from tessera.train.stopping import StopRequests
@@ -144,11 +145,6 @@ def _open_data(cfg: Config, rank: int) -> tuple[TokenDataset | Blend, TokenDatas
             path = ensure_default_corpus(cache, d.default_corpus_mb)
         sources = [(str(path), 1.0)]
     return open_data(sources, d.valid_path, d.valid_fraction)
-
-
-def checkpoint_dir(run_dir: Path, cfg: Config) -> Path:
-    """Where a run's training checkpoints go: ``checkpoint.dir``, or RUN_DIR/checkpoints."""
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
 
 
 class TrainingRun:

@@ -1,11 +1,18 @@
 """`generate`: the KV cache computes what the uncached model computes; top-p keeps the nucleus; the CLI rejects
-unknown flags of generate, plot, export, schedule and prepare.
+unknown flags of generate, plot, export, schedule and prepare, and names a wrong run folder (or checkpoint, or
+--ranks) of generate, export, plot and dryrun before importing torch.
 
 Tolerance for cached vs uncached logits: the same fp32 arithmetic with the attention over a different number of
 queries (one new token vs the whole context), so rounding only (measured ~1e-7); 1e-5 relative is stated.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,3 +88,82 @@ def test_unknown_flags_are_rejected(command: list[str], capsys: pytest.CaptureFi
 def test_bad_top_p_is_a_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "runs/x", "--top-p", "0"]) == 2
     assert "--top-p 0.0 must be in (0, 1]" in capsys.readouterr().err
+
+
+SHARDED_LAYOUT = "data 1 × pipeline 1 × tensor 2 = 2 ranks"
+BAD_INPUT = [  # (command, with {run folder} placeholders, then the words its message must hold)
+    (
+        ["generate", "{missing}"],
+        "{missing} has no config.json; pass the run directory that `tessera train` wrote",
+    ),
+    (["generate", "{torn}"], "config.json is not a JSON object of config sections"),
+    (["generate", "{untrained}", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+    (
+        ["generate", "{untrained}"],
+        "no complete checkpoint in {untrained}/checkpoints; train with checkpoint.every",
+    ),
+    (["generate", "{sharded}"], "holds the weights split over 2 ranks (" + SHARDED_LAYOUT + ")"),
+    (["export", "{missing}"], "{missing} has no config.json"),
+    (["export", "{missing}", "--nproc", "2"], "{missing} has no config.json"),  # the launcher's path
+    (["export", "{untrained}"], "no complete checkpoint in {untrained}/checkpoints"),
+    (["export", "{untrained}", "--checkpoint", "{missing}"], "checkpoint directory {missing} does not exist"),
+    (["export", "{untrained}", "--nproc", "0"], "--nproc 0 must be at least 1"),
+    (
+        ["export", "{sharded}", "--nproc", "3"],
+        "was saved by 2 ranks (" + SHARDED_LAYOUT + "), but export was",
+    ),
+    (["export", "{exported}", "--checkpoint", "{exported}/export/step_00000004"], "is already an export"),
+    (["plot", "{missing}"], "{missing}/metrics.jsonl does not exist"),
+    (["plot", "{untrained}"], "{untrained}/metrics.jsonl has no loss records"),
+    (
+        ["dryrun", "--world-size", "2", "--model.size=gpt2-tiny", "--ranks", "5"],
+        "--ranks entry '5' is not a rank",
+    ),
+]
+
+
+def _checkpoint(folder: Path, **meta: object) -> None:
+    """A complete checkpoint as the lookups see it: meta.json marked complete next to DCP's index."""
+    folder.mkdir(parents=True)
+    (folder / "meta.json").write_text(json.dumps({"step": 4, "complete": True, **meta}))
+    (folder / ".metadata").write_bytes(b"")
+
+
+def _run_folders(root: Path) -> dict[str, Path]:
+    """A missing run folder, one with a torn config.json, one trained without a checkpoint (an empty metrics
+    file), one whose checkpoint holds tensor-parallel shards (format 1) and one with only an export."""
+    runs = {name: root / name for name in ("missing", "torn", "untrained", "sharded", "exported")}
+    config = json.dumps(from_dict({"model": {"size": "gpt2-tiny"}}).to_dict())
+    for name in ("torn", "untrained", "sharded", "exported"):
+        runs[name].mkdir()
+        (runs[name] / "config.json").write_text(config if name != "torn" else config[:20])
+    (runs["untrained"] / "metrics.jsonl").write_text("")
+    _checkpoint(
+        runs["sharded"] / "checkpoints" / "step_00000004",
+        format=1,
+        world_size=2,
+        layout=SHARDED_LAYOUT,
+        shard_ids=["tensor0", "tensor1"],
+    )
+    _checkpoint(runs["exported"] / "export" / "step_00000004", format=2, world_size=1, weights_only=True)
+    return runs
+
+
+@pytest.mark.parametrize(("command", "message"), BAD_INPUT)
+def test_bad_input_is_named_before_torch(command: list[str], message: str, tmp_path: Path) -> None:
+    """A wrong run folder, checkpoint or flag of generate, export (the launcher and one process), plot and dryrun
+    is named, with its fix, without importing torch (seconds to import, and more to exit) or matplotlib."""
+    runs = {k: str(v) for k, v in _run_folders(tmp_path).items()}
+    argv = [part.format(**runs) for part in command]
+    code = (
+        "import sys\n"
+        "from tessera.cli import main\n"
+        f"code = main({argv!r})\n"
+        "heavy = sorted({'torch', 'matplotlib'} & set(sys.modules))\n"
+        "assert not heavy, f'imported {heavy} before naming the problem'\n"
+        "sys.exit(code)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 2, out.stderr
+    assert message.format(**runs) in out.stderr, out.stderr

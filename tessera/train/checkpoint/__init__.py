@@ -12,10 +12,11 @@ Layout of a checkpoint directory::
       step_00000200.tmp/      a save in progress or one that crashed; ignored and deleted by the next save
 
 The package, by seam: this module saves and loads (the one save path, `save_checkpoint`, which
-tessera/train/async_save.py continues in the background); files.py is the commit protocol (atomic files, the
-rename, ``latest``, pruning, finding checkpoints); safe_read.py reads without unpickling code; rng.py captures
-and restores the RNG streams; tessera/train/integrity.py checksums the files. See docs/checkpoints.md for the
-safety argument.
+tessera/train/async_save.py continues in the background); tessera/train/checkpoint_files.py is the commit
+protocol (atomic files, the rename, ``latest``, pruning, finding checkpoints and reading their meta.json; outside
+this package, whose import is torch's, so a run folder is looked up without torch); safe_read.py reads without
+unpickling code; rng.py captures and restores the RNG streams; tessera/train/integrity.py checksums the files.
+See docs/checkpoints.md for the safety argument.
 """
 
 from __future__ import annotations
@@ -43,17 +44,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tessera.errors import CheckpointError, CheckpointWriteError
-from tessera.train.checkpoint.files import (
-    commit,
-    latest_checkpoint,
-    list_checkpoints,
-    prune,
-    read_meta,
-    remove_stale_tmp,
-    resolve,
-    step_dir_name,
-    step_dirs,
-)
 from tessera.train.checkpoint.rng import capture_rng, read_rng, reseed_rng, restore_rng, write_rank_files
 from tessera.train.checkpoint.safe_read import SafeLoadPlanner, SafeReader, read_metadata_safely
 from tessera.train.checkpoint.state import (
@@ -66,6 +56,21 @@ from tessera.train.checkpoint.state import (
     has_optimizer_state,
     restore_group_settings,
     state_dict_of,
+)
+from tessera.train.checkpoint_files import (
+    _FORMAT,
+    _RANK_LOCAL,
+    checkpoint_meta,
+    commit,
+    is_sharded,
+    latest_checkpoint,
+    list_checkpoints,
+    prune,
+    read_meta,
+    remove_stale_tmp,
+    resolve,
+    step_dir_name,
+    step_dirs,
 )
 from tessera.train.integrity import files_written_by, hash_files, verify_files
 
@@ -90,8 +95,6 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-_FORMAT = 2  # layout-free: global names and blocks (state.py)
-_RANK_LOCAL = 1  # each rank's own state dict; resumes only at the layout that wrote it
 _NO_PG_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 # the two steps of a save after DCP's write, looked up here at each save (the crash tests replace them)
 _write_rank_files = write_rank_files
@@ -464,21 +467,6 @@ def _refuse_damaged(path: Path, problems: list[str]) -> None:
             + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
             + "\n    fix: resume from an earlier checkpoint (checkpoint.load_step = N), or restore this one from a copy"
         )
-
-
-def checkpoint_meta(path: Path) -> dict[str, Any]:
-    """meta.json of a complete checkpoint folder (or of the newest one in a checkpoint directory), with its
-    resolved ``"path"``: step, world size, layout, shard ids, ``weights_only`` for exports."""
-    path = resolve(Path(path))
-    return {**read_meta(path), "path": str(path)}
-
-
-def is_sharded(meta: dict[str, Any]) -> bool:
-    """Whether a checkpoint's ranks saved different slices of the model in the rank-local format 1, so only its
-    own layout can load it; False for a layout-free checkpoint (any layout, one process included, reads it)."""
-    if meta.get("format", _RANK_LOCAL) != _RANK_LOCAL:
-        return False
-    return any(s is not None for s in meta.get("shard_ids") or [])
 
 
 def _last_line(e: BaseException) -> str:

@@ -4,6 +4,10 @@ pruning, and finding the complete checkpoints again.
 A save writes into ``step_N.tmp/``; rank 0 then writes ``meta.json`` (marked complete), renames the folder to
 ``step_N/`` and atomically replaces ``latest``, so a crash at any point leaves the previous checkpoint intact.
 Pruning renames a folder to ``*.old.tmp`` before deleting it, so a half-deleted one is never taken for complete.
+
+Part of the checkpoint package's design (tessera/train/checkpoint/__init__.py) but outside the package, whose
+``__init__`` imports torch: finding a run's checkpoints and reading their meta.json needs none, so `tessera
+generate` and `tessera export` reject a run without one in milliseconds instead of the seconds torch takes.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from tessera.errors import CheckpointError
 
 __all__ = [
     "META",
+    "checkpoint_meta",
     "commit",
     "complete_checkpoints",
+    "is_sharded",
     "latest_checkpoint",
     "list_checkpoints",
     "prune",
@@ -34,6 +40,8 @@ META = "meta.json"
 _LATEST = "latest"
 _PREFIX = "step_"
 _TMP = ".tmp"
+_FORMAT = 2  # layout-free: global names and blocks (checkpoint/state.py)
+_RANK_LOCAL = 1  # each rank's own state dict; resumes only at the layout that wrote it
 
 
 def step_dir_name(step: int) -> str:
@@ -149,3 +157,18 @@ def read_meta(path: Path) -> dict[str, Any]:
             f"    fix: resume from latest_checkpoint({path.parent}), which skips unfinished saves"
         )
     return json.loads((path / META).read_text())
+
+
+def checkpoint_meta(path: Path) -> dict[str, Any]:
+    """meta.json of a complete checkpoint folder (or of the newest one in a checkpoint directory), with its
+    resolved ``"path"``: step, world size, layout, shard ids, ``weights_only`` for exports."""
+    path = resolve(Path(path))
+    return {**read_meta(path), "path": str(path)}
+
+
+def is_sharded(meta: dict[str, Any]) -> bool:
+    """Whether a checkpoint's ranks saved different slices of the model in the rank-local format 1, so only its
+    own layout can load it; False for a layout-free checkpoint (any layout, one process included, reads it)."""
+    if meta.get("format", _RANK_LOCAL) != _RANK_LOCAL:
+        return False
+    return any(s is not None for s in meta.get("shard_ids") or [])
