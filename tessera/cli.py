@@ -200,6 +200,12 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"--nproc {args.nproc} must be at least 1; leave it out to start as many processes as the checkpoint "
             "needs"
         )
+    if args.out is not None and args.format != "hf":
+        raise TesseraError(
+            f"--out {args.out} applies to --format hf; the dcp export is always written to "
+            f"{args.run}/export/step_N, where `tessera generate {args.run}` reads it: leave --out out, or add "
+            "--format hf"
+        )
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     if "RANK" not in os.environ:
         # The launcher reads only meta.json (no torch), so a wrong run folder, checkpoint or --nproc is named at

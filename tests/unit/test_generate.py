@@ -108,6 +108,7 @@ BAD_INPUT = [  # (command, with {run folder} placeholders, then the words its me
     (["export", "{untrained}"], "no complete checkpoint in {untrained}/checkpoints"),
     (["export", "{untrained}", "--checkpoint", "{missing}"], "checkpoint directory {missing} does not exist"),
     (["export", "{untrained}", "--nproc", "0"], "--nproc 0 must be at least 1"),
+    (["export", "{untrained}", "--out", "{missing}"], "--out {missing} applies to --format hf"),
     (
         ["export", "{sharded}", "--nproc", "3"],
         "was saved by 2 ranks (" + SHARDED_LAYOUT + "), but export was",
