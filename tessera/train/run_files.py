@@ -36,6 +36,11 @@ METRICS_FILE = "metrics.jsonl"
 def run_config(run_dir: Path) -> Config:
     """The config a run was trained with (RUN_DIR/config.json, written by `tessera train`)."""
     config_file = Path(run_dir) / "config.json"
+    if not Path(run_dir).is_dir():
+        raise CheckpointError(
+            f"run directory {run_dir} does not exist; pass the run directory that `tessera train` wrote "
+            "(its log.run_dir)"
+        )
     if not config_file.is_file():
         raise CheckpointError(
             f"{run_dir} has no config.json; pass the run directory that `tessera train` wrote"

@@ -94,7 +94,7 @@ SHARDED_LAYOUT = "data 1 × pipeline 1 × tensor 2 = 2 ranks"
 BAD_INPUT = [  # (command, with {run folder} placeholders, then the words its message must hold)
     (
         ["generate", "{missing}"],
-        "{missing} has no config.json; pass the run directory that `tessera train` wrote",
+        "run directory {missing} does not exist; pass the run directory that `tessera train` wrote",
     ),
     (["generate", "{torn}"], "config.json is not a JSON object of config sections"),
     (["generate", "{untrained}", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
@@ -103,8 +103,12 @@ BAD_INPUT = [  # (command, with {run folder} placeholders, then the words its me
         "no complete checkpoint in {untrained}/checkpoints; train with checkpoint.every",
     ),
     (["generate", "{sharded}"], "holds the weights split over 2 ranks (" + SHARDED_LAYOUT + ")"),
-    (["export", "{missing}"], "{missing} has no config.json"),
-    (["export", "{missing}", "--nproc", "2"], "{missing} has no config.json"),  # the launcher's path
+    (
+        ["generate", "{empty}"],
+        "{empty} has no config.json; pass the run directory that `tessera train` wrote",
+    ),
+    (["export", "{missing}"], "run directory {missing} does not exist"),
+    (["export", "{empty}", "--nproc", "2"], "{empty} has no config.json"),  # the launcher's path
     (["export", "{untrained}"], "no complete checkpoint in {untrained}/checkpoints"),
     (["export", "{untrained}", "--checkpoint", "{missing}"], "checkpoint directory {missing} does not exist"),
     (["export", "{untrained}", "--nproc", "0"], "--nproc 0 must be at least 1"),
@@ -131,13 +135,14 @@ def _checkpoint(folder: Path, **meta: object) -> None:
 
 
 def _run_folders(root: Path) -> dict[str, Path]:
-    """A missing run folder, one with a torn config.json, one trained without a checkpoint (an empty metrics
+    """A missing run folder, an empty one, one with a torn config.json, one trained without a checkpoint (an empty metrics
     file), one whose checkpoint holds tensor-parallel shards (format 1) and one with only an export."""
-    runs = {name: root / name for name in ("missing", "torn", "untrained", "sharded", "exported")}
+    runs = {name: root / name for name in ("missing", "empty", "torn", "untrained", "sharded", "exported")}
     config = json.dumps(from_dict({"model": {"size": "gpt2-tiny"}}).to_dict())
     for name in ("torn", "untrained", "sharded", "exported"):
         runs[name].mkdir()
         (runs[name] / "config.json").write_text(config if name != "torn" else config[:20])
+    runs["empty"].mkdir()
     (runs["untrained"] / "metrics.jsonl").write_text("")
     _checkpoint(
         runs["sharded"] / "checkpoints" / "step_00000004",
