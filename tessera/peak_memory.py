@@ -333,22 +333,38 @@ def compile_walk(
     deferred: list[int] = []
     events = list(events)
     seen: dict[tuple, int] = {}
+    # bound once: the loop runs ~1e6 times per search, mostly forwards and backwards
+    counts, grads, cls_of, note, n_events = live.counts, live.grads, live.cls.get, live.note, len(events)
+    first = events[0][1] if events else None
     i = 0
-    while i < len(events):
+    while i < n_events:
         kind, s = events[i]
         # a steady state's period starts with a forward after something else (not inside a warm-up's ramp)
-        if kind is _F and s == events[0][1] and i and events[i - 1][0] is not _F:
+        if kind is _F and s == first and i and events[i - 1][0] is not _F:
             i = _skip_repeats(live, events, i, seen, tuple(deferred))
             kind, s = events[i]
         i += 1
-        if kind is _F:
-            live.add(_ACT, s)
+        if kind is _F:  # live.add(_ACT, s), inlined
+            key = (_ACT, cls_of(s, s))
+            count = counts.get(key, 0) + 1
+            if count:
+                counts[key] = count
+            else:
+                del counts[key]
+            live.grew = True
             live.dirty = (s, kind)
         elif kind is _B or kind is _I or kind is _W:
-            live.note((s, kind), working=s)
+            note((s, kind), working=s)
             if kind is not _I:  # I keeps the graph (and its activations) for W
-                live.add(_ACT, s, -1)
-                live.grad(s, True)
+                key = (_ACT, cls_of(s, s))  # live.add(_ACT, s, -1), inlined
+                count = counts.get(key, 0) - 1
+                if count:
+                    counts[key] = count
+                else:
+                    del counts[key]
+                if s not in grads:  # live.grad(s, True)
+                    grads.add(s)
+                    live.add(_GRAD, s)
             live.dirty = (s, kind)
         elif kind is _REDUCE or kind is _REDUCE_MB:
             if deferred_reduce:
@@ -421,7 +437,11 @@ def _pareto(moments: dict[tuple[Term, ...], tuple]) -> list[tuple[tuple[Term, ..
     items.sort(key=lambda item: -sum(item[3].values()))  # a moment is covered only by one at least as large
     kept: list[tuple[int, tuple[Term, ...], tuple, dict[tuple[int, int], float]]] = []
     for item in items:
-        if not any(_covers(other[3], item[3]) for other in kept):
+        terms = item[3]
+        for other in kept:  # a loop, not any(generator): a search checks ~2e5 pairs
+            if _covers(other[3], terms):
+                break
+        else:
             kept.append(item)
     return [(key, label) for _, key, label, _ in sorted(kept, key=lambda item: item[0])]
 
