@@ -101,13 +101,16 @@ def _fake_batches(run: Any, cfg: Config) -> list[tuple[torch.Tensor, torch.Tenso
     return [(torch.randint(0, v, shape), torch.randint(0, v, shape)) for _ in range(run.n_micro)]
 
 
-def measure_step(cfg: Config, world_size: int, rank: int, tracker: FakeRank | None = None) -> RankResult:
+def measure_step(
+    cfg: Config, world_size: int, rank: int, tracker: FakeRank | None = None, *, values: bool = True
+) -> RankResult:
     """Build this rank's `TrainingRun` in the current process group and run one step on random tokens.
 
     Works on a real process group as on a fake one (the test compares the two); ``tracker`` supplies the
     allocator's peaks under fake tensors. The step's peak is that of a steady step: the optimizer's state, made
     by the first update, is added to the forward/backward phase's peak, as it is alive there from the second
     step on (everything else a step allocates is freed before the next one: gradients are set to None).
+    ``values=False``: the parameters get no initial values (`dry_run`'s choice).
     """
     from tessera.train.trainer import TrainingRun  # torch-heavy: imported only when a dry run happens
 
@@ -115,7 +118,7 @@ def measure_step(cfg: Config, world_size: int, rank: int, tracker: FakeRank | No
     t0 = time.perf_counter()
     phase: dict[str, int] = {}
     peak = (lambda: tracker.peak) if tracker is not None else (lambda: 0)
-    run = TrainingRun(cfg, rank, world_size, with_data=False)
+    run = TrainingRun(cfg, rank, world_size, with_data=False, values=values)
     phase["build_peak"] = peak()
     batches = _fake_batches(run, cfg)
     run.batches = lambda step: batches  # type: ignore[method-assign]  # random tokens, no corpus
@@ -147,9 +150,14 @@ def measure_step(cfg: Config, world_size: int, rank: int, tracker: FakeRank | No
 
 
 def dry_run(cfg: Config, world_size: int, rank: int) -> RankResult:
-    """Rank ``rank`` of ``world_size``, built and stepped under fake tensors and a fake process group."""
+    """Rank ``rank`` of ``world_size``, built and stepped under fake tensors and a fake process group.
+
+    The one place that decides that a dry run draws no initial values: fake tensors cannot hold them, and drawing
+    them block by block was nearly half of the Llama-8B example's dry run. The build still allocates every buffer
+    a drawing build does (`InitSource`'s ``values``), so the build peak stays the real run's.
+    """
     with fake_process_group(rank, world_size), FakeRank() as tracker:
-        return measure_step(cfg, world_size, rank, tracker)
+        return measure_step(cfg, world_size, rank, tracker, values=False)
 
 
 # --- comparison with the estimator and the cost model's traffic formulas ------------------------------------

@@ -115,14 +115,27 @@ class InitSource:
     """The training-start `ValueSource`: any block of any parameter, drawn independently of the layout.
 
     ``kinds`` maps every global parameter name to its `InitKind`; ``shapes`` every name to the full shape.
+
+    ``values=False`` (the dry run's, `tessera.dryrun.dry_run`): every read allocates exactly the tensors a
+    drawing read does — the same shapes and dtypes, in the same order, freed at the same points — and writes
+    nothing into them, and `tessera.model.materialize.read_local` copies nothing out of them. Under fake tensors
+    there are no values to draw, only the time of drawing them (docs/dryrun.md), while the row blocks are part
+    of the start-up peak the dry run reports, which must stay the real run's.
     """
 
-    def __init__(self, kinds: dict[str, InitKind], shapes: dict[str, tuple[int, ...]], seed: int) -> None:
-        self.kinds, self.shapes, self.seed = kinds, shapes, seed
+    def __init__(
+        self,
+        kinds: dict[str, InitKind],
+        shapes: dict[str, tuple[int, ...]],
+        seed: int,
+        *,
+        values: bool = True,
+    ) -> None:
+        self.kinds, self.shapes, self.seed, self.values = kinds, shapes, seed, values
         self._canonical: dict[str, str] = {}
 
     @classmethod
-    def for_model(cls, model: nn.Module, seed: int) -> InitSource:
+    def for_model(cls, model: nn.Module, seed: int, *, values: bool = True) -> InitSource:
         """The source for a plain `TransformerLM` (meta or real), keyed by its parameter names."""
         from tessera.model.family import family_plan
         from tessera.model.layers import RMSNorm
@@ -131,7 +144,7 @@ class InitSource:
         residual = family_plan(cfg).residual_outputs
         kinds = init_kinds(model, residual, (nn.LayerNorm, RMSNorm), cfg.n_layers, cfg.init_std)
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-        source = cls(kinds, shapes, seed)
+        source = cls(kinds, shapes, seed, values=values)
         for a, b in getattr(model, "tied_parameters", list)():
             source._canonical[a] = b  # one tensor, one stream: the embedding's name draws it
         return source
@@ -157,6 +170,8 @@ class InitSource:
         for k in range(lo // rows, -(-hi // rows)):
             start = k * rows
             block = torch.empty((min(rows, shape[0] - start), *shape[1:]), dtype=torch.float32)
+            if not self.values:
+                continue  # allocated as when drawing (the start-up peak), left unwritten
             block.normal_(0.0, std, generator=torch.Generator().manual_seed(stream_seed(self.seed, name, k)))
             a, b = max(lo, start), min(hi, start + rows)
             out[a - lo : b - lo] = block[a - start : b - start][(slice(None), *rest)]

@@ -193,7 +193,11 @@ def read_local(spec: ShardSpec, source: ValueSource) -> torch.Tensor:
     """The local tensor of ``spec`` (CPU fp32): the real part read from ``source``, padding zero, transposed
     if the layout says so. The tensor is allocated once and filled a row block at a time (`block_rows` rows of
     the global parameter per read), so reading adds at most one block to memory — and leaves no holes in the
-    allocator's heap that the model's own tensors would then sit between."""
+    allocator's heap that the model's own tensors would then sit between.
+
+    A source without values (``source.values`` False: `InitSource`'s in a dry run) is still read block by block,
+    for the memory its reads take, but nothing is copied: the tensor comes back allocated and unwritten."""
+    copy = getattr(source, "values", True)
     out = torch.zeros(spec.local_shape, dtype=torch.float32)
     view = out.t() if spec.transpose else out  # the block in the global orientation
     real = [(a, min(b, n)) for (a, b), n in zip(spec.index, spec.shape, strict=True)]
@@ -205,7 +209,10 @@ def read_local(spec: ShardSpec, source: ValueSource) -> torch.Tensor:
     start = lo
     while start < hi:
         stop = min(hi, (start // step + 1) * step)  # one row block of the source at a time
-        view[(slice(start - lo, stop - lo), *local_rest)] = source(spec.name, (slice(start, stop), *rest))
+        block = source(spec.name, (slice(start, stop), *rest))
+        if copy:
+            view[(slice(start - lo, stop - lo), *local_rest)] = block
+        del block  # before the next read: at most one block in memory
         start = stop
     return out
 

@@ -148,9 +148,16 @@ def _open_data(cfg: Config, rank: int) -> tuple[TokenDataset | Blend, TokenDatas
 
 
 class TrainingRun:
-    """State of one training run on one rank."""
+    """State of one training run on one rank.
 
-    def __init__(self, cfg: Config, rank: int, world: int, *, with_data: bool = True) -> None:
+    ``with_data=False``: no data is opened and the initial values are about to be overwritten (export, the dry
+    run). ``values=False``: the parameters get their storage, with the same transient buffers, but no values
+    (the dry run, on fake tensors: `InitSource`'s ``values``).
+    """
+
+    def __init__(
+        self, cfg: Config, rank: int, world: int, *, with_data: bool = True, values: bool = True
+    ) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
         self.plan = resolve(cfg, world)  # what runs: raises ConfigError listing every violation
         self.layout = self.plan.layout
@@ -173,7 +180,8 @@ class TrainingRun:
             cfg.checkpoint.resume
             and ckpt.latest_checkpoint(checkpoint_dir(Path(cfg.log.run_dir), cfg)) is not None
         )
-        with self._value_source(overwritten) as source:  # allocation ends with the stepper (pipeline, ZeRO)
+        # allocation ends with the stepper (pipeline, ZeRO)
+        with self._value_source(overwritten, values) as source:
             self.model = self._build_model(source)
             self.stepper = make_stepper(self.model, cfg, self.layout, self.groups, self.plan)
         self.optimizer = self.stepper.optimizer
@@ -207,13 +215,13 @@ class TrainingRun:
         return model
 
     @contextlib.contextmanager
-    def _value_source(self, overwritten: bool = False) -> Iterator[ValueSource]:
+    def _value_source(self, overwritten: bool = False, values: bool = True) -> Iterator[ValueSource]:
         """Where initial values come from: a Hugging Face folder (``model.init``; each rank reads only its
         slices), else the per-name seeded init (``train.seed``, the same values on any layout). When a checkpoint
-        will overwrite them, the folder is not read (it need not exist any more)."""
+        will overwrite them, the folder is not read (it need not exist any more); without ``values``, neither."""
         plain = meta_model(self.cfg.model)
-        if not self.cfg.model.init or overwritten:
-            yield InitSource.for_model(plain, draw_seed())
+        if not self.cfg.model.init or overwritten or not values:
+            yield InitSource.for_model(plain, draw_seed(), values=values)
             return
         from tessera.hf.config import init_folder
         from tessera.hf.weights import HFCheckpoint
