@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tessera.errors import EXIT_PEER_LOST, EXIT_RESUMABLE, TesseraError
+from tessera.errors import EXIT_OUTPUT_CLOSED, EXIT_PEER_LOST, EXIT_RESUMABLE, TesseraError
 
 if TYPE_CHECKING:
     from tessera.config import Config
@@ -433,6 +433,15 @@ def _lost_peer(e: BaseException) -> str | None:
     return None
 
 
+def _output_closed() -> int:
+    """Stop quietly, as a Unix tool killed by SIGPIPE would (exit 128 + 13): whoever read our output has what it
+    wanted. stdout points at /dev/null so that the interpreter's flush at exit does not fail on the pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_OUTPUT_CLOSED
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for a user error, with the message on stderr)."""
     args, extra = _parser().parse_known_args(argv)
@@ -451,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # our own output's reader left (`tessera plan | head`), not another rank
+        return _output_closed()
     except Exception as e:
         lost = _lost_peer(e)
         if lost is None:

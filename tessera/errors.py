@@ -17,6 +17,7 @@ from __future__ import annotations
 __all__ = [
     "EXIT_DIVERGED",
     "EXIT_HANG",
+    "EXIT_OUTPUT_CLOSED",
     "EXIT_PEER_LOST",
     "EXIT_RESUMABLE",
     "EXIT_USER_ERROR",
@@ -33,6 +34,7 @@ EXIT_DIVERGED = 3
 EXIT_HANG = 4
 EXIT_PEER_LOST = 5
 EXIT_RESUMABLE = 75
+EXIT_OUTPUT_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader closed the pipe
 
 
 class TesseraError(Exception):

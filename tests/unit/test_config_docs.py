@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from tessera import __version__, config_docs
 from tessera.cli import main
 from tessera.config import Config, key_name
+from tessera.errors import EXIT_OUTPUT_CLOSED
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
@@ -45,3 +48,16 @@ def test_cli_version_and_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert (
         "[train]  Optimisation" in out and "  eval_every: int = 0\n" in out and "Peak learning rate." in out
     )
+
+
+def test_a_closed_output_pipe_stops_quietly_not_as_a_lost_rank() -> None:
+    """`tessera config | head`: the reader leaves before the command has written; the command exits as a Unix
+    tool killed by SIGPIPE would (141), with nothing on stderr (it used to say it lost contact with a rank)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tessera", "config"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    process.stdout.close()  # before the first write: the print meets a pipe with no reader
+    err = process.stderr.read().decode()
+    process.stderr.close()
+    assert process.wait(timeout=60) == EXIT_OUTPUT_CLOSED, err
+    assert err == ""
