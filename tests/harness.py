@@ -34,11 +34,14 @@ PRELOAD = [
     "torch",
     "torch.distributed",
     "torch.distributed.checkpoint",
+    "torch._dynamo",  # a rank's first meta-device op (meta_model) imports it: ~2 s of CPU per rank otherwise
     "pytest",
     "tessera.train.trainer",
     "tessera.train.export",
     "tessera.cli",
     "tessera.parallel.apply",
+    "tessera.parallel.model_1d",  # imported lazily by apply, by every tensor-parallel rank
+    "tessera.parallel.model_2d",
     "tessera.pipeline.runtime",
     "tests.distributed.conftest",
 ]

@@ -4,6 +4,7 @@ subprocesses."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +26,8 @@ def _tessera(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def _concurrently(*commands: tuple[tuple[str, ...], Path]) -> list[subprocess.CompletedProcess]:
-    """Run independent single-process commands, each ``(args, cwd)``, side by side; results in order. Each
-    spends seconds of one core importing torch, and CI has two."""
+    """Run independent commands, each ``(args, cwd)``, side by side; results in order. Each process spends
+    seconds of one core importing torch, and CI has two."""
     with ThreadPoolExecutor(max_workers=len(commands)) as pool:
         return list(pool.map(lambda command: _tessera(*command[0], cwd=command[1]), commands))
 
@@ -96,14 +97,23 @@ def test_sharded_run_generates_and_exports(workdir: Path, prepared: subprocess.C
     ]
     out = _tessera("train", "--nproc", "4", *overrides, cwd=workdir)
     assert out.returncode == 0, out.stderr + out.stdout
-    out = _tessera("generate", "runs/tp", "--prompt", "the ", "--tokens", "5", cwd=workdir)
+    # Side by side: generate reads runs/tp's training checkpoint (layout-free: never RUN/export), and each export
+    # writes RUN/export/step_N of its own run folder, so the one on two ranks exports a copy of the run (two
+    # exports into one folder would race on its step_N.tmp). Replacing an existing export is commit()'s
+    # re-save, tested in tests/unit/test_checkpoint_files.py.
+    shutil.copytree(workdir / "runs" / "tp", workdir / "runs" / "tp_copy")
+    out, one, ranks = _concurrently(
+        (("generate", "runs/tp", "--prompt", "the ", "--tokens", "5"), workdir),
+        (("export", "runs/tp"), workdir),  # one process reads every tensor
+        (("export", "runs/tp_copy", "--nproc", "2"), workdir),  # rank 0 exports, rank 1 returns
+    )
     assert out.returncode == 0 and out.stdout.startswith("the "), out.stderr
-    out = _tessera("export", "runs/tp", cwd=workdir)  # one process reads every tensor
-    assert out.returncode == 0, out.stderr + out.stdout
-    assert "local processes" not in out.stdout and "export/step_00000002" in out.stdout, out.stdout
-    out = _tessera("export", "runs/tp", "--nproc", "2", cwd=workdir)  # rank 0 exports, rank 1 returns
-    assert out.returncode == 0, out.stderr + out.stdout
-    assert "on 2 local processes" in out.stdout and "Traceback" not in out.stderr, out.stdout + out.stderr
+    assert one.returncode == 0, one.stderr + one.stdout
+    assert "local processes" not in one.stdout and "tp/export/step_00000002" in one.stdout, one.stdout
+    assert ranks.returncode == 0, ranks.stderr + ranks.stdout
+    assert "on 2 local processes" in ranks.stdout, ranks.stdout + ranks.stderr
+    assert "Traceback" not in ranks.stderr, ranks.stdout + ranks.stderr
+    assert "tp_copy/export/step_00000002" in ranks.stdout, ranks.stdout
 
 
 def test_bad_input_is_a_message_not_a_traceback(workdir: Path) -> None:
