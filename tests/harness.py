@@ -34,7 +34,9 @@ PRELOAD = [
     "torch",
     "torch.distributed",
     "torch.distributed.checkpoint",
-    "torch._dynamo",  # a rank's first meta-device op (meta_model) imports it: ~2 s of CPU per rank otherwise
+    # torch's Python meta kernels (torch._refs) import dynamo on their first call, which every rank makes in
+    # meta_model (normal_, arange on meta): about 2 s of one core per rank, paid here once instead
+    "torch._dynamo",
     "pytest",
     "tessera.train.trainer",
     "tessera.train.export",
