@@ -403,7 +403,9 @@ class _RingRowParallel(torch.autograd.Function):
         for k in range(t):
             chunk = (r - k) % t  # the output-gradient shard held now: rank chunk's
             nxt, works = _ring_step(held, group, GATHER_TAG, k == t - 1)
-            lanes.run(k, functools.partial(_row_grads, lanes, k, x, weight, w_cast, gx, dim, chunk), held)
+            lanes.run(
+                k, functools.partial(_row_grads, lanes, k, x, weight.dtype, w_cast, gx, dim, chunk), held
+            )
             _wait(works)
             held = nxt
         lanes.join()
@@ -418,7 +420,7 @@ def _row_grads(
     lanes: _Lanes,
     k: int,
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight_dtype: torch.dtype,
     w_cast: torch.Tensor,
     gx: torch.Tensor,
     dim: int,
@@ -426,11 +428,11 @@ def _row_grads(
     held: torch.Tensor,
 ) -> None:
     """A row-parallel linear's gradients from one chunk of the output gradient (held: [b, n, o]): the input
-    gradient's rows of that chunk into gx, the weight gradient added to lane k's partial sum. w_cast: the weight
-    in the gradient's dtype, cast once before the chunks."""
+    gradient's rows of that chunk into gx, the weight gradient (in the weight's own dtype) added to lane k's
+    partial sum. w_cast: the weight in the gradient's dtype, cast once before the chunks."""
     n = held.shape[dim]
     _rows(gx, dim, chunk, n).copy_(held.matmul(w_cast))  # [b, n, o] @ [o, h/t]
-    gw = _flat(held).t().matmul(_flat(_rows(x, dim, chunk, n)).to(held.dtype)).to(weight.dtype)  # [o, h/t]
+    gw = _flat(held).t().matmul(_flat(_rows(x, dim, chunk, n)).to(held.dtype)).to(weight_dtype)  # [o, h/t]
     lanes.accumulate(k, _WEIGHT, gw)
 
 
