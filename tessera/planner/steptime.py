@@ -69,7 +69,7 @@ from tessera.planner.cost import (
 )
 from tessera.planner.hardware import Hardware
 from tessera.planner.network import collective_time, placement
-from tessera.sim.simulator import SimResult, TimelineEntry, simulate, step_time, timeline, timeline_and_free
+from tessera.sim.simulator import SimResult, TimelineEntry, simulate, step_time, timeline
 
 __all__ = [
     "CONFIG_TO_IR",
@@ -640,9 +640,7 @@ def simulate_step(
 
 def simulated_breakdown(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str) -> StepBreakdown:
     """`simulate_step`'s breakdown without the simulation's summary (per-rank busy and idle time, a timeline
-    sorted by start), which it does not read, and with its two runs (with the transfers, with free
-    communication) in one pass (`simulator.timeline_and_free`): what `tessera plan` re-times its top layouts
-    with."""
+    sorted by start), which it does not read: what `tessera plan` re-times its top layouts with."""
     return _simulate(shape, hw, plan, schedule, summary=False)[0]
 
 
@@ -666,15 +664,10 @@ def _simulate(
         # check=False: the builders emit valid schedules and simulate() itself raises on a deadlock
         sim = simulate(lowered, p, _durations(pc, exchange), comm_latency=p2p, check=False)
         end, entries = sim.step_time, sim.timeline
-        # the free-communication run: only its length is used
-        free = step_time(lowered, p, _durations(pc)) if p2p > 0 or exchange > 0 else end
-    elif p2p > 0 or exchange > 0:  # both runs in one pass over the lists
-        end, entries, free = timeline_and_free(
-            lowered, p, _durations(pc, exchange), _durations(pc), comm_latency=p2p
-        )
-    else:  # free communication already: the one run is both
+    else:
         end, entries = timeline(lowered, p, _durations(pc, exchange), comm_latency=p2p)
-        free = end
+    # the free-communication run: only its length is used
+    free = step_time(lowered, p, _durations(pc)) if p2p > 0 or exchange > 0 else end
     compute, tp = (m * x for x in pc.rank_parts(p, pc.critical_rank(p)))
     exposed = _simulated_dp(shape, hw, plan, entries, end, pc)
     breakdown = StepBreakdown(

@@ -21,15 +21,7 @@ from typing import NamedTuple
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError
 from tessera.pipeline.validate import validate as validate_schedule
 
-__all__ = [
-    "CostTable",
-    "SimResult",
-    "TimelineEntry",
-    "simulate",
-    "step_time",
-    "timeline",
-    "timeline_and_free",
-]
+__all__ = ["CostTable", "SimResult", "TimelineEntry", "simulate", "step_time", "timeline"]
 
 _K = ActionKind
 # module constants: the run compares every action's kind, and a member looked up on its class is a descriptor call
@@ -184,63 +176,6 @@ def timeline(
     decrease, and the sort is stable)."""
     entries: list[TimelineEntry] = []
     return _run(lowered, p, _duration_fn(durations), comm_latency, entries), entries
-
-
-def timeline_and_free(
-    lowered: Schedule,
-    p: int,
-    durations: Callable[[Action, int], float],
-    free_durations: Callable[[Action, int], float],
-    *,
-    comm_latency: float,
-) -> tuple[float, list[TimelineEntry], float]:
-    """``timeline(lowered, p, durations, comm_latency=...)`` and ``step_time(lowered, p, free_durations)`` (free
-    communication) in one pass over the lists: (step time, timeline, free step time), each equal to the two
-    calls' (the planner's re-timing of a layout needs both). Which action runs next never depends on a time, only
-    on which SENDs and EXCHANGEs were reached (`_run`), so both runs take their actions in the same order and
-    one loop can carry both clocks."""
-    clock, free_clock, pc = [0.0] * p, [0.0] * p, [0] * p
-    arrivals: dict[tuple, tuple[float, float]] = {}  # message -> (arrival, arrival with free communication)
-    exchanges: dict[tuple[int, int], int] = {}
-    reached: dict[tuple[int, int, int], tuple[float, float]] = {}
-    entries: list[TimelineEntry] = []
-    append = entries.append
-    step = free_step = 0.0
-    while any(pc[r] < len(lowered[r]) for r in range(p)):
-        progressed = False
-        for rank in range(p):
-            actions, i, start, free_start = lowered[rank], pc[rank], clock[rank], free_clock[rank]
-            while i < len(actions):
-                action = actions[i]
-                kind = action.kind
-                if kind is _RECV_F or kind is _RECV_B:
-                    arrival = arrivals.get(action.message)
-                    if arrival is None:
-                        break
-                    start, free_start = max(start, arrival[0]), max(free_start, arrival[1])
-                elif kind is _EXCHANGE:
-                    pair = (rank, action.peer)
-                    n = exchanges.get(pair, 0)
-                    reached.setdefault((*pair, n), (start, free_start))
-                    theirs = reached.get((action.peer, rank, n))
-                    if theirs is None:
-                        break
-                    start, free_start = max(start, theirs[0]), max(free_start, theirs[1])
-                    exchanges[pair] = n + 1
-                end = start + durations(action, rank)
-                free_end = free_start + free_durations(action, rank)
-                if kind is _SEND_F or kind is _SEND_B:
-                    arrivals[action.message] = (end + comm_latency, free_end + 0.0)  # as `_run` adds it
-                append(TimelineEntry(rank, action, start, end))
-                if end > step:
-                    step = end
-                if free_end > free_step:
-                    free_step = free_end
-                start, free_start, i, progressed = end, free_end, i + 1, True
-            clock[rank], free_clock[rank], pc[rank] = start, free_start, i
-        if not progressed:
-            raise ScheduleError("schedule deadlocks; run tessera.pipeline.validate for the grid")
-    return step, entries, free_step
 
 
 def _run(

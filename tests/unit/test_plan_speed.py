@@ -7,7 +7,6 @@ exactly; `tessera plan` pauses the cycle collector only around its own work."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import itertools
 
@@ -16,9 +15,7 @@ import pytest
 from tessera import memory
 from tessera.config import ModelConfig
 from tessera.execution import ExecutionPlan
-from tessera.pipeline import build_schedule, lower
 from tessera.pipeline.build import compute_options
-from tessera.pipeline.ir import Action, ActionKind
 from tessera.pipeline.schedules import rank_steps
 from tessera.planner import search as search_module
 from tessera.planner.cli import _without_cycle_collection
@@ -34,7 +31,6 @@ from tessera.planner.steptime import (
     simulate_step,
     simulated_breakdown,
 )
-from tessera.sim import simulator
 from tests.plan_grid import valid_plan
 from tests.unit.test_search import _tp2_plan
 
@@ -234,42 +230,6 @@ def test_cached_compute_lists_are_the_schedules() -> None:
                 assert memory._rank_steps(name, p, m, v, rank, "loop", accumulation) == tuple(want)
     layered = memory._rank_steps("breadth_first", 2, 4, 2, 0, "loop", "layered")
     assert memory._rank_steps("breadth_first", 2, 4, 2, 0, "loop", "depth_first") != layered
-
-
-def _uneven(action: Action, rank: int, exchange: float = 0.0) -> float:
-    """Stage-dependent F and B durations; the tied exchange lasts ``exchange``, the rest nothing."""
-    kind = action.kind
-    if kind is ActionKind.FORWARD:
-        return 1.0 + 0.37 * action.stage
-    if kind is ActionKind.BACKWARD:
-        return 2.1 + 0.53 * action.stage
-    return exchange if kind is ActionKind.EXCHANGE_TIED else 0.0
-
-
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "breadth_first"])
-def test_timeline_and_free_equals_the_two_runs(name: str) -> None:
-    """The report's one pass (`simulator.timeline_and_free`) returns exactly what `timeline` with the transfer
-    latency and `step_time` with free communication return run one after the other: the step time, every
-    timeline entry in order, and the free run's step time; with uneven stage durations, latencies that make
-    ranks wait, per-step and per-micro-batch reductions, ZeRO-3's gathers and a tied exchange (its duration
-    only in the first run, as `steptime._durations` prices them)."""
-    with_exchange = functools.partial(_uneven, exchange=0.7)
-    checked = 0
-    for p, m, v in ((2, 4, 1), (4, 8, 1), (4, 4, 2), (3, 6, 2)):
-        looped = name in ("interleaved_1f1b", "breadth_first")
-        if (v > 1 and not looped) or (name == "interleaved_1f1b" and (v == 1 or m % p)):
-            continue
-        schedule = build_schedule(name, p, m, v)
-        for zero3, every, tied in itertools.product((False, True), (False, True), ((), ((0, p * v - 1),))):
-            lowered = lower(schedule, p, zero3=zero3, reduce_every_microbatch=every, tied=tied)
-            for latency in (0.0, 0.29, 3.3):
-                end, entries = simulator.timeline(lowered, p, with_exchange, comm_latency=latency)
-                free = simulator.step_time(lowered, p, _uneven)
-                assert simulator.timeline_and_free(
-                    lowered, p, with_exchange, _uneven, comm_latency=latency
-                ) == (end, entries, free), (name, p, m, v, zero3, every, tied, latency)
-                checked += 1
-    assert checked >= 24
 
 
 def test_plan_pauses_the_cycle_collector_only_inside_its_block() -> None:
