@@ -356,6 +356,21 @@ def measured(results: Path) -> None:
 
 SEARCH_CHANGES = (
     "## What moved in this re-run\n\nNo answer moved: the search is faster and finds the same layouts, step "
+    "times and memory (the full output of eight `tessera plan` commands, their TOML files and four searches' "
+    "candidates, counts and report entries identical before and after; docs/planner.md §1). `tessera plan` runs "
+    "its search and report with Python's cyclic garbage collector paused (its full passes rescanned the memo "
+    "tables for no garbage, ~0.5 s of the 1T plan), and the memory walk counts forwards and backwards inline. "
+    "The search is now timed as `tessera plan` runs it, with the collector paused. The 1T search in fresh "
+    "processes, the commit before (`8c30ab5`, collector on) and this one interleaved, 4 pairs at load 1.8-2.1: "
+    "best 2.52 → 2.02 s wall, medians 2.98 → 2.34 s. The best of 3 below, and the Llama-70B search's seconds, "
+    "were taken while another job held one of the 2 cores (the last re-run's 1.90 s on a quieter machine): "
+    "compare the interleaved pairs, not the reports.\n"
+)
+"""What the last re-run changed and why (against the commit just before it, same searches), written at the top
+of the report."""
+
+EARLIER_SEARCH = (
+    "## Earlier re-runs\n\nAfter the two lower bounds: No answer moved: the search is faster and finds the same layouts, step "
     "times and memory (every fitting layout compared with exact float equality for 1T/3072, Llama-70B/512 and "
     "Llama-8B/32, tests/unit/test_plan_speed.py). A lower bound on the model state that needs only the layout "
     "and ZeRO stage skips a whole ZeRO stage before its configs are built, `memory_floor` asks a memoized "
@@ -364,13 +379,8 @@ SEARCH_CHANGES = (
     "2.59 s; `tessera plan` for 1T, 5 interleaved pairs: median 5.03 → 3.80 s wall (ranges 4.47-5.42 and "
     "2.92-4.76 s). The report's search time is now taken in fresh processes: in one process, as earlier re-runs "
     "timed it, the second and third searches reuse the first one's memo tables (1.57 s best of 3 here), which a "
-    "user's `tessera plan` never does.\n"
-)
-"""What the last re-run changed and why (against the commit just before it, same searches), written at the top
-of the report."""
-
-EARLIER_SEARCH = (
-    "## Earlier re-runs\n\nAfter the ring lanes: One change to the step time, against the commit just before it: a "
+    "user's `tessera plan` never does.\n\n"
+    "After the ring lanes: One change to the step time, against the commit just before it: a "
     "tensor-parallel ring's chunk GEMMs are priced on the runtime's 3 CUDA lanes (docs/cost-model.md §6, as "
     "Transformer Engine runs them), where each chunk was priced alone with its partly empty last wave. 1T on "
     "3072 GPUs keeps its layout and now takes the rings: d6 p64 t8+SP 1F1B ZeRO-1, 95.6 → 90.6 s per step, MFU "
@@ -415,14 +425,19 @@ EARLIER_SEARCH = (
 
 
 _COLD_SEARCH = (
-    "from tessera.planner.hardware import load_hardware; from tessera.planner.search import search; "
-    "r = search('megatron-1t', 3072, load_hardware('a100-80gb'), 3072); print(r.seconds, r.cpu_seconds)"
+    "from tessera.planner.cli import _without_cycle_collection\n"
+    "from tessera.planner.hardware import load_hardware\n"
+    "from tessera.planner.search import search\n"
+    "with _without_cycle_collection():\n"
+    "    r = search('megatron-1t', 3072, load_hardware('a100-80gb'), 3072)\n"
+    "print(r.seconds, r.cpu_seconds)\n"
 )
 
 
 def _cold_search_seconds() -> tuple[float, float]:
-    """Wall and CPU seconds of the 1T search in a fresh interpreter, as `tessera plan` runs it: in one process
-    a second search reuses the first one's memo tables and caches (tessera/memory.py), which a user never has."""
+    """Wall and CPU seconds of the 1T search in a fresh interpreter, as `tessera plan` runs it (with the cyclic
+    collector paused): in one process a second search reuses the first one's memo tables and caches
+    (tessera/memory.py), which a user never has."""
     import subprocess
 
     out = subprocess.run(
