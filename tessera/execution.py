@@ -642,9 +642,13 @@ def _check_data(cfg: Config) -> list[Violation]:
         )
     if d.check():
         return v  # malformed or missing files: DataConfig.check reports them
+    files = [p for p, _ in d.sources()] + ([d.valid_path] if d.valid_path else [])
+    if not files:
+        # the default corpus: the trainer prepares it, nothing to read here. Importing the reader (numpy, 0.1 s)
+        # anyway would delay `tessera train --nproc N`, which validates before it starts the ranks
+        return v
     from tessera.train.data import read_token_meta  # torch-free; numpy only when files are named
 
-    files = [p for p, _ in d.sources()] + ([d.valid_path] if d.valid_path else [])
     tokenizers: dict[str, str] = {}
     eots: dict[str, int | None] = {}
     for path in files:

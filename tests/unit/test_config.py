@@ -52,6 +52,26 @@ def test_single_process_train_rejects_a_wrong_config_before_torch_and_the_run_di
     assert not run_dir.exists()
 
 
+def test_nproc_launcher_imports_neither_torch_nor_numpy_before_starting_the_ranks(tmp_path: Path) -> None:
+    """`tessera train --nproc N` validates the config and spawns the ranks; every module it imports first delays
+    all of them. With the default corpus no token file is read, so numpy (0.1 s) is not needed either."""
+    demo = Path(__file__).parents[2] / "configs" / "demo.toml"
+    code = (
+        "import sys\n"
+        "import tessera.train.launch as launch\n"
+        "def fake_launch(nproc, argv, **kw):\n"
+        "    heavy = [m for m in ('torch', 'numpy') if m in sys.modules]\n"
+        "    assert not heavy, f'the launcher imported {heavy} before starting the ranks'\n"
+        "    return 0\n"
+        "launch.launch_local = fake_launch\n"
+        "from tessera.cli import main\n"
+        f"sys.exit(main(['train', '{demo}', '--nproc', '2', '--log.run_dir={tmp_path / 'run'}']))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+
+
 def test_toml_and_overrides(tmp_path: Path) -> None:
     f = tmp_path / "c.toml"
     f.write_text('[model]\nsize = "gpt2-124m"\n[train]\nlr = 1e-3\n')
