@@ -357,14 +357,13 @@ def measured(results: Path) -> None:
 SEARCH_CHANGES = (
     "## What moved in this re-run\n\nNo answer moved: the search is faster and finds the same layouts, step "
     "times and memory (the full output of eight `tessera plan` commands, their TOML files and four searches' "
-    "candidates, counts and report entries identical before and after; docs/planner.md §1). `tessera plan` runs "
-    "its search and report with Python's cyclic garbage collector paused (its full passes rescanned the memo "
-    "tables for no garbage, ~0.5 s of the 1T plan), and the memory walk counts forwards and backwards inline. "
-    "The search is now timed as `tessera plan` runs it, with the collector paused. The 1T search in fresh "
+    "candidates, counts and report entries identical before and after; docs/planner.md §1). The search and the "
+    "report (`search`, `explain`) pause Python's cyclic garbage collector while they run (its full passes "
+    "rescanned the memo tables for no garbage, ~0.5 s of the 1T plan), so every caller gains, this benchmark "
+    "included, and the memory walk counts forwards and backwards inline. The 1T search in fresh "
     "processes, the commit before (`8c30ab5`, collector on) and this one interleaved, 4 pairs at load 1.8-2.1: "
-    "best 2.52 → 2.02 s wall, medians 2.98 → 2.34 s. The best of 3 below, and the Llama-70B search's seconds, "
-    "were taken while another job held one of the 2 cores (the last re-run's 1.90 s on a quieter machine): "
-    "compare the interleaved pairs, not the reports.\n"
+    "best 2.52 → 2.02 s wall, medians 2.98 → 2.34 s. The seconds below vary with this shared machine's load "
+    "from run to run (the last re-run's best of 3 was 1.90 s): compare the interleaved pairs, not two reports.\n"
 )
 """What the last re-run changed and why (against the commit just before it, same searches), written at the top
 of the report."""
@@ -425,19 +424,14 @@ EARLIER_SEARCH = (
 
 
 _COLD_SEARCH = (
-    "from tessera.planner.cli import _without_cycle_collection\n"
-    "from tessera.planner.hardware import load_hardware\n"
-    "from tessera.planner.search import search\n"
-    "with _without_cycle_collection():\n"
-    "    r = search('megatron-1t', 3072, load_hardware('a100-80gb'), 3072)\n"
-    "print(r.seconds, r.cpu_seconds)\n"
+    "from tessera.planner.hardware import load_hardware; from tessera.planner.search import search; "
+    "r = search('megatron-1t', 3072, load_hardware('a100-80gb'), 3072); print(r.seconds, r.cpu_seconds)"
 )
 
 
 def _cold_search_seconds() -> tuple[float, float]:
-    """Wall and CPU seconds of the 1T search in a fresh interpreter, as `tessera plan` runs it (with the cyclic
-    collector paused): in one process a second search reuses the first one's memo tables and caches
-    (tessera/memory.py), which a user never has."""
+    """Wall and CPU seconds of the 1T search in a fresh interpreter, as `tessera plan` runs it: in one process
+    a second search reuses the first one's memo tables and caches (tessera/memory.py), which a user never has."""
     import subprocess
 
     out = subprocess.run(

@@ -7,9 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from tessera.errors import ConfigError, TesseraError
@@ -26,22 +23,6 @@ def _model_arg(text: str):
     return text
 
 
-@contextmanager
-def _without_cycle_collection() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block (restored after). The search and the report allocate
-    about a million short-lived objects (configs, plans, schedule actions, timeline entries), which reference
-    counting frees, beside tens of thousands of long-lived ones (the memory model's memo tables, the candidates):
-    each of the collector's full passes rescans the long-lived ones, ~0.5 s of the 1T/3072 plan's ~3 s of CPU,
-    for no garbage (peak memory is the same with the collector off)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search layouts, print the top ones with breakdowns and reasons; optionally write JSON/TOML/PNG."""
     from tessera.planner.hardware import load_hardware
@@ -56,21 +37,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
         flash_attention=not args.no_flash_attention,
         uneven_pipelines=args.uneven_pipelines,
     )
-    with _without_cycle_collection():
-        try:
-            result = search(
-                _model_arg(args.model),
-                args.gpus,
-                hw,
-                args.global_batch,
-                space=space,
-                target_loss=args.target_loss,
-            )
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if not result.candidates:
-            raise ConfigError(result.no_fit_message())
-        entries = explain(result, args.top)
+    try:
+        result = search(
+            _model_arg(args.model),
+            args.gpus,
+            hw,
+            args.global_batch,
+            space=space,
+            target_loss=args.target_loss,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not result.candidates:
+        raise ConfigError(result.no_fit_message())
+    entries = explain(result, args.top)
     print(to_json(result, entries) if args.json else render_text(result, entries))
     best = entries[0].candidate
     if args.out:

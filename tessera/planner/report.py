@@ -14,7 +14,7 @@ from typing import Any
 
 from tessera.config import load_config
 from tessera.errors import ConfigError
-from tessera.planner.search import Candidate, SearchResult
+from tessera.planner.search import Candidate, SearchResult, without_cycle_collection
 from tessera.planner.steptime import StepBreakdown, p2p_hops, pipeline_costs, rank_blocks, simulated_breakdown
 
 __all__ = [
@@ -93,6 +93,7 @@ def _distinct(result: SearchResult, top: int) -> list[Candidate]:
     return out
 
 
+@without_cycle_collection()  # as the search: its re-timing allocates ~1e5 short-lived objects
 def explain(result: SearchResult, top: int = 5) -> list[Explained]:
     """The best layout and the best of the next `top − 1` distinct layouts (`_distinct`), re-timed with the
     simulator where small enough, re-ranked, with a reason for each runner-up."""

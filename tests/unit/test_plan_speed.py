@@ -1,8 +1,8 @@
 """The planner's shortcuts answer as the computations they replace: the search's cheap lower bounds
 (`memory.model_state_mean`, `memory._rank_state_floor`) never exceed the bound they stand in for, so they only
 reject layouts the exact check rejects; the step time's backward releases, the report's re-timing without the
-simulator's summary and with its two runs in one pass, and the cached compute lists equal the plain computations
-exactly; `tessera plan` pauses the cycle collector only around its own work."""
+simulator's summary and the cached compute lists equal the plain computations exactly; the search and the report
+pause the cycle collector only while they run."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from tessera.config import ModelConfig
 from tessera.execution import ExecutionPlan
 from tessera.pipeline.build import compute_options
 from tessera.pipeline.schedules import rank_steps
+from tessera.planner import report as report_module
 from tessera.planner import search as search_module
-from tessera.planner.cli import _without_cycle_collection
 from tessera.planner.cost import ModelShape, Plan
 from tessera.planner.hardware import load_hardware
-from tessera.planner.search import SearchSpace, model_config, search
+from tessera.planner.search import SearchSpace, model_config, search, without_cycle_collection
 from tessera.planner.steptime import (
     BUCKETED_RELEASES,
     MAX_RELEASES,
@@ -232,20 +232,42 @@ def test_cached_compute_lists_are_the_schedules() -> None:
     assert memory._rank_steps("breadth_first", 2, 4, 2, 0, "loop", "depth_first") != layered
 
 
-def test_plan_pauses_the_cycle_collector_only_inside_its_block() -> None:
-    """`tessera plan` runs its search and report with the cyclic collector off and leaves it as it found it:
-    back on after the block (also when the block raises), still off if the caller had turned it off."""
+def test_the_collector_pause_restores_what_it_found() -> None:
+    """`without_cycle_collection` leaves the collector as it found it: back on after the block (also when the
+    block raises), still off if the caller had turned it off."""
     assert gc.isenabled()
-    with _without_cycle_collection():
+    with without_cycle_collection():
         assert not gc.isenabled()
     assert gc.isenabled()
-    with pytest.raises(ValueError), _without_cycle_collection():
+    with pytest.raises(ValueError), without_cycle_collection():
         raise ValueError("no layout fits")
     assert gc.isenabled()
     gc.disable()
     try:
-        with _without_cycle_collection():
+        with without_cycle_collection():
             pass
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_search_and_explain_run_with_the_collector_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search and the report pause the collector themselves, so every caller (`tessera plan`, the analysis,
+    the benchmarks) gains: it is off in the work they do per layout (`decide` in the search, `_retime` in the
+    report) and on again after each."""
+    seen: dict[str, set[bool]] = {"decide": set(), "retime": set()}
+
+    def spy(name: str, fn):
+        def call(*args, **kwargs):
+            seen[name].add(gc.isenabled())
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(search_module, "decide", spy("decide", search_module.decide))
+    monkeypatch.setattr(report_module, "_retime", spy("retime", report_module._retime))
+    result = search("llama-1b", 4, load_hardware("h100"), 8)
+    assert gc.isenabled() and result.candidates
+    assert report_module.explain(result, 3)
+    assert gc.isenabled()
+    assert seen == {"decide": {False}, "retime": {False}}
