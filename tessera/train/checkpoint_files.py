@@ -21,7 +21,9 @@ from typing import Any
 from tessera.errors import CheckpointError
 
 __all__ = [
+    "LAYOUT_FREE_FORMAT",
     "META",
+    "RANK_LOCAL_FORMAT",
     "checkpoint_meta",
     "commit",
     "complete_checkpoints",
@@ -40,8 +42,8 @@ META = "meta.json"
 _LATEST = "latest"
 _PREFIX = "step_"
 _TMP = ".tmp"
-_FORMAT = 2  # layout-free: global names and blocks (checkpoint/state.py)
-_RANK_LOCAL = 1  # each rank's own state dict; resumes only at the layout that wrote it
+LAYOUT_FREE_FORMAT = 2  # layout-free: global names and blocks (checkpoint/state.py)
+RANK_LOCAL_FORMAT = 1  # each rank's own state dict; resumes only at the layout that wrote it
 
 
 def step_dir_name(step: int) -> str:
@@ -169,6 +171,6 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
 def is_sharded(meta: dict[str, Any]) -> bool:
     """Whether a checkpoint's ranks saved different slices of the model in the rank-local format 1, so only its
     own layout can load it; False for a layout-free checkpoint (any layout, one process included, reads it)."""
-    if meta.get("format", _RANK_LOCAL) != _RANK_LOCAL:
+    if meta.get("format", RANK_LOCAL_FORMAT) != RANK_LOCAL_FORMAT:
         return False
     return any(s is not None for s in meta.get("shard_ids") or [])

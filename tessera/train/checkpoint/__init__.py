@@ -58,8 +58,8 @@ from tessera.train.checkpoint.state import (
     state_dict_of,
 )
 from tessera.train.checkpoint_files import (
-    _FORMAT,
-    _RANK_LOCAL,
+    LAYOUT_FREE_FORMAT,
+    RANK_LOCAL_FORMAT,
     checkpoint_meta,
     commit,
     is_sharded,
@@ -144,7 +144,7 @@ def save_checkpoint(
         remove_stale_tmp(ckpt_dir)
     _barrier()  # nobody writes into tmp before rank 0 has cleared it
     fmt, to_write, planner = _to_write(model, optimizer, tensors, shard_id, state)
-    groups = group_settings(optimizer) if fmt == _FORMAT else None
+    groups = group_settings(optimizer) if fmt == LAYOUT_FREE_FORMAT else None
     rng = capture_rng()  # the RNG streams as of this step, wherever the files are written
 
     def publish(group: dist.ProcessGroup | None = None) -> Path:
@@ -193,10 +193,14 @@ def _to_write(
     extra = {str(i): t for i, t in enumerate(tensors)}
     if state is None and shard_id is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        return _RANK_LOCAL, {**_wrap({"model": model_sd, "optim": optim_sd}, shard_id), "extra": extra}, None
+        return (
+            RANK_LOCAL_FORMAT,
+            {**_wrap({"model": model_sd, "optim": optim_sd}, shard_id), "extra": extra},
+            None,
+        )
     state = state or RankState.of_module(model, optimizer)
     parts = state.to_save() + extra_pieces(extra)
-    return _FORMAT, state_dict_of(parts), GlobalSavePlanner(parts)
+    return LAYOUT_FREE_FORMAT, state_dict_of(parts), GlobalSavePlanner(parts)
 
 
 @contextlib.contextmanager
@@ -236,7 +240,7 @@ def save_model_weights(
         dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner, no_dist=True)
     meta = {
         "files": hash_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file())),
-        "format": _FORMAT,
+        "format": LAYOUT_FREE_FORMAT,
         "step": step,
         "world_size": 1,
         "layout": None,
@@ -332,22 +336,23 @@ def load_checkpoint(
             "from (RUN_DIR/checkpoints)"
         )
     rank, world = _rank_world()
-    fmt = meta.get("format", _RANK_LOCAL)
-    if fmt not in (_RANK_LOCAL, _FORMAT):
+    fmt = meta.get("format", RANK_LOCAL_FORMAT)
+    if fmt not in (RANK_LOCAL_FORMAT, LAYOUT_FREE_FORMAT):
         raise CheckpointError(
             f"checkpoint {path} has format {fmt!r}, which this version of tessera does not know (it reads "
-            f"{_RANK_LOCAL} and {_FORMAT})\n    fix: resume it with the tessera version that wrote it"
+            f"{RANK_LOCAL_FORMAT} and {LAYOUT_FREE_FORMAT})\n    fix: resume it with the tessera version that wrote it"
         )
-    if fmt == _RANK_LOCAL:
+    if fmt == RANK_LOCAL_FORMAT:
         _check_layout(path, meta, world, layout)
     metadata = read_metadata_safely(path)
-    if fmt == _FORMAT:
+    if fmt == LAYOUT_FREE_FORMAT:
         _refuse_pickled(path, metadata)
-    if verify and fmt == _FORMAT:  # pieces are read into the live tensors: refuse damage before touching them
+    # pieces are read into the live tensors: refuse damage before touching them
+    if verify and fmt == LAYOUT_FREE_FORMAT:
         _refuse_damaged(path, verify_checkpoint(path))
     extra_tensors = _empty_extra(metadata, len(meta.get("extra_tensors", [])))
-    with _read_errors(path, verify and fmt == _RANK_LOCAL):
-        if fmt == _RANK_LOCAL:
+    with _read_errors(path, verify and fmt == RANK_LOCAL_FORMAT):
+        if fmt == RANK_LOCAL_FORMAT:
             _load_rank_local(path, metadata, model, optimizer, shard_id, extra_tensors, verify)
         else:
             state = state or RankState.of_module(model, optimizer)
