@@ -192,7 +192,8 @@ class ExecutionPlan:
         return _exchanged_stages(self.tied, self.n_stages, self.pp, self.placement, rank)
 
     def lowered(self) -> Schedule:
-        """The validated per-pipeline-rank action lists the schedule runtime executes (pure; rebuilt per call)."""
+        """The validated per-pipeline-rank action lists the schedule runtime executes: fresh lists per call of a build
+        `lowered_schedule` memoises (the one `resolve` made, when it checked the schedule)."""
         if self.schedule is None:
             raise ValueError("the direct loop runs no schedule")
         return self._lower()[0]

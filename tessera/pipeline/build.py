@@ -1,24 +1,28 @@
 """The lowered, validated action lists of a named or hand-written (CSV) schedule. Pure Python, no torch.
 
 The execution plan (`tessera.execution`) calls this to prove, before launch, that the schedule a run will execute
-builds and is deadlock-free; the runtime calls it to get the very same lists.
+builds and is deadlock-free; the runtime calls it to get the very same lists. One training rank asks up to three
+times for the same lists (the CLI's early check, the trainer's `resolve`, the runtime), and a large global batch
+makes each build seconds long (20,000 micro-batches on 4 pipeline ranks: ~7 s), so the last few results are
+memoised (`lowered_schedule`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from tessera.errors import ConfigError
 from tessera.modes import ACCUMULATION, DEPTH_FIRST
 from tessera.pipeline.csvio import from_csv
-from tessera.pipeline.ir import Schedule, infer_stage_ranks, stage_to_rank
+from tessera.pipeline.ir import Action, Schedule, infer_stage_ranks, stage_to_rank
 from tessera.pipeline.passes import lower
 from tessera.pipeline.schedules import build_schedule
 from tessera.pipeline.validate import validate
 
-__all__ = ["compute_options", "lowered_schedule"]
+__all__ = ["MEMO_SIZE", "compute_options", "lowered_schedule"]
 
 _BREADTH_FIRST_NAMES = ("breadth_first", "bf", "bfs")
 
@@ -48,31 +52,83 @@ def lowered_schedule(
     REDUCE after every micro-batch's backward, which the runtime executes and the simulator prices. ``tied``:
     pairs of stages sharing a parameter (`passes.tied_stages`); those on different ranks end their ranks' lists
     with an EXCHANGE and their one REDUCE (`passes.add_tied_exchange`).
+
+    Memoised, per process: the last `MEMO_SIZE` results, keyed by every argument (``tied`` as a tuple of pairs,
+    in order, as it orders the EXCHANGEs; ``options`` by name: every schedule option is an int or a string). A
+    schedule file is read on every call and keyed by its text, so an edited file is parsed and validated again
+    and a missing one raises as before. A build that raises is not memoised: the same call raises again. The memo
+    holds tuples and each call returns fresh lists of the shared, frozen actions, so a caller may edit its lists
+    without changing another's: no caller does today, and the copy costs ~10 ms for 400,000 actions against the
+    seconds of a build. The planner's search does not come here (it lowers with `passes.lower` and walks
+    `peak_memory`), so its thousands of layouts neither fill the memo nor pay for it.
     """
     if accumulation not in ACCUMULATION:
         raise ConfigError(f"unknown accumulation {accumulation!r}; choose one of {', '.join(ACCUMULATION)}")
-    placement = str(options.get("placement", "loop"))
-    if schedule_name.endswith(".csv"):
-        compute = _schedule_from_file(schedule_name, p, m, v)
+    text = _read_schedule_file(schedule_name) if schedule_name.endswith(".csv") else None
+    pairs = tuple(tuple(pair) for pair in tied)
+    lowered, placement = _build(
+        schedule_name,
+        text,
+        p,
+        m,
+        v,
+        zero3,
+        accumulation,
+        reduce_every_microbatch,
+        pairs,
+        tuple(sorted(options.items())),
+    )
+    return [list(actions) for actions in lowered], placement
+
+
+MEMO_SIZE = 4
+"""Results `lowered_schedule` keeps: a training rank needs one; 400,000 actions (20,000 micro-batches, 4 ranks)
+hold ~32 MiB."""
+
+
+@lru_cache(maxsize=MEMO_SIZE)
+def _build(
+    schedule_name: str,
+    text: str | None,
+    p: int,
+    m: int,
+    v: int,
+    zero3: bool,
+    accumulation: str,
+    reduce_every_microbatch: bool,
+    tied: tuple[tuple[int, int], ...],
+    options: tuple[tuple[str, Any], ...],
+) -> tuple[tuple[tuple[Action, ...], ...], str]:
+    """`lowered_schedule`'s build, as tuples (the memo's entries must not change); ``text``: the schedule
+    file's contents, ``None`` for a named schedule."""
+    named = dict(options)
+    placement = str(named.get("placement", "loop"))
+    if text is not None:
+        compute = _schedule_from_text(schedule_name, text, p, m, v)
         placement = _placement_of(compute, p)
     else:
-        options = {**options, **compute_options(schedule_name, accumulation)}
-        compute = build_schedule(schedule_name, p, m, v, **options)
+        named = {**named, **compute_options(schedule_name, accumulation)}
+        compute = build_schedule(schedule_name, p, m, v, **named)
     lowered = lower(
         compute, p, placement, zero3=zero3, reduce_every_microbatch=reduce_every_microbatch, tied=tied
     )
     validate(lowered, p, microbatches=m)
-    return lowered, placement
+    return tuple(map(tuple, lowered)), placement
 
 
-def _schedule_from_file(path: str, p: int, m: int, v: int) -> Schedule:
-    """A user's own compute schedule from CSV (tessera.pipeline.csvio format), checked against p, m and v."""
+def _read_schedule_file(path: str) -> str:
+    """The text of a user's schedule file (tessera.pipeline.csvio format)."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(
             f"parallel.schedule = {path!r}: no such file; write one with tessera.pipeline.csvio.to_csv"
         )
-    compute = from_csv(file.read_text(), p)
+    return file.read_text()
+
+
+def _schedule_from_text(path: str, text: str, p: int, m: int, v: int) -> Schedule:
+    """A user's own compute schedule from the CSV text of file ``path``, checked against p, m and v."""
+    compute = from_csv(text, p)
     stages = {a.stage for rank in compute for a in rank}
     batches = {a.microbatch for rank in compute for a in rank if a.microbatch is not None}
     if stages != set(range(p * v)) or batches != set(range(m)):
