@@ -4,12 +4,16 @@ checkpoint, written one tensor at a time.
 A layout-free checkpoint (format 2, docs/checkpoints.md) holds every tensor under its global name, whatever the
 layout that wrote it: rank 0 alone reads each tensor from it (`checkpoint.read_tensor`, DCP assembling the
 saved ranks' blocks) as the writer reaches it, so host memory is bounded by the largest tensor; other ranks, if
-any, return at once. `tessera generate RUN_DIR` reads such a checkpoint directly, no export needed.
+any, return at once. Nothing is built or drawn: the writer names the tensors by the plain model on the meta
+device, after checking that the checkpoint holds each of them. `tessera generate RUN_DIR` reads such a
+checkpoint directly, no export needed.
 
 A rank-local checkpoint of format 1 (written before checkpoints became layout-free) with tensor, pipeline or
 ZeRO shards loads only in the layout that wrote it. Export then runs in that layout, on the same number of ranks:
 
-1. every rank rebuilds its part of the model exactly as the trainer does (sharded) and loads its slice;
+1. every rank rebuilds its part of the model exactly as the trainer does (sharded), but without drawing initial
+   values (`InitSource`'s ``values=False``, as the dry run builds), checks with the others that the checkpoint
+   holds every tensor they are about to load (else nothing is exported), and loads its slice;
 2. rank 0 writes ``RUN_DIR/export/step_N`` with `save_model_weights` (atomic; one unsharded copy), pulling each
    tensor as the writer reaches it: it names the tensor to every rank, the pipeline position holding it gathers
    it (ZeRO-3: that stage's flat buffer; tensor parallelism: `full_parameter`, an all-gather within the tensor
@@ -66,9 +70,10 @@ def export_weights(
     if not sharded:  # any rank can read every tensor: rank 0 does it alone, the others have nothing to do
         if rank != 0:
             return None
+        model = meta_model(cfg.model)
         return _save(
-            _reader(Path(meta["path"])),
-            meta_model(cfg.model),
+            _reader(Path(meta["path"]), model, run_dir / "config.json"),
+            model,
             cfg,
             fmt,
             out,
@@ -78,7 +83,7 @@ def export_weights(
         )
     if world != meta.get("world_size"):
         raise CheckpointError(wrong_world_size(run_dir, meta, world))
-    weights = _PlainWeights(_load_run(cfg, rank, world, Path(meta["path"])))
+    weights = _PlainWeights(_load_run(cfg, rank, world, Path(meta["path"]), run_dir / "config.json"))
     path = None
     if rank == 0:
         try:
@@ -112,21 +117,29 @@ def _save(
     return ckpt.save_model_weights(out_dir, step, model, source, _PullPlanner(get))
 
 
-def _reader(path: Path) -> Callable[[str], torch.Tensor]:
+def _reader(path: Path, model: nn.Module, config_file: Path) -> Callable[[str], torch.Tensor]:
     """``get(name)``: the plain model's tensor ``name`` read from the checkpoint when the writer reaches it (one
-    at a time: host memory is bounded by the largest tensor), after the checksums are verified once."""
+    at a time: host memory is bounded by the largest tensor), after the checksums are verified once and the
+    checkpoint is known to hold every tensor of ``model`` (the meta model the writer names them by): a missing
+    one would otherwise stop the writer halfway, inside DCP, with its traceback."""
     ckpt_meta = ckpt.checkpoint_meta(path)
     if ckpt_meta.get("files"):
         problems = ckpt.verify_checkpoint(path, collective=False)
         if problems:
             raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems[:5])}")
+    _refuse_missing(path, {None: ckpt.missing_model_state(path, model)}, config_file)
     metadata = ckpt.read_metadata_safely(path)
     return lambda name: ckpt.read_tensor(path, f"model.{name}", metadata)
 
 
-def _load_run(cfg: Config, rank: int, world: int, path: Path) -> TrainingRun:
-    """This rank's part of the run, as the trainer builds it, with the checkpoint's slice loaded."""
-    run = TrainingRun(cfg, rank, world, with_data=False)
+def _load_run(cfg: Config, rank: int, world: int, path: Path, config_file: Path) -> TrainingRun:
+    """This rank's part of the run, as the trainer builds it, with the checkpoint's slice loaded.
+
+    Built without initial values (`InitSource`'s ``values=False``, as the dry run builds): the load overwrites
+    every tensor, so drawing them would be wasted. That holds only if the checkpoint covers the whole state this
+    rank loads, so `_require_covered` checks it first, on every rank, before anything is read."""
+    run = TrainingRun(cfg, rank, world, with_data=False, values=False)
+    _require_covered(run, path, config_file)
     ckpt.load_checkpoint(
         path,
         run.stepper.state_module,
@@ -135,6 +148,36 @@ def _load_run(cfg: Config, rank: int, world: int, path: Path) -> TrainingRun:
         layout=run.layout.describe(),
     )
     return run
+
+
+def _require_covered(run: TrainingRun, path: Path, config_file: Path) -> None:
+    """Refuse, on every rank alike, a format 1 checkpoint that lacks a parameter or persistent buffer of some
+    rank's state: built without values, that tensor would be exported without ever having been loaded.
+    Collective (every rank's missing names are gathered), so no rank goes on into the load's collectives alone."""
+    shard_id = run.stepper.shard_id
+    mine = ckpt.missing_model_state(path, run.stepper.state_module, shard_id)
+    table: list = [None] * dist.get_world_size()
+    dist.all_gather_object(table, (shard_id, mine))
+    _refuse_missing(path, {sid: names for sid, names in table}, config_file)  # equal ids: equal state
+
+
+def _refuse_missing(path: Path, missing: dict[str | None, list[str]], config_file: Path) -> None:
+    """A CheckpointError naming every tensor of the model (by shard) that checkpoint ``path`` lacks, if any."""
+    missing = {sid: names for sid, names in missing.items() if names}
+    if not missing:
+        return
+    count = sum(len(names) for names in missing.values())
+    listed = "; ".join(
+        ("" if sid is None else f"shard {sid}: ")
+        + ", ".join(names[:8])
+        + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        for sid, names in sorted(missing.items(), key=lambda kv: str(kv[0]))
+    )
+    raise CheckpointError(
+        f"checkpoint {path} holds no saved value for {count} tensor(s) of the model that {config_file} "
+        f"describes ({listed}); nothing was exported\n    fix: this checkpoint was written by a different model "
+        "config; export it with the config of the run that wrote it (that run folder's config.json)"
+    )
 
 
 class _PullPlanner(DefaultSavePlanner):

@@ -152,7 +152,8 @@ class TrainingRun:
 
     ``with_data=False``: no data is opened and the initial values are about to be overwritten (export, the dry
     run). ``values=False``: the parameters get their storage, with the same transient buffers, but no values
-    (the dry run, on fake tensors: `InitSource`'s ``values``).
+    (`InitSource`'s ``values``): the dry run, on fake tensors, and the export of a format 1 checkpoint, which
+    first checks that the checkpoint holds every tensor it then loads (tessera/train/export.py).
     """
 
     def __init__(

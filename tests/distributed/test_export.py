@@ -10,10 +10,15 @@ padding left in) is off by the weights' own magnitude.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tessera.config import from_dict
 from tessera.errors import CheckpointError
@@ -21,7 +26,7 @@ from tessera.model.build import build_model
 from tessera.train import checkpoint as ckpt
 from tessera.train.export import export_weights
 from tessera.train.generate import newest_weights
-from tessera.train.trainer import train
+from tessera.train.trainer import TrainingRun, train
 from tests.distributed.conftest import trainer_config
 from tests.harness import run_distributed
 
@@ -84,3 +89,154 @@ def test_export_equals_single_device_weights(token_file: Path, tmp_path: Path, n
     print(f"{name}: largest |exported - single-device| = {worst:.2e}")
     for n in got:
         torch.testing.assert_close(got[n], expected[n], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL, msg=n)
+
+
+# --- format 1 (rank-local) checkpoints --------------------------------------------------------------------------
+# Their export rebuilds each rank's part of the run without initial values (the checkpoint overwrites them all)
+# after checking that the checkpoint holds every tensor it loads. Reference: the same export building as it did
+# before, drawing every initial value (`values=True` forced on the rebuild), which must give the same bytes.
+
+FORMAT_1 = {  # name: (world size, model size, parallel section)
+    "tp1d_2": (2, "llama-tiny", {"tensor": 2}),
+    "dp2_zero3": (2, "gpt2-tiny", {"data": 2, "zero": 3}),
+    "pp2_1f1b_tied": (2, "gpt2-tiny", {"pipeline": 2, "schedule": "1f1b"}),
+}
+
+
+def _write_format_1(rank: int, world: int, raw: dict) -> None:
+    """One training step at the layout, saved as a rank-local (format 1) checkpoint as tessera did before
+    checkpoints were layout-free, and the run's config.json as `tessera train` writes it."""
+    run = TrainingRun(from_dict(raw), rank, world)
+    run.step(0, None)
+    ckpt.save_checkpoint(
+        run.ckpt_dir,
+        1,
+        run.stepper.state_module,
+        run.optimizer,
+        {"step": 1, "samples": run.cfg.train.global_batch, "settings": run.settings},
+        shard_id=run.stepper.shard_id,
+        layout=run.layout.describe(),
+    )
+    if rank == 0:
+        (run.run_dir / "config.json").write_text(json.dumps(run.cfg.to_dict()))
+    dist.barrier()
+
+
+def _export_counting_draws(rank: int, world: int, run_dir: str, drawing: bool) -> tuple[str | None, int, int]:
+    """(the export folder on rank 0, calls of normal_ on real tensors, calls of init's stream_seed) of
+    `export_weights`; ``drawing`` builds the run with initial values, as the export did before."""
+    import tessera.model.init as init
+    import tessera.train.export as export
+
+    calls = {"normal_": 0, "stream_seed": 0}
+    normal, stream_seed, training_run = torch.Tensor.normal_, init.stream_seed, export.TrainingRun
+
+    def counted_normal(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls["normal_"] += not self.is_meta  # meta_model's modules call it on meta tensors: no values
+        return normal(self, *args, **kwargs)
+
+    def counted_seed(*args: object) -> int:
+        calls["stream_seed"] += 1
+        return stream_seed(*args)
+
+    torch.Tensor.normal_, init.stream_seed = counted_normal, counted_seed
+    if drawing:  # the call's own values=False is overridden
+        export.TrainingRun = lambda *args, **kwargs: training_run(*args, **{**kwargs, "values": True})
+    try:
+        path = export_weights(Path(run_dir))
+    finally:
+        torch.Tensor.normal_, init.stream_seed, export.TrainingRun = normal, stream_seed, training_run
+    return str(path) if path is not None else None, calls["normal_"], calls["stream_seed"]
+
+
+def _two_exports(rank: int, world: int, raw: dict) -> list[tuple[str | None, int, int]]:
+    """Write the format 1 checkpoint, export it drawing (moved aside to RUN/drawn), then as export does now."""
+    _write_format_1(rank, world, raw)
+    run_dir = Path(raw["log"]["run_dir"])
+    drawn = _export_counting_draws(rank, world, str(run_dir), drawing=True)
+    if rank == 0:
+        Path(drawn[0]).parent.rename(run_dir / "drawn")
+    dist.barrier()
+    return [drawn, _export_counting_draws(rank, world, str(run_dir), drawing=False)]
+
+
+@pytest.mark.parametrize("name", FORMAT_1)
+def test_format_1_export_draws_nothing_and_writes_the_same_bytes(
+    token_file: Path, tmp_path: Path, name: str
+) -> None:
+    world, size, parallel = FORMAT_1[name]
+    raw = _config(token_file, tmp_path / name, size, parallel)
+    (drawn, *drawn_calls), (now, *now_calls) = run_distributed(_two_exports, world, raw, timeout=240)[0]
+    run_dir = tmp_path / name
+    assert ckpt.checkpoint_meta(run_dir / "checkpoints")["format"] == 1
+    assert min(drawn_calls) > 0, drawn_calls  # the spies see a drawing build
+    assert now_calls == [0, 0]  # no initial value is drawn, nor its generator seeded
+    before = run_dir / "drawn" / Path(drawn).name
+    assert Path(now) == run_dir / "export" / before.name
+    data = sorted(p.name for p in before.iterdir() if p.suffix == ".distcp")
+    assert data and data == sorted(p.name for p in Path(now).iterdir() if p.suffix == ".distcp")
+    for f in data:  # the same tensors, bit for bit, in the same order
+        assert (before / f).read_bytes() == (Path(now) / f).read_bytes(), f
+    got, expected = _weights(raw, Path(now)), _weights(raw, before)
+    assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
+
+
+def _export_as_qwen2(run_dir: Path) -> subprocess.CompletedProcess:
+    """`tessera export RUN_DIR` after config.json is made to say qwen2, whose q/k/v biases a Llama never has."""
+    config = json.loads((run_dir / "config.json").read_text())
+    config["model"]["family"] = "qwen2"
+    (run_dir / "config.json").write_text(json.dumps(config))
+    return subprocess.run(
+        [sys.executable, "-m", "tessera", "export", str(run_dir)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _biases(raw: dict) -> list[str]:
+    return [
+        f"blocks.{i}.attn.{w}.bias" for i in range(from_dict(raw).model.n_layers) for w in ("wq", "wk", "wv")
+    ]
+
+
+def test_format_1_checkpoint_of_another_model_is_refused_before_anything_is_written(
+    token_file: Path, tmp_path: Path
+) -> None:
+    """A format 1 checkpoint that lacks tensors of the run's model stops `tessera export` with every missing
+    name, the checkpoint and the fix, exit status 2 and no export folder, instead of writing tensors that were
+    never loaded."""
+    run_dir = tmp_path / "run"
+    raw = _config(token_file, run_dir, "llama-tiny", {"tensor": 2})
+    run_distributed(_write_format_1, 2, raw, timeout=240)
+    out = _export_as_qwen2(run_dir)
+    assert out.returncode == 2, out.stderr + out.stdout
+    biases, checkpoint = _biases(raw), run_dir / "checkpoints" / "step_00000001"
+    assert f"checkpoint {checkpoint} holds no saved value for {2 * len(biases)} tensor(s)" in out.stderr
+    for shard in ("tp0", "tp1"):
+        assert f"shard {shard}: {', '.join(biases)}" in out.stderr, out.stderr
+    assert "fix: this checkpoint was written by a different model config" in out.stderr
+    assert not (run_dir / "export").exists()
+
+
+def test_layout_free_checkpoint_of_another_model_is_refused_before_anything_is_written(
+    token_file: Path, tmp_path: Path
+) -> None:
+    """The layout-free export builds nothing and draws nothing (the writer names tensors by the meta model), but
+    the same coverage check stops it before writing: without it the writer stopped halfway, inside DCP, with a
+    traceback, exit status 1 and a partial RUN/export/step_N.tmp."""
+    run_dir = tmp_path / "run"
+    raw = _config(token_file, run_dir, "llama-tiny", {})
+    run = TrainingRun(from_dict(raw), 0, 1, with_data=False)
+    state = run.stepper.rank_state(run.model, run.specs)
+    ckpt.save_checkpoint(run.ckpt_dir, 1, run.stepper.state_module, run.optimizer, {"step": 1}, state=state)
+    (run_dir / "config.json").write_text(json.dumps(run.cfg.to_dict()))
+    assert ckpt.checkpoint_meta(run.ckpt_dir)["format"] == 2
+    out = _export_as_qwen2(run_dir)
+    assert out.returncode == 2, out.stderr + out.stdout
+    biases, checkpoint = _biases(raw), run_dir / "checkpoints" / "step_00000001"
+    assert f"checkpoint {checkpoint} holds no saved value for {len(biases)} tensor(s)" in out.stderr
+    assert f"({', '.join(biases)})" in out.stderr, out.stderr
+    assert "fix: this checkpoint was written by a different model config" in out.stderr
+    assert not (run_dir / "export").exists()

@@ -85,6 +85,7 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "load_model_weights",
+    "missing_model_state",
     "read_metadata_safely",
     "read_tensor",
     "reseed_rng",
@@ -417,6 +418,23 @@ def _load_rank_local(
         _refuse_damaged(path, verify_checkpoint(path))
     inner = state if shard_id is None else state["shards"][shard_id]
     set_state_dict(model, optimizer, model_state_dict=inner["model"], optim_state_dict=inner["optim"])
+
+
+def missing_model_state(path: Path, model: nn.Module, shard_id: str | None = None) -> list[str]:
+    """The names in ``model``'s state dict (its parameters and persistent buffers) that checkpoint ``path`` holds
+    no tensor for; empty when it covers them all. ``shard_id``: the slice of a rank-local (format 1) checkpoint
+    that ``model`` is; None reads ``model.NAME``, a layout-free checkpoint's global names (``model`` then being
+    the plain model, e.g. on meta) or a format 1 checkpoint without shards. Reads only the checkpoint's index,
+    and is this process's answer alone: a collective caller gathers every rank's."""
+    path = resolve(Path(path))
+    saved = read_metadata_safely(path).state_dict_metadata
+    wanted = _wrap({"model": get_model_state_dict(model)}, shard_id)
+    prefix = "model." if shard_id is None else f"shards.{shard_id}.model."
+    return [
+        name.removeprefix(prefix)
+        for name in _tensor_leaves(wanted)
+        if not isinstance(saved.get(name), TensorStorageMetadata)
+    ]
 
 
 def load_model_weights(path: Path, model: nn.Module) -> int:
