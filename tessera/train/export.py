@@ -127,7 +127,7 @@ def _reader(path: Path, model: nn.Module, config_file: Path) -> Callable[[str], 
         problems = ckpt.verify_checkpoint(path, collective=False)
         if problems:
             raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems[:5])}")
-    _refuse_missing(path, {None: ckpt.missing_model_state(path, model)}, config_file)
+    _require_covered(path, model, None, config_file, collective=False)  # rank 0 alone
     metadata = ckpt.read_metadata_safely(path)
     return lambda name: ckpt.read_tensor(path, f"model.{name}", metadata)
 
@@ -139,7 +139,7 @@ def _load_run(cfg: Config, rank: int, world: int, path: Path, config_file: Path)
     every tensor, so drawing them would be wasted. That holds only if the checkpoint covers the whole state this
     rank loads, so `_require_covered` checks it first, on every rank, before anything is read."""
     run = TrainingRun(cfg, rank, world, with_data=False, values=False)
-    _require_covered(run, path, config_file)
+    _require_covered(path, run.stepper.state_module, run.stepper.shard_id, config_file)
     ckpt.load_checkpoint(
         path,
         run.stepper.state_module,
@@ -150,33 +150,13 @@ def _load_run(cfg: Config, rank: int, world: int, path: Path, config_file: Path)
     return run
 
 
-def _require_covered(run: TrainingRun, path: Path, config_file: Path) -> None:
-    """Refuse, on every rank alike, a format 1 checkpoint that lacks a parameter or persistent buffer of some
-    rank's state: built without values, that tensor would be exported without ever having been loaded.
-    Collective (every rank's missing names are gathered), so no rank goes on into the load's collectives alone."""
-    shard_id = run.stepper.shard_id
-    mine = ckpt.missing_model_state(path, run.stepper.state_module, shard_id)
-    table: list = [None] * dist.get_world_size()
-    dist.all_gather_object(table, (shard_id, mine))
-    _refuse_missing(path, {sid: names for sid, names in table}, config_file)  # equal ids: equal state
-
-
-def _refuse_missing(path: Path, missing: dict[str | None, list[str]], config_file: Path) -> None:
-    """A CheckpointError naming every tensor of the model (by shard) that checkpoint ``path`` lacks, if any."""
-    missing = {sid: names for sid, names in missing.items() if names}
-    if not missing:
-        return
-    count = sum(len(names) for names in missing.values())
-    listed = "; ".join(
-        ("" if sid is None else f"shard {sid}: ")
-        + ", ".join(names[:8])
-        + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        for sid, names in sorted(missing.items(), key=lambda kv: str(kv[0]))
-    )
-    raise CheckpointError(
-        f"checkpoint {path} holds no saved value for {count} tensor(s) of the model that {config_file} "
-        f"describes ({listed}); nothing was exported\n    fix: this checkpoint was written by a different model "
-        "config; export it with the config of the run that wrote it (that run folder's config.json)"
+def _require_covered(
+    path: Path, model: nn.Module, shard_id: str | None, config_file: Path, *, collective: bool = True
+) -> None:
+    """Refuse a checkpoint that lacks a parameter or persistent buffer of ``model`` (built without values, that
+    tensor would be exported without ever having been loaded); ``collective``: on every rank alike."""
+    ckpt.require_model_state(
+        path, model, shard_id, str(config_file), "export", "nothing was exported", collective=collective
     )
 
 

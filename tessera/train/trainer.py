@@ -37,6 +37,7 @@ from tessera.model.materialize import declare, materialize
 from tessera.parallel.apply import parallelize, shard_specs
 from tessera.train import checkpoint as ckpt
 from tessera.train.async_save import AsyncSaves
+from tessera.train.checkpoint_files import LAYOUT_FREE_FORMAT, RANK_LOCAL_FORMAT
 from tessera.train.compat import check_compatible, run_settings
 from tessera.train.data import Blend, TokenDataset, ensure_default_corpus, get_batch, open_data
 from tessera.train.health import StepHealth, check_state_finite
@@ -150,10 +151,12 @@ def _open_data(cfg: Config, rank: int) -> tuple[TokenDataset | Blend, TokenDatas
 class TrainingRun:
     """State of one training run on one rank.
 
-    ``with_data=False``: no data is opened and the initial values are about to be overwritten (export, the dry
-    run). ``values=False``: the parameters get their storage, with the same transient buffers, but no values
-    (`InitSource`'s ``values``): the dry run, on fake tensors, and the export of a format 1 checkpoint, which
-    first checks that the checkpoint holds every tensor it then loads (tessera/train/export.py).
+    ``with_data=False``: no data is opened, no checkpoint is resumed and the initial values are about to be
+    overwritten (export, the dry run). ``values=False``: the parameters get their storage, with the same
+    transient buffers, but no values (`InitSource`'s ``values``): the dry run, on fake tensors, and the export of
+    a format 1 checkpoint, which first checks that the checkpoint holds every tensor it then loads
+    (tessera/train/export.py). A run that resumes (``checkpoint.resume`` and a checkpoint to resume from, chosen
+    here, before the build) is built so too, after the same check, and `resume` must load it before any step.
     """
 
     def __init__(
@@ -174,23 +177,29 @@ class TrainingRun:
                 data.check_vocab(cfg.model.vocab_size)
                 if cfg.data.document_mask:
                     data.eot  # noqa: B018 (raises DataError now, before any step, if documents cannot be found)
-        torch.manual_seed(cfg.train.seed)  # identical on every rank: replicas start equal without a broadcast
-        # a checkpoint about to be loaded (resume; export, which like the dry run needs no data) overwrites the
-        # initial values: model.init's folder is not read then, so a fine-tuned run outlives its base model
-        overwritten = not with_data or (
-            cfg.checkpoint.resume
-            and ckpt.latest_checkpoint(checkpoint_dir(Path(cfg.log.run_dir), cfg)) is not None
+        self.run_dir = Path(cfg.log.run_dir)
+        self.ckpt_dir = checkpoint_dir(self.run_dir, cfg)
+        # the one place resuming is decided: the checkpoint `resume` loads is chosen (verified, its settings
+        # checked) before building, because it overwrites every initial value (export and the dry run, which
+        # need no data, load their own or none)
+        self._resume_from = (
+            self._choose_checkpoint() if with_data and cfg.checkpoint.resume else (None, False)
         )
-        # allocation ends with the stepper (pipeline, ZeRO)
-        with self._value_source(overwritten, values) as source:
-            self.model = self._build_model(source)
+        resuming = self._resume_from[0] is not None
+        torch.manual_seed(cfg.train.seed)  # identical on every rank: replicas start equal without a broadcast
+        # model.init's folder is not read when a checkpoint overwrites the values: a fine-tuned run outlives its
+        # base model. Resuming draws none either (values=False, as export and the dry run), once the
+        # checkpoint is known to hold every tensor of the state (below, before anything reads the model)
+        with self._value_source(not with_data or resuming, values and not resuming) as source:
+            self.model = self._build_model(source)  # allocation ends with the stepper (pipeline, ZeRO)
             self.stepper = make_stepper(self.model, cfg, self.layout, self.groups, self.plan)
+        self._unloaded = resuming  # undrawn until `resume` loads: stepping or saving before it is refused
+        if resuming:
+            self._require_covered(self._resume_from[0])
         self.optimizer = self.stepper.optimizer
         self.n_micro = self.plan.micro_batches
         self.health = StepHealth(cfg.train)
         self.peak_flops = peak_flops_for(self.device, cfg.train.dtype)
-        self.run_dir = Path(cfg.log.run_dir)
-        self.ckpt_dir = checkpoint_dir(self.run_dir, cfg)
         self.watchdog = Watchdog(self.run_dir, rank, world, cfg.train.hang_timeout_s)  # started by train()
         self.saves: AsyncSaves | None = None  # checkpoint.async: set by train() for the loop's duration
 
@@ -230,6 +239,28 @@ class TrainingRun:
         with HFCheckpoint(init_folder(self.cfg.model.init), plain) as source:
             yield source
 
+    def _require_covered(self, path: Path) -> None:
+        """Refuse (every rank alike, loading nothing) a checkpoint that lacks a tensor of this rank's state: built
+        without values, it would keep undrawn memory. A layout-free checkpoint is read by global names at any
+        layout, so the plain model's are checked; a format 1 checkpoint, only at its own layout (refused first,
+        as the load would), loads this rank's own slice. Checkpoints the load refuses anyway are left to it."""
+        meta = ckpt.checkpoint_meta(path)
+        fmt = meta.get("format", RANK_LOCAL_FORMAT)
+        if meta.get("weights_only") or fmt not in (RANK_LOCAL_FORMAT, LAYOUT_FREE_FORMAT):
+            return
+        model, shard_id = meta_model(self.cfg.model), None
+        if fmt == RANK_LOCAL_FORMAT:
+            ckpt.check_layout(path, meta, self.world, self.layout.describe())
+            model, shard_id = self.stepper.state_module, self.stepper.shard_id
+        ckpt.require_model_state(path, model, shard_id, "this run's config", "resume", "nothing was loaded")
+
+    def _require_loaded(self) -> None:
+        if self._unloaded:
+            raise RuntimeError(
+                "this run was built without initial values for the checkpoint it resumes from; call resume() "
+                "before stepping or saving it"
+            )
+
     @property
     def saved_bytes(self) -> int:
         return self.stepper.saved_bytes
@@ -262,6 +293,7 @@ class TrainingRun:
     def step(self, step: int, hook: StepHook | None) -> tuple[float, float]:
         """One optimizer step: accumulate micro-batches, synchronise, clip, update; returns (loss, grad norm)."""
         tr = self.cfg.train
+        self._require_loaded()
         total = torch.tensor(self.stepper.run(self.batches(step)), device=self.device)
         comm.all_reduce(total, self.dp_group)
         if hook is not None:
@@ -320,6 +352,7 @@ class TrainingRun:
             self.saves = None
 
     def _save(self, step: int) -> None:
+        self._require_loaded()
         state = self.stepper.rank_state(self.model, self.specs)  # first: ZeRO's gathers in flight finish
         check_state_finite(self.stepper.state_module, step)
         extra = {"step": step, "samples": step * self.cfg.train.global_batch, "settings": self.settings}
@@ -339,11 +372,10 @@ class TrainingRun:
         )
 
     def resume(self) -> int:
-        """Load the newest checkpoint that verifies (or ``checkpoint.load_step``'s) if resuming is on; the step
-        to start from. Damaged or incomplete newer checkpoints are reported on stderr, never skipped silently."""
-        if not self.cfg.checkpoint.resume:
-            return 0
-        path, verified = self._choose_checkpoint()
+        """Load the checkpoint chosen when the run was built (the newest that verifies, or ``checkpoint.load_step``'s,
+        if resuming is on); the step to start from. Damaged or incomplete newer checkpoints were reported on
+        stderr then, never skipped silently."""
+        path, verified = self._resume_from  # chosen before the build, which it overwrites
         if path is None:
             return 0
         extra = ckpt.load_checkpoint(
@@ -355,6 +387,7 @@ class TrainingRun:
             verify=not verified,
             state=self.stepper.rank_state(self.model, self.specs),
         )
+        self._unloaded = False
         if extra["rng"] is not None:
             ckpt.restore_rng(extra)
         else:  # saved at another layout: its streams are other ranks' (docs/checkpoints.md)

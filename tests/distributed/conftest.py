@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,28 @@ def interrupted_then_resumed(rank: int, world: int, raw: dict, crash_at: int) ->
     with contextlib.suppress(Interrupt):
         train(from_dict(raw), crash)
     return train(from_dict(raw)).losses
+
+
+@contextlib.contextmanager
+def counting_draws() -> Iterator[dict[str, int]]:
+    """Within: ``calls["normal_"]`` counts `torch.Tensor.normal_` on real tensors (meta_model's modules call it on
+    meta tensors: no values) and ``calls["stream_seed"]`` the init's `stream_seed`, each row block's generator
+    seed: both stay 0 in a build that draws no initial value."""
+    import tessera.model.init as init
+
+    calls = {"normal_": 0, "stream_seed": 0}
+    normal, stream_seed = torch.Tensor.normal_, init.stream_seed
+
+    def counted_normal(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls["normal_"] += not self.is_meta
+        return normal(self, *args, **kwargs)
+
+    def counted_seed(*args: object) -> int:
+        calls["stream_seed"] += 1
+        return stream_seed(*args)
+
+    torch.Tensor.normal_, init.stream_seed = counted_normal, counted_seed
+    try:
+        yield calls
+    finally:
+        torch.Tensor.normal_, init.stream_seed = normal, stream_seed

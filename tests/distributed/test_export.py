@@ -27,7 +27,7 @@ from tessera.train import checkpoint as ckpt
 from tessera.train.export import export_weights
 from tessera.train.generate import newest_weights
 from tessera.train.trainer import TrainingRun, train
-from tests.distributed.conftest import trainer_config
+from tests.distributed.conftest import counting_draws, trainer_config
 from tests.harness import run_distributed
 
 STEPS = 2
@@ -125,27 +125,16 @@ def _write_format_1(rank: int, world: int, raw: dict) -> None:
 def _export_counting_draws(rank: int, world: int, run_dir: str, drawing: bool) -> tuple[str | None, int, int]:
     """(the export folder on rank 0, calls of normal_ on real tensors, calls of init's stream_seed) of
     `export_weights`; ``drawing`` builds the run with initial values, as the export did before."""
-    import tessera.model.init as init
     import tessera.train.export as export
 
-    calls = {"normal_": 0, "stream_seed": 0}
-    normal, stream_seed, training_run = torch.Tensor.normal_, init.stream_seed, export.TrainingRun
-
-    def counted_normal(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        calls["normal_"] += not self.is_meta  # meta_model's modules call it on meta tensors: no values
-        return normal(self, *args, **kwargs)
-
-    def counted_seed(*args: object) -> int:
-        calls["stream_seed"] += 1
-        return stream_seed(*args)
-
-    torch.Tensor.normal_, init.stream_seed = counted_normal, counted_seed
+    training_run = export.TrainingRun
     if drawing:  # the call's own values=False is overridden
         export.TrainingRun = lambda *args, **kwargs: training_run(*args, **{**kwargs, "values": True})
     try:
-        path = export_weights(Path(run_dir))
+        with counting_draws() as calls:
+            path = export_weights(Path(run_dir))
     finally:
-        torch.Tensor.normal_, init.stream_seed, export.TrainingRun = normal, stream_seed, training_run
+        export.TrainingRun = training_run
     return str(path) if path is not None else None, calls["normal_"], calls["stream_seed"]
 
 

@@ -79,6 +79,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "capture_rng",
+    "check_layout",
     "checkpoint_meta",
     "is_sharded",
     "latest_checkpoint",
@@ -88,6 +89,7 @@ __all__ = [
     "missing_model_state",
     "read_metadata_safely",
     "read_tensor",
+    "require_model_state",
     "reseed_rng",
     "restore_rng",
     "save_checkpoint",
@@ -344,7 +346,7 @@ def load_checkpoint(
             f"{RANK_LOCAL_FORMAT} and {LAYOUT_FREE_FORMAT})\n    fix: resume it with the tessera version that wrote it"
         )
     if fmt == RANK_LOCAL_FORMAT:
-        _check_layout(path, meta, world, layout)
+        check_layout(path, meta, world, layout)
     metadata = read_metadata_safely(path)
     if fmt == LAYOUT_FREE_FORMAT:
         _refuse_pickled(path, metadata)
@@ -437,6 +439,46 @@ def missing_model_state(path: Path, model: nn.Module, shard_id: str | None = Non
     ]
 
 
+def require_model_state(
+    path: Path,
+    model: nn.Module,
+    shard_id: str | None,
+    described: str,
+    action: str,
+    done: str,
+    *,
+    collective: bool = True,
+) -> None:
+    """Refuse checkpoint ``path`` (a CheckpointError naming every missing tensor, by shard) unless it holds every
+    tensor of ``model``'s state (`missing_model_state`; ``model``/``shard_id`` as there). Whoever loads it into a
+    model built without initial values (export, resume) calls this first: a missing tensor would otherwise keep
+    the undrawn storage. ``described``: what the model comes from, for the message (e.g. the config file);
+    ``action``: what the caller does with the checkpoint ("export"), ``done``: what did not happen ("nothing was
+    exported"). ``collective`` (with a process
+    group): every rank's missing names are gathered, so every rank stops alike, before any load collective."""
+    table = [(shard_id, missing_model_state(path, model, shard_id))]
+    if collective and dist.is_initialized():
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, table[0])
+        table = gathered
+    missing = {sid: names for sid, names in table if names}  # equal shard ids: equal state, equal names
+    if not missing:
+        return
+    count = sum(len(names) for names in missing.values())
+    listed = "; ".join(
+        ("" if sid is None else f"shard {sid}: ")
+        + ", ".join(names[:8])
+        + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        for sid, names in sorted(missing.items(), key=lambda kv: str(kv[0]))
+    )
+    raise CheckpointError(
+        f"checkpoint {resolve(Path(path))} holds no saved value for {count} tensor(s) of the model that "
+        f"{described} describes ({listed}); {done}\n    fix: this checkpoint was written by a "
+        f"different model config; {action} it with the config of the run that wrote it (that run folder's "
+        "config.json)"
+    )
+
+
 def load_model_weights(path: Path, model: nn.Module) -> int:
     """Load only the model weights of a checkpoint into a plain ``model`` in this process; returns its step.
 
@@ -509,7 +551,7 @@ def _barrier(group: dist.ProcessGroup | None = None) -> None:
         dist.barrier(group=group)
 
 
-def _check_layout(path: Path, meta: dict[str, Any], world: int, layout: str | None) -> None:
+def check_layout(path: Path, meta: dict[str, Any], world: int, layout: str | None) -> None:
     """A format 1 checkpoint holds each saved rank's own slices: only the same ranks in the same layout."""
     saved_world, saved_layout = meta.get("world_size"), meta.get("layout")
     if saved_world != world or (layout is not None and saved_layout is not None and layout != saved_layout):
