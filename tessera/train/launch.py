@@ -8,6 +8,9 @@
   still alive ``grace_s`` after that, or after a second signal, are killed.
 - A worker that fails ends the others at once; the user sees one line naming it (and the last step it reported,
   from its heartbeat file RUN_DIR/heartbeat/rank{r}) after that rank's own message.
+- The rendezvous port listens before any rank starts: the launcher opens it and hands it to rank 0, whose
+  TCPStore serves on it (`rendezvous_socket`), so no rank's connection is refused while rank 0 is still
+  importing (docs/launching.md, "Rendezvous").
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ from pathlib import Path
 
 from tessera.errors import EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_RESUMABLE, EXIT_USER_ERROR
 
-__all__ = ["die_with_torchrun_agent", "free_port", "launch_local", "set_parent_death_signal"]
+__all__ = [
+    "STORE_FD",
+    "die_with_torchrun_agent",
+    "free_port",
+    "launch_local",
+    "rendezvous_socket",
+    "set_parent_death_signal",
+]
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _POLL_S = 0.05
@@ -36,6 +46,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+STORE_FD = "TESSERA_STORE_FD"
+"""Set in rank 0's environment only: the inherited file descriptor of the listening rendezvous socket."""
+
+
+def rendezvous_socket() -> socket.socket:
+    """A socket listening on a free localhost port, for rank 0's TCPStore to serve on (``STORE_FD``).
+
+    torch's env:// rendezvous starts the store's server in rank 0's ``init_process_group``, after rank 0's
+    imports; a rank that gets there first has its connection refused and retries with a growing back-off, so it
+    may join seconds after the server is up (docs/launching.md, "Rendezvous"). A socket that already listens
+    makes the kernel complete every early connection and queue it until rank 0's server accepts it. Binding
+    the port here, instead of picking one for rank 0 to bind later (`free_port`), also leaves no moment for
+    another program to take it."""
+    return socket.create_server(("127.0.0.1", 0))
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
@@ -111,30 +137,35 @@ def _launch_once(
     nproc: int, argv: list[str], stop_signals: tuple[int, ...], grace_s: float, heartbeat_dir: Path | None
 ) -> tuple[int, bool]:
     """One attempt: (exit status, whether the launcher was signalled meanwhile)."""
-    base = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": str(nproc),
-        "LOCAL_WORLD_SIZE": str(nproc),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        "TESSERA_LAUNCHER": "1",  # ranks leave naming a failed peer to this launcher
-    }
-    procs: list[subprocess.Popen] = []
-    with _forwarding(procs, stop_signals) as state:
-        for r in range(nproc):
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "tessera", *argv],
-                    env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                    process_group=0,
-                    preexec_fn=_worker_setup(os.getpid()),
+    # Kept open until every worker is gone: if rank 0 dies before serving on it, the ranks waiting on it are
+    # not reset but stopped by this launcher, which names rank 0, as when they used to retry a refused port.
+    with rendezvous_socket() as listener:
+        base = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(listener.getsockname()[1]),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "TESSERA_LAUNCHER": "1",  # ranks leave naming a failed peer to this launcher
+        }
+        store = {STORE_FD: str(listener.fileno())}  # rank 0 only: the one that hosts the store
+        procs: list[subprocess.Popen] = []
+        with _forwarding(procs, stop_signals) as state:
+            for r in range(nproc):
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "tessera", *argv],
+                        env={**base, "RANK": str(r), "LOCAL_RANK": str(r), **(store if r == 0 else {})},
+                        pass_fds=(listener.fileno(),) if r == 0 else (),
+                        process_group=0,
+                        preexec_fn=_worker_setup(os.getpid()),
+                    )
                 )
-            )
-        try:
-            return _supervise(procs, state, grace_s, heartbeat_dir), state["signal"] is not None
-        finally:
-            _kill_all(procs)  # whatever happened above, no worker outlives this function
+            try:
+                return _supervise(procs, state, grace_s, heartbeat_dir), state["signal"] is not None
+            finally:
+                _kill_all(procs)  # whatever happened above, no worker outlives this function
 
 
 def _supervise(procs: list[subprocess.Popen], state: dict, grace_s: float, heartbeat_dir: Path | None) -> int:

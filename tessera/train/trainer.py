@@ -41,6 +41,7 @@ from tessera.train.checkpoint_files import LAYOUT_FREE_FORMAT, RANK_LOCAL_FORMAT
 from tessera.train.compat import check_compatible, run_settings
 from tessera.train.data import Blend, TokenDataset, ensure_default_corpus, get_batch, open_data
 from tessera.train.health import StepHealth, check_state_finite
+from tessera.train.launch import STORE_FD
 from tessera.train.metrics import MetricsLogger, Progress, memory_bytes, peak_flops_for
 from tessera.train.run_files import checkpoint_dir
 from tessera.train.runlock import run_dir_lock
@@ -87,7 +88,9 @@ def init_distributed(timeout_s: float = 0) -> tuple[int, int]:
     timeout = timedelta(seconds=timeout_s) if timeout_s > 0 else None  # None: torch's default per backend
     store = _torchrun_attempt_store(timeout or default_pg_timeout)
     if store is None:
+        server = _serve_on_launcher_socket(timeout or default_pg_timeout)
         dist.init_process_group(backend, timeout=timeout)
+        del server  # the process group's store holds the server from here on
     else:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
@@ -112,6 +115,31 @@ def _torchrun_attempt_store(timeout: timedelta) -> dist.Store | None:
         timeout=timeout,
     )
     return dist.PrefixStore(f"tessera/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+
+
+def _serve_on_launcher_socket(timeout: timedelta) -> dist.TCPStore | None:
+    """Rank 0 under ``tessera train --nproc``: the rendezvous store's server, started on the socket the launcher
+    has listened on since before any rank started (`tessera.train.launch.rendezvous_socket`); None elsewhere.
+
+    ``init_process_group``'s env:// rendezvous then asks for rank 0's server on MASTER_PORT as a multi-tenant
+    one and is given this one (torch keeps one server per port and process), so the rendezvous itself — its wait
+    for every rank, its timeout, its errors — is torch's, unchanged; only the socket is the launcher's. Peers
+    that arrived first were queued on it instead of refused (docs/launching.md, "Rendezvous")."""
+    fd = os.environ.pop(STORE_FD, None)  # popped: a process this rank starts has no such socket
+    if fd is None:
+        return None
+    os.set_inheritable(int(fd), False)
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,  # the rendezvous' own store waits for the ranks, as before
+        multi_tenant=True,
+        master_listen_fd=int(fd),
+        # libuv's server serves on a given socket from torch 2.8 on (its release notes); the other backend always did
+        use_libuv=torch.__version__ >= (2, 8),
+    )
 
 
 def resolve_device(name: str) -> torch.device:
