@@ -4,7 +4,6 @@ straightforward rescans it replaced (kept here as the oracles), on many lowered 
 from __future__ import annotations
 
 import itertools
-import time
 
 import pytest
 
@@ -114,17 +113,15 @@ def test_check_p2p_order_agrees_with_the_pairwise_scan(case: tuple) -> None:
     assert str(new.value).split(";")[0] == str(old.value)  # the same pair reported first
 
 
-def test_recv_post_positions_is_linear_in_the_list() -> None:
-    """150,000 actions (a middle rank's share of 50,000 micro-batches): one pass takes ~0.1 s; the rescan per
-    RECV took ~10^9 comparisons (minutes). The bound leaves the pass a margin of ~50 on a loaded machine."""
-    n = 50_000
+def test_recv_post_positions_on_a_long_list() -> None:
+    """A middle rank's list at 5,000 micro-batches: the first receives (fewer computes before them) and the
+    last. That the pass stays linear is measured, not timed here: benchmarks/pipeline_scale.py."""
+    n = 5_000
     actions = [
         a
         for j in range(n)
         for a in (Action(1, _K.RECV_F, j, peer=0), Action(1, _K.FORWARD, j), Action(1, _K.SEND_F, j, peer=2))
     ]
-    start = time.perf_counter()
     post = recv_post_positions(actions, 2)
-    assert time.perf_counter() - start < 5.0
     assert post[0] == actions[0:6:3]  # RECV 0 and 1: fewer than 2 computes before them
     assert post[3 * n - 8] == [actions[3 * n - 3]]  # the last RECV: at F(n - 3), 2 computes before it
