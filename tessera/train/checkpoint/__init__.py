@@ -454,8 +454,8 @@ def require_model_state(
     model built without initial values (export, resume) calls this first: a missing tensor would otherwise keep
     the undrawn storage. ``described``: what the model comes from, for the message (e.g. the config file);
     ``action``: what the caller does with the checkpoint ("export"), ``done``: what did not happen ("nothing was
-    exported"). ``collective`` (with a process
-    group): every rank's missing names are gathered, so every rank stops alike, before any load collective."""
+    exported"). ``collective`` (with a process group): every rank's missing names are gathered, so every rank
+    stops alike, before any load collective."""
     table = [(shard_id, missing_model_state(path, model, shard_id))]
     if collective and dist.is_initialized():
         gathered: list = [None] * dist.get_world_size()
