@@ -241,6 +241,7 @@ class PipelineEngine:
                     if index in post_at:
                         self._post_recvs(state, post_at[index])
                     self._run(state, action)
+                    state.drop_completed_sends()  # as `step`: a completed send's activation is freed
                 for _, works in state.sends:
                     for work in works:
                         work.wait()

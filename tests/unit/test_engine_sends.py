@@ -37,10 +37,9 @@ def _issue(state: _StepState, work: _Work) -> None:
     state.drop_completed_sends()
 
 
-def test_a_step_checks_its_pending_sends_a_linear_number_of_times(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 0 of a 1F1B step over 2 ranks, its messages faked as sends that never complete (as gloo's before
-    a wait) and receives of zeros: a sweep after every action asked ~m²/2 times, the doubling sweep < 2m."""
-    m, sends = 64, []
+def _rank_0(monkeypatch: pytest.MonkeyPatch, m: int, sends: list[int], done: bool) -> runtime.PipelineEngine:
+    """Rank 0 of a 1F1B pipeline over 2 ranks, its messages faked: sends recorded (their works complete at once
+    when ``done``, else only when waited for, as gloo's) and receives of zeros."""
 
     def send(tensor: torch.Tensor, peer: int, group: Any, tag: int) -> tuple:
         sends.append(tag)
@@ -51,7 +50,7 @@ def test_a_step_checks_its_pending_sends_a_linear_number_of_times(monkeypatch: p
 
     monkeypatch.setattr(runtime.comm, "send", send)
     monkeypatch.setattr(runtime.comm, "recv", recv)
-    monkeypatch.setattr(runtime.comm, "batch_p2p", lambda ops: [_Work() for _ in ops])
+    monkeypatch.setattr(runtime.comm, "batch_p2p", lambda ops: [_Work(done) for _ in ops])
     cfg = from_dict(
         {
             "model": {"size": "gpt2-tiny", "n_layers": 2, "tie_embeddings": False},
@@ -59,12 +58,32 @@ def test_a_step_checks_its_pending_sends_a_linear_number_of_times(monkeypatch: p
             "train": {"global_batch": m, "micro_batch": 1},
         }
     )
-    engine = build_pipeline(build_model(cfg.model), Layout(pp=2), None, cfg)
+    return build_pipeline(build_model(cfg.model), Layout(pp=2), None, cfg)
+
+
+def test_a_step_checks_its_pending_sends_a_linear_number_of_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sends that never complete before a wait: a sweep after every action asked ~m²/2 times, the doubling
+    sweep < 2m."""
+    m, sends = 64, []
+    engine = _rank_0(monkeypatch, m, sends, done=False)
     tokens = torch.zeros(1, 8, dtype=torch.long)
     _Work.asked = 0
     engine.step([(tokens, tokens)] * m)
     assert len(sends) == m  # one activation per micro-batch
     assert _Work.asked < 2 * m
+
+
+def test_evaluation_frees_completed_sends_during_its_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sends that complete at once are dropped as the forward-only pass goes, as in a step, not held (and
+    waited for) until its end: each is swept after its own action, so none is left to wait for."""
+    m, sends = 16, []
+    engine = _rank_0(monkeypatch, m, sends, done=True)
+    waited = []
+    monkeypatch.setattr(_Work, "wait", lambda self: waited.append(self))
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    engine.evaluate([(tokens, tokens)] * m)
+    assert len(sends) == m  # one activation per micro-batch
+    assert waited == []
 
 
 def test_completed_sends_are_dropped() -> None:
