@@ -37,7 +37,7 @@ from tessera.model.materialize import declare, materialize
 from tessera.parallel.apply import parallelize, shard_specs
 from tessera.train import checkpoint as ckpt
 from tessera.train.async_save import AsyncSaves
-from tessera.train.checkpoint_files import LAYOUT_FREE_FORMAT, RANK_LOCAL_FORMAT
+from tessera.train.checkpoint_files import RANK_LOCAL_FORMAT
 from tessera.train.compat import check_compatible, run_settings
 from tessera.train.data import Blend, TokenDataset, ensure_default_corpus, get_batch, open_data
 from tessera.train.health import StepHealth, check_state_finite
@@ -271,14 +271,11 @@ class TrainingRun:
         """Refuse (every rank alike, loading nothing) a checkpoint that lacks a tensor of this rank's state: built
         without values, it would keep undrawn memory. A layout-free checkpoint is read by global names at any
         layout, so the plain model's are checked; a format 1 checkpoint, only at its own layout (refused first,
-        as the load would), loads this rank's own slice. Checkpoints the load refuses anyway are left to it."""
-        meta = ckpt.checkpoint_meta(path)
-        fmt = meta.get("format", RANK_LOCAL_FORMAT)
-        if meta.get("weights_only") or fmt not in (RANK_LOCAL_FORMAT, LAYOUT_FREE_FORMAT):
-            return
+        as the load would), loads this rank's own slice. A checkpoint the load cannot take at all is refused here
+        as the load would refuse it (`checkpoint.loadable_format`)."""
+        fmt = ckpt.loadable_format(path, ckpt.checkpoint_meta(path), self.world, self.layout.describe())
         model, shard_id = meta_model(self.cfg.model), None
         if fmt == RANK_LOCAL_FORMAT:
-            ckpt.check_layout(path, meta, self.world, self.layout.describe())
             model, shard_id = self.stepper.state_module, self.stepper.shard_id
         ckpt.require_model_state(path, model, shard_id, "this run's config", "resume", "nothing was loaded")
 

@@ -79,13 +79,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "capture_rng",
-    "check_layout",
     "checkpoint_meta",
     "is_sharded",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "load_model_weights",
+    "loadable_format",
     "missing_model_state",
     "read_metadata_safely",
     "read_tensor",
@@ -332,21 +332,8 @@ def load_checkpoint(
     """
     path = resolve(Path(path))
     meta = read_meta(path)
-    if meta.get("weights_only"):
-        raise CheckpointError(
-            f"checkpoint {path} holds exported weights only (no optimizer state, RNG streams or data position), "
-            "so training cannot resume from it\n    fix: resume from the training checkpoint it was exported "
-            "from (RUN_DIR/checkpoints)"
-        )
     rank, world = _rank_world()
-    fmt = meta.get("format", RANK_LOCAL_FORMAT)
-    if fmt not in (RANK_LOCAL_FORMAT, LAYOUT_FREE_FORMAT):
-        raise CheckpointError(
-            f"checkpoint {path} has format {fmt!r}, which this version of tessera does not know (it reads "
-            f"{RANK_LOCAL_FORMAT} and {LAYOUT_FREE_FORMAT})\n    fix: resume it with the tessera version that wrote it"
-        )
-    if fmt == RANK_LOCAL_FORMAT:
-        check_layout(path, meta, world, layout)
+    fmt = loadable_format(path, meta, world, layout)
     metadata = read_metadata_safely(path)
     if fmt == LAYOUT_FREE_FORMAT:
         _refuse_pickled(path, metadata)
@@ -420,6 +407,27 @@ def _load_rank_local(
         _refuse_damaged(path, verify_checkpoint(path))
     inner = state if shard_id is None else state["shards"][shard_id]
     set_state_dict(model, optimizer, model_state_dict=inner["model"], optim_state_dict=inner["optim"])
+
+
+def loadable_format(path: Path, meta: dict[str, Any], world: int, layout: str | None) -> int:
+    """The format of the training checkpoint ``path`` (its ``meta``), which `load_checkpoint` can load into
+    ``world`` ranks of ``layout``; a CheckpointError naming the fix if it cannot: exported weights only, a
+    format this version does not know, or a format 1 checkpoint of another layout."""
+    if meta.get("weights_only"):
+        raise CheckpointError(
+            f"checkpoint {path} holds exported weights only (no optimizer state, RNG streams or data position), "
+            "so training cannot resume from it\n    fix: resume from the training checkpoint it was exported "
+            "from (RUN_DIR/checkpoints)"
+        )
+    fmt = meta.get("format", RANK_LOCAL_FORMAT)
+    if fmt not in (RANK_LOCAL_FORMAT, LAYOUT_FREE_FORMAT):
+        raise CheckpointError(
+            f"checkpoint {path} has format {fmt!r}, which this version of tessera does not know (it reads "
+            f"{RANK_LOCAL_FORMAT} and {LAYOUT_FREE_FORMAT})\n    fix: resume it with the tessera version that wrote it"
+        )
+    if fmt == RANK_LOCAL_FORMAT:
+        _check_layout(path, meta, world, layout)
+    return fmt
 
 
 def missing_model_state(path: Path, model: nn.Module, shard_id: str | None = None) -> list[str]:
@@ -551,7 +559,7 @@ def _barrier(group: dist.ProcessGroup | None = None) -> None:
         dist.barrier(group=group)
 
 
-def check_layout(path: Path, meta: dict[str, Any], world: int, layout: str | None) -> None:
+def _check_layout(path: Path, meta: dict[str, Any], world: int, layout: str | None) -> None:
     """A format 1 checkpoint holds each saved rank's own slices: only the same ranks in the same layout."""
     saved_world, saved_layout = meta.get("world_size"), meta.get("layout")
     if saved_world != world or (layout is not None and saved_layout is not None and layout != saved_layout):
