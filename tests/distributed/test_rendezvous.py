@@ -16,7 +16,7 @@ import pytest
 
 from tessera.train.launch import STORE_FD, rendezvous_socket
 
-DEADLINE_S = 240  # a rank imports torch and the trainer first: seconds on a loaded 2-core machine
+DEADLINE_S = 240  # per rank's run: it imports torch and the trainer first, seconds on a loaded 2-core machine
 
 RANK = """
 import os, sys
@@ -63,10 +63,8 @@ def test_a_rank_that_arrives_before_rank_0_exists_joins_when_rank_0_serves(versi
         rank1 = subprocess.Popen(argv, env={**env, "RANK": "1", "LOCAL_RANK": "1"}, **kw)
         rank0 = None
         try:
-            end = time.monotonic() + DEADLINE_S
-            while not _connected_to(port):
+            while not _connected_to(port):  # ends: rank 1 connects, or gives up (its 60 s timeout) and exits
                 assert rank1.poll() is None, rank1.communicate()
-                assert time.monotonic() < end, "rank 1 never connected to the rendezvous port"
                 time.sleep(0.05)
             fd = listener.fileno()
             rank0 = subprocess.Popen(
