@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tessera.errors import EXIT_OUTPUT_CLOSED, EXIT_PEER_LOST, EXIT_RESUMABLE, TesseraError
+from tessera.process_exit import finish_quickly_at_exit
 
 if TYPE_CHECKING:
     from tessera.config import Config
@@ -444,9 +445,11 @@ def _output_closed() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for a user error, with the message on stderr)."""
+    if argv is None:  # the process's own command line, so its interpreter ends with the command
+        finish_quickly_at_exit()
     args, extra = _parser().parse_known_args(argv)
     fn: Callable[[argparse.Namespace, list[str]], int] = args.fn
-    if argv is None:  # the process's own command line: a torchrun worker must not outlive torchrun's agent
+    if argv is None:  # a torchrun worker must not outlive torchrun's agent
         from tessera.train.launch import die_with_torchrun_agent
 
         die_with_torchrun_agent()
