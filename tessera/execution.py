@@ -539,9 +539,7 @@ def _check_overlaps(p: ParallelConfig, t: int) -> list[Violation]:
 def _check_pipeline(cfg: Config) -> list[Violation]:
     p, layers = cfg.parallel, cfg.model.n_layers
     stages = p.pipeline * p.stages_per_rank
-    if p.pipeline == 1 and p.stages_per_rank == 1:
-        return []
-    if p.stage_layers is not None:
+    if p.stage_layers is not None:  # checked even for one stage: a split that cannot hold would be ignored
         if len(p.stage_layers) != stages or sum(p.stage_layers) != layers or min(p.stage_layers) < 0:
             return [
                 Violation(
@@ -552,6 +550,8 @@ def _check_pipeline(cfg: Config) -> list[Violation]:
                     fix=f"e.g. {even_split(layers, stages)}",
                 )
             ]
+        return []
+    if stages == 1:
         return []
     if layers < stages:
         return [
@@ -629,8 +629,9 @@ def _document_mask_eot(eots: dict[str, int | None]) -> list[Violation]:
 
 
 def _check_data(cfg: Config) -> list[Violation]:
-    """Data against the rest: a validation set for train.eval_every, and every token file's vocabulary, dtype
-    and tokenizer against the model (and each other)."""
+    """Data against the rest: a validation set for train.eval_every, every token file's vocabulary, dtype and
+    tokenizer against the model (and each other), and enough tokens for a window of model.seq_len in every
+    part a step or an evaluation samples (`_check_lengths`)."""
     v: list[Violation] = []
     d = cfg.data
     if cfg.train.eval_every and d.valid_path is None and not d.valid_fraction:
@@ -645,18 +646,20 @@ def _check_data(cfg: Config) -> list[Violation]:
         return v  # malformed or missing files: DataConfig.check reports them
     files = [p for p, _ in d.sources()] + ([d.valid_path] if d.valid_path else [])
     if not files:
-        # the default corpus: the trainer prepares it, nothing to read here. Importing the reader (numpy, 0.1 s)
-        # anyway would delay `tessera train --nproc N`, which validates before it starts the ranks
-        return v
+        # the default corpus: the trainer prepares it; its documents' lengths are its files' sizes. Importing the
+        # reader (numpy, 0.1 s) would delay `tessera train --nproc N`, which validates before it starts the ranks
+        return v + _check_default_corpus(cfg)
     from tessera.train.data import read_token_meta  # torch-free; numpy only when files are named
 
     tokenizers: dict[str, str] = {}
     eots: dict[str, int | None] = {}
+    readable = True
     for path in files:
         try:
             meta = read_token_meta(path)
         except DataError as e:
             v.append(Violation(rule="data.files", problem=str(e), fix="re-run `tessera prepare` for it"))
+            readable = False
             continue
         vocab, dtype = int(meta["vocab_size"]), meta["dtype"]
         if vocab > cfg.model.vocab_size:
@@ -688,4 +691,109 @@ def _check_data(cfg: Config) -> list[Violation]:
                 fix="prepare every file of a blend (and the validation file) with the same tokenizer",
             )
         )
+    if readable:
+        v.extend(_check_files_lengths(cfg))
     return v
+
+
+def _check_default_corpus(cfg: Config) -> list[Violation]:
+    """The default corpus (data.path unset) as the trainer will prepare it: at least one file, and the lengths
+    `_check_lengths` asks for, known from its files' sizes (`tessera.train.corpus`).
+
+    Not its vocabulary (256 byte tokens) against model.vocab_size: the memory estimator, the dry run and the
+    planner resolve plans of models with smaller vocabularies and no data, which the trainer's own check
+    (`TokenDataset.check_vocab`) refuses before any step."""
+    from tessera.train.corpus import default_corpus_documents, document_cut, holdout_target
+
+    d = cfg.data
+    mb = d.default_corpus_mb
+    lengths = default_corpus_documents(int(mb * 2**20))
+    if not lengths:
+        smallest = min(default_corpus_documents(2**62), default=1) - 1  # every file's size (its bytes)
+        enough = float(f"{smallest / 2**20:.2g}")
+        while int(enough * 2**20) < smallest:  # rounded down: the next step of its last digit
+            enough = float(f"{enough * 1.05:.2g}")
+        return [
+            Violation(
+                rule="data.default_corpus_mb",
+                problem=f"data.default_corpus_mb = {mb:g} ({int(mb * 2**20)} bytes) takes no file of the default "
+                f"corpus: its smallest source file has {smallest} bytes",
+                fix=f"set data.default_corpus_mb >= {enough:g} (the default is 8), or name token "
+                "files in data.path",
+            )
+        ]
+    n = sum(lengths)
+    cut = document_cut(lengths, holdout_target(n, d.valid_fraction)) if d.valid_fraction else n
+    name = f"the default corpus (data.default_corpus_mb = {mb:g}: {n} tokens, {len(lengths)} document(s))"
+    return _check_lengths(cfg, name, n, cut, "set a larger data.default_corpus_mb")
+
+
+def _check_files_lengths(cfg: Config) -> list[Violation]:
+    """`_check_lengths` of every training file (cut where `TokenDataset.split_documents` will cut it) and of
+    data.valid_path."""
+    from tessera.train.data import TokenDataset
+
+    d, v = cfg.data, []
+    for path, _ in d.sources():
+        try:
+            data = TokenDataset(path)
+            cut = data.holdout_cut(d.valid_fraction) if d.valid_fraction else data.n_tokens
+        except DataError as e:
+            v.append(Violation(rule="data.files", problem=str(e), fix="re-run `tessera prepare` for it"))
+            continue
+        v.extend(_check_lengths(cfg, str(path), data.n_tokens, cut, "use more data"))
+    if d.valid_path is not None and cfg.train.eval_every:
+        try:
+            n_valid = TokenDataset(d.valid_path).n_tokens
+        except DataError as e:
+            return [*v, Violation(rule="data.files", problem=str(e), fix="re-run `tessera prepare` for it")]
+        v.extend(_too_short(cfg, f"data.valid_path {d.valid_path}", n_valid, "set train.eval_every = 0"))
+    return v
+
+
+def _check_lengths(
+    cfg: Config, source: str, n_tokens: int, cut: int | None, more_data: str
+) -> list[Violation]:
+    """One training source of ``n_tokens``: data.valid_fraction holds out [cut, n_tokens) (None: no document
+    boundary to cut at); what is left, and the held-out part when train.eval_every samples it, must each hold a
+    window of model.seq_len (`tessera.train.corpus.min_tokens`). ``more_data``: the fix that gives it more."""
+    d = cfg.data
+    if cut is None:
+        no_cut = Violation(
+            rule="data.valid_fraction",
+            problem=f"data.valid_fraction = {d.valid_fraction} leaves no whole document of {source} to hold "
+            "out: its last document starts before the held-out part would",
+            fix="set a larger data.valid_fraction, use data.valid_path, or data with more documents",
+        )
+        # without a cut, training samples all of it: too short then, too short with any fraction
+        return [*_too_short(cfg, source, n_tokens, more_data), no_cut]
+    held = " (before data.valid_fraction's held-out part)" if d.valid_fraction else ""
+    more = ", a smaller data.valid_fraction" if d.valid_fraction else ""
+    v = _too_short(cfg, f"{source}{held}", cut, f"{more_data}{more}")
+    if d.valid_fraction and cfg.train.eval_every:
+        v.extend(
+            _too_short(
+                cfg,
+                f"data.valid_fraction = {d.valid_fraction}'s held-out part of {source}",
+                n_tokens - cut,
+                "set a larger data.valid_fraction, or train.eval_every = 0",
+            )
+        )
+    return v
+
+
+def _too_short(cfg: Config, what: str, n_tokens: int, other_fix: str) -> list[Violation]:
+    from tessera.train.corpus import min_tokens
+
+    s = cfg.model.seq_len
+    if n_tokens >= min_tokens(s):
+        return []
+    shorter = f"set model.seq_len <= {n_tokens - 1}, or " if n_tokens >= 2 else ""
+    return [
+        Violation(
+            rule="data.seq_len",
+            problem=f"{what} holds {n_tokens} tokens, too few for one window of model.seq_len = {s} "
+            f"(needs {min_tokens(s)}: the inputs and their next-token targets)",
+            fix=f"{shorter}{other_fix}",
+        )
+    ]

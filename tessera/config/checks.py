@@ -303,7 +303,17 @@ def check_data(d: DataConfig) -> list[Violation]:
 
 def check_checkpoint(c: CheckpointConfig) -> list[Violation]:
     """Every violated rule of [checkpoint] on its own (the rules across sections: `tessera.execution`)."""
-    return _out_of_range("checkpoint", c) + _bad_path("checkpoint.dir", c.dir)
+    v = _out_of_range("checkpoint", c) + _bad_path("checkpoint.dir", c.dir)
+    if c.load_step is not None and not c.resume:  # the trainer reads load_step only when it resumes
+        v.append(
+            Violation(
+                rule="checkpoint.load_step",
+                problem=f"checkpoint.load_step = {c.load_step} names a checkpoint to resume from, but "
+                "checkpoint.resume = false starts from step 0 without loading any",
+                fix="set checkpoint.resume = true to resume from it, or unset checkpoint.load_step",
+            )
+        )
+    return v
 
 
 def check_log(lg: LogConfig) -> list[Violation]:

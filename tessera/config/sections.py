@@ -266,7 +266,7 @@ class CheckpointConfig:
     resume: bool = True
     """Resume from the newest checkpoint in dir that verifies against its checksums, if there is one."""
     load_step: int | None = None
-    """Resume from exactly this step's checkpoint instead (it must exist and verify)."""
+    """Resume from exactly this step's checkpoint instead (it must exist and verify); needs resume = true."""
     async_: bool = False
     """Write checkpoints in the background (DCP's async save): training waits only for a copy of the state in
     CPU memory; a checkpoint counts once committed, as ever, and the next save or the end of the run waits for

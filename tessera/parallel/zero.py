@@ -283,7 +283,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.norm_groups = list(norm_groups)
         self.norm_weights = norm_weights or {}
         self._decay = {id(p): decay(p) for p in zero.params()}
-        shards = list(self.module.parameters())
+        # one group, possibly empty: a pipeline rank whose stages hold no parameters (stages of no blocks, neither
+        # embedding nor head) has no shards; torch refuses an empty parameter list but not an empty group
+        shards = [{"params": list(self.module.parameters())}]
         super().__init__(shards, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self._flat_of = {id(flat.shard_param): flat for flat in zero.flats.values()}
 

@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import sys
-import sysconfig
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from tessera.errors import DataError
+from tessera.train.corpus import default_corpus_files, holdout_target, min_tokens
 from tessera.train.ingest import Unit, UnitResult, find_units, tokenize_units
 from tessera.train.tokenizer import load_tokenizer, resolve_eot
 
@@ -46,42 +46,11 @@ __all__ = [
 ]
 
 FORMAT = "tessera-tokens/1"
-_SKIP_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"})
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment: 2^64 / golden ratio
 
 
 # --- the default corpus ------------------------------------------------------------------------------------
-
-
-def default_corpus_files(max_bytes: int) -> list[Path]:
-    """The Python standard library's own .py sources, at most max_bytes in total.
-
-    Files are taken in order of their path relative to the stdlib directory, skipping test suites, IDLE and
-    installed packages (see `_SKIP_DIRS`); a file that would overflow the budget is skipped and the next
-    considered. The list is deterministic for a given Python installation and needs no download.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chosen: list[Path] = []
-    total = 0
-    for rel in _stdlib_sources(root):
-        path = root / rel
-        size = path.stat().st_size
-        if size == 0 or total + size > max_bytes:
-            continue
-        chosen.append(path)
-        total += size
-    return chosen
-
-
-def _stdlib_sources(root: Path) -> list[str]:
-    """Relative posix paths of the .py files under root, sorted, pruning `_SKIP_DIRS` while walking."""
-    found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
-        rel = Path(dirpath).relative_to(root)
-        found.extend((rel / f).as_posix() for f in filenames if f.endswith(".py"))
-    return sorted(found)
 
 
 def _corpus_fingerprint(files: list[Path]) -> str:
@@ -289,22 +258,28 @@ class TokenDataset:
         part.tokens = self.tokens[start:end]
         return part
 
-    def split_documents(self, fraction: float) -> tuple[TokenDataset, TokenDataset]:
-        """(train, validation): the last ``fraction`` of the tokens, moved forward to the next document
-        boundary so that no document is on both sides."""
+    def holdout_cut(self, fraction: float) -> int | None:
+        """Where `split_documents` cuts: just after the first document boundary at or after `holdout_target`;
+        None when there is none before the file's end (no whole document to hold out). `tessera validate` asks
+        this too. DataError when the file records no end-of-text token."""
         eot = self.meta.get("eot")
         if eot is None:
             raise DataError(
                 f"token file {str(self.path)!r} records no end-of-text token, so its documents cannot be "
                 "held out whole; prepare it again with `tessera prepare` (or use data.valid_path)"
             )
-        target = max(0, min(self.n_tokens - 1, round(self.n_tokens * (1 - fraction))))
-        cut = _next_boundary(self.tokens, target, int(eot))
-        if cut is None or cut >= self.n_tokens:
+        cut = _next_boundary(self.tokens, holdout_target(self.n_tokens, fraction), int(eot))
+        return cut if cut is not None and cut < self.n_tokens else None
+
+    def split_documents(self, fraction: float) -> tuple[TokenDataset, TokenDataset]:
+        """(train, validation): the last ``fraction`` of the tokens, moved forward to the next document
+        boundary so that no document is on both sides."""
+        cut = self.holdout_cut(fraction)
+        if cut is None:
             raise DataError(
-                f"token file {str(self.path)!r} has no document boundary after token {target}, so "
-                f"data.valid_fraction = {fraction} leaves no whole document to hold out; use a larger "
-                "fraction, more documents, or data.valid_path"
+                f"token file {str(self.path)!r} has no document boundary after token "
+                f"{holdout_target(self.n_tokens, fraction)}, so data.valid_fraction = {fraction} leaves no whole "
+                "document to hold out; use a larger fraction, more documents, or data.valid_path"
             )
         return self.view(0, cut), self.view(cut, self.n_tokens)
 
@@ -363,14 +338,13 @@ class TokenDataset:
 
     def sample(self, index: int, seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """Inputs x and next-token targets y (int64, [seq_len]) of global sample `index` under `seed`."""
-        n_starts = self.n_tokens - seq_len
-        if n_starts < 1:
+        if self.n_tokens < min_tokens(seq_len):
             raise DataError(
                 f"token file {str(self.path)!r} has {self.n_tokens} tokens, too few for sequences of "
                 f"model.seq_len = {seq_len} (needs at least {seq_len + 1}); use more data or a shorter "
                 "model.seq_len"
             )
-        start = window_start(index, seed, n_starts)
+        start = window_start(index, seed, self.n_tokens - seq_len)
         window = np.asarray(self.tokens[start : start + seq_len + 1], dtype=np.int64)  # window: [s + 1]
         return window[:-1], window[1:]
 

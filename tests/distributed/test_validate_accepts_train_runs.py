@@ -34,6 +34,34 @@ EXAMPLES = 400
 """Generated configs per property (no processes for the rejected ones: milliseconds each)."""
 SAMPLE_PER_WORLD = {1: 3, 2: 6, 3: 2, 4: 4}
 """Accepted configs trained one step, per world size: bounded so the test stays well under a minute and a half."""
+FOUND = [  # (world size, raw sections): accepted configs a search of the config space found failing to train
+    # pipeline rank 1 holds one stage of no blocks, neither embedding nor head, so no parameters: ZeRO's sharded
+    # optimizer had no shards and torch refused it as the run was built ("optimizer got an empty parameter list")
+    (
+        3,
+        {
+            "model": {
+                "family": "llama",
+                "n_layers": 2,
+                "d_model": 32,
+                "n_heads": 2,
+                "n_kv_heads": 1,
+                "vocab_size": 256,
+                "seq_len": 8,
+                "tie_embeddings": tied,
+            },
+            "parallel": {
+                "pipeline": 3,
+                "schedule": schedule,
+                "stage_layers": [1, 0, 1],
+                "zero": zero,
+                "overlap_param_gather": zero == 2,
+            },
+            "train": {"micro_batch": 2, "global_batch": 6, "dtype": "fp32"},
+        },
+    )
+    for zero, schedule, tied in ((2, "gpipe", True), (3, "1f1b", False))
+]
 SETTINGS = settings(
     derandomize=True,
     max_examples=EXAMPLES,
@@ -107,6 +135,9 @@ def run_configs(draw: st.DrawFn) -> tuple[int, dict]:
     # likewise: mostly with ZeRO-1/2 (accepted), sometimes with ZeRO-0/3 (rejected)
     if parallel["zero"] in (1, 2) or not draw(st.integers(0, 9)):
         parallel["overlap_param_gather"] = draw(st.booleans())
+    # likewise: a stage split of the one stage of pipeline 1 (validated as any other; it once passed unchecked)
+    if pipeline * v == 1 and not draw(st.integers(0, 9)):
+        parallel["stage_layers"] = [draw(st.sampled_from([model["n_layers"], model["n_layers"] + 1]))]
     return world, {"model": model, "parallel": parallel, "train": train}
 
 
@@ -140,6 +171,14 @@ def test_rejected_configs_are_rejected_by_train_with_the_same_message(case: tupl
     if not problems:
         plan = resolve(cfg, world)  # accepted: the plan resolves and prices
         assert plan.micro_batches >= 1 and sum(plan.stage_layers) == cfg.model.n_layers
+        split, par = (
+            cfg.parallel.stage_layers,
+            cfg.parallel,
+        )  # accepted: a split the run can take, not one ignored
+        assert split is None or (sum(split), len(split)) == (
+            cfg.model.n_layers,
+            par.pipeline * par.stages_per_rank,
+        )
         assert estimate(cfg, world).total > 0
         return
     err = io.StringIO()
@@ -208,6 +247,9 @@ def _train_one_step(rank: int, world: int, configs: list[dict]) -> list[float]:
 def test_accepted_configs_train_one_step(token_file: Path, tmp_path: Path) -> None:
     sample = _accepted_sample()
     assert sum(map(len, sample.values())) >= sum(SAMPLE_PER_WORLD.values()) - 2, sample
+    for world, raw in FOUND:
+        assert violations(_config(raw), world) == [], raw
+        sample.setdefault(world, []).append(raw)
     for world, raws in sorted(sample.items()):
         configs = []
         for i, raw in enumerate(raws):

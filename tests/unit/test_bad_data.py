@@ -12,6 +12,7 @@ import pytest
 from tessera.cli import main
 from tessera.config import load_config
 from tessera.errors import DataError
+from tessera.execution import violations
 from tessera.train.data import TokenDataset, prepare
 from tessera.train.metrics import MetricsLogger
 from tessera.train.plot import plot_run
@@ -88,3 +89,94 @@ def test_plot_survives_a_torn_line_after_a_resume(tmp_path: Path) -> None:
         '{"step": 0, "loss": 2.0}\n{"step": 1, "lo{"step": 1, "loss": 1.5}\n{"step": 2, "loss": 1}\n'
     )
     assert plot_run(tmp_path).is_file()
+
+
+# --- too little data for the config: `validate` refuses what the trainer's sampling and hold-out would -------
+
+
+def _documents(tmp_path: Path, lengths: list[int]) -> Path:
+    """A byte token file of one document per length (that many letters, then the end-of-text token)."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": "ab"[i % 2] * n}) + "\n" for i, n in enumerate(lengths)))
+    out = tmp_path / "docs.bin"
+    prepare([src], out, workers=1)
+    return out
+
+
+def _rules(overrides: list[str]) -> list[str]:
+    return [v.rule for v in violations(load_config(None, overrides), 1)]
+
+
+def test_a_file_shorter_than_one_window_is_refused_as_sampling_would(tokens: Path) -> None:
+    n = TokenDataset(tokens).n_tokens  # 321: one window of seq_len n - 1 fits, of seq_len n does not
+    fits, short = (load_config(None, [f'data.path="{tokens}"', f"model.seq_len={s}"]) for s in (n - 1, n))
+    assert violations(fits, 1) == []
+    TokenDataset(tokens).sample(0, n - 1, seed=1)
+    (v,) = violations(short, 1)
+    assert (
+        v.rule == "data.seq_len" and f"holds {n} tokens" in v.problem and f"model.seq_len <= {n - 1}" in v.fix
+    )
+    with pytest.raises(DataError, match="too few for sequences"):
+        TokenDataset(tokens).sample(0, n, seed=1)
+
+
+def test_train_refuses_a_file_shorter_than_one_window_before_starting(
+    tokens: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    overrides = [f'--data.path="{tokens}"', "--model.seq_len=400", f'--log.run_dir="{tmp_path / "run"}"']
+    (v,) = violations(load_config(None, [o[2:] for o in overrides]), 1)
+    assert main(["validate", "--world-size", "1", *overrides]) == 1
+    assert str(v) in capsys.readouterr().out
+    assert main(["train", *overrides]) == 2
+    assert str(v) in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("fraction", [0.001, 0.05, 0.2, 0.5, 0.9])
+def test_valid_fraction_is_refused_exactly_where_the_hold_out_fails(tmp_path: Path, fraction: float) -> None:
+    path = _documents(tmp_path, [30, 200, 30, 300])
+    base = [f'data.path="{path}"', "model.seq_len=16", f"data.valid_fraction={fraction}"]
+    try:
+        TokenDataset(path).split_documents(fraction)
+        holds_out = True
+    except DataError:
+        holds_out = False
+    assert ("data.valid_fraction" not in _rules(base)) == holds_out
+
+
+def test_one_document_cannot_be_held_out(tokens: Path) -> None:
+    (v,) = violations(load_config(None, [f'data.path="{tokens}"', "data.valid_fraction=0.1"]), 1)
+    assert v.rule == "data.valid_fraction" and "data.valid_path" in v.fix
+    with pytest.raises(DataError, match="no document boundary"):
+        TokenDataset(tokens).split_documents(0.1)
+
+
+def test_held_out_part_must_hold_a_window_only_when_evaluated(tmp_path: Path) -> None:
+    path = _documents(tmp_path, [300, 20])  # 0.1 holds out the second document: 21 tokens
+    held = [f'data.path="{path}"', "data.valid_fraction=0.1", "model.seq_len=32"]
+    assert _rules(held) == []  # never sampled without train.eval_every
+    problems = violations(load_config(None, [*held, "train.eval_every=1"]), 1)
+    assert [v.rule for v in problems] == ["data.seq_len"] and "holds 21 tokens" in problems[0].problem
+    assert "train.eval_every = 0" in problems[0].fix
+    _, valid = TokenDataset(path).split_documents(0.1)
+    with pytest.raises(DataError, match="too few"):
+        valid.sample(0, 32, seed=1)
+    with_file = [f'data.path="{path}"', f'data.valid_path="{path}"', "model.seq_len=400"]
+    assert _rules(with_file) == ["data.seq_len"]  # the training file; the validation file is not sampled
+    assert _rules([*with_file, "train.eval_every=1"]) == ["data.seq_len", "data.seq_len"]
+
+
+def test_default_corpus_too_small_for_any_file_names_the_key() -> None:
+    (v,) = violations(load_config(None, ["data.default_corpus_mb=0.00001"]), 1)
+    assert v.rule == "data.default_corpus_mb" and "takes no file" in v.problem
+    enough = v.fix.split(">= ")[1].split(" ")[0]
+    assert "data.default_corpus_mb" not in _rules([f"data.default_corpus_mb={enough}", "model.seq_len=8"])
+
+
+def test_default_corpus_shorter_than_one_window_is_refused() -> None:
+    from tessera.train.corpus import default_corpus_documents
+
+    mb = 0.001
+    n = sum(default_corpus_documents(int(mb * 2**20)))
+    assert _rules([f"data.default_corpus_mb={mb}", f"model.seq_len={n - 1}"]) == []
+    assert _rules([f"data.default_corpus_mb={mb}", f"model.seq_len={n}"]) == ["data.seq_len"]

@@ -167,6 +167,19 @@ def test_default_corpus_files():
     assert files == default_corpus_files(max_bytes)
 
 
+def test_default_corpus_documents_are_what_prepare_writes(tmp_path):
+    """`tessera validate` judges the default corpus by its files' sizes (tessera.train.corpus) without preparing
+    it: each file's bytes and its end-of-text token, in order, are exactly the prepared token file."""
+    from tessera.train.corpus import default_corpus_documents
+
+    mb = 0.05
+    lengths = default_corpus_documents(int(mb * 2**20))
+    data = TokenDataset(ensure_default_corpus(tmp_path, max_mb=mb))
+    assert len(lengths) > 3 and data.n_tokens == sum(lengths)
+    ends = np.flatnonzero(np.asarray(data.tokens) == data.meta["eot"]) + 1
+    assert ends.tolist() == np.cumsum(lengths).tolist()
+
+
 def test_ensure_default_corpus_prepares_once(tmp_path):
     path = ensure_default_corpus(tmp_path, max_mb=0.1)
     mtime = path.stat().st_mtime_ns

@@ -87,7 +87,10 @@ def _finetune_inputs(root: Path) -> None:
     config = hf_config("llama")
     config.max_position_embeddings = 512  # the example's seq_len: not longer than the base model's context
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(base)
-    (root / "texts.jsonl").write_text("".join(json.dumps({"text": f"text {i}"}) + "\n" for i in range(50)))
+    # enough tokens for a window of the example's seq_len (512), which `validate` asks of the data
+    (root / "texts.jsonl").write_text(
+        "".join(json.dumps({"text": f"text {i} " * 10}) + "\n" for i in range(50))
+    )
     (root / "data").mkdir()
     prepare([root / "texts.jsonl"], root / "data" / "finetune.tokens", workers=1)
 

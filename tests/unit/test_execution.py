@@ -207,3 +207,25 @@ def test_the_plan_says_when_the_parameter_all_gather_runs() -> None:
     on = ["parallel.zero=1", "parallel.overlap_param_gather=true"]
     assert "parameter all-gather: under the next forward" in resolve(load_config(DEMO, on), 2).describe()
     assert "parameter all-gather" not in resolve(load_config(DEMO, ["parallel.zero=1"]), 2).describe()
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_stage_split_is_checked_on_one_pipeline_rank_too(zero: int, capsys: pytest.CaptureFixture) -> None:
+    """parallel.stage_layers with pipeline 1 and one stage per rank was accepted whatever it held, and ignored."""
+    base = ["model.n_layers=2", f"parallel.zero={zero}"]
+    (v,) = violations(load_config(None, [*base, "parallel.stage_layers=[5, 7]"]), 1)
+    assert v.rule == "pipeline.stage_layers" and "e.g. [2]" in v.fix
+    assert violations(load_config(None, [*base, "parallel.stage_layers=[2]"]), 1) == []
+    assert main(["train", *(f"--{o}" for o in base), "--parallel.stage_layers=[5,7]"]) == 2
+    assert str(v) in capsys.readouterr().err
+
+
+def test_load_step_without_resuming_is_refused(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    """checkpoint.load_step with checkpoint.resume = false was accepted and ignored: the run started from step 0."""
+    fresh = ["checkpoint.load_step=2", "checkpoint.resume=false", f'log.run_dir="{tmp_path / "run"}"']
+    (v,) = violations(load_config(None, fresh), 1)
+    assert v.rule == "checkpoint.load_step" and "checkpoint.resume = true" in v.fix
+    assert violations(load_config(None, ["checkpoint.load_step=2"]), 1) == []  # resume is on by default
+    assert main(["train", *(f"--{o}" for o in fresh)]) == 2
+    assert str(v) in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
