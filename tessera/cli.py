@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -139,21 +140,25 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     from tessera.train.data import default_corpus_files, prepare
 
+    if not args.inputs and not 0 < args.default_mb < float("inf"):  # also NaN
+        raise TesseraError(f"--default-mb {args.default_mb} must be a positive number of MiB, e.g. 8")
     inputs = [Path(p) for p in args.inputs] or default_corpus_files(int(args.default_mb * 2**20))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        info = prepare(
-            inputs,
-            Path(args.out),
-            args.tokenizer,
-            text_key=args.text_key,
-            eot_token=args.eot_token,
-            workers=args.workers,
-            strict=args.strict,
-            progress=True,
-        )
-    for w in caught:  # as messages, not as warnings pointing at a line of library code
-        print(f"warning: {w.message}", file=sys.stderr)
+        try:
+            info = prepare(
+                inputs,
+                Path(args.out),
+                args.tokenizer,
+                text_key=args.text_key,
+                eot_token=args.eot_token,
+                workers=args.workers,
+                strict=args.strict,
+                progress=True,
+            )
+        finally:  # also before an error: why files were skipped explains "no text found"
+            for w in caught:  # as messages, not as warnings pointing at a line of library code
+                print(f"warning: {w.message}", file=sys.stderr)
     print(
         f"wrote {info['n_tokens']:,} tokens to {args.out} ({info['n_documents']:,} documents, vocab "
         f"{info['vocab_size']}; {info['n_skipped']} file(s) skipped, {info['n_bad_records']} bad record(s))"
@@ -171,8 +176,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from tessera.train.run_files import newest_weights
 
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise TesseraError(f"--top-p {args.top_p} must be in (0, 1], e.g. 0.9")
+    _check_sampling(args)
     # Name a wrong run folder (no config.json, no checkpoint, only split weights) before torch's import (seconds);
     # generate_text looks the weights up again with the same function.
     newest_weights(Path(args.run))
@@ -190,6 +194,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     print(text)
     return 0
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """generate's numbers, named before torch's import (torch would fail on them deep in sampling)."""
+    problems = []
+    if args.tokens < 1:
+        problems.append(f"--tokens {args.tokens} must be at least 1 (the number of tokens to sample)")
+    if not -math.inf < args.temperature < math.inf:
+        problems.append(f"--temperature {args.temperature} must be a finite number (0 or less: greedy)")
+    if args.top_k is not None and args.top_k < 1:
+        problems.append(f"--top-k {args.top_k} must be at least 1; leave it out to keep every token")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        problems.append(f"--top-p {args.top_p} must be in (0, 1], e.g. 0.9")
+    if not -(2**63) <= args.seed < 2**64:  # torch.Generator.manual_seed's range
+        problems.append(f"--seed {args.seed} must fit in 64 bits, e.g. --seed 0")
+    if problems:
+        raise TesseraError("; ".join(problems))
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -14,6 +14,8 @@ Exit statuses of `tessera` (docs/launching.md lists them too):
 
 from __future__ import annotations
 
+from pathlib import Path
+
 __all__ = [
     "EXIT_DIVERGED",
     "EXIT_HANG",
@@ -27,6 +29,7 @@ __all__ = [
     "DataError",
     "NonFiniteError",
     "TesseraError",
+    "why_unwritable",
 ]
 
 EXIT_USER_ERROR = 2
@@ -64,3 +67,12 @@ class NonFiniteError(TesseraError):
     """Training produced a NaN or infinite loss or gradient norm and the policy says stop."""
 
     exit_code = EXIT_DIVERGED
+
+
+def why_unwritable(path: str | Path, e: OSError) -> str:
+    """Why ``path`` could not be written, in words: a file where a folder of its path should be (the OS says
+    only "File exists" or "Not a directory"), else the OS's reason (no permission, disk full, ...)."""
+    for parent in Path(path).parents:
+        if parent.exists():
+            return f"{parent} is a file, not a folder" if not parent.is_dir() else e.strerror or str(e)
+    return e.strerror or str(e)

@@ -48,9 +48,41 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
             "model.safetensors or model.safetensors.index.json with its shards)"
         )
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(
+            f"{path} holds a JSON {type(hf).__name__}, not an object of model settings; restore it or save "
+            "the model again with `save_pretrained`"
+        )
+    return hf
+
+
+def _check_numbers(path: Path, hf: dict[str, Any], fam: HFFamily) -> None:
+    """The shape keys are integers, the norm epsilon and RoPE settings numbers (JSON may hold anything):
+    everything after computes with them."""
+    rope = [("rope_parameters", hf.get("rope_parameters")), ("rope_scaling", hf.get("rope_scaling"))]
+    for key, value in rope:
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(
+                f"{path}: {key} = {value!r} is not an object; restore it or save the model again"
+            )
+    theta = [
+        ("rope_theta", hf.get("rope_theta")),
+        ("rope_parameters.rope_theta", (rope[0][1] or {}).get("rope_theta")),
+    ]
+    numbers = [(fam.keys["norm_eps"], hf.get(fam.keys["norm_eps"])), *theta]
+    for key, value in [(k, hf.get(k)) for n, k in fam.keys.items() if n != "norm_eps"]:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(
+                f"{path}: {key} = {value!r} is not an integer; restore it or save the model again"
+            )
+    for key, value in numbers:
+        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+            raise ConfigError(
+                f"{path}: {key} = {value!r} is not a number; restore it or save the model again"
+            )
 
 
 def _family(hf: dict[str, Any]) -> HFFamily:
@@ -159,6 +191,7 @@ def derive_model(init: str, explicit: dict[str, Any]) -> tuple[dict[str, Any], l
             return {}, []
         hf = read_hf_config(folder)
         fam = _family(hf)
+        _check_numbers(folder / "config.json", hf, fam)
         problems = [f"model.init = {init!r}: {r}" for r in refusals(hf, fam)]
         values = _values(hf, fam)
     except ConfigError as e:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tessera.config import Config
-from tessera.errors import CheckpointError
+from tessera.errors import CheckpointError, why_unwritable
 from tessera.hf.config import hf_config, init_folder, read_hf_config
 from tessera.hf.weights import INDEX, SINGLE, HFPlanned, hf_tensors
 from tessera.model.build import meta_model
@@ -55,11 +55,32 @@ def save_hf(
     The tokenizer files are copied when the run used a tokenizer (``data.tokenizer`` a folder or a
     tokenizer.json), and config.json starts from the imported folder's when ``model.init`` names one."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out} exists and is not empty; pass a new folder to --out or remove it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "is a file" if not out.is_dir() else "exists and is not empty"
+        raise CheckpointError(f"{out} {what}; pass a new folder to --out or remove it")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:  # a path component is a file, or no permission
+        raise CheckpointError(
+            f"cannot write --out {out}: {why_unwritable(tmp, e)}; pass --out in a writable folder"
+        ) from None
+    try:
+        _write_folder(tmp, cfg, get, dtype, max_shard_bytes)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:  # no half-written folder is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_folder(
+    tmp: Path, cfg: Config, get: Callable[[str], torch.Tensor], dtype: torch.dtype, max_shard_bytes: int
+) -> None:
+    """The files of `save_hf`'s folder, written into ``tmp``."""
     tensors = list(hf_tensors(meta_model(cfg.model), get))
     shards = _plan_shards([p for p, _ in tensors], _DTYPES[dtype], dtype.itemsize, max_shard_bytes)
     builders = {p.name: build for p, build in tensors}
@@ -75,10 +96,6 @@ def save_hf(
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     (tmp / "config.json").write_text(json.dumps(hf_config(cfg.model, base, name), indent=2))
     _copy_side_files(cfg, tmp)
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
-    return out
 
 
 def _plan_shards(planned: list[HFPlanned], code: str, itemsize: int, max_bytes: int) -> list[dict[str, dict]]:

@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -96,12 +96,18 @@ def _files(folder: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file holding it (sharded via the index, or one file)."""
     index, single = folder / INDEX, folder / SINGLE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+            return {str(name): folder / str(file) for name, file in weight_map.items()}
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(
+                f"{index} is not a safetensors index (a JSON object with a weight_map; {type(e).__name__}: {e})"
+                "\n    fix: copy the folder again, or re-save it with `save_pretrained`"
+            ) from None
     if single.is_file():
         from safetensors import safe_open
 
-        with safe_open(str(single), framework="pt") as f:
+        with _opened(safe_open, single) as f:
             return dict.fromkeys(f.keys(), single)
     raise CheckpointError(
         f"{folder} has neither {SINGLE} nor {INDEX}; tessera reads safetensors weights only (re-save with "
@@ -158,7 +164,7 @@ class HFCheckpoint:
     def _handle(self, hf_name: str):
         path = self._files[hf_name]
         if path not in self._handles:
-            self._handles[path] = self._stack.enter_context(self._open(str(path), framework="pt"))
+            self._handles[path] = self._stack.enter_context(_opened(self._open, path))
         return self._handles[path]
 
     def __call__(self, name: str, slices: Slices | None = None) -> torch.Tensor:
@@ -188,6 +194,20 @@ class HFCheckpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _opened(safe_open: Callable, path: Path) -> Any:
+    """``safe_open(path)``; a missing, truncated or corrupt file as a CheckpointError naming it. safetensors
+    reads the header and checks that it covers the whole file here, so later reads meet no such surprise."""
+    from safetensors import SafetensorError
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(
+            f"{path} cannot be read as safetensors ({e}): the file is missing, truncated or corrupt\n    fix: "
+            "copy the folder again, or re-save it with `save_pretrained(DIR, safe_serialization=True)`"
+        ) from None
 
 
 def _tessera_dim(planned: HFPlanned, d: int) -> int:

@@ -123,7 +123,13 @@ def _read_schedule_file(path: str) -> str:
         raise ConfigError(
             f"parallel.schedule = {path!r}: no such file; write one with tessera.pipeline.csvio.to_csv"
         )
-    return file.read_text()
+    try:
+        return file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"parallel.schedule = {path!r} is not UTF-8 text ({e}); save it as CSV text "
+            "(tessera.pipeline.csvio.to_csv writes one)"
+        ) from None
 
 
 def _schedule_from_text(path: str, text: str, p: int, m: int, v: int) -> Schedule:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from tessera.figures import save_figure
 from tessera.pipeline.ir import ActionKind, ScheduleError, infer_stage_ranks
 from tessera.pipeline.passes import lower
 from tessera.pipeline.schedules import build_schedule
@@ -109,9 +110,10 @@ def render_image(timeline: list[TimelineEntry], p: int, path: str | Path, title:
     )
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, format=fmt)
-    plt.close(fig)
-    return path
+    try:
+        return save_figure(fig, path, fmt)
+    finally:
+        plt.close(fig)
 
 
 def show_schedule(

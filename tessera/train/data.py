@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tessera.errors import DataError
+from tessera.errors import DataError, why_unwritable
 from tessera.train.corpus import default_corpus_files, holdout_target, min_tokens
 from tessera.train.ingest import Unit, UnitResult, find_units, tokenize_units
 from tessera.train.tokenizer import load_tokenizer, resolve_eot
@@ -90,16 +90,38 @@ def _token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _atomic_write(out: Path, chunks: Iterator[bytes]) -> None:
-    """Write chunks to a temp file in out's directory, then rename it over out (readers never see half)."""
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    """Write chunks to a temp file in out's directory, then rename it over out (readers never see half). An
+    exception from ``chunks`` or a failed write leaves out as it was (and no temp file)."""
+    _make_folder(out)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    except OSError as e:
+        raise _unwritable(out, e) from None
     try:
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
-                f.write(chunk)
+                try:
+                    f.write(chunk)
+                except OSError as e:  # disk full, quota, I/O error
+                    raise _unwritable(out, e) from None
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _make_folder(out: Path) -> None:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a path component is a file, or no permission
+        raise _unwritable(out, e) from None
+
+
+def _unwritable(out: Path, e: OSError) -> DataError:
+    return DataError(
+        f"cannot write {str(out)!r}: {why_unwritable(out, e)}; pass an output path (--out) in a writable "
+        "folder with free space"
+    )
 
 
 def prepare(
@@ -126,11 +148,12 @@ def prepare(
         raise DataError(
             f"--out {str(out)!r} is a directory; pass a file name such as {str(out / 'tokens.bin')!r}"
         )
+    if workers is not None and workers < 1:
+        raise DataError(f"--workers {workers} must be at least 1; leave it out to use every core")
     tok = load_tokenizer(tokenizer_spec)
     eot = resolve_eot(tok, eot_token)
     units = find_units(list(inputs), text_key)
     dtype = _token_dtype(tok.vocab_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
     sha = hashlib.sha256()
     counts = {"tokens": 0, "skipped": 0, "documents": 0, "bad": 0, "max_id": 0}
     sources: set[str] = set()
@@ -149,14 +172,16 @@ def prepare(
             if len(result.tokens):
                 counts["max_id"] = max(counts["max_id"], int(result.tokens.max()))
             yield data
+        if counts["tokens"] == counts["documents"]:  # nothing but end-of-text tokens (empty documents)
+            # raised inside the write: an earlier token file at `out` stays whole, with its metadata
+            raise DataError(
+                f"no text found in {len(units)} input part(s) ("
+                + (f"{counts['documents']} empty document(s), " if counts["documents"] else "")
+                + f"{counts['skipped']} file(s) skipped, {counts['bad']} bad record(s)); pass UTF-8 text, "
+                "JSONL, JSON, Parquet or HF dataset inputs"
+            )
 
     _atomic_write(out, chunks())
-    if counts["tokens"] == 0:
-        out.unlink(missing_ok=True)
-        raise DataError(
-            f"no text found in {len(units)} input part(s) ({counts['skipped']} file(s) skipped, "
-            f"{counts['bad']} bad record(s)); pass UTF-8 text, JSONL, JSON, Parquet or HF dataset inputs"
-        )
     meta = {
         "format": FORMAT,
         "dtype": dtype.name,
@@ -218,12 +243,30 @@ def read_token_meta(path: str | Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
         if meta.get("format") != FORMAT or meta["dtype"] not in ("uint16", "uint32"):
             raise ValueError(f"format {meta.get('format')!r}, dtype {meta.get('dtype')!r}")
-        int(meta["n_tokens"]), int(meta["vocab_size"])
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        _check_fields(meta)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # UnicodeDecodeError is a ValueError
         raise DataError(
             f"metadata {str(meta_path)!r} is not tessera token metadata ({e}); re-run `tessera prepare`"
         ) from None
     return meta
+
+
+def _check_fields(meta: dict[str, Any]) -> None:
+    """The numbers the data pipeline computes with are integers in range (`prepare` writes them so); a
+    ValueError naming the first that is not, as a hand-edited or damaged file may hold anything."""
+
+    def whole(key: str, low: int) -> int:
+        value = meta[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{key} = {value!r} is not an integer >= {low}")
+        return value
+
+    whole("n_tokens", 0)
+    vocab = whole("vocab_size", 1)
+    if meta.get("max_token_id") is not None:  # optional: files of older versions lack it (and eot)
+        whole("max_token_id", 0)  # compared with the model's vocabulary by check_vocab, which names the fix
+    if meta.get("eot") is not None and whole("eot", 0) >= vocab:
+        raise ValueError(f"eot = {meta['eot']} is not below vocab_size = {vocab}")
 
 
 class TokenDataset:
@@ -346,6 +389,12 @@ class TokenDataset:
             )
         start = window_start(index, seed, self.n_tokens - seq_len)
         window = np.asarray(self.tokens[start : start + seq_len + 1], dtype=np.int64)  # window: [s + 1]
+        if int(window.max()) > self.max_token_id:  # check_vocab compared the recorded maximum to the model
+            raise DataError(
+                f"token file {str(self.path)!r} holds id {int(window.max())} near token {start}, above the "
+                f"largest id {self.max_token_id} its metadata records: the file was changed or damaged after "
+                "preparation (`tessera validate --data` checks its checksum); re-run `tessera prepare`"
+            )
         return window[:-1], window[1:]
 
 

@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import sys
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,7 +138,10 @@ def _pyarrow(what: str) -> Any:
 
 def _parquet_units(path: Path) -> list[Unit]:
     pa = _pyarrow(f"the Parquet file {str(path)!r}")
-    meta = pa.parquet.ParquetFile(path).metadata
+    try:
+        meta = pa.parquet.ParquetFile(path).metadata
+    except (pa.ArrowException, OSError):  # its reader meets the same error and skips the file, named
+        return [Unit(str(path), "parquet", 0, 1, 1, path.stat().st_size)]
     units, first = [], 1
     for g in range(meta.num_row_groups):
         group = meta.row_group(g)
@@ -148,7 +152,11 @@ def _parquet_units(path: Path) -> list[Unit]:
 
 def _is_hf_folder(path: Path) -> bool:
     if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_bytes().decode("utf-8"))["splits"]
+            splits = [str(x) for x in splits] if isinstance(splits, list) else [str(splits)]
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError):  # any damage: still a DatasetDict
+            splits = []
         raise DataError(
             f"{str(path)!r} is a Hugging Face DatasetDict with splits {splits}; pass one split's folder, "
             f"e.g. {str(path / (splits[0] if splits else 'train'))!r}"
@@ -159,12 +167,18 @@ def _is_hf_folder(path: Path) -> bool:
 def _hf_units(folder: Path) -> list[Unit]:
     """The Arrow files of a ``save_to_disk`` folder, in the order its state.json lists them."""
     try:
-        files = [f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
+        files = [str(f["filename"]) for f in json.loads((folder / "state.json").read_text())["_data_files"]]
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(
             f"{str(folder / 'state.json')!r} does not list the dataset's files ({e}); save the dataset again "
             "with datasets.Dataset.save_to_disk"
         ) from None
+    missing = [f for f in files if not (folder / str(f)).is_file()]
+    if missing:
+        raise DataError(
+            f"{str(folder / 'state.json')!r} lists {len(missing)} file(s) the folder lacks ({missing[:3]}); copy "
+            "the whole folder again, or save the dataset again with datasets.Dataset.save_to_disk"
+        )
     return [Unit(str(folder / f), "arrow", size=(folder / f).stat().st_size) for f in files]
 
 
@@ -220,8 +234,11 @@ def _read_jsonl_lines(unit: Unit, lines: list[bytes], text_key: str) -> Iterator
 
 def _read_jsonl(unit: Unit, text_key: str) -> Iterator[Doc]:
     if unit.kind == "jsonl.gz":
-        with gzip.open(unit.path, "rb") as f:
-            data = f.read()
+        try:
+            with gzip.open(unit.path, "rb") as f:
+                data = f.read()
+        except (EOFError, zlib.error) as e:  # not OSErrors, unlike a file that is not gzip at all
+            raise _Skip(f"truncated or corrupt gzip file ({e})") from None
     else:
         with open(unit.path, "rb") as f:
             f.seek(unit.start)
@@ -268,7 +285,10 @@ def _read_rows(unit: Unit, table: Any, text_key: str) -> Iterator[Doc]:
 
 def _read_parquet(unit: Unit, text_key: str) -> Iterator[Doc]:
     pa = _pyarrow(f"the Parquet file {unit.path!r}")
-    table = pa.parquet.ParquetFile(unit.path).read_row_group(unit.start)
+    try:
+        table = pa.parquet.ParquetFile(unit.path).read_row_group(unit.start)
+    except pa.ArrowException as e:
+        raise _Skip(f"not a readable Parquet file ({e})") from None
     yield from _read_rows(unit, table, text_key)
 
 
@@ -279,7 +299,10 @@ def _read_arrow(unit: Unit, text_key: str) -> Iterator[Doc]:
             table = pa.ipc.open_stream(source).read_all()  # what datasets writes
         except pa.ArrowInvalid:
             source.seek(0)
-            table = pa.ipc.open_file(source).read_all()
+            try:
+                table = pa.ipc.open_file(source).read_all()
+            except pa.ArrowException as e:
+                raise _Skip(f"not a readable Arrow file ({e})") from None
     yield from _read_rows(unit, table, text_key)
 
 

@@ -131,17 +131,24 @@ def read_metrics(run_dir: Path, *, skip_bad: bool = False) -> list[dict[str, Any
 
 
 def read_records(path: Path, *, skip_bad: bool = False) -> list[dict[str, Any]]:
-    """Every JSON line of a metrics file as written (`read_metrics` merges them by step); see there for
-    ``skip_bad``."""
+    """Every record of a metrics file as written (`read_metrics` merges them by step); see there for
+    ``skip_bad``. A record is a JSON object with an integer ``step``, as `MetricsLogger.log` writes it; any
+    other line is a bad one (steps of other types could be neither merged nor ordered)."""
     lines = path.read_text(errors="replace").splitlines()  # a torn write may split a character
     out: list[dict[str, Any]] = []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
-            if i == len(lines) - 1 or skip_bad:
-                continue
-            raise DataError(f"{path}:{i + 1} is not a JSON object: {line[:80]!r}") from None
+            record = None
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            out.append(record)
+        elif i < len(lines) - 1 and not skip_bad:
+            raise DataError(
+                f"{path}:{i + 1} is not a JSON object with an integer step: {line[:80]!r}\n    fix: delete "
+                "that line (tessera writes one record per line)"
+            )
     return out

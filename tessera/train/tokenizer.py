@@ -94,7 +94,8 @@ class HFTokenizer:
 
 def _folder_eos(folder: Path, vocab: dict[str, int]) -> int | None:
     """The EOS id a `save_pretrained` folder declares: tokenizer_config.json's eos_token, else the model's
-    config.json eos_token_id (the first, when it lists several); None when neither says."""
+    config.json eos_token_id (the first, when it lists several); None when neither says. `resolve_eot` checks
+    that an id from config.json is in the vocabulary."""
     config = _read_json(folder / "tokenizer_config.json")
     token = config.get("eos_token")
     token = token.get("content") if isinstance(token, dict) else token
@@ -102,14 +103,22 @@ def _folder_eos(folder: Path, vocab: dict[str, int]) -> int | None:
         return vocab[token]
     eos_id = _read_json(folder / "config.json").get("eos_token_id")
     eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
-    return eos_id if isinstance(eos_id, int) else None
+    return eos_id if isinstance(eos_id, int) and not isinstance(eos_id, bool) else None
 
 
 def _read_json(path: Path) -> dict:
+    """A JSON object file of a tokenizer folder ({} when absent); DataError naming it when it is not one."""
+    if not path.is_file():
+        return {}
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON: {e}") from None
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise DataError(f"{path} is not valid JSON ({e}); restore it, or save the tokenizer again") from None
+    if not isinstance(value, dict):
+        raise DataError(
+            f"{path} holds a JSON {type(value).__name__}, not an object; restore it, or save the tokenizer again"
+        )
+    return value
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -129,6 +138,12 @@ def resolve_eot(tok: Tokenizer, eot_token: str | None = None) -> int:
                 f"tokenizer {tok.spec!r} has no end-of-text token (looked for {', '.join(_EOT_NAMES)}), so "
                 "documents would run into each other; name one of its tokens with --eot-token TOKEN "
                 "(e.g. --eot-token '</s>') or give its id (--eot-token 2)"
+            )
+        if not 0 <= tok.eot < tok.vocab_size:  # a folder's config.json may name any number
+            raise DataError(
+                f"tokenizer {tok.spec!r} declares end-of-text id {tok.eot}, outside its vocabulary of "
+                f"{tok.vocab_size}, so every document would end in an id the model cannot embed; name the "
+                f"end-of-text token with --eot-token TOKEN (or an id below {tok.vocab_size})"
             )
         return tok.eot
     found = tok.token_to_id(eot_token)

@@ -98,6 +98,12 @@ BAD_INPUT = [  # (command, with {run folder} placeholders, then the words its me
     ),
     (["generate", "{torn}"], "config.json is not a JSON object of config sections"),
     (["generate", "{untrained}", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+    (["generate", "{untrained}", "--tokens", "0"], "--tokens 0 must be at least 1"),
+    (["generate", "{untrained}", "--tokens", "-5"], "--tokens -5 must be at least 1"),
+    (["generate", "{untrained}", "--temperature", "nan"], "--temperature nan must be a finite number"),
+    (["generate", "{untrained}", "--top-k", "0"], "--top-k 0 must be at least 1"),
+    (["generate", "{untrained}", "--top-k", "-1"], "--top-k -1 must be at least 1"),
+    (["generate", "{untrained}", "--seed", str(2**64)], f"--seed {2**64} must fit in 64 bits"),
     (
         ["generate", "{untrained}"],
         "no complete checkpoint in {untrained}/checkpoints; train with checkpoint.every",

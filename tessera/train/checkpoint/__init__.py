@@ -372,14 +372,16 @@ def _refuse_pickled(path: Path, metadata: Metadata) -> None:
 
 
 @contextlib.contextmanager
-def _read_errors(path: Path, verify: bool) -> Iterator[None]:
-    """DCP's read failures (on every rank) as a CheckpointError, naming damaged files when ``verify``."""
+def _read_errors(path: Path, verify: bool, *, collective: bool = True) -> Iterator[None]:
+    """DCP's read failures (on every rank, or in this process alone when not ``collective``) as a
+    CheckpointError, naming damaged files when ``verify``."""
     try:
         yield
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        problems = verify_checkpoint(path) if verify else []  # DCP fails on every rank: still collective
+        # DCP fails on every rank: still collective
+        problems = verify_checkpoint(path, collective=collective) if verify else []
         damaged = f"; the files are damaged: {'; '.join(problems[:5])}" if problems else ""
         raise CheckpointError(
             f"checkpoint {path} could not be read: {_last_line(e)}{damaged}\n    fix: check that the folder is "
@@ -505,9 +507,8 @@ def load_model_weights(path: Path, model: nn.Module) -> int:
     metadata = read_metadata_safely(path)
     state = {"model": get_model_state_dict(model)}
     _check_shapes(path, state, metadata)
-    with (
-        warnings.catch_warnings()
-    ):  # this process alone, even where a process group exists (export, generate)
+    # this process alone, even where a process group exists (export, generate)
+    with warnings.catch_warnings(), _read_errors(path, verify=True, collective=False):
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
         reader = SafeReader(path, metadata)
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
@@ -526,7 +527,7 @@ def read_tensor(path: Path, fqn: str, metadata: Metadata | None = None) -> torch
     if not isinstance(entry, TensorStorageMetadata):
         raise CheckpointError(f"checkpoint {path} has no tensor {fqn!r}\n    fix: check the model settings")
     out = {fqn: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _read_errors(path, verify=False):  # the caller verified the checksums
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
         reader = SafeReader(path, metadata)
         dcp.load(out, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
