@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from tessera.errors import TesseraError, why_unwritable
+from tessera.files import temp_beside
 
 __all__ = ["save_figure"]
 
@@ -22,7 +22,7 @@ def save_figure(fig: Any, out: Path, fmt: str, **savefig: Any) -> Path:
         raise TesseraError(f"--out {out} is a directory; pass a file name such as {out / ('picture.' + fmt)}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        fd, tmp = temp_beside(out)
     except OSError as e:
         raise TesseraError(
             f"cannot write --out {out}: {why_unwritable(out, e)}; pass a path in a writable folder"
@@ -30,7 +30,6 @@ def save_figure(fig: Any, out: Path, fmt: str, **savefig: Any) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format=fmt, **savefig)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's file is private; a picture is as readable as any file
         os.replace(tmp, out)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
@@ -41,9 +40,3 @@ def save_figure(fig: Any, out: Path, fmt: str, **savefig: Any) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return out
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

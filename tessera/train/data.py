@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from tessera.errors import DataError, why_unwritable
+from tessera.files import temp_beside
 from tessera.train.corpus import default_corpus_files, holdout_target, min_tokens
 from tessera.train.ingest import Unit, UnitResult, find_units, tokenize_units
 from tessera.train.tokenizer import load_tokenizer, resolve_eot
@@ -94,7 +94,7 @@ def _atomic_write(out: Path, chunks: Iterator[bytes]) -> None:
     exception from ``chunks`` or a failed write leaves out as it was (and no temp file)."""
     _make_folder(out)
     try:
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        fd, tmp = temp_beside(out)
     except OSError as e:
         raise _unwritable(out, e) from None
     try:
