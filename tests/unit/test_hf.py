@@ -183,3 +183,26 @@ def test_missing_weights_and_bad_init_are_clear_errors(tmp_path: Path) -> None:
     cfg = load_config(None, [f'model.init="hf:{tmp_path / "hf"}"'])
     with pytest.raises(CheckpointError, match=r"neither model\.safetensors"):
         load_init(cfg.model)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path: Path, value: float) -> None:
+    """Loaded, they would make the first loss NaN and the run stop as diverged, blaming the learning rate."""
+    from safetensors.torch import save_file
+
+    make_hf(tmp_path / "clean", "llama")
+    _, model = imported(tmp_path / "clean")
+    hf = make_hf(tmp_path / "hf", "llama")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    state["model.layers.1.mlp.up_proj.weight"][2, 5] = value
+    save_file(state, tmp_path / "hf" / "model.safetensors")
+    cfg = load_config(None, [f'model.init="hf:{tmp_path / "hf"}"'])
+    with pytest.raises(
+        CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight holds NaN or infinite"
+    ):
+        load_init(cfg.model)
+    # each rank checks the shard it reads: rows 0-1 are finite, rows 2-3 hold the bad value
+    with HFCheckpoint(tmp_path / "hf", model) as source:
+        assert bool(torch.isfinite(source("blocks.1.mlp.w_up.weight", (slice(0, 2), slice(None)))).all())
+        with pytest.raises(CheckpointError, match="holds NaN or infinite"):
+            source("blocks.1.mlp.w_up.weight", (slice(2, 4), slice(None)))
