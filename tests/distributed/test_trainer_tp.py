@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.config import from_dict
 from tessera.train.metrics import read_metrics
-from tessera.train.trainer import train
 from tests.distributed.conftest import train_losses, train_recording, trainer_config
 from tests.harness import run_distributed
 
@@ -44,12 +42,24 @@ def _config(token_file: Path, run_dir: Path, parallel: dict) -> dict:
     return trainer_config(token_file, run_dir, model, parallel, steps=STEPS, grad_clip=0.5)
 
 
+Reference = tuple[dict[int, float], list[dict[str, torch.Tensor]], Path]
+
+
+@pytest.fixture(scope="module")
+def reference(token_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """The single-device run every layout is compared with, trained once for the module (each test trained the
+    same one): its losses, its full gradients per step and its run folder (metrics.jsonl's clipping norms)."""
+    run_dir = tmp_path_factory.mktemp("tp_reference") / "ref"
+    losses, grads = train_recording(0, 1, _config(token_file, run_dir, {"accumulation": "depth_first"}))
+    return losses, grads, run_dir
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_tensor_parallel_training_matches_reference(token_file: Path, tmp_path: Path, name: str) -> None:
+def test_tensor_parallel_training_matches_reference(
+    token_file: Path, tmp_path: Path, name: str, reference: Reference
+) -> None:
     world, parallel = LAYOUTS[name]
-    ref_losses, ref_grads = train_recording(
-        0, 1, _config(token_file, tmp_path / "ref", {"accumulation": "depth_first"})
-    )
+    ref_losses, ref_grads, ref_dir = reference
     losses, grads = run_distributed(
         train_recording, world, _config(token_file, tmp_path / name, parallel), timeout=240
     )[0]
@@ -64,7 +74,7 @@ def test_tensor_parallel_training_matches_reference(token_file: Path, tmp_path: 
                 atol=GRAD_ATOL,
                 msg=lambda m, n=n, step=step: f"{n}, step {step}: {m}",
             )
-    _assert_same_grad_norms(tmp_path / name, tmp_path / "ref")
+    _assert_same_grad_norms(tmp_path / name, ref_dir)
 
 
 def _assert_same_grad_norms(run_dir: Path, ref_dir: Path) -> None:
@@ -87,14 +97,14 @@ ZERO_LAYOUTS = {  # ZeRO-2/3 keep only reduced gradient shards: compared by loss
 
 
 @pytest.mark.parametrize("name", ZERO_LAYOUTS)
-def test_tensor_parallel_with_zero_matches_reference(token_file: Path, tmp_path: Path, name: str) -> None:
+def test_tensor_parallel_with_zero_matches_reference(
+    token_file: Path, tmp_path: Path, name: str, reference: Reference
+) -> None:
     world, parallel = ZERO_LAYOUTS[name]
-    ref_losses = train(
-        from_dict(_config(token_file, tmp_path / "ref", {"accumulation": "depth_first"}))
-    ).losses
+    ref_losses, _, ref_dir = reference
     losses = run_distributed(
         train_losses, world, _config(token_file, tmp_path / name, parallel), timeout=240
     )[0]
     for step in range(STEPS):
         torch.testing.assert_close(losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL)
-    _assert_same_grad_norms(tmp_path / name, tmp_path / "ref")
+    _assert_same_grad_norms(tmp_path / name, ref_dir)
