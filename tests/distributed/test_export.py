@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,12 +69,31 @@ def _weights(raw: dict, path: Path) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
+@pytest.fixture(scope="module")
+def reference(
+    token_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], dict[str, torch.Tensor]]:
+    """The single-device run's final weights per model size, trained once for the module (each layout of a size
+    trained the same run: four gpt2-tiny, three llama-tiny)."""
+    weights: dict[str, dict[str, torch.Tensor]] = {}
+
+    def of(size: str) -> dict[str, torch.Tensor]:
+        if size not in weights:
+            run_dir = tmp_path_factory.mktemp(f"ref_{size}")
+            ref_raw = _config(token_file, run_dir, size, {})
+            train(from_dict(ref_raw))
+            weights[size] = _weights(ref_raw, ckpt.latest_checkpoint(run_dir / "checkpoints"))
+        return weights[size]
+
+    return of
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_export_equals_single_device_weights(token_file: Path, tmp_path: Path, name: str) -> None:
+def test_export_equals_single_device_weights(
+    token_file: Path, tmp_path: Path, name: str, reference: Callable[[str], dict[str, torch.Tensor]]
+) -> None:
     world, size, parallel = LAYOUTS[name]
-    ref_raw = _config(token_file, tmp_path / "ref", size, {})
-    train(from_dict(ref_raw))
-    expected = _weights(ref_raw, ckpt.latest_checkpoint(tmp_path / "ref" / "checkpoints"))
+    expected = reference(size)
     raw = _config(token_file, tmp_path / name, size, parallel)
     # every rank calls export_weights: rank 0 alone reads the layout-free checkpoint, no rank waits (this hung
     # when one process's load was a collective the other ranks never joined)
