@@ -5,6 +5,7 @@ Also: a run interrupted after a checkpoint and resumed reproduces the uninterrup
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,12 +40,31 @@ LAYOUTS = {  # name: (family, dp, accumulation); layered with several micro-batc
 }
 
 
+Recorded = tuple[dict[int, float], list[dict[str, torch.Tensor]]]
+
+
+@pytest.fixture(scope="module")
+def reference(token_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Recorded]:
+    """The reference run of a model family, trained once for the module (three gpt layouts each trained the same
+    one): the plain model, micro-batches one after another, no schedule runtime; its losses and gradients."""
+    runs: dict[str, Recorded] = {}
+
+    def of(family: str) -> Recorded:
+        if family not in runs:
+            run_dir = tmp_path_factory.mktemp(f"ref_{family}")
+            ref = _config(token_file, run_dir, family, dp=1, accumulation="depth_first")
+            runs[family] = train_recording(0, 1, ref)
+        return runs[family]
+
+    return of
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_data_parallel_matches_single_device(token_file: Path, tmp_path: Path, name: str) -> None:
+def test_data_parallel_matches_single_device(
+    token_file: Path, tmp_path: Path, name: str, reference: Callable[[str], Recorded]
+) -> None:
     family, dp, accumulation = LAYOUTS[name]
-    # the reference: the plain model, micro-batches one after another, no schedule runtime
-    ref = _config(token_file, tmp_path / "ref", family, dp=1, accumulation="depth_first")
-    ref_losses, ref_grads = train_recording(0, 1, ref)
+    ref_losses, ref_grads = reference(family)
     raw = _config(token_file, tmp_path / "dp", family, dp=dp, accumulation=accumulation)
     results = run_distributed(train_recording, dp, raw, timeout=240)
     for losses, grads in results:  # every rank holds the same averaged gradients
