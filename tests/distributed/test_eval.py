@@ -58,14 +58,25 @@ def _train_all(rank: int, world: int, configs: list[dict]) -> list[tuple[dict[in
     return out
 
 
+Trained = list[tuple[dict[int, float], dict[int, float]]]
+
+
+@pytest.fixture(scope="module")
+def references(token_file: Path, valid_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    """The single-device run with evaluation on, then off, trained once for the module (each world size's test
+    trained the same two)."""
+    root = tmp_path_factory.mktemp("eval_refs")
+    ref_on = _config(token_file, valid_file, root / "ref", {"accumulation": "depth_first"})
+    ref_off = _config(token_file, valid_file, root / "ref_off", {"accumulation": "depth_first"}, False)
+    return _train_all(0, 1, [ref_on, ref_off])
+
+
 @pytest.mark.parametrize("world", sorted({w for w, _ in LAYOUTS.values()}))
 def test_eval_loss_matches_single_device(
-    token_file: Path, valid_file: Path, tmp_path: Path, world: int
+    token_file: Path, valid_file: Path, tmp_path: Path, world: int, references: Trained
 ) -> None:
     names = [n for n, (w, _) in LAYOUTS.items() if w == world]
-    ref_on = _config(token_file, valid_file, tmp_path / "ref", {"accumulation": "depth_first"})
-    ref_off = _config(token_file, valid_file, tmp_path / "ref_off", {"accumulation": "depth_first"}, False)
-    (ref_losses, ref_val), (ref_losses_off, ref_val_off) = _train_all(0, 1, [ref_on, ref_off])
+    (ref_losses, ref_val), (ref_losses_off, ref_val_off) = references
     assert sorted(ref_val) == list(range(STEPS)) and ref_val_off == {}
     assert ref_losses == ref_losses_off  # bit-identical with evaluation on and off
     configs = [_config(token_file, valid_file, tmp_path / n, LAYOUTS[n][1]) for n in names]
