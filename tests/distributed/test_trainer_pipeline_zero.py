@@ -78,15 +78,22 @@ def _run_all(rank: int, world: int, configs: list[dict]) -> list[tuple[dict[int,
     return out
 
 
-def _reference(token_file: Path, root: Path) -> tuple[dict[int, float], list[dict]]:
-    ref = _config(token_file, root / "ref", {"accumulation": "depth_first"})
+@pytest.fixture(scope="module")
+def reference(
+    token_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[int, float], list[dict]]:
+    """The single-device run's losses and gradients, trained once for the module (each world size's test trained
+    the same one)."""
+    ref = _config(token_file, tmp_path_factory.mktemp("pp_zero_ref") / "ref", {"accumulation": "depth_first"})
     return _run_all(0, 1, [ref])[0]
 
 
 @pytest.mark.parametrize("world", sorted({w for w, _ in LAYOUTS.values()}))
-def test_layouts_match_single_device(token_file: Path, tmp_path: Path, world: int) -> None:
+def test_layouts_match_single_device(
+    token_file: Path, tmp_path: Path, world: int, reference: tuple[dict[int, float], list[dict]]
+) -> None:
     names = [n for n, (w, _) in LAYOUTS.items() if w == world]
-    ref_losses, ref_grads = _reference(token_file, tmp_path)
+    ref_losses, ref_grads = reference
     configs = [_config(token_file, tmp_path / n, LAYOUTS[n][1]) for n in names]
     results = run_distributed(_run_all, world, configs, timeout=600)
     for i, name in enumerate(names):
