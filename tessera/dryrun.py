@@ -201,7 +201,7 @@ def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, 
     from tessera.memory import cost_plan, stage_params
     from tessera.planner.cost import ModelShape
 
-    execution = resolve(cfg, world_size)  # the stages and schedule the run executes
+    execution = resolve(cfg, world_size, training=False)  # the stages and schedule the run executes
     shape, plan = ModelShape.from_config(cfg.model), cost_plan(execution)
     stage = execution.layout.coords(rank)[Axis.PIPE]
     layers = execution.stage_layers

@@ -258,14 +258,18 @@ _RUNNER_TEXT = {
 # --- resolving -----------------------------------------------------------------------------------------------
 
 
-def violations(cfg: Config, world_size: int) -> list[Violation]:
+def violations(cfg: Config, world_size: int, *, training: bool = True) -> list[Violation]:
     """Every violated rule for this config and world size; empty when `resolve` would succeed."""
-    return _resolve(cfg, world_size)[1]
+    return _resolve(cfg, world_size, training)[1]
 
 
-def resolve(cfg: Config, world_size: int) -> ExecutionPlan:
-    """The plan ``cfg`` executes on ``world_size`` ranks; ConfigError listing every violation otherwise."""
-    plan, found = _resolve(cfg, world_size)
+def resolve(cfg: Config, world_size: int, *, training: bool = True) -> ExecutionPlan:
+    """The plan ``cfg`` executes on ``world_size`` ranks; ConfigError listing every violation otherwise.
+
+    ``training=False`` for an estimate of the plan (memory, dry run, calibration), which reads no data: the rules
+    of the data against the model (`_check_data`) are left out, so a model can be priced before its data exists
+    or with a vocabulary no data of it fits. Everything else is the same plan."""
+    plan, found = _resolve(cfg, world_size, training)
     if found:
         lines = "\n".join(f"  {i + 1}. {x}" for i, x in enumerate(found))
         raise ConfigError(f"{len(found)} configuration problem(s) for world size {world_size}:\n{lines}")
@@ -273,7 +277,7 @@ def resolve(cfg: Config, world_size: int) -> ExecutionPlan:
     return plan
 
 
-def _resolve(cfg: Config, world_size: int) -> tuple[ExecutionPlan | None, list[Violation]]:
+def _resolve(cfg: Config, world_size: int, training: bool) -> tuple[ExecutionPlan | None, list[Violation]]:
     found: list[Violation] = []
     for section in (cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.checkpoint, cfg.log):
         found.extend(section.check())
@@ -288,7 +292,8 @@ def _resolve(cfg: Config, world_size: int) -> tuple[ExecutionPlan | None, list[V
     if world_size < 1 or any(x.rule in ARITHMETIC_RULES for x in found):
         return None, found  # the cross-section rules divide by these numbers
     found.extend(_check_layout(cfg, world_size))
-    found.extend(_check_data(cfg))
+    if training:
+        found.extend(_check_data(cfg))
     found.extend(_check_grad_reduction(cfg))
     if found:
         return None, found
@@ -651,7 +656,7 @@ def _check_data(cfg: Config) -> list[Violation]:
         return v + _check_default_corpus(cfg)
     from tessera.train.data import read_token_meta  # torch-free; numpy only when files are named
 
-    tokenizers: dict[str, str] = {}
+    tokenizers: dict[str, str | None] = {}
     eots: dict[str, int | None] = {}
     readable = True
     for path in files:
@@ -679,7 +684,7 @@ def _check_data(cfg: Config) -> list[Violation]:
                     fix="re-run `tessera prepare` for it",
                 )
             )
-        tokenizers[path] = str(meta.get("tokenizer"))
+        tokenizers[path] = meta.get("tokenizer")  # None: a file of a version that did not record it
         eots[path] = meta.get("eot")
     if d.document_mask:
         v.extend(_document_mask_eot(eots))
@@ -691,21 +696,67 @@ def _check_data(cfg: Config) -> list[Violation]:
                 fix="prepare every file of a blend (and the validation file) with the same tokenizer",
             )
         )
+    else:
+        v.extend(_tokenizer_of_the_files(d.tokenizer, tokenizers))
     if readable:
         v.extend(_check_files_lengths(cfg))
     return v
 
 
-def _check_default_corpus(cfg: Config) -> list[Violation]:
-    """The default corpus (data.path unset) as the trainer will prepare it: at least one file, and the lengths
-    `_check_lengths` asks for, known from its files' sizes (`tessera.train.corpus`).
+def _tokenizer_of_the_files(configured: str, made_by: dict[str, str | None]) -> list[Violation]:
+    """data.tokenizer against the one tokenizer every token file was made by (their metadata), as far as it can
+    be told without loading a tokenizer: bytes or not (a file that records none is not judged). The run trains
+    on the files either way; `generate` and the Hugging Face export decode and ship data.tokenizer. Two
+    tokenizer files at different paths may be the same tokenizer (a copy on another machine): not compared."""
+    from tessera.train.tokenizer import ByteTokenizer
 
-    Not its vocabulary (256 byte tokens) against model.vocab_size: the memory estimator, the dry run and the
-    planner resolve plans of models with smaller vocabularies and no data, which the trainer's own check
-    (`TokenDataset.check_vocab`) refuses before any step."""
+    byte = ByteTokenizer.spec
+    files = sorted(
+        p for p, spec in made_by.items() if spec is not None and (spec == byte) != (configured == byte)
+    )
+    if not files:
+        return []
+    spec = made_by[files[0]]
+    return [
+        Violation(
+            rule="data.tokenizer",
+            problem=f"data.tokenizer = {configured!r}, but {', '.join(files)} were made by {spec!r}: `generate` "
+            "and the Hugging Face export would decode the model's tokens with the wrong tokenizer",
+            fix=f"set data.tokenizer = {spec!r} (the tokenizer `tessera prepare` used), or prepare the data "
+            "again with data.tokenizer",
+        )
+    ]
+
+
+def _check_default_corpus(cfg: Config) -> list[Violation]:
+    """The default corpus (data.path unset) as the trainer will prepare it: byte tokens (a vocabulary of 256,
+    which `TokenDataset.check_vocab` holds the model to), at least one file, and the lengths `_check_lengths`
+    asks for, known from its files' sizes (`tessera.train.corpus`)."""
     from tessera.train.corpus import default_corpus_documents, document_cut, holdout_target
+    from tessera.train.tokenizer import ByteTokenizer
 
     d = cfg.data
+    if d.tokenizer != ByteTokenizer.spec:
+        return [
+            Violation(
+                rule="data.tokenizer",
+                problem=f"data.tokenizer = {d.tokenizer!r}, but the default corpus (data.path unset) is byte "
+                "tokens: the run would train on bytes and `generate` and the Hugging Face export would use "
+                "that tokenizer for them",
+                fix=f"prepare the corpus with it (`tessera prepare --out corpus.bin --tokenizer {d.tokenizer}`, no "
+                'inputs: the default corpus) and set data.path = "corpus.bin", or set data.tokenizer = "byte"',
+            )
+        ]
+    if cfg.model.vocab_size < ByteTokenizer.vocab_size:
+        return [
+            Violation(
+                rule="data.vocab",
+                problem=f"the default corpus (data.path unset) is byte tokens, {ByteTokenizer.vocab_size} of them, "
+                f"but model.vocab_size = {cfg.model.vocab_size}",
+                fix=f"set model.vocab_size >= {ByteTokenizer.vocab_size}, or name token files prepared with the "
+                "model's tokenizer in data.path",
+            )
+        ]
     mb = d.default_corpus_mb
     lengths = default_corpus_documents(int(mb * 2**20))
     if not lengths:

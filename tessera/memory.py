@@ -189,7 +189,7 @@ def _even(plan: ExecutionPlan) -> bool:
 
 def plan_from_config(cfg: Config, world_size: int) -> Plan:
     """The cost model's Plan for what a run configuration executes on ``world_size`` ranks."""
-    return cost_plan(resolve(cfg, world_size))
+    return cost_plan(resolve(cfg, world_size, training=False))
 
 
 def stage_params(
@@ -487,7 +487,8 @@ def estimate(
 ) -> MemoryEstimate:
     """Peak memory per rank for what ``cfg`` runs on ``world_size`` ranks: the fullest pipeline rank's
     breakdown, or that of pipeline position ``stage`` when given (the dry run compares rank by rank)."""
-    plan = resolve(cfg, world_size)  # first: a config the shape cannot describe is a ConfigError, not a crash
+    # first: a config the shape cannot describe is a ConfigError, not a crash
+    plan = resolve(cfg, world_size, training=False)
     return estimate_plan(ModelShape.from_config(cfg.model), plan, device_memory, stage=stage)
 
 

@@ -80,7 +80,7 @@ def startup_memory(cfg: Config, world_size: int, plan: ExecutionPlan | None = No
     and their blocks from the execution plan, `tessera.execution.resolve`)."""
     from tessera.memory import cost_plan, stage_params
 
-    plan = plan or resolve(cfg, world_size)
+    plan = plan or resolve(cfg, world_size, training=False)
     cost = cost_plan(plan)
     shape = ModelShape.from_config(cfg.model)
     per_stage = stage_params(shape, cost, plan.stage_layers)

@@ -16,4 +16,4 @@ def valid_plan(
     cfg = Config(
         model=model, parallel=par, train=TrainConfig(global_batch=global_batch, micro_batch=micro_batch)
     )
-    return None if violations(cfg, world) else resolve(cfg, world)
+    return None if violations(cfg, world, training=False) else resolve(cfg, world, training=False)

@@ -679,7 +679,7 @@ def trainer_plan(cfg: Any, world: int, *, flash_attention: bool = True) -> tuple
     from tessera.memory import cost_plan
     from tessera.planner.steptime import CONFIG_TO_IR
 
-    execution = resolve(cfg, world)
+    execution = resolve(cfg, world, training=False)
     schedule = execution.schedule or "1f1b"
     if schedule not in CONFIG_TO_IR:
         raise ValueError(

@@ -181,7 +181,7 @@ class ScheduledStepper:
         groups: Groups | None,
         plan: ExecutionPlan | None = None,
     ) -> None:
-        plan = plan or resolve(cfg, layout.world_size)
+        plan = plan or resolve(cfg, layout.world_size, training=False)  # a stepper reads no data
         self.dtype = cfg.train.dtype
         dp_group = groups.dp if groups is not None and layout.dp > 1 else None
         self.zero: ZeroStageComm | None = None
@@ -299,7 +299,7 @@ def make_stepper(
     The schedule runtime for a pipeline, ZeRO or layered accumulation of several micro-batches; else the direct
     loop, which keeps one micro-batch in flight and overlaps the bucketed all-reduce with the last backward.
     """
-    plan = plan or resolve(cfg, layout.world_size)
+    plan = plan or resolve(cfg, layout.world_size, training=False)  # TrainingRun passes its own, data checked
     if plan.runner == SCHEDULE_RUNTIME:
         return ScheduledStepper(module, cfg, layout, groups, plan)
     return DirectStepper(module, cfg, layout, groups)

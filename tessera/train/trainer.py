@@ -191,7 +191,8 @@ class TrainingRun:
         self, cfg: Config, rank: int, world: int, *, with_data: bool = True, values: bool = True
     ) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
-        self.plan = resolve(cfg, world)  # what runs: raises ConfigError listing every violation
+        # what runs: raises ConfigError listing every violation (of the data too, when it reads data)
+        self.plan = resolve(cfg, world, training=with_data)
         self.layout = self.plan.layout
         self.device = resolve_device(cfg.train.device)
         self.groups: Groups | None = (

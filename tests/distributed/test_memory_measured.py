@@ -69,7 +69,7 @@ def measure(zero_stage: int, checkpointing: str, dp: int) -> dict[str, int]:
     """Run one step as the execution plan says (p = 1: breadth-first, one stage per block, layered) and count
     bytes; plain AdamW when zero_stage = 0."""
     cfg = _cfg(zero_stage, checkpointing, dp)
-    plan = resolve(cfg, dp)
+    plan = resolve(cfg, dp, training=False)
     assert plan.switched_to_breadth_first and plan.accumulation == "layered", plan.describe()
     torch.manual_seed(0)
     model = build_model(cfg.model)

@@ -180,3 +180,52 @@ def test_default_corpus_shorter_than_one_window_is_refused() -> None:
     n = sum(default_corpus_documents(int(mb * 2**20)))
     assert _rules([f"data.default_corpus_mb={mb}", f"model.seq_len={n - 1}"]) == []
     assert _rules([f"data.default_corpus_mb={mb}", f"model.seq_len={n}"]) == ["data.seq_len"]
+
+
+def test_a_vocabulary_below_the_default_corpus_bytes_is_refused_for_training_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The default corpus is byte tokens (ids 0-255): `validate` refuses a smaller model.vocab_size with the
+    trainer's own reason, `train` stops before its run directory, and an estimate (memory, dry run) that reads no
+    data still prices the model."""
+    from tessera.execution import resolve
+    from tessera.memory import estimate
+
+    overrides = ["--model.vocab_size=255", f'--log.run_dir="{tmp_path / "run"}"']
+    cfg = load_config(None, [o[2:] for o in overrides])
+    (v,) = violations(cfg, 1)
+    assert v.rule == "data.vocab" and "model.vocab_size = 255" in v.problem and ">= 256" in v.fix
+    assert main(["validate", "--world-size", "1", *overrides]) == 1
+    assert str(v) in capsys.readouterr().out
+    assert main(["train", *overrides]) == 2
+    assert str(v) in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    assert violations(cfg, 1, training=False) == []
+    assert resolve(cfg, 1, training=False).layout.world_size == 1
+    assert estimate(cfg, 1).total > 0
+    assert _rules(["model.vocab_size=256"]) == []
+
+
+def test_data_tokenizer_must_be_the_one_that_made_the_data(tmp_path: Path, tokens: Path) -> None:
+    """`generate` and the Hugging Face export decode with data.tokenizer: bytes read as BPE ids (or BPE ids read
+    as bytes) would be garbage, so a tokenizer that cannot have made the data is refused."""
+    from tests.hf_models import train_bpe
+
+    text = "the quick brown fox jumps over the lazy dog\n" * 40
+    train_bpe(tmp_path / "tok.json", text, vocab_size=300)
+    (tmp_path / "t.txt").write_text(text)
+    bpe_tokens = tmp_path / "bpe.bin"
+    prepare([tmp_path / "t.txt"], bpe_tokens, str(tmp_path / "tok.json"))
+    bpe, byte = f'data.tokenizer="{tmp_path / "tok.json"}"', f'data.path="{tokens}"'
+    small = "model.seq_len=16"
+
+    (v,) = violations(load_config(None, [bpe, small]), 1)  # the default corpus is bytes
+    assert v.rule == "data.tokenizer" and "default corpus" in v.problem and "tessera prepare" in v.fix
+    (v,) = violations(load_config(None, [bpe, byte, small]), 1)
+    assert v.rule == "data.tokenizer" and str(tokens) in v.problem and "data.tokenizer = 'byte'" in v.fix
+    (v,) = violations(load_config(None, [f'data.path="{bpe_tokens}"', small]), 1)
+    assert v.rule == "data.tokenizer" and str(bpe_tokens) in v.problem
+    assert _rules([f'data.path="{bpe_tokens}"', bpe, small]) == []
+    assert _rules([byte, small]) == []
+    _rewrite_meta(tokens, tokenizer=None)  # a file of a version that did not record its tokenizer: not judged
+    assert _rules([bpe, byte, small]) == []

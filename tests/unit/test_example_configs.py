@@ -77,22 +77,23 @@ def test_large_examples_use_their_layouts() -> None:
 
 
 def _finetune_inputs(root: Path) -> None:
-    """What configs/finetune.toml names, relative to the working directory: models/base (an HF folder) and
-    data/finetune.tokens."""
+    """What configs/finetune.toml names, relative to the working directory: models/base (an HF folder with its
+    tokenizer) and data/finetune.tokens, prepared with that tokenizer as the example's first line says."""
     import transformers
 
-    from tests.hf_models import hf_config
+    from tests.hf_models import VOCAB, hf_config, train_bpe
 
     base = root / "models" / "base"
     config = hf_config("llama")
     config.max_position_embeddings = 512  # the example's seq_len: not longer than the base model's context
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(base)
+    texts = [f"text {i} " * 10 for i in range(100)]
+    train_bpe(base / "tokenizer.json", "\n".join(texts), vocab_size=VOCAB)
+    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     # enough tokens for a window of the example's seq_len (512), which `validate` asks of the data
-    (root / "texts.jsonl").write_text(
-        "".join(json.dumps({"text": f"text {i} " * 10}) + "\n" for i in range(50))
-    )
+    (root / "texts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     (root / "data").mkdir()
-    prepare([root / "texts.jsonl"], root / "data" / "finetune.tokens", workers=1)
+    prepare([root / "texts.jsonl"], root / "data" / "finetune.tokens", str(base), workers=1)
 
 
 @pytest.mark.parametrize("name", sorted(DRY_RUN))

@@ -115,7 +115,7 @@ def test_model_state_floor_is_the_fullest_ranks_model_state(parallel: dict, worl
     """The planner's cheap pre-check: the fullest rank's params + grads + optimizer, never above the estimate."""
     from tessera.memory import estimate_plan, model_state_floor
 
-    plan = resolve(_cfg(**parallel), world)
+    plan = resolve(_cfg(**parallel), world, training=False)
     shape = ModelShape.from_config(MODEL)
     floor = model_state_floor(shape, plan)
     per_rank = [estimate_plan(shape, plan, stage=r).breakdown for r in range(plan.pp)]

@@ -37,7 +37,7 @@ def _plan(world: int, micro_batch: int = 1, global_batch: int = 8, **parallel: o
         parallel=ParallelConfig(**parallel),
         train=TrainConfig(global_batch=global_batch, micro_batch=micro_batch),
     )
-    return resolve(cfg, world)
+    return resolve(cfg, world, training=False)
 
 
 def _grid() -> list[ExecutionPlan]:

@@ -468,7 +468,7 @@ def test_the_fullest_rank_is_a_candidate_and_the_floor_is_below(
     pipeline rank; the search's cheap `memory_floor` never exceeds it; the classes are stages of equal sizes."""
     model = {**MODEL, "n_layers": sum(parallel["stage_layers"])}
     cfg = from_dict({"model": model, "parallel": parallel, "train": {"global_batch": batch}})
-    plan = resolve(cfg, world)
+    plan = resolve(cfg, world, training=False)
     shape = ModelShape.from_config(cfg.model)
     per_rank = [estimate_plan(shape, plan, stage=r).total for r in range(plan.pp)]
     assert estimate_plan(shape, plan).total == max(per_rank)
@@ -490,7 +490,7 @@ def _plan(model: dict, parallel: dict, dp: int, dtype: str, world: int, batch: i
             "train": {"global_batch": batch * dp, "micro_batch": 4 if model is HEAVY else 2, "dtype": dtype},
         }
     )
-    return ModelShape.from_config(cfg.model), resolve(cfg, world)
+    return ModelShape.from_config(cfg.model), resolve(cfg, world, training=False)
 
 
 @pytest.mark.parametrize(("zero", "dp"), [(z, d) for z in range(4) for d in (1, 2)])
@@ -558,7 +558,7 @@ def test_stop_above_answers_whether_the_limit_is_exceeded(world: int, parallel: 
     full answers do; below it the estimate is the full one."""
     model = {**MODEL, "n_layers": sum(parallel["stage_layers"])}
     cfg = from_dict({"model": model, "parallel": parallel, "train": {"global_batch": batch}})
-    plan = resolve(cfg, world)
+    plan = resolve(cfg, world, training=False)
     shape = ModelShape.from_config(cfg.model)
     full, low = estimate_plan(shape, plan), memory_floor(shape, plan)
     per_rank = sorted({estimate_plan(shape, plan, stage=r).total for r in range(plan.pp)} | {low})
