@@ -1,12 +1,17 @@
-"""A file written whole or not at all: its bytes go to a new file beside it, which is then renamed over it."""
+"""Files tessera reads and writes: a JSON object file read with its damage named, and a file written whole or not
+at all (its bytes go to a new file beside it, which is then renamed over it)."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
-__all__ = ["temp_beside"]
+from tessera.errors import TesseraError
+
+__all__ = ["read_json_object", "temp_beside"]
 
 
 def temp_beside(out: Path) -> tuple[int, Path]:
@@ -21,3 +26,16 @@ def temp_beside(out: Path) -> tuple[int, Path]:
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
         except FileExistsError:  # another writer's temp file of the same name: draw another
             continue
+
+
+def read_json_object(path: Path, error: type[TesseraError], fix: str) -> dict[str, Any]:
+    """The JSON object in ``path``; ``error`` naming the file and ``fix`` when it is not UTF-8 JSON or not an
+    object (a torn or hand-edited file), where json would raise a bare ValueError or the caller an
+    AttributeError."""
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise error(f"{path} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(value, dict):
+        raise error(f"{path} holds a JSON {type(value).__name__}, not an object; {fix}")
+    return value

@@ -10,11 +10,11 @@ computes and are ignored (tessera trains without dropout).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tessera.errors import ConfigError
+from tessera.files import read_json_object
 from tessera.hf.families import FAMILIES, HFFamily, family_for_model_type, family_for_tessera
 
 if TYPE_CHECKING:
@@ -47,16 +47,7 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
             f"{folder} has no config.json; pass a folder written by `save_pretrained` (config.json, "
             "model.safetensors or model.safetensors.index.json with its shards)"
         )
-    try:
-        hf = json.loads(path.read_bytes().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(hf, dict):
-        raise ConfigError(
-            f"{path} holds a JSON {type(hf).__name__}, not an object of model settings; restore it or save "
-            "the model again with `save_pretrained`"
-        )
-    return hf
+    return read_json_object(path, ConfigError, "restore it, or save the model again with `save_pretrained`")
 
 
 def _check_numbers(path: Path, hf: dict[str, Any], fam: HFFamily) -> None:

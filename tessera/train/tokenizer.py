@@ -7,11 +7,11 @@ file containing NUL as binary and skips it), so the separator is unambiguous and
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Protocol
 
 from tessera.errors import DataError
+from tessera.files import read_json_object
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer", "resolve_eot"]
 
@@ -110,15 +110,7 @@ def _read_json(path: Path) -> dict:
     """A JSON object file of a tokenizer folder ({} when absent); DataError naming it when it is not one."""
     if not path.is_file():
         return {}
-    try:
-        value = json.loads(path.read_bytes().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise DataError(f"{path} is not valid JSON ({e}); restore it, or save the tokenizer again") from None
-    if not isinstance(value, dict):
-        raise DataError(
-            f"{path} holds a JSON {type(value).__name__}, not an object; restore it, or save the tokenizer again"
-        )
-    return value
+    return read_json_object(path, DataError, "restore it, or save the tokenizer again")
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
