@@ -16,11 +16,12 @@ FORMATS = ("png", "svg", "pdf")
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
-    """Draw loss (+ ``val_loss`` when logged) and tokens/s against step as a two-panel PNG; return its path.
+    """Draw loss (+ ``val_loss`` when logged) and tokens/s against step as a two-panel picture; return its path.
 
-    Writes ``run_dir/curves.png`` unless ``out`` is given (its suffix names the format: `FORMATS`). Uses matplotlib's Agg canvas directly, so it works
-    without a display and never touches pyplot's global state. The metrics are read and checked before
-    matplotlib is imported (a second or so), so a wrong ``run_dir`` is named at once.
+    Writes ``run_dir/curves.png`` unless ``out`` is given (its suffix names the format: `FORMATS`). Uses
+    matplotlib's Agg canvas directly, so it works without a display and never touches pyplot's global state. The
+    metrics are read and checked before matplotlib is imported (a second or so), so a wrong ``run_dir`` is named
+    at once.
     """
     run_dir = Path(run_dir)
     out = Path(out) if out is not None else run_dir / "curves.png"
