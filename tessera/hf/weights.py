@@ -183,9 +183,8 @@ class HFCheckpoint:
             hf_dims = hf_dims[::-1]
         window = self._handle(planned.name).get_slice(planned.name)[tuple(slice(a, b) for a, b in hf_dims)]
         window = window.to(torch.float32)
-        if not bool(
-            torch.isfinite(window).all()
-        ):  # else the first step's loss is NaN: "diverged, lower the lr"
+        # loaded, a NaN or inf would make the first loss NaN and stop the run as diverged, blaming the lr
+        if not bool(torch.isfinite(window).all()):
             raise CheckpointError(
                 f"{self._files[planned.name]}: weight {planned.name} holds NaN or infinite values; the file is "
                 "damaged or was saved from a diverged run: use another copy or checkpoint of the model"
