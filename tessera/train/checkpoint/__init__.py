@@ -380,7 +380,7 @@ def _read_errors(path: Path, verify: bool, *, collective: bool = True) -> Iterat
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        # DCP fails on every rank: still collective
+        # collective where the load was: DCP then fails on every rank alike
         problems = verify_checkpoint(path, collective=collective) if verify else []
         damaged = f"; the files are damaged: {'; '.join(problems[:5])}" if problems else ""
         raise CheckpointError(
