@@ -267,6 +267,10 @@ class CheckpointConfig:
     """Resume from the newest checkpoint in dir that verifies against its checksums, if there is one."""
     load_step: int | None = None
     """Resume from exactly this step's checkpoint instead (it must exist and verify); needs resume = true."""
+    new_schedule: bool = False
+    """Resume even though train.lr, min_lr, warmup_steps or steps give the remaining steps other learning rates
+    than the checkpoint's schedule (refused otherwise): the new schedule takes effect at the resume step, at its
+    value there (no new warmup)."""
     async_: bool = False
     """Write checkpoints in the background (DCP's async save): training waits only for a copy of the state in
     CPU memory; a checkpoint counts once committed, as ever, and the next save or the end of the run waits for

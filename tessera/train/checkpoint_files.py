@@ -12,6 +12,7 @@ generate` and `tessera export` reject a run without one in milliseconds instead 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ __all__ = [
     "read_meta",
     "remove_stale_tmp",
     "resolve",
+    "set_aside_later",
     "step_dir_name",
     "step_dirs",
 ]
@@ -101,6 +103,42 @@ def prune(ckpt_dir: Path, keep: int) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
+def set_aside_later(ckpt_dir: Path, start: int, stamp: str) -> Path | None:
+    """Move every step folder of a step after ``start`` into ``ckpt_dir/superseded_<stamp>_from_step_N/``, and
+    point ``latest`` at ``start``'s checkpoint (or remove it); the folder, or None when there was none to move.
+
+    A run that starts at ``start`` (from scratch, from an older checkpoint by ``checkpoint.load_step``, or past
+    damaged newer ones) replaces the history after it. Left in place, those checkpoints outnumbered its own when
+    pruning kept the newest, and the next resume took the replaced run's newest checkpoint: the two runs mixed
+    without a word. Moved, not deleted: they are the user's to inspect or remove."""
+    later = [p for p in _step_folders(ckpt_dir) if int(p.name[len(_PREFIX) :]) > start]
+    if not later:
+        return None
+    aside = ckpt_dir / f"superseded_{stamp}_from_{step_dir_name(start)}"
+    for n in itertools.count(2):  # two restarts in one second at the same step: a folder each
+        try:
+            aside.mkdir()
+            break
+        except FileExistsError:
+            aside = aside.with_name(f"superseded_{stamp}_{n}_from_{step_dir_name(start)}")
+    for p in later:
+        os.replace(p, aside / p.name)
+    latest, kept = ckpt_dir / _LATEST, ckpt_dir / step_dir_name(start)
+    if kept.is_dir():
+        write_atomic(latest, kept.name + "\n")
+    else:
+        latest.unlink(missing_ok=True)
+        _fsync_dir(ckpt_dir)
+    return aside
+
+
+def _step_folders(ckpt_dir: Path) -> list[Path]:
+    """Every ``step_N`` folder, complete or not (``.tmp`` leftovers excluded), oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p for p in ckpt_dir.glob(f"{_PREFIX}*") if p.is_dir() and not p.name.endswith(_TMP))
+
+
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     """The newest complete checkpoint under ``ckpt_dir`` (``.tmp`` leftovers ignored), or None if there is none.
 
@@ -113,10 +151,7 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
 
 def list_checkpoints(ckpt_dir: Path) -> tuple[list[Path], list[Path]]:
     """(complete checkpoints, oldest first; step folders that are not complete, e.g. damaged meta.json)."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return [], []
-    steps = sorted(p for p in ckpt_dir.glob(f"{_PREFIX}*") if not p.name.endswith(_TMP))
+    steps = _step_folders(Path(ckpt_dir))
     return [p for p in steps if _is_complete(p)], [p for p in steps if not _is_complete(p)]
 
 

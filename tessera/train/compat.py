@@ -1,46 +1,142 @@
-"""What a checkpoint must agree with to be resumed: the model's shape and the tokenizer.
+"""What a checkpoint must agree with to be resumed: the settings a resume cannot change without a silently
+wrong run.
 
 Each checkpoint records these settings (meta.json ``extra.settings``); resuming with any of them changed is
-refused naming the key, the saved value and the new one, because the weights would load into the wrong places
-or not at all (a block dropped, heads reinterpreted) without an error. ``model.init_std`` (used only before the
-first step) and ``model.size`` (a name for the other fields, compared one by one) may change.
+refused naming the key, the saved value and the new one, and the fix. The table of every setting and what a
+resume does with it is docs/checkpoints.md ("What a resume may change").
+
+- The model's shape and the tokenizer (``model.*``, ``data.tokenizer``, ``tokens.*``): the weights would load
+  into the wrong places or not at all (a block dropped, heads reinterpreted) without an error. ``model.init_std``
+  (used only before the first step) and ``model.size`` (a name for the other fields, compared one by one) may
+  change.
+- The data order's seed (``data.seed``, or ``train.seed`` when it is unset): the samples of the remaining steps
+  and the validation windows would be those of another run, so the validation loss before and after the resume
+  would measure different data.
+- The held-out split (``data.valid_fraction``, the token file ``data.valid_path`` names, and with a fraction the
+  files it holds the tails of): a larger fraction, other files or another validation file would hold out
+  documents the run has trained on, or measure ``val_loss`` on other data than before the resume.
+- The learning-rate schedule (``train.lr``, ``min_lr``, ``warmup_steps``, ``steps``), when the new values give
+  a remaining step another learning rate than the saved ones and a trained step too (so the resumed run is
+  neither the saved run continued nor the run the new settings make), unless ``checkpoint.new_schedule`` says
+  so: it is a function of the step, so such a change makes it jump at the resume step (extending a finished
+  cosine run lifts the learning rate from ``min_lr`` back towards the middle of the cosine). Megatron-LM's
+  ``OptimizerParamScheduler`` refuses such changes the same way unless told to override them (its
+  ``--override-opt_param-scheduler``). ``train.steps`` below the checkpoint's step is refused in any case: the
+  run would train nothing and report success.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from tessera.config import Config
 from tessera.errors import CheckpointError
+from tessera.train.schedule import SCHEDULE_KEYS, lr_at
 
 __all__ = ["check_compatible", "run_settings"]
 
 _MAY_CHANGE = frozenset({"model.size", "model.init_std"})
+_SCHEDULE = tuple(f"train.{k}" for k in SCHEDULE_KEYS)
+_WHAT = {  # what a recorded value stands for, where it is not the setting's own value
+    "data.seed": "the data order's seed: data.seed, or train.seed when data.seed is unset",
+    "data.valid_path": "sha256 of the validation file's tokens",
+    "data.valid_files": "sha256 of the tokens and the share of each data.path file that data.valid_fraction "
+    "holds the last documents of",
+}
 
 
-def run_settings(cfg: Config, tokenizer: dict[str, Any] | None = None) -> dict[str, Any]:
-    """{"model.n_layers": 12, ..., "data.tokenizer": "byte", "tokens.tokenizer": ..., "tokens.vocab_size": ...}
-    as JSON values; ``tokenizer`` is what the token file says about the tokenizer that wrote it."""
+def run_settings(
+    cfg: Config,
+    tokenizer: dict[str, Any] | None = None,
+    *,
+    valid_file: str | None = None,
+    held_out_files: list[tuple[str | None, float]] | None = None,
+) -> dict[str, Any]:
+    """{"model.n_layers": 12, ..., "data.tokenizer": "byte", "tokens.tokenizer": ..., "tokens.vocab_size": ...,
+    "data.seed": 1234, "data.valid_fraction": 0.0, "train.lr": ..., ...} as JSON values; ``tokenizer`` is what the
+    token file says about the tokenizer that wrote it, ``valid_file`` the sha256 of data.valid_path's tokens and
+    ``held_out_files`` (sha256, weight) of every training file when data.valid_fraction holds out their tails."""
     settings = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
     settings["data.tokenizer"] = cfg.data.tokenizer
     settings |= {f"tokens.{k}": v for k, v in (tokenizer or {}).items()}
+    settings["data.seed"] = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
+    settings["data.valid_fraction"] = cfg.data.valid_fraction
+    settings["data.valid_path"] = valid_file
+    if held_out_files:
+        total = sum(w for _, w in held_out_files)
+        settings["data.valid_files"] = [[sha, round(w / total, 12)] for sha, w in held_out_files]
+    settings |= {f"train.{k}": getattr(cfg.train, k) for k in SCHEDULE_KEYS}
     return json.loads(json.dumps(settings))  # as they come back from meta.json (tuples become lists)
 
 
-def check_compatible(path: Path, saved: dict[str, Any] | None, now: dict[str, Any]) -> None:
-    """Refuse to resume ``path`` when a recorded setting changed; checkpoints without settings pass."""
+def check_compatible(
+    path: Path,
+    saved: dict[str, Any] | None,
+    now: dict[str, Any],
+    step: int = 0,
+    *,
+    new_schedule: bool = False,
+) -> None:
+    """Refuse to resume ``path`` at ``step`` when a recorded setting changed (the schedule's only where it changes
+    a remaining step's learning rate, and not with ``new_schedule``); checkpoints without settings pass, and a
+    setting an older checkpoint does not record is not compared."""
     if not isinstance(saved, dict):
         return
     changed = [
-        f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now"
+        _changed(k, saved[k], now[k])
         for k in sorted(now)
-        if k in saved and saved[k] != now[k] and k not in _MAY_CHANGE
+        if k in saved and saved[k] != now[k] and k not in _MAY_CHANGE and k not in _SCHEDULE
     ]
+    jump = None if new_schedule else _schedule_jump(saved, now, step)
+    if jump:
+        changed.append(jump)
+    if now.get("train.steps", step) < step:  # the loop would run no step and report success
+        changed.append(
+            f"train.steps: {now['train.steps']} now, fewer than the checkpoint's {step} steps: nothing would be "
+            "trained (to go back, name an earlier checkpoint with checkpoint.load_step)"
+        )
     if changed:
         raise CheckpointError(
             f"checkpoint {path} was trained with other settings: {'; '.join(changed)}\n    fix: resume with "
             "the saved values (RUN_DIR/config.json holds them), or start a new run in a fresh run directory"
         )
+
+
+def _changed(key: str, saved: Any, now: Any) -> str:
+    what = f" ({_WHAT[key]})" if key in _WHAT else ""
+    return f"{key}{what}: {saved!r} in the checkpoint, {now!r} now"
+
+
+def _schedule_jump(saved: dict[str, Any], now: dict[str, Any], step: int) -> str | None:
+    """The changed schedule settings and the first remaining step whose learning rate they change, or None when
+    the resumed run is one of the two an expert expects: the saved run continued (every remaining step keeps its
+    saved learning rate) or the run the new settings make from the start (every trained step had the new one:
+    e.g. ``train.steps`` raised before the cosine began)."""
+    if not all(k in saved for k in _SCHEDULE):
+        return None
+    keys = [k for k in _SCHEDULE if saved[k] != now[k]]
+    if not keys:
+        return None
+    old = SimpleNamespace(**{k.split(".")[1]: saved[k] for k in _SCHEDULE})
+    new = SimpleNamespace(**{k.split(".")[1]: now[k] for k in _SCHEDULE})
+    jump = next((k for k in range(step, new.steps) if not _same(lr_at(k, old), lr_at(k, new))), None)
+    if jump is None or all(_same(lr_at(k, old), lr_at(k, new)) for k in range(step)):
+        return None
+    changes = "; ".join(_changed(key, saved[key], now[key]) for key in keys)
+    return (
+        f"{changes}: the learning rate of step {jump} would be {lr_at(jump, new):.6g} where the saved schedule "
+        f"gives {lr_at(jump, old):.6g}, and steps before {step} were trained with the saved one (the schedule is a "
+        "function of the step, so it would jump; checkpoint.new_schedule = true takes the new one from the resume "
+        "step)"
+    )
+
+
+def _same(a: float, b: float) -> bool:
+    return math.isclose(
+        a, b, rel_tol=1e-12
+    )  # equal but for rounding: the formula of other, equivalent settings

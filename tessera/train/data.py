@@ -5,8 +5,9 @@ a JSON metadata file of the same stem (`corpus.bin` + `corpus.json`). Both are w
 document ends with the end-of-text token named in the metadata (`eot`).
 
 Sampling is stateless: the window of global sample `i` starts at hash(seed, i) mod (n_tokens - seq_len), and
-step `k` uses global samples [k·B, (k+1)·B) for global batch B. A resumed run, or one with a different
-data-parallel size or micro-batch split, therefore trains on exactly the same samples in every step. A `Blend`
+step `k` uses global samples [k·B, (k+1)·B) for global batch B (shifted by an offset when a resume changed B).
+A resumed run, or one with a different data-parallel size or micro-batch split, therefore trains on exactly the
+same samples in every step. A `Blend`
 keeps that property: which file sample `i` comes from is another hash of (seed, i), compared with the weights.
 
 Importing this module does not import torch (`tessera validate` reads token metadata through it).
@@ -492,13 +493,15 @@ def window_start(index: int, seed: int, n_starts: int) -> int:
 
 
 def batch_indices(
-    step: int, global_batch: int, dp_rank: int, dp_size: int, micro: int, micro_batch: int
+    step: int, global_batch: int, dp_rank: int, dp_size: int, micro: int, micro_batch: int, offset: int = 0
 ) -> list[int]:
     """Global sample indices of one micro-batch of one data-parallel rank.
 
-    Step k owns samples [k·B, (k+1)·B). Micro-batch m of rank r takes the consecutive slice starting at
-    k·B + (m·dp_size + r)·micro_batch, so over all m < B / (dp_size·micro_batch) and r < dp_size the slices
-    tile the step's range exactly: every layout sees the same set of samples per step.
+    Step k owns samples [o + k·B, o + (k+1)·B) for offset o. Micro-batch m of rank r takes the consecutive slice
+    starting at o + k·B + (m·dp_size + r)·micro_batch, so over all m < B / (dp_size·micro_batch) and r < dp_size
+    the slices tile the step's range exactly: every layout sees the same set of samples per step. The offset is
+    0 unless a resume changed the global batch: the run then continues at the sample the checkpoint reached,
+    o = samples - step·B (the trainer's ``sample_offset``), so no sample is trained twice or left out.
     """
     n_micro, rem = divmod(global_batch, dp_size * micro_batch)
     if rem or n_micro < 1:
@@ -511,7 +514,9 @@ def batch_indices(
             f"need 0 <= dp_rank < {dp_size}, 0 <= micro < {n_micro}, step >= 0; got dp_rank={dp_rank}, "
             f"micro={micro}, step={step}"
         )
-    first = step * global_batch + (micro * dp_size + dp_rank) * micro_batch
+    first = offset + step * global_batch + (micro * dp_size + dp_rank) * micro_batch
+    if first < 0:
+        raise ValueError(f"step {step} with offset {offset} precedes sample 0")
     return list(range(first, first + micro_batch))
 
 
@@ -525,10 +530,11 @@ def get_batch(
     global_batch: int,
     seq_len: int,
     seed: int,
+    offset: int = 0,
 ) -> tuple[Any, Any]:
     """Inputs and targets, LongTensors [micro_batch, seq_len], of one micro-batch (see `batch_indices`)."""
     import torch
 
-    idx = batch_indices(step, global_batch, dp_rank, dp_size, micro, micro_batch)
+    idx = batch_indices(step, global_batch, dp_rank, dp_size, micro, micro_batch, offset)
     xs, ys = zip(*(dataset.sample(i, seq_len, seed) for i in idx), strict=True)
     return torch.from_numpy(np.stack(xs)), torch.from_numpy(np.stack(ys))  # x, y: [mb, s]

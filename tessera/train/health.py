@@ -29,6 +29,20 @@ class StepHealth:
         self.overflows_in_a_row = 0
         self.skipped = 0
 
+    def state_dict(self) -> dict[str, int]:
+        """The counts a checkpoint keeps: a resumed run goes on counting (the metric ``nonfinite_skipped``, and the
+        consecutive limits), where it restarted from 0 and allowed max_skips more skips in a row."""
+        return {
+            "skipped": self.skipped,
+            "skips_in_a_row": self.skips_in_a_row,
+            "overflows_in_a_row": self.overflows_in_a_row,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skipped = int(state.get("skipped", 0))
+        self.skips_in_a_row = int(state.get("skips_in_a_row", 0))
+        self.overflows_in_a_row = int(state.get("overflows_in_a_row", 0))
+
     def apply_update(
         self, step: int, loss: float, norm: float, fp16_overflow: bool, model: nn.Module
     ) -> bool:

@@ -21,6 +21,7 @@ __all__ = [
     "METRICS_FILE",
     "checkpoint_dir",
     "newest_weights",
+    "previous_checkpoint_dir",
     "read_metrics",
     "read_records",
     "run_config",
@@ -60,6 +61,17 @@ def run_config(run_dir: Path) -> Config:
 def checkpoint_dir(run_dir: Path, cfg: Config) -> Path:
     """Where a run's training checkpoints go: ``checkpoint.dir``, or RUN_DIR/checkpoints."""
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
+def previous_checkpoint_dir(run_dir: Path) -> Path | None:
+    """Where the last run in ``run_dir`` saved its checkpoints (its config.json's checkpoint.dir), or None when
+    there is no readable config.json. Read as plain JSON: the config of an older version need not load."""
+    try:
+        raw = json.loads((Path(run_dir) / "config.json").read_text())
+        folder = raw.get("checkpoint", {}).get("dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(folder) if isinstance(folder, str) and folder else Path(run_dir) / "checkpoints"
 
 
 def source_checkpoint(run_dir: Path, checkpoint: Path | None = None) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
 from tessera import comm
-from tessera.config import Config, TrainConfig
+from tessera.config import Config
 from tessera.errors import CheckpointError, ConfigError
 from tessera.execution import DIRECT, resolve
 from tessera.groups import Groups, build_groups
@@ -37,14 +37,15 @@ from tessera.model.materialize import declare, materialize
 from tessera.parallel.apply import parallelize, shard_specs
 from tessera.train import checkpoint as ckpt
 from tessera.train.async_save import AsyncSaves
-from tessera.train.checkpoint_files import RANK_LOCAL_FORMAT
+from tessera.train.checkpoint_files import RANK_LOCAL_FORMAT, set_aside_later
 from tessera.train.compat import check_compatible, run_settings
 from tessera.train.data import Blend, TokenDataset, ensure_default_corpus, get_batch, open_data
 from tessera.train.health import StepHealth, check_state_finite
 from tessera.train.launch import STORE_FD
 from tessera.train.metrics import MetricsLogger, Progress, memory_bytes, peak_flops_for
-from tessera.train.run_files import checkpoint_dir
+from tessera.train.run_files import checkpoint_dir, previous_checkpoint_dir
 from tessera.train.runlock import run_dir_lock
+from tessera.train.schedule import lr_at
 from tessera.train.steppers import make_optimizer, make_stepper
 from tessera.train.stopping import StopRequests
 from tessera.train.watchdog import Watchdog
@@ -152,14 +153,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", local)
 
 
-def lr_at(step: int, tr: TrainConfig) -> float:
-    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``steps``."""
-    if step < tr.warmup_steps:
-        return tr.lr * (step + 1) / tr.warmup_steps
-    progress = (step - tr.warmup_steps) / max(1, tr.steps - tr.warmup_steps)
-    return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def _open_data(cfg: Config, rank: int) -> tuple[TokenDataset | Blend, TokenDataset | Blend | None]:
     """(training data, validation data or None): the configured files, or the default corpus."""
     d = cfg.data
@@ -231,6 +224,9 @@ class TrainingRun:
         self.peak_flops = peak_flops_for(self.device, cfg.train.dtype)
         self.watchdog = Watchdog(self.run_dir, rank, world, cfg.train.hang_timeout_s)  # started by train()
         self.saves: AsyncSaves | None = None  # checkpoint.async: set by train() for the loop's duration
+        # first global sample of step k is sample_offset + k * global_batch: 0 unless a resume changed the global
+        # batch, then it continues at the sample the checkpoint reached (tessera.train.data.batch_indices)
+        self.sample_offset = 0
 
     def _build_model(self, source: ValueSource) -> nn.Module:
         """This rank's model, allocating only what it holds (docs/sharded-init.md).
@@ -294,9 +290,11 @@ class TrainingRun:
     def batches(self, step: int, data: TokenDataset | Blend | None = None) -> list[Batch]:
         """This data-parallel rank's micro-batches of ``step`` of ``data`` (default: the training data): a pure
         function of (seed, global sample index). With data.document_mask each also carries its tokens'
-        positions within their documents (`tessera.model.documents`)."""
+        positions within their documents (`tessera.model.documents`). The validation data's batch k is always
+        its samples [k·B, (k+1)·B): only training continues at ``sample_offset``."""
         cfg, tr = self.cfg, self.cfg.train
         seed = cfg.data.seed if cfg.data.seed is not None else tr.seed
+        offset = self.sample_offset if data is None else 0
         data = data if data is not None else self.data
         eot = data.eot if cfg.data.document_mask else None
         out: list[Batch] = []
@@ -311,6 +309,7 @@ class TrainingRun:
                 tr.global_batch,
                 cfg.model.seq_len,
                 seed,
+                offset,
             )
             x, y = x.to(self.device), y.to(self.device)
             out.append((x, y) if eot is None else (x, y, document_positions(x, eot)))
@@ -381,7 +380,13 @@ class TrainingRun:
         self._require_loaded()
         state = self.stepper.rank_state(self.model, self.specs)  # first: ZeRO's gathers in flight finish
         check_state_finite(self.stepper.state_module, step)
-        extra = {"step": step, "samples": step * self.cfg.train.global_batch, "settings": self.settings}
+        samples = self.sample_offset + step * self.cfg.train.global_batch  # trained on before this step
+        extra = {
+            "step": step,
+            "samples": samples,
+            "settings": self.settings,
+            "health": self.health.state_dict(),
+        }
         scaler = self.stepper.scaler
         if scaler is not None:
             extra["loss_scale"] = scaler.state_dict()
@@ -404,6 +409,9 @@ class TrainingRun:
         path, verified = self._resume_from  # chosen before the build, which it overwrites
         if path is None:
             return 0
+        # the config's hyper-parameters (weight decay, betas, eps) as the optimizer was built with them: the load
+        # puts the checkpoint's back where the groups match, which silently undid a changed train.weight_decay
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         extra = ckpt.load_checkpoint(
             path,
             self.stepper.state_module,
@@ -414,6 +422,9 @@ class TrainingRun:
             state=self.stepper.rank_state(self.model, self.specs),
         )
         self._unloaded = False
+        # they take effect from the resume step (the lr is set from the step anyway)
+        for group, settings in zip(self.optimizer.param_groups, configured, strict=True):
+            group.update(settings)
         if extra["rng"] is not None:
             ckpt.restore_rng(extra)
         else:  # saved at another layout: its streams are other ranks' (docs/checkpoints.md)
@@ -421,7 +432,37 @@ class TrainingRun:
         scaler = self.stepper.scaler
         if scaler is not None and "loss_scale" in extra:
             scaler.load_state_dict(extra["loss_scale"])
-        return int(extra["step"])
+        self.health.load_state_dict(extra.get("health") or {})
+        step = int(extra["step"])
+        self._continue_samples(step, extra.get("samples"))
+        return step
+
+    def _continue_samples(self, step: int, samples: int | None) -> None:
+        """Continue the data at the sample the checkpoint reached: with the same global batch that is step ·
+        global_batch; a changed one would otherwise draw samples [step · new, ...), training again the ones
+        before the checkpoint's (smaller batch) or leaving some out (larger). As Megatron-LM's consumed_samples."""
+        if samples is None:  # written before checkpoints recorded it: the global batch cannot be compared
+            return
+        self.sample_offset = int(samples) - step * self.cfg.train.global_batch
+        if self.sample_offset and self.rank == 0:
+            sys.stderr.write(
+                f"NOTE: train.global_batch = {self.cfg.train.global_batch} differs from the checkpoint's; the run "
+                f"continues at sample {samples}, where step {step} of the checkpoint's run left off\n"
+            )
+
+    def supersede_later(self, start: int) -> None:
+        """Set aside the checkpoints of steps after ``start``, which this run replaces (`set_aside_later`).
+        Collective: every rank has chosen its checkpoint before rank 0 moves any."""
+        if dist.is_initialized():
+            dist.barrier()
+        if self.rank != 0:
+            return
+        aside = set_aside_later(self.ckpt_dir, start, time.strftime("%Y%m%d-%H%M%S"))
+        if aside is not None:
+            sys.stderr.write(
+                f"NOTE: this run starts at step {start}, so the checkpoints of later steps belong to the run it "
+                f"replaces; moved them to {aside}, where no resume takes them (delete it when not needed)\n"
+            )
 
     def _choose_checkpoint(self) -> tuple[Path | None, bool]:
         """(the checkpoint to resume from, whether its checksums were just verified)."""
@@ -449,27 +490,61 @@ class TrainingRun:
                 f"no checkpoint in {self.ckpt_dir} verifies against its checksums: {'; '.join(skipped)}\n    fix: "
                 "restore one from a copy, or start fresh (checkpoint.resume = false, or a new checkpoint.dir)"
             )
+        self._refuse_moved_checkpoints()
         self._announce(skipped, None)
         return None, False
 
+    def _refuse_moved_checkpoints(self) -> None:
+        """Refuse to start over when the run directory's last run saved its checkpoints in another folder that
+        holds some: a changed checkpoint.dir whose checkpoints were not moved along started the run again at
+        step 0 and replaced its metrics, without a word."""
+        before = previous_checkpoint_dir(self.run_dir)
+        if before is None or before.resolve() == self.ckpt_dir.resolve():
+            return
+        saved = ckpt.list_checkpoints(before)[0]
+        if saved:
+            raise CheckpointError(
+                f"checkpoint.dir {self.ckpt_dir} holds no checkpoint, but the last run in {self.run_dir} saved "
+                f"its checkpoints in {before} (newest {saved[-1].name}): resuming would start over at step 0 and "
+                f"replace its metrics\n    fix: set checkpoint.dir = {str(before)!r} (or move its step folders "
+                "into the new one) to resume, or checkpoint.resume = false to start over"
+            )
+
     def _check_settings(self, path: Path) -> None:
-        saved = ckpt.checkpoint_meta(path).get("extra") or {}
-        check_compatible(path, saved.get("settings"), self.settings)
+        meta = ckpt.checkpoint_meta(path)
+        saved = meta.get("extra") or {}
+        step, new_schedule = int(meta.get("step", 0)), self.cfg.checkpoint.new_schedule
+        check_compatible(path, saved.get("settings"), self.settings, step, new_schedule=new_schedule)
 
     @property
     def settings(self) -> dict[str, Any]:
-        """The model and tokenizer settings a checkpoint of this run records (tessera/train/compat.py)."""
+        """The settings a checkpoint of this run records and a resume may not change (tessera/train/compat.py):
+        the model's, the tokenizer's, the data order's seed, the held-out split's and the lr schedule's."""
         meta = getattr(self.data, "meta", None) or {}  # a blend of token files has no single metadata
         tokens = {k: meta[k] for k in ("tokenizer", "vocab_size") if k in meta}
         if self.data is not None:
             tokens["vocab_size"] = self.data.vocab_size
-        return run_settings(self.cfg, tokens)
+        d = self.cfg.data
+        valid_file = _identity(self.valid) if d.valid_path and isinstance(self.valid, TokenDataset) else None
+        held_out = None
+        if d.valid_fraction > 0 and self.data is not None:
+            files = self.data.sources if isinstance(self.data, Blend) else [self.data]
+            weights = [w for _, w in d.sources()] or [1.0]  # the default corpus: one file
+            held_out = [(_identity(f), w) for f, w in zip(files, weights, strict=True)]
+        return run_settings(self.cfg, tokens, valid_file=valid_file, held_out_files=held_out)
 
     def _announce(self, skipped: list[str], chosen: Path | None) -> None:
         newer = [s for s in skipped if chosen is None or s.split(" ")[0] > chosen.name]
         if newer and self.rank == 0:
             then = f"resuming from {chosen.name}" if chosen else "starting from step 0"
             sys.stderr.write(f"WARNING: skipping checkpoint(s) {', '.join(newer)}; {then}\n")
+
+
+def _identity(data: TokenDataset) -> str | None:
+    """A token file by its tokens (the start of their sha256, as `prepare` recorded it), not by its path: a copy
+    elsewhere is the same data."""
+    sha = data.meta.get("sha256")
+    return sha[:16] if isinstance(sha, str) else None
 
 
 def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
@@ -484,6 +559,7 @@ def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
             run = TrainingRun(cfg, rank, world)
             result = TrainResult(run_dir=run.run_dir, checkpoint_dir=run.ckpt_dir)
             start = result.resumed_from = run.resume()
+            run.supersede_later(start)
             if rank == 0:
                 _record_config(run.run_dir, cfg, start)
             wandb = {"project": cfg.log.wandb_project, "mode": cfg.log.wandb_mode, "config": cfg.to_dict()}

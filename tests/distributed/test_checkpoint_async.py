@@ -72,8 +72,11 @@ def test_an_async_run_resumes_bit_identically_to_a_sync_one(token_file: Path, tm
         assert abs(whole[step] - loss) <= EXACT and whole1[step] == whole[step], step
     for step, loss in resumed.items():
         assert abs(loss - sync[step]) <= EXACT and resumed1[step] == loss, step
-    names = sorted(p.name for p in (tmp_path / "async" / "checkpoints").iterdir())
+    ckpts = tmp_path / "async" / "checkpoints"
+    names = sorted(p.name for p in ckpts.iterdir() if not p.name.startswith("superseded_"))
     assert names == ["latest", "step_00000004", "step_00000006"]  # every save committed, then pruned (keep 2)
+    # the first run's step 6, replaced by the resumed run's, was set aside when that run started at step 4
+    assert [p.name for p in ckpts.glob("superseded_*_from_step_00000004/*")] == ["step_00000006"]
 
 
 def test_each_save_waits_for_the_one_before_and_copies_the_state(tmp_path: Path) -> None:

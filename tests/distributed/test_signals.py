@@ -104,8 +104,9 @@ def test_sigterm_checkpoints_every_rank_at_one_step_and_resume_loses_none(
     stopped = max(r["step"] for r in _records(run_dir)) + 1  # steps 0 .. stopped-1 ran
     assert f"checkpoint of step {stopped} saved" in out
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
-    # resume for two more steps: it starts exactly at the stop step
-    resumed = _start(_argv(token_file, run_dir, steps=stopped + 2))
+    # resume for two more steps: it starts exactly at the stop step (ending there moves the cosine's end from step
+    # 10**6 to stopped + 2, a new schedule from the stop step, asked for)
+    resumed = _start([*_argv(token_file, run_dir, steps=stopped + 2), "--checkpoint.new_schedule=true"])
     out, err = resumed.communicate(timeout=DEADLINE_S)
     assert resumed.returncode == 0, err
     steps = [r["step"] for r in _records(run_dir)]
