@@ -9,6 +9,10 @@ which was most of the distributed suite's start-up cost. Each rank is a fresh fo
 earlier rank, so no test's rank state reaches another; what a spawned rank would have inherited from the test
 at its start (the environment, the working directory, sys.path, stdout and stderr) is handed over explicitly.
 Only this harness forks: the CLI and fault tests start `python -m tessera` as users do.
+
+The rendezvous port is a socket the test already listens on, handed to rank 0 as `tessera train --nproc` hands
+it (`tessera.train.launch.rendezvous_socket`): a port picked free and bound later by rank 0 could be taken in
+between by another test's ranks when tests run in parallel (scripts/test runs two at a time).
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.constants import default_pg_timeout
 
-from tessera.train.launch import free_port
+from tessera.train.launch import STORE_FD, rendezvous_socket
+from tessera.train.trainer import _serve_on_launcher_socket
 
 __all__ = ["PRELOAD", "DistributedTestError", "run_distributed"]
 
@@ -94,6 +100,7 @@ def _worker(
     args: tuple,
     queue: Any,
     inherited: tuple[dict[str, str], int, int],
+    listener: int | None,
 ) -> None:
     _inherit(*inherited)
     os.environ.update(
@@ -103,9 +110,13 @@ def _worker(
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
     )
+    if listener is not None:
+        os.environ[STORE_FD] = str(listener)
     torch.set_num_threads(1)
     try:
+        server = _serve_on_launcher_socket(default_pg_timeout)  # rank 0: the store on the test's socket
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        del server  # the process group's store holds it from here on
         result = fn(rank, world_size, *args)
         # Plain pickle: torch's queue reducers would pass tensors through shared memory, which dies with the rank.
         queue.put((rank, "ok", pickle.dumps(result)))
@@ -124,19 +135,23 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """
     ctx = _context()
     queue = ctx.SimpleQueue()
-    port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(r, world_size, port, fn, args, queue, (dict(os.environ), _Fd(1), _Fd(2))),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    with rendezvous_socket() as listener:
+        port = listener.getsockname()[1]
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(
+                    *(r, world_size, port, fn, args, queue, (dict(os.environ), _Fd(1), _Fd(2))),
+                    _Fd(listener.fileno()) if r == 0 else None,
+                ),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()  # rank 0 has its own copy of the listening socket once started
     results: dict[int, Any] = {}
     try:
         _collect(queue, procs, results, world_size, timeout)

@@ -137,6 +137,5 @@ def _schedule_jump(saved: dict[str, Any], now: dict[str, Any], step: int) -> str
 
 
 def _same(a: float, b: float) -> bool:
-    return math.isclose(
-        a, b, rel_tol=1e-12
-    )  # equal but for rounding: the formula of other, equivalent settings
+    # equal but for rounding: other, equivalent settings give the same rate by another sum
+    return math.isclose(a, b, rel_tol=1e-12)

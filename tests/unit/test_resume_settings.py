@@ -96,9 +96,8 @@ def test_fewer_steps_than_the_checkpoint_is_refused_even_with_new_schedule() -> 
     """train.steps 2 with a step-6 checkpoint trained nothing and exited 0."""
     msg = refusal(settings(), settings({"steps": 2}), step=6, new_schedule=True)
     assert "train.steps: 2 now, fewer than the checkpoint's 6 steps: nothing would be trained" in msg
-    check_compatible(
-        CKPT, settings(), settings(), 6
-    )  # a finished run started again: nothing to do, as before
+    # a finished run started again: nothing to do, as before
+    check_compatible(CKPT, settings(), settings(), 6)
 
 
 def test_a_checkpoint_that_records_fewer_settings_is_compared_on_those_it_records() -> None:
