@@ -11,7 +11,8 @@ resume does with it is docs/checkpoints.md ("What a resume may change").
   change.
 - The data order's seed (``data.seed``, or ``train.seed`` when it is unset): the samples of the remaining steps
   and the validation windows would be those of another run, so the validation loss before and after the resume
-  would measure different data.
+  would measure different data, unless ``checkpoint.new_data_order`` says so (e.g. to step past the data around
+  a loss spike).
 - The held-out split (``data.valid_fraction``, the token file ``data.valid_path`` names, and with a fraction the
   files it holds the tails of): a larger fraction, other files or another validation file would hold out
   documents the run has trained on, or measure ``val_loss`` on other data than before the resume.
@@ -74,6 +75,12 @@ def run_settings(
     return json.loads(json.dumps(settings))  # as they come back from meta.json (tuples become lists)
 
 
+_OPT_IN = {  # what a user who means the change sets
+    "data.seed": " (to draw the remaining steps' samples and the validation windows with the new seed on purpose: "
+    "checkpoint.new_data_order = true)",
+}
+
+
 def check_compatible(
     path: Path,
     saved: dict[str, Any] | None,
@@ -81,16 +88,19 @@ def check_compatible(
     step: int = 0,
     *,
     new_schedule: bool = False,
+    new_data_order: bool = False,
 ) -> None:
     """Refuse to resume ``path`` at ``step`` when a recorded setting changed (the schedule's only where it changes
-    a remaining step's learning rate, and not with ``new_schedule``); checkpoints without settings pass, and a
-    setting an older checkpoint does not record is not compared."""
+    a remaining step's learning rate, and not with ``new_schedule``; the data order's seed not with
+    ``new_data_order``); checkpoints without settings pass, and a setting an older checkpoint does not record is
+    not compared."""
     if not isinstance(saved, dict):
         return
+    may_change = _MAY_CHANGE | ({"data.seed"} if new_data_order else set())
     changed = [
         _changed(k, saved[k], now[k])
         for k in sorted(now)
-        if k in saved and saved[k] != now[k] and k not in _MAY_CHANGE and k not in _SCHEDULE
+        if k in saved and saved[k] != now[k] and k not in may_change and k not in _SCHEDULE
     ]
     jump = None if new_schedule else _schedule_jump(saved, now, step)
     if jump:
@@ -109,7 +119,8 @@ def check_compatible(
 
 def _changed(key: str, saved: Any, now: Any) -> str:
     what = f" ({_WHAT[key]})" if key in _WHAT else ""
-    return f"{key}{what}: {saved!r} in the checkpoint, {now!r} now"
+    opt_in = _OPT_IN.get(key, "")
+    return f"{key}{what}: {saved!r} in the checkpoint, {now!r} now{opt_in}"
 
 
 def _schedule_jump(saved: dict[str, Any], now: dict[str, Any], step: int) -> str | None:

@@ -513,8 +513,15 @@ class TrainingRun:
     def _check_settings(self, path: Path) -> None:
         meta = ckpt.checkpoint_meta(path)
         saved = meta.get("extra") or {}
-        step, new_schedule = int(meta.get("step", 0)), self.cfg.checkpoint.new_schedule
-        check_compatible(path, saved.get("settings"), self.settings, step, new_schedule=new_schedule)
+        opt_in = self.cfg.checkpoint
+        check_compatible(
+            path,
+            saved.get("settings"),
+            self.settings,
+            int(meta.get("step", 0)),
+            new_schedule=opt_in.new_schedule,
+            new_data_order=opt_in.new_data_order,
+        )
 
     @property
     def settings(self) -> dict[str, Any]:

@@ -109,3 +109,19 @@ def test_the_skipped_step_counts_survive_a_resume(token_file: Path, tmp_path: Pa
     again = TrainingRun(from_dict(raw), 0, 1)
     assert again.resume() == 2
     assert (again.health.skipped, again.health.skips_in_a_row) == (5, 2)
+
+
+def test_a_changed_data_order_resumes_only_when_asked_for(token_file: Path, tmp_path: Path) -> None:
+    """train.seed changed on resume is refused naming the opt-in; with checkpoint.new_data_order the run goes on
+    from the checkpoint with the new seed's samples (e.g. past the data around a loss spike)."""
+    _until(_raw(token_file, tmp_path), 2)
+    reseeded = _raw(token_file, tmp_path, seed=7)
+    with pytest.raises(CheckpointError, match=r"checkpoint\.new_data_order = true"):
+        train(from_dict(reseeded))
+    reseeded["checkpoint"]["new_data_order"] = True
+    run = TrainingRun(from_dict(reseeded), 0, 1)
+    assert run.resume() == 2
+    kept = TrainingRun(from_dict(_raw(token_file, tmp_path)), 0, 1)
+    assert not torch.equal(run.batches(2)[0][0], kept.batches(2)[0][0])  # the new seed's samples
+    result = train(from_dict(reseeded))
+    assert result.resumed_from == 2 and sorted(result.losses) == [2, 3]

@@ -42,8 +42,13 @@ def test_the_data_orders_seed_is_refused_with_both_values_and_the_fix() -> None:
         "checkpoint, 7 now" in msg
     )
     assert "fix: resume with the saved values" in msg
+    assert "checkpoint.new_data_order = true" in msg
     # the order depends on the effective seed only: data.seed kept at the saved one, train.seed may change
     check_compatible(CKPT, settings(), settings({"seed": 7}, {"seed": 1234}), 3)
+    # a new order asked for (e.g. past a loss spike) resumes; the opt-in covers the seed only
+    check_compatible(CKPT, settings(), settings({"seed": 7}), 3, new_data_order=True)
+    msg = refusal(settings(), settings({"seed": 7, "lr": 5e-3}), new_data_order=True)
+    assert "train.lr" in msg and "data.seed" not in msg
 
 
 def test_a_changed_held_out_split_is_refused() -> None:
