@@ -137,6 +137,7 @@ def _launch_once(
     nproc: int, argv: list[str], stop_signals: tuple[int, ...], grace_s: float, heartbeat_dir: Path | None
 ) -> tuple[int, bool]:
     """One attempt: (exit status, whether the launcher was signalled meanwhile)."""
+    started = time.time()  # heartbeats from before it are an earlier run's (the run directory is reused)
     # Kept open until every worker is gone: if rank 0 dies before serving on it, the ranks waiting on it are
     # not reset but stopped by this launcher, which names rank 0, as when they used to retry a refused port.
     with rendezvous_socket() as listener:
@@ -163,12 +164,15 @@ def _launch_once(
                     )
                 )
             try:
-                return _supervise(procs, state, grace_s, heartbeat_dir), state["signal"] is not None
+                code = _supervise(procs, state, grace_s, heartbeat_dir, started)
+                return code, state["signal"] is not None
             finally:
                 _kill_all(procs)  # whatever happened above, no worker outlives this function
 
 
-def _supervise(procs: list[subprocess.Popen], state: dict, grace_s: float, heartbeat_dir: Path | None) -> int:
+def _supervise(
+    procs: list[subprocess.Popen], state: dict, grace_s: float, heartbeat_dir: Path | None, started: float
+) -> int:
     while True:
         codes = [p.poll() for p in procs]
         # a rank that only lost contact with a failed one is not the news: name the one that failed first
@@ -179,7 +183,7 @@ def _supervise(procs: list[subprocess.Popen], state: dict, grace_s: float, heart
         if failed and not state["signal"]:
             rank, code = failed[0]
             print(
-                f"error: {_describe_exit(rank, code, heartbeat_dir)}; the other ranks were stopped",
+                f"error: {_describe_exit(rank, code, heartbeat_dir, started)}; the other ranks were stopped",
                 file=sys.stderr,
             )
             return _status(code)
@@ -200,18 +204,21 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _describe_exit(rank: int, code: int, heartbeat_dir: Path | None) -> str:
+def _describe_exit(rank: int, code: int, heartbeat_dir: Path | None, started: float) -> str:
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-    step = read_heartbeat(heartbeat_dir, rank) if heartbeat_dir is not None else None
+    step = read_heartbeat(heartbeat_dir, rank, since=started) if heartbeat_dir is not None else None
     at = f" after step {step}" if step is not None and step >= 0 else ""
     return f"rank {rank} {how}{at}"
 
 
-def read_heartbeat(heartbeat_dir: Path, rank: int) -> int | None:
-    """The step a rank last reported in ``heartbeat_dir/rank{r}`` (the trainer's watchdog), or None."""
+def read_heartbeat(heartbeat_dir: Path, rank: int, since: float = 0.0) -> int | None:
+    """The step a rank last reported in ``heartbeat_dir/rank{r}`` (the trainer's watchdog) at or after ``since``
+    (wall-clock seconds), or None: a rank that failed before its first step of this attempt was named with the
+    step an earlier run in the same run directory had reached."""
     try:
-        return int((Path(heartbeat_dir) / f"rank{rank}").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+        step, when = (Path(heartbeat_dir) / f"rank{rank}").read_text().split()
+        return int(step) if float(when) >= since else None
+    except (OSError, ValueError):
         return None
 
 

@@ -1,5 +1,6 @@
-"""The local launcher's rendezvous socket (tessera/train/launch.py), without torch: the port listens before any
-rank exists, only rank 0 inherits it, and each attempt has its own."""
+"""The local launcher (tessera/train/launch.py), without torch: its rendezvous socket listens before any rank
+exists, only rank 0 inherits it, and each attempt has its own; a failed rank is named with the step it reached
+in this attempt."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ class _Spawns:
     """Stands in for subprocess.Popen in the launcher: at the moment each rank would start, note whether its
     MASTER_PORT accepts a connection, then start `python -c pass` (exit 0) or `exit(1)` in its place."""
 
-    def __init__(self, exit_code: int = 0) -> None:
+    def __init__(self, exit_code: int = 0, beats: Path | None = None) -> None:
         self.exit_code = exit_code
+        self.beats = beats  # where each rank reports step 7 before it exits, as the trainer's watchdog would
         self.ranks: list[dict] = []
 
     def __call__(self, args: list[str], *, env: dict[str, str], pass_fds: tuple[int, ...], **kw: object):
@@ -43,6 +45,11 @@ class _Spawns:
             }
         )
         code = f"raise SystemExit({self.exit_code})"
+        if self.beats is not None:
+            beat = self.beats / f"rank{env['RANK']}"
+            code = (
+                f"import pathlib, time; pathlib.Path({str(beat)!r}).write_text(f'7 {{time.time()}}'); {code}"
+            )
         return _POPEN([sys.executable, "-c", code], env=env, pass_fds=pass_fds, **kw)
 
 
@@ -82,3 +89,20 @@ def test_each_attempt_listens_on_a_fresh_port(monkeypatch: pytest.MonkeyPatch, t
     ports = [r["port"] for r in spawns.ranks if r["rank"] == 0]
     assert len(ports) == 3 and len(set(ports)) == 3, ports
     assert all(r["listening"] for r in spawns.ranks)
+
+
+def test_a_failed_rank_is_named_with_the_step_of_this_attempt_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A rank that failed before its first step (e.g. a refused resume) was named "after step 41", the step an
+    earlier run in the same run directory had reported in its heartbeat file."""
+    for r in range(2):
+        (tmp_path / f"rank{r}").write_text("41 1000.000\n")  # an earlier run's, in 1970
+    monkeypatch.setattr(launch.subprocess, "Popen", _Spawns(exit_code=1))
+    assert launch.launch_local(2, ["train"], heartbeat_dir=tmp_path) == 1
+    err = capsys.readouterr().err
+    assert "exited with status 1; the other ranks were stopped" in err and "after step" not in err, err
+    # a step reported in this attempt is named, as before
+    monkeypatch.setattr(launch.subprocess, "Popen", _Spawns(exit_code=1, beats=tmp_path))
+    assert launch.launch_local(2, ["train"], heartbeat_dir=tmp_path) == 1
+    assert "exited with status 1 after step 7; the other ranks were stopped" in capsys.readouterr().err
