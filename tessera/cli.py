@@ -180,18 +180,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Name a wrong run folder (no config.json, no checkpoint, only split weights) before torch's import (seconds);
     # generate_text looks the weights up again with the same function.
     newest_weights(Path(args.run))
-    from tessera.train.generate import generate_text
+    from tessera.train.generate import TokenProgress, generate_text
 
-    text = generate_text(
-        Path(args.run),
-        args.prompt,
-        args.tokens,
-        args.temperature,
-        args.top_k,
-        args.seed,
-        args.top_p,
-        not args.no_kv_cache,
-    )
+    # a line that redraws itself is for a person watching; a log or a pipe gets nothing new
+    progress = TokenProgress(args.tokens, sys.stderr) if sys.stderr.isatty() else None
+    try:
+        text = generate_text(
+            Path(args.run),
+            args.prompt,
+            args.tokens,
+            args.temperature,
+            args.top_k,
+            args.seed,
+            args.top_p,
+            not args.no_kv_cache,
+            on_token=progress,
+        )
+    finally:
+        if progress is not None:
+            progress.close()
     print(text)
     return 0
 
@@ -260,9 +267,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from tessera.sim.render import show_schedule
+    from tessera.sim.render import TEXT_LIMIT, show_schedule
 
-    text = show_schedule(args.name, args.pp, args.microbatches, v=args.stages_per_rank, out=args.out)
+    limit = None if args.full_text else TEXT_LIMIT
+    text = show_schedule(
+        args.name, args.pp, args.microbatches, v=args.stages_per_rank, out=args.out, max_text=limit
+    )
     print(text)
     if args.out:
         print(f"wrote {args.out}")
@@ -437,6 +447,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--microbatches", type=int, required=True)
     s.add_argument("--stages-per-rank", type=int, default=1)
     s.add_argument("--out", default=None, help="PNG or SVG file to write")
+    s.add_argument(
+        "--full-text",
+        action="store_true",
+        help="print the text timeline however long (by default one over 1,000,000 characters is not printed)",
+    )
     s.set_defaults(fn=_no_extra(cmd_schedule))
 
     from tessera.planner.cli import add_plan_parsers

@@ -15,6 +15,8 @@ from tessera.model.materialize import declare, materialize, replicated_specs
 from tessera.model.qwen2 import Qwen2
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tessera.config import ModelConfig
 
 __all__ = ["build_model", "generate", "meta_model"]
@@ -60,6 +62,7 @@ def generate(
     generator: torch.Generator | None = None,
     top_p: float | None = None,
     kv_cache: bool = True,
+    on_token: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Sample max_new_tokens continuations of tokens [b, t]; returns [b, t + max_new_tokens].
 
@@ -67,7 +70,8 @@ def generate(
     of the earlier ones; once the text outgrows model.cfg.seq_len (no positions left) and without the cache,
     each step re-runs the model on the last seq_len tokens. temperature <= 0 means greedy (argmax); top_k keeps
     the k most likely tokens, top_p the smallest set of most likely tokens whose probability reaches p (nucleus
-    sampling, Holtzman et al. 2020), before sampling. The model's train/eval mode is restored.
+    sampling, Holtzman et al. 2020), before sampling. ``on_token(n)`` is called after the n-th new token (a
+    progress display). The model's train/eval mode is restored.
     """
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p = {top_p} must be in (0, 1]")
@@ -75,7 +79,7 @@ def generate(
     model.eval()
     cache = KVCache(model.cfg.n_layers) if kv_cache else None
     try:
-        for _ in range(max_new_tokens):
+        for n in range(1, max_new_tokens + 1):
             if cache is not None and tokens.shape[1] <= model.cfg.seq_len:
                 logits = model(tokens[:, cache.length :], cache=cache)[:, -1, :].float()  # logits: [b, V]
             else:
@@ -83,6 +87,8 @@ def generate(
                 logits = model(context)[:, -1, :].float()  # logits: [b, V]
             next_token = _pick(logits, temperature, top_k, top_p, generator)  # [b, 1]
             tokens = torch.cat((tokens, next_token), dim=1)  # [b, t+1]
+            if on_token is not None:
+                on_token(n)
     finally:
         model.train(was_training)
     return tokens

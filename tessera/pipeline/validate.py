@@ -5,9 +5,15 @@ not blocked runs its next action. SENDs are buffered (never block); a RECV block
 in an earlier step. Every action's data dependencies are checked when it runs (F(s, j) needs F(s-1, j) on the
 same rank or a received activation, B(s, j) needs its own F and the gradient of stage s+1, ...). An EXCHANGE
 is a rendezvous: it completes once the peer rank has reached its matching EXCHANGE (the n-th EXCHANGE of rank
-a with rank b matches the n-th of b with a) in an earlier step. A step in which no rank can move is a
-deadlock. Failures raise ``ScheduleError`` whose message shows the rank × step grid with the failing action
-marked ``>2B0<`` and a ``^`` line under its step, plus a one-line explanation.
+a with rank b matches the n-th of b with a) in an earlier step. A step in which no rank moves and after which
+none can is a deadlock (two ranks that reach matching EXCHANGEs in one step both move in the next). Failures
+raise ``ScheduleError`` whose message shows the rank × step grid with the failing action marked ``>2B0<`` and a
+``^`` line under its step, plus a one-line explanation.
+
+The work is linear in the number of actions: a step tries only the ranks that can move (a rank waiting at a
+RECV or EXCHANGE is tried again only in the step after the SEND or the peer's EXCHANGE it waits for), and the
+grid keeps only the actions that ran, filled in with idle steps only for a failure's message. Trying every
+rank in every step made ``tessera schedule show --pp 2000`` (p × steps tries) take minutes.
 """
 
 from __future__ import annotations
@@ -52,56 +58,99 @@ class _Run:
     stages: int
     microbatches: int
     pc: list[int]
-    grid: list[list[Action | str]]
-    """Each rank's action per step ("" while blocked); kept as Actions and turned into text only by `text_grid`
-    for a failure's message, since a valid schedule (up to hundreds of thousands of actions) never shows it."""
+    moved_at: list[list[int]]
+    """The step in which each rank ran each action of its list so far (the first ``len(moved_at[r])`` of rank
+    r's); `text_grid` spreads the actions over the steps (idle "") only for a failure's message, since a valid
+    schedule (up to hundreds of thousands of actions) never shows it and a dense grid is ranks × steps."""
     step: int = 0
+    tries: int = 0  # actions tried (run or found waiting): at most two per action
     done: set[tuple[ActionKind, int, int]] = field(default_factory=set)
     sent: dict[tuple, tuple[int, int, Action]] = field(default_factory=dict)  # message -> (rank, step, send)
     received: set[tuple] = field(default_factory=set)
     gathered: set[int] = field(default_factory=set)
     reduced: set[int] = field(default_factory=set)
     reduced_microbatches: dict[int, set[int]] = field(default_factory=dict)  # stage -> its REDUCE j so far
+    # stage -> the micro-batches whose last backward (B, or W) ran and that no REDUCE_MB has reduced yet
+    unreduced: dict[int, set[int]] = field(default_factory=dict)
     zero3: set[int] = field(default_factory=set)
     exchanging: set[int] = field(default_factory=set)  # stages with an EXCHANGE in their rank's list
     exchanged: set[int] = field(default_factory=set)
+    exchanges: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, peer) -> EXCHANGEs completed
     posted: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (rank, peer, n) -> step reached
+    waiting: dict[tuple, int] = field(default_factory=dict)  # a message or `posted` key -> the rank waiting
+    woken: list[int] = field(default_factory=list)  # ranks to try again next step
 
     def fail(self, rank: int, action: Action, why: str) -> ScheduleError:
-        row = self.grid[rank]
-        row += [""] * (self.step + 1 - len(row))
-        row[self.step] = action
         return ScheduleError(
-            f"step {self.step}, rank {rank}, {action}: {why}\n{render_grid(self.text_grid(), {(rank, self.step)})}"
+            f"step {self.step}, rank {rank}, {action}: {why}\n"
+            f"{render_grid(self.text_grid(self.step + 1, {rank: action}), {(rank, self.step)})}"
         )
 
-    def text_grid(self) -> list[list[str]]:
-        """`grid` as `render_grid` draws it."""
-        return [[str(cell) for cell in row] for row in self.grid]
+    def text_grid(self, steps: int, stuck: dict[int, Action] | None = None) -> list[list[str]]:
+        """The actions run as `render_grid` draws them: ``steps`` columns, "" where a rank did not move, and
+        ``stuck[rank]`` (the action a failure names) in the current step."""
+        rows = []
+        for rank, (actions, moved_at) in enumerate(zip(self.lowered, self.moved_at, strict=True)):
+            row = [""] * steps
+            for step, action in zip(moved_at, actions, strict=False):  # the actions run so far
+                row[step] = str(action)
+            if stuck and rank in stuck:
+                row[self.step] = str(stuck[rank])
+            rows.append(row)
+        return rows
+
+    def wait(self, rank: int, key: tuple) -> None:
+        """``rank`` cannot move until ``key`` (a message, or a peer's `posted` key) happens: try it again in
+        the step after that one; if it happened in this step already, in the next step."""
+        if key in self.sent or key in self.posted:
+            self.woken.append(rank)
+        else:
+            self.waiting[key] = rank
+
+    def happened(self, key: tuple) -> None:
+        """``key`` happened in this step: the rank waiting for it (if any) can move in the next step."""
+        rank = self.waiting.pop(key, None)
+        if rank is not None:
+            self.woken.append(rank)
 
 
 def validate(lowered: Schedule, p: int, *, microbatches: int | None = None) -> None:
     """Raise ``ScheduleError`` unless ``lowered`` (one list per rank) runs to completion without deadlock,
     with exactly one F and one B (or one I and one W) per stage and micro-batch, every SEND received once,
     and REDUCE/GATHER/FREE consistent. ``microbatches`` defaults to the largest index seen plus one."""
-    run = _prepare(lowered, p, microbatches)
+    _run(_prepare(lowered, p, microbatches))
+
+
+def _run(run: _Run) -> _Run:
+    """Execute ``run`` in lock-step steps to its end (see the module docstring); return it for its counts."""
+    lowered, pc, moved_at = run.lowered, run.pc, run.moved_at
     lengths = [len(actions) for actions in lowered]
-    pc = run.pc
-    while any(pc[r] < lengths[r] for r in range(p)):
-        progressed = False
-        for rank in range(p):
-            row = run.grid[rank]
-            row.append("")
-            if pc[rank] < lengths[rank]:
-                action = lowered[rank][pc[rank]]
-                if _try_step(run, rank, action):
-                    row[run.step] = action
-                    pc[rank] += 1
-                    progressed = True
-        if not progressed:
+    ready = [rank for rank, length in enumerate(lengths) if length]  # ranks to try in this step, ascending
+    unfinished, tries = len(ready), 0
+    while unfinished:
+        step, movers, before = run.step, [], unfinished
+        for rank in ready:
+            tries += 1
+            if _try_step(run, rank, lowered[rank][pc[rank]]):
+                moved_at[rank].append(step)
+                pc[rank] += 1
+                if pc[rank] < lengths[rank]:
+                    movers.append(rank)
+                else:
+                    unfinished -= 1
+        # nobody moved and nobody can move next step: a deadlock. Two ranks that reach matching EXCHANGEs in
+        # the same step move in the next (both are woken), though nobody moved in this one
+        if not movers and unfinished == before and not run.woken:
             raise _deadlock(run)
+        # a rank that did not move is woken by what it waits for; the order within a step only decides which
+        # of two failing ranks is named, so keep it ascending as when every rank was tried
+        ready = movers
+        if run.woken:
+            ready, run.woken = sorted(movers + run.woken), []
         run.step += 1
+    run.tries = tries
     _check_complete(run)
+    return run
 
 
 def _prepare(lowered: Schedule, p: int, microbatches: int | None) -> _Run:
@@ -185,6 +234,8 @@ def _backward(run: _Run, rank: int, a: Action) -> str:
     if s in run.reduced:
         return f"backward after stage {s}'s gradients were already reduced ({s}REDUCE)"
     run.done.add((a.kind, s, j))
+    if a.kind is _K.BACKWARD:
+        run.unreduced.setdefault(s, set()).add(j)
     why = "" if s == run.stages - 1 else _input_ready(run, rank, s + 1, _BACKWARD, ("grad", s + 1, j))
     return why or _params_ready(run, a)
 
@@ -196,6 +247,7 @@ def _weight(run: _Run, rank: int, a: Action) -> str:
     if (_K.BACKWARD_INPUT, s, j) not in run.done:
         return f"weight-gradient before its input-gradient {s}I{j}"
     run.done.add((_K.BACKWARD_WEIGHT, s, j))
+    run.unreduced.setdefault(s, set()).add(j)
     return _params_ready(run, a)
 
 
@@ -210,9 +262,11 @@ def _send(run: _Run, rank: int, a: Action) -> str:
     produced = (_K.FORWARD,) if forward else _BACKWARD
     if not any((kind, s, j) in run.done for kind in produced):
         return f"sends before computing it ({s}{produced[0].value}{j} has not run on this rank yet)"
-    if a.message in run.sent:
+    message = a.message  # a property that builds a tuple: once per check
+    if message in run.sent:
         return "duplicate send of the same message"
-    run.sent[a.message] = (rank, run.step, a)
+    run.sent[message] = (rank, run.step, a)
+    run.happened(message)
     return ""
 
 
@@ -223,12 +277,14 @@ def _recv(run: _Run, rank: int, a: Action) -> bool:
         raise run.fail(rank, a, f"stage {s} has no stage {source} to receive from")
     if run.owner[source] == rank or a.peer != run.owner[source]:
         raise run.fail(rank, a, f"peer r{a.peer} is wrong: stage {source} lives on rank {run.owner[source]}")
-    if a.message in run.received:
+    message = a.message
+    if message in run.received:
         raise run.fail(rank, a, "duplicate receive of the same message")
-    sent = run.sent.get(a.message)
+    sent = run.sent.get(message)
     if sent is None or sent[1] >= run.step:
+        run.wait(rank, message)
         return False
-    run.received.add(a.message)
+    run.received.add(message)
     return True
 
 
@@ -245,11 +301,15 @@ def _exchange(run: _Run, rank: int, a: Action) -> bool:
     pending = [j for j in range(run.microbatches) if not _weight_grad_done(run, s, j)]
     if pending:
         raise run.fail(rank, a, f"exchanges before the last backward: micro-batches {pending} of stage {s}")
-    n = sum(1 for x in run.lowered[rank][: run.pc[rank]] if x.kind.is_exchange and x.peer == a.peer)
-    run.posted.setdefault((rank, a.peer, n), run.step)
+    n = run.exchanges.get((rank, a.peer), 0)  # this is the n-th EXCHANGE of rank with a.peer
+    if (rank, a.peer, n) not in run.posted:
+        run.posted[rank, a.peer, n] = run.step
+        run.happened((rank, a.peer, n))
     theirs = run.posted.get((a.peer, rank, n))
     if theirs is None or theirs >= run.step:
+        run.wait(rank, (a.peer, rank, n))
         return False
+    run.exchanges[rank, a.peer] = n + 1
     run.exchanged.add(s)
     return True
 
@@ -277,12 +337,15 @@ def _reduce_microbatch(run: _Run, s: int, j: int) -> str:
     done = run.reduced_microbatches.setdefault(s, set())
     if j in done:
         return f"stage {s} micro-batch {j} gradients reduced twice"
-    unreduced = {i for i in range(run.microbatches) if _weight_grad_done(run, s, i)} - done
+    # kept as backwards run (set by `_backward` and `_weight`, emptied here): recounting them over all
+    # micro-batches at every REDUCE_MB made depth-first validation quadratic in m
+    unreduced = run.unreduced.get(s, set())
     if unreduced != {j}:
         return (
             f"{s}REDUCE_MB{j} must follow micro-batch {j}'s backward and nothing else unreduced; "
             f"unreduced backwards of stage {s}: {sorted(unreduced)}"
         )
+    unreduced.clear()
     done.add(j)
     if len(done) == run.microbatches:
         run.reduced.add(s)
@@ -329,7 +392,7 @@ def _expected_send(run: _Run, rank: int, recv: Action) -> Action:
 
 
 def _deadlock(run: _Run) -> ScheduleError:
-    reasons, marks = [], set()
+    reasons, marks, stuck = [], set(), {}
     for rank, actions in enumerate(run.lowered):
         if run.pc[rank] >= len(actions):
             continue
@@ -339,7 +402,7 @@ def _deadlock(run: _Run) -> ScheduleError:
             at = run.lowered[peer][run.pc[peer]] if run.pc[peer] < len(run.lowered[peer]) else None
             where = f"blocked at {at}" if at is not None else "done, and never exchanges with it"
             reasons.append(f"rank {rank} waits at {recv} for rank {peer}'s EXCHANGE; rank {peer} is {where}")
-            run.grid[rank][run.step] = recv
+            stuck[rank] = recv
             marks.add((rank, run.step))
             continue
         send, sender = _expected_send(run, rank, recv), recv.peer or 0  # a RECV always has a peer
@@ -350,12 +413,12 @@ def _deadlock(run: _Run) -> ScheduleError:
         else:
             where = f"which rank {sender} never sends"
         reasons.append(f"rank {rank} waits at {recv} for {send}, {where}")
-        run.grid[rank][run.step] = recv
+        stuck[rank] = recv
         marks.add((rank, run.step))
     reasons.sort(key=lambda reason: "never sends" not in reason)  # the root cause first
     detail = "\n".join(f"  {reason}" for reason in reasons[1:])
     headline = f"deadlock at step {run.step}: {reasons[0]}" + (f"\n{detail}" if detail else "")
-    return ScheduleError(f"{headline}\n{render_grid(run.text_grid(), marks)}")
+    return ScheduleError(f"{headline}\n{render_grid(run.text_grid(run.step + 1, stuck), marks)}")
 
 
 def _check_complete(run: _Run) -> None:
@@ -379,5 +442,5 @@ def _check_complete(run: _Run) -> None:
     if problems:
         more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
         raise ScheduleError(
-            f"incomplete schedule: {'; '.join(problems[:5])}{more}\n{render_grid(run.text_grid())}"
+            f"incomplete schedule: {'; '.join(problems[:5])}{more}\n{render_grid(run.text_grid(run.step))}"
         )

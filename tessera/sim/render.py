@@ -15,7 +15,7 @@ from tessera.pipeline.passes import lower
 from tessera.pipeline.schedules import build_schedule
 from tessera.sim.simulator import CostTable, TimelineEntry, simulate
 
-__all__ = ["KIND_COLORS", "render_image", "render_text", "show_schedule"]
+__all__ = ["KIND_COLORS", "TEXT_LIMIT", "render_image", "render_text", "show_schedule", "text_size"]
 
 KIND_COLORS = {
     ActionKind.FORWARD: "#4c72b0",
@@ -35,10 +35,34 @@ KIND_COLORS = {
 
 _EPS = 1e-9
 
+TEXT_LIMIT = 1_000_000
+"""Characters of text timeline `tessera schedule show` prints unless given --full-text: a pipeline of p ranks
+draws p rows of about 3 (m + p) columns, 1.2 MB at p = 256, m = 8 and 84 MB at p = 2000, which no one reads on
+a terminal and which took minutes to print; below it (p = 128 and m = 128 is 0.8 MB) the output is unchanged."""
+
 
 def _drawn(timeline: list[TimelineEntry]) -> list[TimelineEntry]:
     """Entries that take time (zero-cost communication and bookkeeping actions are not drawn)."""
     return [entry for entry in timeline if entry.end - entry.start > _EPS]
+
+
+def _layout(drawn: list[TimelineEntry]) -> tuple[float, int, int]:
+    """(time per column, columns, cell width) of the text timeline of ``drawn`` (not empty)."""
+    unit = min(entry.end - entry.start for entry in drawn)
+    columns = math.ceil(max(entry.end for entry in drawn) / unit - _EPS)
+    width = max(len(entry.action.short()) for entry in drawn)
+    return unit, columns, width
+
+
+def text_size(timeline: list[TimelineEntry], p: int) -> tuple[int, int]:
+    """(time columns, characters) of ``render_text(timeline, p)``, without drawing it: p rows of columns cells
+    grow as p × (m + p) for a pipeline of p stages, so a caller can decline to print a huge one."""
+    drawn = _drawn(timeline)
+    if not drawn:
+        return 0, sum(len(f"r{r:<3}") for r in range(p)) + p - 1
+    _, columns, width = _layout(drawn)
+    row = columns * (width + 1) - 1  # cells and the spaces between them
+    return columns, sum(len(f"r{r:<3} ") + row for r in range(p)) + p - 1
 
 
 def render_text(timeline: list[TimelineEntry], p: int) -> str:
@@ -47,17 +71,18 @@ def render_text(timeline: list[TimelineEntry], p: int) -> str:
     drawn = _drawn(timeline)
     if not drawn:
         return "\n".join(f"r{r:<3}" for r in range(p))
-    unit = min(entry.end - entry.start for entry in drawn)
-    columns = math.ceil(max(entry.end for entry in drawn) / unit - _EPS)
-    width = max(len(entry.action.short()) for entry in drawn)
-    rows = [["." * 1] * columns for _ in range(p)]
+    unit, columns, width = _layout(drawn)
+    # cells are padded once per action, not once per cell: the text has p × columns cells (84 MB at p = 2000)
+    idle, continued = f"{'.':<{width}}", "-" * width
+    rows = [[idle] * columns for _ in range(p)]
     for entry in drawn:
         first = round(entry.start / unit)
         last = max(first + 1, round(entry.end / unit))
-        rows[entry.rank][first] = entry.action.short()
-        for column in range(first + 1, min(last, columns)):
-            rows[entry.rank][column] = "-" * width
-    return "\n".join(f"r{r:<3} " + " ".join(f"{cell:<{width}}" for cell in row) for r, row in enumerate(rows))
+        row = rows[entry.rank]
+        row[first] = f"{entry.action.short():<{width}}"
+        end = min(last, columns)
+        row[first + 1 : end] = [continued] * (end - first - 1)
+    return "\n".join(f"r{r:<3} " + " ".join(row) for r, row in enumerate(rows))
 
 
 def render_image(timeline: list[TimelineEntry], p: int, path: str | Path, title: str = "") -> Path:
@@ -124,10 +149,12 @@ def show_schedule(
     out: str | Path | None = None,
     *,
     zero3: bool = False,
+    max_text: int | None = None,
     **opts: object,
 ) -> str:
     """Build, lower, validate and simulate schedule ``name`` with unit costs; return a header line plus the
-    text timeline, and write a PNG/SVG picture to ``out`` if given."""
+    text timeline, and write a PNG/SVG picture to ``out`` if given. A timeline longer than ``max_text``
+    characters (None: no limit) is replaced by a line saying its size."""
     schedule = build_schedule(name, p, m, v, **opts)
     placement = str(opts.get("placement", "loop"))
     lowered = lower(schedule, p, placement, zero3=zero3)
@@ -142,5 +169,11 @@ def show_schedule(
     if out is not None:
         render_image(
             result.timeline, p, out, title=f"{header.split(':')[0]} — bubble {result.bubble_fraction:.1%}"
+        )
+    columns, size = text_size(result.timeline, p)
+    if max_text is not None and size > max_text:
+        return (
+            f"{header}\n(the text timeline is not shown: {p} rank rows × {columns} time columns, "
+            f"{size:,} characters, over {max_text:,}; `tessera schedule show --full-text` prints it)"
         )
     return header + "\n" + render_text(result.timeline, p)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from heapq import heapify, heappop, heappush
 from typing import NamedTuple
 
 from tessera.pipeline.ir import Action, ActionKind, Schedule, ScheduleError
@@ -187,45 +188,73 @@ def _run(
 ) -> float:
     """Each rank runs its list in order until a RECV whose message has not arrived (or an EXCHANGE its peer has
     not reached); repeat until all are done. Appends each action as it ran to ``timeline`` (unless None), rank
-    by rank; returns the step time."""
+    by rank; returns the step time.
+
+    The ranks are visited in rounds, ascending. A rank that stops is visited again only once what it waits for
+    happened: later in the same round if the rank comes after the one that sent (or reached its EXCHANGE),
+    else in the next round, exactly when visiting every rank in every round would find it able to move.
+    Visiting every rank every round cost p per round over about p rounds (`schedule show --pp 2000`, m = 8:
+    2,074,968 message look-ups for 97,968 actions, now 77,967)."""
     clock, pc = [0.0] * p, [0] * p
     arrivals: dict[tuple, float] = {}
     exchanges: dict[tuple[int, int], int] = {}  # (rank, peer) -> EXCHANGEs done
     reached: dict[tuple[int, int, int], float] = {}  # (rank, peer, n) -> when the rank reached its n-th
+    waiting: dict[tuple, int] = {}  # a message or `reached` key -> the rank stopped until it happens
     append = None if timeline is None else timeline.append
     step = 0.0
-    while any(pc[r] < len(lowered[r]) for r in range(p)):
-        progressed = False
-        for rank in range(p):
-            actions, i, start = lowered[rank], pc[rank], clock[rank]
-            while i < len(actions):
-                action = actions[i]
-                kind = action.kind
-                if kind is _RECV_F or kind is _RECV_B:
-                    arrival = arrivals.get(action.message)
-                    if arrival is None:
-                        break  # the sender has not been simulated that far yet
-                    start = max(start, arrival)
-                elif kind is _EXCHANGE:  # a rendezvous: the n-th with a peer meets the peer's n-th
-                    pair = (rank, action.peer)
-                    n = exchanges.get(pair, 0)
-                    reached.setdefault((*pair, n), start)
-                    theirs = reached.get((action.peer, rank, n))
-                    if theirs is None:
-                        break  # the peer has not been simulated that far yet
-                    start = max(start, theirs)
-                    exchanges[pair] = n + 1
-                end = start + cost(action, rank)
-                if kind is _SEND_F or kind is _SEND_B:
-                    arrivals[action.message] = end + comm_latency
-                if append is not None:
-                    append(TimelineEntry(rank, action, start, end))
-                if end > step:
-                    step = end
-                start, i, progressed = end, i + 1, True
-            clock[rank], pc[rank] = start, i
-        if not progressed:
-            raise ScheduleError("schedule deadlocks; run tessera.pipeline.validate for the grid")
+    now = [rank for rank in range(p) if lowered[rank]]  # this round's ranks to visit: a heap, ascending
+    later: list[int] = []  # the next round's
+    unfinished = len(now)
+    while now:
+        rank = heappop(now)
+        actions, i, start = lowered[rank], pc[rank], clock[rank]
+        while i < len(actions):
+            action = actions[i]
+            kind = action.kind
+            if kind is _RECV_F or kind is _RECV_B:
+                message = action.message
+                arrival = arrivals.get(message)
+                if arrival is None:
+                    waiting[message] = rank  # the sender has not been simulated that far yet
+                    break
+                start = max(start, arrival)
+            elif kind is _EXCHANGE:  # a rendezvous: the n-th with a peer meets the peer's n-th
+                pair = (rank, action.peer)
+                n = exchanges.get(pair, 0)
+                mine = (rank, action.peer, n)
+                if mine not in reached:
+                    reached[mine] = start
+                    waiter = waiting.pop(mine, None)
+                    if (
+                        waiter is not None
+                    ):  # visit it in this round if it comes after this rank, else the next
+                        heappush(now if waiter > rank else later, waiter)
+                theirs = reached.get((action.peer, rank, n))
+                if theirs is None:
+                    waiting[action.peer, rank, n] = rank  # the peer has not been simulated that far yet
+                    break
+                start = max(start, theirs)
+                exchanges[pair] = n + 1
+            end = start + cost(action, rank)
+            if kind is _SEND_F or kind is _SEND_B:
+                message = action.message
+                arrivals[message] = end + comm_latency
+                waiter = waiting.pop(message, None)  # inline: a call per SEND costs as much as the rest
+                if waiter is not None:
+                    heappush(now if waiter > rank else later, waiter)
+            if append is not None:
+                append(TimelineEntry(rank, action, start, end))
+            if end > step:
+                step = end
+            start, i = end, i + 1
+        clock[rank], pc[rank] = start, i
+        if i == len(actions):
+            unfinished -= 1
+        if not now and unfinished:
+            if not later:
+                raise ScheduleError("schedule deadlocks; run tessera.pipeline.validate for the grid")
+            now, later = later, now
+            heapify(now)
     return step
 
 

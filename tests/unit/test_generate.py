@@ -8,6 +8,7 @@ queries (one new token vs the whole context), so rounding only (measured ~1e-7);
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ from tessera.cli import main
 from tessera.config import from_dict
 from tessera.model.build import _nucleus, build_model, generate
 from tessera.model.layers import KVCache
+from tessera.train.generate import TokenProgress
 
 
 def _model(size: str):
@@ -179,3 +181,50 @@ def test_bad_input_is_named_before_torch(command: list[str], message: str, tmp_p
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 2, out.stderr
     assert message.format(**runs) in out.stderr, out.stderr
+
+
+def test_on_token_counts_the_new_tokens_and_changes_nothing() -> None:
+    model, cfg = _model("gpt2-tiny")
+    prompt = torch.randint(0, cfg.vocab_size, (1, 3), generator=torch.Generator().manual_seed(4))
+    seen: list[int] = []
+    sampled = generate(model, prompt, 7, generator=torch.Generator().manual_seed(5), on_token=seen.append)
+    assert seen == list(range(1, 8))
+    assert torch.equal(sampled, generate(model, prompt, 7, generator=torch.Generator().manual_seed(5)))
+
+
+class _Clock:
+    """Advances ``step`` seconds per reading."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+@pytest.mark.parametrize("tokens", [10_000, 1_000_000])
+def test_token_progress_redraws_by_time_not_by_token(tokens: int) -> None:
+    """100 s of generation, a redraw at most every 0.5 s after a 1 s delay: under 200 redraws however many
+    tokens (one clock reading per token); each redraw is one line in place, and `close` erases the last."""
+    stream = io.StringIO()
+    progress = TokenProgress(tokens, stream, clock=_Clock(100 / tokens))
+    for done in range(1, tokens + 1):
+        progress(done)
+    assert 190 <= progress.writes < 200
+    text = stream.getvalue()
+    assert text.count("\r") == progress.writes and "\n" not in text
+    last = text.rsplit("\r", 1)[1].rstrip()
+    assert last.startswith("generated ") and f"/{tokens:,} tokens, " in last and last.endswith(" s left")
+    assert f"{tokens / 100:.1f} tokens/s" in last  # one token per 100/tokens s
+    progress.close()
+    assert stream.getvalue() == text + "\r" + " " * len(last) + "\r"
+
+
+def test_a_short_generation_draws_no_progress() -> None:
+    stream = io.StringIO()
+    progress = TokenProgress(50, stream, clock=_Clock(0.01))  # 0.5 s in all, under the 1 s delay
+    for done in range(1, 51):
+        progress(done)
+    progress.close()
+    assert stream.getvalue() == "" and progress.writes == 0
