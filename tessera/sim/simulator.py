@@ -225,9 +225,8 @@ def _run(
                 if mine not in reached:
                     reached[mine] = start
                     waiter = waiting.pop(mine, None)
-                    if (
-                        waiter is not None
-                    ):  # visit it in this round if it comes after this rank, else the next
+                    # visit it in this round if it comes after this rank, else the next
+                    if waiter is not None:
                         heappush(now if waiter > rank else later, waiter)
                 theirs = reached.get((action.peer, rank, n))
                 if theirs is None:
