@@ -10,20 +10,45 @@ computes and are ignored (tessera trains without dropout).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tessera.errors import ConfigError
 from tessera.files import read_json_object
-from tessera.hf.families import FAMILIES, HFFamily, family_for_model_type, family_for_tessera
+from tessera.hf.families import (
+    FAMILIES,
+    TIED_HEAD,
+    HFFamily,
+    family_for_model_type,
+    family_for_tessera,
+    weight_names,
+)
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
 
-__all__ = ["PREFIX", "derive_model", "hf_config", "init_folder", "read_hf_config", "refusals"]
+__all__ = [
+    "INDEX",
+    "PREFIX",
+    "SINGLE",
+    "derive_model",
+    "hf_config",
+    "init_folder",
+    "name_problems",
+    "read_hf_config",
+    "refusals",
+    "stored_names",
+]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
 
 PREFIX = "hf:"
 """``model.init`` values naming a Hugging Face folder start with this."""
+
+MAX_HEADER = 100 * 2**20
+"""safetensors refuses headers above 100 MB; a larger length is a damaged file, left to the weight load."""
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 _DERIVED = ("family", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "seq_len")
@@ -164,6 +189,9 @@ def _values(hf: dict[str, Any], fam: HFFamily) -> dict[str, Any]:
         if hf.get(key) is None and name not in ("n_kv_heads", "ffn_hidden"):
             raise ConfigError(f"HF config.json has no {key!r}, which {fam.model_type} needs")
         values[name] = hf.get(key)
+    kv_key = fam.keys.get("n_kv_heads")
+    if kv_key is not None and kv_key not in hf and fam.kv_heads_absent is not None:
+        values["n_kv_heads"] = fam.kv_heads_absent  # what transformers reads from such a folder
     values["n_kv_heads"] = values.get("n_kv_heads") or values["n_heads"]
     values["ffn_hidden"] = values["ffn_hidden"] or 4 * values["d_model"]  # GPT-2's n_inner = null
     values["tie_embeddings"] = bool(hf.get("tie_word_embeddings", fam.tie_default))
@@ -185,18 +213,96 @@ def derive_model(init: str, explicit: dict[str, Any]) -> tuple[dict[str, Any], l
         _check_numbers(folder / "config.json", hf, fam)
         problems = [f"model.init = {init!r}: {r}" for r in refusals(hf, fam)]
         values = _values(hf, fam)
+        problems += [f"model.init = {init!r}: {r}" for r in _absent_kv_heads(hf, fam, values)]
     except ConfigError as e:
         return {}, [str(e)]
+    stored = None if problems else stored_names(folder)
+    if stored is not None:  # the weights' names, so that validate refuses what the load would
+        wanted = weight_names(fam, values["n_layers"], values["tie_embeddings"])
+        problems += name_problems(folder, fam, wanted, stored)
     for name, value in values.items():
         if name not in explicit or explicit[name] == value:
             continue
         if name == "seq_len" and fam.rope and 0 < explicit[name] <= value:
             continue  # a shorter training context is fine with RoPE; learned positions fix it
         problems.append(
-            f"model.{name} = {explicit[name]!r} contradicts {init} (config.json {fam.keys.get(name, name)} "
+            f"model.{name} = {explicit[name]!r} contradicts {init} (config.json {_source(name, fam, hf)} "
             f"gives {value!r})\n    fix: remove model.{name}; model.init derives it"
         )
     return values, problems
+
+
+def _absent_kv_heads(hf: dict[str, Any], fam: HFFamily, values: dict[str, Any]) -> list[str]:
+    """A folder without its KV head count, where transformers' default for the architecture cannot hold."""
+    kv_key = fam.keys.get("n_kv_heads")
+    if kv_key in hf or fam.kv_heads_absent is None or values["n_heads"] % fam.kv_heads_absent == 0:
+        return []
+    return [
+        f"config.json has no {kv_key!r}: transformers then takes {fam.model_type}'s default "
+        f"{fam.kv_heads_absent}, which does not divide {fam.keys['n_heads']} = {values['n_heads']}\n    fix: add "
+        f'"{kv_key}" to config.json (the rows of k_proj.weight / the head dim)'
+    ]
+
+
+def stored_names(folder: Path) -> set[str] | None:
+    """The tensor names of an HF folder's weights, read torch-free: the index's weight map, or the one file's
+    safetensors header (an 8-byte little-endian length, then a JSON object of the tensors). None when there is
+    no such file or it cannot be read: the weight load names that problem (tessera.hf.weights)."""
+    index, single = folder / INDEX, folder / SINGLE
+    try:
+        if index.is_file():
+            names = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        elif single.is_file():
+            with single.open("rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                names = json.loads(f.read(length).decode("utf-8")) if length <= MAX_HEADER else None
+        else:
+            return None
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError):
+        return None
+    return {str(n) for n in names if n != "__metadata__"} if isinstance(names, dict) else None
+
+
+def name_problems(folder: Path, fam: HFFamily, wanted: set[str], stored: set[str]) -> list[str]:
+    """A folder lacking a tensor the model needs, or holding one it has no place for (not dropped silently);
+    the same text at validation (config.json's shape) and at the weight load (the built model's tensors)."""
+    out = []
+    missing = sorted(wanted - stored)
+    if missing:
+        out.append(
+            f"{folder} lacks {len(missing)} weight(s) the model needs: {missing[:5]}{_tie_hint(missing)}"
+        )
+    extra = sorted(n for n in stored - wanted if n != TIED_HEAD and not n.endswith(fam.ignored))
+    if extra:
+        out.append(
+            f"{folder} holds weight(s) tessera's {fam.model_type} has no place for: {extra[:5]}; "
+            "refusing to drop them"
+        )
+    return out
+
+
+def _tie_hint(missing: list[str]) -> str:
+    if missing != [TIED_HEAD]:
+        return ""
+    return (
+        '\n    fix: a model whose output projection is its embedding needs "tie_word_embeddings": true in '
+        "config.json (absent, it takes the architecture's default)"
+    )
+
+
+def _source(name: str, fam: HFFamily, hf: dict[str, Any]) -> str:
+    """The config.json key (or absence) a derived [model] value comes from, as a contradiction names it."""
+    if name == "family":
+        return f"model_type = {fam.model_type!r}"
+    if name == "tie_embeddings":
+        return "tie_word_embeddings" + (
+            "" if "tie_word_embeddings" in hf else f" (absent: {fam.model_type}'s default)"
+        )
+    if name == "n_kv_heads" and name not in fam.keys:
+        return f"{fam.keys['n_heads']} (no grouped-query attention)"
+    if name == "rope_theta" and "rope_theta" in (hf.get("rope_parameters") or {}):
+        return "rope_parameters.rope_theta"
+    return fam.keys.get(name, name)
 
 
 def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None, dtype: str = "float32") -> dict[str, Any]:

@@ -15,7 +15,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FAMILIES", "HFFamily", "HFTensor", "family_for_model_type", "family_for_tessera"]
+__all__ = [
+    "FAMILIES",
+    "TIED_HEAD",
+    "HFFamily",
+    "HFTensor",
+    "family_for_model_type",
+    "family_for_tessera",
+    "weight_names",
+]
+
+TIED_HEAD = "lm_head.weight"
+"""The output projection's HF name; saved by some versions next to the embedding it is tied to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +59,12 @@ class HFFamily:
     """HF config key -> the values tessera computes exactly; absent keys take HF's default (the first value)."""
     tensors: tuple[HFTensor, ...]
     """Every weight, block weights with "{i}"."""
+    embedding: str
+    """HF name of the token embedding: a tied output projection is this tensor (checked against a saved
+    ``lm_head.weight``)."""
+    kv_heads_absent: int | None = None
+    """transformers' KV head count when config.json lacks the key (None: the head count, as Llama's; a null
+    value means the head count in every architecture)."""
     rope: bool = False
     """Whether the architecture uses rotary embeddings (rope_theta / rope_parameters apply)."""
     ignored: tuple[str, ...] = field(default=())
@@ -140,6 +157,7 @@ FAMILIES: tuple[HFFamily, ...] = (
             "add_cross_attention": (False,),
         },
         tensors=_GPT2_TENSORS,
+        embedding="transformer.wte.weight",
         ignored=(".attn.bias", ".attn.masked_bias"),
     ),
     HFFamily(
@@ -150,6 +168,7 @@ FAMILIES: tuple[HFFamily, ...] = (
         tie_default=False,
         required={"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,)},
         tensors=_LLAMA_TENSORS,
+        embedding="model.embed_tokens.weight",
         rope=True,
         ignored=(".rotary_emb.inv_freq",),
     ),
@@ -167,10 +186,18 @@ FAMILIES: tuple[HFFamily, ...] = (
             _t("model.layers.{i}.self_attn.k_proj.bias", "blocks.{i}.attn.wk.bias"),
             _t("model.layers.{i}.self_attn.v_proj.bias", "blocks.{i}.attn.wv.bias"),
         ),
+        embedding="model.embed_tokens.weight",
+        kv_heads_absent=32,  # Qwen2Config's num_key_value_heads default (measured with transformers 5)
         rope=True,
         ignored=(".rotary_emb.inv_freq",),
     ),
 )
+
+
+def weight_names(fam: HFFamily, n_layers: int, tied: bool) -> set[str]:
+    """The HF tensor names a folder of this shape holds (without the output projection when tied)."""
+    names = {t.hf.format(i=i) for t in fam.tensors for i in (range(n_layers) if "{i}" in t.hf else [0])}
+    return names - {TIED_HEAD} if tied else names
 
 
 def family_for_model_type(model_type: str) -> HFFamily | None:

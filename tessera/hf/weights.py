@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from tessera.errors import CheckpointError
-from tessera.hf.families import HFFamily, HFTensor, family_for_tessera
+from tessera.hf.config import INDEX, SINGLE, name_problems
+from tessera.hf.families import TIED_HEAD, HFFamily, HFTensor, family_for_tessera
 from tessera.model.build import meta_model
 from tessera.model.layers import TransformerLM
 from tessera.model.materialize import declare, materialize, replicated_specs
@@ -36,8 +37,6 @@ __all__ = [
     "plan_tensors",
 ]
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 
 Slices = tuple[slice, ...]
 
@@ -137,29 +136,26 @@ class HFCheckpoint:
                 offset += size
         self._handles: dict[Path, object] = {}
         self._stack = contextlib.ExitStack()
-        self._check_names(_family(model))
+        self._fam = _family(model)
+        self._check_names(self._fam)
+        # a tied model whose folder also holds an output projection: some versions save a copy of the embedding
+        # there; transformers keeps one that differs untied, so it must equal the embedding (checked as read)
+        wanted = {planned.name for planned, _ in self._where.values()}
+        self._tied_head = TIED_HEAD if TIED_HEAD in self._files and TIED_HEAD not in wanted else None
 
     def _check_names(self, fam: HFFamily) -> None:
-        """Every tessera tensor is in the folder with its shape, and every weight of the folder is used."""
+        """Every tessera tensor is in the folder with its shape, and every weight of the folder is used (the
+        names are checked at validation too, from config.json; here again, against the built model)."""
         wanted = {planned.name: planned for planned, _ in self._where.values()}
-        missing = sorted(set(wanted) - set(self._files))
-        if missing:
-            raise CheckpointError(
-                f"{self.folder} lacks {len(missing)} weight(s) the model needs: {missing[:5]}"
-            )
+        problems = name_problems(self.folder, fam, set(wanted), set(self._files))
+        if problems:
+            raise CheckpointError("\n".join(problems))
         for name, planned in wanted.items():
             shape = tuple(self._handle(name).get_slice(name).get_shape())
             if shape != planned.shape:
                 raise CheckpointError(
                     f"{self.folder}: {name} has shape {shape}, config.json implies {planned.shape}"
                 )
-        tied_head = "lm_head.weight"  # saved by some versions next to the embedding it is tied to
-        extra = [n for n in self._files if n not in wanted and n != tied_head and not n.endswith(fam.ignored)]
-        if extra:
-            raise CheckpointError(
-                f"{self.folder} holds weight(s) tessera's {fam.model_type} has no place for: {sorted(extra)[:5]}; "
-                "refusing to drop them"
-            )
 
     def _handle(self, hf_name: str):
         path = self._files[hf_name]
@@ -181,15 +177,34 @@ class HFCheckpoint:
         hf_dims = [(dims[0][0] + offset, dims[0][1] + offset), *dims[1:]]
         if planned.out_dim == 1:
             hf_dims = hf_dims[::-1]
-        window = self._handle(planned.name).get_slice(planned.name)[tuple(slice(a, b) for a, b in hf_dims)]
-        window = window.to(torch.float32)
+        window = self._read(planned.name, hf_dims)
         # loaded, a NaN or inf would make the first loss NaN and stop the run as diverged, blaming the lr
         if not bool(torch.isfinite(window).all()):
             raise CheckpointError(
                 f"{self._files[planned.name]}: weight {planned.name} holds NaN or infinite values; the file is "
                 "damaged or was saved from a diverged run: use another copy or checkpoint of the model"
             )
+        if self._tied_head and planned.name == self._fam.embedding:
+            self._check_tied_head(window, hf_dims)
         return window.t().contiguous() if planned.out_dim == 1 else window
+
+    def _read(self, hf_name: str, hf_dims: list[tuple[int, int]]) -> torch.Tensor:
+        """The rectangle ``hf_dims`` of HF tensor ``hf_name`` as fp32."""
+        window = self._handle(hf_name).get_slice(hf_name)[tuple(slice(a, b) for a, b in hf_dims)]
+        return window.to(torch.float32)
+
+    def _check_tied_head(self, embedding: torch.Tensor, hf_dims: list[tuple[int, int]]) -> None:
+        """The saved output projection equals the embedding where this rank reads it. One that differs is a
+        trained head: transformers keeps it untied (and computes other logits), tying it would drop it."""
+        head = self._read(TIED_HEAD, hf_dims)
+        if not torch.equal(head, embedding):
+            fam = self._fam
+            raise CheckpointError(
+                f"{self._files[TIED_HEAD]}: {TIED_HEAD} differs from the embedding {fam.embedding}, but config.json "
+                f"ties them (tie_word_embeddings true, or absent: {str(fam.tie_default).lower()} for "
+                f"{fam.model_type}); transformers keeps such an output projection untied, tessera would drop it"
+                '\n    fix: set "tie_word_embeddings": false in config.json to train it as its own output projection'
+            )
 
     def close(self) -> None:
         self._stack.close()

@@ -10,6 +10,8 @@ weights are drawn with std 0.2 so that logits are O(1).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -86,6 +88,19 @@ def test_explicit_keys_that_contradict_the_folder_are_reported(tmp_path: Path) -
     assert "model.seq_len = 16 contradicts" in str(e.value)  # learned positions fix the context
     cfg = load_config(None, [f'model.init="hf:{tmp_path / "llama"}"', "model.seq_len=16", "model.n_layers=2"])
     assert cfg.model.seq_len == 16 and cfg.model.n_kv_heads == 2  # RoPE: a shorter training context is fine
+    # each contradiction names the config.json key the value comes from (benchmarks/hf_search.py found
+    # "config.json family", "tie_embeddings" and, for GPT-2, "n_kv_heads": keys no config.json has)
+    raw = json.loads((tmp_path / "gpt" / "config.json").read_text())
+    del raw["tie_word_embeddings"]
+    (tmp_path / "gpt" / "config.json").write_text(json.dumps(raw))
+    wrong = ['model.family="llama"', "model.tie_embeddings=false", "model.n_kv_heads=2"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f'model.init="hf:{tmp_path / "gpt"}"', *wrong])
+    assert "(config.json model_type = 'gpt2' gives 'gpt')" in str(e.value)
+    assert "(config.json tie_word_embeddings (absent: gpt2's default) gives True)" in str(e.value)
+    assert "(config.json n_head (no grouped-query attention) gives 4)" in str(e.value)
+    with pytest.raises(ConfigError, match=r"config\.json rope_parameters\.rope_theta gives 50000\.0"):
+        load_config(None, [f'model.init="hf:{tmp_path / "llama"}"', "model.rope_theta=1e4"])
 
 
 REFUSED = {
@@ -159,15 +174,19 @@ def test_gpt2_activation_and_extra_weights_are_refused(tmp_path: Path) -> None:
     tmp_path.joinpath("config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="activation_function = 'relu'"):
         load_config(None, [f'model.init="hf:{tmp_path}"'])
-    # a folder whose weights include something tessera's model has no place for is refused, not trimmed
+    # a folder whose weights include something tessera's model has no place for is refused, not trimmed: at
+    # validation (the names in the safetensors header), and again at the weight load with the same text
     hf = make_hf(tmp_path / "hf", "llama")
+    cfg = load_config(None, [f'model.init="hf:{tmp_path / "hf"}"'])
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
     from safetensors.torch import save_file
 
     save_file(state, tmp_path / "hf" / "model.safetensors")
-    cfg = load_config(None, [f'model.init="hf:{tmp_path / "hf"}"'])
-    with pytest.raises(CheckpointError, match=r"q_proj\.bias"):
+    extra = r"has no place for: \['model\.layers\.0\.self_attn\.q_proj\.bias'\]; refusing to drop them"
+    with pytest.raises(ConfigError, match=extra):
+        load_config(None, [f'model.init="hf:{tmp_path / "hf"}"'])
+    with pytest.raises(CheckpointError, match=extra):
         load_init(cfg.model)
 
 
@@ -206,3 +225,93 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path: Path, value:
         assert bool(torch.isfinite(source("blocks.1.mlp.w_up.weight", (slice(0, 2), slice(None)))).all())
         with pytest.raises(CheckpointError, match="holds NaN or infinite"):
             source("blocks.1.mlp.w_up.weight", (slice(2, 4), slice(None)))
+
+
+@pytest.mark.parametrize("kind", ["gpt2_untied", "llama"])
+def test_a_saved_head_that_differs_from_the_tied_embedding_is_refused(tmp_path: Path, kind: str) -> None:
+    """Found by benchmarks/hf_search.py: an untied model's folder whose config.json ties (GPT-2 without the
+    key: its default true; Llama with it set) held a trained lm_head.weight that tessera dropped silently,
+    training the embedding as the head; transformers keeps such a head untied (logits differed by 1.2 relative).
+    A saved head equal to the embedding (as some versions write for a tied model) still imports."""
+    from safetensors.torch import save_file
+
+    make_hf(tmp_path / "hf", kind)
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    if kind == "gpt2_untied":
+        del raw["tie_word_embeddings"]
+    else:
+        raw["tie_word_embeddings"] = True
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(raw))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.lm_head.weight.data_ptr() != loaded.get_input_embeddings().weight.data_ptr()
+    cfg = load_config(None, [f'model.init="hf:{tmp_path / "hf"}"'])
+    assert cfg.model.tie_embeddings
+    with pytest.raises(
+        CheckpointError, match=r'lm_head\.weight differs from the embedding.*\n.*"tie_word_em'
+    ):
+        load_init(cfg.model)
+
+    state = {k: v.contiguous() for k, v in loaded.state_dict().items()}
+    embedding = loaded.get_input_embeddings().weight
+    save_file({**state, "lm_head.weight": embedding.detach().clone()}, tmp_path / "hf" / "model.safetensors")
+    _, model = imported(tmp_path / "hf")
+    assert torch.equal(model.head.out.weight, embedding)
+
+
+def test_a_tied_folder_without_the_tie_key_is_refused_by_validate_and_train(tmp_path: Path) -> None:
+    """Found by benchmarks/hf_search.py: a tied Llama's folder whose config.json lacks tie_word_embeddings
+    (Llama's default: false) has no lm_head.weight. validate accepted it and the run failed at the weight load
+    (transformers loads it with a freshly drawn head); validate now reads the weights' names, and `tessera
+    train` refuses it before starting a rank with the same text."""
+    from tessera.cli import main
+
+    make_hf(tmp_path / "hf", "llama_tied")
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del raw["tie_word_embeddings"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(raw))
+    init = f'model.init="hf:{tmp_path / "hf"}"'
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [init])
+    assert "lacks 1 weight(s) the model needs: ['lm_head.weight']" in str(e.value)
+    assert '"tie_word_embeddings": true' in str(e.value)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", f"--{init}", "--nproc", "2"]) == 2
+    assert str(e.value).splitlines()[-1] in err.getvalue()
+
+
+def test_qwen2_without_its_kv_head_count_reads_transformers_default(tmp_path: Path) -> None:
+    """Found by benchmarks/hf_search.py: a Qwen2 config.json without num_key_value_heads means 32 KV heads to
+    transformers (Qwen2Config's default), not the head count as tessera read it; validate accepted 4 heads with
+    4 KV heads and the weight load then failed on k_proj's shape (transformers refuses the folder too). Now
+    validate refuses it, and a 32-head folder without the key imports with transformers' logits."""
+    make_hf(tmp_path / "hf", "qwen2")
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del raw["num_key_value_heads"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(
+        ConfigError, match="transformers then takes qwen2's default 32, which does not divide"
+    ):
+        load_config(None, [f'model.init="hf:{tmp_path / "hf"}"'])
+
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=16,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    hf.save_pretrained(tmp_path / "h32")
+    raw = json.loads((tmp_path / "h32" / "config.json").read_text())
+    del raw["num_key_value_heads"]
+    (tmp_path / "h32" / "config.json").write_text(json.dumps(raw))
+    cfg, model = imported(tmp_path / "h32")
+    assert cfg.model.n_kv_heads == 32
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_err(model(tokens), hf(tokens).logits) < LOGIT_RTOL

@@ -1,0 +1,533 @@
+"""Seeded search for disagreements when a run starts from Hugging Face weights (``model.init = "hf:DIR"``).
+
+Draws random-weight `transformers` models (GPT-2 tied/untied; Llama with grouped-query attention, explicit
+``head_dim``, tied/untied; Qwen2 with drawn q/k/v biases) of odd vocabularies and head counts, saved with
+``save_pretrained`` (nothing downloaded), and layouts within 4 ranks (dp, 1D tensor 2/4 with or without sequence
+parallelism, 2D 2x2, pipeline 2 with even or uneven ``stage_layers``, ZeRO 1-3 and their combinations). Each config
+is judged by `tessera.execution.violations` (after the config load, which refuses HF configs tessera cannot
+represent); properties:
+
+- a refused config (at load or by a rule) is refused by ``tessera train --nproc N`` with exit status 2 and
+  every problem's text;
+- a feature-spread sample of the accepted ones trains one step on gloo; the step-0 loss equals transformers' own
+  fp32 loss on the same step-0 batch within relative 1e-5, and, for those without ZeRO (where the trainer's hook
+  sees whole gradients), every gradient equals transformers' autograd gradient within 1e-5 of its largest
+  element (GPT-2's key bias, whose exact gradient is 0: of the model's largest gradient);
+- ``--imports`` folders with drawn extra settings (attention/MLP biases, activations, RoPE scaling, sliding
+  windows, GPT-2's attention options, dropout) and config.json keys dropped as an older or hand-edited folder
+  lacks them: each one validate accepts imports with logits equal to transformers' (relative 1e-5), or is
+  refused by both at the weight load.
+
+    python benchmarks/hf_search.py [--seed 0] [--configs 300] [--runs 60] [--imports 200]
+
+Prints one line per disagreement and a summary; the results are in benchmarks/results/hf_search.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tessera.cli import main as cli_main
+from tessera.config import from_dict
+from tessera.errors import CheckpointError, ConfigError
+from tessera.execution import resolve, violations
+from tests.distributed.conftest import trainer_config
+from tests.harness import DistributedTestError, run_distributed
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-5
+
+
+def hf_case(rng: random.Random) -> dict[str, Any]:
+    """Keyword arguments of a tiny transformers config (``kind`` says which class)."""
+    kind = rng.choice(["gpt2", "llama", "llama", "qwen2"])
+    vocab = rng.choice([257, 259, 300, 512, 1000, 1031, 4099, 50257])
+    heads = rng.choice([1, 2, 3, 4, 6, 8])
+    head_dim = rng.choice([4, 6, 8, 16])
+    hidden = heads * head_dim if rng.random() < 0.85 else rng.choice([20, 30, 36, 40])
+    layers = rng.choice([1, 2, 3, 4])
+    tie = rng.random() < 0.5
+    saved = dict(bf16=rng.random() < 0.2, shard=rng.random() < 0.2)  # bf16 file; shards with an index
+    if kind == "gpt2":
+        return dict(
+            **saved,
+            kind=kind,
+            vocab_size=vocab,
+            n_embd=hidden,
+            n_head=heads,
+            n_layer=layers,
+            n_positions=rng.choice([16, 32]),
+            n_inner=rng.choice([None, 2 * hidden, 3 * hidden + 2]),
+            tie_word_embeddings=tie,
+        )
+    kv = rng.choice([d for d in range(1, heads + 1) if heads % d == 0])
+    out = dict(
+        **saved,
+        kind=kind,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        num_hidden_layers=layers,
+        intermediate_size=rng.choice([2 * hidden, 3 * hidden + 2, 64]),
+        max_position_embeddings=rng.choice([16, 32]),
+        tie_word_embeddings=tie,
+        rope_theta=rng.choice([10000.0, 1e6]),
+        rms_norm_eps=rng.choice([1e-5, 1e-6]),
+    )
+    r = rng.random()
+    if r < 0.25:
+        out["head_dim"] = hidden // heads  # explicit, as transformers 5 writes it
+    elif r < 0.32:
+        out["head_dim"] = rng.choice([8, 16])  # may differ from hidden / heads: refused
+    return out
+
+
+def layout_case(rng: random.Random, layers: int) -> tuple[int, dict[str, Any]]:
+    """(world size, parallel section) within 4 ranks."""
+    world = rng.choice([1, 2, 2, 3, 4, 4, 4])
+    tensor: Any = rng.choice([t for t in (1, 2, 4) if world % t == 0] + (["2x2"] if world == 4 else []))
+    if rng.random() < 0.1:
+        tensor = rng.choice([2, 3, 4, "2x2"])  # sometimes one the world does not fit
+    ranks = 4 if tensor == "2x2" else int(tensor)
+    rest = world // ranks if world % ranks == 0 else 1
+    pipeline = rng.choice([p for p in (1, 2) if rest % p == 0])
+    par: dict[str, Any] = {"tensor": tensor, "pipeline": pipeline}
+    if tensor not in (1, "2x2") and rng.random() < 0.5:
+        par["sequence_parallel"] = True
+    if rng.random() < 0.5:
+        par["zero"] = rng.choice([1, 2, 3])
+    if pipeline > 1:
+        par["schedule"] = rng.choice(["1f1b", "gpipe"])
+        if rng.random() < 0.5:
+            first = rng.randint(0, layers)
+            par["stage_layers"] = [first, layers - first]
+    return world, par
+
+
+def sample(rng: random.Random, root: Path, token_file: Path, i: int) -> tuple[int, dict, dict]:
+    """(world, raw config, HF kwargs) of sample ``i``."""
+    hf = hf_case(rng)
+    layers = hf.get("n_layer", hf.get("num_hidden_layers"))
+    world, parallel = layout_case(rng, layers)
+    model: dict[str, Any] = {"init": f"hf:{root / folder_name(hf)}"}
+    ctx = hf.get("n_positions", hf.get("max_position_embeddings"))
+    if hf["kind"] != "gpt2" and rng.random() < 0.2:
+        model["seq_len"] = ctx // 2  # a shorter training context (RoPE)
+    r = rng.random()
+    if r < 0.25:  # an explicit [model] key that agrees with config.json (accepted) or not (refused)
+        key, value = rng.choice(explicit_keys(hf))
+        model[key] = value if r < 0.18 else alter(value)
+    micro = rng.choice([1, 2, 2, 4])
+    raw = trainer_config(token_file, root / f"run{i}", model, parallel, steps=1, lr=1e-3)
+    dp = max(
+        1, world // ((4 if parallel["tensor"] == "2x2" else int(parallel["tensor"])) * parallel["pipeline"])
+    )
+    raw["train"].update(micro_batch=micro, global_batch=micro * dp * rng.choice([1, 2, 3]), dtype="fp32")
+    return world, raw, hf
+
+
+def explicit_keys(hf: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(tessera [model] key, the value config.json implies) pairs."""
+    if hf["kind"] == "gpt2":
+        return [
+            ("family", "gpt"),
+            ("d_model", hf["n_embd"]),
+            ("n_heads", hf["n_head"]),
+            ("n_kv_heads", hf["n_head"]),
+            ("ffn_hidden", hf["n_inner"] or 4 * hf["n_embd"]),
+            ("vocab_size", hf["vocab_size"]),
+            ("tie_embeddings", hf["tie_word_embeddings"]),
+            ("seq_len", hf["n_positions"]),
+        ]
+    return [
+        ("family", hf["kind"]),
+        ("n_layers", hf["num_hidden_layers"]),
+        ("n_kv_heads", hf["num_key_value_heads"]),
+        ("ffn_hidden", hf["intermediate_size"]),
+        ("vocab_size", hf["vocab_size"]),
+        ("tie_embeddings", hf["tie_word_embeddings"]),
+        ("rope_theta", hf["rope_theta"]),
+        ("norm_eps", hf["rms_norm_eps"]),
+    ]
+
+
+def alter(value: Any) -> Any:
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, str):
+        return "llama" if value != "llama" else "gpt"
+    return value * 2
+
+
+def folder_name(hf: dict[str, Any]) -> str:
+    return "hf_" + "_".join(f"{k}{v}" for k, v in sorted(hf.items()))
+
+
+def make_folder(folder: Path, hf: dict[str, Any]) -> None:
+    """A random-weight model of ``hf`` saved with save_pretrained (skipped if present); weights std 0.2."""
+    import transformers
+
+    if (folder / "config.json").is_file():
+        return
+    kw = {k: v for k, v in hf.items() if k not in ("kind", "bf16", "shard")}
+    common = dict(initializer_range=0.2, bos_token_id=0, eos_token_id=1)
+    cls = {
+        "gpt2": transformers.GPT2Config,
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+    }
+    torch.manual_seed(len(folder.name))
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(cls[hf["kind"]](**kw, **common))
+    except Exception as e:  # transformers itself refuses the shape: config.json alone, written by hand
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"model_type": hf["kind"], **kw, **common}))
+        (folder / "transformers_refused.txt").write_text(f"{type(e).__name__}: {e}")
+        return
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") and hf["kind"] == "qwen2":
+                p.normal_(0.0, 0.2)  # transformers starts them at 0: a mis-mapped one would not show
+    if hf["bf16"]:
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="20KB" if hf["shard"] else "5GB")
+
+
+def overrides(raw: dict) -> list[str]:
+    out = []
+    for section, values in raw.items():
+        for key, value in values.items():
+            text = (
+                f'"{value}"'
+                if isinstance(value, str)
+                else str(value).lower()
+                if isinstance(value, bool)
+                else str(value)
+            )
+            out.append(f"--{section}.{key}={text}")
+    return out
+
+
+def judge(world: int, raw: dict) -> list[str]:
+    """Problems validate finds (config load + execution rules); empty when accepted."""
+    try:
+        cfg = from_dict(raw)
+    except ConfigError as e:
+        return [str(e)]
+    problems = [str(v) for v in violations(cfg, world)]
+    if not problems:
+        resolve(cfg, world)
+    return problems
+
+
+def train_refuses(world: int, raw: dict, problems: list[str]) -> str | None:
+    """None when ``tessera train --nproc N`` exits 2 naming every problem; else what it did."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = cli_main(["train", *overrides(raw), "--nproc", str(world)])
+    if code != 2:
+        return f"exit status {code}"
+    text = err.getvalue()
+    missing = [p for p in problems if p.splitlines()[-1].strip() not in text and p not in text]
+    return f"train's message lacks {missing[:1]}: {text[-400:]}" if missing else None
+
+
+def record_step0(rank: int, world: int, raw: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """(step-0 loss, this rank's whole gradients by plain name before the update) of a one-step run."""
+    from tessera.train.trainer import train
+
+    grads: dict[str, torch.Tensor] = {}
+
+    def hook(step: int, model: torch.nn.Module) -> None:
+        if step != 0:
+            return
+        full = model.full_parameters(grad=True) if hasattr(model, "full_parameters") else None
+        if full is None:
+            full = {n: p.grad for n, p in model.named_parameters() if p.grad is not None and p.numel() > 0}
+        grads.update({n: g.detach().clone() for n, g in full.items()})
+
+    losses = train(from_dict(raw), hook).losses
+    return losses[0], grads
+
+
+def hf_reference(raw: dict, hf_folder: Path, want_grads: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """transformers' mean loss over step 0's global batch (as the trainer samples it) and its gradients by
+    tessera parameter name (HF tensors split along their output dimension, Conv1D transposed)."""
+    import transformers
+
+    from tessera.hf.weights import plan_tensors
+    from tessera.model.build import meta_model
+    from tessera.train.trainer import TrainingRun
+
+    single = from_dict(
+        {**raw, "parallel": {}, "log": {**raw["log"], "run_dir": raw["log"]["run_dir"] + "_ref"}}
+    )
+    batches = TrainingRun(single, 0, 1).batches(0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
+    torch.set_grad_enabled(want_grads)
+    losses = [F.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()) for x, y in batches]
+    loss = torch.stack(losses).mean()
+    value = float(loss.detach())
+    grads: dict[str, torch.Tensor] = {}
+    if want_grads:
+        loss.backward()
+        named = dict(hf.named_parameters())
+        for planned in plan_tensors(meta_model(single.model)):
+            g = named[planned.name].grad if planned.name in named else None
+            if g is None and planned.name == "lm_head.weight":
+                continue
+            g = g.t() if planned.out_dim == 1 else g
+            for part, piece in zip(planned.parts, g.split(list(planned.part_sizes), dim=0), strict=True):
+                grads[part] = piece.contiguous()
+    torch.set_grad_enabled(True)
+    return value, grads
+
+
+def features(world: int, raw: dict, hf: dict) -> tuple:
+    p = raw["parallel"]
+    return (
+        world,
+        hf["kind"],
+        str(p.get("tensor")),
+        p.get("pipeline", 1) > 1,
+        bool(p.get("sequence_parallel")),
+        p.get("zero", 0),
+        "stage_layers" in p,
+        bool(hf.get("tie_word_embeddings")),
+        "head_dim" in hf,
+    )
+
+
+def spread(accepted: list[tuple[int, dict, dict]], n: int) -> list[tuple[int, dict, dict]]:
+    """n accepted configs, each new one differing most from those chosen (greedy over the feature tuple)."""
+    chosen: list[tuple[int, dict, dict]] = []
+    pool = list(accepted)
+    while pool and len(chosen) < n:
+        seen = [features(*c) for c in chosen]
+
+        def novelty(c: tuple[int, dict, dict], seen: list[tuple] = seen) -> int:
+            f = features(*c)
+            return min((sum(a != b for a, b in zip(f, s, strict=True)) for s in seen), default=99)
+
+        best = max(pool, key=novelty)
+        chosen.append(best)
+        pool.remove(best)
+    return chosen
+
+
+VARIANTS = {  # HF config keys beyond the shape, per model type: values users' folders hold
+    "llama": {
+        "attention_bias": [False, True],
+        "mlp_bias": [False, True],
+        "hidden_act": ["silu", "gelu"],
+        "pretraining_tp": [1, 2],
+        "rope_scaling": [None, {"rope_type": "default"}, {"rope_type": "linear", "factor": 2.0}],
+        "attention_dropout": [0.0, 0.1],
+    },
+    "qwen2": {
+        "use_sliding_window": [False, True],
+        "sliding_window": [None, 8, 16, 32, 64],
+        "max_window_layers": [0, 1, 28],
+        "attention_dropout": [0.0, 0.1],
+    },
+    "gpt2": {
+        "activation_function": ["gelu_new", "gelu_pytorch_tanh", "gelu", "relu"],
+        "scale_attn_weights": [True, False],
+        "scale_attn_by_inverse_layer_idx": [False, True],
+        "reorder_and_upcast_attn": [False, True],
+        "resid_pdrop": [0.1, 0.0],
+    },
+}
+DROP = ("tie_word_embeddings", "num_key_value_heads", "head_dim", "rope_parameters", "layer_types")
+"""config.json keys an older or hand-edited folder may lack (transformers then uses its defaults)."""
+
+
+def import_case(rng: random.Random, root: Path, i: int) -> tuple[Path, dict[str, Any], list[str]] | None:
+    """A random-weight model with drawn extra settings saved to a folder, then config.json keys dropped."""
+    import transformers
+
+    hf = hf_case(rng)
+    hf.pop("head_dim", None)
+    extra = {k: rng.choice(v) for k, v in VARIANTS[hf["kind"]].items() if rng.random() < 0.4}
+    drop = [k for k in DROP if rng.random() < 0.15]
+    kw = {k: v for k, v in hf.items() if k not in ("kind", "bf16", "shard")}
+    cls = {
+        "gpt2": transformers.GPT2Config,
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+    }
+    try:
+        config = cls[hf["kind"]](**kw, **extra, initializer_range=0.2)
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception:
+        return None  # transformers refuses the combination itself
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+    folder = root / f"import{i}"
+    model.save_pretrained(folder)
+    saved = json.loads((folder / "config.json").read_text())
+    for k in drop:
+        saved.pop(k, None)
+    (folder / "config.json").write_text(json.dumps(saved))
+    return folder, {**hf, **extra}, drop
+
+
+def import_search(rng: random.Random, root: Path, n: int) -> tuple[int, int, int, list[str]]:
+    """(imported, refused by validate, refused at the weight load, disagreements): every accepted folder's
+    logits must equal transformers' own."""
+    import transformers
+
+    from tessera.hf.weights import load_init
+
+    imported = refused = at_load = 0
+    found: list[str] = []
+    for i in range(n):
+        case = import_case(rng, root, i)
+        if case is None:
+            continue
+        folder, hf, drop = case
+        tag = f"{hf} without {drop}"
+        raw = {"model": {"init": f"hf:{folder}"}, "data": {"path": str(root / "tokens.bin")}}
+        if judge(1, raw):
+            refused += 1
+            continue
+        cfg = from_dict(raw)
+        try:
+            theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        except Exception as e:
+            theirs = f"{type(e).__name__}: {str(e)[:200]}"
+        try:
+            ours = load_init(cfg.model).eval()
+        except CheckpointError as e:
+            if "differs from the embedding" in str(e):
+                at_load += 1  # by design: which values a saved head holds is known only as it is read
+            elif not isinstance(theirs, str):
+                found.append(f"accepted, transformers loads it, tessera's weight load fails ({e}): {tag}")
+            continue  # refused by both (a config.json that contradicts the weights)
+        if isinstance(theirs, str):
+            found.append(f"tessera imports what transformers cannot load ({theirs}): {tag}")
+            continue
+        imported += 1
+        tokens = torch.randint(
+            0, hf["vocab_size"], (2, cfg.model.seq_len), generator=torch.Generator().manual_seed(i)
+        )
+        with torch.no_grad():
+            a, b = ours(tokens), theirs(tokens).logits
+        err = float((a - b).abs().max() / b.abs().max())
+        if err > LOSS_RTOL:
+            found.append(f"imported logits differ from transformers' (rel {err:.1e}): {tag}")
+    return imported, refused, at_load, found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--configs", type=int, default=300)
+    ap.add_argument("--runs", type=int, default=60)
+    ap.add_argument("--imports", type=int, default=200)
+    ap.add_argument("--root", type=Path, default=None)
+    args = ap.parse_args()
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    from tessera.train.data import prepare
+    from tests.distributed.conftest import synthetic_corpus
+
+    root = args.root or Path(tempfile.mkdtemp(prefix="hf_search_"))
+    root.mkdir(parents=True, exist_ok=True)
+    token_file = root / "tokens.bin"
+    if not token_file.is_file():
+        (root / "corpus.txt").write_text(synthetic_corpus())
+        prepare([root / "corpus.txt"], token_file, "byte")
+    t0 = time.time()
+    imported, import_refused, at_load, found = import_search(random.Random(args.seed), root, args.imports)
+    print(
+        f"imports: {args.imports} drawn, {imported} imported and compared, {import_refused} refused by validate, "
+        f"{at_load} at the weight load (a saved head that differs from the tied embedding)"
+    )
+    rng = random.Random(args.seed)
+    accepted, refused = [], 0
+    for i in range(args.configs):
+        world, raw, hf = sample(rng, root, token_file, i)
+        make_folder(root / folder_name(hf), hf)
+        problems = judge(world, raw)
+        if (root / folder_name(hf) / "transformers_refused.txt").is_file() and not problems:
+            found.append(f"[{i}] transformers cannot build {hf} but validate accepts it")
+        if problems:
+            refused += 1
+            bad = train_refuses(world, raw, problems)
+            if bad:
+                found.append(
+                    f"[{i}] validate refuses, train differs: {bad}; world {world} {raw['parallel']} {hf}"
+                )
+        else:
+            accepted.append((world, raw, hf))
+    print(
+        f"judged {args.configs} configs in {time.time() - t0:.0f}s: {len(accepted)} accepted, {refused} refused"
+    )
+    runs = spread(accepted, args.runs)
+    worst_loss, worst_grad, compared = 0.0, 0.0, 0
+    for j, (world, raw, hf) in enumerate(runs):
+        folder = root / folder_name(hf)
+        want_grads = not raw["parallel"].get("zero")
+        tag = f"world {world} {raw['parallel']} {json.dumps(hf)}"
+        try:
+            results = run_distributed(record_step0, world, raw, timeout=300)
+        except DistributedTestError as e:
+            found.append(f"accepted but crashed: {tag}\n{str(e)[-1500:]}")
+            print(found[-1], flush=True)
+            continue
+        expected, ref_grads = hf_reference(raw, folder, want_grads)
+        loss = results[0][0]
+        err = abs(loss - expected) / abs(expected)
+        worst_loss = max(worst_loss, err)
+        if err > LOSS_RTOL:
+            found.append(f"loss {loss:.7f} != transformers {expected:.7f} (rel {err:.1e}): {tag}")
+        if want_grads:
+            got: dict[str, torch.Tensor] = {}
+            for _, g in results:
+                got.update(g)
+            missing = sorted(set(ref_grads) - set(got))
+            if missing:
+                found.append(f"gradients missing for {missing[:3]}: {tag}")
+            scale = max(float(r.abs().max()) for r in ref_grads.values())
+            for name in sorted(set(ref_grads) & set(got)):
+                ref, g = ref_grads[name], got[name]
+                if ref.shape != g.shape:
+                    found.append(f"gradient {name} shape {tuple(g.shape)} != {tuple(ref.shape)}: {tag}")
+                    continue
+                # relative to the tensor's largest element; GPT-2's key bias relative to the model's largest
+                # gradient: its exact gradient is 0 (softmax is invariant to the per-query constant it adds)
+                floor = scale if name.endswith("attn.wk.bias") else 0.0
+                e = float((g - ref).abs().max() / max(float(ref.abs().max()), floor))
+                worst_grad = max(worst_grad, e)
+                if e > GRAD_RTOL:
+                    found.append(f"gradient {name} rel {e:.1e}: {tag}")
+            compared += 1
+        print(f"[{j}] {tag}: loss {loss:.6f} vs {expected:.6f} rel {err:.1e}", flush=True)
+    print(
+        f"seed {args.seed}: {args.configs} judged, {len(accepted)} accepted, {refused} refused; {len(runs)} run "
+        f"({compared} with gradients); worst loss rel {worst_loss:.1e}, worst gradient rel {worst_grad:.1e}; "
+        f"{len(found)} disagreement(s) in {time.time() - t0:.0f}s"
+    )
+    for f in found:
+        print("DISAGREEMENT", f)
+
+
+if __name__ == "__main__":
+    main()
