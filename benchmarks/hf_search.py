@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.cli import main as cli_main
-from tessera.config import from_dict
+from tessera.config import as_overrides, from_dict
 from tessera.errors import CheckpointError, ConfigError
 from tessera.execution import resolve, violations
 from tests.distributed.conftest import trainer_config
@@ -205,21 +205,6 @@ def make_folder(folder: Path, hf: dict[str, Any]) -> None:
     model.save_pretrained(folder, max_shard_size="20KB" if hf["shard"] else "5GB")
 
 
-def overrides(raw: dict) -> list[str]:
-    out = []
-    for section, values in raw.items():
-        for key, value in values.items():
-            text = (
-                f'"{value}"'
-                if isinstance(value, str)
-                else str(value).lower()
-                if isinstance(value, bool)
-                else str(value)
-            )
-            out.append(f"--{section}.{key}={text}")
-    return out
-
-
 def judge(world: int, raw: dict) -> list[str]:
     """Problems validate finds (config load + execution rules); empty when accepted."""
     try:
@@ -236,7 +221,7 @@ def train_refuses(world: int, raw: dict, problems: list[str]) -> str | None:
     """None when ``tessera train --nproc N`` exits 2 naming every problem; else what it did."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = cli_main(["train", *overrides(raw), "--nproc", str(world)])
+        code = cli_main(["train", *as_overrides(raw), "--nproc", str(world)])
     if code != 2:
         return f"exit status {code}"
     text = err.getvalue()

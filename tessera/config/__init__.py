@@ -14,7 +14,7 @@ The rules across sections live in `tessera.execution`. This package must import 
 """
 
 from tessera.config.checks import ARITHMETIC_RULES, MAX_MICRO_BATCHES, Violation
-from tessera.config.loading import apply_overrides, from_dict, load_config
+from tessera.config.loading import apply_overrides, as_overrides, from_dict, load_config
 from tessera.config.sections import (
     CheckpointConfig,
     Config,
@@ -49,6 +49,7 @@ __all__ = [
     "TrainConfig",
     "Violation",
     "apply_overrides",
+    "as_overrides",
     "even_split",
     "from_dict",
     "key_name",

@@ -5,6 +5,7 @@ the model's shape."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from tessera.config.sections import (
 from tessera.errors import ConfigError
 from tessera.model.sizes import SIZES
 
-__all__ = ["apply_overrides", "from_dict", "load_config"]
+__all__ = ["apply_overrides", "as_overrides", "from_dict", "load_config"]
 
 # --- loading -------------------------------------------------------------------------------------------------
 
@@ -78,6 +79,30 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
         if not isinstance(table, dict):
             raise ConfigError(f"override {item[:80]!r}: [{section}] in the config file is not a table")
         table[name] = _parse_value(text)
+
+
+def as_overrides(raw: dict[str, Any]) -> list[str]:
+    """``raw``'s values as command-line overrides (``--train.lr=0.0003``), the inverse of `apply_overrides`:
+    what a script passes to ``tessera train`` to run a config it built as dicts. None means unset (TOML has no
+    null), so it is left out."""
+    return [
+        f"--{section}.{key}={_toml_value(value)}"
+        for section, values in raw.items()
+        for key, value in values.items()
+        if value is not None
+    ]
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):  # before int: bool is an int
+        return str(value).lower()
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string (same quotes and escapes)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    return str(value)  # int, float (inf and nan are TOML's spellings too)
 
 
 def _parse_value(text: str) -> Any:

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tessera.cli import main
-from tessera.config import Config, from_dict
+from tessera.config import Config, as_overrides, from_dict
 from tessera.execution import resolve, violations
 from tessera.memory import estimate
 from tests.distributed.conftest import trainer_config
@@ -145,23 +145,6 @@ def _config(raw: dict) -> Config:
     return from_dict({k: {n: x for n, x in v.items() if x is not None} for k, v in raw.items()})
 
 
-def _overrides(raw: dict) -> list[str]:
-    out = []
-    for section, values in raw.items():
-        for key, value in values.items():
-            if value is None:
-                continue
-            text = (
-                f'"{value}"'
-                if isinstance(value, str)
-                else str(value).lower()
-                if isinstance(value, bool)
-                else str(value)
-            )
-            out.append(f"--{section}.{key}={text}")
-    return out
-
-
 @SETTINGS
 @given(case=run_configs())
 def test_rejected_configs_are_rejected_by_train_with_the_same_message(case: tuple[int, dict]) -> None:
@@ -183,7 +166,7 @@ def test_rejected_configs_are_rejected_by_train_with_the_same_message(case: tupl
         return
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(["train", *_overrides(raw), "--nproc", str(world)])
+        code = main(["train", *as_overrides(raw), "--nproc", str(world)])
     assert code == 2
     for problem in problems:
         assert str(problem) in err.getvalue(), (str(problem), err.getvalue())

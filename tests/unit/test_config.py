@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tessera.cli import main
-from tessera.config import Config, load_config, parse_tensor
+from tessera.config import Config, apply_overrides, as_overrides, load_config, parse_tensor
 from tessera.errors import ConfigError
 
 BROKEN = """
@@ -161,3 +161,22 @@ def test_validate_cli_ok(capsys: pytest.CaptureFixture) -> None:
 def test_missing_config_file_is_a_message(capsys: pytest.CaptureFixture) -> None:
     assert main(["validate", "nope.toml", "--world-size", "1"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_as_overrides_is_the_inverse_of_apply_overrides() -> None:
+    """A config built as dicts reaches `tessera train` as the same values: strings with quotes and backslashes,
+    booleans, floats in exponent form, lists, inline tables (data.path entries); None is left unset."""
+    raw = {
+        "model": {"family": "llama", "n_layers": 2, "init": None},
+        "parallel": {"tensor": "2x2", "stage_layers": [1, 3], "sequence_parallel": True},
+        "train": {"lr": 3e-4, "min_lr": 0.0, "grad_clip": float("inf")},
+        "data": {"path": ["a b.bin", {"path": 'c"d\\e.bin', "weight": 0.3}], "document_mask": False},
+        "log": {"run_dir": "runs/ü"},
+    }
+    back: dict = {}
+    apply_overrides(back, as_overrides(raw))
+    expected = {
+        section: {k: v for k, v in values.items() if v is not None} for section, values in raw.items()
+    }
+    assert back == expected
+    assert as_overrides({"train": {"steps": 5}}) == ["--train.steps=5"]
