@@ -44,9 +44,8 @@ from tessera.figures import save_figure  # noqa: E402
 from tessera.pipeline import build_schedule, lower  # noqa: E402
 from tessera.sim import simulator as new_simulator  # noqa: E402
 
-new_validate = importlib.import_module(
-    "tessera.pipeline.validate"
-)  # the package's `validate` is the function
+# the module: the package's `validate` is the function
+new_validate = importlib.import_module("tessera.pipeline.validate")
 
 RESULTS = ROOT / "benchmarks" / "results"
 BEFORE = "773ef6e"  # main before the schedule tools were made linear

@@ -154,14 +154,10 @@ def test_rejected_configs_are_rejected_by_train_with_the_same_message(case: tupl
     if not problems:
         plan = resolve(cfg, world)  # accepted: the plan resolves and prices
         assert plan.micro_batches >= 1 and sum(plan.stage_layers) == cfg.model.n_layers
-        split, par = (
-            cfg.parallel.stage_layers,
-            cfg.parallel,
-        )  # accepted: a split the run can take, not one ignored
-        assert split is None or (sum(split), len(split)) == (
-            cfg.model.n_layers,
-            par.pipeline * par.stages_per_rank,
-        )
+        # accepted: a split the run can take, not one ignored
+        split, par = cfg.parallel.stage_layers, cfg.parallel
+        stages = par.pipeline * par.stages_per_rank
+        assert split is None or (sum(split), len(split)) == (cfg.model.n_layers, stages)
         assert estimate(cfg, world).total > 0
         return
     err = io.StringIO()
