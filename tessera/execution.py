@@ -37,7 +37,7 @@ from tessera.config import (
     Violation,
     even_split,
 )
-from tessera.config.checks import divisors_near, multiple_near
+from tessera.config.checks import divisors_near, multiple_near, multiples_around
 from tessera.errors import ConfigError, DataError
 from tessera.layout import Layout
 from tessera.modes import BREADTH_FIRST, DEPTH_FIRST, LAYERED, reduces_every_microbatch
@@ -412,8 +412,7 @@ def _check_schedule(plan: ExecutionPlan) -> list[Violation]:
         ]
     if name == "interleaved" and m % p:
         unit = plan.micro_batch * plan.dp * p
-        lo, hi = unit * (m // p), unit * (m // p + 1)
-        near = f"{lo} or {hi}" if lo else f"{hi}"
+        near = " or ".join(str(b) for b in multiples_around(plan.global_batch, unit))
         return [
             Violation(
                 rule="pipeline.schedule",
@@ -458,7 +457,8 @@ def _check_layout(cfg: Config, world_size: int) -> list[Violation]:
     v.extend(_check_tensor(cfg.model, t, q, p.sequence_parallel))
     v.extend(_check_overlaps(p, t))
     v.extend(_check_pipeline(cfg))
-    v.extend(_check_batch(cfg.train, dp))
+    interleaved = p.pipeline if p.schedule == "interleaved" else 1  # its micro-batch count rule
+    v.extend(_check_batch(cfg.train, dp, q, interleaved))
     if q > 1 and cfg.train.micro_batch % q:
         # 2D partitions activations as [b/q, s, h/q]: the micro-batch splits over the grid's rows.
         v.append(
@@ -579,19 +579,46 @@ def _check_pipeline(cfg: Config) -> list[Violation]:
     return []
 
 
-def _check_batch(tr: TrainConfig, dp: int) -> list[Violation]:
+def _check_batch(tr: TrainConfig, dp: int, q: int = 1, m_multiple: int = 1) -> list[Violation]:
+    """global_batch must be whole micro-batches on every data-parallel rank. The fix names the multiples of
+    micro_batch × dp around it (one value when it is below the first) and, when it is below one unit, also the
+    smaller micro_batch that makes it valid: one that divides each rank's share, is a multiple of the 2D grid
+    side ``q`` (the micro-batch splits over it) and leaves a micro-batch count that is a multiple of
+    ``m_multiple`` (the interleaved schedule's pipeline size)."""
     unit = tr.micro_batch * dp
     if unit < 1 or tr.global_batch % unit == 0:
         return []
-    lo, hi = unit * max(1, tr.global_batch // unit), unit * (tr.global_batch // unit + 1)
+    # the interleaved schedule also needs whole rounds of micro-batches: propose values that pass both rules
+    step, rounds = (
+        unit * m_multiple,
+        f" × pipeline {m_multiple}, as the interleaved schedule needs" * (m_multiple > 1),
+    )
+    batches = " or ".join(str(b) for b in multiples_around(tr.global_batch, step))
+    fix = f"set train.global_batch = {batches} (a multiple of micro_batch {tr.micro_batch} × data {dp}{rounds}: {step})"
+    smaller = _micro_batch_dividing(tr.global_batch, dp, q, m_multiple) if tr.global_batch < unit else None
+    if smaller is not None:
+        m = tr.global_batch // (smaller * dp)
+        each = "one micro-batch" if m == 1 else f"{m} micro-batches"
+        fix += f", or train.micro_batch = {smaller} to keep global_batch {tr.global_batch} ({each} per data rank)"
     return [
         Violation(
             rule="batch",
             problem=f"train.global_batch = {tr.global_batch} is not micro_batch "
             f"{tr.micro_batch} × micro-batches × data-parallel size {dp}",
-            fix=f"set train.global_batch = {lo} or {hi} (multiples of {unit})",
+            fix=fix,
         )
     ]
+
+
+def _micro_batch_dividing(global_batch: int, dp: int, q: int, m_multiple: int) -> int | None:
+    """The largest micro-batch that splits ``global_batch`` into whole micro-batches on each of ``dp`` ranks, is
+    a multiple of ``q`` and leaves a multiple of ``m_multiple`` micro-batches; None when there is none."""
+    per_rank, rest = divmod(global_batch, dp)
+    if rest:
+        return None
+    # called when a rank's share is below one micro-batch: this counts down from below micro_batch
+    fits = (b for b in range(per_rank, 0, -1) if per_rank % b == 0 and b % q == 0)
+    return next((b for b in fits if (per_rank // b) % m_multiple == 0), None)
 
 
 def _check_grad_reduction(cfg: Config) -> list[Violation]:

@@ -42,6 +42,7 @@ __all__ = [
     "check_train",
     "divisors_near",
     "multiple_near",
+    "multiples_around",
 ]
 
 
@@ -417,3 +418,11 @@ def divisors_near(n: int, target: int, count: int = 3, tries: int = 4096) -> lis
 
 def multiple_near(n: int, k: int) -> int:
     return max(k, k * round(n / k))
+
+
+def multiples_around(n: int, k: int) -> list[int]:
+    """The positive multiples of ``k`` nearest ``n`` from below and from above, without repeats: one value when
+    ``n`` is below ``k`` (or is a multiple itself), else two."""
+    below = k * (n // k)
+    above = below if below == n else below + k
+    return sorted({m for m in (below, above) if m > 0})

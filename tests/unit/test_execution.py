@@ -229,3 +229,51 @@ def test_load_step_without_resuming_is_refused(tmp_path, capsys: pytest.CaptureF
     assert main(["train", *(f"--{o}" for o in fresh)]) == 2
     assert str(v) in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+_BATCH_CASES = {  # name: (overrides, world size)
+    "below_one_unit": (["train.global_batch=4"], 2),  # unit 8 × 2 = 16: the fix used to say "16 or 16"
+    "below_one_unit_odd_share": (["train.global_batch=3"], 2),  # no micro_batch splits 3 over 2 ranks
+    "between_units": (["train.global_batch=20"], 2),
+    "below_one_unit_2d": (["train.global_batch=4", "train.micro_batch=4", "parallel.tensor=2x2"], 8),
+    "below_one_unit_interleaved": (
+        [
+            *INTERLEAVED_M3,
+            "train.global_batch=4",
+            "train.micro_batch=8",
+            "parallel.pipeline=4",
+            "model.n_layers=8",
+        ],
+        4,
+    ),
+}
+
+
+def _suggested(fix: str, key: str) -> list[int]:
+    """The values a fix proposes for ``key`` ("set train.global_batch = 16 or 32 (...)", ", or key = 2 ...")."""
+    import re
+
+    found = re.search(rf"{re.escape(key)} = ((?:\d+)(?: or \d+)*)", fix)
+    return [int(x) for x in found.group(1).split(" or ")] if found else []
+
+
+@pytest.mark.parametrize("case", sorted(_BATCH_CASES))
+def test_the_batch_fix_names_each_value_once_and_every_value_is_valid(case: str) -> None:
+    """The fix printed "set train.global_batch = 16 or 16" for a global batch below micro_batch × data. Each
+    proposed value must appear once and, applied alone, pass every rule; below one unit the micro_batch that
+    keeps the global batch is proposed where one exists."""
+    overrides, world = _BATCH_CASES[case]
+    (v,) = violations(load_config(DEMO, overrides), world)
+    assert v.rule == "batch", v
+    batches, micro = _suggested(v.fix, "train.global_batch"), _suggested(v.fix, "train.micro_batch")
+    assert batches and len(batches) == len(set(batches)), v.fix
+    for batch in batches:
+        assert violations(load_config(DEMO, [*overrides, f"train.global_batch={batch}"]), world) == [], batch
+    for mb in micro:
+        assert violations(load_config(DEMO, [*overrides, f"train.micro_batch={mb}"]), world) == [], (
+            mb,
+            v.fix,
+        )
+    expect_micro = {"below_one_unit": [2], "below_one_unit_odd_share": [], "between_units": []}
+    expect_micro |= {"below_one_unit_2d": [2], "below_one_unit_interleaved": [1]}
+    assert micro == expect_micro[case], v.fix
