@@ -267,7 +267,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from tessera.sim.render import TEXT_LIMIT, show_schedule
+    from tessera.sim.render import TEXT_LIMIT, image_note, show_schedule
 
     limit = None if args.full_text else TEXT_LIMIT
     text = show_schedule(
@@ -275,7 +275,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     )
     print(text)
     if args.out:
-        print(f"wrote {args.out}")
+        note = image_note(args.pp)  # how a picture of many ranks was fitted (thinner rows)
+        print(f"wrote {args.out}" + (f" ({note})" if note else ""))
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from tessera.figures import save_figure
 from tessera.pipeline.ir import ActionKind, ScheduleError, infer_stage_ranks
@@ -15,7 +16,18 @@ from tessera.pipeline.passes import lower
 from tessera.pipeline.schedules import build_schedule
 from tessera.sim.simulator import CostTable, TimelineEntry, simulate
 
-__all__ = ["KIND_COLORS", "TEXT_LIMIT", "render_image", "render_text", "show_schedule", "text_size"]
+__all__ = [
+    "IMAGE_BAR_LIMIT",
+    "IMAGE_HEIGHT_IN",
+    "KIND_COLORS",
+    "TEXT_LIMIT",
+    "image_note",
+    "image_rows",
+    "render_image",
+    "render_text",
+    "show_schedule",
+    "text_size",
+]
 
 KIND_COLORS = {
     ActionKind.FORWARD: "#4c72b0",
@@ -85,41 +97,85 @@ def render_text(timeline: list[TimelineEntry], p: int) -> str:
     return "\n".join(f"r{r:<3} " + " ".join(row) for r, row in enumerate(rows))
 
 
+IMAGE_HEIGHT_IN = 40.0
+"""Tallest picture `render_image` draws, in inches (its width is capped at the same): a rank row is 0.5 inch up
+to 77 ranks and thinner beyond, so that p = 2000 is a 4000 × 4000 pixel picture instead of one 100,000 pixels
+tall, which matplotlib refuses (after minutes of drawing)."""
+
+IMAGE_BAR_LIMIT = 200_000
+"""Most bars `render_image` draws (about 2 s of matplotlib at 100 dpi); a schedule with more, which no picture
+at this size can show one by one anyway, is refused at once with the count (`ScheduleError`). The text
+timeline's limit is `TEXT_LIMIT`."""
+
+_ROW_IN = 0.5  # a rank row's height, in inches, while the picture is under IMAGE_HEIGHT_IN
+_MARGIN_IN = 1.2  # title, time axis and legend
+_LABEL_ROW_IN = 0.25  # the thinnest row a micro-batch number (7 pt) is written in
+_LEGEND_BELOW_IN = 0.55  # from the plot's bottom to the legend, below the time axis
+_DIGIT_IN = 0.07  # width of a 7 pt digit
+_MAX_LABELS = 2000  # micro-batch numbers written at most (about 4 s)
+_MAX_TICKS = 64  # rank names on the vertical axis at most; beyond, every k-th rank is named
+
+
+def image_rows(p: int) -> float:
+    """Height of a rank row in inches in a picture of ``p`` ranks: 0.5 while that fits `IMAGE_HEIGHT_IN`."""
+    return min(_ROW_IN, (IMAGE_HEIGHT_IN - _MARGIN_IN) / max(p, 1))
+
+
+def image_note(p: int) -> str | None:
+    """How a picture of ``p`` ranks was fitted to `IMAGE_HEIGHT_IN`, in words; None when its rows are whole."""
+    row = image_rows(p)
+    return None if row >= _ROW_IN else f"{p} rank rows of {row:.3g} in, to fit {IMAGE_HEIGHT_IN:g} in"
+
+
+def _labels(drawn: list[TimelineEntry], row: float, inch_per_time: float) -> list[TimelineEntry] | None:
+    """The bars whose micro-batch number fits inside them (7 pt digits, about 0.07 in wide each), or None when
+    their numbers are left out: rows thinner than a digit's height, or more than `_MAX_LABELS` numbers (a text
+    costs about 2 ms to draw; so many are unreadable at this size anyway)."""
+    if row < _LABEL_ROW_IN:
+        return None
+    fits = [
+        e
+        for e in drawn
+        if e.action.microbatch is not None
+        and (e.end - e.start) * inch_per_time >= _DIGIT_IN * (len(str(e.action.microbatch)) + 1)
+    ]
+    return fits if len(fits) <= _MAX_LABELS else None
+
+
 def render_image(timeline: list[TimelineEntry], p: int, path: str | Path, title: str = "") -> Path:
     """Draw a Gantt chart (ranks as rows) to ``path``; the format (png or svg) follows the extension.
 
-    Colour by kind (lighter for later local chunks), micro-batch number inside each bar."""
+    Colour by kind (lighter for later local chunks), micro-batch number inside each bar it fits in. At most
+    `IMAGE_HEIGHT_IN` inches high: beyond 77 ranks the rows get thinner (`image_rows`); bars are drawn as one
+    collection per colour, so a large pipeline takes seconds. A timeline of more than `IMAGE_BAR_LIMIT` bars is
+    refused before any drawing."""
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in ("png", "svg"):
         raise ScheduleError(f"picture path must end in .png or .svg, got {path.name!r}")
+    drawn = _drawn(timeline)
+    if len(drawn) > IMAGE_BAR_LIMIT:
+        raise ScheduleError(
+            f"the picture would hold {len(drawn):,} bars ({p} ranks), over the {IMAGE_BAR_LIMIT:,} a picture "
+            "is drawn with; fix: leave out --out (the text header has the step time and bubble), or draw a "
+            "smaller --pp or --microbatches, whose picture has the same shape"
+        )
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    drawn = _drawn(timeline)
     end = max((entry.end for entry in drawn), default=1.0)
-    fig, ax = plt.subplots(figsize=(min(40.0, 2.0 + 0.35 * end), 1.2 + 0.5 * p))
-    for entry in drawn:
-        a = entry.action
-        chunk = a.stage // p
-        alpha = max(0.35, 1.0 - 0.25 * chunk)
-        ax.barh(
-            p - 1 - entry.rank,
-            entry.end - entry.start,
-            left=entry.start,
-            height=0.8,
-            color=KIND_COLORS[a.kind],
-            alpha=alpha,
-            edgecolor="white",
-            linewidth=0.5,
-        )
-        label = "" if a.microbatch is None else str(a.microbatch)
-        ax.text(
-            (entry.start + entry.end) / 2, p - 1 - entry.rank, label, ha="center", va="center", fontsize=7
-        )
-    ax.set_yticks(range(p), [f"rank {r}" for r in reversed(range(p))])
+    width, row = min(IMAGE_HEIGHT_IN, 2.0 + 0.35 * end), image_rows(p)
+    fig, ax = plt.subplots(figsize=(width, _MARGIN_IN + row * p))
+    _draw_bars(ax, drawn, p, thin=row < _ROW_IN)
+    labels = _labels(drawn, row, (width - 2.0) / end)  # the plot is about 2 in narrower than the figure
+    for entry in labels or ():
+        y, label = p - 1 - entry.rank, str(entry.action.microbatch)
+        ax.text((entry.start + entry.end) / 2, y, label, ha="center", va="center", fontsize=7)
+    named = range(0, p, max(1, -(-p // _MAX_TICKS)))
+    ax.set_yticks([p - 1 - r for r in named], [f"rank {r}" for r in named])
+    ax.set_ylim(-0.5, p - 0.5)
     ax.set_xlim(0, end)
     ax.set_xlabel("time")
     kinds = sorted({entry.action.kind for entry in drawn}, key=list(ActionKind).index)
@@ -128,17 +184,42 @@ def render_image(timeline: list[TimelineEntry], p: int, path: str | Path, title:
         handles,
         [k.name.lower() for k in kinds],
         loc="upper center",
-        bbox_to_anchor=(0.5, -0.35 - 0.1 / p),
+        bbox_to_anchor=(0.5, -_LEGEND_BELOW_IN / (row * p)),  # the same distance below at any p
         fontsize=7,
         ncols=len(kinds) or 1,
         frameon=False,
     )
-    ax.set_title(title, fontsize=9)
+    notes = [image_note(p), "micro-batch numbers left out" if labels is None and drawn else None]
+    note = "; ".join(n for n in notes if n)
+    ax.set_title("\n".join(t for t in (title, f"({note})" if note else "") if t), fontsize=9)
     fig.tight_layout()
     try:
         return save_figure(fig, path, fmt)
     finally:
         plt.close(fig)
+
+
+def _draw_bars(ax: Any, drawn: list[TimelineEntry], p: int, thin: bool) -> None:
+    """One bar per entry (rank r's row at height p - 1 - r, 0.8 high), gathered into one collection per
+    (kind, chunk) colour: a matplotlib artist per bar (`barh`) made p = 200 take 30 s. Thin rows get no white
+    edge, which would cover them."""
+    from matplotlib.collections import PolyCollection
+
+    groups: dict[tuple[ActionKind, float], list[list[tuple[float, float]]]] = {}
+    for entry in drawn:
+        a = entry.action
+        key = (a.kind, max(0.35, 1.0 - 0.25 * (a.stage // p)))  # lighter for later local chunks
+        y0, y1, x0, x1 = p - 1.4 - entry.rank, p - 0.6 - entry.rank, entry.start, entry.end
+        groups.setdefault(key, []).append([(x0, y0), (x0, y1), (x1, y1), (x1, y0)])
+    for (kind, alpha), boxes in groups.items():
+        bars = PolyCollection(
+            boxes,
+            facecolors=KIND_COLORS[kind],
+            alpha=alpha,
+            edgecolors="white",
+            linewidths=0.0 if thin else 0.5,
+        )
+        ax.add_collection(bars)
 
 
 def show_schedule(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -136,3 +137,80 @@ def test_an_exchange_without_its_peer_deadlocks() -> None:
     lowered[1] = [a for a in lowered[1] if not a.kind.is_exchange]
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(lowered, 2, check=False)
+
+
+def _diagonal(p: int, m: int) -> list:
+    """A GPipe-shaped timeline without simulating it: rank r runs m unit forwards from time r."""
+    from tessera.sim.simulator import TimelineEntry
+
+    return [
+        TimelineEntry(r, Action(r, ActionKind.FORWARD, i), r + i, r + i + 1.0)
+        for r in range(p)
+        for i in range(m)
+    ]
+
+
+def _captured_figure(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Figures render_image saves, kept (their artists are counted) instead of written."""
+    import tessera.sim.render as render_module
+
+    saved: list = []
+    real = render_module.save_figure
+
+    def keep(fig: Any, out: Path, fmt: str, **kw: Any) -> Path:
+        saved.append((fig.get_size_inches().tolist(), fig.axes[0]))
+        return real(fig, out, fmt, **kw)
+
+    monkeypatch.setattr(render_module, "save_figure", keep)
+    return saved
+
+
+def test_a_picture_of_thousands_of_ranks_fits_and_is_drawn_in_few_artists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--pp 2000 drew one 0.5 in row per rank (1,001 in: 100,120 px, which matplotlib refuses) with a bar and a
+    number per action (16,000 artists each, minutes). Counted, not timed: the picture is at most IMAGE_HEIGHT_IN
+    high and its bars are a few collections; small pipelines keep their 0.5 in rows and numbers."""
+    from PIL import Image
+
+    from tessera.sim.render import IMAGE_HEIGHT_IN, image_note
+
+    saved = _captured_figure(monkeypatch)
+    out = render_image(_diagonal(2000, 8), 2000, tmp_path / "big.png", title="big")
+    (width, height), ax = saved[-1]
+    assert height <= IMAGE_HEIGHT_IN and width <= IMAGE_HEIGHT_IN, (width, height)
+    assert Image.open(out).size[1] <= IMAGE_HEIGHT_IN * 100  # savefig's default 100 dpi
+    assert len(ax.patches) + len(ax.collections) + len(ax.texts) <= 20, (ax.patches, ax.collections, ax.texts)
+    assert len(ax.get_yticks()) <= 64  # rank names: every 32nd
+    assert "2000 rank rows" in ax.get_title() and "micro-batch numbers left out" in ax.get_title()
+    assert image_note(2000) == "2000 rank rows of 0.0194 in, to fit 40 in"
+
+    render_image(_diagonal(4, 4), 4, tmp_path / "small.png", title="small")
+    (_, height), ax = saved[-1]
+    assert height == pytest.approx(1.2 + 0.5 * 4) and ax.get_title() == "small" and image_note(4) is None
+    assert sorted(t.get_text() for t in ax.texts) == sorted(str(i) for _ in range(4) for i in range(4))
+
+
+def test_a_picture_over_the_bar_limit_is_refused_before_drawing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tessera.sim.render as render_module
+
+    monkeypatch.setattr(render_module, "IMAGE_BAR_LIMIT", 15)
+    saved = _captured_figure(monkeypatch)
+    with pytest.raises(ScheduleError, match=r"16 bars \(4 ranks\), over the 15 .*leave out --out"):
+        render_image(_diagonal(4, 4), 4, tmp_path / "x.png")
+    assert saved == [] and not (tmp_path / "x.png").exists()
+
+
+def test_schedule_show_says_how_a_large_picture_was_fitted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tessera.cli import main
+
+    out = tmp_path / "p200.png"
+    assert main(["schedule", "show", "1f1b", "--pp", "200", "--microbatches", "2", "--out", str(out)]) == 0
+    assert (
+        capsys.readouterr().out.splitlines()[-1] == f"wrote {out} (200 rank rows of 0.194 in, to fit 40 in)"
+    )
+    assert out.stat().st_size > 1000
