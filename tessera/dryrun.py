@@ -18,6 +18,7 @@ alive through every later step's forward and backward; see `dry_run`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -191,7 +192,9 @@ def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, 
       and receive of the fp32 table shard);
     - data: the cost model's `dp_volume` with fp32 master weights (`Plan.param_bytes`) and the execution plan's
       gradient-reduction width (`Plan.grad_reduce_width`), the stages exchanged reduced once; ZeRO-3 gathers each
-      stage as often as the lowered schedule's GATHER actions say;
+      stage as often as the lowered schedule's GATHER actions say; with hybrid sharding these go to the shard
+      group ("data_shard") and each stage's gradient shard is all-reduced over the replica group
+      ("data_replicate", `_hybrid_traffic`);
     - the step's scalars: the loss summed over data ranks and broadcast over the pipeline, the gradient norm's
       sum of squares reduced over every group holding gradient shards (4 bytes each).
 
@@ -280,13 +283,28 @@ def _data_traffic(cfg: Config, execution: Any, plan: Any, psi: dict[int, float])
         if cfg.model.tie_embeddings and 0 in psi and last in psi and last != 0:
             count[0] += count[last]  # the head uses the tied table, which lives in stage 0's flat buffer
         out[("all_gather", "data")] = sum(plan.param_bytes * n * count[s] for s, n in psi.items())
+    if plan.zero_stage and plan.zero_replicas > 1:
+        return _hybrid_traffic(out, plan.zero_dp, psi)
+    return out
+
+
+def _hybrid_traffic(data: dict, shard: int, psi: dict[int, float]) -> dict:
+    """Hybrid sharding: ZeRO's collectives run on the shard group ("data_shard", the same bytes: an all-gather's
+    output and a reduce-scatter's input are whole stages whatever the group size), plus once per step each
+    stage's fp32 gradient shard all-reduced over the replica group ("data_replicate"): its flat buffer padded to
+    a multiple of the shard size, / shard (`FlatStage`)."""
+    out = {(kind, "data_shard"): nbytes for (kind, _), nbytes in data.items()}
+    out[("all_reduce", "data_replicate")] = sum(4 * math.ceil(n / shard) for n in psi.values() if n)
     return out
 
 
 def _scalar_traffic(plan: Any) -> dict:
     out: dict[tuple[str, str], float] = {}
     if plan.dp > 1:
-        out[("all_reduce", "data")] = 4 * (1 + (plan.zero_stage > 0))  # loss; ZeRO's norm over shards
+        out[("all_reduce", "data")] = 4  # the loss
+    if plan.zero_stage and plan.zero_dp > 1:  # ZeRO's norm over the shards (hybrid sharding: its shard group)
+        axis = "data_shard" if plan.zero_replicas > 1 else "data"
+        out[("all_reduce", axis)] = out.get(("all_reduce", axis), 0) + 4
     if plan.pp > 1:
         out[("broadcast", "pipe")] = 4  # the loss, from the last stage
         out[("all_reduce", "pipe")] = 4  # the gradient norm

@@ -116,6 +116,11 @@ class ExecutionPlan:
     checkpointing: str
     """Activation checkpointing of every stage's blocks."""
     zero: int
+    zero_shard: int
+    """Ranks of one ZeRO shard group: consecutive data-parallel ranks (the inner part of the data axis,
+    `tessera.layout.Layout.data_shard_groups`) that shard the model state; the data-parallel size / zero_shard
+    replica groups all-reduce the gradient shards (hybrid sharding, `parallel.zero_shard_size`). The whole
+    data-parallel size when the config leaves it unset."""
     micro_batch: int
     micro_batches: int
     global_batch: int
@@ -138,6 +143,12 @@ class ExecutionPlan:
     @property
     def pp(self) -> int:
         return self.layout.pp
+
+    @property
+    def zero_replicas(self) -> int:
+        """ZeRO shard groups that replicate each other (1 without hybrid sharding): each gradient shard is
+        all-reduced over this many ranks."""
+        return self.dp // self.zero_shard
 
     @property
     def tp(self) -> int:
@@ -237,7 +248,13 @@ class ExecutionPlan:
             )
         lines.append(
             f"accumulation: {self.accumulation}; checkpointing: {self.checkpointing} (every stage); "
-            f"ZeRO: {self.zero}; dtype: {self.dtype}"
+            f"ZeRO: {self.zero}"
+            + (
+                f" sharded over {self.zero_shard} data-parallel ranks, replicated {self.zero_replicas}×"
+                if self.zero and self.zero_replicas > 1
+                else ""
+            )
+            + f"; dtype: {self.dtype}"
             + (f"; gradient reduce-scatter: {self.grad_reduce_dtype}" if self.zero else "")
             + ("; parameter all-gather: under the next forward" if self.overlap_param_gather else "")
         )
@@ -362,6 +379,7 @@ def decide(cfg: Config, world_size: int) -> ExecutionPlan:
         accumulation=accumulation,
         checkpointing=par.checkpointing,
         zero=par.zero,
+        zero_shard=par.zero_shard_size or layout.dp,
         micro_batch=tr.micro_batch,
         micro_batches=m,
         global_batch=tr.global_batch,
@@ -456,6 +474,7 @@ def _check_layout(cfg: Config, world_size: int) -> list[Violation]:
         )
     v.extend(_check_tensor(cfg.model, t, q, p.sequence_parallel))
     v.extend(_check_overlaps(p, t))
+    v.extend(_check_zero_shard(p, dp))
     v.extend(_check_pipeline(cfg))
     interleaved = p.pipeline if p.schedule == "interleaved" else 1  # its micro-batch count rule
     v.extend(_check_batch(cfg.train, dp, q, interleaved))
@@ -539,6 +558,47 @@ def _check_overlaps(p: ParallelConfig, t: int) -> list[Violation]:
             )
         )
     return v
+
+
+def _check_zero_shard(p: ParallelConfig, dp: int) -> list[Violation]:
+    """parallel.zero_shard_size (hybrid sharding): ZeRO's shard groups must tile the data-parallel ranks, and
+    there must be ZeRO state to shard and more than one rank to shard it over."""
+    s = p.zero_shard_size
+    if s is None:
+        return []
+    key = f"parallel.zero_shard_size = {s}"
+    if p.zero == 0:
+        return [
+            Violation(
+                rule="zero.shard_size",
+                problem=f"{key} sets the group ZeRO shards over, but parallel.zero = 0 shards nothing "
+                "(plain data parallelism all-reduces full gradients)",
+                fix="set parallel.zero = 1, 2 or 3, or remove parallel.zero_shard_size",
+            )
+        ]
+    if dp % s:
+        sizes = [d for d in range(2, dp + 1) if dp % d == 0]
+        return [
+            Violation(
+                rule="zero.shard_size",
+                problem=f"{key} does not divide the data-parallel size {dp}: the shard groups would not tile "
+                "the data-parallel ranks",
+                fix=f"set parallel.zero_shard_size to one of {sizes}"
+                if sizes
+                else "remove parallel.zero_shard_size (one data-parallel rank: nothing to shard)",
+            )
+        ]
+    if s == 1 and dp > 1:
+        return [
+            Violation(
+                rule="zero.shard_size",
+                problem=f"{key} shards nothing: every rank would hold the whole model state and all-reduce "
+                "its gradients",
+                fix=f"set parallel.zero_shard_size to a divisor >= 2 of the data-parallel size {dp} (e.g. the "
+                "GPUs per node), or parallel.zero = 0 for plain data parallelism",
+            )
+        ]
+    return []
 
 
 def _check_pipeline(cfg: Config) -> list[Violation]:

@@ -1,5 +1,10 @@
 """The only module that creates torch.distributed process groups: one DeviceMesh built from the Layout, one mesh
-axis per `tessera.axes.Axis` the layout uses (a new dimension needs nothing here: ``group(axis)`` reaches it)."""
+axis per `tessera.axes.Axis` the layout uses (a new dimension needs nothing here: ``group(axis)`` reaches it).
+
+Hybrid sharding (`parallel.zero_shard_size` s < data-parallel size) adds two subgroups of the data axis, whose
+members `Layout.data_shard_groups` / `data_replica_groups` compute: ZeRO's shard group (s consecutive data ranks,
+counted as "data_shard" in comm.STATS) and its replica group ("data_replicate"). The data axis's own group stays
+what data sampling, the loss and the metrics use."""
 
 from __future__ import annotations
 
@@ -22,6 +27,10 @@ class Groups:
     layout: Layout
     mesh: DeviceMesh
     rank: int
+    shard: dist.ProcessGroup | None = None
+    """Hybrid sharding's shard group; None: ZeRO shards over the whole data group."""
+    replica: dist.ProcessGroup | None = None
+    """Hybrid sharding's replica group (the ranks holding the same shard); None without hybrid sharding."""
 
     def group(self, axis: Axis) -> dist.ProcessGroup:
         """The group of ranks that differ from this one only along ``axis``."""
@@ -33,6 +42,11 @@ class Groups:
     @property
     def dp(self) -> dist.ProcessGroup:
         return self.group(Axis.DATA)
+
+    @property
+    def zero_shard(self) -> dist.ProcessGroup:
+        """The group ZeRO shards its state over: the shard group, or the whole data group."""
+        return self.shard if self.shard is not None else self.dp
 
     @property
     def pp(self) -> dist.ProcessGroup:
@@ -55,8 +69,9 @@ class Groups:
         return self.group(Axis.TENSOR_ROW)
 
 
-def build_groups(layout: Layout, device_type: str = "cpu") -> Groups:
-    """Create the DeviceMesh for ``layout`` (collective: every rank must call it)."""
+def build_groups(layout: Layout, device_type: str = "cpu", zero_shard: int | None = None) -> Groups:
+    """Create the DeviceMesh for ``layout`` (collective: every rank must call it); with ``zero_shard`` below the
+    data-parallel size also hybrid sharding's shard and replica groups (`ExecutionPlan.zero_shard`)."""
     if not dist.is_initialized():
         raise RuntimeError(
             "build_groups needs torch.distributed initialised; run under torchrun or tessera train"
@@ -71,4 +86,18 @@ def build_groups(layout: Layout, device_type: str = "cpu") -> Groups:
         mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=names)
     for name in names:
         name_group(mesh.get_group(name), name)
-    return Groups(layout=layout, mesh=mesh, rank=dist.get_rank())
+    groups = Groups(layout=layout, mesh=mesh, rank=dist.get_rank())
+    if zero_shard is not None and zero_shard < layout.dp:
+        groups.shard = _subgroup(layout.data_shard_groups(zero_shard), "data_shard")
+        groups.replica = _subgroup(layout.data_replica_groups(zero_shard), "data_replicate")
+    return groups
+
+
+def _subgroup(members: list[list[int]], name: str) -> dist.ProcessGroup:
+    """Create every group of ``members`` (each rank creates all of them, in the same order: torch requires it)
+    and return the one holding this rank, named ``name`` for comm.STATS."""
+    with unset_fake_temporarily():
+        mine, _ = dist.new_subgroups_by_enumeration(members)
+    assert mine is not None  # the groups tile the world: every rank is in one
+    name_group(mine, name)
+    return mine

@@ -121,6 +121,23 @@ class Layout:
             seen.setdefault(tuple(self.group_members(r, *axes)), None)
         return [list(g) for g in seen]
 
+    def data_shard_groups(self, shard: int) -> list[list[int]]:
+        """Hybrid sharding's shard groups: each data-parallel group cut into runs of ``shard`` consecutive data
+        coordinates (the inner part of the data axis; with data outermost in rank order, e.g. the ranks of one
+        node when ``shard`` data ranks fill it). Every group once, ordered by its smallest rank."""
+        return sorted(g[i : i + shard] for g in self._data_groups(shard) for i in range(0, len(g), shard))
+
+    def data_replica_groups(self, shard: int) -> list[list[int]]:
+        """Hybrid sharding's replica groups: the ranks at the same position of every shard group of one
+        data-parallel group (data coordinates equal modulo ``shard``), which hold the same ZeRO shard. Every group
+        once, ordered by its smallest rank."""
+        return sorted(g[i::shard] for g in self._data_groups(shard) for i in range(shard))
+
+    def _data_groups(self, shard: int) -> list[list[int]]:
+        if shard < 1 or self.dp % shard:
+            raise ValueError(f"a ZeRO shard size of {shard} does not divide the data-parallel size {self.dp}")
+        return self.all_groups(Axis.DATA)  # each in rank order, which is data-coordinate order
+
     def describe(self) -> str:
         parts = []
         for d in DIMS:

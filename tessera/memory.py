@@ -146,7 +146,11 @@ def _fix_for(component: str, plan: Plan) -> str:
     if component in ("optimizer", "grads", "params"):
         want = {"optimizer": 1, "grads": 2, "params": 3}[component]
         if plan.zero_stage < want and plan.dp > 1:
-            return f"set parallel.zero = {want} (shards {component} over the {plan.dp} data-parallel ranks)"
+            return (
+                f"set parallel.zero = {want} (shards {component} over the {plan.zero_dp} data-parallel ranks)"
+            )
+        if plan.zero_replicas > 1:
+            return f"raise parallel.zero_shard_size (up to the data-parallel size {plan.dp}: shard over more ranks)"
         if plan.zero_stage < 3 and plan.dp > 1:
             return "set parallel.zero = 3"
         return "raise parallel.pipeline or parallel.tensor, or add data-parallel ranks with parallel.zero = 3"
@@ -164,6 +168,7 @@ def cost_plan(plan: ExecutionPlan) -> Plan:
         overlap_param_gather=plan.overlap_param_gather,
         virtual_stages=plan.stages_per_rank,
         zero_stage=plan.zero,
+        zero_shard=plan.zero_shard if plan.zero_replicas > 1 else 0,  # 0: over all dp ranks (plain ZeRO)
         micro_batch=plan.micro_batch,
         n_microbatches=plan.micro_batches,
         recompute=plan.checkpointing,
@@ -304,7 +309,7 @@ def _state_key(shape: ModelShape, plan: ExecutionPlan) -> tuple:
     ZeRO stage, the stage split and its placement on the ranks (`stage_params`, `model_state_bytes`,
     `ExecutionPlan.rank_stages`). Not the schedule's name, the micro-batching, checkpointing or the overlaps: the
     search prices many layouts that differ only in those."""
-    return (shape, plan.layout, plan.zero, plan.stage_layers, plan.placement)
+    return (shape, plan.layout, plan.zero, plan.zero_shard, plan.stage_layers, plan.placement)
 
 
 def model_state_floor(shape: ModelShape, plan: ExecutionPlan) -> float:
@@ -339,7 +344,9 @@ def model_state_mean(shape: ModelShape, plan: Plan) -> float:
     `model_state_bytes` is linear in the parameters. The planner's search rejects all the variants of a layout
     and ZeRO stage with it before building their configs."""
     total = sum(_stage_params(shape, plan, None))
-    return (1 - _BOUND_MARGIN) * sum(model_state_bytes(total / plan.pp, plan.dp, plan.zero_stage, "fp32"))
+    return (1 - _BOUND_MARGIN) * sum(
+        model_state_bytes(total / plan.pp, plan.zero_dp, plan.zero_stage, "fp32")
+    )
 
 
 def memory_floor(shape: ModelShape, plan: ExecutionPlan, *, stop_above: float | None = None) -> float:
@@ -454,7 +461,7 @@ def _price_rank_state(shape: ModelShape, plan: ExecutionPlan, rank: int) -> tupl
         if plan.placement == "loop"
         else sum(per_stage[s] for s in plan.rank_stages(rank))
     )
-    return model_state_bytes(mine, cplan.dp, cplan.zero_stage, "fp32")
+    return model_state_bytes(mine, cplan.zero_dp, cplan.zero_stage, "fp32")
 
 
 def _compute_schedule(plan: ExecutionPlan) -> Schedule:
@@ -587,7 +594,7 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
         flat={s: width * n for s, n in psi.items()},
         working=working,
         zero=plan.zero,
-        dp=plan.dp,
+        dp=plan.zero_shard,  # what ZeRO shards over (hybrid sharding: the shard group)
         deferred_reduce=_deferred(plan.zero, plan.accumulation),
         uses={last: (last, 0)} if shape.tied and last != 0 and {0, last} <= psi.keys() else {},
     )
@@ -641,8 +648,9 @@ def _temporaries(plan: ExecutionPlan, grads: dict[int, float]) -> float:
     its all-gather left in flight (`ZeroStageComm.gather_updated_params`), if that is more."""
     if not plan.zero:
         return 0.0
-    adam = 2 * max(grads.values(), default=0.0) / plan.dp
-    inputs = sum(grads.values()) / plan.dp if plan.overlap_param_gather and plan.dp > 1 else 0.0
+    s = plan.zero_shard  # the ranks ZeRO shards over
+    adam = 2 * max(grads.values(), default=0.0) / s
+    inputs = sum(grads.values()) / s if plan.overlap_param_gather and s > 1 else 0.0
     return max(adam, inputs)
 
 
@@ -655,7 +663,7 @@ def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]])
         return compile_walk(
             events,
             zero=plan.zero,
-            sharded=plan.dp > 1,
+            sharded=plan.zero_shard > 1,
             deferred_reduce=deferred,
             uses=uses,
             classes=classes,
@@ -669,7 +677,7 @@ def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]])
         plan.placement,
         plan.accumulation,
         plan.zero,
-        plan.dp > 1,
+        plan.zero_shard > 1,
         tuple(sorted(uses.items())),
         tuple(sorted(classes.items())),
         plan.exchanged_stages(rank),
@@ -776,7 +784,7 @@ def _adjust(
 ) -> MemoryBreakdown:
     """tessera-specific terms: exact per-rank parameters, the head's per-micro-batch activations, and the
     buffers of tessera's ZeRO implementation (see the module docstring)."""
-    params, grads, optimizer = model_state_bytes(sum(stage_psi), plan.dp, plan.zero_stage, "fp32")
+    params, grads, optimizer = model_state_bytes(sum(stage_psi), plan.zero_dp, plan.zero_stage, "fp32")
     sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.stream_bytes  # the fp32 residual stream
     logits = 4 * shape.seq_len * plan.micro_batch * shape.vocab_size / plan.tp
     head = last_inflight * (head_activation_bytes(shape, plan) + logits)
@@ -789,7 +797,7 @@ def _adjust(
     buffers = (2 * sbh if plan.pp > 1 else 0.0) + (flat if plan.dp > 1 or plan.zero_stage else 0.0)
     if plan.zero_stage >= 2:
         buffers += biggest  # the full gradients of the stage in backward, before its reduce-scatter
-    if plan.zero_stage >= 3 and plan.dp > 1:
+    if plan.zero_stage >= 3 and plan.zero_dp > 1:
         buffers += biggest  # one stage's gathered parameters
     return MemoryBreakdown(  # built directly: dataclasses.replace costs a field scan per call in the search
         params=params,

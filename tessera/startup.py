@@ -90,9 +90,9 @@ def startup_memory(cfg: Config, world_size: int, plan: ExecutionPlan | None = No
         mine = plan.rank_stages(rank)
         psi = sum(per_stage[s] for s in mine)
         largest = _largest(shape, cost, holds_table=0 in mine or plan.n_stages - 1 in mine) * _FP32
-        held = psi * _FP32 / (plan.dp if plan.zero >= 3 else 1)
+        held = psi * _FP32 / (plan.zero_shard if plan.zero >= 3 else 1)
         build = held + largest + 2 * block
-        load = sum(model_state_bytes(psi, plan.dp, plan.zero, "fp32")) + largest
+        load = sum(model_state_bytes(psi, plan.zero_shard, plan.zero, "fp32")) + largest
         candidate = StartupEstimate(build, load, held, largest, rank)
         if best is None or candidate.peak > best.peak:
             best = candidate

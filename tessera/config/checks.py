@@ -99,6 +99,7 @@ _RANGES: dict[str, dict[str, _Range]] = {
     "parallel": {  # every dimension's size (tessera.axes.DIMS; "tensor" is parsed by parse_tensor)
         **{d.key: _POSITIVE for d in DIMS if d.key != "tensor"},
         "stages_per_rank": _POSITIVE,
+        "zero_shard_size": _POSITIVE,
     },
     "train": {
         **dict.fromkeys(("steps", "global_batch", "micro_batch"), _POSITIVE),

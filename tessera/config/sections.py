@@ -109,6 +109,11 @@ class ParallelConfig:
     """Explicit layers per stage (p·v entries summing to n_layers), e.g. lighter first and last stages."""
     zero: int = 0
     """ZeRO stage over the data-parallel group: 0 (plain all-reduce), 1, 2 or 3."""
+    zero_shard_size: int | None = None
+    """Hybrid sharding (HSDP): ZeRO shards over groups of this many consecutive data-parallel ranks (e.g. the GPUs
+    of one node) and replicates across the data / zero_shard_size groups, which all-reduce the gradient shards.
+    Unset: one shard group of the whole data-parallel size (plain ZeRO). Must divide the data-parallel size;
+    needs zero >= 1 (docs/zero.md, "Hybrid sharding")."""
     overlap_param_gather: bool = False
     """ZeRO-1/2 only: all-gather the updated parameters asynchronously after the optimizer step and wait for each
     stage's only before its first compute of the next step (Megatron's --overlap-param-gather)."""

@@ -11,7 +11,11 @@ onto the IR (docs/zero.md explains why this and not FSDP2) through the runtime's
   shards into it; the module's parameters are views of that buffer, so they come back to life in place.
 - ``free(s)`` (FREE, ZeRO-3): resize the storage to 0 bytes. Tensors saved for backward keep referring to the same
   storage, which the backward phase's GATHER refills before use (FSDP1's trick).
-- ``finish()``: wait for every reduction; the averaged gradient shards are ready for `ShardedAdamW`.
+- ``finish()``: wait for every reduction; the averaged gradient shards are ready for `ShardedAdamW`. With hybrid
+  sharding (HSDP: ``dp_group`` is the shard group, ``replica_group`` the ranks holding the same shard in the
+  other shard groups) it first all-reduces each stage's accumulated gradient shard over the replica group, once
+  per step whatever the accumulation (a sum of all-reduces is the all-reduce of the sum), so only 1/s of the
+  gradients crosses between shard groups; replicas then update identical shards identically.
 - ``wait_gather(s)`` also completes ZeRO-1/2's post-step all-gather, which `ShardedAdamW.step` leaves in flight
   with ``overlap_param_gather`` (`FlatStage.launch_param_gather`): the runtime calls it before every compute.
 
@@ -81,9 +85,19 @@ class FlatStage:
     when ``full``'s storage is released between phases). ``grad_shard``: the reduced gradient shard (fp32).
     """
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None, zero_stage: int) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        group: dist.ProcessGroup | None,
+        zero_stage: int,
+        replica_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.params, self.group, self.zero_stage = params, group, zero_stage
         self.world, self.rank = _size(group), _group_rank(group)
+        # hybrid sharding: the ranks holding this same shard in the other shard groups (None: no replicas)
+        self.replica_group = replica_group
+        self.replicas = _size(replica_group) if replica_group is not None else 1
+        self._replica_work: Any = None
         self.numel = sum(p.numel() for p in params)
         self.padded = math.ceil(max(self.numel, 1) / self.world) * self.world
         self.shard_numel = self.padded // self.world
@@ -241,6 +255,19 @@ class FlatStage:
                 self.grad_shard.add_(part)
         self._pending.clear()
 
+    def launch_replica_reduce(self) -> None:
+        """Hybrid sharding, once per step after `wait_reduce`: sum the step's gradient shard over the replica
+        group (async, in place, fp32: the accumulated shard itself, no second buffer)."""
+        if self.replicas > 1 and self.grad_shard is not None:
+            self._replica_work = comm.all_reduce(self.grad_shard, self.replica_group, async_op=True)
+
+    def wait_replica_reduce(self) -> None:
+        """Complete `launch_replica_reduce`: the shard becomes the mean over all s·r data-parallel ranks."""
+        if self._replica_work is not None:
+            self._replica_work.wait()
+            self._replica_work = None
+            self.grad_shard.div_(self.replicas)
+
 
 def _drop_storage(p: nn.Parameter) -> None:
     """Free a parameter's own storage and keep its shape (ZeRO-3 keeps its value in the flat shard); one built
@@ -295,7 +322,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             flat.shard_param.grad = g if g is not None else torch.zeros_like(flat.shard)
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the reduced gradients: sum of squares over shards, all-reduced over dp and
+        """Global L2 norm of the reduced gradients: sum of squares over shards, all-reduced over the shard group
+        (the data-parallel group without hybrid sharding; its replicas hold the same shards, counted once) and
         ``norm_groups`` (e.g. the pipeline group whose ranks hold other stages)."""
         pairs: list[tuple[torch.Tensor, float]] = []
         for flat in self.zero.flats.values():

@@ -116,6 +116,8 @@ class ZeroStageComm:
     ``overlap_param_gather`` (ZeRO-1/2): `gather_updated_params` leaves each stage's all-gather in flight, to be
     waited for at the stage's first compute of the next step; until then every module holding its parameters
     refuses to run ``forward`` or ``state_dict`` outside the runtime (`finish_param_gathers` first).
+    ``replica_group`` (hybrid sharding): ``dp_group`` is then the shard group, and `finish` all-reduces each
+    stage's gradient shard over this group once per step (docs/zero.md, "Hybrid sharding").
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class ZeroStageComm:
         *,
         reduce_dtype: torch.dtype = torch.float32,
         overlap_param_gather: bool = False,
+        replica_group: dist.ProcessGroup | None = None,
     ) -> None:
         if zero_stage not in (1, 2, 3):
             raise ValueError(
@@ -158,7 +161,7 @@ class ZeroStageComm:
                 if owner[id(p)] not in self.uses[s]:
                     self.uses[s].append(owner[id(p)])
         self.flats: dict[int, FlatStage] = {
-            s: FlatStage(ps, dp_group, zero_stage) for s, ps in by_stage.items() if ps
+            s: FlatStage(ps, dp_group, zero_stage, replica_group) for s, ps in by_stage.items() if ps
         }
         self.uses = {s: [o for o in owners if o in self.flats] for s, owners in self.uses.items()}
         self._pending_reduce: set[int] = set()
@@ -218,13 +221,18 @@ class ZeroStageComm:
         self._inflight = [flat]
 
     def finish(self) -> None:
-        """Before the optimizer step: launch deferred reductions and wait for every one."""
+        """Before the optimizer step: launch deferred reductions and wait for every one; with hybrid sharding
+        then all-reduce every stage's gradient shard over the replica group."""
         for stage in sorted(self._pending_reduce, reverse=True):
             self._launch(self.flats[stage], drop_grads=False)
         self._pending_reduce.clear()
         self._inflight = []
         for flat in self.flats.values():
             flat.wait_reduce()
+        for s in sorted(self.flats):  # hybrid sharding: all in flight together, then all waited for
+            self.flats[s].launch_replica_reduce()
+        for flat in self.flats.values():
+            flat.wait_replica_reduce()
 
     # --- the updated parameters (ZeRO-1/2) -------------------------------------------------------------------
 

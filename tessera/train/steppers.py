@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from tessera import comm
 from tessera.config import Config, TrainConfig
 from tessera.execution import SCHEDULE_RUNTIME, ExecutionPlan, resolve
 from tessera.groups import Groups
@@ -98,6 +99,19 @@ def _shard_id(layout: Layout, groups: Groups | None, zero: int) -> str | None:
     if zero > 0 and layout.dp > 1:
         parts.append(f"dp{groups.coord(Axis.DATA)}")
     return ".".join(parts) or None
+
+
+def _replica_group(plan: ExecutionPlan, groups: Groups | None) -> torch.distributed.ProcessGroup | None:
+    """Hybrid sharding's replica group, checked against the plan: groups built without the plan's shard size
+    would shard over the whole data group and silently skip the replicas' all-reduce."""
+    if plan.zero_replicas == 1 or groups is None:
+        return None
+    if groups.replica is None or comm.group_size(groups.zero_shard) != plan.zero_shard:
+        raise ValueError(
+            f"the plan shards ZeRO over {plan.zero_shard} of {plan.dp} data-parallel ranks, but the groups were "
+            "built without that shard size: build_groups(layout, device, zero_shard=plan.zero_shard)"
+        )
+    return groups.replica
 
 
 class DirectStepper:
@@ -190,9 +204,10 @@ class ScheduledStepper:
             if plan.zero == 0:
                 return DataParallelStageComm(stages, dp_group)
             reduce = reduce_dtype(plan.grad_reduce_dtype)
-            # The data-parallel group itself, even of size 1: ZeRO treats a None group as the whole world,
-            # which with pipeline ranks reduce-scattered different stages' gradients together.
-            group = groups.dp if groups is not None else None
+            # The shard group (the data-parallel group without hybrid sharding) itself, even of size 1: ZeRO
+            # treats a None group as the whole world, which with pipeline ranks reduce-scattered different
+            # stages' gradients together.
+            group = groups.zero_shard if groups is not None else None
             self.zero = ZeroStageComm(
                 stages,
                 group,
@@ -200,6 +215,7 @@ class ScheduledStepper:
                 plan.accumulation,
                 reduce_dtype=reduce,
                 overlap_param_gather=plan.overlap_param_gather,
+                replica_group=_replica_group(plan, groups),
             )
             return self.zero
 

@@ -189,7 +189,9 @@ class TrainingRun:
         self.layout = self.plan.layout
         self.device = resolve_device(cfg.train.device)
         self.groups: Groups | None = (
-            build_groups(self.layout, self.device.type) if dist.is_initialized() else None
+            build_groups(self.layout, self.device.type, self.plan.zero_shard if self.plan.zero else None)
+            if dist.is_initialized()
+            else None
         )
         self.dp_rank = self.groups.coord(Axis.DATA) if self.groups else 0
         self.dp_group = self.groups.dp if self.groups else None

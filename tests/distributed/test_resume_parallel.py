@@ -26,6 +26,8 @@ LAYOUTS = {  # name: (world size, model size, parallel section[, train section])
     "pp2_1f1b_tied": (2, "gpt2-tiny", {"pipeline": 2, "schedule": "1f1b"}),
     "tp2x2": (4, "llama-tiny", {"tensor": "2x2"}),
     "dp2_pp2_zero3": (4, "gpt2-tiny", {"data": 2, "pipeline": 2, "zero": 3, "schedule": "breadth_first"}),
+    # hybrid sharding: ZeRO-2 shards over 2 of the 4 data ranks, the replicas all-reduce them (one block each saved)
+    "dp4_shard2_zero2": (4, "gpt2-tiny", {"data": 4, "zero": 2, "zero_shard_size": 2}),
     # the loss scale must come back too: 2**19 overflows at steps 0 and 1, so the checkpoint holds 2**17
     "dp2_zero2_fp16": (2, "gpt2-tiny", {"data": 2, "zero": 2}, {"dtype": "fp16", "fp16_init_scale": 2.0**19}),
     "dp2_fp16": (

@@ -2,7 +2,8 @@
 
 Configs are drawn across families (GPT, Llama), tied/untied embeddings, world sizes 1-4, data × pipeline ×
 tensor (1D, 1D + sequence parallelism with or without its communication overlap, 2D), the four schedules, stages
-per rank, explicit stage splits, ZeRO 0-3 (1/2 with or without the overlapped parameter all-gather), accumulation
+per rank, explicit stage splits, ZeRO 0-3 (1/2 with or without the overlapped parameter all-gather; hybrid sharding's
+shard size), accumulation
 orders and checkpointing modes; most are drawn consistent with their world size so that many are accepted. Two
 properties:
 
@@ -61,6 +62,24 @@ FOUND = [  # (world size, raw sections): accepted configs a search of the config
         },
     )
     for zero, schedule, tied in ((2, "gpipe", True), (3, "1f1b", False))
+]
+HYBRID = [  # (world size, raw sections): hybrid sharding (dp 4 = 2 × 2), which the drawn sample rarely holds
+    (
+        4,
+        {
+            "model": {
+                "family": "llama",
+                "n_layers": 2,
+                "d_model": 32,
+                "n_heads": 2,
+                "vocab_size": 256,
+                "seq_len": 8,
+            },
+            "parallel": {"zero": zero, "zero_shard_size": 2, "accumulation": accumulation, **extra},
+            "train": {"micro_batch": 1, "global_batch": 8, "dtype": "fp32"},
+        },
+    )
+    for zero, accumulation, extra in ((3, "depth_first", {}), (1, "layered", {"overlap_param_gather": True}))
 ]
 SETTINGS = settings(
     derandomize=True,
@@ -138,6 +157,10 @@ def run_configs(draw: st.DrawFn) -> tuple[int, dict]:
     # likewise: a stage split of the one stage of pipeline 1 (validated as any other; it once passed unchecked)
     if pipeline * v == 1 and not draw(st.integers(0, 9)):
         parallel["stage_layers"] = [draw(st.sampled_from([model["n_layers"], model["n_layers"] + 1]))]
+    # likewise: hybrid sharding's shard size, mostly where ZeRO has data ranks to shard over (dp 4 = 2 × 2 is
+    # accepted; 1, 3 and sizes without ZeRO are refused)
+    if (parallel["zero"] and dp > 1 and draw(st.integers(0, 1))) or not draw(st.integers(0, 19)):
+        parallel["zero_shard_size"] = draw(st.sampled_from([1, 2, 2, 3, 4]))
     return world, {"model": model, "parallel": parallel, "train": train}
 
 
@@ -208,6 +231,7 @@ def _richness(plan, raw: dict) -> int:
         plan.tp_comm_overlap,
         plan.overlap_param_gather,
         plan.zero > 0,
+        plan.zero_replicas > 1,
         plan.dp > 1,
         plan.stages_per_rank > 1 and plan.pp > 1,
         "stage_layers" in raw["parallel"],
@@ -226,7 +250,7 @@ def _train_one_step(rank: int, world: int, configs: list[dict]) -> list[float]:
 def test_accepted_configs_train_one_step(token_file: Path, tmp_path: Path) -> None:
     sample = _accepted_sample()
     assert sum(map(len, sample.values())) >= sum(SAMPLE_PER_WORLD.values()) - 2, sample
-    for world, raw in FOUND:
+    for world, raw in FOUND + HYBRID:
         assert violations(_config(raw), world) == [], raw
         sample.setdefault(world, []).append(raw)
     for world, raws in sorted(sample.items()):

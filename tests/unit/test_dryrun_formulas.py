@@ -58,6 +58,26 @@ LAYOUTS = {
     ),
 }
 
+HYBRID = {
+    # hybrid sharding: ZeRO's collectives on the shard group ("data_shard"), the gradient shards all-reduced over
+    # the replica group ("data_replicate") once per step, the norm over the shard group, the loss over all data
+    "dp4_shard2_z2_depth_first": (
+        4,
+        {"zero": 2, "zero_shard_size": 2, "accumulation": "depth_first"},
+        {"global_batch": 8, "micro_batch": 1},
+    ),
+    "pp2_dp4_shard2_z3_tied": (
+        8,
+        {"pipeline": 2, "zero": 3, "zero_shard_size": 2},
+        {"global_batch": 16, "micro_batch": 2},
+    ),
+    "tp2_dp4_shard2_z1": (
+        8,
+        {"tensor": 2, "zero": 1, "zero_shard_size": 2},
+        {"global_batch": 8, "micro_batch": 1},
+    ),
+}
+
 MODEL = {"pp2_v2_dp2_depth_first_tied": {"n_layers": 4}}  # llama-tiny's model section, changed
 
 
@@ -93,3 +113,24 @@ def test_bf16_gradient_reduction_halves_the_reduce_scatter_bytes(zero: int) -> N
     rs, ag = ("reduce_scatter", "data"), ("all_gather", "data")
     assert data["bf16"][rs] * 2 == data["fp32"][rs] > 0
     assert data["bf16"][ag] == data["fp32"][ag] > 0
+
+
+@pytest.mark.parametrize("name", list(HYBRID))
+def test_hybrid_sharding_traffic_splits_into_shard_and_replica_groups(name: str) -> None:
+    """Every data-parallel collective of a hybrid-sharded step is on the shard or the replica group, none of
+    ZeRO's on the whole data group; the formulas equal the dry run to the byte on the replica group, the scalars
+    and the pipe and tensor axes, and within the flat buffers' padding (one element per stage and shard rank) on
+    the shard group."""
+    world, parallel, train = HYBRID[name]
+    cfg = from_dict({"model": {"size": "llama-tiny"}, "parallel": parallel, "train": train})
+    for rank in default_ranks(Layout.from_config(cfg.parallel, world)):
+        measured = measured_by_axis(dry_run(cfg, world, rank))
+        formula = formula_traffic(cfg, world, rank)
+        assert measured.keys() == formula.keys(), rank
+        assert measured[("all_reduce", "data")] == 4, "only the loss on the whole data group"
+        assert measured[("all_reduce", "data_replicate")] > 0
+        for key, nbytes in measured.items():
+            if key[1] == "data_shard" and key[0] != "all_reduce":
+                assert abs(formula[key] - nbytes) <= 0.01 * nbytes, (rank, key)
+            else:
+                assert formula[key] == nbytes, (rank, key)

@@ -55,6 +55,10 @@ LAYOUTS = {  # name: (world size, parallel section)
         8,
         {"pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 2, "tensor": "2x2"},
     ),
+    # hybrid sharding (parallel.zero_shard_size): ZeRO state over shard groups of 2 of the 4 data ranks, so every
+    # rank holds what dp 2 would; the replica all-reduce runs in place on the fp32 shards (no buffer)
+    "pp2_1f1b_dp4_shard2_zero3": (8, {"pipeline": 2, "schedule": "1f1b", "zero": 3, "zero_shard_size": 2}),
+    "dp4_shard2_zero1_depth_first": (4, {"zero": 1, "zero_shard_size": 2, "accumulation": "depth_first"}),
     # the direct loop, its flat gradient copy reduce-scattered in bf16 (train.grad_reduce_dtype)
     "dp2_zero2_depth_first_bf16_reduce": (2, {"zero": 2, "accumulation": "depth_first"}),
 }

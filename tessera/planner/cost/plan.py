@@ -39,6 +39,10 @@ class Plan:
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved / looped schedules)."""
     zero_stage: int = 0
+    zero_shard: int = 0
+    """Hybrid sharding (HSDP): ZeRO shards over groups of this many data-parallel ranks and replicates across
+    dp / zero_shard of them (tessera's `parallel.zero_shard_size`); 0: over all dp ranks. Read it through
+    `zero_dp`."""
     micro_batch: int = 1
     n_microbatches: int = 1
     recompute: str = "none"
@@ -86,6 +90,16 @@ class Plan:
     def sizes(self) -> dict[str, int]:
         """Ranks per group of each dimension of `tessera.axes.DIMS`, by name ("data", "pipe", "tensor")."""
         return {d.name: getattr(self, d.plan_field) for d in DIMS}
+
+    @property
+    def zero_dp(self) -> int:
+        """The ranks ZeRO shards the model state over: the shard group (hybrid sharding), else all dp ranks."""
+        return self.zero_shard or self.dp
+
+    @property
+    def zero_replicas(self) -> int:
+        """Shard groups replicating each other (1 without hybrid sharding)."""
+        return self.dp // self.zero_dp
 
     @property
     def world_size(self) -> int:

@@ -262,7 +262,7 @@ def memory_per_rank(
     p2p send+recv (2 boundary tensors), ZeRO-3 gather of 2 blocks (prefetch), ZeRO-2/3 one block of full grads.
     """
     psi = params_per_rank(shape, plan, stage)
-    params, grads, optimizer = model_state_bytes(psi, plan.dp, plan.zero_stage, precision)
+    params, grads, optimizer = model_state_bytes(psi, plan.zero_dp, plan.zero_stage, precision)
     w_b, g_b = (2, 2) if precision == "mixed" else (4, 4)
     z = plan.zero_stage
     acts = activation_bytes_per_layer(shape, plan) * rank_layers(shape, plan, stage) * inflight_microbatches
