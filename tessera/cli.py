@@ -39,11 +39,14 @@ def _load(args: argparse.Namespace, extra: list[str]):
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    cfg = _load(args, extra)
-    if args.nproc < 1 or args.max_restarts < 0:
-        raise TesseraError(
-            f"--nproc {args.nproc} must be at least 1 and --max-restarts {args.max_restarts} >= 0"
-        )
+    from tessera.rank_errors import decided_on_every_rank
+
+    with decided_on_every_rank():  # from the command line and the config alone: the same on every rank
+        cfg = _load(args, extra)
+        if args.nproc < 1 or args.max_restarts < 0:
+            raise TesseraError(
+                f"--nproc {args.nproc} must be at least 1 and --max-restarts {args.max_restarts} >= 0"
+            )
     if args.nproc > 1 and "RANK" not in os.environ:
         cfg.validate(args.nproc)
         stop = getattr(signal, cfg.train.stop_signal, None) if cfg.train.stop_signal else None
@@ -56,7 +59,8 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         )
     # Reject a wrong config before the trainer's imports (torch: seconds) and the run directory's lock, as the
     # multi-process path above does; the trainer resolves the same plan again and would raise the same message.
-    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    with decided_on_every_rank():
+        cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     from tessera.train.trainer import train
 
     result = train(cfg)
@@ -493,9 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return fn(args, extra)
     except TesseraError as e:
-        multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
-        prefix = f"[rank {os.environ.get('RANK', '?')}] " if multi else ""
-        sys.stderr.write(f"{prefix}error: {e}\n")  # one write, so ranks' lines do not interleave
+        from tessera.rank_errors import report_error
+
+        report_error(e)  # once for all the ranks that say the same (docs/launching.md)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -44,6 +44,9 @@ class TesseraError(Exception):
     """Base class for errors shown to the user as a message, never as a traceback."""
 
     exit_code = EXIT_USER_ERROR
+    same_on_every_rank = False
+    """Set where every rank makes this decision alike from the same inputs (`tessera.rank_errors`): then one
+    rank's message stands for all of them."""
 
 
 class ConfigError(TesseraError):

@@ -8,6 +8,10 @@
   still alive ``grace_s`` after that, or after a second signal, are killed.
 - A worker that fails ends the others at once; the user sees one line naming it (and the last step it reported,
   from its heartbeat file RUN_DIR/heartbeat/rank{r}) after that rank's own message.
+- Ranks do not print their user errors: they report them in a folder of this launcher's
+  (`tessera.rank_errors`), which prints each different message once with the ranks that reported it. After an
+  error every rank decides alike (a config or resume refusal), the others get `SAME_ERROR_WAIT_S` to reach
+  and report it too before they are stopped.
 - The rendezvous port listens before any rank starts: the launcher opens it and hands it to rank 0, whose
   TCPStore serves on it (`rendezvous_socket`), so no rank's connection is refused while rank 0 is still
   importing (docs/launching.md, "Rendezvous").
@@ -22,11 +26,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tessera.errors import EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_RESUMABLE, EXIT_USER_ERROR
+from tessera.rank_errors import ERROR_DIR, format_reports, rank_ranges, read_reports
 
 __all__ = [
     "STORE_FD",
@@ -39,6 +45,9 @@ __all__ = [
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _POLL_S = 0.05
+SAME_ERROR_WAIT_S = 10.0
+"""After a rank reports an error every rank decides alike, how long the others get to reach it (they do within
+moments: the same decision at the same point) before they are stopped: a bound, in case one is stuck."""
 
 
 def free_port() -> int:
@@ -140,7 +149,7 @@ def _launch_once(
     started = time.time()  # heartbeats from before it are an earlier run's (the run directory is reused)
     # Kept open until every worker is gone: if rank 0 dies before serving on it, the ranks waiting on it are
     # not reset but stopped by this launcher, which names rank 0, as when they used to retry a refused port.
-    with rendezvous_socket() as listener:
+    with rendezvous_socket() as listener, tempfile.TemporaryDirectory(prefix="tessera-errors-") as errors:
         base = {
             **os.environ,
             "MASTER_ADDR": "127.0.0.1",
@@ -149,6 +158,7 @@ def _launch_once(
             "LOCAL_WORLD_SIZE": str(nproc),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "TESSERA_LAUNCHER": "1",  # ranks leave naming a failed peer to this launcher
+            ERROR_DIR: errors,  # and printing their errors, which it prints once for all ranks alike
         }
         store = {STORE_FD: str(listener.fileno())}  # rank 0 only: the one that hosts the store
         procs: list[subprocess.Popen] = []
@@ -164,15 +174,23 @@ def _launch_once(
                     )
                 )
             try:
-                code = _supervise(procs, state, grace_s, heartbeat_dir, started)
-                return code, state["signal"] is not None
+                code, failure = _supervise(procs, state, grace_s, Path(errors))
             finally:
                 _kill_all(procs)  # whatever happened above, no worker outlives this function
+            # printed once every rank has ended: the reports of all ranks that wrote one, each message once
+            sys.stderr.write(format_reports(read_reports(Path(errors), nproc)))
+            line = None if failure is None else _describe_failure(*failure, heartbeat_dir, started)
+            if line:
+                print(line, file=sys.stderr)
+            return code, state["signal"] is not None
 
 
 def _supervise(
-    procs: list[subprocess.Popen], state: dict, grace_s: float, heartbeat_dir: Path | None, started: float
-) -> int:
+    procs: list[subprocess.Popen], state: dict, grace_s: float, errors: Path
+) -> tuple[int, tuple[int, int, dict[int, dict], list[int]] | None]:
+    """Wait for the workers: (exit status, None or the failure to describe: (first failed rank, its status, the
+    reports written so far, the ranks still running, which the caller stops))."""
+    waiting_since: float | None = None  # when a rank reported an error every rank decides alike
     while True:
         codes = [p.poll() for p in procs]
         # a rank that only lost contact with a failed one is not the news: name the one that failed first
@@ -180,23 +198,43 @@ def _supervise(
             ((r, c) for r, c in enumerate(codes) if c not in (None, 0, EXIT_RESUMABLE)),
             key=lambda rc: (rc[1] == EXIT_PEER_LOST, rc[0]),
         )
+        running = [r for r, c in enumerate(codes) if c is None]
         if failed and not state["signal"]:
             rank, code = failed[0]
-            print(
-                f"error: {_describe_exit(rank, code, heartbeat_dir, started)}; the other ranks were stopped",
-                file=sys.stderr,
-            )
-            return _status(code)
+            reports = read_reports(errors, len(procs))
+            if running and reports.get(rank, {}).get("same_on_every_rank"):
+                # the others decide the same at the same point: let them say so rather than be stopped
+                waiting_since = waiting_since or time.monotonic()
+                if time.monotonic() < waiting_since + SAME_ERROR_WAIT_S:
+                    time.sleep(_POLL_S)
+                    continue
+            return _status(code), (rank, code, reports, running)
         if all(c is not None for c in codes):
             if failed:
-                return _status(failed[0][1])
-            return EXIT_RESUMABLE if EXIT_RESUMABLE in codes else 0
+                return _status(failed[0][1]), None
+            return (EXIT_RESUMABLE if EXIT_RESUMABLE in codes else 0), None
         if state["signal"] and time.monotonic() > state["since"] + grace_s:
             print(
                 f"error: ranks still running {grace_s:.0f}s after {state['signal']}; killed", file=sys.stderr
             )
-            return 128 + signal.SIGKILL
+            return 128 + signal.SIGKILL, None
         time.sleep(_POLL_S)
+
+
+def _describe_failure(
+    rank: int,
+    code: int,
+    reports: dict[int, dict],
+    stopped: list[int],
+    heartbeat_dir: Path | None,
+    started: float,
+) -> str:
+    """The launcher's line after a failure. A rank that reported its error was named with it already: the line
+    then only names the ranks that were stopped (none: no line); else it names the rank and how it ended."""
+    if rank in reports:
+        who = f"rank {stopped[0]}" if len(stopped) == 1 else f"ranks {rank_ranges(stopped)}"
+        return f"stopped {who} after rank {rank}'s error" if stopped else ""
+    return f"error: {_describe_exit(rank, code, heartbeat_dir, started)}; the other ranks were stopped"
 
 
 def _status(code: int) -> int:

@@ -35,6 +35,7 @@ from tessera.model.documents import Batch, document_positions
 from tessera.model.init import InitSource, ValueSource, draw_seed
 from tessera.model.materialize import declare, materialize
 from tessera.parallel.apply import parallelize, shard_specs
+from tessera.rank_errors import decided_on_every_rank
 from tessera.train import checkpoint as ckpt
 from tessera.train.async_save import AsyncSaves
 from tessera.train.checkpoint_files import RANK_LOCAL_FORMAT, set_aside_later
@@ -516,14 +517,16 @@ class TrainingRun:
         meta = ckpt.checkpoint_meta(path)
         saved = meta.get("extra") or {}
         opt_in = self.cfg.checkpoint
-        check_compatible(
-            path,
-            saved.get("settings"),
-            self.settings,
-            int(meta.get("step", 0)),
-            new_schedule=opt_in.new_schedule,
-            new_data_order=opt_in.new_data_order,
-        )
+        # every rank reads the same checkpoint's settings and compares them with the same config
+        with decided_on_every_rank():
+            check_compatible(
+                path,
+                saved.get("settings"),
+                self.settings,
+                int(meta.get("step", 0)),
+                new_schedule=opt_in.new_schedule,
+                new_data_order=opt_in.new_data_order,
+            )
 
     @property
     def settings(self) -> dict[str, Any]:

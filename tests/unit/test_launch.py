@@ -106,3 +106,64 @@ def test_a_failed_rank_is_named_with_the_step_of_this_attempt_only(
     monkeypatch.setattr(launch.subprocess, "Popen", _Spawns(exit_code=1, beats=tmp_path))
     assert launch.launch_local(2, ["train"], heartbeat_dir=tmp_path) == 1
     assert "exited with status 1 after step 7; the other ranks were stopped" in capsys.readouterr().err
+
+
+class _Reports:
+    """Stands in for subprocess.Popen: rank r runs ``scripts[r]`` (Python, with ``report(message, every)``
+    writing its error report as `tessera.rank_errors.report_error` does) in place of a tessera rank."""
+
+    def __init__(self, scripts: dict[int, str]) -> None:
+        self.scripts = scripts
+
+    def __call__(self, args: list[str], *, env: dict[str, str], **kw: object):
+        rank = int(env["RANK"])
+        code = (
+            "import os, pathlib, time\n"
+            "from tessera.rank_errors import ERROR_DIR, write_report\n"
+            f"def report(message, every):\n"
+            f"    write_report(pathlib.Path(os.environ[ERROR_DIR]), {rank}, message, every)\n"
+            f"    raise SystemExit(2)\n"
+            f"{self.scripts[rank]}\n"
+        )
+        return _POPEN([sys.executable, "-c", code], env=env, **kw)
+
+
+def test_an_error_every_rank_reports_is_printed_once_with_their_ranks(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Rank 1 reaches the same refusal after rank 0 has exited: the launcher lets it, rather than stopping it at
+    once, and prints the message once for both, with no line of its own (both said why they stopped)."""
+    scripts = {
+        0: "report('refused\\n    fix: this', True)",
+        1: "time.sleep(0.5); report('refused\\n    fix: this', True)",
+    }
+    monkeypatch.setattr(launch.subprocess, "Popen", _Reports(scripts))
+    assert launch.launch_local(2, ["train"]) == 2
+    assert capsys.readouterr().err == "[ranks 0-1] error: refused\n    fix: this\n"
+
+
+def test_the_launcher_does_not_wait_for_a_stuck_rank_nor_hide_a_rank_specific_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A rank that never reaches the every-rank decision is stopped after SAME_ERROR_WAIT_S and named; one
+    rank's own error stops the others at once and is printed with its rank, and so is a different one."""
+    monkeypatch.setattr(launch, "SAME_ERROR_WAIT_S", 0.5)
+    monkeypatch.setattr(
+        launch.subprocess, "Popen", _Reports({0: "report('refused', True)", 1: "time.sleep(600)"})
+    )
+    assert launch.launch_local(2, ["train"]) == 2
+    assert capsys.readouterr().err == "[rank 0] error: refused\nstopped rank 1 after rank 0's error\n"
+
+    scripts = {0: "time.sleep(600)", 1: "report('rank 1: no such file', False)", 2: "time.sleep(600)"}
+    monkeypatch.setattr(launch, "SAME_ERROR_WAIT_S", 600.0)  # not used: this error is rank 1's own
+    monkeypatch.setattr(launch.subprocess, "Popen", _Reports(scripts))
+    assert launch.launch_local(3, ["train"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "[rank 1] error: rank 1: no such file\nstopped ranks 0, 2 after rank 1's error\n"
+    )
+
+    scripts = {0: "report('seed 9 now', True)", 1: "report('seed 8 now', True)"}
+    monkeypatch.setattr(launch.subprocess, "Popen", _Reports(scripts))
+    assert launch.launch_local(2, ["train"]) == 2
+    assert capsys.readouterr().err == "[rank 0] error: seed 9 now\n[rank 1] error: seed 8 now\n"
