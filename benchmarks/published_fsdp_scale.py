@@ -3,8 +3,8 @@
     python benchmarks/published_fsdp_scale.py     # prints the cases and each row's step breakdown
 
 `cases()` is read by `planner_published.py`; nothing here is fitted to any row. Every row is priced with FSDP's
-gather unit, one block (`mosaic_table.fsdp_units`). The standalone output adds, per row, the StepBreakdown, the
-HSDP rows' error with their omitted all-reduce exposed, and the fms-fsdp rows' error with the stated bandwidth
+gather unit, one block (`mosaic_table.fsdp_units`). The standalone output adds, per row, the StepBreakdown (with
+the HSDP rows' cross-node all-reduce, which it includes) and the fms-fsdp rows' error with the stated bandwidth
 read per GPU.
 
 Sources
@@ -55,11 +55,14 @@ Assumptions (what the sources do not state)
   early, as tessera's runtime does): `replays_last_exit=False`.
 - fms-fsdp's HSDP rows (7B): HYBRID_SHARD shards within each 8-GPU node and replicates across nodes: per unit, a
   reduce-scatter and two all-gathers over NVLink, then an all-reduce of the node's 1/8 gradient shard across the
-  16 (A100) or 12 (H100) nodes. tessera's `Plan` has one data axis with one ZeRO stage, so the closest plan is
-  chosen as ZeRO-3 over one node (dp 8): the same per-GPU compute, in-node collectives and optimizer shard; what
-  it omits is the cross-node all-reduce, 2·(n−1)/n × 13.5 GB / 8 ≈ 3.2 GB per GPU per step (0.51 s on the A100
-  network, 0.25 s on the H100 one, 26-27 % of the predicted step if none of it overlapped the backward;
-  `hsdp_all_reduce`). So the HSDP cases are an upper bound on throughput; they have their own group.
+  16 (A100) or 12 (H100) nodes. Priced as tessera's hybrid sharding (`Plan.zero_shard` = 8 of dp 128 / 96,
+  docs/zero.md): ZeRO-3 on the node and the bf16 all-reduce of each rank's 1/8 shard over its replica group, one
+  rank per node (`cost.replica_reduce_time`: 2·(n−1)/n × 13.5 GB / 8 ≈ 3.2 GB per GPU per step, 0.5 s on the A100
+  network, 0.25 s on the H100 one). tessera issues that all-reduce after the last reduce-scatter, so the planner
+  exposes what of it runs past the backward, which here is nearly all of it; FSDP1's HYBRID_SHARD issues each
+  unit's all-reduce right after its reduce-scatter, under the rest of the backward, so these rows are priced
+  slower than fms-fsdp ran them (a lower bound on throughput, the previous in-node-only plan an upper bound).
+  They keep a group of their own.
 
 Left out (each with its reason)
 -------------------------------
@@ -94,10 +97,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from published_case import Case, case_table, summary  # noqa: E402
 
-from tessera.planner.cost import ModelShape, Plan, palm_flops_per_token  # noqa: E402
+from tessera.planner.cost import ModelShape, Plan, palm_flops_per_token, replica_reduce_time  # noqa: E402
 from tessera.planner.hardware import Hardware, load_hardware  # noqa: E402
 from tessera.planner.mosaic_table import FSDP_SCHEDULE, fsdp_units  # noqa: E402
-from tessera.planner.network import collective_time, placement  # noqa: E402
 from tessera.planner.steptime import StepBreakdown, fast_step  # noqa: E402
 
 LLAMA_SHAPES = {  # (layers, d_model, heads, kv heads, FFN, vocabulary); SwiGLU, RMSNorm, no biases, untied head
@@ -225,10 +227,12 @@ REDUCE_BYTES = {TORCHTITAN: 4, FMS: 0}
 
 
 def plan(row: FsdpScaleRow) -> Plan:
-    """FSDP as ZeRO-3 over the row's shard group, one micro-batch per step, flash attention, bf16 gathers."""
+    """FSDP as ZeRO-3 over the row's GPUs, sharded within its shard group (HSDP: one node, hybrid sharding), one
+    micro-batch per step, flash attention, bf16 gathers."""
     return Plan(
-        dp=row.shard_group,
+        dp=row.gpus,
         zero_stage=3,
+        zero_shard=row.shard_group if row.hybrid else 0,
         micro_batch=row.micro_batch,
         n_microbatches=1,
         recompute="full" if row.checkpointing else "none",
@@ -257,7 +261,7 @@ def _group(row: FsdpScaleRow) -> str:
     if row.source == TORCHTITAN:
         return "ZeRO-3 at scale (torchtitan FSDP2, 64 A100)"
     if row.hybrid:
-        return "HSDP as in-node ZeRO-3 (fms-fsdp 7B, 96-128 GPUs; cross-node all-reduce not priced)"
+        return "HSDP (fms-fsdp 7B, 96-128 GPUs; cross-node all-reduce after the backward, as tessera runs it)"
     return "ZeRO-3 at scale (fms-fsdp FSDP, 128 A100 / 96 H100, 400-800 Gb/s nodes)"
 
 
@@ -276,29 +280,24 @@ def cases() -> list[Case]:
 
 
 def hsdp_all_reduce(row: FsdpScaleRow) -> float:
-    """Seconds of what the HSDP cases omit: the all-reduce of each rank's 1/8 gradient shard (bf16) across the
-    nodes, one rank per node (stride 8), on the row's network. 0 for FULL_SHARD rows."""
-    if not row.hybrid:
-        return 0.0
-    hw = hardware(row.network)
-    shard_bytes = row.shape.n_params() * plan(row).grad_reduce_width / row.shard_group
-    nodes = placement(row.gpus // row.shard_group, row.shard_group, hw.gpus_per_node)
-    return collective_time(hw, "all_reduce", shard_bytes, nodes)
+    """Seconds of the HSDP rows' all-reduce of each rank's 1/8 gradient shard (bf16) across the nodes, one rank per
+    node (stride 8), on the row's network (`cost.replica_reduce_time`, part of the step's dp_comm). 0 for
+    FULL_SHARD rows."""
+    return replica_reduce_time(row.shape.n_params(), hardware(row.network), fsdp_units(row.shape, plan(row)))
 
 
 def _breakdown_lines() -> list[str]:
-    """Each row's StepBreakdown (tp, pp and bubble are 0 here), the published step, the error, and for HSDP the
-    error with its omitted cross-node all-reduce exposed."""
+    """Each row's StepBreakdown (tp, pp and bubble are 0 here), of its dp_comm the HSDP all-reduce's seconds,
+    the published step and the error."""
     lines = [
-        "| case | compute s | dp_comm s | optimizer s | step s | published s | error | + HSDP all-reduce |",
+        "| case | compute s | dp_comm s | of it HSDP all-reduce s | optimizer s | step s | published s | error |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in (*TORCHTITAN_ROWS, *FMS_ROWS):
         bd, published = step(r), r.micro_batch * r.seq_len / r.tokens_per_gpu
         lines.append(
-            f"| {_label(r)} | {bd.compute:.2f} | {bd.dp_comm:.2f} | {bd.optimizer:.3f} | {bd.step_time:.2f} | "
-            f"{published:.2f} | {published / bd.step_time - 1:+.1%} | "
-            f"{published / (bd.step_time + hsdp_all_reduce(r)) - 1:+.1%} |"
+            f"| {_label(r)} | {bd.compute:.2f} | {bd.dp_comm:.2f} | {hsdp_all_reduce(r):.2f} | {bd.optimizer:.3f} | "
+            f"{bd.step_time:.2f} | {published:.2f} | {published / bd.step_time - 1:+.1%} |"
         )
     return lines
 

@@ -84,7 +84,7 @@ def _distinct(result: SearchResult, top: int) -> list[Candidate]:
     out: list[Candidate] = []
     for c in result.candidates:
         pl = c.plan
-        key = (pl.dp, pl.pp, pl.tp, pl.tp_kind, c.schedule)
+        key = (pl.dp, pl.pp, pl.tp, pl.tp_kind, c.schedule, pl.zero_dp)
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -304,6 +304,7 @@ def _candidate_json(c: Candidate, timed_by: str, reason: str | None) -> dict[str
         "stages_per_rank": pl.virtual_stages,
         "stage_layers": None if pl.stage_layers is None else list(pl.stage_layers),
         "zero": pl.zero_stage,
+        "zero_shard_size": pl.zero_dp if pl.zero_replicas > 1 else None,
         "overlap_param_gather": pl.overlap_param_gather,
         "checkpointing": pl.recompute,
         "micro_batch": pl.micro_batch,
@@ -374,10 +375,21 @@ def config_toml(result: SearchResult, cand: Candidate) -> str:
         "schedule",
         "stages_per_rank",
     )
-    keys += ("stage_layers", "zero", "overlap_param_gather", "accumulation", "checkpointing")
+    keys += (
+        "stage_layers",
+        "zero",
+        "zero_shard_size",
+        "overlap_param_gather",
+        "accumulation",
+        "checkpointing",
+    )
     parallel = {k: getattr(par, k) for k in keys}  # the overlaps too: the file runs what was priced
-    if par.stage_layers is None:  # even stages: nothing to write
-        del parallel["stage_layers"]
+    for unset in (
+        "stage_layers",
+        "zero_shard_size",
+    ):  # even stages, ZeRO over all data ranks: nothing to write
+        if parallel[unset] is None:
+            del parallel[unset]
     train = {"global_batch": tr.global_batch, "micro_batch": tr.micro_batch, "dtype": tr.dtype}
     lines = [
         f"# Written by `tessera plan` for {result.gpus} × {result.hardware.name}: {cand.label}",

@@ -124,6 +124,9 @@ class SearchSpace:
     Off by default: it grows the search and such layouts idle the lighter ranks."""
     schedules: tuple[str, ...] = SCHEDULE_NAMES
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    hybrid_sharding: bool = True
+    """Beside each ZeRO-3 layout, try hybrid sharding with a shard group of one node's data ranks
+    (`parallel.zero_shard_size` = GPUs per node / (pipeline · tensor), where that divides d and is below it)."""
     checkpointing: tuple[str, ...] = CHECKPOINTING
     sequence_parallel: tuple[bool, ...] = (False, True)
     micro_batches: tuple[int, ...] | None = None
@@ -191,7 +194,9 @@ class Candidate:
         ]
         return (
             f"d{pl.dp} p{pl.pp} {tensor} | {sched} | b{pl.micro_batch} m{pl.n_microbatches} | "
-            f"ZeRO-{pl.zero_stage} | ckpt {pl.recompute}"
+            f"ZeRO-{pl.zero_stage}"
+            + (f" hybrid {pl.zero_replicas}×{pl.zero_dp}" if pl.zero_replicas > 1 else "")
+            + f" | ckpt {pl.recompute}"
             + (f" | overlap {' + '.join(overlaps)}" if overlaps else "")
         )
 
@@ -396,6 +401,7 @@ _EXECUTION_FIELDS = (
     "overlap_param_gather",
     "virtual_stages",
     "zero_stage",
+    "zero_shard",
     "recompute",
     "accumulation",
     "stage_layers",
@@ -530,6 +536,9 @@ def _search_layout(
     p2p = p2p_time_per_microbatch(ctx.shape, ctx.hw, base)
     schedules = _schedule_options(ctx.space, ctx.shape.n_layers, p, m)
     zeros = [z for z in ctx.space.zero_stages if dp > 1 or z == 0] or [0]
+    # (ZeRO stage, shard size): None shards over all d ranks; hybrid sharding only beside ZeRO-3
+    node = _node_shard(ctx, tp, p, dp)
+    variants = [(z, None) for z in zeros] + ([(3, node)] if node and 3 in zeros else [])
     train = replace(ctx.run.train, global_batch=batch, micro_batch=b)  # the same for every variant below
     # the configs below are built by keyword from these (what dataclasses.replace copies, without its field scan
     # per config: ~1e4 per search)
@@ -537,7 +546,11 @@ def _search_layout(
     # a ZeRO stage whose mean model state per pipeline rank is over the limit: every variant below fails
     # `model_state_floor` (`memory.model_state_mean` bounds it whatever the split, schedule or checkpointing),
     # so they are counted without building their configs
-    over = {z for z in zeros if model_state_mean(ctx.shape, replace(base, zero_stage=z)) > ctx.limit}
+    over = {
+        (z, s)
+        for z, s in variants
+        if model_state_mean(ctx.shape, replace(base, zero_stage=z, zero_shard=s or 0)) > ctx.limit
+    }
     tensor = f"{base.q}x{base.q}" if kind == "2d" else tp
     for recompute in ctx.space.checkpointing:
         # each schedule's stage splits: they read the layout, v and the per-layer costs, not the ZeRO stage
@@ -555,11 +568,11 @@ def _search_layout(
             )
             for schedule, v in schedules
         }
-        for zero in zeros:
+        for zero, shard in variants:
             deferred = ctx.space.comm_overlap and zero in (1, 2) and dp > 1  # where it fits (`_evaluate`)
             for schedule, v in schedules:
                 splits = splits_of[schedule, v]
-                if zero in over:
+                if (zero, shard) in over:
                     result.enumerated += len(splits)
                     result.rejected_memory += len(splits)
                     continue
@@ -573,6 +586,7 @@ def _search_layout(
                         stages_per_rank=v,
                         stage_layers=None if split is None else list(split),
                         zero=zero,
+                        zero_shard_size=shard,
                         accumulation=_accumulation(schedule),
                         checkpointing=recompute,
                     )
@@ -585,6 +599,17 @@ def _search_layout(
                     else:
                         out.append(cand)
     return out
+
+
+def _node_shard(ctx: _Ctx, tp: int, p: int, dp: int) -> int | None:
+    """Hybrid sharding's shard size for this layout: the data ranks of one node, G / (p · t) (data is outermost in
+    tessera's rank order, so s consecutive data ranks span s · p · t consecutive ranks), where that is at least 2,
+    divides d and is below it; else None (no hybrid variant)."""
+    G, inner = ctx.hw.gpus_per_node, tp * p
+    if not ctx.space.hybrid_sharding or G % inner:
+        return None
+    s = G // inner
+    return s if 2 <= s < dp and dp % s == 0 else None
 
 
 def _accumulation(schedule: str) -> str:

@@ -16,7 +16,10 @@ Per-action durations (all from `tessera.planner.cost`):
   the updated parameters runs inside the optimizer step and is exposed in full, or with `Plan.overlap_param_gather`
   is deferred to the next step, its first stage's share exposed and the rest queued from the step's start
   (`_gathers`, as `parallel/zero.py` does it). Data-parallel collectives are issued per block (`dp_parts`
-  buckets). Tensor-parallel time is `cost.tp_comm_time_per_layer` in each F/B (rings under the GEMM chunks with
+  buckets). With hybrid sharding (`Plan.zero_shard`) ZeRO's collectives are priced on the shard group's placement
+  and the all-reduce of the gradient shards over the replica group (`cost.replica_reduce_time`) joins the queue
+  after the rank's last reduction, as `ZeroStageComm.finish` issues it: whatever of it runs past the last
+  compute is exposed. Tensor-parallel time is `cost.tp_comm_time_per_layer` in each F/B (rings under the GEMM chunks with
   `Plan.tp_comm_overlap`, `cost.tp_overlap`).
 - ``EXCHANGE`` (a tied embedding and head on two pipeline ranks): both ranks swap the table's gradient
   (`tied_exchange_time`) once both reached it, at the end of their lists (counted as PP time); the two stages'
@@ -63,6 +66,7 @@ from tessera.planner.cost import (
     p2p_time_per_microbatch,
     params_per_rank,
     per_microbatch_reduction,
+    replica_reduce_time,
     stage_params_per_rank,
     tied_exchange_time,
     tp_comm_time_per_layer,
@@ -388,7 +392,7 @@ def optimizer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> float:
     master weights are the parameters), the mixed-precision step's 32 otherwise."""
     psi = most_params(shape, plan)
     if plan.zero_stage >= 1:
-        psi /= plan.dp
+        psi /= plan.zero_dp  # the shard group's size (hybrid sharding), else d
     per = FP32_OPTIMIZER_BYTES_PER_PARAM if plan.param_bytes == 4 else OPTIMIZER_BYTES_PER_PARAM
     return psi * per / hw.hbm_bandwidth + clip_norm_time(hw, plan)
 
@@ -543,6 +547,9 @@ def _fast_dp(
             items += _reduce_items(end - j * after * c.bwd, c.bwd, c.layers, reduce / v)
     if tied:
         items.append((end + exchange, reduce / (v * (m if per_microbatch else 1))))
+    replica = replica_reduce_time(psi, hw, plan)
+    if replica:  # hybrid sharding: after every reduce-scatter (`ZeroStageComm.finish`), on the same channel
+        items.append((end + exchange, replica))
     # a deferred ZeRO-1/2 gather exposes the larger of the end ranks' first stages (rank 0's holds the embedding)
     first = (
         max(sorted({0, p - 1}), key=lambda r: stage_params_per_rank(shape, plan, r))
@@ -556,6 +563,8 @@ def _fast_dp(
         middle_reduce = dp_parts(params_per_rank(shape, plan, 1), hw, plan, buckets=c.layers * v)[0]
         middle_end = end - c.bwd
         middle = _backward_releases(schedule, p, m, v, c, middle_end, middle_reduce / (m * v))
+        if replica:
+            middle.append((middle_end, replica_reduce_time(params_per_rank(shape, plan, 1), hw, plan)))
         cost = max(cost, dp_cost(middle + queued, middle_end, hw) - (end + exchange - middle_end))
     return cost + exposed
 
@@ -718,6 +727,9 @@ def _simulated_dp(
                 layers = pc.counts[e.action.stage]
                 share = reduce * layers / blocks / reps
                 items += _reduce_items(stop, stop - start, max(1, layers), share)
+        replica = replica_reduce_time(params_per_rank(shape, plan, rank), hw, plan)
+        if replica:  # hybrid sharding: after the rank's last reduction (`ZeroStageComm.finish`)
+            items.append((max([end, *(release for release, _ in items)]), replica))
         queued, exposed = _gathers(shape, plan, rank, gather, end)
         worst = max(worst, end + dp_cost(items + queued, end, hw) + exposed)
     return max(0.0, worst - end_of_step)

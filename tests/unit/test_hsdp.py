@@ -117,3 +117,86 @@ def test_hybrid_traffic_moves_zero_to_the_shard_group_and_adds_the_replica_all_r
         ("all_gather", "data_shard"): 800.0,
         ("all_reduce", "data_replicate"): 36,
     }
+
+
+# --- the planner: hybrid sharding priced on the levelled network (tessera.planner) ------------------------------
+
+
+def _a100():
+    from tessera.planner.hardware import load_hardware
+
+    return load_hardware("a100-80gb")
+
+
+def test_the_replica_all_reduce_is_priced_by_hand() -> None:
+    """dp 16 = 2 nodes × shard groups of 8: each rank all-reduces its 1/8 gradient shard with the one rank at its
+    position on the other node. Ψ = 1e9 bf16 gradients (the published accounting): 2.5e8 bytes; a ring of 2
+    members moves 2·(2−1)/2 = 1 × the buffer over the one NIC share per node, with 2 node-crossing hops of
+    latency (the tree, 2 × the buffer at 90 %, is slower). tessera's autocast reduces the fp32 shard: twice the
+    bytes."""
+    from tessera.planner.cost import replica_reduce_time
+    from tessera.planner.cost.collectives import group_placement
+
+    hw = _a100()
+    plan = Plan(dp=16, zero_stage=3, zero_shard=8, dtype="bf16")
+    assert group_placement(hw, plan, "data_shard").intra_node  # ZeRO's collectives stay in the node
+    replica = group_placement(hw, plan, "data_replicate")
+    assert (replica.ranks, replica.nodes, replica.per_node) == (2, 2, 1)
+    nic = min(hw.intra_node_bandwidth, hw.inter_node_bandwidth)
+    by_hand = 2.5e8 / nic + 2 * hw.inter_node_latency
+    assert replica_reduce_time(1e9, hw, plan) == pytest.approx(by_hand, rel=1e-12)
+    fp32 = Plan(dp=16, zero_stage=3, zero_shard=8, dtype="bf16", autocast=True)
+    assert replica_reduce_time(1e9, hw, fp32) == pytest.approx(2 * 2.5e8 / nic + 2 * hw.inter_node_latency)
+    assert replica_reduce_time(1e9, hw, Plan(dp=16, zero_stage=3)) == 0.0  # plain ZeRO: no replicas
+
+
+def test_the_step_exposes_the_replica_all_reduce_after_the_backward_in_both_step_models() -> None:
+    """The fast closed form and the simulator agree on a hybrid plan, and its data-parallel cost exceeds that of
+    ZeRO-3 over the shard group alone by the replica all-reduce (queued after the last reduction, so nearly all
+    of it runs past the last compute)."""
+    from tessera.planner.cost import replica_reduce_time
+    from tessera.planner.cost.shape import ModelShape as Shape
+    from tessera.planner.network import TESSERA_ORDER
+    from tessera.planner.steptime import fast_step, params_per_rank, simulated_breakdown
+
+    hw = _a100()
+    shape = Shape(
+        n_layers=8, d_model=2048, n_heads=16, n_kv_heads=16, ffn_hidden=8192, vocab_size=32000, seq_len=2048
+    )
+    common = {
+        "zero_stage": 3,
+        "micro_batch": 1,
+        "dtype": "bf16",
+        "autocast": True,
+        "rank_order": TESSERA_ORDER,
+    }
+    hybrid = Plan(dp=16, zero_shard=8, n_microbatches=4, virtual_stages=8, **common)
+    in_node = Plan(dp=8, n_microbatches=4, virtual_stages=8, **common)
+    fast, sim = (
+        fast_step(shape, hw, hybrid, "breadth_first"),
+        simulated_breakdown(shape, hw, hybrid, "breadth_first"),
+    )
+    assert fast.dp_comm == pytest.approx(sim.dp_comm, rel=0.01)
+    replica = replica_reduce_time(params_per_rank(shape, hybrid, 0), hw, hybrid)
+    extra = fast.dp_comm - fast_step(shape, hw, in_node, "breadth_first").dp_comm
+    assert 0.9 * replica < extra <= replica * (1 + hw.overlap_slowdown) + 1e-9
+
+
+def test_the_search_tries_one_node_shard_groups_beside_zero3() -> None:
+    """On 32 A100s (4 nodes of 8) without tensor or pipeline parallelism the search prices ZeRO-3 over all 32
+    ranks and, beside it, hybrid sharding over each node (s = 8, 4 replicas), as a config `tessera validate`
+    accepts; no hybrid variant for ZeRO-1/2 or where a node holds fewer than two data ranks."""
+    from tessera.planner.search import SearchSpace, search
+
+    space = SearchSpace(
+        tensor_1d=(1,), tensor_2d=(), pipeline=(1,), zero_stages=(2, 3), checkpointing=("full",)
+    )
+    found = search("gpt2-350m", 32, _a100(), global_batch=64, space=space).candidates
+    hybrid = [c for c in found if c.plan.zero_replicas > 1]
+    assert hybrid and {(c.plan.zero_stage, c.plan.zero_dp, c.plan.zero_replicas) for c in hybrid} == {
+        (3, 8, 4)
+    }
+    assert any(c.plan.zero_stage == 3 and c.plan.zero_replicas == 1 for c in found)
+    for c in hybrid[:3]:
+        assert c.config.parallel.zero_shard_size == 8 and "hybrid 4×8" in c.label
+        assert resolve(c.config, 32, training=False).zero_replicas == 4

@@ -39,8 +39,11 @@ def group_placement(hw: Hardware, plan: Plan, axis: str) -> Placement:
     """Where one group along `axis` sits: a dimension of `tessera.axes.DIMS` ("data": d members; "pipe": two
     pipeline neighbours; "tensor": the 1D group, or in 2D one grid row) strided by `plan.rank_order`, or a mesh
     axis of the 2D grid: `Axis.TENSOR_COL` (a grid row, same i: q members, stride 1), `Axis.TENSOR_ROW` (a grid
-    column, same j: q members, stride q). The tensor dimension is innermost in both orders used."""
+    column, same j: q members, stride q), or hybrid sharding's shard or replica group (`HYBRID_GROUPS`). The
+    tensor dimension is innermost in both orders used."""
     G = hw.gpus_per_node
+    if axis in HYBRID_GROUPS:
+        return _hybrid_placement(hw, plan, axis)
     if plan.tp_kind == "2d" and axis in ("tensor", Axis.TENSOR_COL, Axis.TENSOR_ROW):
         return placement(plan.q, plan.q if axis == Axis.TENSOR_ROW else 1, G)
     sizes = plan.sizes()
@@ -50,6 +53,20 @@ def group_placement(hw: Hardware, plan: Plan, axis: str) -> Placement:
         )
     size = min(2, sizes[axis]) if axis == "pipe" else sizes[axis]  # pipe: a sender and its receiver
     return placement(size, axis_stride(plan.rank_order, sizes, axis), G)
+
+
+HYBRID_GROUPS = ("data_shard", "data_replicate")
+"""Hybrid sharding's subgroups of the data dimension (`tessera.groups`): ZeRO's shard group, s consecutive data
+coordinates, and the replica group, r = d / s members s data coordinates apart."""
+
+
+def _hybrid_placement(hw: Hardware, plan: Plan, axis: str) -> Placement:
+    """`group_placement` of a `HYBRID_GROUPS` member (without hybrid sharding the shard group is the data group
+    and the replica group a single rank)."""
+    stride = axis_stride(plan.rank_order, plan.sizes(), "data")
+    if axis == "data_shard":
+        return placement(plan.zero_dp, stride, hw.gpus_per_node)
+    return placement(plan.zero_replicas, stride * plan.zero_dp, hw.gpus_per_node)
 
 
 _GROUP_AXIS = {"tensor": "tensor", "row": Axis.TENSOR_COL, "col": Axis.TENSOR_ROW}

@@ -18,6 +18,7 @@ __all__ = [
     "dp_collective_times",
     "dp_time",
     "p2p_time_per_microbatch",
+    "replica_reduce_time",
     "stage_time",
     "tp_comm_time_per_layer",
 ]
@@ -141,7 +142,8 @@ def dp_collective_times(
     latency terms count every call."""
     if plan.dp <= 1:
         return 0.0, 0.0
-    group = group_placement(hw, plan, "data")
+    # ZeRO's collectives run on its shard group (the whole data group without hybrid sharding)
+    group = group_placement(hw, plan, "data_shard" if plan.zero_stage else "data")
     m = plan.n_microbatches if plan.accumulation == "depth_first" else 1
     g, w = params_local * grad_bytes, params_local * param_bytes
     if plan.zero_stage == 0:
@@ -160,6 +162,21 @@ def dp_collective_times(
     reduce = sum(price(*c) for c in calls)
     gather = price("all_gather", w, gathers) if gathers else 0.0
     return reduce, gather
+
+
+def replica_reduce_time(params_local: float, hw: Hardware, plan: Plan) -> float:
+    """Hybrid sharding: seconds per step of the all-reduce of this rank's gradient shards (`params_local` / s
+    elements, `Plan.replica_reduce_width` bytes each) over its replica group, once per step whatever the
+    accumulation, one call per stage (`ZeroStageComm.finish`), each the ring or tree `network.collective_time`
+    picks on the replica group's placement (across nodes when a shard group fills a node). 0 without hybrid
+    sharding."""
+    if not plan.zero_stage or plan.zero_replicas <= 1:
+        return 0.0
+    shard = params_local * plan.replica_reduce_width / plan.zero_dp
+    calls = max(1, plan.virtual_stages)
+    return calls * collective_time(
+        hw, "all_reduce", shard / calls, group_placement(hw, plan, "data_replicate")
+    )
 
 
 def dp_time(

@@ -102,6 +102,13 @@ class Plan:
         return self.dp // self.zero_dp
 
     @property
+    def replica_reduce_width(self) -> int:
+        """Bytes per element of hybrid sharding's all-reduce of the gradient shards over the replica group:
+        tessera reduces the fp32 accumulated shard in place (docs/zero.md) under its autocast; the published
+        accounting reduces in the gradient dtype (`grad_reduce_width`)."""
+        return 4 if self.autocast else self.grad_reduce_width
+
+    @property
     def world_size(self) -> int:
         return math.prod(self.sizes().values())
 
