@@ -284,17 +284,18 @@ def _data_traffic(cfg: Config, execution: Any, plan: Any, psi: dict[int, float])
             count[0] += count[last]  # the head uses the tied table, which lives in stage 0's flat buffer
         out[("all_gather", "data")] = sum(plan.param_bytes * n * count[s] for s, n in psi.items())
     if plan.zero_stage and plan.zero_replicas > 1:
-        return _hybrid_traffic(out, plan.zero_dp, psi)
+        return _hybrid_traffic(out, plan.zero_dp, psi, plan.grad_reduce_width)
     return out
 
 
-def _hybrid_traffic(data: dict, shard: int, psi: dict[int, float]) -> dict:
+def _hybrid_traffic(data: dict, shard: int, psi: dict[int, float], width: int) -> dict:
     """Hybrid sharding: ZeRO's collectives run on the shard group ("data_shard", the same bytes: an all-gather's
     output and a reduce-scatter's input are whole stages whatever the group size), plus once per step each
-    stage's fp32 gradient shard all-reduced over the replica group ("data_replicate"): its flat buffer padded to
-    a multiple of the shard size, / shard (`FlatStage`)."""
+    stage's gradient shard all-reduced over the replica group ("data_replicate"): its flat buffer padded to a
+    multiple of the shard size, / shard, ``width`` bytes per element (the gradient-reduction dtype, as the
+    reduce-scatter: `FlatStage.launch_replica_reduce`)."""
     out = {(kind, "data_shard"): nbytes for (kind, _), nbytes in data.items()}
-    out[("all_reduce", "data_replicate")] = sum(4 * math.ceil(n / shard) for n in psi.values() if n)
+    out[("all_reduce", "data_replicate")] = sum(width * math.ceil(n / shard) for n in psi.values() if n)
     return out
 
 

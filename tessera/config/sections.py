@@ -190,8 +190,9 @@ class TrainConfig:
     device: str = "auto"
     """cpu, cuda or auto (cuda when available)."""
     grad_reduce_dtype: str = "fp32"
-    """dtype of the ZeRO gradient reduce-scatter: fp32 (exact accumulation) or bf16 (half the traffic). bf16 needs
-    parallel.zero >= 1: plain data parallelism all-reduces fp32 gradients."""
+    """dtype of the ZeRO gradient reduce-scatter, and of hybrid sharding's all-reduce of the gradient shards across
+    shard groups: fp32 (exact accumulation) or bf16 (half the traffic; the shards still accumulate in fp32). bf16
+    needs parallel.zero >= 1: plain data parallelism all-reduces fp32 gradients."""
     fp16_init_scale: float = 65536.0
     """Initial dynamic loss scale for train.dtype = 'fp16' (halved on overflow, doubled every 2000 good steps)."""
     bucket_mb: float = 25.0

@@ -13,9 +13,12 @@ onto the IR (docs/zero.md explains why this and not FSDP2) through the runtime's
   storage, which the backward phase's GATHER refills before use (FSDP1's trick).
 - ``finish()``: wait for every reduction; the averaged gradient shards are ready for `ShardedAdamW`. With hybrid
   sharding (HSDP: ``dp_group`` is the shard group, ``replica_group`` the ranks holding the same shard in the
-  other shard groups) it first all-reduces each stage's accumulated gradient shard over the replica group, once
+  other shard groups) each stage's accumulated gradient shard is also all-reduced over the replica group, once
   per step whatever the accumulation (a sum of all-reduces is the all-reduce of the sum), so only 1/s of the
-  gradients crosses between shard groups; replicas then update identical shards identically.
+  gradients crosses between shard groups; replicas then update identical shards identically. It is launched as
+  soon as the shard is final, at the rank's next REDUCE after the stage's last (under the backwards still to
+  run), and ``finish`` launches only the last reduced stage's before waiting for all (docs/zero.md, "Hybrid
+  sharding").
 - ``wait_gather(s)`` also completes ZeRO-1/2's post-step all-gather, which `ShardedAdamW.step` leaves in flight
   with ``overlap_param_gather`` (`FlatStage.launch_param_gather`): the runtime calls it before every compute.
 
@@ -231,6 +234,8 @@ class FlatStage:
 
     def launch_reduce(self, dtype: torch.dtype, drop_grads: bool) -> None:
         """Reduce-scatter the current gradients (async); with ``drop_grads`` free the full gradients now."""
+        if self._replica_work is not None:  # it sums grad_shard, into which this reduction would add
+            raise RuntimeError("a stage reduced again after its replica all-reduce was launched this step")
         flat = self.flat_grads(dtype)
         if drop_grads:
             for p in self.params:
@@ -255,17 +260,33 @@ class FlatStage:
                 self.grad_shard.add_(part)
         self._pending.clear()
 
-    def launch_replica_reduce(self) -> None:
-        """Hybrid sharding, once per step after `wait_reduce`: sum the step's gradient shard over the replica
-        group (async, in place, fp32: the accumulated shard itself, no second buffer)."""
-        if self.replicas > 1 and self.grad_shard is not None:
-            self._replica_work = comm.all_reduce(self.grad_shard, self.replica_group, async_op=True)
+    @property
+    def replica_pending(self) -> bool:
+        """The replica all-reduce of this step's gradient shard was launched and not yet waited for."""
+        return self._replica_work is not None
+
+    def launch_replica_reduce(self, dtype: torch.dtype = torch.float32) -> None:
+        """Hybrid sharding, once per step after the stage's last `wait_reduce`: sum the step's gradient shard
+        over the replica group (async). fp32: in place on the accumulated shard, no second buffer. A narrower
+        ``dtype`` (``train.grad_reduce_dtype``, as the reduce-scatter): a copy of the shard in that dtype goes on
+        the wire and `wait_replica_reduce` writes the sum back into the fp32 shard, so accumulation stays fp32
+        and only the cross-group sum is rounded (FSDP's ``MixedPrecision.reduce_dtype`` does the same for both
+        of HYBRID_SHARD's collectives)."""
+        if self.replicas == 1 or self.grad_shard is None:
+            return
+        if self._replica_work is not None:
+            raise RuntimeError("a stage's replica all-reduce launched twice in one step")
+        wire = self.grad_shard if dtype == self.grad_shard.dtype else self.grad_shard.to(dtype)
+        self._replica_work = (comm.all_reduce(wire, self.replica_group, async_op=True), wire)
 
     def wait_replica_reduce(self) -> None:
         """Complete `launch_replica_reduce`: the shard becomes the mean over all s·r data-parallel ranks."""
         if self._replica_work is not None:
-            self._replica_work.wait()
+            work, wire = self._replica_work
+            work.wait()
             self._replica_work = None
+            if wire is not self.grad_shard:
+                self.grad_shard.copy_(wire)
             self.grad_shard.div_(self.replicas)
 
 

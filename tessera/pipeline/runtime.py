@@ -33,6 +33,7 @@ torch-free `tessera.pipeline.run_order`.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,6 +162,9 @@ class PipelineEngine:
         # this rank's stages reduced once, at the end of its list, after their EXCHANGE
         self.deferred = {a.stage for a in self.actions if a.kind.is_exchange}
         self.post_at = recv_post_positions(self.actions, recv_ahead)
+        expect = getattr(comm, "expect_reductions", None)  # ZeroStageComm: when a stage's shard is final
+        if expect is not None:
+            expect(Counter(a.stage for a in self.actions if a.kind.is_reduce))
         self.loss_scale = 1.0  # set by the trainer for fp16 dynamic loss scaling
         self.peak_saved_bytes = 0
         self.track_saved = True  # count activation bytes held for backward (metrics: saved_activation_bytes)

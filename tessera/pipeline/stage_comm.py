@@ -47,7 +47,10 @@ class StageComm(Protocol):
         """REDUCE: the stage's gradients are final for this step; launch the data-parallel reduction."""
 
     def finish(self) -> None:
-        """Before the optimizer step: wait for every reduction."""
+        """Before the optimizer step: wait for every reduction.
+
+        Optional: ``expect_reductions(counts)``, the REDUCE actions per stage of one step's list, which the engine
+        passes to a StageComm that has it (`ZeroStageComm`: when a stage's gradient shard is final)."""
 
 
 class DataParallelStageComm:
@@ -116,8 +119,10 @@ class ZeroStageComm:
     ``overlap_param_gather`` (ZeRO-1/2): `gather_updated_params` leaves each stage's all-gather in flight, to be
     waited for at the stage's first compute of the next step; until then every module holding its parameters
     refuses to run ``forward`` or ``state_dict`` outside the runtime (`finish_param_gathers` first).
-    ``replica_group`` (hybrid sharding): ``dp_group`` is then the shard group, and `finish` all-reduces each
-    stage's gradient shard over this group once per step (docs/zero.md, "Hybrid sharding").
+    ``replica_group`` (hybrid sharding): ``dp_group`` is then the shard group, and each stage's gradient shard is
+    all-reduced over this group once per step, launched at the rank's first REDUCE after the stage's last one
+    (`_launch`), the last reduced stage's in `finish` (docs/zero.md, "Hybrid sharding"), in ``reduce_dtype`` on
+    the wire.
     """
 
     def __init__(
@@ -166,6 +171,15 @@ class ZeroStageComm:
         self.uses = {s: [o for o in owners if o in self.flats] for s, owners in self.uses.items()}
         self._pending_reduce: set[int] = set()
         self._inflight: list[FlatStage] = []
+        # Hybrid sharding: a stage's shard is final once the reduce-scatter of its last REDUCE of the step
+        # completes (layered: its one REDUCE; depth-first ZeRO-2/3: the last micro-batch's), so its replica
+        # all-reduce is launched at the rank's next REDUCE, where `_launch` waits for that reduce-scatter anyway,
+        # and runs under the backwards after it; only those still owed at `finish` run after the last compute.
+        # REDUCEs per stage and step: the engine's list says (`expect_reductions`); unknown, layered means one.
+        self._replicated = replica_group is not None
+        self._expected: dict[int, int] | None = None
+        self._reduced: dict[int, int] = dict.fromkeys(self.flats, 0)
+        self._stage_of = {id(flat): s for s, flat in self.flats.items()}
         self._shard_module: nn.Module | None = None
         self.overlap_param_gather = overlap_param_gather
         self._guards = self._guard_stale_reads(items) if overlap_param_gather else []
@@ -203,10 +217,24 @@ class ZeroStageComm:
                 # model). Others still gathered are just cast again.
                 clear_weight_casts()
 
+    def expect_reductions(self, counts: Mapping[int, int]) -> None:
+        """The engine's REDUCE actions per stage in one step (its lowered list): a stage's shard is final after
+        the last of them, when its replica all-reduce may start (hybrid sharding)."""
+        self._expected = {s: counts.get(s, 0) for s in self.flats}
+
+    def _final(self, flat: FlatStage) -> bool:
+        """Whether ``flat``'s last reduction of the step has been launched (its shard is then final once waited
+        for)."""
+        stage = self._stage_of[id(flat)]
+        if self._expected is not None:
+            return self._reduced[stage] == self._expected[stage]
+        return self.accumulation == "layered"  # one REDUCE per stage and step
+
     def reduce(self, stage: int) -> None:
         """REDUCE: stage ``stage``'s gradients of this sweep are complete; launch their reduce-scatter."""
         if stage not in self.flats:
             return
+        self._reduced[stage] += 1
         if self.zero_stage == 1 and self.accumulation == "depth_first":
             self._pending_reduce.add(stage)  # full gradients stay; one reduce-scatter in finish()
             return
@@ -217,22 +245,36 @@ class ZeroStageComm:
         # exists at a time (the memory estimate's communication buffer).
         for earlier in self._inflight:
             earlier.wait_reduce()
+            if self._replicated and self._final(earlier):  # sum it over the replicas under the next backwards
+                earlier.launch_replica_reduce(self.reduce_dtype)
         flat.launch_reduce(self.reduce_dtype, drop_grads=drop_grads)
         self._inflight = [flat]
 
     def finish(self) -> None:
-        """Before the optimizer step: launch deferred reductions and wait for every one; with hybrid sharding
-        then all-reduce every stage's gradient shard over the replica group."""
+        """Before the optimizer step: launch deferred reductions (ZeRO-1 depth-first) and wait for every one; with
+        hybrid sharding launch the replica all-reduces still owed (the last reduced stage's; every stage's where
+        the engine did not say how many REDUCEs a step has and accumulation is depth-first) and wait for all.
+
+        Every launch point is fixed by the rank's action list, never by a collective's progress: the ranks of a
+        shard or replica group share their pipeline and tensor coordinates, so they run the same list and issue
+        the same collectives in the same order on every group (NCCL's requirement)."""
         for stage in sorted(self._pending_reduce, reverse=True):
             self._launch(self.flats[stage], drop_grads=False)
         self._pending_reduce.clear()
+        last = self._inflight
         self._inflight = []
-        for flat in self.flats.values():
+        for flat in last:  # the reduction in flight first: its replica all-reduce goes next on the wire
             flat.wait_reduce()
-        for s in sorted(self.flats):  # hybrid sharding: all in flight together, then all waited for
-            self.flats[s].launch_replica_reduce()
+            if self._replicated:
+                flat.launch_replica_reduce(self.reduce_dtype)
+        for s in sorted(self.flats):  # those not launched yet: all in flight together, ascending stage
+            flat = self.flats[s]
+            flat.wait_reduce()
+            if self._replicated and not flat.replica_pending:
+                flat.launch_replica_reduce(self.reduce_dtype)
         for flat in self.flats.values():
             flat.wait_replica_reduce()
+        self._reduced = dict.fromkeys(self.flats, 0)
 
     # --- the updated parameters (ZeRO-1/2) -------------------------------------------------------------------
 

@@ -17,9 +17,10 @@ Per-action durations (all from `tessera.planner.cost`):
   is deferred to the next step, its first stage's share exposed and the rest queued from the step's start
   (`_gathers`, as `parallel/zero.py` does it). Data-parallel collectives are issued per block (`dp_parts`
   buckets). With hybrid sharding (`Plan.zero_shard`) ZeRO's collectives are priced on the shard group's placement
-  and the all-reduce of the gradient shards over the replica group (`cost.replica_reduce_time`) joins the queue
-  after the rank's last reduction, as `ZeroStageComm.finish` issues it: whatever of it runs past the last
-  compute is exposed. Tensor-parallel time is `cost.tp_comm_time_per_layer` in each F/B (rings under the GEMM chunks with
+  and each stage's all-reduce of its gradient shard over the replica group (`cost.replica_reduce_time`) joins
+  the queue at the rank's first reduction after the stage's last one, the last reduced stage's at the end of the
+  backward, as `ZeroStageComm` launches them (`_replica_releases`, `_fast_replica`): hidden under the backward it
+  slows it, whatever runs past the last compute is exposed. Tensor-parallel time is `cost.tp_comm_time_per_layer` in each F/B (rings under the GEMM chunks with
   `Plan.tp_comm_overlap`, `cost.tp_overlap`).
 - ``EXCHANGE`` (a tied embedding and head on two pipeline ranks): both ranks swap the table's gradient
   (`tied_exchange_time`) once both reached it, at the end of their lists (counted as PP time); the two stages'
@@ -47,6 +48,7 @@ add), DP (exposed data-parallel traffic and the compute its hidden part slows), 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
@@ -548,8 +550,8 @@ def _fast_dp(
     if tied:
         items.append((end + exchange, reduce / (v * (m if per_microbatch else 1))))
     replica = replica_reduce_time(psi, hw, plan)
-    if replica:  # hybrid sharding: after every reduce-scatter (`ZeroStageComm.finish`), on the same channel
-        items.append((end + exchange, replica))
+    if replica:  # hybrid sharding, on the same channel: each chunk's at the rank's next reduction
+        items += _fast_replica(schedule, plan, c, end, exchange, replica)
     # a deferred ZeRO-1/2 gather exposes the larger of the end ranks' first stages (rank 0's holds the embedding)
     first = (
         max(sorted({0, p - 1}), key=lambda r: stage_params_per_rank(shape, plan, r))
@@ -564,7 +566,8 @@ def _fast_dp(
         middle_end = end - c.bwd
         middle = _backward_releases(schedule, p, m, v, c, middle_end, middle_reduce / (m * v))
         if replica:
-            middle.append((middle_end, replica_reduce_time(params_per_rank(shape, plan, 1), hw, plan)))
+            middle_replica = replica_reduce_time(params_per_rank(shape, plan, 1), hw, plan)
+            middle += _fast_replica(schedule, plan, c, middle_end, 0.0, middle_replica)
         cost = max(cost, dp_cost(middle + queued, middle_end, hw) - (end + exchange - middle_end))
     return cost + exposed
 
@@ -576,6 +579,48 @@ it has."""
 MAX_RELEASES = 256
 
 
+def _fast_replica(
+    schedule: str, plan: Plan, c: ChunkCosts, end: float, exchange: float, replica: float
+) -> list[tuple[float, float]]:
+    """Hybrid sharding's all-reduce of rank 0's v gradient shards (`replica` seconds in all, 1/v each) as
+    `ZeroStageComm` issues them: chunk j's once its last reduction of the step is done, at the rank's next
+    reduction — layered, chunk j − 1's (released j − 1 chunk sweeps of K backwards before `end`, K as in
+    `_fast_dp`); per micro-batch, the backward right after chunk j's last, the (j·K − 1)-th from the end
+    (`_backward_ends`) — and chunk 0's (the last reduced) in ``finish`` after the last compute (after the
+    ``exchange`` with a tied stage, which chunk 1's waits for too: chunk 0 reduces only then). ZeRO-1 with
+    depth-first accumulation reduces everything in ``finish``: all of it released there."""
+    p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
+    finish = end + exchange
+    per_microbatch = _per_microbatch_reduce(plan)
+    if plan.accumulation != "layered" and not per_microbatch:
+        return [(finish, replica)]
+    after = {"interleaved": p, "breadth_first": m}.get(schedule, 0)
+    backward_end = _backward_ends(schedule, p, m, v, c, end)
+    items = [(finish, replica / v)]
+    for j in range(1, v):
+        if (exchange > 0 and j == 1) or not after:
+            release = finish
+        elif per_microbatch:
+            release = backward_end(j * after - 1)
+        else:
+            release = end - (j - 1) * after * c.bwd
+        items.append((release, replica / v))
+    return items
+
+
+def _backward_ends(
+    schedule: str, p: int, m: int, v: int, c: ChunkCosts, end: float
+) -> Callable[[int], float]:
+    """When rank 0's k-th chunk backward from the end (k = 0: the last) ends, as `_backward_releases` counts
+    them."""
+    total = m * v
+    all_at_end = schedule == "gpipe" or (schedule == "interleaved" and m == p)
+    tail = total if all_at_end else min(total, (v - 1) * p + 1)
+    last_of_tail = end - (tail - 1) * c.bwd
+    slot = c.fwd + c.bwd
+    return lambda k: end - k * c.bwd if k < tail else last_of_tail - (k - tail + 1) * slot
+
+
 def _backward_releases(
     schedule: str, p: int, m: int, v: int, c: ChunkCosts, end: float, share: float, skip_every: int = 0
 ) -> list[tuple[float, float]]:
@@ -585,28 +630,41 @@ def _backward_releases(
     schedules in `tessera.pipeline.schedules`, checked in tests/unit/test_search.py). The nearest
     `BUCKETED_RELEASES` release layer by layer during their backward, as the simulator's REDUCE_MB do."""
     total = m * v
-    all_at_end = schedule == "gpipe" or (schedule == "interleaved" and m == p)
-    tail = total if all_at_end else min(total, (v - 1) * p + 1)
-    bwd, slot = c.bwd, c.fwd + c.bwd
-    last_of_tail = end - (tail - 1) * bwd
+    backward_end = _backward_ends(schedule, p, m, v, c, end)
     # the backwards counted back from `end` (without chunk 0's, reduced once after the tied exchange instead);
     # only those that become items get an end: at most BUCKETED_RELEASES + MAX_RELEASES of the m·v
     kept = range(total) if not skip_every else [k for k in range(total) if k % skip_every]
     near = kept[:BUCKETED_RELEASES]
     items: list[tuple[float, float]] = []
     for k in near:
-        e = end - k * bwd if k < tail else last_of_tail - (k - tail + 1) * slot
-        items += _reduce_items(e, bwd, c.layers, share)
+        items += _reduce_items(backward_end(k), c.bwd, c.layers, share)
     rest = len(kept) - len(near)
     group = max(1, -(-rest // MAX_RELEASES))
     # a group releases at its earliest member's end (slightly early; groups form only past 256 backwards)
     for i in range(0, rest, group):
         stop = min(i + group, rest)
-        k = kept[len(near) + stop - 1]
-        items.append(
-            (end - k * bwd if k < tail else last_of_tail - (k - tail + 1) * slot, share * (stop - i))
-        )
+        items.append((backward_end(kept[len(near) + stop - 1]), share * (stop - i)))
     return items
+
+
+def _replica_releases(
+    reductions: list[tuple[int, float]], shares: dict[int, float], finish: float, *, early: bool
+) -> list[tuple[float, float]]:
+    """Hybrid sharding's all-reduce of each stage's gradient shard (``shares``: seconds by stage) as
+    `ZeroStageComm` issues it: released at the rank's first reduction after the stage's last one
+    (``reductions``: (stage, release) in list order), or at ``finish`` for the last reduced stage, and for
+    every stage when not ``early`` (ZeRO-1 depth-first: every reduction runs in ``finish``)."""
+    last = {stage: i for i, (stage, _) in enumerate(reductions)}
+    return [
+        (reductions[i + 1][1] if early and i + 1 < len(reductions) else finish, shares[stage])
+        for stage, i in last.items()
+    ]
+
+
+def _early_replica(plan: Plan) -> bool:
+    """Whether the reductions run where the schedule's REDUCE actions are (layered, or every micro-batch's), so
+    a stage's replica all-reduce starts at the next one; ZeRO-1 depth-first reduces everything in ``finish``."""
+    return plan.accumulation == "layered" or _per_microbatch_reduce(plan)
 
 
 def _per_microbatch_reduce(plan: Plan) -> bool:
@@ -716,6 +774,7 @@ def _simulated_dp(
         reduce, gather = dp_parts(params_per_rank(shape, plan, rank), hw, plan, buckets=max(1, blocks))
         last_b: dict[int, tuple[float, float]] = {}
         items: list[tuple[float, float]] = []
+        reductions: list[tuple[int, float]] = []  # (stage, release) of each REDUCE in list order
         reps = m if _per_microbatch_reduce(plan) else 1  # `reduce` is reps reductions of every stage
         for e in own:
             if e.action.kind is _BACKWARD:  # B, by identity: an enum's .value is a call per entry
@@ -727,9 +786,14 @@ def _simulated_dp(
                 layers = pc.counts[e.action.stage]
                 share = reduce * layers / blocks / reps
                 items += _reduce_items(stop, stop - start, max(1, layers), share)
+                reductions.append((e.action.stage, stop))
         replica = replica_reduce_time(params_per_rank(shape, plan, rank), hw, plan)
-        if replica:  # hybrid sharding: after the rank's last reduction (`ZeroStageComm.finish`)
-            items.append((max([end, *(release for release, _ in items)]), replica))
+        if replica:  # hybrid sharding, on the same channel
+            finish = max([end, *(release for release, _ in items)])
+            shares = {s: replica * pc.counts[s] / blocks for s, _ in reductions}
+            items += _replica_releases(reductions, shares, finish, early=_early_replica(plan)) or [
+                (finish, replica)
+            ]
         queued, exposed = _gathers(shape, plan, rank, gather, end)
         worst = max(worst, end + dp_cost(items + queued, end, hw) + exposed)
     return max(0.0, worst - end_of_step)

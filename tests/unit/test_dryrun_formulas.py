@@ -76,6 +76,12 @@ HYBRID = {
         {"tensor": 2, "zero": 1, "zero_shard_size": 2},
         {"global_batch": 8, "micro_batch": 1},
     ),
+    # grad_reduce_dtype bf16: the replica all-reduce carries a bf16 copy of each shard (2 bytes an element)
+    "dp4_shard2_z3_bf16_reduce": (
+        4,
+        {"zero": 3, "zero_shard_size": 2},
+        {"global_batch": 8, "micro_batch": 1, "grad_reduce_dtype": "bf16"},
+    ),
 }
 
 MODEL = {"pp2_v2_dp2_depth_first_tied": {"n_layers": 4}}  # llama-tiny's model section, changed

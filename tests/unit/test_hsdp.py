@@ -4,6 +4,8 @@ the formulas: tests/unit/test_dryrun_formulas.py and test_peak_vs_dryrun.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tessera.cli import main
@@ -110,13 +112,15 @@ def test_tessera_memory_divides_by_the_shard_size() -> None:
 
 def test_hybrid_traffic_moves_zero_to_the_shard_group_and_adds_the_replica_all_reduce() -> None:
     """Stages of 10 and 7 parameters in shard groups of 2: flat buffers padded to 10 and 8, shards of 5 and 4
-    fp32 elements, so the replica all-reduce hands 4·(5 + 4) = 36 bytes; ZeRO's own bytes move unchanged."""
+    fp32 elements, so the replica all-reduce hands 4·(5 + 4) = 36 bytes (18 with a bf16 gradient reduction);
+    ZeRO's own bytes move unchanged."""
     data = {("reduce_scatter", "data"): 400.0, ("all_gather", "data"): 800.0}
-    assert _hybrid_traffic(data, 2, {0: 10, 1: 7}) == {
+    assert _hybrid_traffic(data, 2, {0: 10, 1: 7}, 4) == {
         ("reduce_scatter", "data_shard"): 400.0,
         ("all_gather", "data_shard"): 800.0,
         ("all_reduce", "data_replicate"): 36,
     }
+    assert _hybrid_traffic(data, 2, {0: 10, 1: 7}, 2)[("all_reduce", "data_replicate")] == 18
 
 
 # --- the planner: hybrid sharding priced on the levelled network (tessera.planner) ------------------------------
@@ -133,7 +137,7 @@ def test_the_replica_all_reduce_is_priced_by_hand() -> None:
     position on the other node. Ψ = 1e9 bf16 gradients (the published accounting): 2.5e8 bytes; a ring of 2
     members moves 2·(2−1)/2 = 1 × the buffer over the one NIC share per node, with 2 node-crossing hops of
     latency (the tree, 2 × the buffer at 90 %, is slower). tessera's autocast reduces the fp32 shard: twice the
-    bytes."""
+    bytes, unless the gradient reduction is bf16."""
     from tessera.planner.cost import replica_reduce_time
     from tessera.planner.cost.collectives import group_placement
 
@@ -147,13 +151,18 @@ def test_the_replica_all_reduce_is_priced_by_hand() -> None:
     assert replica_reduce_time(1e9, hw, plan) == pytest.approx(by_hand, rel=1e-12)
     fp32 = Plan(dp=16, zero_stage=3, zero_shard=8, dtype="bf16", autocast=True)
     assert replica_reduce_time(1e9, hw, fp32) == pytest.approx(2 * 2.5e8 / nic + 2 * hw.inter_node_latency)
+    bf16 = replace(fp32, grad_reduce_bytes=2)  # train.grad_reduce_dtype = "bf16": a bf16 copy on the wire
+    assert replica_reduce_time(1e9, hw, bf16) == pytest.approx(by_hand, rel=1e-12)
     assert replica_reduce_time(1e9, hw, Plan(dp=16, zero_stage=3)) == 0.0  # plain ZeRO: no replicas
 
 
-def test_the_step_exposes_the_replica_all_reduce_after_the_backward_in_both_step_models() -> None:
-    """The fast closed form and the simulator agree on a hybrid plan, and its data-parallel cost exceeds that of
-    ZeRO-3 over the shard group alone by the replica all-reduce (queued after the last reduction, so nearly all
-    of it runs past the last compute)."""
+def test_the_step_overlaps_the_replica_all_reduce_with_the_backward_in_both_step_models() -> None:
+    """The fast closed form and the simulator agree on a hybrid plan of 8 one-block stages, and its data-parallel
+    cost exceeds that of ZeRO-3 over the shard group alone by what the runtime leaves of the replica all-reduce
+    (`ZeroStageComm`): each stage's launched at the next stage's reduction, so only the last two stages' (2/8 of
+    it) run past the last compute and the other 6/8 only slow the compute under them (`hw.overlap_slowdown`);
+    layered or, with one micro-batch, depth-first alike. ZeRO-1 with depth-first accumulation reduces
+    everything in ``finish``: nearly all of it is exposed there."""
     from tessera.planner.cost import replica_reduce_time
     from tessera.planner.cost.shape import ModelShape as Shape
     from tessera.planner.network import TESSERA_ORDER
@@ -164,22 +173,27 @@ def test_the_step_exposes_the_replica_all_reduce_after_the_backward_in_both_step
         n_layers=8, d_model=2048, n_heads=16, n_kv_heads=16, ffn_hidden=8192, vocab_size=32000, seq_len=2048
     )
     common = {
-        "zero_stage": 3,
         "micro_batch": 1,
+        "virtual_stages": 8,
         "dtype": "bf16",
         "autocast": True,
         "rank_order": TESSERA_ORDER,
     }
-    hybrid = Plan(dp=16, zero_shard=8, n_microbatches=4, virtual_stages=8, **common)
-    in_node = Plan(dp=8, n_microbatches=4, virtual_stages=8, **common)
-    fast, sim = (
-        fast_step(shape, hw, hybrid, "breadth_first"),
-        simulated_breakdown(shape, hw, hybrid, "breadth_first"),
-    )
-    assert fast.dp_comm == pytest.approx(sim.dp_comm, rel=0.01)
-    replica = replica_reduce_time(params_per_rank(shape, hybrid, 0), hw, hybrid)
-    extra = fast.dp_comm - fast_step(shape, hw, in_node, "breadth_first").dp_comm
-    assert 0.9 * replica < extra <= replica * (1 + hw.overlap_slowdown) + 1e-9
+    for zero, m, accumulation in ((3, 4, "layered"), (3, 1, "depth_first"), (1, 4, "depth_first")):
+        run = {**common, "zero_stage": zero, "n_microbatches": m, "accumulation": accumulation}
+        hybrid, in_node = Plan(dp=16, zero_shard=8, **run), Plan(dp=8, **run)
+        fast, sim = (
+            fast_step(shape, hw, hybrid, "breadth_first"),
+            simulated_breakdown(shape, hw, hybrid, "breadth_first"),
+        )
+        assert fast.dp_comm == pytest.approx(sim.dp_comm, rel=0.01)
+        replica = replica_reduce_time(params_per_rank(shape, hybrid, 0), hw, hybrid)
+        extra = fast.dp_comm - fast_step(shape, hw, in_node, "breadth_first").dp_comm
+        if zero == 1:
+            assert 0.9 * replica < extra <= replica * (1 + hw.overlap_slowdown) + 1e-9
+        else:
+            exposed, hidden = replica * 2 / 8, replica * 6 / 8
+            assert extra == pytest.approx(exposed + hw.overlap_slowdown * hidden, rel=0.01), accumulation
 
 
 def test_the_search_tries_one_node_shard_groups_beside_zero3() -> None:

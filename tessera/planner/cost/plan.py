@@ -103,10 +103,11 @@ class Plan:
 
     @property
     def replica_reduce_width(self) -> int:
-        """Bytes per element of hybrid sharding's all-reduce of the gradient shards over the replica group:
-        tessera reduces the fp32 accumulated shard in place (docs/zero.md) under its autocast; the published
-        accounting reduces in the gradient dtype (`grad_reduce_width`)."""
-        return 4 if self.autocast else self.grad_reduce_width
+        """Bytes per element of hybrid sharding's all-reduce of the gradient shards over the replica group: the
+        gradient-reduction width (`grad_reduce_width`), as the reduce-scatter's — tessera reduces the fp32
+        accumulated shard in place, or a copy in ``train.grad_reduce_dtype`` (docs/zero.md); the published
+        accounting reduces in the gradient dtype."""
+        return self.grad_reduce_width
 
     @property
     def world_size(self) -> int:
