@@ -395,7 +395,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="byte", help='"byte", a tokenizers JSON file, or an HF folder')
     p.add_argument("--text-key", default="text", help="the text field/column of JSON, Parquet and HF inputs")
     p.add_argument(
-        "--eot-token", default=None, help="token (or id) ending each document; default: the tokenizer's own"
+        "--eot-token",
+        default=None,
+        help="token, or id (a number), ending each document; default: the tokenizer's own",
     )
     p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: every core)")
     p.add_argument("--strict", action="store_true", help="stop at the first bad record instead of skipping")

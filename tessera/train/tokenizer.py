@@ -121,8 +121,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
 
 def resolve_eot(tok: Tokenizer, eot_token: str | None = None) -> int:
-    """The id that ends every document: ``eot_token`` (a token of the vocabulary, or an id) when given, else
-    the tokenizer's own end-of-text token. A tokenizer without one is an error: documents concatenated with no
+    """The id that ends every document: ``eot_token`` (an id when it is a decimal number, else a token of the
+    vocabulary) when given, else the tokenizer's own end-of-text token. A tokenizer without one is an error: documents concatenated with no
     separator would silently run into each other."""
     if eot_token is None:
         if tok.eot is None:
@@ -138,12 +138,18 @@ def resolve_eot(tok: Tokenizer, eot_token: str | None = None) -> int:
                 f"end-of-text token with --eot-token TOKEN (or an id below {tok.vocab_size})"
             )
         return tok.eot
-    found = tok.token_to_id(eot_token)
-    if found is None and eot_token.isdigit() and int(eot_token) < tok.vocab_size:
-        found = int(eot_token)
+    # A number is an id, even where the vocabulary also holds it as a token ("2" is one in every byte-level BPE):
+    # the documented `--eot-token 2` must mean id 2, and any token can still be named by its id. ASCII digits
+    # only, since str.isdigit also accepts "²", which int() refuses.
+    number = eot_token.isascii() and eot_token.isdigit()
+    if number:
+        found = int(eot_token) if int(eot_token) < tok.vocab_size else None
+    else:
+        found = tok.token_to_id(eot_token)
     if found is None:
         raise DataError(
-            f"--eot-token {eot_token!r} is not a token of tokenizer {tok.spec!r} (vocabulary of "
+            f"--eot-token {eot_token!r} is not {'an id' if number else 'a token'} of tokenizer "
+            f"{tok.spec!r} (vocabulary of "
             f"{tok.vocab_size}); pass one of its special tokens, such as '</s>', or a token id below "
             f"{tok.vocab_size}"
         )

@@ -153,6 +153,33 @@ def test_tokenizer_without_end_of_text_needs_eot_token(tmp_path):
     assert meta["eot"] == 1 and ids.count(1) == len(TEXTS) and ids[-1] == 1
 
 
+def test_eot_token_number_is_an_id_even_when_it_is_also_a_token(tmp_path):
+    """Found by benchmarks/data_search.py: `--eot-token 0` with the byte tokenizer, or `--eot-token 2` (the fix
+    the no-end-of-text error suggests) with a byte-level BPE, whose alphabet holds the token "2", ended every
+    document with the digit's token (byte 48, ...), not with id 0 or 2. This BPE learnt "4" from its texts."""
+    _write_jsonl(tmp_path / "c.jsonl", [{"text": "a b"}, {"text": "c"}])
+    meta = prepare([tmp_path / "c.jsonl"], tmp_path / "t.bin", eot_token="0")
+    assert meta["eot"] == 0 and TokenDataset(tmp_path / "t.bin").tokens.tolist() == [97, 32, 98, 0, 99, 0]
+    pytest.importorskip("tokenizers")
+    _bpe(tmp_path / "tok.json", ["<sep>"])
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(str(tmp_path / "tok.json")).token_to_id("4") not in (None, 4)  # the ambiguity
+    assert (
+        prepare([tmp_path / "c.jsonl"], tmp_path / "t.bin", str(tmp_path / "tok.json"), eot_token="2")["eot"]
+        == 2
+    )
+    with pytest.raises(DataError, match=r"--eot-token '300' is not an id"):
+        prepare([tmp_path / "c.jsonl"], tmp_path / "t.bin", str(tmp_path / "tok.json"), eot_token="300")
+
+
+def test_eot_token_with_a_non_ascii_digit_is_a_message(tmp_path):
+    """ "²".isdigit() is true but int("²") raises: was a ValueError traceback from `tessera prepare`."""
+    _write_jsonl(tmp_path / "c.jsonl", [{"text": "a"}])
+    with pytest.raises(DataError, match=r"--eot-token '²' is not a token"):
+        prepare([tmp_path / "c.jsonl"], tmp_path / "t.bin", eot_token="²")
+
+
 def test_same_tokens_for_any_number_of_workers(tmp_path, monkeypatch):
     monkeypatch.setattr(ingest, "JSONL_CHUNK", 64)  # many small units out of one file
     records = [{"text": f"record {i} " * (i % 7 + 1)} for i in range(60)]
