@@ -79,7 +79,7 @@ def find_units(inputs: list[Path], text_key: str) -> list[Unit]:
             units.extend(_hf_units(item))
         elif item.is_dir():
             for f in _walk(item):
-                units.extend(_file_units(f, text_key))
+                units.extend(_hf_units(f) if f.is_dir() else _file_units(f, text_key))
         elif item.is_file():
             units.extend(_file_units(item, text_key))
         else:
@@ -88,8 +88,28 @@ def find_units(inputs: list[Path], text_key: str) -> list[Unit]:
 
 
 def _walk(root: Path) -> list[Path]:
-    found = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
-    return [p for p in found if not any(x.startswith(".") for x in p.relative_to(root).parts)]
+    """The files under root and the ``save_to_disk`` folders among its sub-folders, in sorted order of their
+    relative paths (a dataset folder where its files would be), hidden entries skipped. A dataset folder is read
+    as one (its state.json's files, never its JSON files as records), and a DatasetDict is refused by name as at
+    the top: walked file by file, every split, the test split too, was training data. Symbolic links to folders
+    are not followed, as ``Path.rglob`` does not."""
+    found: list[tuple[str, Path]] = []
+
+    def visit(folder: Path) -> None:
+        for p in folder.iterdir():
+            if p.name.startswith("."):
+                continue
+            rel = p.relative_to(root).as_posix()
+            if p.is_dir() and not p.is_symlink():
+                if _is_hf_folder(p):
+                    found.append((rel + "/", p))  # sorts where its files would
+                else:
+                    visit(p)
+            elif p.is_file():
+                found.append((rel, p))
+
+    visit(root)
+    return [p for _, p in sorted(found)]
 
 
 def _kind(path: Path) -> str:
@@ -243,14 +263,22 @@ def _read_jsonl(unit: Unit, text_key: str) -> Iterator[Doc]:
         with open(unit.path, "rb") as f:
             f.seek(unit.start)
             data = f.read(unit.end - unit.start)
+    if unit.start == 0 and data.startswith(_BOM):  # as Windows tools write UTF-8; JSON allows ignoring it
+        data = data[len(_BOM) :]
     yield from _read_jsonl_lines(unit, data.split(b"\n"), text_key)
+
+
+_BOM = b"\xef\xbb\xbf"
 
 
 def _read_json(unit: Unit, text_key: str) -> Iterator[Doc]:
     try:
-        records = json.loads(Path(unit.path).read_bytes().decode("utf-8"))
+        records = json.loads(Path(unit.path).read_bytes().decode("utf-8-sig"))  # a leading BOM ignored
     except (ValueError, UnicodeDecodeError) as e:
-        yield unit.path, None, f"not a JSON file ({e})"
+        lines = (
+            "; one JSON object per line is JSON Lines: name the file .jsonl" if "Extra data" in str(e) else ""
+        )
+        yield unit.path, None, f"not a JSON file ({e}){lines}"
         return
     if not isinstance(records, list):
         yield unit.path, None, "a .json input must hold an array of objects (or use .jsonl, one per line)"

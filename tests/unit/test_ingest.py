@@ -86,6 +86,50 @@ def test_hf_dataset_folder(tmp_path):
         prepare([tmp_path / "dd"], tmp_path / "t.bin")
 
 
+def test_dataset_folders_inside_a_walked_folder(tmp_path):
+    """Found by benchmarks/data_search.py: a walked folder read a save_to_disk folder inside it file by file (its
+    state.json and dataset_info.json as bad records), and a DatasetDict inside it split by split, the test split
+    included, into the training data. Now the dataset folder is read as one, where its files sort, in
+    state.json's order, and the DatasetDict is refused by name."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("before")
+    _save_to_disk(corpus / "b_ds", TEXTS)
+    (corpus / "b_ds" / "state.json").write_text(  # state.json's order, not the names' order
+        json.dumps({"_data_files": [{"filename": f"data-0000{i}-of-00002.arrow"} for i in (1, 0)]})
+    )
+    (corpus / "c.txt").write_text("after")
+    meta = prepare([corpus], tmp_path / "t.bin")
+    assert (
+        _stream(meta, tmp_path / "t.bin")
+        == "before|" + "".join(t + "|" for t in TEXTS[2:] + TEXTS[:2]) + "after|"
+    )
+    assert meta["n_bad_records"] == 0 and meta["n_documents"] == 2 + len(TEXTS)
+    for split in ("train", "test"):
+        (corpus / "dd").mkdir(exist_ok=True)
+        _save_to_disk(corpus / "dd" / split, TEXTS)
+    (corpus / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    with pytest.raises(DataError, match=r"dd' is a Hugging Face DatasetDict with splits \['train', 'test'\]"):
+        prepare([corpus], tmp_path / "t.bin")
+
+
+def test_byte_order_mark_opening_json_and_jsonl(tmp_path, monkeypatch):
+    """Found by benchmarks/data_search.py: a JSONL file opening with a UTF-8 BOM (as Windows tools write it) lost its
+    first record as "not JSON", a JSON array file all of them; JSON allows ignoring the BOM (RFC 8259, 8.1). Only
+    the file's first unit starts with it: a later JSONL unit keeps its bytes."""
+    monkeypatch.setattr(ingest, "JSONL_CHUNK", 16)  # one unit per line
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "c.jsonl").write_bytes(bom + "".join(json.dumps({"text": t}) + "\n" for t in TEXTS).encode())
+    (tmp_path / "d.json").write_bytes(bom + json.dumps([{"text": t} for t in TEXTS]).encode())
+    for name in ("c.jsonl", "d.json"):
+        meta = prepare([tmp_path / name], tmp_path / "t.bin")
+        assert _stream(meta, tmp_path / "t.bin") == EXPECTED and meta["n_bad_records"] == 0
+    (tmp_path / "e.json").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    lines = pytest.warns(UserWarning, match=r"e.json: not a JSON file \(Extra data.*name the file .jsonl")
+    with lines, pytest.raises(DataError, match="no text found"):
+        prepare([tmp_path / "e.json"], tmp_path / "t.bin")
+
+
 def test_missing_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
     (tmp_path / "c.parquet").write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)
