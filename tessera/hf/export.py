@@ -94,8 +94,35 @@ def _write_folder(
         (tmp / INDEX).write_text(json.dumps(index, indent=2))
     base = _init_config(cfg)
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    (tmp / "config.json").write_text(json.dumps(hf_config(cfg.model, base, name), indent=2))
+    config = hf_config(cfg.model, base, name)
+    eot = _data_eot(cfg) if base is None else None  # an imported folder's config keeps its own token ids
+    if eot is not None:
+        config["eos_token_id"] = config["bos_token_id"] = eot
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _copy_side_files(cfg, tmp)
+
+
+def _data_eot(cfg: Config) -> int | None:
+    """The end-of-text id the run's documents end with: the first token file's metadata (``tessera prepare``
+    records it, --eot-token included), else the tokenizer's own (the byte tokenizer's is 0). Without it the
+    transformers config classes default to GPT-2's 50256 or Llama's 2 — an id past a small vocabulary, or an
+    ordinary token — and ``generate`` never stops or stops at the wrong token. It is also the BOS: in the
+    training stream every document but the first follows it. None when neither can be read."""
+    from tessera.errors import DataError
+    from tessera.train.data import read_token_meta
+    from tessera.train.tokenizer import load_tokenizer
+
+    for path, _ in cfg.data.sources():
+        try:
+            eot = read_token_meta(path).get("eot")
+        except DataError:  # the data need not travel with the run folder
+            continue
+        if eot is not None:
+            return int(eot)
+    try:
+        return load_tokenizer(cfg.data.tokenizer).eot
+    except DataError:
+        return None
 
 
 def _plan_shards(planned: list[HFPlanned], code: str, itemsize: int, max_bytes: int) -> list[dict[str, dict]]:

@@ -315,3 +315,27 @@ def test_qwen2_without_its_kv_head_count_reads_transformers_default(tmp_path: Pa
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert rel_err(model(tokens), hf(tokens).logits) < LOGIT_RTOL
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_export_from_scratch_names_the_datas_end_of_text(tmp_path: Path, family: str) -> None:
+    """Found by benchmarks/data_search.py: a model trained from scratch was exported without token ids, so
+    transformers took its config class's defaults, eos_token_id 50256 (GPT-2: past the vocabulary) or 2 (Llama:
+    an ordinary byte), and `generate` never stopped at a document's end. Now both ids are the data's end of text:
+    the token file's (here named by --eot-token), else the tokenizer's."""
+    from tessera.model.build import build_model
+    from tessera.train.data import prepare
+
+    (tmp_path / "c.txt").write_text("one document")
+    prepare([tmp_path / "c.txt"], tmp_path / "t.bin", eot_token="7")
+    shape = [f'model.family="{family}"', "model.n_layers=1", "model.d_model=32", "model.n_heads=2"]
+    for data, eot in (
+        ([f'data.path="{tmp_path / "t.bin"}"'], 7),
+        ([], 0),
+    ):  # no token file: the byte tokenizer's
+        cfg = load_config(None, [*shape, *data])
+        params = dict(build_model(cfg.model).named_parameters())
+        out = tmp_path / f"hf{eot}"
+        save_hf(out, cfg, params.__getitem__)
+        config = transformers.AutoConfig.from_pretrained(out)
+        assert (config.eos_token_id, config.bos_token_id) == (eot, eot)
