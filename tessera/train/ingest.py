@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import sys
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -107,6 +108,10 @@ def _walk(root: Path) -> list[Path]:
                     visit(p)
             elif p.is_file():
                 found.append((rel, p))
+            elif p.is_symlink() and not p.exists():  # named, as a file that cannot be read is
+                warnings.warn(
+                    f"skipping {p}: a symbolic link to {os.readlink(p)!r}, which does not exist", stacklevel=5
+                )
 
     visit(root)
     return [p for _, p in sorted(found)]
