@@ -482,7 +482,8 @@ def _splitmix64(z: int) -> int:
 
 
 def window_start(index: int, seed: int, n_starts: int) -> int:
-    """Start offset in [0, n_starts) of global sample `index`: output `index` of splitmix64 seeded by seed.
+    """Start offset in [0, n_starts) of global sample `index`: output `index` (from 0) of a splitmix64 generator
+    whose state starts at splitmix64(seed), i.e. mix(mix(seed) + (index + 1)·golden) mod n_starts.
 
     A pure function of (seed, index): no RNG state to checkpoint, identical on every rank and layout.
     """
