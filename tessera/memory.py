@@ -588,6 +588,8 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     grads = {s: 4.0 * n for s, n in psi.items()}
     # the flat copy that the data-parallel reduction sends is in the reduce dtype (ZeroStage.flat_grads)
     width = DTYPE_BYTES[plan.grad_reduce_dtype]
+    # hybrid sharding: the replica all-reduce sends the fp32 shard itself, or a copy in a narrower reduce dtype
+    wire = {s: width * n / plan.zero_shard for s, n in psi.items()} if _replica_copies(plan) else {}
     return StageBytes(
         activations=acts,
         grads=grads,
@@ -597,7 +599,14 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
         dp=plan.zero_shard,  # what ZeRO shards over (hybrid sharding: the shard group)
         deferred_reduce=_deferred(plan.zero, plan.accumulation),
         uses={last: (last, 0)} if shape.tied and last != 0 and {0, last} <= psi.keys() else {},
+        wire=wire,
     )
+
+
+def _replica_copies(plan: ExecutionPlan) -> bool:
+    """Hybrid sharding whose replica all-reduce sends a copy of each gradient shard in a reduce dtype narrower
+    than the fp32 shard (`FlatStage.launch_replica_reduce`): the walk counts those copies."""
+    return bool(plan.zero) and plan.zero_replicas > 1 and DTYPE_BYTES[plan.grad_reduce_dtype] < 4
 
 
 _MICRO_BATCH_BYTES: dict[tuple, tuple[float, float, float, float, float]] = {}
@@ -667,6 +676,7 @@ def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]])
             deferred_reduce=deferred,
             uses=uses,
             classes=classes,
+            replicated=_replica_copies(plan),
         )
     return _named_walk(
         plan.schedule or "",
@@ -681,6 +691,7 @@ def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]])
         tuple(sorted(uses.items())),
         tuple(sorted(classes.items())),
         plan.exchanged_stages(rank),
+        _replica_copies(plan),
     )
 
 
@@ -709,6 +720,7 @@ def _named_walk(
     uses: tuple[tuple[int, tuple[int, ...]], ...],
     classes: tuple[tuple[int, int], ...],
     exchanged: tuple[int, ...] = (),
+    replicated: bool = False,
 ) -> Walk:
     every = reduces_every_microbatch(accumulation, zero)
     events = _rank_events(name, p, m, v, rank, placement, accumulation, zero == 3, every, exchanged)
@@ -720,6 +732,7 @@ def _named_walk(
         deferred_reduce=deferred,
         uses=dict(uses),
         classes=dict(classes),
+        replicated=replicated,
     )
 
 

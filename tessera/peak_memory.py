@@ -20,6 +20,12 @@ objects do (tessera/pipeline/runtime.py, stage_comm.py, parallel/zero.py, parall
 - EXCHANGE(s): nothing the walk counts (the received copy and the sum are one embedding table's gradient,
   after backward has freed the activations);
 - GATHER / FREE(s) (ZeRO-3): the stage's full parameters are allocated / released;
+- hybrid sharding with a reduce dtype narrower than fp32 (``replicated``): a stage's replica all-reduce sends a
+  copy of its fp32 gradient shard in that dtype (`FlatStage.launch_replica_reduce`), made at the rank's first
+  REDUCE after the stage's last one (when `ZeroStageComm._launch` waits for that last reduction), or at the end
+  for the last reduced stage (and, ZeRO-1 depth-first, at each deferred REDUCE there); every copy is held until
+  the end waits for them all (`ZeroStageComm.finish`), and the end's moment notes them all, the last flat
+  buffer released. (fp32: the all-reduce runs in place on the shard, nothing to count);
 - the moment of a backward also holds its transient (`working`: the recomputed block, the logits' gradient).
 
 The peak is the largest sum over these moments; the optimizer step's moment (state, the gradients held after
@@ -51,8 +57,8 @@ _REDUCE, _REDUCE_MB, _GATHER, _FREE = _K.REDUCE_GRAD, _K.REDUCE_MICROBATCH, _K.G
 _EXCHANGE = _K.EXCHANGE_TIED
 
 # What a term counts, and the component it belongs to (activations, grads, buffers, working).
-_ACT, _GRAD, _SHARD, _GATHERED, _PENDING, _FLAT, _WRITEBACK, _WORK = range(8)
-_CATEGORY = (0, 1, 1, 2, 2, 2, 2, 3)
+_ACT, _GRAD, _SHARD, _GATHERED, _PENDING, _FLAT, _WRITEBACK, _WORK, _WIRE = range(9)
+_CATEGORY = (0, 1, 1, 2, 2, 2, 2, 3, 2)
 _LABELS = (
     "activations",
     "gradients",
@@ -62,6 +68,7 @@ _LABELS = (
     "flat",
     "write-back",
     "working",
+    "replica wire copy",
 )
 
 Term = tuple[tuple[int, int], float]
@@ -87,6 +94,9 @@ class StageBytes:
     uses: dict[int, tuple[int, ...]] = field(default_factory=dict)
     """ZeRO-3: the stages whose flat buffers a stage's GATHER brings (default: its own; the head's stage also
     the tied embedding's owner)."""
+    wire: dict[int, float] = field(default_factory=dict)
+    """Hybrid sharding, reduce dtype narrower than fp32: the copy of the stage's gradient shard in that dtype that
+    its replica all-reduce sends (`FlatStage.launch_replica_reduce`); empty otherwise (nothing to count)."""
 
     def table(self, what: int) -> dict[int, float]:
         """The per-stage sizes of one kind of term."""
@@ -101,6 +111,7 @@ class StageBytes:
             self.flat,
             self.grads,
             self.working,
+            self.wire,
         )[what]
 
 
@@ -165,6 +176,9 @@ class _Live:
     users: dict[int, int] = field(default_factory=dict)  # ZeRO-3: gathers not yet freed, per owner stage
     pending: set[int] = field(default_factory=set)  # plain data parallelism: stages with a running total
     inflight: int | None = None  # the stage whose flat buffer is being reduced
+    replicated: bool = False  # hybrid sharding with a narrower reduce dtype: count the replica wire copies
+    inflight_final: bool = False  # the reduction in flight is its stage's last of the step
+    wired: set[int] = field(default_factory=set)  # stages whose replica all-reduce (wire copy) was launched
     grew: bool = True  # something was added since the last note
     extras: tuple = ()  # that note's transients
     dirty: tuple | None = None
@@ -239,7 +253,9 @@ class _Live:
             (self.grads.add if alive else self.grads.discard)(s)
             self.add(_GRAD, s, 1 if alive else -1)
 
-    def reduce(self, s: int, label: tuple) -> None:
+    def reduce(self, s: int, label: tuple, final: bool = False) -> None:
+        """REDUCE of stage ``s`` (``final``: its last of the step, as far as hybrid sharding's replica all-reduce
+        is concerned)."""
         if self.zero == 0:
             if self.sharded:
                 self.settle()
@@ -248,10 +264,13 @@ class _Live:
                 self.add(_FLAT, s)
                 self.grad(s, False)
             return
+        if self.replicated and self.inflight is not None and self.inflight_final:
+            self.wire(self.inflight)  # launched after waiting for it, before this stage is flattened
         self.note(label, flat=s)
         if self.inflight is not None:  # the previous reduction is waited before this one starts
             self.add(_FLAT, self.inflight, -1)
         self.inflight = s if self.sharded else None
+        self.inflight_final = final
         if self.inflight is not None:
             self.add(_FLAT, s)
         if s not in self.shards:  # without data parallelism the flattened copy is the shard
@@ -259,6 +278,23 @@ class _Live:
             self.add(_SHARD, s)
         if self.zero >= 2:
             self.grad(s, False)
+
+    def wire(self, s: int) -> None:
+        """Hybrid sharding: stage ``s``'s replica all-reduce is launched; its wire copy lives to the end."""
+        if s not in self.wired:
+            self.wired.add(s)
+            self.add(_WIRE, s)
+
+    def finish_replicas(self) -> None:
+        """The end (`ZeroStageComm.finish`): the reduction in flight is waited (its flat buffer freed), then
+        the replica all-reduces still owed are launched, each with its wire copy, all alive together."""
+        if self.inflight is not None:
+            self.flush()
+            self.add(_FLAT, self.inflight, -1)
+            self.inflight = None
+        for s in sorted(self.shards):
+            self.wire(s)
+        self.note((None, "finish replica all-reduce"))
 
     def settle(self) -> None:
         """Plain data parallelism: the reduction in flight is waited and added into its stage's total (its
@@ -323,15 +359,19 @@ def compile_walk(
     deferred_reduce: bool = False,
     uses: dict[int, tuple[int, ...]] | None = None,
     classes: dict[int, int] | None = None,
+    replicated: bool = False,
 ) -> Walk:
     """Walk one rank's lowered actions, given as (kind, stage), for any sizes (see the module docstring).
     ``sharded``: data parallelism (dp > 1); ``classes``: stage -> a stage of equal sizes, whose sizes its
-    terms then use (equal blocks: few distinct terms however many stages a rank holds); the other arguments
-    as in `StageBytes`."""
-    live = _Live(zero, sharded, classes or {})
+    terms then use (equal blocks: few distinct terms however many stages a rank holds); ``replicated``: hybrid
+    sharding whose replica all-reduce sends a narrower copy of each shard (`StageBytes.wire`); the other
+    arguments as in `StageBytes`."""
+    live = _Live(zero, sharded, classes or {}, replicated=replicated and zero > 0 and sharded)
     uses = uses or {}
     deferred: list[int] = []
     events = list(events)
+    # where each stage's last REDUCE is: its gradient shard is final once that reduction is waited for
+    last_reduce = {s: i for i, (kind, s) in enumerate(events) if kind is _REDUCE or kind is _REDUCE_MB}
     seen: dict[tuple, int] = {}
     # bound once: the loop runs ~1e6 times per search, mostly forwards and backwards
     counts, grads, cls_of, note, n_events = live.counts, live.grads, live.cls.get, live.note, len(events)
@@ -370,7 +410,7 @@ def compile_walk(
             if deferred_reduce:
                 deferred.append(s)
             else:
-                live.reduce(s, (s, kind))
+                live.reduce(s, (s, kind), final=last_reduce[s] == i - 1)
         elif kind is _GATHER and zero >= 3 and sharded:
             for owner in uses.get(s, (s,)):
                 live.users[owner] = live.users.get(owner, 0) + 1
@@ -387,7 +427,9 @@ def compile_walk(
                     live.add(_GATHERED, owner, -1)
     live.flush()
     for s in sorted(deferred, reverse=True):
-        live.reduce(s, (s, "finish REDUCE"))
+        live.reduce(s, (s, "finish REDUCE"), final=True)
+    if live.replicated:
+        live.finish_replicas()
     if zero == 0 and sharded:
         live.write_back()
     moments = _pareto(live.moments)
@@ -411,6 +453,8 @@ def _skip_repeats(live: _Live, events: list, i: int, seen: dict, deferred: tuple
         tuple(sorted(live.users.items())),
         frozenset(live.pending),
         live.inflight,
+        live.inflight_final,
+        frozenset(live.wired),
         live.dirty,
         live.grew,
         live.extras,
@@ -454,6 +498,7 @@ def walk(actions: Sequence[Action], sizes: StageBytes) -> tuple[Moment, float]:
         sharded=sizes.dp > 1,
         deferred_reduce=sizes.deferred_reduce,
         uses=sizes.uses,
+        replicated=bool(sizes.wire),
     )
     return compiled.evaluate(sizes)
 
