@@ -52,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
+from tessera.pipeline.build import compute_options
 from tessera.pipeline.ir import ActionKind
 from tessera.pipeline.passes import lower, tied_stages
 from tessera.pipeline.schedules import build_schedule
@@ -475,19 +476,27 @@ def fast_step(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str) -> Ste
 def _fast(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, pc: PipelineCosts) -> StepBreakdown:
     """With W_r the work of pipeline rank r per micro-batch (its blocks, + embedding on rank 0, + head on rank
     p − 1): pipeline = m·max W + (ΣW − max W)/v (+ breadth-first's wrap-around stall), which is
-    (v·m + p − 1)(f + b) + m·(head) for equal stages; transfers add `p2p_hops`·t on the average chunk."""
+    (v·m + p − 1)(f + b) + m·(head) for equal stages; transfers add `p2p_hops`·t on the average chunk.
+    Breadth-first one micro-batch at a time (`_sweeps`): m·ΣW, and m times one micro-batch's transfers."""
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
     c = pc.chunk(p, v)
     crit = pc.critical_rank(p)
     compute, tp = (m * x for x in pc.rank_parts(p, crit))
     loads = _rank_loads(pc, p)
-    stall = pipeline_time(schedule, p, m, v, c.fwd, c.bwd, 0.0) - pipeline_units(schedule, p, m, v) * (
-        c.fwd + c.bwd
-    )
-    free = m * max(loads) + (sum(loads) - max(loads)) / v + stall
-    pp = pipeline_time(schedule, p, m, v, c.fwd, c.bwd, c.p2p) - pipeline_time(
-        schedule, p, m, v, c.fwd, c.bwd, 0.0
-    )
+    if _sweeps(schedule, plan):  # one micro-batch at a time through every rank's chunks and back: in series
+        free = m * sum(loads)
+        pp = m * (
+            pipeline_time(schedule, p, 1, v, c.fwd, c.bwd, c.p2p)
+            - pipeline_time(schedule, p, 1, v, c.fwd, c.bwd, 0.0)
+        )
+    else:
+        stall = pipeline_time(schedule, p, m, v, c.fwd, c.bwd, 0.0) - pipeline_units(schedule, p, m, v) * (
+            c.fwd + c.bwd
+        )
+        free = m * max(loads) + (sum(loads) - max(loads)) / v + stall
+        pp = pipeline_time(schedule, p, m, v, c.fwd, c.bwd, c.p2p) - pipeline_time(
+            schedule, p, m, v, c.fwd, c.bwd, 0.0
+        )
     exchange = _tied_exchange(shape, hw, plan)  # both end ranks, once both are done: it ends the step
     dp = _fast_dp(shape, hw, plan, schedule, c, free + pp, exchange)
     return StepBreakdown(
@@ -537,13 +546,16 @@ def _fast_dp(
     # rank 0's timing with the heavier end's parameters (the simulator prices every rank with its own)
     psi = max(params_per_rank(shape, plan, 0), params_per_rank(shape, plan, p - 1))
     reduce, gather = dp_parts(psi, hw, plan, buckets=c.layers * v)
-    after = {"interleaved": p, "breadth_first": m}.get(schedule, 0)
+    sweeps = _sweeps(schedule, plan)
+    after = p if sweeps else {"interleaved": p, "breadth_first": m}.get(schedule, 0)
     tied = exchange > 0
     items: list[tuple[float, float]] = []
     per_microbatch = _per_microbatch_reduce(plan)
     if per_microbatch:  # one reduction per micro-batch and chunk, under its backward
         skip = v if tied else 0
-        items += _backward_releases(schedule, p, m, v, c, end, reduce / (m * v), skip_every=skip)
+        items += _backward_releases(
+            schedule, p, m, v, c, end, reduce / (m * v), skip_every=skip, sweeps=sweeps
+        )
     else:
         for j in range(1 if tied else 0, v):
             items += _reduce_items(end - j * after * c.bwd, c.bwd, c.layers, reduce / v)
@@ -564,7 +576,9 @@ def _fast_dp(
         # gradients, its last backward ending one chunk backward before rank 0's
         middle_reduce = dp_parts(params_per_rank(shape, plan, 1), hw, plan, buckets=c.layers * v)[0]
         middle_end = end - c.bwd
-        middle = _backward_releases(schedule, p, m, v, c, middle_end, middle_reduce / (m * v))
+        middle = _backward_releases(
+            schedule, p, m, v, c, middle_end, middle_reduce / (m * v), sweeps=_sweeps(schedule, plan)
+        )
         if replica:
             middle_replica = replica_reduce_time(params_per_rank(shape, plan, 1), hw, plan)
             middle += _fast_replica(schedule, plan, c, middle_end, 0.0, middle_replica)
@@ -586,33 +600,47 @@ def _fast_replica(
     `ZeroStageComm` issues them: chunk j's once its last reduction of the step is done, at the rank's next
     reduction — layered, chunk j − 1's (released j − 1 chunk sweeps of K backwards before `end`, K as in
     `_fast_dp`); per micro-batch, the backward right after chunk j's last, the (j·K − 1)-th from the end
-    (`_backward_ends`) — and chunk 0's (the last reduced) in ``finish`` after the last compute (after the
-    ``exchange`` with a tied stage, which chunk 1's waits for too: chunk 0 reduces only then). ZeRO-1 with
-    depth-first accumulation reduces everything in ``finish``: all of it released there."""
+    (`_backward_ends`; breadth-first one micro-batch at a time, `_sweeps`: the last sweep's, chunk j − 1's) — and
+    chunk 0's (the last reduced) in ``finish`` after the last compute (after the ``exchange`` with a tied stage,
+    which chunk 1's waits for too: chunk 0 reduces only then). ZeRO-1 with depth-first accumulation reduces
+    everything in ``finish``: all of it released there."""
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
     finish = end + exchange
     per_microbatch = _per_microbatch_reduce(plan)
     if plan.accumulation != "layered" and not per_microbatch:
         return [(finish, replica)]
-    after = {"interleaved": p, "breadth_first": m}.get(schedule, 0)
-    backward_end = _backward_ends(schedule, p, m, v, c, end)
+    sweeps = _sweeps(schedule, plan)
+    after = p if sweeps else {"interleaved": p, "breadth_first": m}.get(schedule, 0)
+    backward_end = _backward_ends(schedule, p, m, v, c, end, sweeps=sweeps)
     items = [(finish, replica / v)]
     for j in range(1, v):
         if (exchange > 0 and j == 1) or not after:
             release = finish
         elif per_microbatch:
-            release = backward_end(j * after - 1)
+            release = backward_end(j - 1 if sweeps else j * after - 1)
         else:
             release = end - (j - 1) * after * c.bwd
         items.append((release, replica / v))
     return items
 
 
+def _sweeps(schedule: str, plan: Plan) -> bool:
+    """Breadth-first with depth-first accumulation: the runtime runs it one micro-batch at a time
+    (`compute_options`: ``consecutive = 1``), each a sweep of the rank's v chunks forward, then backward — the
+    order a pipeline-free ZeRO run with depth-first accumulation executes (one stage per block)."""
+    return bool(compute_options(CONFIG_TO_IR.get(schedule, schedule), plan.accumulation))
+
+
 def _backward_ends(
-    schedule: str, p: int, m: int, v: int, c: ChunkCosts, end: float
+    schedule: str, p: int, m: int, v: int, c: ChunkCosts, end: float, *, sweeps: bool = False
 ) -> Callable[[int], float]:
     """When rank 0's k-th chunk backward from the end (k = 0: the last) ends, as `_backward_releases` counts
-    them."""
+    them. ``sweeps`` (`_sweeps`): micro-batch by micro-batch, k = g·v + i is chunk i's backward of the g-th sweep
+    from the end; a sweep's backwards are p·b apart (each goes through the other p − 1 ranks' chunks first) and a
+    sweep lasts v·p·(f + b) (one micro-batch through all v·p stages and back, latencies left out)."""
+    if sweeps:
+        sweep, gap = v * p * (c.fwd + c.bwd), p * c.bwd
+        return lambda k: end - (k // v) * sweep - (k % v) * gap
     total = m * v
     all_at_end = schedule == "gpipe" or (schedule == "interleaved" and m == p)
     tail = total if all_at_end else min(total, (v - 1) * p + 1)
@@ -622,15 +650,25 @@ def _backward_ends(
 
 
 def _backward_releases(
-    schedule: str, p: int, m: int, v: int, c: ChunkCosts, end: float, share: float, skip_every: int = 0
+    schedule: str,
+    p: int,
+    m: int,
+    v: int,
+    c: ChunkCosts,
+    end: float,
+    share: float,
+    skip_every: int = 0,
+    *,
+    sweeps: bool = False,
 ) -> list[tuple[float, float]]:
     """Rank 0's m·v chunk backwards, each releasing `share` of reduction, counted back from `end`. The last ones
     run back to back, c.bwd apart — all of them in GPipe (and interleaved with m = p), the last (v − 1)·p + 1
     otherwise (1 in 1F1B) — and the earlier ones one per 1F1B slot, f + b apart (the simulator's timeline of the
     schedules in `tessera.pipeline.schedules`, checked in tests/unit/test_search.py). The nearest
-    `BUCKETED_RELEASES` release layer by layer during their backward, as the simulator's REDUCE_MB do."""
+    `BUCKETED_RELEASES` release layer by layer during their backward, as the simulator's REDUCE_MB do.
+    ``sweeps``: breadth-first one micro-batch at a time (`_backward_ends`)."""
     total = m * v
-    backward_end = _backward_ends(schedule, p, m, v, c, end)
+    backward_end = _backward_ends(schedule, p, m, v, c, end, sweeps=sweeps)
     # the backwards counted back from `end` (without chunk 0's, reduced once after the tied exchange instead);
     # only those that become items get an end: at most BUCKETED_RELEASES + MAX_RELEASES of the m·v
     kept = range(total) if not skip_every else [k for k in range(total) if k % skip_every]
@@ -716,7 +754,9 @@ def _simulate(
 ) -> tuple[StepBreakdown, SimResult | None]:
     pc = pipeline_costs(shape, hw, plan)
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
-    ir = build_schedule(CONFIG_TO_IR[schedule], p, m, v)
+    # the order the runtime runs: breadth-first with depth-first accumulation one micro-batch at a time
+    name = CONFIG_TO_IR[schedule]
+    ir = build_schedule(name, p, m, v, **compute_options(name, plan.accumulation))
     lowered = lower(
         ir,
         p,

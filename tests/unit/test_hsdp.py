@@ -161,7 +161,10 @@ def test_the_step_overlaps_the_replica_all_reduce_with_the_backward_in_both_step
     cost exceeds that of ZeRO-3 over the shard group alone by what the runtime leaves of the replica all-reduce
     (`ZeroStageComm`): each stage's launched at the next stage's reduction, so only the last two stages' (2/8 of
     it) run past the last compute and the other 6/8 only slow the compute under them (`hw.overlap_slowdown`);
-    layered or, with one micro-batch, depth-first alike. ZeRO-1 with depth-first accumulation reduces
+    layered or depth-first alike, depth-first with several micro-batches too: the runtime runs them one at a
+    time (each a sweep of the 8 stages), so a stage's last reduction is in the last sweep, the next stage's one
+    backward before the end (priced in breadth-first order, stage j's all-reduce started 4j − 1 backwards
+    before the end and 1/8 of it was exposed: 26 % less). ZeRO-1 with depth-first accumulation reduces
     everything in ``finish``: nearly all of it is exposed there."""
     from tessera.planner.cost import replica_reduce_time
     from tessera.planner.cost.shape import ModelShape as Shape
@@ -179,7 +182,8 @@ def test_the_step_overlaps_the_replica_all_reduce_with_the_backward_in_both_step
         "autocast": True,
         "rank_order": TESSERA_ORDER,
     }
-    for zero, m, accumulation in ((3, 4, "layered"), (3, 1, "depth_first"), (1, 4, "depth_first")):
+    cases = ((3, 4, "layered"), (3, 1, "depth_first"), (3, 4, "depth_first"), (2, 4, "depth_first"))
+    for zero, m, accumulation in (*cases, (1, 4, "depth_first")):
         run = {**common, "zero_stage": zero, "n_microbatches": m, "accumulation": accumulation}
         hybrid, in_node = Plan(dp=16, zero_shard=8, **run), Plan(dp=8, **run)
         fast, sim = (
@@ -214,3 +218,29 @@ def test_the_search_tries_one_node_shard_groups_beside_zero3() -> None:
     for c in hybrid[:3]:
         assert c.config.parallel.zero_shard_size == 8 and "hybrid 4×8" in c.label
         assert resolve(c.config, 32, training=False).zero_replicas == 4
+
+
+def test_the_simulator_runs_pipeline_free_depth_first_micro_batch_by_micro_batch_as_the_runtime() -> None:
+    """A pipeline-free ZeRO run with depth-first accumulation and several micro-batches: the runtime runs one
+    stage per block, micro-batch by micro-batch (`compute_options`: breadth-first with ``consecutive = 1``); the
+    planner's simulator of the plan `trainer_plan` prices (the search's) runs the same actions in the same
+    order, not breadth-first's (every micro-batch through a block before the next block)."""
+    from tessera.config import from_dict
+    from tessera.execution import resolve
+    from tessera.planner.calibrate import trainer_plan
+    from tessera.planner.cost.shape import ModelShape as Shape
+    from tessera.planner.steptime import simulate_step
+
+    model = {"family": "llama", "n_heads": 4, "d_model": 128, "vocab_size": 256, "seq_len": 64, "n_layers": 3}
+    for parallel in ({"zero": 2}, {"zero": 3, "zero_shard_size": 2}):
+        raw = {"model": model, "parallel": {**parallel, "accumulation": "depth_first"}}
+        cfg = from_dict({**raw, "train": {"global_batch": 12, "micro_batch": 1}})
+        world = 4
+        execution = resolve(cfg, world, training=False)
+        assert (execution.pp, execution.micro_batches) == (1, 3)
+        runs = [(a.kind, a.stage, a.microbatch) for a in execution.lowered()[0] if a.kind.is_compute]
+        plan, schedule = trainer_plan(cfg, world)
+        _, sim = simulate_step(Shape.from_config(cfg.model), _a100(), plan, schedule)
+        simulated = [(e.action.kind, e.action.stage, e.action.microbatch) for e in sim.timeline]
+        simulated = [step for step in simulated if step[0].is_compute]
+        assert simulated == runs, parallel
