@@ -77,10 +77,11 @@ def _build_peak(rank: int, world: int, tiny: dict, real: dict) -> int:
     # The process groups of the layout are made once, by the warm-up: gloo's buffers are not the model's.
     made: dict[str, Groups] = {}
 
-    def build_once(layout: Layout, device: str) -> Groups:
-        if layout.describe() not in made:
-            made[layout.describe()] = build_groups(layout, device)
-        return made[layout.describe()]
+    def build_once(layout: Layout, device: str, zero_shard: int | None = None) -> Groups:
+        key = f"{layout.describe()} shard {zero_shard}"
+        if key not in made:
+            made[key] = build_groups(layout, device, zero_shard)
+        return made[key]
 
     trainer.build_groups = build_once
     TrainingRun(from_dict(tiny), rank, world, with_data=False)  # warm-up in the same layout
