@@ -771,8 +771,8 @@ def _rank_steps(
 
 
 def _deferred(zero: int, accumulation: str) -> bool:
-    """ZeRO-1 with depth-first accumulation reduce-scatters once, when the step's backward is over (the full
-    gradients stay until then; `ZeroStageComm.reduce` defers, `finish` launches)."""
+    """ZeRO-1 with depth-first accumulation reduce-scatters each stage once per step, at its last REDUCE (the full
+    gradients stay; `ZeroStageComm.reduce` launches there, under the backwards of the stages below)."""
     return zero == 1 and accumulation != LAYERED
 
 

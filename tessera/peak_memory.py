@@ -9,10 +9,12 @@ objects do (tessera/pipeline/runtime.py, stage_comm.py, parallel/zero.py, parall
   full gradients (created by its first backward of the step, accumulated by the next);
 - REDUCE / REDUCE_MB(s): the stage's gradients are flattened into a new buffer while they are still alive.
   ZeRO-1/2/3 keep one reduction in flight (the previous flat buffer lives until the next launch) and a shard
-  per stage for the result; ZeRO-2/3 then drop the full gradients, ZeRO-1 keeps them. Plain data parallelism
-  waits for the reduction in flight *before* flattening and adds it into its stage's running total (the
-  stage's first flat buffer, kept to the step's end: `DataParallelStageComm`, `GradBucket`), then drops the
-  gradients: one total per stage and one flat buffer in flight, however many micro-batches. At the end it
+  per stage for the result; ZeRO-2/3 then drop the full gradients, ZeRO-1 keeps them (and with depth-first
+  accumulation reduce-scatters once per step, at the stage's last REDUCE: `ZeroStageComm.reduce`; the generated
+  lists give ZeRO-1 one REDUCE per stage, so ``deferred_reduce`` only skips a hand-written list's earlier
+  ones). Plain data parallelism waits for the reduction in flight *before* flattening and adds it into its
+  stage's running total (the stage's first flat buffer, kept to the step's end: `DataParallelStageComm`,
+  `GradBucket`), then drops the gradients: one total per stage and one flat buffer in flight, however many micro-batches. At the end it
   writes each stage's total back as gradients (one more copy), stage by stage in ascending order. A stage
   holding a parameter tied to another rank's stage has no REDUCE in the list until its end (the lowering puts
   its one REDUCE after the EXCHANGE with the other rank: `tessera.pipeline.passes.add_tied_exchange`), so its
@@ -23,9 +25,8 @@ objects do (tessera/pipeline/runtime.py, stage_comm.py, parallel/zero.py, parall
 - hybrid sharding with a reduce dtype narrower than fp32 (``replicated``): a stage's replica all-reduce sends a
   copy of its fp32 gradient shard in that dtype (`FlatStage.launch_replica_reduce`), made at the rank's first
   REDUCE after the stage's last one (when `ZeroStageComm._launch` waits for that last reduction), or at the end
-  for the last reduced stage (and, ZeRO-1 depth-first, at each deferred REDUCE there); every copy is held until
-  the end waits for them all (`ZeroStageComm.finish`), and the end's moment notes them all, the last flat
-  buffer released. (fp32: the all-reduce runs in place on the shard, nothing to count);
+  for the last reduced stage; every copy is held until the end waits for them all (`ZeroStageComm.finish`),
+  and the end's moment notes them all, the last flat buffer released. (fp32: the all-reduce runs in place on the shard, nothing to count);
 - the moment of a backward also holds its transient (`working`: the recomputed block, the logits' gradient).
 
 The peak is the largest sum over these moments; the optimizer step's moment (state, the gradients held after
@@ -90,7 +91,8 @@ class StageBytes:
     zero: int
     dp: int
     deferred_reduce: bool = False
-    """ZeRO-1 with depth-first accumulation: REDUCE waits for the step's end (full gradients stay)."""
+    """ZeRO-1 with depth-first accumulation: a stage's one reduce-scatter of the step is launched at its last
+    REDUCE (full gradients stay; an earlier REDUCE, were a list to have one, launches nothing)."""
     uses: dict[int, tuple[int, ...]] = field(default_factory=dict)
     """ZeRO-3: the stages whose flat buffers a stage's GATHER brings (default: its own; the head's stage also
     the tied embedding's owner)."""
@@ -368,7 +370,6 @@ def compile_walk(
     arguments as in `StageBytes`."""
     live = _Live(zero, sharded, classes or {}, replicated=replicated and zero > 0 and sharded)
     uses = uses or {}
-    deferred: list[int] = []
     events = list(events)
     # where each stage's last REDUCE is: its gradient shard is final once that reduction is waited for
     last_reduce = {s: i for i, (kind, s) in enumerate(events) if kind is _REDUCE or kind is _REDUCE_MB}
@@ -381,7 +382,7 @@ def compile_walk(
         kind, s = events[i]
         # a steady state's period starts with a forward after something else (not inside a warm-up's ramp)
         if kind is _F and s == first and i and events[i - 1][0] is not _F:
-            i = _skip_repeats(live, events, i, seen, tuple(deferred))
+            i = _skip_repeats(live, events, i, seen)
             kind, s = events[i]
         i += 1
         if kind is _F:  # live.add(_ACT, s), inlined
@@ -407,10 +408,10 @@ def compile_walk(
                     live.add(_GRAD, s)
             live.dirty = (s, kind)
         elif kind is _REDUCE or kind is _REDUCE_MB:
-            if deferred_reduce:
-                deferred.append(s)
-            else:
-                live.reduce(s, (s, kind), final=last_reduce[s] == i - 1)
+            final = last_reduce[s] == i - 1
+            # ZeRO-1 depth-first: once, at the stage's last (`ZeroStageComm.reduce`)
+            if final or not deferred_reduce:
+                live.reduce(s, (s, kind), final=final)
         elif kind is _GATHER and zero >= 3 and sharded:
             for owner in uses.get(s, (s,)):
                 live.users[owner] = live.users.get(owner, 0) + 1
@@ -426,8 +427,6 @@ def compile_walk(
                     live.gathered.discard(owner)
                     live.add(_GATHERED, owner, -1)
     live.flush()
-    for s in sorted(deferred, reverse=True):
-        live.reduce(s, (s, "finish REDUCE"), final=True)
     if live.replicated:
         live.finish_replicas()
     if zero == 0 and sharded:
@@ -441,7 +440,7 @@ def compile_walk(
     )
 
 
-def _skip_repeats(live: _Live, events: list, i: int, seen: dict, deferred: tuple) -> int:
+def _skip_repeats(live: _Live, events: list, i: int, seen: dict) -> int:
     """Where to go on from event ``i``. If the walk was in this same state at an earlier event j and the
     L = i - j events from i repeat those from j n times, each repetition repeats the same moments: skip all
     but the last. Steady states of long lists (m micro-batches, v stages) cost a period this way instead of m."""
@@ -458,7 +457,6 @@ def _skip_repeats(live: _Live, events: list, i: int, seen: dict, deferred: tuple
         live.dirty,
         live.grew,
         live.extras,
-        deferred,
     )
     j = seen.get(state)
     seen[state] = i
@@ -528,6 +526,8 @@ def floor(
     - after backward: every stage's gradients (no ZeRO, ZeRO-1) and ZeRO's shards.
     """
     grads, flat, zero = sizes.grads, sizes.flat, sizes.zero
+    if sizes.deferred_reduce:  # ZeRO-1 depth-first launches one reduction per stage, at its last REDUCE
+        reductions = min(reductions, len(grads))
     shards = sizes.table(_SHARD) if zero else {}
     at_backward = activations + min(sizes.working.values(), default=0.0)
     gathered = min(grads.values(), default=0.0) if zero >= 3 and sizes.dp > 1 else 0.0

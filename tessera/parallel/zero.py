@@ -24,7 +24,8 @@ onto the IR (docs/zero.md explains why this and not FSDP2) through the runtime's
 
 Accumulation order decides how often the collectives run. Layered: REDUCE once per stage per step. Depth-first:
 the runtime calls ``reduce`` after each micro-batch group; ZeRO-2/3 reduce-scatter every time into an accumulating
-shard (volume × m), ZeRO-1 keeps full gradients and reduce-scatters once in ``finish`` (volume independent of m).
+shard (volume × m), ZeRO-1 keeps full gradients and reduce-scatters once, at the stage's last REDUCE of the step
+(`ZeroStageComm.reduce`; in ``finish`` where the REDUCE count is unknown): volume independent of m.
 
 Collectives are counted in ``tessera.comm.STATS`` with comm's byte rules (all-gather: output bytes,
 reduce-scatter: input bytes). They are issued here with ``async_op=True`` because comm.py's helpers are

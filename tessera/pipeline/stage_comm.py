@@ -172,9 +172,10 @@ class ZeroStageComm:
         self._pending_reduce: set[int] = set()
         self._inflight: list[FlatStage] = []
         # Hybrid sharding: a stage's shard is final once the reduce-scatter of its last REDUCE of the step
-        # completes (layered: its one REDUCE; depth-first ZeRO-2/3: the last micro-batch's), so its replica
-        # all-reduce is launched at the rank's next REDUCE, where `_launch` waits for that reduce-scatter anyway,
-        # and runs under the backwards after it; only those still owed at `finish` run after the last compute.
+        # completes (layered: its one REDUCE; depth-first ZeRO-2/3: the last micro-batch's; depth-first ZeRO-1:
+        # its one reduce-scatter, launched at its last REDUCE), so its replica all-reduce is launched at the
+        # rank's next REDUCE, where `_launch` waits for that reduce-scatter anyway, and runs under the backwards
+        # after it; only those still owed at `finish` run after the last compute.
         # REDUCEs per stage and step: the engine's list says (`expect_reductions`); unknown, layered means one.
         self._replicated = replica_group is not None
         self._expected: dict[int, int] | None = None
@@ -236,7 +237,16 @@ class ZeroStageComm:
             return
         self._reduced[stage] += 1
         if self.zero_stage == 1 and self.accumulation == "depth_first":
-            self._pending_reduce.add(stage)  # full gradients stay; one reduce-scatter in finish()
+            # ZeRO-1 keeps full gradients and reduce-scatters them once per step: at the stage's last REDUCE,
+            # when they are final, so the reduction runs under the backwards of the stages below (Megatron's
+            # distributed optimizer launches each bucket's reduce-scatter once its last micro-batch's gradients
+            # are in). Which REDUCE is the last is fixed by the action list (`expect_reductions`), the same on
+            # every rank of the shard and replica groups (they share pipeline and tensor coordinates), so every
+            # rank of a group issues the same reduce-scatters in the same order. Counts unknown: in `finish`.
+            if self._expected is None:
+                self._pending_reduce.add(stage)
+            elif self._final(self.flats[stage]):
+                self._launch(self.flats[stage], drop_grads=False)
             return
         self._launch(self.flats[stage], drop_grads=self.zero_stage >= 2)
 
@@ -251,9 +261,10 @@ class ZeroStageComm:
         self._inflight = [flat]
 
     def finish(self) -> None:
-        """Before the optimizer step: launch deferred reductions (ZeRO-1 depth-first) and wait for every one; with
-        hybrid sharding launch the replica all-reduces still owed (the last reduced stage's; every stage's where
-        the engine did not say how many REDUCEs a step has and accumulation is depth-first) and wait for all.
+        """Before the optimizer step: launch the reductions held back (ZeRO-1 depth-first where the engine did not
+        say how many REDUCEs a step has: `reduce`) and wait for every one; with hybrid sharding launch the replica
+        all-reduces still owed (the last reduced stage's; every stage's where the engine did not say how many
+        REDUCEs a step has and accumulation is depth-first) and wait for all.
 
         Every launch point is fixed by the rank's action list, never by a collective's progress: the ranks of a
         shard or replica group share their pipeline and tensor coordinates, so they run the same list and issue

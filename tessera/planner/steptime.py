@@ -603,12 +603,10 @@ def _fast_replica(
     (`_backward_ends`; breadth-first one micro-batch at a time, `_sweeps`: the last sweep's, chunk j − 1's) — and
     chunk 0's (the last reduced) in ``finish`` after the last compute (after the ``exchange`` with a tied stage,
     which chunk 1's waits for too: chunk 0 reduces only then). ZeRO-1 with depth-first accumulation reduces
-    everything in ``finish``: all of it released there."""
+    once per step at each chunk's last backward, as layered does (`ZeroStageComm.reduce`): the same releases."""
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
     finish = end + exchange
     per_microbatch = _per_microbatch_reduce(plan)
-    if plan.accumulation != "layered" and not per_microbatch:
-        return [(finish, replica)]
     sweeps = _sweeps(schedule, plan)
     after = p if sweeps else {"interleaved": p, "breadth_first": m}.get(schedule, 0)
     backward_end = _backward_ends(schedule, p, m, v, c, end, sweeps=sweeps)
@@ -686,23 +684,17 @@ def _backward_releases(
 
 
 def _replica_releases(
-    reductions: list[tuple[int, float]], shares: dict[int, float], finish: float, *, early: bool
+    reductions: list[tuple[int, float]], shares: dict[int, float], finish: float
 ) -> list[tuple[float, float]]:
     """Hybrid sharding's all-reduce of each stage's gradient shard (``shares``: seconds by stage) as
     `ZeroStageComm` issues it: released at the rank's first reduction after the stage's last one
-    (``reductions``: (stage, release) in list order), or at ``finish`` for the last reduced stage, and for
-    every stage when not ``early`` (ZeRO-1 depth-first: every reduction runs in ``finish``)."""
+    (``reductions``: (stage, release) in list order), or at ``finish`` for the last reduced stage. Every
+    reduction runs at its REDUCE action (ZeRO-1 depth-first too: its one per stage, `ZeroStageComm.reduce`)."""
     last = {stage: i for i, (stage, _) in enumerate(reductions)}
     return [
-        (reductions[i + 1][1] if early and i + 1 < len(reductions) else finish, shares[stage])
+        (reductions[i + 1][1] if i + 1 < len(reductions) else finish, shares[stage])
         for stage, i in last.items()
     ]
-
-
-def _early_replica(plan: Plan) -> bool:
-    """Whether the reductions run where the schedule's REDUCE actions are (layered, or every micro-batch's), so
-    a stage's replica all-reduce starts at the next one; ZeRO-1 depth-first reduces everything in ``finish``."""
-    return plan.accumulation == "layered" or _per_microbatch_reduce(plan)
 
 
 def _per_microbatch_reduce(plan: Plan) -> bool:
@@ -831,9 +823,7 @@ def _simulated_dp(
         if replica:  # hybrid sharding, on the same channel
             finish = max([end, *(release for release, _ in items)])
             shares = {s: replica * pc.counts[s] / blocks for s, _ in reductions}
-            items += _replica_releases(reductions, shares, finish, early=_early_replica(plan)) or [
-                (finish, replica)
-            ]
+            items += _replica_releases(reductions, shares, finish) or [(finish, replica)]
         queued, exposed = _gathers(shape, plan, rank, gather, end)
         worst = max(worst, end + dp_cost(items + queued, end, hw) + exposed)
     return max(0.0, worst - end_of_step)

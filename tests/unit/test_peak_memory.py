@@ -240,7 +240,7 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
     (peak total, its activations/grads/buffers/working, gradients held after backward)."""
     d, z = sizes.dp, sizes.zero
     acts, grads, shards, gathered, users, totals = 0.0, {}, {}, {}, {}, {}
-    inflight, inflight_stage, deferred, best = 0.0, None, [], [0.0, [0.0] * 4]
+    inflight, inflight_stage, best = 0.0, None, [0.0, [0.0] * 4]
 
     def note(extra: float = 0.0, working: float = 0.0) -> None:
         parts = [
@@ -274,7 +274,8 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
         if z >= 2:
             grads.pop(s, None)
 
-    for a in actions:
+    last_reduce = {a.stage: i for i, a in enumerate(actions) if a.kind in (R, RM)}
+    for index, a in enumerate(actions):
         s, kind = a.stage, a.kind
         if kind is ActionKind.FORWARD:
             acts += sizes.activations[s]
@@ -285,9 +286,8 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
             grads[s] = sizes.grads[s]
             note()
         elif kind in (R, RM):
-            if sizes.deferred_reduce:
-                deferred.append(s)
-            else:
+            # ZeRO-1 depth-first: one reduce-scatter per step, at the stage's last REDUCE
+            if not sizes.deferred_reduce or last_reduce[s] == index:
                 reduce(s)
         elif kind is G and z >= 3 and d > 1:
             for owner in sizes.uses.get(s, (s,)):
@@ -299,8 +299,6 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
                 users[owner] = max(0, users.get(owner, 0) - 1)
                 if not users[owner]:
                     gathered.pop(owner, None)
-    for s in sorted(deferred, reverse=True):
-        reduce(s)
     settle()
     for s in sorted(totals):  # each stage's averaged gradients written back beside its total
         note(extra=sizes.grads[s])
