@@ -4,8 +4,8 @@
 
 `cases()` is read by `planner_published.py`; nothing here is fitted to any row. Every row is priced with FSDP's
 gather unit, one block (`mosaic_table.fsdp_units`). The standalone output adds, per row, the StepBreakdown (with
-the HSDP rows' cross-node all-reduce, whose exposed part and slowdown it includes) and the fms-fsdp rows' error with the stated bandwidth
-read per GPU.
+the HSDP rows' cross-node all-reduce, whose exposed part and slowdown it includes) and the fms-fsdp rows' error
+with the stated bandwidth read per GPU.
 
 Sources
 -------

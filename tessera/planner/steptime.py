@@ -20,8 +20,9 @@ Per-action durations (all from `tessera.planner.cost`):
   and each stage's all-reduce of its gradient shard over the replica group (`cost.replica_reduce_time`) joins
   the queue at the rank's first reduction after the stage's last one, the last reduced stage's at the end of the
   backward, as `ZeroStageComm` launches them (`_replica_releases`, `_fast_replica`): hidden under the backward it
-  slows it, whatever runs past the last compute is exposed. Tensor-parallel time is `cost.tp_comm_time_per_layer` in each F/B (rings under the GEMM chunks with
-  `Plan.tp_comm_overlap`, `cost.tp_overlap`).
+  slows it, whatever runs past the last compute is exposed. Tensor-parallel time is
+  `cost.tp_comm_time_per_layer` in each F/B (rings under the GEMM chunks with `Plan.tp_comm_overlap`,
+  `cost.tp_overlap`).
 - ``EXCHANGE`` (a tied embedding and head on two pipeline ranks): both ranks swap the table's gradient
   (`tied_exchange_time`) once both reached it, at the end of their lists (counted as PP time); the two stages'
   one REDUCE follows it and is released whole when it runs, not under a backward (`fast_step` likewise).

@@ -122,8 +122,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
 def resolve_eot(tok: Tokenizer, eot_token: str | None = None) -> int:
     """The id that ends every document: ``eot_token`` (an id when it is a decimal number, else a token of the
-    vocabulary) when given, else the tokenizer's own end-of-text token. A tokenizer without one is an error: documents concatenated with no
-    separator would silently run into each other."""
+    vocabulary) when given, else the tokenizer's own end-of-text token. A tokenizer without one is an error:
+    documents concatenated with no separator would silently run into each other."""
     if eot_token is None:
         if tok.eot is None:
             raise DataError(

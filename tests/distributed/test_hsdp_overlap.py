@@ -6,8 +6,9 @@ issues them. With layered accumulation each stage's replica all-reduce ("data_re
 reduce-scatter ("data_shard") and come before the next stage's: it is launched at the rank's next REDUCE, so it
 runs under the backwards of the stages below (launched before the backward of the stage two below; launching it
 before the very next stage's backward would make that backward wait for the reduce-scatter); only the last two
-stages' are launched after the last compute. With depth-first accumulation every stage's is launched after the
-last compute (the shard is final only after the last micro-batch's reduce-scatter). Before this overlap every
+stages' are launched after the last compute. With depth-first accumulation a stage's shard is final after its
+last micro-batch's reduce-scatter, so its all-reduce is launched at the next REDUCE of that last micro-batch's
+backward (the ``z2_depth_first`` case below asserts the same order). Before this overlap every
 replica all-reduce ran in ``finish`` after the whole backward, which the layered assertions reject.
 
 Wire dtype: ``train.grad_reduce_dtype = "bf16"`` puts a bf16 copy of the fp32 shard on the wire (half the

@@ -167,9 +167,9 @@ def dp_collective_times(
 def replica_reduce_time(params_local: float, hw: Hardware, plan: Plan) -> float:
     """Hybrid sharding: seconds per step of the all-reduce of this rank's gradient shards (`params_local` / s
     elements, `Plan.replica_reduce_width` bytes each) over its replica group, once per step whatever the
-    accumulation, one call per stage (`ZeroStageComm` launches each once the stage's shard is final), each the ring or tree `network.collective_time`
-    picks on the replica group's placement (across nodes when a shard group fills a node). 0 without hybrid
-    sharding."""
+    accumulation, one call per stage (`ZeroStageComm` launches each once the stage's shard is final), each the
+    ring or tree `network.collective_time` picks on the replica group's placement (across nodes when a shard
+    group fills a node). 0 without hybrid sharding."""
     if not plan.zero_stage or plan.zero_replicas <= 1:
         return 0.0
     shard = params_local * plan.replica_reduce_width / plan.zero_dp
