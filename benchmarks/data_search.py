@@ -877,6 +877,14 @@ def main() -> None:
         failing=0,
     )
     found: list[str] = []
+
+    def report(got: list[str]) -> None:
+        """One case's disagreements: counted as one failing case, each printed as found."""
+        stats["failing"] += bool(got)
+        for f in got:
+            found.append(f)
+            print("DISAGREEMENT", f, flush=True)
+
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.corpora):
@@ -884,27 +892,17 @@ def main() -> None:
             root.mkdir()
             # each case draws from its own generator, so that a case that stops early (a disagreement) leaves
             # the later cases as they are: runs of the same seed on two versions compare case by case
-            got = check_prepare(random.Random(rng.getrandbits(64)), root, i, stats)
-            stats["failing"] += bool(got)
-            for f in got:
-                found.append(f)
-                print("DISAGREEMENT", f, flush=True)
+            report(check_prepare(random.Random(rng.getrandbits(64)), root, i, stats))
         eroot = Path(tmp) / "errors"
         eroot.mkdir()
         for f in check_errors(eroot, random.Random(rng.getrandbits(64)), args.errors, stats):
-            stats["failing"] += 1
-            found.append(f)
-            print("DISAGREEMENT", f, flush=True)
+            report([f])  # each bad input is its own case
         for i in range(4 * args.runs):  # a draw whose held-out part is shorter than a window is not run
             if stats["runs"] == args.runs:
                 break
             root = Path(tmp) / f"r{i}"
             root.mkdir()
-            got = check_training(random.Random(rng.getrandbits(64)), root, i, stats)
-            stats["failing"] += bool(got)
-            for f in got:
-                found.append(f)
-                print("DISAGREEMENT", f, flush=True)
+            report(check_training(random.Random(rng.getrandbits(64)), root, i, stats))
     print(
         f"seed {args.seed}: {stats['cases']} corpora ({stats['prepared']} prepared, {stats['refused']} refused as "
         f"expected; tokenizers {stats['tokenizers']}), {stats['records']} records ({stats['bad']} bad), "

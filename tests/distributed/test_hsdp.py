@@ -40,6 +40,7 @@ from tests.distributed.test_zero import (
     _batches,
     _cfg,
     _model,
+    _reference_steps,
 )
 from tests.harness import run_distributed
 
@@ -85,29 +86,8 @@ def _config(parallel: dict, dp: int) -> Config:
 def _reference(steps: list[list]) -> tuple[list[float], list[float], list[dict[str, torch.Tensor]], dict]:
     """One process, torch.optim.AdamW with torch's clipping: per step the loss, the norm clipped by and every
     gradient (by every name, tied aliases too), then the parameters."""
-    model = _model(_cfg())
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WD}, {"params": other, "weight_decay": 0.0}],
-        lr=LR,
-        betas=BETAS,
-        eps=EPS,
-        foreach=False,
-    )
-    losses, norms, grads = [], [], []
-    for batches in steps:
-        total = 0.0
-        for x, y in batches:
-            loss = model(x, y) / len(batches)
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        opt.step()
-        opt.zero_grad()
-    final = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    norms: list[float] = []
+    losses, grads, final = _reference_steps(_cfg(), steps, clip=(MAX_NORM, norms))
     return losses, norms, grads, final
 
 

@@ -127,10 +127,12 @@ def _reference(cfg: ModelConfig, batches) -> tuple[float, dict[str, torch.Tensor
 
 
 def _reference_steps(
-    cfg: ModelConfig, steps: list[list]
+    cfg: ModelConfig, steps: list[list], clip: tuple[float, list[float]] | None = None
 ) -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """One process, torch.optim.AdamW, one step per entry of ``steps`` (a global batch's micro-batches): every
-    step's mean loss and gradients (by every name, tied aliases too), then the parameters."""
+    step's mean loss and gradients (by every name, tied aliases too), then the parameters. ``clip`` = (max norm,
+    a list): each step's gradients are clipped by torch's ``clip_grad_norm_`` after they are recorded, and the
+    norm it returns is appended to the list."""
     model = _model(cfg)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
@@ -150,6 +152,8 @@ def _reference_steps(
             total += loss.item()
         losses.append(total)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
+        if clip is not None:
+            clip[1].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip[0])))
         opt.step()
         opt.zero_grad()
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
