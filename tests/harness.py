@@ -117,6 +117,10 @@ def _worker(
         server = _serve_on_launcher_socket(default_pg_timeout)  # rank 0: the store on the test's socket
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         del server  # the process group's store holds it from here on
+        # gloo connects its mesh pair by pair and init_process_group returns without a barrier: a rank whose
+        # ``fn`` runs no collective could finish and close its side while a slower peer is still connecting
+        # ("Connection closed by peer" in that peer's init, seen once in CI under load)
+        dist.barrier()
         result = fn(rank, world_size, *args)
         # Plain pickle: torch's queue reducers would pass tensors through shared memory, which dies with the rank.
         queue.put((rank, "ok", pickle.dumps(result)))
