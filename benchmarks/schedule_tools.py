@@ -213,6 +213,20 @@ def write_markdown(cli: list[dict], lib: list[dict], before: str, loads: tuple[s
     path.write_text("\n".join(lines))
 
 
+def _cli_panel(ax: Any, cli: list[dict], column: int, series: tuple, ylabel: str, title: str) -> None:
+    """One log-log panel of the CLI runs: measurement ``column`` (0: seconds, 1: bytes) of each (key, label,
+    style) in ``series`` against --pp."""
+    sizes = [row["p"] for row in cli]
+    for key, label, style in series:
+        ax.plot(sizes, [row[key][column] for row in cli], style, label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("--pp (1F1B, 8 micro-batches)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+
+
 def write_figure(cli: list[dict], lib: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -222,27 +236,22 @@ def write_figure(cli: list[dict], lib: list[dict], path: Path) -> None:
     fig, (left, middle, right) = plt.subplots(
         1, 3, figsize=(15, 4.4), gridspec_kw={"width_ratios": [1, 1, 1.4]}
     )
-    sizes = [row["p"] for row in cli]
-    for key, label, style in (
+    before, full, after = (
         ("before", "before", "o-"),
         ("full", "after, --full-text", "s--"),
         ("after", "after (default)", "^-"),
-    ):
-        left.plot(sizes, [row[key][0] for row in cli], style, label=label)
-    left.set_xscale("log")
-    left.set_yscale("log")
-    left.set_xlabel("--pp (1F1B, 8 micro-batches)")
-    left.set_ylabel("wall time of `tessera schedule show`, s")
-    left.set_title("schedule show", fontsize=10)
-    left.legend(fontsize=8)
-    for key, label, style in (("before", "before", "o-"), ("after", "after (default)", "^-")):
-        middle.plot(sizes, [row[key][1] for row in cli], style, label=label)
-    middle.set_xscale("log")
-    middle.set_yscale("log")
-    middle.set_xlabel("--pp (1F1B, 8 micro-batches)")
-    middle.set_ylabel("bytes written to stdout")
-    middle.set_title("schedule show: output (--full-text = before)", fontsize=10)
-    middle.legend(fontsize=8)
+    )
+    _cli_panel(
+        left, cli, 0, (before, full, after), "wall time of `tessera schedule show`, s", "schedule show"
+    )
+    _cli_panel(
+        middle,
+        cli,
+        1,
+        (before, after),
+        "bytes written to stdout",
+        "schedule show: output (--full-text = before)",
+    )
     positions = range(len(lib))
     width = 0.2
     bars = [
