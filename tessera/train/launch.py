@@ -8,10 +8,11 @@
   still alive ``grace_s`` after that, or after a second signal, are killed.
 - A worker that fails ends the others at once; the user sees one line naming it (and the last step it reported,
   from its heartbeat file RUN_DIR/heartbeat/rank{r}) after that rank's own message.
-- Ranks do not print their user errors: they report them in a folder of this launcher's
-  (`tessera.rank_errors`), which prints each different message once with the ranks that reported it. After an
-  error every rank decides alike (a config or resume refusal), the others get `SAME_ERROR_WAIT_S` to reach
-  and report it too before they are stopped.
+- Ranks do not print their user errors, nor the watchdog's hang message: they report them in a folder of this
+  launcher's (`tessera.rank_errors`), which prints each different message once with the ranks that reported
+  it. After an error every rank decides alike (a config or resume refusal), or a hang, the others get
+  `SAME_ERROR_WAIT_S` to reach and report it too (a hang's other ranks time out in the same collective, and
+  write their stacks) before they are stopped; ranks a hang report names as not responding are not waited for.
 - The rendezvous port listens before any rank starts: the launcher opens it and hands it to rank 0, whose
   TCPStore serves on it (`rendezvous_socket`), so no rank's connection is refused while rank 0 is still
   importing (docs/launching.md, "Rendezvous").
@@ -28,11 +29,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tessera.errors import EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_RESUMABLE, EXIT_USER_ERROR
-from tessera.rank_errors import ERROR_DIR, format_reports, rank_ranges, read_reports
+from tessera.rank_errors import ERROR_DIR, SAME_ERROR_WAIT_S, format_reports, name_ranks, read_reports
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 __all__ = [
     "STORE_FD",
@@ -41,13 +47,11 @@ __all__ = [
     "launch_local",
     "rendezvous_socket",
     "set_parent_death_signal",
+    "torchrun_attempt_store",
 ]
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _POLL_S = 0.05
-SAME_ERROR_WAIT_S = 10.0
-"""After a rank reports an error every rank decides alike, how long the others get to reach it (they do within
-moments: the same decision at the same point) before they are stopped: a bound, in case one is stuck."""
 
 
 def free_port() -> int:
@@ -71,6 +75,26 @@ def rendezvous_socket() -> socket.socket:
     the port here, instead of picking one for rank 0 to bind later (`free_port`), also leaves no moment for
     another program to take it."""
     return socket.create_server(("127.0.0.1", 0))
+
+
+def torchrun_attempt_store(timeout: timedelta, environ: Mapping[str, str] | None = None) -> Store | None:
+    """Under torchrun with its agent's store (the default): that store, with this attempt's keys apart.
+
+    torchrun's agent keeps one TCPStore for the whole job, and workers of a restart (``--max-restarts``) join it
+    again. Without a prefix the new ranks find the dead attempt's keys there: gloo's full-mesh connect reads a
+    peer's listening address as soon as its key exists, so a rank that starts before its peer has re-published
+    connects to the dead process's address and waits until the timeout (30 minutes by default). Prefixing by
+    ``TORCHELASTIC_RESTART_COUNT`` gives every attempt fresh keys (docs/launching.md, "Restarts"). The agent
+    outlives its workers, so a rank may also use it to meet its peers on the way out (`tessera.rank_errors`)."""
+    env = os.environ if environ is None else environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    import torch.distributed as dist  # here: the launcher itself never imports torch
+
+    agent = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"tessera/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
@@ -202,8 +226,12 @@ def _supervise(
         if failed and not state["signal"]:
             rank, code = failed[0]
             reports = read_reports(errors, len(procs))
-            if running and reports.get(rank, {}).get("same_on_every_rank"):
-                # the others decide the same at the same point: let them say so rather than be stopped
+            first = reports.get(rank, {})
+            # ranks the report says will not report (frozen ones, named in a hang's message) are not waited for
+            awaited = [r for r in running if r not in first.get("silent", ())]
+            if awaited and (first.get("same_on_every_rank") or first.get("others_follow")):
+                # the others decide the same at the same point, or time out in the same collective: let them say
+                # so (and write their stacks) rather than be stopped
                 waiting_since = waiting_since or time.monotonic()
                 if time.monotonic() < waiting_since + SAME_ERROR_WAIT_S:
                     time.sleep(_POLL_S)
@@ -232,8 +260,7 @@ def _describe_failure(
     """The launcher's line after a failure. A rank that reported its error was named with it already: the line
     then only names the ranks that were stopped (none: no line); else it names the rank and how it ended."""
     if rank in reports:
-        who = f"rank {stopped[0]}" if len(stopped) == 1 else f"ranks {rank_ranges(stopped)}"
-        return f"stopped {who} after rank {rank}'s error" if stopped else ""
+        return f"stopped {name_ranks(stopped)} after rank {rank}'s error" if stopped else ""
     return f"error: {_describe_exit(rank, code, heartbeat_dir, started)}; the other ranks were stopped"
 
 

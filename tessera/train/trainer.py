@@ -42,7 +42,7 @@ from tessera.train.checkpoint_files import RANK_LOCAL_FORMAT, set_aside_later
 from tessera.train.compat import check_compatible, run_settings
 from tessera.train.data import Blend, TokenDataset, ensure_default_corpus, get_batch, open_data
 from tessera.train.health import StepHealth, check_state_finite
-from tessera.train.launch import STORE_FD
+from tessera.train.launch import STORE_FD, torchrun_attempt_store
 from tessera.train.metrics import MetricsLogger, Progress, memory_bytes, peak_flops_for
 from tessera.train.run_files import checkpoint_dir, previous_checkpoint_dir
 from tessera.train.runlock import run_dir_lock
@@ -88,7 +88,7 @@ def init_distributed(timeout_s: float = 0) -> tuple[int, int]:
         return 0, 1
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = timedelta(seconds=timeout_s) if timeout_s > 0 else None  # None: torch's default per backend
-    store = _torchrun_attempt_store(timeout or default_pg_timeout)
+    store = torchrun_attempt_store(timeout or default_pg_timeout)
     if store is None:
         server = _serve_on_launcher_socket(timeout or default_pg_timeout)
         dist.init_process_group(backend, timeout=timeout)
@@ -97,26 +97,6 @@ def init_distributed(timeout_s: float = 0) -> tuple[int, int]:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
-
-
-def _torchrun_attempt_store(timeout: timedelta) -> dist.Store | None:
-    """Under torchrun with its agent's store (the default): that store, with this attempt's keys apart.
-
-    torchrun's agent keeps one TCPStore for the whole job, and workers of a restart (``--max-restarts``) join it
-    again. Without a prefix the new ranks find the dead attempt's keys there: gloo's full-mesh connect reads a
-    peer's listening address as soon as its key exists, so a rank that starts before its peer has re-published
-    connects to the dead process's address and waits until the timeout (30 minutes by default). Prefixing by
-    ``TORCHELASTIC_RESTART_COUNT`` gives every attempt fresh keys (docs/launching.md, "Restarts")."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return None
-    agent = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        int(os.environ["WORLD_SIZE"]),
-        is_master=False,
-        timeout=timeout,
-    )
-    return dist.PrefixStore(f"tessera/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
 
 
 def _serve_on_launcher_socket(timeout: timedelta) -> dist.TCPStore | None:

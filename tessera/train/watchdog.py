@@ -1,12 +1,15 @@
 """A hang watchdog: a rank that makes no progress for ``train.hang_timeout_s`` dumps its stack and exits 4.
 
 Each rank runs a daemon thread that, every few seconds, writes ``RUN_DIR/heartbeat/rank{r}`` (its last finished
-step and the wall-clock time; the local launcher reads it to say where a dead rank was) and checks that the training loop has finished a step within the timeout. When it has not,
-the thread writes every thread's Python stack (faulthandler) to ``RUN_DIR/stacks/rank{r}.txt``, reads the
-other ranks' heartbeats, and exits the process with one line naming the ranks that stopped responding (a
-heartbeat older than a few intervals: a stopped or frozen process, whose own thread cannot write) or, when all
-respond, the ranks behind the others (stuck elsewhere, e.g. a mismatched collective). The healthy ranks are
-all blocked in a collective with the stuck one, so they all time out alike and all leave a stack dump.
+step and the wall-clock time; the local launcher reads it to say where a dead rank was) and checks that the
+training loop has finished a step within the timeout. When it has not, the thread writes every thread's Python
+stack (faulthandler) to ``RUN_DIR/stacks/rank{r}.txt``, reads the other ranks' heartbeats, and exits the
+process with a message naming the ranks that stopped responding (a heartbeat older than a few intervals: a
+stopped or frozen process, whose own thread cannot write) or, when all respond, the ranks behind the others
+(stuck elsewhere, e.g. a mismatched collective). The healthy ranks are all blocked in a collective with the
+stuck one, so they all time out alike; the message is shown once for all of them (`tessera.rank_errors.
+report_hang`: under tessera's launcher one line naming the ranks that timed out, under torchrun the first rank
+to time out's), each with its stack on disk as long as its launcher has not stopped it first.
 
 The clock starts after the first step (start-up, compilation and data preparation do not count) and pauses
 while a checkpoint is written or loaded.
@@ -24,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tessera.errors import EXIT_HANG
+from tessera.rank_errors import name_ranks, report_hang
 
 __all__ = ["Watchdog"]
 
@@ -90,14 +94,19 @@ class Watchdog:
             stacks.mkdir(parents=True, exist_ok=True)
             with open(stacks / f"rank{self.rank}.txt", "w") as f:
                 faulthandler.dump_traceback(file=f, all_threads=True)
-        sys.stderr.write(
-            f"[rank {self.rank}] error: no progress for {idle:.0f}s (train.hang_timeout_s = {self.timeout_s:g}) "
-            f"after step {self.step}; {self._culprits()}; stacks in {stacks}/\n"
+        diagnosis, silent = self._culprits()
+        # {idle} and {step} differ between the ranks that time out; the rest is what they all read
+        message = (
+            f"no progress for {{idle}}s (train.hang_timeout_s = {self.timeout_s:g}) after step {{step}}; "
+            f"{diagnosis}; stacks in {stacks}/"
         )
+        report_hang(self.rank, self.world, message, {"idle": idle, "step": self.step}, silent)
         sys.stderr.flush()
         os._exit(EXIT_HANG)  # the main thread is blocked in a collective: nothing else would end the process
 
-    def _culprits(self) -> str:
+    def _culprits(self) -> tuple[str, list[int]]:
+        """What the heartbeats say (the same text on every rank that reads them: no clock readings in it, so the
+        launcher prints it once), and the ranks not responding."""
         now, beats = time.time(), {}
         for r in range(self.world):
             try:
@@ -107,10 +116,19 @@ class Watchdog:
                 beats[r] = (-1, 0.0)
         silent = [r for r, (_, when) in beats.items() if now - when > 3 * self.interval + 1]
         if silent:
-            ages = ", ".join(f"rank {r} (step {beats[r][0]}, {now - beats[r][1]:.0f}s ago)" for r in silent)
-            return f"not responding: {ages}"
+            return f"not responding: {_by_step(silent, beats)}", silent
         newest = max(step for step, _ in beats.values())
         behind = [r for r, (step, _) in beats.items() if step < newest]
         if behind:
-            return "behind the others: " + ", ".join(f"rank {r} (step {beats[r][0]})" for r in behind)
-        return "every rank responds at the same step (a collective that never completes)"
+            return f"behind the others (step {newest}): {_by_step(behind, beats)}", []
+        return "every rank responds at the same step (a collective that never completes)", []
+
+
+def _by_step(ranks: list[int], beats: dict[int, tuple[int, float]]) -> str:
+    """``ranks 8-15 (step 41), rank 3 (step 40)``: the ranks grouped by their last heartbeat's step, so that a
+    node of silent ranks is one entry."""
+    steps: dict[int, list[int]] = {}
+    for r in ranks:
+        steps.setdefault(beats[r][0], []).append(r)
+    where = {step: f"step {step}" if step >= 0 else "no step yet" for step in steps}  # -1: none read or armed
+    return ", ".join(f"{name_ranks(steps[step])} ({where[step]})" for step in sorted(steps, reverse=True))

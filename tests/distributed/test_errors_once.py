@@ -1,5 +1,6 @@
 """`tessera train --nproc 2`, through the real launcher: an error every rank reaches alike is shown once, naming
-both ranks; errors that differ between ranks are each shown, with their rank (tessera/rank_errors.py).
+both ranks; errors that differ between ranks are each shown, with their rank (tessera/rank_errors.py). The same
+under torchrun, where the ranks meet in its agent's store instead.
 
 Ranks are made to differ by a `sitecustomize` module on rank 1's import path (Python imports it at start-up),
 which changes what that rank alone sees, as a node with another config or a broken disk would. Nothing asserts on
@@ -23,10 +24,24 @@ REFUSED = "was trained with other settings"
 
 
 def _train(
-    token_file: Path, run_dir: Path, *extra: str, rank1_site: str | None = None
+    token_file: Path, run_dir: Path, *extra: str, rank1_site: str | None = None, torchrun: bool = False
 ) -> subprocess.CompletedProcess:
+    launcher = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "tessera",
+        ]
+        if torchrun
+        else [sys.executable, "-m", "tessera"]
+    )
     argv = [
-        sys.executable, "-m", "tessera", "train", "--nproc", "2",
+        *launcher, "train", *([] if torchrun else ["--nproc", "2"]),
         f'--data.path="{token_file}"', f'--log.run_dir="{run_dir}"', "--log.progress=false",
         "--log.tensorboard=false", "--model.n_layers=2", "--model.d_model=32", "--model.n_heads=2",
         "--model.seq_len=16", "--train.global_batch=4", "--train.micro_batch=2", "--checkpoint.every=2",
@@ -63,6 +78,9 @@ def test_a_refusal_every_rank_makes_is_shown_once_naming_both_ranks(token_file: 
     )
     assert "[rank 0]" not in out.stderr and "[rank 1]" not in out.stderr, out.stderr
     assert "exited with status" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    # under torchrun: once too, by whichever rank claimed it first in torchrun's store
+    out = _train(token_file, trained, "--train.steps=4", "--data.seed=9", torchrun=True)
+    assert out.stderr.count(REFUSED) == 1 and "exitcode  : 2" in out.stderr, out.stderr
 
 
 def test_errors_that_differ_between_ranks_are_each_shown_with_their_rank(
@@ -82,6 +100,16 @@ def test_errors_that_differ_between_ranks_are_each_shown_with_their_rank(
     assert out.returncode == EXIT_USER_ERROR, out.stderr + out.stdout
     assert out.stderr.count(REFUSED) == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if REFUSED in line]
+    assert lines[0].startswith("[rank 0] error: ") and "1234 in the checkpoint, 9 now" in lines[0], out.stderr
+    assert lines[1].startswith("[rank 1] error: ") and "1234 in the checkpoint, 8 now" in lines[1], out.stderr
+
+    # under torchrun the ranks see nothing of each other's output: rank 1's different refusal was not printed
+    # (rank 0 alone printed its own, as if every rank had decided the same); now they meet in torchrun's store
+    out = _train(
+        token_file, trained, "--train.steps=4", "--data.seed=9", rank1_site=other_seed, torchrun=True
+    )
+    assert out.stderr.count(REFUSED) == 2, out.stderr
+    lines = sorted(line for line in out.stderr.splitlines() if REFUSED in line)
     assert lines[0].startswith("[rank 0] error: ") and "1234 in the checkpoint, 9 now" in lines[0], out.stderr
     assert lines[1].startswith("[rank 1] error: ") and "1234 in the checkpoint, 8 now" in lines[1], out.stderr
 

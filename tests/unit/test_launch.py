@@ -167,3 +167,29 @@ def test_the_launcher_does_not_wait_for_a_stuck_rank_nor_hide_a_rank_specific_er
     monkeypatch.setattr(launch.subprocess, "Popen", _Reports(scripts))
     assert launch.launch_local(2, ["train"]) == 2
     assert capsys.readouterr().err == "[rank 0] error: seed 9 now\n[rank 1] error: seed 8 now\n"
+
+
+def test_a_hang_is_one_line_for_the_ranks_that_timed_out_and_the_frozen_one_is_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Ranks 0 and 2 time out (their watchdogs, as `report_hang` reports) waiting on rank 1, which is frozen.
+    The launcher stopped rank 2 at once after rank 0's exit, so only rank 0's line (and stack) was left; now it
+    waits for rank 2, which times out half a second later, and prints one line for both; frozen rank 1, named as
+    not responding, is not waited for (SAME_ERROR_WAIT_S is 600 s here) but stopped and named."""
+    hang = (
+        "report_hang({rank}, 3, 'no progress for {{idle}}s (train.hang_timeout_s = 6) after step {{step}}; "
+        "not responding: rank 1 (step 41)', {{'idle': {idle}, 'step': 41}}, [1]); raise SystemExit(4)"
+    )
+    prelude = "from tessera.rank_errors import report_hang; "
+    scripts = {
+        0: prelude + hang.format(rank=0, idle=6.3),
+        1: "time.sleep(600)",
+        2: prelude + "time.sleep(0.5); " + hang.format(rank=2, idle=6.8),
+    }
+    monkeypatch.setattr(launch, "SAME_ERROR_WAIT_S", 600.0)
+    monkeypatch.setattr(launch.subprocess, "Popen", _Reports(scripts))
+    assert launch.launch_local(3, ["train"]) == 4
+    assert capsys.readouterr().err == (
+        "[ranks 0, 2] error: no progress for 6-7s (train.hang_timeout_s = 6) after step 41; not responding: "
+        "rank 1 (step 41)\nstopped rank 1 after rank 0's error\n"
+    )
