@@ -290,13 +290,17 @@ def cmd_memory(args: argparse.Namespace, extra: list[str]) -> int:
 
     cfg = _load(args, extra)
     device = args.device_memory * 2**30 if args.device_memory else None
+    per_node = None
     if args.hardware:
         from tessera.planner.hardware import load_hardware
 
-        device = load_hardware(args.hardware).memory_bytes
+        hw = load_hardware(args.hardware)
+        device, per_node = hw.memory_bytes, hw.gpus_per_node
     est = estimate(cfg, args.world_size, device)
     print(f"per-rank memory estimate for {args.config or 'the defaults'} at world size {args.world_size}:")
     print(f"  {est.describe()}")
+    if per_node:  # the hardware's node size is known: where hybrid sharding's shard groups sit (docs/zero.md)
+        _print_shard_placement(cfg, args.world_size, per_node)
     start = startup_memory(cfg, args.world_size)
     print(f"  {start.describe()}")
     binds = "start-up" if start.peak > est.total else "training"
@@ -310,6 +314,18 @@ def cmd_memory(args: argparse.Namespace, extra: list[str]) -> int:
     if device:
         print(f"  fits: {est.total / 2**30:.2f} GiB of {device / 2**30:.2f} GiB")
     return 0
+
+
+def _print_shard_placement(cfg: Config, world_size: int, gpus_per_node: int) -> None:
+    """A warning line when `parallel.zero_shard_size`'s shard groups straddle nodes of ``gpus_per_node`` GPUs
+    (the warning `tessera train` prints from LOCAL_WORLD_SIZE at start-up, `tessera.groups`)."""
+    from tessera.execution import resolve
+
+    plan = resolve(cfg, world_size, training=False)
+    if plan.zero and plan.zero_replicas > 1:
+        message = plan.layout.shard_placement_warning(plan.zero_shard, gpus_per_node)
+        if message:
+            print(f"  warning: {message}")
 
 
 def cmd_dryrun(args: argparse.Namespace, extra: list[str]) -> int:

@@ -8,6 +8,8 @@ what data sampling, the loss and the metrics use."""
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -88,9 +90,25 @@ def build_groups(layout: Layout, device_type: str = "cpu", zero_shard: int | Non
         name_group(mesh.get_group(name), name)
     groups = Groups(layout=layout, mesh=mesh, rank=dist.get_rank())
     if zero_shard is not None and zero_shard < layout.dp:
-        groups.shard = _subgroup(layout.data_shard_groups(zero_shard), "data_shard")
+        members = layout.data_shard_groups(zero_shard)
+        if groups.rank == 0:
+            _warn_if_straddling(layout, zero_shard, members)
+        groups.shard = _subgroup(members, "data_shard")
         groups.replica = _subgroup(layout.data_replica_groups(zero_shard), "data_replicate")
     return groups
+
+
+def _warn_if_straddling(layout: Layout, zero_shard: int, members: list[list[int]]) -> None:
+    """Warn (rank 0, once per run: groups are built once) when hybrid sharding's shard groups straddle nodes of
+    LOCAL_WORLD_SIZE ranks (torchrun's and `tessera train --nproc`'s ranks per node; unset: nothing is known).
+    A warning, not a refusal: the run is correct, only its gathers are slower than the size suggests, and a
+    group over several whole nodes (MiCS's partition group) is a legitimate choice that passes."""
+    per_node = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not per_node.isdigit() or int(per_node) < 1:
+        return
+    message = layout.shard_placement_warning(zero_shard, int(per_node), members)
+    if message:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _subgroup(members: list[list[int]], name: str) -> dist.ProcessGroup:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tessera.axes import DIMS, LAYOUT_FIELDS, Axis, dim_of, world_size
 
-__all__ = ["Axis", "Layout", "default_ranks", "parse_ranks"]
+__all__ = ["Axis", "Layout", "default_ranks", "parse_ranks", "straddling_group"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +115,17 @@ class Layout:
         return sorted(self.rank(c) for c in members)
 
     def all_groups(self, *axes: Axis) -> list[list[int]]:
-        """Every group along ``axes``, each listed once, ordered by its smallest rank."""
-        seen: dict[tuple[int, ...], None] = {}
+        """Every group along ``axes``, each listed once, ordered by its smallest rank.
+
+        One pass over the ranks, keyed by the coordinates off ``axes`` (a group is the ranks sharing them): linear
+        in the world size. Listing each rank's `group_members` was world × group size (105 s for the data groups
+        of 2048 data-parallel ranks, paid by `tessera.groups.build_groups` at every hybrid-sharded start-up)."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        # ranks ascending: each group in rank order, and first seen at its smallest rank
         for r in range(self.world_size):
-            seen.setdefault(tuple(self.group_members(r, *axes)), None)
-        return [list(g) for g in seen]
+            key = tuple(c for a, c in self.coords(r).items() if a not in axes)
+            groups.setdefault(key, []).append(r)
+        return list(groups.values())
 
     def data_shard_groups(self, shard: int) -> list[list[int]]:
         """Hybrid sharding's shard groups: each data-parallel group cut into runs of ``shard`` consecutive data
@@ -138,6 +144,43 @@ class Layout:
             raise ValueError(f"a ZeRO shard size of {shard} does not divide the data-parallel size {self.dp}")
         return self.all_groups(Axis.DATA)  # each in rank order, which is data-coordinate order
 
+    def shard_groups_straddling(self, shard: int, gpus_per_node: int) -> list[int] | None:
+        """The first of hybrid sharding's shard groups (`data_shard_groups`) that straddles a node boundary on
+        nodes of ``gpus_per_node`` consecutive ranks, or None when they tile nodes (`straddling_group`)."""
+        return straddling_group(self.data_shard_groups(shard), gpus_per_node)
+
+    def node_tiling_shard_sizes(self, gpus_per_node: int) -> list[int]:
+        """The shard sizes s ≥ 2 that divide the data-parallel size and whose shard groups tile nodes: what to
+        suggest instead of one that straddles."""
+        return [
+            s
+            for s in range(2, self.dp + 1)
+            if self.dp % s == 0 and self.shard_groups_straddling(s, gpus_per_node) is None
+        ]
+
+    def shard_placement_warning(
+        self, shard: int, gpus_per_node: int, groups: list[list[int]] | None = None
+    ) -> str | None:
+        """What is wrong with hybrid sharding's shard size ``shard`` on nodes of ``gpus_per_node`` ranks, and the
+        fix, or None when its shard groups tile nodes. ``groups``: `data_shard_groups(shard)`, when computed."""
+        group = straddling_group(groups or self.data_shard_groups(shard), gpus_per_node)
+        if group is None:
+            return None
+        nodes = sorted({r // gpus_per_node for r in group})
+        held = ", ".join(f"{sum(r // gpus_per_node == n for r in group)} on node {n}" for n in nodes)
+        fits = self.node_tiling_shard_sizes(gpus_per_node)
+        return (
+            f"parallel.zero_shard_size = {shard} straddles nodes of {gpus_per_node} GPUs ({self.describe()}): "
+            f"the shard group of ranks {_ranks_text(group)} holds {held}, sharing a node with another shard "
+            "group, so its ZeRO all-gathers and reduce-scatters run at inter-node speed on NICs the other group "
+            "also uses. "
+            + (
+                f"Set parallel.zero_shard_size to a size whose shard groups tile whole nodes: one of {fits}"
+                if fits
+                else f"No shard size tiles these nodes: use a world size of whole {gpus_per_node}-GPU nodes"
+            )
+        )
+
     def describe(self) -> str:
         parts = []
         for d in DIMS:
@@ -145,6 +188,31 @@ class Layout:
             n = getattr(self, field)
             parts.append(f"{d.key} {'2D ' + 'x'.join([str(n)] * len(axes)) if len(axes) > 1 else n}")
         return f"{' × '.join(parts)} = {self.world_size} ranks"
+
+
+def straddling_group(groups: list[list[int]], gpus_per_node: int) -> list[int] | None:
+    """The first group of ``groups`` (disjoint rank lists) that straddles a node boundary on nodes of
+    ``gpus_per_node`` consecutive ranks, or None when they tile nodes.
+
+    Groups tile nodes when every node a group touches is touched only by groups spanning the same nodes: inside
+    one node (collectives on NVLink), or over whole nodes that no group with other nodes overlaps (16 data ranks
+    on two 8-GPU nodes; one rank per node when tensor × pipeline fill a node). A group of 12 on 8-GPU nodes
+    covers one node and half of the next, which it shares with the next group: its ring crosses the network where
+    a group within the node would not, on NICs another group also loads."""
+    span_of_node: dict[int, frozenset[int]] = {}
+    for g in groups:
+        span = frozenset(r // gpus_per_node for r in g)
+        for node in span:
+            if span_of_node.setdefault(node, span) != span:
+                return g
+    return None
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``0-11`` for a run of consecutive ranks, else the list (its first 8 and the count)."""
+    if ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks[:8])) + (f", … ({len(ranks)} ranks)" if len(ranks) > 8 else "")
 
 
 # The ranks `tessera dryrun` builds; here, without torch, so that a wrong --ranks is named before the dry run's

@@ -65,6 +65,13 @@ __all__ = [
 
 SCHEDULE_NAMES = SCHEDULES
 """Schedules the search tries (the config's names, tessera.modes)."""
+HYBRID_NODE_MULTIPLES = 8
+"""Largest shard group hybrid sharding's search tries, in multiples of one node's data ranks (powers of two up to
+it: 1, 2, 4, 8). A shard group over several nodes is MiCS's partition group (Zhang et al. 2022, arXiv 2205.00119):
+the fewest devices whose memory holds the model state, so its gathers leave the rest of the data-parallel ranks
+alone. Up to 8 nodes it divides ZeRO-3's per-rank model state by up to 8 × the node shard's; the whole data group
+(plain ZeRO-3, always tried) is the end beyond. Each multiple is one more ZeRO-3 variant per layout, most over
+the memory limit and counted by `model_state_mean` before their configs are built."""
 MAX_CRITICAL_BATCH_FACTOR = 4.0
 """With the critical batch, a layout whose smallest batch (d × micro-batch) exceeds this × B_crit is skipped."""
 
@@ -125,8 +132,9 @@ class SearchSpace:
     schedules: tuple[str, ...] = SCHEDULE_NAMES
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     hybrid_sharding: bool = True
-    """Beside each ZeRO-3 layout, try hybrid sharding with a shard group of one node's data ranks
-    (`parallel.zero_shard_size` = GPUs per node / (pipeline · tensor), where that divides d and is below it)."""
+    """Beside each ZeRO-3 layout, try hybrid sharding with shard groups of whole nodes: `parallel.zero_shard_size`
+    = one node's data ranks (GPUs per node / (pipeline · tensor), or 1 when a data rank fills whole nodes) ×
+    1, 2, 4 … `HYBRID_NODE_MULTIPLES` nodes' worth, each s ≥ 2 that divides d and is below it (`_hybrid_shards`)."""
     checkpointing: tuple[str, ...] = CHECKPOINTING
     sequence_parallel: tuple[bool, ...] = (False, True)
     micro_batches: tuple[int, ...] | None = None
@@ -537,8 +545,9 @@ def _search_layout(
     schedules = _schedule_options(ctx.space, ctx.shape.n_layers, p, m)
     zeros = [z for z in ctx.space.zero_stages if dp > 1 or z == 0] or [0]
     # (ZeRO stage, shard size): None shards over all d ranks; hybrid sharding only beside ZeRO-3
-    node = _node_shard(ctx, tp, p, dp)
-    variants = [(z, None) for z in zeros] + ([(3, node)] if node and 3 in zeros else [])
+    # largest shard first, after plain ZeRO-3: a layout that does not fit with s does not fit with any smaller s
+    hybrid = sorted(_hybrid_shards(ctx, tp, p, dp), reverse=True) if 3 in zeros else []
+    variants = [(z, None) for z in zeros] + [(3, s) for s in hybrid]
     train = replace(ctx.run.train, global_batch=batch, micro_batch=b)  # the same for every variant below
     # the configs below are built by keyword from these (what dataclasses.replace copies, without its field scan
     # per config: ~1e4 per search)
@@ -568,6 +577,10 @@ def _search_layout(
             )
             for schedule, v in schedules
         }
+        # (schedule, v, split) whose ZeRO-3 did not fit with a larger shard group: sharding the same model state
+        # over fewer ranks holds more of it per rank and the same activations, so its smaller shards are counted
+        # rejected unbuilt (`test_hsdp`: the search's answer is the same with every variant priced)
+        zero3_over: set[tuple[str, int, tuple[int, ...] | None]] = set()
         for zero, shard in variants:
             deferred = ctx.space.comm_overlap and zero in (1, 2) and dp > 1  # where it fits (`_evaluate`)
             for schedule, v in schedules:
@@ -577,6 +590,10 @@ def _search_layout(
                     result.rejected_memory += len(splits)
                     continue
                 for split in splits:
+                    if shard is not None and (schedule, v, split) in zero3_over and _PRUNE_SMALLER_SHARDS:
+                        result.enumerated += 1
+                        result.rejected_memory += 1
+                        continue
                     parallel = ParallelConfig(
                         data=dp,
                         tensor=tensor,
@@ -596,20 +613,31 @@ def _search_layout(
                     cand = _evaluate(ctx, run, base, batch, p2p, defer_gather=deferred)
                     if cand is None:
                         result.rejected_memory += 1
+                        if zero == 3:
+                            zero3_over.add((schedule, v, split))
                     else:
                         out.append(cand)
     return out
 
 
-def _node_shard(ctx: _Ctx, tp: int, p: int, dp: int) -> int | None:
-    """Hybrid sharding's shard size for this layout: the data ranks of one node, G / (p · t) (data is outermost in
-    tessera's rank order, so s consecutive data ranks span s · p · t consecutive ranks), where that is at least 2,
-    divides d and is below it; else None (no hybrid variant)."""
+_PRUNE_SMALLER_SHARDS = True
+"""Skip a hybrid shard size where a larger one (or plain ZeRO-3) did not fit; False prices every one (the test
+that the skip changes no answer)."""
+
+
+def _hybrid_shards(ctx: _Ctx, tp: int, p: int, dp: int) -> list[int]:
+    """Hybrid sharding's shard sizes for this layout: whole nodes' worth of data ranks. Data is outermost in
+    tessera's rank order, so s consecutive data ranks span s · p · t consecutive ranks: one node's data ranks are
+    G / (p · t) where p · t divides G, and a data rank already fills p · t / G whole nodes where G divides p · t
+    (then each shard group holds one rank per node it spans). Their multiples by 1, 2, 4 … `HYBRID_NODE_MULTIPLES`
+    keep every group on whole nodes no other group shares (`Layout.shard_groups_straddling` is None); each s ≥ 2
+    that divides d and is below it (s = d is plain ZeRO-3, already tried)."""
     G, inner = ctx.hw.gpus_per_node, tp * p
-    if not ctx.space.hybrid_sharding or G % inner:
-        return None
-    s = G // inner
-    return s if 2 <= s < dp and dp % s == 0 else None
+    if not ctx.space.hybrid_sharding or (G % inner and inner % G):
+        return []
+    node = max(1, G // inner)
+    sizes = (node * k for k in (2**i for i in range(HYBRID_NODE_MULTIPLES.bit_length())))
+    return [s for s in sizes if 2 <= s < dp and dp % s == 0]
 
 
 def _accumulation(schedule: str) -> str:

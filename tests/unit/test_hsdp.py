@@ -205,10 +205,10 @@ def test_the_step_overlaps_the_replica_all_reduce_with_the_backward_in_both_step
         assert extra == pytest.approx(exposed + hw.overlap_slowdown * hidden, rel=0.01), (zero, accumulation)
 
 
-def test_the_search_tries_one_node_shard_groups_beside_zero3() -> None:
+def test_the_search_tries_whole_node_shard_groups_beside_zero3() -> None:
     """On 32 A100s (4 nodes of 8) without tensor or pipeline parallelism the search prices ZeRO-3 over all 32
-    ranks and, beside it, hybrid sharding over each node (s = 8, 4 replicas), as a config `tessera validate`
-    accepts; no hybrid variant for ZeRO-1/2 or where a node holds fewer than two data ranks."""
+    ranks and, beside it, hybrid sharding over one node (s = 8, 4 replicas) and over two (s = 16, 2 replicas;
+    s = 32 is plain ZeRO-3), as configs `tessera validate` accepts; no hybrid variant for ZeRO-1/2."""
     from tessera.planner.search import SearchSpace, search
 
     space = SearchSpace(
@@ -216,13 +216,167 @@ def test_the_search_tries_one_node_shard_groups_beside_zero3() -> None:
     )
     found = search("gpt2-350m", 32, _a100(), global_batch=64, space=space).candidates
     hybrid = [c for c in found if c.plan.zero_replicas > 1]
-    assert hybrid and {(c.plan.zero_stage, c.plan.zero_dp, c.plan.zero_replicas) for c in hybrid} == {
-        (3, 8, 4)
+    assert {(c.plan.zero_stage, c.plan.zero_dp, c.plan.zero_replicas) for c in hybrid} == {
+        (3, 8, 4),
+        (3, 16, 2),
     }
     assert any(c.plan.zero_stage == 3 and c.plan.zero_replicas == 1 for c in found)
     for c in hybrid[:3]:
-        assert c.config.parallel.zero_shard_size == 8 and "hybrid 4×8" in c.label
-        assert resolve(c.config, 32, training=False).zero_replicas == 4
+        s = c.config.parallel.zero_shard_size
+        assert f"hybrid {32 // s}×{s}" in c.label
+        assert resolve(c.config, 32, training=False).zero_replicas == 32 // s
+
+
+@pytest.mark.parametrize(
+    ("tensor", "pipeline", "gpus", "shards"),
+    [
+        (1, 1, 512, [8, 16, 32, 64]),  # one node's 8 data ranks × 1, 2, 4, 8 nodes
+        (2, 2, 512, [2, 4, 8, 16]),  # 2 data ranks per node
+        (8, 1, 64, [2, 4]),  # a data rank fills a node: shard groups of 2, 4 nodes (s = 8 is d)
+        (8, 2, 256, [2, 4, 8]),  # a data rank fills 2 nodes: s = 1 (no sharding) skipped, then 2, 4, 8
+        (3, 1, 48, []),  # 3 ranks per data rank neither fill nor divide a node: no size tiles it
+    ],
+)
+def test_the_search_tries_node_multiples_that_tile_whole_nodes(
+    tensor: int, pipeline: int, gpus: int, shards: list[int]
+) -> None:
+    """`_hybrid_shards`: one node's data ranks × 1, 2, 4, 8 (`HYBRID_NODE_MULTIPLES`), each below and dividing
+    d; every one of them tiles the layout's nodes (`Layout.shard_groups_straddling`)."""
+    from tessera.planner.search import HYBRID_NODE_MULTIPLES, SearchSpace, _Ctx, _hybrid_shards
+
+    assert HYBRID_NODE_MULTIPLES == 8
+    hw = _a100()
+    ctx = _Ctx(
+        shape=None, hw=hw, space=SearchSpace(), limit=0, flops_token=0, peak_total=0, gpus=gpus, run=None
+    )  # type: ignore[arg-type]
+    dp = gpus // (tensor * pipeline)
+    assert _hybrid_shards(ctx, tensor, pipeline, dp) == shards
+    layout = Layout(dp=dp, pp=pipeline, tp=tensor)
+    for s in shards:
+        assert layout.shard_groups_straddling(s, hw.gpus_per_node) is None, s
+    assert _hybrid_shards(replace(ctx, space=SearchSpace(hybrid_sharding=False)), tensor, pipeline, dp) == []
+
+
+def test_skipping_smaller_shards_where_a_larger_did_not_fit_changes_no_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The search skips a hybrid shard size where plain ZeRO-3 or a larger shard of the same schedule, split
+    and checkpointing did not fit (more model state per rank, the same activations). Priced one by one instead,
+    llama-8b on 128 A100-40GB (shards 2 to 16 beside 1D t ≤ 2, p ≤ 2) gives the same counts and candidates, and
+    the skip is taken (fewer layouts priced)."""
+    from tessera.planner import search as search_module
+    from tessera.planner.hardware import load_hardware
+
+    hw = load_hardware("a100-40gb")
+    space = search_module.SearchSpace(
+        tensor_1d=(1, 2), tensor_2d=(), pipeline=(1, 2), zero_stages=(3,), sequence_parallel=(False,)
+    )
+    priced = 0
+    evaluate = search_module._evaluate
+
+    def counted(*args: object, **kwargs: object) -> object:
+        nonlocal priced
+        priced += 1
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(search_module, "_evaluate", counted)
+    answers = {}
+    for prune in (True, False):
+        monkeypatch.setattr(search_module, "_PRUNE_SMALLER_SHARDS", prune)
+        priced = 0
+        r = search_module.search("llama-8b", 128, hw, 256, space=space)
+        answers[prune] = (
+            r.enumerated,
+            r.rejected_memory,
+            [(c.label, c.step_time) for c in r.candidates],
+            priced,
+        )
+    assert answers[True][:3] == answers[False][:3]
+    assert answers[False][1] > 0 and {c for c in answers[True][2] if "hybrid" in c[0]}  # rejections, hybrids
+    assert answers[True][3] < answers[False][3] == answers[False][0]
+
+
+def test_a_shard_group_of_two_nodes_is_priced_on_both_nodes_by_hand() -> None:
+    """dp 64 with shard groups of 16 (MiCS's partition group of two 8-GPU nodes): ZeRO-3's all-gather ring holds
+    16 ranks, 8 per node, so each node's 8 NICs carry its node-crossing traffic, min(NVLink, 8 × 25 GB/s); of its
+    15 steps one crosses a node boundary (2 nodes: 15 · 1 // 15). Per step of Ψ = 1e9 bf16 parameters on one
+    micro-batch: two all-gathers (forward, backward) and one reduce-scatter of 2e9 bytes, each (15/16)·2e9 / bw +
+    14 NVLink hops + 1 network hop. The replica groups, 4 ranks 16 apart, one per node: one NIC each."""
+    from tessera.planner.cost.collectives import group_placement
+    from tessera.planner.cost.comm_time import dp_collective_times
+    from tessera.planner.network import TESSERA_ORDER
+
+    hw = _a100()
+    plan = Plan(dp=64, zero_stage=3, zero_shard=16, dtype="bf16", rank_order=TESSERA_ORDER)
+    shard = group_placement(hw, plan, "data_shard")
+    assert (shard.ranks, shard.nodes, shard.per_node) == (16, 2, 8)
+    replica = group_placement(hw, plan, "data_replicate")
+    assert (replica.ranks, replica.nodes, replica.per_node) == (4, 4, 1)
+    bw = min(hw.intra_node_bandwidth, 8 * hw.inter_node_bandwidth)
+    one = 15 / 16 * 2e9 / bw + 14 * hw.intra_node_latency + 1 * hw.inter_node_latency
+    reduce, gather = dp_collective_times(1e9, hw, plan)
+    assert reduce == pytest.approx(one, rel=1e-12)
+    assert gather == pytest.approx(2 * one, rel=1e-12)
+
+
+# --- node placement: a shard group that straddles a node boundary --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layout", "shard", "straddles"),
+    [
+        (Layout(dp=24), 12, [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]),  # node 0 + half of 1, half + 2
+        (Layout(dp=32), 16, None),  # two whole nodes each: MiCS's partition group, legitimate
+        (Layout(dp=32), 4, None),  # half a node each
+        (Layout(dp=16, tp=8), 2, None),  # one rank on each of two nodes, which every group of them shares
+        (Layout(dp=12, tp=2), 6, [12, 14, 16, 18, 20, 22]),  # 6 data ranks × 2 tensor: 12 ranks, not a node
+        (Layout(dp=12, pp=2), 4, None),  # 4 data ranks × 2 pipeline ranks = one node
+    ],
+)
+def test_a_shard_group_straddles_when_it_shares_a_node_with_another(
+    layout: Layout, shard: int, straddles: list[int] | None
+) -> None:
+    assert layout.shard_groups_straddling(shard, 8) == straddles
+
+
+def test_the_straddling_warning_names_the_problem_and_the_sizes_that_tile_nodes() -> None:
+    text = Layout(dp=24).shard_placement_warning(12, 8)
+    assert text is not None
+    for words in ("parallel.zero_shard_size = 12", "straddles nodes of 8 GPUs", "4 on node 1, 8 on node 2"):
+        assert words in text, text
+    assert text.endswith("one of [2, 4, 8, 24]")
+    assert Layout(dp=32).shard_placement_warning(16, 8) is None
+
+
+@pytest.mark.parametrize(("world", "shard", "warns"), [(24, 12, True), (24, 8, False), (32, 16, False)])
+def test_build_groups_warns_once_on_rank_0_when_shard_groups_straddle_nodes(
+    world: int, shard: int, warns: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At start-up the ranks per node are LOCAL_WORLD_SIZE (torchrun's, `tessera train --nproc`'s): 12 on 8-GPU
+    nodes warns (a warning: the run is right, only slower), 8 and 16 (two whole nodes) do not; only rank 0
+    says it. Built in a fake process group of the real world size (`tessera.fake`)."""
+    import warnings
+
+    from tessera.fake import fake_process_group
+    from tessera.groups import build_groups
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    for rank in (0, 1):
+        with warnings.catch_warnings(record=True) as caught, fake_process_group(rank, world):
+            warnings.simplefilter("always")
+            groups = build_groups(Layout(dp=world), "cpu", zero_shard=shard)
+            assert groups.shard is not None
+        said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        said = [m for m in said if "zero_shard_size" in m]
+        assert len(said) == (1 if warns and rank == 0 else 0), said
+
+
+def test_tessera_memory_with_hardware_warns_of_a_straddling_shard_size(capsys: pytest.CaptureFixture) -> None:
+    common = ["parallel.zero=3", "train.global_batch=192", "--hardware", "a100-80gb", "--world-size", "24"]
+    assert main(["memory", DEMO, "parallel.data=24", "parallel.zero_shard_size=12", *common]) == 0
+    assert "warning: parallel.zero_shard_size = 12 straddles nodes of 8 GPUs" in capsys.readouterr().out
+    assert main(["memory", DEMO, "parallel.data=24", "parallel.zero_shard_size=8", *common]) == 0
+    assert "straddles" not in capsys.readouterr().out
 
 
 def test_the_simulator_runs_pipeline_free_depth_first_micro_batch_by_micro_batch_as_the_runtime() -> None:

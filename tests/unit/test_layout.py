@@ -37,6 +37,18 @@ def test_groups_partition_the_world(layout: Layout) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.describe())
+def test_all_groups_lists_each_ranks_group_once_by_smallest_rank(layout: Layout) -> None:
+    """`all_groups` (one pass keyed by the other coordinates) is, for every set of axes, each rank's
+    `group_members` listed once in order of its smallest rank: the definition it replaced (world × group size)."""
+    for n in range(len(layout.axes) + 1):
+        for axes in itertools.combinations(layout.axes, n):
+            by_rank: dict[tuple[int, ...], None] = {}
+            for r in range(layout.world_size):
+                by_rank.setdefault(tuple(layout.group_members(r, *axes)), None)
+            assert layout.all_groups(*axes) == [list(g) for g in by_rank], axes
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.describe())
 def test_tensor_axes_are_innermost(layout: Layout) -> None:
     tensor_axes = [a for a in layout.axes if a.value.startswith("tensor")]
     for g in layout.all_groups(*tensor_axes):
