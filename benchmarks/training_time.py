@@ -59,7 +59,26 @@ def plot(analyses: list[ModelAnalysis], path: Path) -> None:
 
 
 CHANGES = (
-    "## What moved in this re-run\n\nAgainst 995b71d (same searches), three changes to the search and the step "
+    "## What moved in this re-run\n\nOne change to the search, against 4cfbbec (same searches): hybrid sharding's "
+    "shard groups may span whole nodes, s = one node's data ranks × 1, 2, 4 and 8, and where a data rank's "
+    "pipeline × tensor ranks fill whole nodes (p · t a multiple of 8) shard groups of 2, 4 and 8 data ranks, one "
+    "rank per node (`search.HYBRID_NODE_MULTIPLES`, docs/zero.md; before: one node's data ranks, only where p · t "
+    "divides a node). The 1T row and its curve do not move. The modular breadth-first + ZeRO-3 family gains most: "
+    "its winners at 1.7B-310B all become hybrid (1.7B 34 min @ 16,384 → 16 min @ 65,536, d2048 p4 t8+SP ZeRO-3 "
+    "hybrid 512×4, shard groups of 4 ranks on 4 nodes, one per node; 7.5B 2.6 h @ 32,768 → 1.1 h @ 65,536, hybrid "
+    "256×8; 39.1B 5.5 → 5.0 h; 145.6B 23.4 → 21.7 h; 310.1B 2.4 → 2.3 d, each hybrid 128×8 on d1024 p8 t8+SP) and "
+    "now ties the all-methods column from 1.7B to 39.1B, which moves at 1.7B (17 → 16 min: ZeRO-0 → the same "
+    "layout with ZeRO-3 hybrid 512×4), 7.5B (1.2 → 1.1 h: ZeRO-0 → ZeRO-3 hybrid 256×8) and 39.1B (ZeRO-1 → ZeRO-3 "
+    "hybrid 128×8, 0.454 → 0.451 s per step): the all-reduce of whole gradients over 1,024-2,048 replicas "
+    "becomes a reduce-scatter and gathers over a few nodes plus an all-reduce of 1/s of them. The data-parallel + "
+    "ZeRO family at 1.7B and 7.5B: 60 → 57 min and 5.0 → 4.3 h, same GPU counts. The other cells do not move.\n"
+)
+"""What the last re-run changed and why (against the commit just before it, same searches), written at the top
+of the report."""
+
+EARLIER = (
+    "## Earlier re-runs\n\n"
+    "After hybrid sharding entered the search: Against 995b71d (same searches), three changes to the search and the step "
     "time: hybrid sharding (`parallel.zero_shard_size`, docs/zero.md) is searched beside every ZeRO-3 layout with a "
     "shard group of one node's data ranks, its gradient shards all-reduced across the nodes under the backward as "
     "the runtime does; pipeline-free depth-first accumulation is priced one micro-batch at a time, as the runtime "
@@ -70,13 +89,7 @@ CHANGES = (
     "stopped it scaling, while hybrid sharding keeps them in the node and sends 1/8 of the gradients across, so "
     "the family's curve keeps falling to 8,192 GPUs (0.41 → 0.25 → 0.21 days at 2,048 / 4,096 / 8,192). Every "
     "other cell and every winner is unchanged (hybrid variants are searched for the other families' ZeRO-3 "
-    "layouts too but do not win there).\n"
-)
-"""What the last re-run changed and why (against the commit just before it, same searches), written at the top
-of the report."""
-
-EARLIER = (
-    "## Earlier re-runs\n\n"
+    "layouts too but do not win there).\n\n"
     "After the rings' chunk GEMMs on 3 lanes: One change to the step time, against the commit just before it (same "
     "searches): a tensor-parallel ring's chunk GEMMs are priced on the runtime's 3 CUDA lanes "
     "(docs/cost-model.md §6; Transformer Engine's default pool), where they were priced one after the other, "
