@@ -352,6 +352,62 @@ def cmd_dryrun(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _side_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
+    """compare's overrides: ``--a.section.key=v`` / ``--b.section.key=v`` for one run, plain ones for both."""
+    items = _split_overrides(extra)
+    a = [x for x in items if not x.startswith(("a.", "b."))]
+    b = list(a)
+    for x in items:
+        side, _, rest = x.partition(".")
+        if side in ("a", "b"):
+            if "." not in rest.split("=", 1)[0]:
+                raise TesseraError(
+                    f"override --{x} must look like --{side}.section.key=value, e.g. --b.parallel.zero=3"
+                )
+            (a if side == "a" else b).append(rest)
+    return a, b
+
+
+def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
+    """Run two layouts of one training run from the same seed and data; 0 within tolerance, 1 diverged."""
+    from tessera.config import load_config
+
+    if args.record is not None:  # a rank of one of the two runs (started below by run_config)
+        from tessera.parity import record_to_file
+
+        follow = Path(args.follow) if args.follow else None
+        return record_to_file(
+            Path(args.config_json), args.steps, Path(args.record), args.scale_grad, follow, args.keep_states
+        )
+    for side in ("b", "a"):  # argparse takes an override holding a space for a positional config
+        value = getattr(args, side)
+        if value is not None and value.startswith("--") and "=" in value:
+            setattr(args, side, None)
+            extra = [value, *extra]
+    if args.steps < 1:
+        raise TesseraError(f"--steps {args.steps} must be at least 1, e.g. --steps 2")
+    over_a, over_b = _side_overrides(extra)
+    cfg_a, cfg_b = load_config(args.a, over_a), load_config(args.b or args.a, over_b)  # none: the defaults
+    from tessera.parity import check_comparable, check_scale_grad, compare, default_nproc
+
+    check_comparable(cfg_a, cfg_b)  # before anything starts: a meaningless comparison is named at once
+    nproc_a = default_nproc(cfg_a) if args.nproc_a is None else args.nproc_a
+    nproc_b = default_nproc(cfg_b) if args.nproc_b is None else args.nproc_b
+    if nproc_a < 1 or nproc_b < 1:
+        raise TesseraError(f"--nproc-a {nproc_a} and --nproc-b {nproc_b} must be at least 1")
+    for side, cfg, nproc in (("A", cfg_a, nproc_a), ("B", cfg_b, nproc_b)):
+        try:
+            cfg.validate(nproc)
+        except TesseraError as e:
+            raise type(e)(f"config {side} at {nproc} process(es): {e}") from None
+    check_scale_grad(cfg_b, args.scale_grad)
+    print(f"comparing A ({nproc_a} process(es)) with B ({nproc_b}) for {args.steps} step(s)", flush=True)
+    report = compare(cfg_a, cfg_b, nproc_a, nproc_b, args.steps, scale_grad_b=args.scale_grad)
+    print(report.table(args.top))
+    print(report.verdict())
+    return 0 if report.ok else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     from tessera import __version__
     from tessera.planner.cli import _no_extra  # the one "no overrides here" wrapper, shared with plan
@@ -375,6 +431,35 @@ def _parser() -> argparse.ArgumentParser:
         "--data", action="store_true", help="also verify data.path's checksum and token ids (reads the file)"
     )
     p.set_defaults(fn=cmd_validate)
+
+    p = sub.add_parser(
+        "compare",
+        help="train two layouts of one run from the same seed and data; compare losses, every gradient, params",
+    )
+    p.add_argument(
+        "a", nargs="?", help="config A (TOML); overrides: --section.key=v (both), --a.section.key=v"
+    )
+    p.add_argument("b", nargs="?", help="config B (default: A again, changed by --b.section.key=v overrides)")
+    p.add_argument(
+        "--nproc-a", type=int, default=None, help="processes of A (default: what its config states)"
+    )
+    p.add_argument(
+        "--nproc-b", type=int, default=None, help="processes of B (default: what its config states)"
+    )
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps to run and compare")
+    p.add_argument("--top", type=int, default=10, help="rows of the worst-tensors table")
+    p.add_argument(
+        "--scale-grad",
+        default=None,
+        metavar="NAME=FACTOR",
+        help="multiply parameter NAME's gradient in B by FACTOR before each update: a wrong gradient, to see "
+        "that compare catches one of that size",
+    )
+    p.add_argument("--record", default=None, help=argparse.SUPPRESS)  # a rank of one run: where to save it
+    p.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--follow", default=None, help=argparse.SUPPRESS)  # the other run's states, per step
+    p.add_argument("--keep-states", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(fn=cmd_compare)
 
     p = sub.add_parser(
         "memory", help="estimate per-rank memory before launch; says what to change if it does not fit"

@@ -3,7 +3,7 @@
 Exit statuses of `tessera` (docs/launching.md lists them too):
 
     0    done
-    1    `validate` / `memory` found problems
+    1    `validate` / `memory` found problems; `compare` found a difference beyond its tolerances
     2    a user error: config, data, checkpoint, usage (the message names the fix)
     3    training diverged: a non-finite loss or gradient norm (NonFiniteError); nothing was saved
     4    a rank stopped making progress (the watchdog); stacks are in RUN_DIR/stacks/

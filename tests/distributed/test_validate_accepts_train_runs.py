@@ -28,6 +28,7 @@ from tessera.cli import main
 from tessera.config import Config, as_overrides, from_dict
 from tessera.execution import resolve, violations
 from tessera.memory import estimate
+from tests.config_space import HypothesisPick, draw_run_config
 from tests.distributed.conftest import trainer_config
 from tests.harness import run_distributed
 
@@ -93,75 +94,8 @@ SETTINGS = settings(
 
 @st.composite
 def run_configs(draw: st.DrawFn) -> tuple[int, dict]:
-    """(world size, raw config sections) of a tiny model: mostly consistent with the world size."""
-    world = draw(st.integers(1, 4))
-    family = draw(st.sampled_from(["gpt", "llama", "qwen2"]))
-    n_heads = draw(st.sampled_from([1, 2, 4]))
-    model = {
-        "family": family,
-        "n_layers": draw(st.integers(1, 4)),
-        "d_model": draw(st.sampled_from([16, 32, 48])),
-        "n_heads": n_heads,
-        "vocab_size": 256,  # the byte tokenizer of the test corpus
-        "seq_len": draw(st.sampled_from([8, 12, 16])),
-        "tie_embeddings": draw(st.booleans()),
-    }
-    if family != "gpt":  # Llama and Qwen2 have grouped-query attention
-        model["n_kv_heads"] = draw(st.sampled_from([None, 1, 2]))
-    tensor_options = [t for t in (1, 2, 3, 4) if world % t == 0] + (["2x2"] if world == 4 else [])
-    tensor = draw(
-        st.sampled_from(tensor_options) if draw(st.integers(0, 4)) else st.sampled_from([1, 2, 3, "2x2"])
-    )
-    ranks = 4 if tensor == "2x2" else int(tensor)
-    rest = world // ranks if world % ranks == 0 else 1
-    pipeline = draw(
-        st.sampled_from([p for p in (1, 2, 3) if rest % p == 0])
-        if draw(st.integers(0, 4))
-        else st.integers(1, 3)
-    )
-    schedule = draw(st.sampled_from(["1f1b", "gpipe", "interleaved", "breadth_first"]))
-    v = (
-        draw(st.integers(1, 3))
-        if schedule in ("interleaved", "breadth_first") or not draw(st.integers(0, 3))
-        else 1
-    )
-    parallel = {
-        "tensor": tensor,
-        "sequence_parallel": tensor not in (1, "2x2") and draw(st.booleans()),
-        "pipeline": pipeline,
-        "schedule": schedule,
-        "stages_per_rank": v,
-        "zero": draw(st.integers(0, 3)),
-        "accumulation": draw(st.sampled_from(["layered", "depth_first"])),
-        "checkpointing": draw(st.sampled_from(["none", "full", "selective"])),
-    }
-    if not draw(st.integers(0, 5)):
-        parallel["data"] = draw(st.integers(1, 4))
-    if pipeline * v > 1 and not draw(st.integers(0, 4)):
-        n = pipeline * v
-        parallel["stage_layers"] = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
-    micro = draw(st.sampled_from([1, 2, 4]))
-    dp = max(1, world // (pipeline * ranks))
-    batch = micro * dp * draw(st.integers(1, 6)) if draw(st.integers(0, 4)) else draw(st.integers(1, 16))
-    train = {
-        "micro_batch": micro,
-        "global_batch": batch,
-        "dtype": draw(st.sampled_from(["fp32", "fp32", "bf16"])),
-    }
-    # drawn last, so the draws above stay as they were; mostly with SP (accepted), sometimes without (rejected)
-    if parallel["sequence_parallel"] or not draw(st.integers(0, 9)):
-        parallel["tp_comm_overlap"] = draw(st.booleans())
-    # likewise: mostly with ZeRO-1/2 (accepted), sometimes with ZeRO-0/3 (rejected)
-    if parallel["zero"] in (1, 2) or not draw(st.integers(0, 9)):
-        parallel["overlap_param_gather"] = draw(st.booleans())
-    # likewise: a stage split of the one stage of pipeline 1 (validated as any other; it once passed unchecked)
-    if pipeline * v == 1 and not draw(st.integers(0, 9)):
-        parallel["stage_layers"] = [draw(st.sampled_from([model["n_layers"], model["n_layers"] + 1]))]
-    # likewise: hybrid sharding's shard size, mostly where ZeRO has data ranks to shard over (dp 4 = 2 × 2 is
-    # accepted; 1, 3 and sizes without ZeRO are refused)
-    if (parallel["zero"] and dp > 1 and draw(st.integers(0, 1))) or not draw(st.integers(0, 19)):
-        parallel["zero_shard_size"] = draw(st.sampled_from([1, 2, 2, 3, 4]))
-    return world, {"model": model, "parallel": parallel, "train": train}
+    """(world size, raw config sections) of a tiny model (tests/config_space.py)."""
+    return draw_run_config(HypothesisPick(draw))
 
 
 def _config(raw: dict) -> Config:

@@ -1,0 +1,248 @@
+"""Seeded search for silent wrong gradients: random accepted layouts against the one-process run of the same model.
+
+Each case is drawn from the config space of tests/config_space.py (the property test's: GPT/Llama/Qwen2, tied or
+untied embeddings, world 1-4, data × pipeline × tensor (1D, 1D + SP with or without its communication overlap, 2D),
+the four schedules, stages per rank, stage splits, ZeRO 0-3 with overlap_param_gather and hybrid shard sizes,
+accumulation orders, checkpointing modes, fp32/bf16), plus gradient clipping (off, 0.5, 1.0) and document
+masking; a draw is kept only when `tessera.execution.violations` accepts it. The case and its reference (the same
+model, data and train settings with the default parallel section, one process) then train 2 steps each, and
+`tessera.parity.compare_records` checks the losses, gradient norms, every full gradient by name and the
+parameters after every update (the case starting each step from the reference's state), against `tolerance_for`'s tolerances (docs/parity.md). Nothing is downloaded:
+the corpus is `tests.distributed.conftest.synthetic_corpus`, cut into JSON records so that documents exist.
+
+    python benchmarks/layout_search.py --seed 0 --configs 40 [--minutes 20] [--out benchmarks/results/layout_search.md]
+
+Writes the Markdown report (command, configs drawn per feature, agreements and disagreements, worst relative
+differences by dtype) and a JSON line per case next to it (layout_search.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tessera.config import from_dict  # noqa: E402
+from tessera.execution import resolve, violations  # noqa: E402
+from tessera.parity import Record, compare_records, run_config, tolerance_for  # noqa: E402
+from tests.config_space import RandomPick, draw_run_config  # noqa: E402
+
+STEPS = 2
+"""Steps compared: step 1's gradients are taken at parameters that step 0's update moved."""
+BASE_TRAIN = {"steps": 3, "lr": 1e-2, "warmup_steps": 1, "collective_timeout_s": 120.0}
+"""As the trainer tests (tests/distributed/conftest.py's trainer_config: lr 1e-2, warmup 1); a collective that
+waits 2 minutes fails instead of hanging the search."""
+
+
+def corpus(root: Path) -> Path:
+    """Byte tokens of the trainer tests' synthetic corpus, three sentences per document (EOT-separated)."""
+    from tessera.train.data import prepare
+    from tests.distributed.conftest import synthetic_corpus
+
+    lines = synthetic_corpus().splitlines()
+    docs = [" ".join(lines[i : i + 3]) for i in range(0, len(lines), 3)]
+    (root / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
+    prepare([root / "docs.jsonl"], root / "docs.bin", "byte")
+    return root / "docs.bin"
+
+
+def draw_case(rng: random.Random, tokens: Path) -> tuple[int, dict]:
+    """An accepted (world size, raw config): the property test's draw plus clipping and document masking."""
+    while True:
+        world, raw = draw_run_config(RandomPick(rng))
+        raw["train"] |= {**BASE_TRAIN, "grad_clip": rng.choice([0.0, 0.5, 1.0])}
+        raw["model"] = {k: v for k, v in raw["model"].items() if v is not None}
+        raw["data"] = {"path": str(tokens), "document_mask": rng.random() < 0.3}
+        if not violations(from_dict(raw), world):
+            return world, raw
+
+
+def reference_of(raw: dict) -> dict:
+    """The same run on one process: the default parallel section."""
+    return {**raw, "parallel": {}}
+
+
+def features(world: int, raw: dict) -> dict[str, Any]:
+    """What the case combines, from the plan that runs it."""
+    plan = resolve(from_dict(raw), world)
+    tensor = "2D" if plan.q > 1 else ("1D+SP" if plan.sequence_parallel else "1D") if plan.tp > 1 else "none"
+    return {
+        "world": world,
+        "family": raw["model"].get("family", "gpt"),
+        "tied": raw["model"].get("tie_embeddings", True),
+        "dp": plan.dp,
+        "pp": plan.pp,
+        "tensor": tensor,
+        "tp_comm_overlap": plan.tp_comm_overlap,
+        "schedule": plan.schedule if plan.pp > 1 else "-",
+        "stages_per_rank": plan.stages_per_rank,
+        "stage_layers": "stage_layers" in raw["parallel"],
+        "zero": plan.zero,
+        "overlap_param_gather": plan.overlap_param_gather,
+        "hybrid": plan.zero_replicas > 1,
+        "accumulation": plan.accumulation,
+        "runner": plan.runner,
+        "checkpointing": raw["parallel"].get("checkpointing", "none"),
+        "dtype": raw["train"]["dtype"],
+        "grad_clip": raw["train"]["grad_clip"],
+        "document_mask": raw["data"]["document_mask"],
+    }
+
+
+def run_case(world: int, raw: dict, work: Path, refs: dict[str, Record], i: int) -> dict[str, Any]:
+    """Train the case and its reference (cached: equal references train once); the comparison's figures."""
+    ref_raw = reference_of(raw)
+    key = json.dumps(ref_raw, sort_keys=True)
+    if key not in refs:
+        refs[key] = run_config(from_dict(ref_raw), 1, STEPS, work, f"ref{i}", keep_states=True)
+    case_cfg, ref_cfg = from_dict(raw), from_dict(ref_raw)
+    got = run_config(case_cfg, world, STEPS, work, f"case{i}", follow=refs[key])  # from the reference's state
+    report = compare_records(got, refs[key], tolerance_for(case_cfg, ref_cfg))
+    bad = sorted((r for r in report.rows if not r.ok), key=lambda r: -r.ratio)
+    worst = report.worst()
+    return {
+        "ok": report.ok,
+        "tolerance": report.tolerance.name,
+        "max_rel_grad": report.max_rel("grad"),
+        "max_rel_param": report.max_rel("param"),
+        "worst": [worst.step, worst.what, worst.name, worst.ratio] if worst else None,
+        "diverged": [[r.step, r.what, r.name, r.max_abs, r.rel, r.ratio] for r in bad[:8]],
+    }
+
+
+def search(seed: int, n: int, minutes: float, out: Path, command: str) -> list[dict]:
+    rng = random.Random(seed)
+    results: list[dict] = []
+    deadline = time.monotonic() + minutes * 60
+    jsonl = out.with_suffix(".jsonl")
+    with tempfile.TemporaryDirectory(prefix="layout-search-") as tmp, open(jsonl, "a") as log:
+        tokens = corpus(Path(tmp))
+        refs: dict[str, Record] = {}
+        for i in range(n):
+            if time.monotonic() > deadline:
+                print(f"time budget of {minutes} min spent after {i} case(s)", flush=True)
+                break
+            world, raw = draw_case(rng, tokens)
+            entry: dict[str, Any] = {
+                "command": command,
+                "seed": seed,
+                "case": i,
+                "features": features(world, raw),
+            }
+            entry["raw"] = raw
+            t0 = time.monotonic()
+            try:
+                entry |= run_case(world, raw, Path(tmp) / "runs", refs, i)
+            except Exception as e:
+                entry |= {
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {e}"[:500],
+                    "trace": traceback.format_exc()[-1500:],
+                }
+            entry["seconds"] = round(time.monotonic() - t0, 1)
+            entry["raw"]["data"]["path"] = "<corpus>"
+            results.append(entry)
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+            status = "ok" if entry["ok"] else f"DISAGREES {entry.get('diverged') or entry.get('error')}"
+            print(f"[{seed}:{i}] {entry['seconds']:5.1f}s {_short(entry['features'])}: {status}", flush=True)
+    return results
+
+
+def _short(f: dict) -> str:
+    return (
+        f"w{f['world']} {f['family']}{'' if f['tied'] else ' untied'} dp{f['dp']} pp{f['pp']}({f['schedule']},"
+        f"v{f['stages_per_rank']}) tp:{f['tensor']} z{f['zero']}{'+opg' if f['overlap_param_gather'] else ''}"
+        f"{'+hsdp' if f['hybrid'] else ''} {f['accumulation']} ckpt:{f['checkpointing']} {f['dtype']}"
+        f" clip{f['grad_clip']}{' docmask' if f['document_mask'] else ''}"
+    )
+
+
+def report(results: list[dict]) -> str:
+    """The Markdown summary of the cases (of one or several seeds)."""
+    commands = list(dict.fromkeys(r["command"] for r in results))
+    minutes = sum(r["seconds"] for r in results) / 60
+    lines = [
+        "# Layout search: random accepted layouts against the one-process run",
+        "",
+        "Command(s), each run with the other helpers' jobs sharing 2 cores:",
+        "",
+        *[f"    {c}" for c in commands],
+        "",
+        f"{len(results)} cases, {minutes:.1f} min of wall time in the cases.",
+        "",
+        "Every case trains 2 steps next to its one-process reference (same model, data, seed and train settings; "
+        "`tessera.parity`), starting its second step from the reference's state, and every loss, gradient norm, "
+        "full gradient by name and the parameters after each update must agree within the tolerances of "
+        "docs/parity.md.",
+        "",
+        "## Configs drawn per feature",
+        "",
+        "| feature | values (cases) |",
+        "|---|---|",
+    ]
+    keys = [k for k in results[0]["features"]] if results else []
+    for k in keys:
+        counts = Counter(str(r["features"][k]) for r in results)
+        lines.append(f"| {k} | {', '.join(f'{v}: {c}' for v, c in sorted(counts.items()))} |")
+    ok = [r for r in results if r["ok"]]
+    bad = [r for r in results if not r["ok"]]
+    lines += ["", "## Agreements and disagreements", "", f"{len(ok)} agree, {len(bad)} disagree.", ""]
+    for r in bad:
+        why = r.get("error") or "; ".join(
+            f"step {d[0]} {d[1]} {d[2]} {d[5]:.3g}× tolerance" for d in r["diverged"][:3]
+        )
+        lines.append(f"- seed {r['seed']} case {r['case']}: {_short(r['features'])}: {why}")
+    lines += ["", "## Worst relative differences by dtype", ""]
+    lines += [
+        "| dtype | cases | max ‖ΔG‖/‖G‖ | max ‖ΔP‖/‖P‖ | largest share of a tolerance |",
+        "|---|---|---|---|---|",
+    ]
+    for dtype in ("fp32", "bf16"):
+        rs = [r for r in results if r["features"]["dtype"] == dtype and "max_rel_grad" in r]
+        if rs:
+            g = max(r["max_rel_grad"] for r in rs)
+            p = max(r["max_rel_param"] for r in rs)
+            w = max(rs, key=lambda r: r["worst"][3] if r["worst"] else 0)["worst"]
+            lines.append(
+                f"| {dtype} | {len(rs)} | {g:.2e} | {p:.2e} | {w[3]:.3f} ({w[1]} {w[2]}, step {w[0]}) |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--configs", type=int, default=40)
+    ap.add_argument("--minutes", type=float, default=20.0, help="stop drawing new cases after this long")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "layout_search.md"))
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        help="only write --out from these JSON-lines files (several seeds)",
+    )
+    args = ap.parse_args()
+    out = Path(args.out)
+    if args.merge:
+        results = [json.loads(line) for f in args.merge for line in Path(f).read_text().splitlines() if line]
+    else:
+        command = "python benchmarks/layout_search.py " + " ".join(sys.argv[1:])
+        results = search(args.seed, args.configs, args.minutes, out, command)
+    out.write_text(report(results))
+    print(f"wrote {out}: {sum(r['ok'] for r in results)} of {len(results)} agree")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,599 @@
+"""Numerical parity of two layouts of one training run (`tessera compare`, docs/parity.md).
+
+Both configs train from the same seed on the same samples for a few steps, each in its own local process group
+(`tessera.train.launch.launch_local`, as ``tessera train --nproc`` starts ranks). Before every update, every
+parameter's full gradient is gathered under its plain (single-device) name from whatever this rank holds — whole
+tensors, tensor-parallel blocks, pipeline stages, ZeRO shards — through the geometry the layout-free checkpoints
+use (`tessera.train.checkpoint.state.pieces`: ``ShardSpec.boxes`` maps any local element range to its place in
+the global tensor); after every update the parameters are gathered alike. Rank 0 saves the losses, gradient
+norms, gradients and parameters (a `Record`).
+
+B runs first and also records its whole state (parameters and AdamW moments) after every step. A then starts
+every step after the first from B's state, loaded into A's layout as a resume at A's layout would load it
+(`RankState.to_load`): every step of A is computed from the inputs B's was, so step k's tolerances are step 0's.
+Without it the runs compare trajectories, and Adam turns rounding-level gradient differences into full-size
+updates (lr·sign) that compound (docs/parity.md, "Why A follows B's state").
+
+`compare_records` sets the two side by side against `tolerance_for`'s tolerances, the repository's distributed
+tests' own. Only layout and parallel settings (and the compute dtype) may differ: `check_comparable` refuses,
+naming the key, anything that changes the model, the data, the optimizer or the learning rate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tessera.config import Config, from_dict
+from tessera.errors import ConfigError, TesseraError
+
+if TYPE_CHECKING:
+    import torch
+
+    from tessera.train.checkpoint.state import Piece, Region
+    from tessera.train.trainer import TrainingRun
+
+__all__ = [
+    "BF16",
+    "FP32",
+    "Record",
+    "Report",
+    "Tolerance",
+    "check_comparable",
+    "compare",
+    "compare_records",
+    "default_nproc",
+    "record",
+    "run_config",
+    "tolerance_for",
+]
+
+# --- what may differ ------------------------------------------------------------------------------------------
+
+FREE_TRAIN_KEYS = frozenset(
+    {
+        "micro_batch",  # how the global batch is cut: the step's mean loss and gradient are the same
+        "dtype",  # compared, with the looser tolerance of the two
+        "grad_reduce_dtype",  # likewise (a bf16 ZeRO reduction)
+        "device",
+        "bucket_mb",
+        "eval_every",
+        "eval_batches",
+        "hang_timeout_s",
+        "collective_timeout_s",
+        "stop_signal",
+        "nonfinite",
+        "max_skips",
+        "fp16_init_scale",
+    }
+)
+"""train keys that do not change what a step computes (the other train keys do: seed, lr and its schedule,
+global_batch, AdamW's settings, grad_clip)."""
+FREE_SECTIONS = frozenset({"parallel", "checkpoint", "log"})
+"""Sections that may differ at will: the layout itself; compare saves no checkpoint and writes no log."""
+DTYPES = ("fp32", "bf16")
+
+
+def check_comparable(a: Config, b: Config) -> None:
+    """Raise ConfigError naming every key whose difference makes the comparison meaningless (model, data,
+    optimizer, learning rate, seed, batch) and any dtype compare has no tolerance for."""
+    da, db = a.to_dict(), b.to_dict()
+    problems = []
+    for section in da:
+        if section in FREE_SECTIONS:
+            continue
+        for key, va in da[section].items():
+            vb = db[section].get(key)
+            if va != vb and not (section == "train" and key in FREE_TRAIN_KEYS):
+                problems.append(f"{section}.{key} is {va!r} in A but {vb!r} in B")
+    for name, cfg in (("A", a), ("B", b)):
+        if cfg.train.dtype not in DTYPES:
+            problems.append(
+                f"train.dtype = {cfg.train.dtype!r} in {name}: compare has tolerances for {DTYPES}"
+            )
+    if problems:
+        raise ConfigError(
+            "the two configs must differ only in layout (parallel.*, train.micro_batch, train.dtype, ...):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\n    fix: give both configs the same value, e.g. --b.train.lr=... (an override for one side only)"
+        )
+
+
+def default_nproc(cfg: Config) -> int:
+    """The world size a config states: pipeline × tensor ranks × data (1 when data is left to the world)."""
+    par = cfg.parallel
+    return par.pipeline * par.tensor_ranks * (par.data or 1)
+
+
+# --- tolerances -----------------------------------------------------------------------------------------------
+
+U_BF16 = 2.0**-8
+"""bf16's unit roundoff (8 significant bits, round to nearest)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    """How far A may be from B, per quantity (docs/parity.md derives each from the repository's tests).
+
+    The loss: ``loss_atol + loss_rtol·|loss_B|``; the gradient norm: ``norm_rtol·norm_B``. A gradient element:
+    ``g_tol = grad_atol + grad_rtol·|g_B| + grad_scale·max|g_B|`` (the max over its tensor, and for a bias over its
+    weight too). A parameter element after an update of learning rate lr from equal inputs:
+    ``param_atol + 2·lr·g_tol/|g_B|``: AdamW's update moves by about lr times its gradient's relative change,
+    doubled (for fp32's rtol that is test_zero.py's PARAM_ATOL = 2e-6 at lr 1e-2); an element whose gradient
+    is within its tolerance of 0 is not bounded (Adam normalises rounding noise to a full step).
+    """
+
+    name: str
+    loss_rtol: float
+    loss_atol: float
+    norm_rtol: float
+    grad_rtol: float
+    grad_atol: float
+    grad_scale: float
+    param_atol: float
+
+
+FP32 = Tolerance("fp32", 1e-5, 1e-6, 1e-4, 1e-4, 1e-5, 0.0, 1e-7)
+BF16 = Tolerance("bf16", 1e-2, 1e-6, 8 * U_BF16, 1e-4, 1e-5, 8 * U_BF16, 1e-7)
+
+
+def tolerance_for(a: Config, b: Config) -> Tolerance:
+    """bf16's when either run computes or reduces in bf16, else fp32's."""
+    narrow = {a.train.dtype, b.train.dtype, a.train.grad_reduce_dtype, b.train.grad_reduce_dtype}
+    return BF16 if "bf16" in narrow else FP32
+
+
+# --- recording one run (every rank) ---------------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    """One run's numbers (rank 0's; full tensors by plain name), per step."""
+
+    layout: str
+    world: int
+    dtype: str
+    losses: list[float] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Before each update (after the gradients' synchronisation, before clipping)."""
+    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """After each update."""
+    states: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """After each update, everything a layout-free checkpoint holds (``model.*``, ``optim.state.*``); recorded
+    only for the run the other follows (``keep_states``)."""
+    replica_spread: float = 0.0
+    """Largest difference between two ranks' copies of the same block (replicas hold the same reduced numbers: a
+    larger value means they drifted apart)."""
+
+
+def _grad_regions(run: TrainingRun) -> list[Region]:
+    """This rank's gradients laid out as `RankState`'s regions lay out its parameters (same param, same start):
+    the reduced ZeRO shards, or each held parameter's ``.grad`` (zeros where none)."""
+    import torch
+
+    from tessera.train.checkpoint.state import Region
+    from tessera.train.steppers import DirectStepper
+
+    stepper = run.stepper
+    if stepper.zero is not None:
+        out = []
+        for flat in stepper.zero.flats.values():
+            g = flat.grad_shard if flat.grad_shard is not None else torch.zeros_like(flat.shard)
+            out += [Region(p, first, g[a:b], dict) for p, a, b, first in flat.owned()]
+        return out
+    params = stepper.params if isinstance(stepper, DirectStepper) else stepper.engine.parameters()
+    out = []
+    for p in params:
+        if p.numel() == 0:
+            continue
+        # no gradient reads as zeros, without giving the parameter one (AdamW skips a parameter without)
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        out.append(Region(p, 0, g.view(-1) if g.is_contiguous() else g.reshape(-1), dict))
+    return out
+
+
+def _pieces(run: TrainingRun, grads: bool = False, moments: bool = False) -> list[Piece]:
+    """This rank's blocks of every global tensor: of the gradients or the parameters (``model.NAME``), with
+    ``moments`` also AdamW's state (``optim.state.NAME.*``)."""
+    from dataclasses import replace
+
+    state = run.stepper.rank_state(run.model, run.specs)
+    if grads:
+        state = replace(state, regions=_grad_regions(run))
+    return [p for p in state.to_save() if moments or p.fqn.startswith("model.")]
+
+
+def _gather_full(parts: list[Piece]) -> tuple[dict[str, torch.Tensor], float]:
+    """Every rank's blocks assembled into full tensors on rank 0 by name (collective; {} elsewhere), and the
+    largest difference between two ranks' copies of one block. Raises if the blocks leave an element uncovered."""
+    import torch
+    import torch.distributed as dist
+
+    mine = [(p.fqn, tuple(p.size), tuple(p.offsets), p.view.detach().float().cpu().clone()) for p in parts]
+    if dist.is_initialized():
+        everyone: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+        dist.gather_object(mine, everyone if dist.get_rank() == 0 else None, dst=0)
+        if dist.get_rank() != 0:
+            return {}, 0.0
+    else:
+        everyone = [mine]
+    full: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    spread = 0.0
+    for blocks in everyone:
+        for name, size, offsets, block in blocks:
+            if name not in full:
+                full[name] = torch.zeros(size)
+                covered[name] = torch.zeros(size, dtype=torch.bool)
+            where = _box(offsets, block.shape)
+            seen = covered[name][where]
+            if seen.any():
+                spread = max(spread, float((full[name][where] - block)[seen].abs().max()))
+            full[name][where] = block
+            covered[name][where] = True
+    missing = [n for n, c in covered.items() if not c.all()]
+    if missing:
+        raise RuntimeError(
+            f"the ranks' blocks do not cover {missing[:3]}: a gap in the layout's shard geometry"
+        )
+    return full, spread
+
+
+def _box(offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))
+
+
+def _plain(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``model.NAME`` entries under NAME."""
+    return {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")}
+
+
+def _load_full(run: TrainingRun, full: dict[str, torch.Tensor]) -> None:
+    """Set this rank's parameters and AdamW state to ``full``'s (global tensors by checkpoint name), as a resume
+    at this layout would: each piece of `RankState.to_load` is read from its block of the global tensor."""
+    import torch
+
+    state = run.stepper.rank_state(run.model, run.specs)
+    with torch.no_grad():
+        for piece in state.to_load(with_moments=True):
+            piece.view.copy_(full[piece.fqn][_box(tuple(piece.offsets), tuple(piece.view.shape))])
+    if state.after_load is not None:
+        state.after_load()
+
+
+def _scale_grad(run: TrainingRun, name: str, factor: float) -> bool:
+    """Multiply the gradient of plain parameter ``name`` by ``factor`` wherever this rank holds part of it (every
+    copy: replicas, pipeline copies of a tie), as a wrong gradient would be. Whether this rank held any."""
+    state = run.stepper.rank_state(run.model, run.specs)
+    hit = False
+    for region in _grad_regions(run):
+        if any(spec.name == name for spec in state.specs.get(id(region.param), [])):
+            region.values.mul_(factor)
+            hit = True
+    return hit
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (collective under torch.distributed)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor(int(flag))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def record(
+    cfg: Config,
+    steps: int,
+    scale_grad: tuple[str, float] | None = None,
+    follow: list[dict[str, torch.Tensor]] | None = None,
+    keep_states: bool = False,
+) -> Record | None:
+    """Train ``cfg`` for ``steps`` steps on this rank (collective under torchrun); rank 0's `Record`, None on
+    the other ranks. ``follow``: another run's `Record.states`; step k > 0 starts from its state after step
+    k - 1. ``keep_states``: record this run's own states so. ``scale_grad`` = (plain name, factor): that gradient
+    is scaled before each update (the sensitivity check of docs/parity.md). Writes no checkpoint and no metrics."""
+    import torch.distributed as dist
+
+    from tessera.train.schedule import lr_at
+    from tessera.train.trainer import TrainingRun, init_distributed
+
+    rank, world = init_distributed(cfg.train.collective_timeout_s)
+    run = TrainingRun(cfg, rank, world)
+    out = Record(run.layout.describe(), world, cfg.train.dtype)
+
+    def hook(step: int, model: Any) -> None:
+        if scale_grad is not None and not _any_rank(_scale_grad(run, *scale_grad)):
+            raise TesseraError(f"--scale-grad: no rank holds a parameter {scale_grad[0]!r}")
+        grads, spread = _gather_full(_pieces(run, grads=True))
+        out.grads.append(_plain(grads))
+        out.replica_spread = max(out.replica_spread, spread)
+
+    try:
+        for step in range(steps):
+            if follow is not None and step > 0:
+                _load_full(run, follow[step - 1])
+            loss, norm = run.step(step, hook)
+            out.losses.append(loss)
+            out.norms.append(norm)
+            out.lrs.append(lr_at(step, cfg.train))
+            state, spread = _gather_full(_pieces(run, moments=keep_states))
+            out.params.append(_plain(state))
+            if keep_states:
+                out.states.append(state)
+            out.replica_spread = max(out.replica_spread, spread)
+    finally:
+        run.stepper.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out if rank == 0 else None
+
+
+def record_to_file(
+    config_json: Path, steps: int, out: Path, scale_grad: str | None, follow: Path | None, keep_states: bool
+) -> int:
+    """`record` as a rank of ``tessera compare``'s launch: the config from JSON, the states to follow from a
+    torch file, rank 0's Record to ``out``."""
+    import torch
+
+    cfg = from_dict(json.loads(config_json.read_text()))
+    states = torch.load(follow, weights_only=True) if follow is not None else None
+    result = record(cfg, steps, _parse_scale(scale_grad), states, keep_states)
+    if result is not None:
+        torch.save(result.__dict__, out)
+    return 0
+
+
+def _parse_scale(spec: str | None) -> tuple[str, float] | None:
+    if spec is None:
+        return None
+    name, sep, factor = spec.partition("=")
+    try:
+        value = float(factor)
+    except ValueError:
+        value = math.nan
+    if not sep or not name or not math.isfinite(value):
+        raise TesseraError(f"--scale-grad {spec!r} must be NAME=FACTOR, e.g. blocks.0.attn.wq.weight=1.01")
+    return name, value
+
+
+def check_scale_grad(cfg: Config, spec: str | None) -> None:
+    """Refuse a malformed ``--scale-grad`` or one naming no parameter of ``cfg``'s model, before any run."""
+    parsed = _parse_scale(spec)
+    if parsed is None:
+        return
+    from tessera.model.build import meta_model
+
+    names = [n for n, _ in meta_model(cfg.model).named_parameters(remove_duplicate=False)]
+    if parsed[0] not in names:
+        raise TesseraError(
+            f"--scale-grad: the model has no parameter {parsed[0]!r}; its parameters are "
+            f"{', '.join(names[:6])}, ... ({len(names)} in all)"
+        )
+
+
+# --- launching one run ----------------------------------------------------------------------------------------
+
+
+def run_config(
+    cfg: Config,
+    nproc: int,
+    steps: int,
+    workdir: Path,
+    tag: str = "run",
+    scale_grad: str | None = None,
+    follow: Record | None = None,
+    keep_states: bool = False,
+) -> Record:
+    """Train ``cfg`` on ``nproc`` local processes for ``steps`` steps and return rank 0's `Record` (``follow``,
+    ``keep_states``: `record`'s). A failed run raises TesseraError with the launcher's exit status (its ranks'
+    messages were printed already)."""
+    import torch
+
+    from tessera.train.launch import launch_local
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    raw = cfg.to_dict()
+    raw["checkpoint"] |= {"resume": False, "every": 0}
+    raw["log"] |= {"run_dir": str(workdir / f"{tag}_run"), "progress": False, "tensorboard": False}
+    config_json, out = workdir / f"{tag}.json", workdir / f"{tag}.pt"
+    config_json.write_text(json.dumps(raw))
+    argv = ["compare", "--record", str(out), "--config-json", str(config_json), "--steps", str(steps)]
+    if scale_grad is not None:
+        argv += ["--scale-grad", scale_grad]
+    if follow is not None:
+        torch.save(follow.states, workdir / f"{tag}.follow.pt")
+        argv += ["--follow", str(workdir / f"{tag}.follow.pt")]
+    if keep_states:
+        argv.append("--keep-states")
+    out.unlink(missing_ok=True)
+    code = launch_local(nproc, argv)
+    if code != 0 or not out.exists():
+        err = TesseraError(
+            f"run {tag} ({nproc} process(es)) failed with exit status {code}; see its message above"
+        )
+        err.exit_code = code or 1
+        raise err
+    return Record(**torch.load(out, weights_only=False))
+
+
+# --- comparing two records ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One compared quantity: ``ratio`` = its largest difference over the difference allowed (≤ 1: within)."""
+
+    step: str
+    what: str
+    name: str
+    max_abs: float
+    rel: float
+    ratio: float
+    note: str = ""
+    tiny: bool = False
+    """B's tensor is at the tolerance's absolute level (‖B‖ ≤ atol·√n: rounding noise, e.g. a key bias's
+    gradient), so its relative difference says nothing; left out of `Report.max_rel`."""
+
+    @property
+    def ok(self) -> bool:
+        return self.ratio <= 1.0
+
+
+@dataclass
+class Report:
+    a: Record
+    b: Record
+    tolerance: Tolerance
+    rows: list[Row]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+    def worst(self, what: str | None = None) -> Row | None:
+        rows = [r for r in self.rows if what is None or r.what == what]
+        return max(rows, key=lambda r: r.ratio, default=None)
+
+    def max_rel(self, what: str) -> float:
+        rows = [r.rel for r in self.rows if r.what == what and not r.tiny and math.isfinite(r.rel)]
+        return max(rows, default=0.0)
+
+    def table(self, top: int = 10) -> str:
+        """The per-step losses and norms, then the ``top`` tensors nearest to (or over) their tolerance."""
+        lines = [f"A: {self.a.layout} ({self.a.world} process(es), {self.a.dtype})"]
+        lines.append(f"B: {self.b.layout} ({self.b.world} process(es), {self.b.dtype})")
+        lines.append(f"tolerances: {self.tolerance.name} (docs/parity.md)")
+        lines.append(f"{'step':>5}  {'loss A':>12} {'loss B':>12}  {'grad norm A':>12} {'grad norm B':>12}")
+        for k, (la, lb, na, nb) in enumerate(
+            zip(self.a.losses, self.b.losses, self.a.norms, self.b.norms, strict=True)
+        ):
+            lines.append(f"{k:>5}  {la:12.6f} {lb:12.6f}  {na:12.6f} {nb:12.6f}")
+        lines.append(
+            f"{'step':>5}  {'what':<5} {'tensor':<36} {'max |A-B|':>10} {'|A-B|/|B|':>10} {'/allowed':>9}"
+        )
+        for r in sorted(self.rows, key=lambda r: -r.ratio)[:top]:
+            flag = "" if r.ok else "  DIVERGED"
+            lines.append(
+                f"{r.step:>5}  {r.what:<5} {r.name:<36} {r.max_abs:10.3e} {r.rel:10.3e} {r.ratio:9.3f}{flag}"
+                + (f"  ({r.note})" if r.note else "")
+            )
+        return "\n".join(lines)
+
+    def verdict(self) -> str:
+        bad = [r for r in self.rows if not r.ok]
+        if not bad:
+            w = self.worst()
+            at = f"; closest: {w.what} {w.name} at {w.ratio:.2f} of its tolerance" if w else ""
+            return f"parity: every quantity within the {self.tolerance.name} tolerances{at}"
+        first = sorted(bad, key=lambda r: -r.ratio)[0]
+        return (
+            f"DIVERGED: {len(bad)} quantity(ies) over the {self.tolerance.name} tolerances; worst: step "
+            f"{first.step} {first.what} {first.name} ({first.ratio:.3g}× its tolerance)"
+        )
+
+
+def _scalar_row(step: int, what: str, a: float, b: float, atol: float, rtol: float) -> Row:
+    diff = abs(a - b)
+    allowed = atol + rtol * abs(b)
+    rel = diff / abs(b) if b else (0.0 if diff == 0 else math.inf)
+    ratio = diff / allowed if allowed > 0 else (0.0 if diff == 0 else math.inf)
+    if not (math.isfinite(a) and math.isfinite(b)):
+        ratio = 0.0 if a == b or (math.isnan(a) and math.isnan(b)) else math.inf
+    return Row(str(step), what, "-", diff, rel, ratio)
+
+
+def _grad_allowed(name: str, gb: dict[str, torch.Tensor], tol: Tolerance) -> torch.Tensor:
+    """The elementwise allowance for gradient ``name`` (`Tolerance`); a bias's scale includes its weight's, since
+    its rounding noise follows that weight's gradient (a key bias, analytically zero, is pure noise)."""
+    g = gb[name]
+    scale = float(g.abs().max()) if g.numel() else 0.0
+    weight = name.removesuffix("bias") + "weight"
+    if name.endswith(".bias") and weight in gb:
+        scale = max(scale, float(gb[weight].abs().max()))
+    return tol.grad_atol + tol.grad_rtol * g.abs() + tol.grad_scale * scale
+
+
+def _tensor_row(
+    step: str, what: str, name: str, a: Any, b: Any, allowed: Any, mask: Any = None, atol: float = 0.0
+) -> Row:
+    """A against B elementwise within ``allowed``; ``mask``: only those elements are judged (and enter the
+    relative difference)."""
+    if a is None or b is None or a.shape != b.shape:
+        shapes = (None if a is None else tuple(a.shape), None if b is None else tuple(b.shape))
+        return Row(step, what, name, math.inf, math.inf, math.inf, f"shapes A/B {shapes}")
+    diff = (a - b).abs()
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    over = diff / allowed
+    if mask is not None:
+        over, a, b = over[mask], a[mask], b[mask]
+    norm_b, norm_d = float(b.norm()), float((a - b).norm())
+    rel = norm_d / norm_b if norm_b else (0.0 if norm_d == 0 else math.inf)
+    ratio = float(over.max()) if over.numel() else 0.0
+    if not math.isfinite(ratio) or over.isnan().any():
+        ratio = math.inf
+    tiny = norm_b <= atol * math.sqrt(b.numel())
+    return Row(step, what, name, max_abs, rel, ratio, tiny=tiny)
+
+
+def compare_records(a: Record, b: Record, tol: Tolerance) -> Report:
+    """Every step's loss, gradient norm, gradients and updated parameters of A against B (B is the reference of
+    relative differences)."""
+    if len(a.losses) != len(b.losses):
+        raise ValueError(f"A ran {len(a.losses)} steps, B {len(b.losses)}")
+    rows: list[Row] = []
+    for k in range(len(b.losses)):
+        rows.append(_scalar_row(k, "loss", a.losses[k], b.losses[k], tol.loss_atol, tol.loss_rtol))
+        rows.append(_scalar_row(k, "norm", a.norms[k], b.norms[k], 0.0, tol.norm_rtol))
+        ga, gb, pa, pb = a.grads[k], b.grads[k], a.params[k], b.params[k]
+        for name in sorted(set(ga) | set(gb)):
+            if name not in gb or name not in ga:
+                rows.append(_tensor_row(str(k), "grad", name, ga.get(name), gb.get(name), None))
+                continue
+            g_tol = _grad_allowed(name, gb, tol)
+            rows.append(_tensor_row(str(k), "grad", name, ga[name], gb[name], g_tol, atol=tol.grad_atol))
+            # AdamW moves an element by about lr × its gradient's relative change (Tolerance)
+            p_tol = tol.param_atol + 2 * b.lrs[k] * g_tol / gb[name].abs()
+            rows.append(_tensor_row(str(k), "param", name, pa.get(name), pb.get(name), p_tol))
+    if a.replica_spread or b.replica_spread:
+        rows.append(_replica_row(a, b, tol))
+    return Report(a, b, tol, rows)
+
+
+def _replica_row(a: Record, b: Record, tol: Tolerance) -> Row:
+    """Copies of one block on different ranks of one run must agree as two layouts do: within the gradient
+    tolerance's absolute part (they hold the same reduced numbers)."""
+    spread = max(a.replica_spread, b.replica_spread)
+    who = "A" if a.replica_spread >= b.replica_spread else "B"
+    return Row("any", "copy", f"replicas of run {who}", spread, math.nan, spread / tol.grad_atol)
+
+
+def compare(
+    a: Config,
+    b: Config,
+    nproc_a: int,
+    nproc_b: int,
+    steps: int,
+    workdir: Path | None = None,
+    scale_grad_b: str | None = None,
+) -> Report:
+    """Check that A and B are comparable, run B and then A (following B's state), and compare them: the
+    library function behind ``tessera compare``."""
+    check_comparable(a, b)
+    a.validate(nproc_a)
+    b.validate(nproc_b)
+    check_scale_grad(b, scale_grad_b)
+    with tempfile.TemporaryDirectory(prefix="tessera-compare-") as tmp:
+        where = workdir or Path(tmp)
+        rb = run_config(b, nproc_b, steps, where, "B", scale_grad_b, keep_states=steps > 1)
+        ra = run_config(a, nproc_a, steps, where, "A", follow=rb if steps > 1 else None)
+    return compare_records(ra, rb, tolerance_for(a, b))

@@ -1,0 +1,53 @@
+"""`tessera compare` on real layouts (gloo): parity with the one-process run, and a wrong gradient caught.
+
+The one-process run (B) trains once for the module, recording its state after each step; each layout (A) then
+trains 2 steps following it (tessera/parity.py) and every loss, gradient norm, full gradient and updated
+parameter must be within the fp32 tolerances of docs/parity.md, for every parameter name of the plain model.
+The command's own exit statuses: test_parity_cli.py (a wrong gradient) and tests/unit/test_parity.py (bad input).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tessera.config import from_dict
+from tessera.model.build import meta_model
+from tessera.parity import FP32, Record, compare_records, run_config, tolerance_for
+from tests.distributed.conftest import trainer_config
+
+STEPS = 2
+MODEL = {"family": "llama", "n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "seq_len": 16}
+LAYOUTS = {  # name: (processes, parallel section)
+    "dp2_zero3": (2, {"data": 2, "zero": 3}),
+    "pp2_1f1b_tied": (2, {"pipeline": 2, "schedule": "1f1b"}),  # the tied embedding and head on two ranks
+    "tp2_1d": (2, {"tensor": 2}),
+}
+
+
+def _raw(token_file: Path, run_dir: Path, parallel: dict) -> dict:
+    # clipping at 0.5 fires (norms ~2): the clipped update is compared too
+    return trainer_config(token_file, run_dir, MODEL, parallel, steps=3, grad_clip=0.5)
+
+
+@pytest.fixture(scope="module")
+def reference(token_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Record:
+    work = tmp_path_factory.mktemp("parity_ref")
+    return run_config(from_dict(_raw(token_file, work, {})), 1, STEPS, work, "ref", keep_states=True)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_matches_one_process(token_file: Path, tmp_path: Path, reference: Record, name: str) -> None:
+    nproc, parallel = LAYOUTS[name]
+    cfg = from_dict(_raw(token_file, tmp_path, parallel))
+    got = run_config(cfg, nproc, STEPS, tmp_path, name, follow=reference)
+    tol = tolerance_for(cfg, from_dict(_raw(token_file, tmp_path, {})))
+    assert tol is FP32
+    report = compare_records(got, reference, tol)
+    assert report.ok, report.table(20)
+    names = {n for n, _ in meta_model(cfg.model).named_parameters(remove_duplicate=False)}
+    for k in range(STEPS):  # every tensor was gathered and compared, not a subset
+        assert set(got.grads[k]) == set(reference.grads[k]) == names
+        assert set(got.params[k]) == names
+    assert got.world == nproc and got.layout != reference.layout
