@@ -435,6 +435,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "compare",
         help="train two layouts of one run from the same seed and data; compare losses, every gradient, params",
+        description="B runs first and is the reference; A starts every step after the first from B's state, so "
+        "each step is compared from equal inputs (docs/parity.md). Exit status 0: within the tolerances, 1: "
+        "diverged, 2: bad input.",
     )
     p.add_argument(
         "a", nargs="?", help="config A (TOML); overrides: --section.key=v (both), --a.section.key=v"

@@ -561,9 +561,11 @@ def compare_records(a: Record, b: Record, tol: Tolerance) -> Report:
                 continue
             g_tol = _grad_allowed(name, gb, tol)
             rows.append(_tensor_row(str(k), "grad", name, ga[name], gb[name], g_tol, atol=tol.grad_atol))
-            # AdamW moves an element by about lr × its gradient's relative change (Tolerance)
+            # AdamW moves an element by about lr × its gradient's relative change (Tolerance); where the
+            # gradient is within its tolerance of 0 the direction is undetermined: not judged
             p_tol = tol.param_atol + 2 * b.lrs[k] * g_tol / gb[name].abs()
-            rows.append(_tensor_row(str(k), "param", name, pa.get(name), pb.get(name), p_tol))
+            judged = g_tol < gb[name].abs()
+            rows.append(_tensor_row(str(k), "param", name, pa.get(name), pb.get(name), p_tol, judged))
     if a.replica_spread or b.replica_spread:
         rows.append(_replica_row(a, b, tol))
     return Report(a, b, tol, rows)
