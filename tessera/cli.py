@@ -370,15 +370,28 @@ def _side_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
 
 def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     """Run two layouts of one training run from the same seed and data; 0 within tolerance, 1 diverged."""
-    from tessera.config import load_config
-
-    if args.record is not None:  # a rank of one of the two runs (started below by run_config)
+    if args.record is not None:  # a rank of one of the two runs (started by `tessera.parity.run_config`)
         from tessera.parity import record_to_file
 
         follow = Path(args.follow) if args.follow else None
         return record_to_file(
             Path(args.config_json), args.steps, Path(args.record), args.scale_grad, follow, args.keep_states
         )
+    cfg_a, cfg_b, nproc_a, nproc_b = _compare_inputs(args, extra)
+    from tessera.parity import compare
+
+    print(f"comparing A ({nproc_a} process(es)) with B ({nproc_b}) for {args.steps} step(s)", flush=True)
+    report = compare(cfg_a, cfg_b, nproc_a, nproc_b, args.steps, scale_grad_b=args.scale_grad)
+    print(report.table(args.top))
+    print(report.verdict())
+    return 0 if report.ok else 1
+
+
+def _compare_inputs(args: argparse.Namespace, extra: list[str]) -> tuple[Config, Config, int, int]:
+    """compare's two configs and world sizes, every problem refused before a process starts."""
+    from tessera.config import load_config
+    from tessera.parity import check_comparable, check_scale_grad, default_nproc
+
     for side in ("b", "a"):  # argparse takes an override holding a space for a positional config
         value = getattr(args, side)
         if value is not None and value.startswith("--") and "=" in value:
@@ -388,9 +401,7 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
         raise TesseraError(f"--steps {args.steps} must be at least 1, e.g. --steps 2")
     over_a, over_b = _side_overrides(extra)
     cfg_a, cfg_b = load_config(args.a, over_a), load_config(args.b or args.a, over_b)  # none: the defaults
-    from tessera.parity import check_comparable, check_scale_grad, compare, default_nproc
-
-    check_comparable(cfg_a, cfg_b)  # before anything starts: a meaningless comparison is named at once
+    check_comparable(cfg_a, cfg_b)
     nproc_a = default_nproc(cfg_a) if args.nproc_a is None else args.nproc_a
     nproc_b = default_nproc(cfg_b) if args.nproc_b is None else args.nproc_b
     if nproc_a < 1 or nproc_b < 1:
@@ -401,11 +412,7 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
         except TesseraError as e:
             raise type(e)(f"config {side} at {nproc} process(es): {e}") from None
     check_scale_grad(cfg_b, args.scale_grad)
-    print(f"comparing A ({nproc_a} process(es)) with B ({nproc_b}) for {args.steps} step(s)", flush=True)
-    report = compare(cfg_a, cfg_b, nproc_a, nproc_b, args.steps, scale_grad_b=args.scale_grad)
-    print(report.table(args.top))
-    print(report.verdict())
-    return 0 if report.ok else 1
+    return cfg_a, cfg_b, nproc_a, nproc_b
 
 
 def _parser() -> argparse.ArgumentParser:
