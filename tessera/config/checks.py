@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import math
 import sys
 from dataclasses import dataclass
@@ -253,6 +254,7 @@ def check_train(t: TrainConfig) -> list[Violation]:
         )
     v.extend(_unknown_choice("train", t, "device", ("auto", "cpu", "cuda"), "use auto, cpu or cuda"))
     v.extend(_out_of_range("train", t))
+    v.extend(_check_skip_steps(t.skip_steps, t.steps))
     if not v and t.global_batch // t.micro_batch > MAX_MICRO_BATCHES:
         # bounds the schedule the estimator and the runtime build (p × m actions)
         v.append(
@@ -275,6 +277,44 @@ def check_train(t: TrainConfig) -> list[Violation]:
             )
         )
     return v
+
+
+_SKIP_FIX = (
+    "write each range as [first step, last step] of step numbers >= 0, e.g. train.skip_steps = [[1200, 1499]]"
+)
+
+
+def _check_skip_steps(ranges: list[Any], steps: int) -> list[Violation]:
+    """train.skip_steps: [start, end] pairs of step numbers, start <= end, ranges apart, each starting before
+    train.steps (else it skips nothing: a typo). Ranges before a resume's step are the resume check's
+    (tessera/train/compat.py), which knows the checkpoint."""
+
+    def bad(problem: str, fix: str = _SKIP_FIX) -> list[Violation]:
+        return [Violation(rule="train.skip_steps", problem=f"train.skip_steps: {problem}", fix=fix)]
+
+    pairs: list[tuple[int, int]] = []
+    for r in ranges:
+        ints = isinstance(r, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+        if not ints or len(r) != 2:
+            return bad(f"{r!r:.40} is not a range [first, last] of two whole step numbers")
+        if min(r) < 0:
+            return bad(f"[{r[0]}, {r[1]}] names a negative step")
+        if r[0] > r[1]:
+            return bad(f"[{r[0]}, {r[1]}] starts after it ends", f"write it as [{r[1]}, {r[0]}]")
+        if r[0] >= steps:
+            return bad(
+                f"[{r[0]}, {r[1]}] starts at or after train.steps = {steps}, so it skips nothing",
+                f"name steps below {steps} (metrics.jsonl's step numbers), or drop the range",
+            )
+        pairs.append((r[0], r[1]))
+    pairs.sort()
+    for (s0, e0), (s1, e1) in itertools.pairwise(pairs):
+        if s1 <= e0:
+            return bad(
+                f"[{s0}, {e0}] and [{s1}, {e1}] overlap",
+                f"merge them into one range [{s0}, {max(e0, e1)}]",
+            )
+    return []
 
 
 def check_data(d: DataConfig) -> list[Violation]:

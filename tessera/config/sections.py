@@ -213,6 +213,11 @@ class TrainConfig:
     exits 4 naming the ranks that stopped responding; 0 disables the watchdog."""
     collective_timeout_s: float = 0.0
     """Timeout of every collective, passed to torch.distributed.init_process_group; 0 keeps torch's (30 min)."""
+    skip_steps: list[list[int]] = field(default_factory=list)
+    """Steps not trained on, as [first, last] ranges of step numbers (metrics.jsonl's, both ends included), e.g.
+    [[1200, 1499]] after a loss spike: their global batches are passed over (the next step draws the samples
+    after them) and the learning rate schedule moves on, with no forward, backward or update. May be added when
+    resuming from a checkpoint before the range (docs/data.md, "Skipping batches after a loss spike")."""
     stop_signal: str = "SIGUSR1"
     """Signal that, like SIGTERM and SIGINT, makes every rank checkpoint at the next step and exit 75
     (pre-emption: Slurm's `--signal=USR1@120`); "" for none."""
@@ -280,7 +285,7 @@ class CheckpointConfig:
     new_data_order: bool = False
     """Resume even though the data order's seed (data.seed, or train.seed when it is unset) changed (refused
     otherwise): the remaining steps draw their samples, and val_loss its windows, with the new seed, e.g. to step
-    past the data around a loss spike."""
+    past the data around a loss spike (train.skip_steps skips given steps' batches instead)."""
     async_: bool = False
     """Write checkpoints in the background (DCP's async save): training waits only for a copy of the state in
     CPU memory; a checkpoint counts once committed, as ever, and the next save or the end of the run waits for

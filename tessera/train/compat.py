@@ -24,6 +24,11 @@ resume does with it is docs/checkpoints.md ("What a resume may change").
   ``OptimizerParamScheduler`` refuses such changes the same way unless told to override them (its
   ``--override-opt_param-scheduler``). ``train.steps`` below the checkpoint's step is refused in any case: the
   run would train nothing and report success.
+- The skipped steps (``train.skip_steps``) before the checkpoint's step: those steps were trained, or not, when
+  the checkpoint was written, so a resume whose ranges say otherwise would record a run that never happened (and a
+  rerun of its config would train other data). Ranges at or after the resume step are free: adding one when
+  resuming from a checkpoint before a loss spike is what the key is for (docs/data.md). Compared as sets of steps
+  (`tessera.train.skips.skipped_before`); a checkpoint that does not record the key skipped none.
 """
 
 from __future__ import annotations
@@ -38,11 +43,13 @@ from typing import Any
 from tessera.config import Config
 from tessera.errors import CheckpointError
 from tessera.train.schedule import SCHEDULE_KEYS, lr_at
+from tessera.train.skips import skipped_before, steps_text
 
 __all__ = ["check_compatible", "run_settings"]
 
 _MAY_CHANGE = frozenset({"model.size", "model.init_std"})
 _SCHEDULE = tuple(f"train.{k}" for k in SCHEDULE_KEYS)
+_SKIPS = "train.skip_steps"  # compared by the steps before the checkpoint only (`_skips_rewritten`)
 _WHAT = {  # what a recorded value stands for, where it is not the setting's own value
     "data.seed": "the data order's seed: data.seed, or train.seed when data.seed is unset",
     "data.valid_path": "sha256 of the validation file's tokens",
@@ -72,6 +79,7 @@ def run_settings(
         total = sum(w for _, w in held_out_files)
         settings["data.valid_files"] = [[sha, round(w / total, 12)] for sha, w in held_out_files]
     settings |= {f"train.{k}": getattr(cfg.train, k) for k in SCHEDULE_KEYS}
+    settings[_SKIPS] = cfg.train.skip_steps
     return json.loads(json.dumps(settings))  # as they come back from meta.json (tuples become lists)
 
 
@@ -100,8 +108,11 @@ def check_compatible(
     changed = [
         _changed(k, saved[k], now[k])
         for k in sorted(now)
-        if k in saved and saved[k] != now[k] and k not in may_change and k not in _SCHEDULE
+        if k in saved and saved[k] != now[k] and k not in may_change and k not in _SCHEDULE and k != _SKIPS
     ]
+    rewritten = _skips_rewritten(saved, now, step)
+    if rewritten:
+        changed.append(rewritten)
     jump = None if new_schedule else _schedule_jump(saved, now, step)
     if jump:
         changed.append(jump)
@@ -115,6 +126,23 @@ def check_compatible(
             f"checkpoint {path} was trained with other settings: {'; '.join(changed)}\n    fix: resume with "
             "the saved values (RUN_DIR/config.json holds them), or start a new run in a fresh run directory"
         )
+
+
+def _skips_rewritten(saved: dict[str, Any], now: dict[str, Any], step: int) -> str | None:
+    """What ``train.skip_steps`` now says about the steps before ``step`` where that differs from what the
+    checkpoint's run skipped; None when it agrees (ranges at or after ``step`` may be added, removed or moved)."""
+    if _SKIPS not in now:
+        return None
+    before = skipped_before(saved.get(_SKIPS) or [], step)  # older checkpoints: no tessera could skip then
+    claimed = skipped_before(now[_SKIPS], step)
+    if before == claimed:
+        return None
+    return (
+        f"{_SKIPS}: the checkpoint's run skipped steps {steps_text(before)} of its steps 0-{step - 1}, the new value "
+        f"says {steps_text(claimed)}; a resume cannot change what those steps trained on (to skip from the resume "
+        f"step: ranges starting at {step} or later, with the earlier ones kept as they were; to skip earlier steps: "
+        "resume from a checkpoint before them with checkpoint.load_step)"
+    )
 
 
 def _changed(key: str, saved: Any, now: Any) -> str:

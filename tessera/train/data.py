@@ -7,8 +7,8 @@ document ends with the end-of-text token named in the metadata (`eot`).
 Sampling is stateless: the window of global sample `i` starts at hash(seed, i) mod (n_tokens - seq_len), and
 step `k` uses global samples [k·B, (k+1)·B) for global batch B (shifted by an offset when a resume changed B).
 A resumed run, or one with a different data-parallel size or micro-batch split, therefore trains on exactly the
-same samples in every step. A `Blend`
-keeps that property: which file sample `i` comes from is another hash of (seed, i), compared with the weights.
+same samples in every step. A step that ``train.skip_steps`` names draws nothing, so its samples are passed over
+(tessera/train/skips.py). A `Blend` keeps that property: which file sample `i` comes from is another hash of (seed, i), compared with the weights.
 
 Importing this module does not import torch (`tessera validate` reads token metadata through it).
 """

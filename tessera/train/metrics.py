@@ -336,6 +336,8 @@ class Progress:
 def format_metrics(m: Mapping[str, Any]) -> str:
     """``loss 3.2100 | 12.3k tok/s | MFU 41.2% | mem 1.50 GiB``; MFU shows n/a when unknown."""
     parts = []
+    if m.get("skipped_samples"):  # a step train.skip_steps names: no loss, throughput or memory to show
+        return f"skipped ({m['skipped_samples']} samples passed over: train.skip_steps)"
     if m.get("loss") is not None:
         parts.append(f"loss {m['loss']:.4f}")
     if m.get("val_loss") is not None:

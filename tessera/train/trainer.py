@@ -47,6 +47,7 @@ from tessera.train.metrics import MetricsLogger, Progress, memory_bytes, peak_fl
 from tessera.train.run_files import checkpoint_dir, previous_checkpoint_dir
 from tessera.train.runlock import run_dir_lock
 from tessera.train.schedule import lr_at
+from tessera.train.skips import is_skipped, skipped_before, steps_text
 from tessera.train.steppers import make_optimizer, make_stepper
 from tessera.train.stopping import StopRequests
 from tessera.train.watchdog import Watchdog
@@ -554,6 +555,7 @@ def train(cfg: Config, hook: StepHook | None = None) -> TrainResult:
             run.supersede_later(start)
             if rank == 0:
                 _record_config(run.run_dir, cfg, start)
+                _announce_skips(run, start)
             wandb = {"project": cfg.log.wandb_project, "mode": cfg.log.wandb_mode, "config": cfg.to_dict()}
             logger = MetricsLogger(
                 run.run_dir, rank, cfg.log.tensorboard, start=start, wandb=wandb if cfg.log.wandb else None
@@ -591,15 +593,23 @@ def _loop(
         for step in range(start, cfg.train.steps):
             comm.STATS.reset()
             t0 = time.perf_counter()
-            loss, norm = run.step(step, hook)
+            if is_skipped(step, cfg.train.skip_steps):  # train.skip_steps: no forward, backward or update
+                metrics = {
+                    "step": step,
+                    "lr": lr_at(step, cfg.train),
+                    "skipped_samples": cfg.train.global_batch,
+                }
+            else:
+                loss, norm = run.step(step, hook)
+                result.losses[step] = loss
+                metrics = _metrics(run, step, loss, norm, time.perf_counter() - t0)
             run.watchdog.progress(step)
-            result.losses[step] = loss
-            metrics = _metrics(run, step, loss, norm, time.perf_counter() - t0)
             every = cfg.train.eval_every
             if every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps):
                 metrics["val_loss"] = result.val_losses[step] = run.evaluate()
                 metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 700.0))  # exp overflows past ~709
-            if step % cfg.log.every == 0 or step == cfg.train.steps - 1 or "val_loss" in metrics:
+            shown = "val_loss" in metrics or "skipped_samples" in metrics  # every skipped step has its record
+            if step % cfg.log.every == 0 or step == cfg.train.steps - 1 or shown:
                 logger.log(metrics)
             progress.update(step + 1, metrics)
             done = step + 1
@@ -614,6 +624,27 @@ def _loop(
                 if not saved:
                     run.save(done)  # resuming loses no step
                 return
+
+
+def _announce_skips(run: TrainingRun, start: int) -> None:
+    """Say on stderr which steps from ``start`` on train.skip_steps passes over, and their samples, so that a run
+    resumed to step past a loss spike shows that the key took effect (each such step also logs a record with
+    ``skipped_samples``)."""
+    tr = run.cfg.train
+    ahead = [r for r in skipped_before(tr.skip_steps, tr.steps) if r[1] >= start]
+    if not ahead:
+        return
+    ahead[0][0] = max(ahead[0][0], start)  # a run resumed inside a range skips only its rest
+    samples = ", ".join(
+        f"{run.sample_offset + s * tr.global_batch}-{run.sample_offset + (e + 1) * tr.global_batch - 1}"
+        for s, e in ahead
+    )
+    one = len(ahead) == 1 and ahead[0][0] == ahead[0][1]
+    what = f"step {steps_text(ahead)} is" if one else f"steps {steps_text(ahead)} are"
+    sys.stderr.write(
+        f"NOTE: train.skip_steps: {what} not trained on: {'its' if one else 'their'} samples {samples} are passed "
+        "over with no update, and the learning rate schedule moves on as if they had run\n"
+    )
 
 
 def _metrics(run: TrainingRun, step: int, loss: float, norm: float, dt: float) -> dict[str, float]:
