@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +113,8 @@ def default_nproc(cfg: Config) -> int:
 
 U_BF16 = 2.0**-8
 """bf16's unit roundoff (8 significant bits, round to nearest)."""
+EPS_FP32 = 2.0**-23
+"""float32's machine epsilon (torch.finfo(torch.float32).eps)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +127,13 @@ class Tolerance:
     ``param_atol + 2·lr·g_tol/|g_B|``: AdamW's update moves by about lr times its gradient's relative change,
     doubled (for fp32's rtol that is test_zero.py's PARAM_ATOL = 2e-6 at lr 1e-2); an element whose gradient
     is within its tolerance of 0 is not bounded (Adam normalises rounding noise to a full step).
+
+    A gradient tensor as a whole (``tensor_rtol`` > 0, fp32): ``‖A − B‖ ≤ tensor_rtol·‖B‖ + floor`` with
+    ``floor = EPS_FP32·R·scale·√n`` (R: tokens per step, the length of the sum each weight gradient element is;
+    scale: ``max|g_B|`` as above; n: its elements). The elementwise atol is absolute, so a relative error in a
+    tensor of small gradients passes it; this bound is relative to the tensor itself, its floor the
+    rounding of a length-R sum of terms of the tensor's scale (Higham's γ_R), which covers a gradient that is
+    exactly zero (GPT's key bias) through its weight's scale.
     """
 
     name: str
@@ -135,9 +144,11 @@ class Tolerance:
     grad_atol: float
     grad_scale: float
     param_atol: float
+    tensor_rtol: float = 0.0
 
 
-FP32 = Tolerance("fp32", 1e-5, 1e-6, 1e-4, 1e-4, 1e-5, 0.0, 1e-7)
+FP32 = Tolerance("fp32", 1e-5, 1e-6, 1e-4, 1e-4, 1e-5, 0.0, 1e-7, tensor_rtol=1e-4)
+# bf16's elementwise bound is relative to the tensor's scale already (8u of it); its tensor check stays off
 BF16 = Tolerance("bf16", 1e-2, 1e-6, 8 * U_BF16, 1e-4, 1e-5, 8 * U_BF16, 1e-7)
 
 
@@ -170,6 +181,9 @@ class Record:
     replica_spread: float = 0.0
     """Largest difference between two ranks' copies of the same block (replicas hold the same reduced numbers: a
     larger value means they drifted apart)."""
+    tokens: int = 0
+    """Tokens per step (global batch × sequence length): the length of the sum each weight gradient element is,
+    R of the fp32 tensor check's rounding floor (`Tolerance`)."""
 
 
 def _grad_regions(run: TrainingRun) -> list[Region]:
@@ -201,8 +215,6 @@ def _grad_regions(run: TrainingRun) -> list[Region]:
 def _pieces(run: TrainingRun, grads: bool = False, moments: bool = False) -> list[Piece]:
     """This rank's blocks of every global tensor: of the gradients or the parameters (``model.NAME``), with
     ``moments`` also AdamW's state (``optim.state.NAME.*``)."""
-    from dataclasses import replace
-
     state = run.stepper.rank_state(run.model, run.specs)
     if grads:
         state = replace(state, regions=_grad_regions(run))
@@ -309,7 +321,9 @@ def record(
 
     rank, world = init_distributed(cfg.train.collective_timeout_s)
     run = TrainingRun(cfg, rank, world)
-    out = Record(run.layout.describe(), world, cfg.train.dtype)
+    out = Record(
+        run.layout.describe(), world, cfg.train.dtype, tokens=cfg.train.global_batch * cfg.model.seq_len
+    )
 
     def hook(step: int, model: Any) -> None:
         if scale_grad is not None and not _any_rank(_scale_grad(run, *scale_grad)):
@@ -512,15 +526,30 @@ def _scalar_row(step: int, what: str, a: float, b: float, atol: float, rtol: flo
     return Row(str(step), what, "-", diff, rel, ratio)
 
 
-def _grad_allowed(name: str, gb: dict[str, torch.Tensor], tol: Tolerance) -> torch.Tensor:
-    """The elementwise allowance for gradient ``name`` (`Tolerance`); a bias's scale includes its weight's, since
-    its rounding noise follows that weight's gradient (a key bias, analytically zero, is pure noise)."""
+def grad_scale(name: str, gb: dict[str, torch.Tensor]) -> float:
+    """``max|g|`` of gradient ``name``; a bias's includes its weight's, since its rounding noise follows that
+    weight's gradient (a key bias, analytically zero, is pure noise)."""
     g = gb[name]
     scale = float(g.abs().max()) if g.numel() else 0.0
     weight = name.removesuffix("bias") + "weight"
     if name.endswith(".bias") and weight in gb:
         scale = max(scale, float(gb[weight].abs().max()))
-    return tol.grad_atol + tol.grad_rtol * g.abs() + tol.grad_scale * scale
+    return scale
+
+
+def _grad_allowed(name: str, gb: dict[str, torch.Tensor], tol: Tolerance) -> torch.Tensor:
+    """The elementwise allowance for gradient ``name`` (`Tolerance`)."""
+    return tol.grad_atol + tol.grad_rtol * gb[name].abs() + tol.grad_scale * grad_scale(name, gb)
+
+
+def tensor_ratio(a: torch.Tensor, b: torch.Tensor, scale: float, tokens: int, tol: Tolerance) -> float:
+    """‖A − B‖ over the fp32 tensor check's allowance ``tensor_rtol·‖B‖ + EPS_FP32·R·scale·√n`` (`Tolerance`);
+    0 where the check is off."""
+    if not tol.tensor_rtol:
+        return 0.0
+    diff = float((a - b).norm())
+    allowed = tol.tensor_rtol * float(b.norm()) + EPS_FP32 * max(tokens, 1) * scale * math.sqrt(b.numel())
+    return diff / allowed if allowed > 0 else (0.0 if diff == 0 else math.inf)
 
 
 def _tensor_row(
@@ -560,7 +589,13 @@ def compare_records(a: Record, b: Record, tol: Tolerance) -> Report:
                 rows.append(_tensor_row(str(k), "grad", name, ga.get(name), gb.get(name), None))
                 continue
             g_tol = _grad_allowed(name, gb, tol)
-            rows.append(_tensor_row(str(k), "grad", name, ga[name], gb[name], g_tol, atol=tol.grad_atol))
+            row = _tensor_row(str(k), "grad", name, ga[name], gb[name], g_tol, atol=tol.grad_atol)
+            # the tensor as a whole, relative to itself: sees a relative error that the elementwise atol hides
+            if row.note == "":  # same shapes
+                whole = tensor_ratio(ga[name], gb[name], grad_scale(name, gb), b.tokens, tol)
+                if whole > row.ratio:
+                    row = replace(row, ratio=whole, note="‖A−B‖ over its tensor")
+            rows.append(row)
             # AdamW moves an element by about lr × its gradient's relative change (Tolerance); where the
             # gradient is within its tolerance of 0 the direction is undetermined: not judged
             p_tol = tol.param_atol + 2 * b.lrs[k] * g_tol / gb[name].abs()

@@ -11,7 +11,15 @@ import torch
 
 from tessera.cli import main
 from tessera.config import from_dict
-from tessera.parity import BF16, FP32, Record, check_comparable, compare_records, tolerance_for
+from tessera.parity import (
+    BF16,
+    FP32,
+    Record,
+    check_comparable,
+    compare_records,
+    tensor_ratio,
+    tolerance_for,
+)
 
 CONFIG = """
 [model]
@@ -153,3 +161,37 @@ def test_missing_tensor_and_non_finite_values_diverge() -> None:
     nan.grads[0]["lin.weight"][0, 0] = math.nan
     report = compare_records(nan, ref, FP32)
     assert not report.ok and report.worst().name == "lin.weight"
+
+
+def test_a_relative_error_in_a_tensor_of_small_gradients_is_caught() -> None:
+    """The elementwise bound's atol (1e-5) exceeds 1% of every gradient below 1e-3: fp32's tensor check
+    (‖A − B‖ ≤ 1e-4·‖B‖ + EPS_FP32·R·max|g|·√n) sees the error relative to the tensor itself."""
+    small = G * 1e-4  # largest gradient 7.5e-5
+    ref = _record(small, P)
+    ref.tokens = 256  # R: global batch 16 × sequence 16
+    wrong = _record(small * 1.01, P)
+    report = compare_records(wrong, ref, FP32)
+    assert not report.ok, report.table()
+    worst = report.worst()
+    assert (worst.what, worst.name) == ("grad", "lin.weight") and worst.ratio > 10, report.table()
+    # rounding-sized differences still agree: 1e-6 relative (the search's fp32 maximum is 1.3e-6)
+    assert compare_records(_record(small * (1 + 1e-6), P), ref, FP32).ok
+
+
+def test_rounding_noise_of_a_zero_gradient_is_not_flagged() -> None:
+    """A bias whose exact gradient is 0 (GPT's key bias) holds rounding noise that differs between summation
+    orders: ‖A − B‖ ≈ √2·‖B‖, far over any relative bound, but under the floor of its weight's scale."""
+    gen = torch.Generator().manual_seed(1)
+    ref, got = _record(G, P), _record(G, P)
+    ref.tokens = got.tokens = 256
+    noise = 16 * 2.0**-23 * float(G.abs().max())  # 16 ε of the weight's largest gradient, per element
+    ref.grads[0]["lin.bias"] = noise * torch.randn(3, generator=gen)
+    got.grads[0]["lin.bias"] = noise * torch.randn(3, generator=gen)
+    report = compare_records(got, ref, FP32)
+    assert report.ok, report.table()
+    bias = next(r for r in report.rows if r.what == "grad" and r.name == "lin.bias")
+    assert bias.rel > 0.5, bias  # the difference is as large as the gradient itself: pure noise
+    whole = tensor_ratio(got.grads[0]["lin.bias"], ref.grads[0]["lin.bias"], 0.75, ref.tokens, FP32)
+    assert whole < 0.2, whole  # the floor is EPS_FP32·R·0.75·√3 (R = 256), ~10× the noise
+    # without its weight's scale the bias's own noise would set the floor, and the check would flag it
+    assert tensor_ratio(got.grads[0]["lin.bias"], ref.grads[0]["lin.bias"], noise, ref.tokens, FP32) > 1
