@@ -12,13 +12,14 @@ the corpus is `tests.distributed.conftest.synthetic_corpus`, cut into JSON recor
 
     python benchmarks/layout_search.py --seed 0 --configs 40 [--minutes 20] [--min-world 4] [--out FILE.md]
     python benchmarks/layout_search.py --seed 3 --configs 60 --focus 2d,pp3,hybrid,stage_layers,interleaved,gqa_tp
+    python benchmarks/layout_search.py --rerun OLD.jsonl --out NEW.md   # the same configs on today's code
     python benchmarks/layout_search.py --merge A.jsonl B.jsonl --out benchmarks/results/layout_search.md
 
 ``--focus F1,F2,...`` targets features the plain draw covers thinly: case i must have feature F[i mod len] (the
 same draw, repeated until an accepted config has it: rejection sampling, so each focused case is a draw of the
 plain distribution conditioned on that feature). Features (FOCUS): 2d (Optimus 2×2 tensor), pp3 (pipeline of
 3+), hybrid (ZeRO shard groups replicated), stage_layers (an explicit split of 2+ stages), interleaved and
-breadth_first (pipelined, pipeline > 1), gqa_tp (Llama/Qwen2 with n_kv_heads < n_heads under tensor
+breadth_first (pipeline > 1 with 2+ stages per rank), gqa_tp (Llama/Qwen2 with n_kv_heads < n_heads under tensor
 parallelism), untied_pp (untied embeddings across a pipeline), ckpt_pp (activation checkpointing with a
 pipeline), w8 (a 2×2 case doubled by data 2: 8 ranks).
 
@@ -80,8 +81,9 @@ FOCUS: dict[str, Callable[[ExecutionPlan, dict], bool]] = {
     "pp3": lambda p, raw: p.pp >= 3,
     "hybrid": lambda p, raw: p.zero_replicas > 1,
     "stage_layers": lambda p, raw: "stage_layers" in raw["parallel"] and p.pp * p.stages_per_rank > 1,
-    "interleaved": lambda p, raw: p.pp > 1 and p.schedule == "interleaved",
-    "breadth_first": lambda p, raw: p.pp > 1 and p.schedule == "breadth_first",
+    # with virtual stages: at one stage per rank these schedules are 1F1B's and GPipe's orders
+    "interleaved": lambda p, raw: p.pp > 1 and p.stages_per_rank > 1 and p.schedule == "interleaved",
+    "breadth_first": lambda p, raw: p.pp > 1 and p.stages_per_rank > 1 and p.schedule == "breadth_first",
     "gqa_tp": lambda p, raw: p.tp > 1 and _gqa(raw),
     "untied_pp": lambda p, raw: p.pp > 1 and not raw["model"].get("tie_embeddings", True),
     "ckpt_pp": lambda p, raw: p.pp > 1 and raw["parallel"].get("checkpointing", "none") != "none",
@@ -210,7 +212,9 @@ def search(
     command: str,
     min_world: int = 1,
     focus: list[str] | None = None,
+    rerun: list[dict] | None = None,
 ) -> list[dict]:
+    """Draw (or, with ``rerun``, repeat those JSON-lines entries' configs) and compare ``n`` cases."""
     rng = random.Random(seed)
     results: list[dict] = []
     deadline = time.monotonic() + minutes * 60
@@ -218,16 +222,21 @@ def search(
     with tempfile.TemporaryDirectory(prefix="layout-search-") as tmp, open(jsonl, "a") as log:
         tokens = corpus(Path(tmp))
         refs: dict[str, Record] = {}
-        for i in range(n):
+        for i in range(len(rerun) if rerun is not None else n):
             if time.monotonic() > deadline:
                 print(f"time budget of {minutes} min spent after {i} case(s)", flush=True)
                 break
-            target = focus[i % len(focus)] if focus else None
-            world, raw = draw_case(rng, tokens, min_world, target)
+            if rerun is not None:  # the same config on today's code: the case's seed and number kept
+                old = rerun[i]
+                target, world, raw = old.get("focus"), old["features"]["world"], old["raw"]
+                raw["data"]["path"] = str(tokens)
+            else:
+                target = focus[i % len(focus)] if focus else None
+                world, raw = draw_case(rng, tokens, min_world, target)
             entry: dict[str, Any] = {
                 "command": command,
-                "seed": seed,
-                "case": i,
+                "seed": rerun[i]["seed"] if rerun is not None else seed,
+                "case": rerun[i]["case"] if rerun is not None else i,
                 "focus": target,
                 "features": features(world, raw),
             }
@@ -247,7 +256,10 @@ def search(
             log.write(json.dumps(entry) + "\n")
             log.flush()
             status = "ok" if entry["ok"] else f"DISAGREES {entry.get('diverged') or entry.get('error')}"
-            print(f"[{seed}:{i}] {entry['seconds']:5.1f}s {_short(entry['features'])}: {status}", flush=True)
+            print(
+                f"[{entry['seed']}:{entry['case']}] {entry['seconds']:5.1f}s {_short(entry['features'])}: {status}",
+                flush=True,
+            )
     return results
 
 
@@ -342,6 +354,11 @@ def main() -> int:
         default=None,
         help=f"comma-separated features each case must have in turn: {', '.join(FOCUS)}",
     )
+    ap.add_argument(
+        "--rerun",
+        default=None,
+        help="repeat the configs of this JSON-lines file's cases (e.g. on changed code)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "layout_search.md"))
     ap.add_argument(
         "--merge",
@@ -359,7 +376,12 @@ def main() -> int:
         unknown = [f for f in focus or [] if f not in FOCUS]
         if unknown:
             ap.error(f"--focus: unknown feature(s) {unknown}; known: {', '.join(FOCUS)}")
-        results = search(args.seed, args.configs, args.minutes, out, command, args.min_world, focus)
+        rerun = (
+            [json.loads(line) for line in Path(args.rerun).read_text().splitlines() if line]
+            if args.rerun
+            else None
+        )
+        results = search(args.seed, args.configs, args.minutes, out, command, args.min_world, focus, rerun)
     out.write_text(report(results))
     print(f"wrote {out}: {sum(r['ok'] for r in results)} of {len(results)} agree")
     return 0 if all(r["ok"] for r in results) else 1
