@@ -69,6 +69,7 @@ FREE_TRAIN_KEYS = frozenset(
         "nonfinite",
         "max_skips",
         "fp16_init_scale",
+        "skip_steps",  # which steps run, not what a step computes: compare trains each of its steps 0..N-1
     }
 )
 """train keys that do not change what a step computes (the other train keys do: seed, lr and its schedule,

@@ -66,7 +66,7 @@ def test_layout_micro_batch_and_dtype_may_differ() -> None:
         {
             "model": {"size": "gpt2-tiny"},
             "parallel": {"pipeline": 2, "zero": 3, "schedule": "gpipe"},
-            "train": {"micro_batch": 1, "dtype": "bf16"},
+            "train": {"micro_batch": 1, "dtype": "bf16", "skip_steps": [[1, 1]]},
             "log": {"run_dir": "elsewhere"},
         }
     )
