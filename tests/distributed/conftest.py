@@ -87,9 +87,8 @@ class Interrupt(Exception):
     """Stands for a crash between a checkpoint and the end of a run."""
 
 
-def interrupted_then_resumed(rank: int, world: int, raw: dict, crash_at: int) -> dict[int, float]:
-    """Train ``raw`` until step ``crash_at`` fails, then train it again (it resumes from the newest checkpoint);
-    the second run's loss per step."""
+def train_until(raw: dict, crash_at: int) -> None:
+    """Train ``raw`` until step ``crash_at`` fails (a crash after the checkpoints before it)."""
 
     def crash(step: int, model: torch.nn.Module) -> None:
         if step == crash_at:
@@ -97,6 +96,12 @@ def interrupted_then_resumed(rank: int, world: int, raw: dict, crash_at: int) ->
 
     with contextlib.suppress(Interrupt):
         train(from_dict(raw), crash)
+
+
+def interrupted_then_resumed(rank: int, world: int, raw: dict, crash_at: int) -> dict[int, float]:
+    """Train ``raw`` until step ``crash_at`` fails, then train it again (it resumes from the newest checkpoint);
+    the second run's loss per step."""
+    train_until(raw, crash_at)
     return train(from_dict(raw)).losses
 
 

@@ -5,7 +5,6 @@ are decided by functions: tests/unit/test_resume_settings.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from tessera.config import from_dict
 from tessera.errors import CheckpointError
 from tessera.train.trainer import TrainingRun, train
-from tests.distributed.conftest import Interrupt, trainer_config
+from tests.distributed.conftest import train_until, trainer_config
 
 TINY = {"family": "gpt", "n_layers": 1, "d_model": 32, "n_heads": 2, "vocab_size": 256, "seq_len": 16}
 
@@ -27,23 +26,12 @@ def _raw(token_file: Path, run_dir: Path, **train_section: object) -> dict:
     return raw
 
 
-def _until(raw: dict, step: int) -> None:
-    """Train ``raw`` and stop at ``step`` (after the checkpoint of that step, every 2 steps)."""
-
-    def crash(at: int, model: torch.nn.Module) -> None:
-        if at == step:
-            raise Interrupt
-
-    with contextlib.suppress(Interrupt):
-        train(from_dict(raw), crash)
-
-
 def test_a_changed_global_batch_continues_at_the_checkpoints_sample(
     token_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """Step 2 of a run resumed at global batch 4 from a global-batch-8 checkpoint took samples 8..11, trained at
     step 1 already (a larger batch left samples out); it now takes 16..19, and its checkpoints count on from there."""
-    _until(_raw(token_file, tmp_path), 2)  # samples 0..15 trained
+    train_until(_raw(token_file, tmp_path), 2)  # samples 0..15 trained
     smaller = _raw(token_file, tmp_path, global_batch=4)
     run = TrainingRun(from_dict(smaller), 0, 1)
     assert run.resume() == 2
@@ -59,7 +47,7 @@ def test_a_changed_global_batch_continues_at_the_checkpoints_sample(
 def test_a_changed_weight_decay_takes_effect(token_file: Path, tmp_path: Path) -> None:
     """The load put the checkpoint's weight decay back over the config's (same layout, same groups): a resume
     with train.weight_decay = 0.5 trained with 0.1."""
-    _until(_raw(token_file, tmp_path), 2)
+    train_until(_raw(token_file, tmp_path), 2)
     run = TrainingRun(from_dict(_raw(token_file, tmp_path, weight_decay=0.5)), 0, 1)
     run.resume()
     assert [g["weight_decay"] for g in run.optimizer.param_groups] == [0.5, 0.0]
@@ -73,7 +61,7 @@ def test_a_run_restarted_at_an_earlier_step_supersedes_the_later_checkpoints(
     train(from_dict(_raw(token_file, tmp_path)))  # step_2, step_4
     again = _raw(token_file, tmp_path)
     again["checkpoint"] |= {"load_step": 2, "every": 1}
-    _until(again, 3)  # saves step 3, then stops
+    train_until(again, 3)  # saves step 3, then stops
     assert "moved them to" in capsys.readouterr().err
     ckpts = tmp_path / "checkpoints"
     (aside,) = ckpts.glob("superseded_*_from_step_00000002")
@@ -85,7 +73,7 @@ def test_a_changed_checkpoint_dir_without_its_checkpoints_is_refused(
     token_file: Path, tmp_path: Path
 ) -> None:
     """checkpoint.dir changed to an empty folder: the run started over at step 0 and replaced its metrics."""
-    _until(_raw(token_file, tmp_path), 2)
+    train_until(_raw(token_file, tmp_path), 2)
     moved = _raw(token_file, tmp_path)
     moved["checkpoint"]["dir"] = str(tmp_path / "elsewhere")
     with pytest.raises(
@@ -114,7 +102,7 @@ def test_the_skipped_step_counts_survive_a_resume(token_file: Path, tmp_path: Pa
 def test_a_changed_data_order_resumes_only_when_asked_for(token_file: Path, tmp_path: Path) -> None:
     """train.seed changed on resume is refused naming the opt-in; with checkpoint.new_data_order the run goes on
     from the checkpoint with the new seed's samples (e.g. past the data around a loss spike)."""
-    _until(_raw(token_file, tmp_path), 2)
+    train_until(_raw(token_file, tmp_path), 2)
     reseeded = _raw(token_file, tmp_path, seed=7)
     with pytest.raises(CheckpointError, match=r"checkpoint\.new_data_order = true"):
         train(from_dict(reseeded))

@@ -6,7 +6,6 @@ tests/unit/test_skip_steps.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from tessera.model.build import build_model
 from tessera.train import checkpoint as ckpt
 from tessera.train.metrics import read_metrics
 from tessera.train.trainer import TrainingRun, train
-from tests.distributed.conftest import Interrupt, trainer_config
+from tests.distributed.conftest import train_until, trainer_config
 from tests.harness import run_distributed
 
 TINY = {"family": "gpt", "n_layers": 1, "d_model": 32, "n_heads": 2, "vocab_size": 256, "seq_len": 16}
@@ -44,15 +43,8 @@ def _weights(raw: dict) -> dict[str, torch.Tensor]:
 
 
 def _until(rank: int, world: int, raw: dict, step: int) -> None:
-    """Train ``raw`` until step ``step`` fails (a crash after the checkpoints before it); a `run_distributed`
-    target too."""
-
-    def crash(at: int, model: torch.nn.Module) -> None:
-        if at == step:
-            raise Interrupt
-
-    with contextlib.suppress(Interrupt):
-        train(from_dict(raw), crash)
+    """`train_until` as a `run_distributed` target."""
+    train_until(raw, step)
 
 
 def test_a_skip_range_trains_the_other_steps_on_their_own_samples(
@@ -108,7 +100,7 @@ def test_a_range_added_on_resume_skips_from_there_and_one_reaching_back_is_refus
     trained, was skipped: refused before anything is loaded."""
     plain = _raw(token_file, tmp_path / "run")
     plain["checkpoint"]["every"] = 2
-    _until(0, 1, plain, 3)  # checkpoint of step 2
+    train_until(plain, 3)  # checkpoint of step 2
     back = _raw(token_file, tmp_path / "run", skip_steps=[[1, 3]])
     with pytest.raises(CheckpointError, match="skipped steps none of its steps 0-1, the new value says 1"):
         TrainingRun(from_dict(back), 0, 1)
