@@ -15,6 +15,11 @@ from tessera.errors import EXIT_HANG
 from tessera.rank_errors import ERROR_DIR
 from tessera.train.watchdog import Watchdog
 
+FRESH = time.time() + 3600.0
+"""A heartbeat that stays fresh however slowly the test runs (the staleness check compares with the clock when it
+reads: 2.8 s at timeout 6, which a subprocess's start-up on a busy machine could exceed); STALE is one from 1970."""
+STALE = 1000.0
+
 
 def _beats(run_dir: Path, beats: dict[int, tuple[int, float]]) -> None:
     (run_dir / "heartbeat").mkdir(parents=True, exist_ok=True)
@@ -25,7 +30,7 @@ def _beats(run_dir: Path, beats: dict[int, tuple[int, float]]) -> None:
 def test_the_diagnosis_groups_ranks_by_step_and_reads_no_clock(tmp_path: Path) -> None:
     """A node of 4 silent ranks is one entry (it was one per rank, each with its own 'Ns ago', which made every
     reader's line differ from the others')."""
-    now, old = time.time(), 1000.0
+    now, old = FRESH, STALE
     _beats(tmp_path, {r: (41, now) for r in range(4)} | {r: (41, old) for r in range(4, 8)} | {8: (40, old)})
     dog = Watchdog(tmp_path, 0, 10, timeout_s=6)  # rank 9 wrote no heartbeat
     assert dog._culprits() == (
@@ -44,7 +49,7 @@ def test_the_diagnosis_groups_ranks_by_step_and_reads_no_clock(tmp_path: Path) -
 def test_a_rank_that_times_out_writes_its_stack_reports_and_exits_4(tmp_path: Path) -> None:
     run, errors = tmp_path / "run", tmp_path / "errors"
     errors.mkdir()
-    _beats(run, {0: (41, time.time()), 1: (41, 1000.0), 2: (41, time.time())})
+    _beats(run, {0: (41, FRESH), 1: (41, STALE), 2: (41, FRESH)})
     code = (
         "import pathlib; from tessera.train.watchdog import Watchdog\n"
         f"dog = Watchdog(pathlib.Path({str(run)!r}), 2, 3, 6.0); dog.step = 41; dog._fire(7.4)\n"
