@@ -1,7 +1,8 @@
 """Seeded search for disagreements when a run starts from Hugging Face weights (``model.init = "hf:DIR"``).
 
 Draws random-weight `transformers` models (GPT-2 tied/untied; Llama with grouped-query attention, explicit
-``head_dim``, tied/untied; Qwen2 with drawn q/k/v biases) of odd vocabularies and head counts, saved with
+``head_dim``, tied/untied, some with Llama 3.1's llama3 RoPE scaling; Mistral with or without a sliding window;
+Qwen2 with drawn q/k/v biases) of odd vocabularies and head counts, saved with
 ``save_pretrained`` (nothing downloaded), and layouts within 4 ranks (dp, 1D tensor 2/4 with or without sequence
 parallelism, 2D 2x2, pipeline 2 with even or uneven ``stage_layers``, ZeRO 1-3 and their combinations). Each config
 is judged by `tessera.execution.violations` (after the config load, which refuses HF configs tessera cannot
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import json
 import random
@@ -51,7 +53,7 @@ GRAD_RTOL = 1e-5
 
 def hf_case(rng: random.Random) -> dict[str, Any]:
     """Keyword arguments of a tiny transformers config (``kind`` says which class)."""
-    kind = rng.choice(["gpt2", "llama", "llama", "qwen2"])
+    kind = rng.choice(["gpt2", "llama", "llama", "mistral", "qwen2"])
     vocab = rng.choice([257, 259, 300, 512, 1000, 1031, 4099, 50257])
     heads = rng.choice([1, 2, 3, 4, 6, 8])
     head_dim = rng.choice([4, 6, 8, 16])
@@ -86,12 +88,54 @@ def hf_case(rng: random.Random) -> dict[str, Any]:
         rope_theta=rng.choice([10000.0, 1e6]),
         rms_norm_eps=rng.choice([1e-5, 1e-6]),
     )
+    if kind in ("llama", "mistral") and rng.random() < 0.4:
+        out["llama3"] = llama3_tag(rng)
+    if kind == "mistral":  # MistralConfig's default 4096 is wider than the context; 8 is narrower (refused)
+        out["sliding_window"] = rng.choice([None, 4096, 8])
     r = rng.random()
     if r < 0.25:
         out["head_dim"] = hidden // heads  # explicit, as transformers 5 writes it
     elif r < 0.32:
         out["head_dim"] = rng.choice([8, 16])  # may differ from hidden / heads: refused
     return out
+
+
+def llama3_tag(rng: random.Random) -> str:
+    """A llama3 RoPE scaling as a folder-name tag "factor_low_high_original": Llama 3.1's and 3.2's factors and
+    band, and pre-training contexts that put the tiny head dims' wavelengths (6 to ~10⁶ positions) on every side
+    of the band."""
+    factor = rng.choice([8.0, 32.0, 2.5])
+    low, high = rng.choice([(1.0, 4.0), (1.0, 4.0), (0.5, 3.0)])
+    return f"{factor}_{low}_{high}_{rng.choice([16, 64, 1024, 8192])}"
+
+
+def llama3_rope(tag: str, theta: float) -> dict[str, Any]:
+    """transformers 5's rope_parameters of a `llama3_tag`."""
+    factor, low, high, original = tag.split("_")
+    return {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": float(factor),
+        "low_freq_factor": float(low),
+        "high_freq_factor": float(high),
+        "original_max_position_embeddings": int(original),
+    }
+
+
+def hf_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
+    """The transformers config arguments of a drawn case (the llama3 tag as rope_parameters)."""
+    kw = {k: v for k, v in hf.items() if k not in ("kind", "bf16", "shard", "llama3")}
+    if "llama3" in hf:
+        kw["rope_parameters"] = llama3_rope(hf["llama3"], kw.pop("rope_theta"))
+    return kw
+
+
+CONFIG_CLASSES = {
+    "gpt2": "GPT2Config",
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+}
 
 
 def layout_case(rng: random.Random, layers: int) -> tuple[int, dict[str, Any]]:
@@ -152,7 +196,7 @@ def explicit_keys(hf: dict[str, Any]) -> list[tuple[str, Any]]:
             ("seq_len", hf["n_positions"]),
         ]
     return [
-        ("family", hf["kind"]),
+        ("family", "llama" if hf["kind"] == "mistral" else hf["kind"]),
         ("n_layers", hf["num_hidden_layers"]),
         ("n_kv_heads", hf["num_key_value_heads"]),
         ("ffn_hidden", hf["intermediate_size"]),
@@ -172,7 +216,10 @@ def alter(value: Any) -> Any:
 
 
 def folder_name(hf: dict[str, Any]) -> str:
-    return "hf_" + "_".join(f"{k}{v}" for k, v in sorted(hf.items()))
+    """One folder per drawn case: its kind and a digest of every setting (spelled out, the names grew past
+    the 255 bytes a file name may hold)."""
+    digest = hashlib.sha1(json.dumps(sorted(hf.items())).encode()).hexdigest()[:16]
+    return f"hf_{hf['kind']}_{digest}"
 
 
 def make_folder(folder: Path, hf: dict[str, Any]) -> None:
@@ -181,16 +228,12 @@ def make_folder(folder: Path, hf: dict[str, Any]) -> None:
 
     if (folder / "config.json").is_file():
         return
-    kw = {k: v for k, v in hf.items() if k not in ("kind", "bf16", "shard")}
+    kw = hf_kwargs(hf)
     common = dict(initializer_range=0.2, bos_token_id=0, eos_token_id=1)
-    cls = {
-        "gpt2": transformers.GPT2Config,
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-    }
+    cls = getattr(transformers, CONFIG_CLASSES[hf["kind"]])
     torch.manual_seed(len(folder.name))
     try:
-        model = transformers.AutoModelForCausalLM.from_config(cls[hf["kind"]](**kw, **common))
+        model = transformers.AutoModelForCausalLM.from_config(cls(**kw, **common))
     except Exception as e:  # transformers itself refuses the shape: config.json alone, written by hand
         folder.mkdir(parents=True)
         (folder / "config.json").write_text(json.dumps({"model_type": hf["kind"], **kw, **common}))
@@ -292,6 +335,7 @@ def features(world: int, raw: dict, hf: dict) -> tuple:
         "stage_layers" in p,
         bool(hf.get("tie_word_embeddings")),
         "head_dim" in hf,
+        "llama3" in hf,
     )
 
 
@@ -318,7 +362,28 @@ VARIANTS = {  # HF config keys beyond the shape, per model type: values users' f
         "mlp_bias": [False, True],
         "hidden_act": ["silu", "gelu"],
         "pretraining_tp": [1, 2],
-        "rope_scaling": [None, {"rope_type": "default"}, {"rope_type": "linear", "factor": 2.0}],
+        "rope_scaling": [
+            None,
+            {"rope_type": "default"},
+            {"rope_type": "linear", "factor": 2.0},
+            {"rope_type": "yarn", "factor": 4.0},
+            # Llama 3.1 (transformers 4's spelling: no theta, read from rope_theta) and an incomplete one
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            {"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+            {"rope_type": "llama3", "factor": 8.0},
+        ],
+        "attention_dropout": [0.0, 0.1],
+    },
+    "mistral": {
+        "sliding_window": [None, 8, 16, 32, 64, 4096],
+        "hidden_act": ["silu", "gelu"],
+        "attention_bias": [False, True],  # not a Mistral key: MistralAttention has no biases whatever it says
         "attention_dropout": [0.0, 0.1],
     },
     "qwen2": {
@@ -346,15 +411,13 @@ def import_case(rng: random.Random, root: Path, i: int) -> tuple[Path, dict[str,
     hf = hf_case(rng)
     hf.pop("head_dim", None)
     extra = {k: rng.choice(v) for k, v in VARIANTS[hf["kind"]].items() if rng.random() < 0.4}
+    if "rope_scaling" in extra:
+        hf.pop("llama3", None)  # the drawn variant replaces the case's own scaling
     drop = [k for k in DROP if rng.random() < 0.15]
-    kw = {k: v for k, v in hf.items() if k not in ("kind", "bf16", "shard")}
-    cls = {
-        "gpt2": transformers.GPT2Config,
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-    }
+    kw = hf_kwargs(hf)
+    cls = getattr(transformers, CONFIG_CLASSES[hf["kind"]])
     try:
-        config = cls[hf["kind"]](**kw, **extra, initializer_range=0.2)
+        config = cls(**kw, **extra, initializer_range=0.2)
         torch.manual_seed(i)
         model = transformers.AutoModelForCausalLM.from_config(config)
     except Exception:

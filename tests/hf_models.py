@@ -6,14 +6,28 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KINDS", "VOCAB", "hf_config", "make_hf", "rel_err", "train_bpe"]
+__all__ = ["KINDS", "LLAMA3_ROPE", "VOCAB", "hf_config", "make_hf", "rel_err", "train_bpe"]
 
 VOCAB = 259
 """Not divisible by 2 or 4, so tensor-parallel vocabulary padding is exercised; covers the byte data (256)."""
 
-KINDS = ("gpt2", "gpt2_untied", "llama", "llama_tied", "qwen2", "qwen2_tied")
-"""gpt2 (tied), gpt2_untied, llama (grouped-query attention, untied), llama_tied, qwen2 (Llama with q/k/v
+KINDS = ("gpt2", "gpt2_untied", "llama", "llama_tied", "llama3", "mistral", "qwen2", "qwen2_tied")
+"""gpt2 (tied), gpt2_untied, llama (grouped-query attention, untied), llama_tied, llama3 (Llama with Llama 3.1's
+RoPE scaling, `LLAMA3_ROPE`), mistral (MistralForCausalLM without a sliding window), qwen2 (Llama with q/k/v
 biases, GQA, untied), qwen2_tied."""
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 50000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 8.0,
+    "original_max_position_embeddings": 128,
+}
+"""llama3 scaling for the tiny shapes (head dim 8): the wavelengths 2π/f are 6.3, 94, 1405 and 21000 positions,
+so with 128/8 = 16 and 128/1 = 128 as the band's ends one frequency is kept, one interpolated and two divided
+by the factor (the released models' 8192 would divide all but the first). transformers warns that
+original_max_position_embeddings is not below max_position_embeddings (32); it computes the same formula."""
 
 
 def hf_config(kind: str, **over: object):
@@ -44,6 +58,11 @@ def hf_config(kind: str, **over: object):
         return transformers.Qwen2Config(
             **shape, tie_word_embeddings=tie, rope_theta=1e6, rms_norm_eps=1e-6, **common, **over
         )
+    if kind == "mistral":
+        over = {"sliding_window": None, **over}  # v0.2/v0.3: full attention (MistralConfig's default is 4096)
+        return transformers.MistralConfig(**shape, rope_theta=1e6, rms_norm_eps=1e-6, **common, **over)
+    if kind == "llama3":
+        return transformers.LlamaConfig(**shape, rope_parameters=dict(LLAMA3_ROPE), **common, **over)
     return transformers.LlamaConfig(
         **shape, tie_word_embeddings=kind == "llama_tied", rope_theta=50000.0, **common, **over
     )

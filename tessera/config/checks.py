@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tessera.axes import DIMS
 from tessera.errors import ConfigError
 from tessera.model.family import FAMILIES, family_plan
+from tessera.model.rope_scaling import scaling_problems
 from tessera.modes import ACCUMULATION, CHECKPOINTING, DTYPES, NONFINITE, SCHEDULES, STOP_SIGNALS
 
 if TYPE_CHECKING:
@@ -204,6 +205,7 @@ def check_model(m: ModelConfig) -> list[Violation]:
                 fix=f"set model.n_kv_heads to one of {divisors_near(m.n_heads, m.kv_heads)}",
             )
         )
+    v.extend(_check_rope_scaling(m))
     if family_plan(m).rope and m.head_dim % 2:
         v.append(
             Violation(
@@ -213,6 +215,24 @@ def check_model(m: ModelConfig) -> list[Violation]:
             )
         )
     return v
+
+
+def _check_rope_scaling(m: ModelConfig) -> list[Violation]:
+    """model.rope_scaling: a family with RoPE, a type tessera computes, its keys in range."""
+    if m.rope_scaling is None:
+        return []
+    if not family_plan(m).rope:
+        return [
+            Violation(
+                rule="model.rope_scaling",
+                problem=f"model.rope_scaling is set but model.family = {m.family!r} has no RoPE",
+                fix="remove model.rope_scaling, or use a family with RoPE (llama, qwen2)",
+            )
+        ]
+    return [
+        Violation(rule="model.rope_scaling", problem=problem, fix=fix)
+        for problem, fix in scaling_problems(m.rope_scaling)
+    ]
 
 
 def check_parallel(p: ParallelConfig) -> list[Violation]:

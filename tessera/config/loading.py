@@ -4,6 +4,7 @@ the model's shape."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import tomllib
@@ -160,6 +161,8 @@ _TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "None": t
 def _type_ok(value: Any, annotation: str) -> bool:
     """Check a TOML value against a field annotation such as ``int | None`` or ``list[int] | None``."""
     for option in annotation.replace(" ", "").split("|"):
+        if option.startswith("dict[") and isinstance(value, dict):
+            return True  # a table: its keys are the section's check (e.g. model.rope_scaling)
         if option.startswith("list[") and isinstance(value, list):
             inner = _TYPES.get(option[5:-1], object)
             if all(isinstance(x, inner) and not isinstance(x, bool) for x in value):
@@ -186,7 +189,7 @@ def _resolve_size(values: dict[str, Any], problems: list[str]) -> dict[str, Any]
     if not isinstance(size, str) or size not in SIZES:
         problems.append(f"unknown model.size {size!r:.60}; known sizes: {', '.join(SIZES)}")
         return {k: v for k, v in values.items() if k != "size"}
-    return {**SIZES[size], **values}
+    return {**copy.deepcopy(SIZES[size]), **values}  # a copy: the run's tables are its own
 
 
 def _resolve_init(values: dict[str, Any], problems: list[str]) -> dict[str, Any]:

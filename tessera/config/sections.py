@@ -62,6 +62,10 @@ class ModelConfig:
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
     """RoPE base (Llama only)."""
+    rope_scaling: dict[str, Any] | None = None
+    """RoPE frequency scaling (families with RoPE): {type = "llama3", factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings}, as Hugging Face's rope_scaling, e.g. Llama 3.1's factor 8.0, 1.0, 4.0,
+    8192 (tessera/model/rope_scaling.py). None: unscaled RoPE."""
     init_std: float = 0.02
     """Std of the normal initialisation of weights."""
     init: str | None = None

@@ -2,7 +2,7 @@
 
 Import derives every shape field from the HF config; an explicit ``[model]`` key that disagrees is a problem,
 not an override. What tessera would compute differently is refused by name, never approximated: RoPE scaling
-(llama3, linear, dynamic, yarn, ...), a sliding window narrower than the context, mixed attention,
+other than llama3 (linear, dynamic, yarn, ...), a sliding window narrower than the context, mixed attention,
 mixture-of-experts, quantized weights, a head dim other than hidden/heads, and the per-architecture settings of
 `HFFamily.required` (e.g. Llama's attention_bias, GPT-2's activation). Dropout probabilities are not part of the function a model
 computes and are ignored (tessera trains without dropout).
@@ -24,6 +24,7 @@ from tessera.hf.families import (
     family_for_tessera,
     weight_names,
 )
+from tessera.model.rope_scaling import LLAMA3_KEYS, scaling_problems
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
@@ -86,7 +87,7 @@ def _check_numbers(path: Path, hf: dict[str, Any], fam: HFFamily) -> None:
             )
     theta = [
         ("rope_theta", hf.get("rope_theta")),
-        ("rope_parameters.rope_theta", (rope[0][1] or {}).get("rope_theta")),
+        *((f"{key}.rope_theta", (value or {}).get("rope_theta")) for key, value in rope),
     ]
     numbers = [(fam.keys["norm_eps"], hf.get(fam.keys["norm_eps"])), *theta]
     for key, value in [(k, hf.get(k)) for n, k in fam.keys.items() if n != "norm_eps"]:
@@ -115,20 +116,48 @@ def _family(hf: dict[str, Any]) -> HFFamily:
     return fam
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, list[str]]:
-    """(rope theta, refusals): both the transformers 5 ``rope_parameters`` and the older top-level keys."""
+def _rope_table(hf: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE table transformers 5 reads: ``rope_scaling`` (the older key) in place of ``rope_parameters`` when
+    both are given (transformers 4 reads only ``rope_scaling``)."""
+    return hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+
+
+def _rope(hf: dict[str, Any], fam: HFFamily) -> tuple[float, dict[str, Any] | None, list[str]]:
+    """(rope theta, `model.rope_scaling` or None, refusals) from either spelling of the RoPE settings: the theta
+    from the table, else the top-level ``rope_theta``, else 10000 (as transformers 5 reads them); a llama3
+    table without ``original_max_position_embeddings`` takes ``max_position_embeddings``, as transformers does."""
     params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
     if params and "rope_theta" not in params and all(isinstance(v, dict) for v in params.values()):
-        return 0.0, [f"per-layer-type RoPE parameters ({', '.join(params)}) are not implemented by tessera"]
-    kinds = [d.get("rope_type") or d.get("type") for d in (params, scaling)]
-    refused = [
-        f"RoPE scaling type {kind!r} is not implemented by tessera (its RoPE is the unscaled one); "
-        "only rope_type 'default' imports"
-        for kind in kinds
-        if kind not in (None, "default")
-    ]
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), refused
+        return (
+            0.0,
+            None,
+            [f"per-layer-type RoPE parameters ({', '.join(params)}) are not implemented by tessera"],
+        )
+    table = _rope_table(hf)
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    theta = float(table.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = table.get("rope_type", table.get("type", "default"))
+    if kind == "default":
+        return theta, None, []
+    if kind != "llama3":
+        why = f"RoPE scaling type {kind!r} ({key}) is not implemented by tessera; only default and llama3 import"
+        return theta, None, [why]
+    scaling = {"type": kind} | {k: table[k] for k in LLAMA3_KEYS if k in table}
+    context = hf.get(fam.keys["seq_len"])
+    scaling.setdefault("original_max_position_embeddings", context)
+    refused = [problem for problem, _ in scaling_problems(scaling, f"config.json {key}")]
+    extra = sorted(set(table) - {"rope_type", "type", "rope_theta", *LLAMA3_KEYS})
+    if extra:
+        refused.append(
+            f"{key} keys {extra} are not implemented by tessera (a llama3 table has {LLAMA3_KEYS})"
+        )
+    top = hf.get("original_max_position_embeddings")
+    if top is not None and top != scaling["original_max_position_embeddings"]:
+        refused.append(
+            f"original_max_position_embeddings = {top!r} outside {key} differs from the one transformers 5 uses "
+            f"({scaling['original_max_position_embeddings']!r}); put the intended value into {key}"
+        )
+    return theta, scaling, refused
 
 
 def refusals(hf: dict[str, Any], fam: HFFamily) -> list[str]:
@@ -140,7 +169,7 @@ def refusals(hf: dict[str, Any], fam: HFFamily) -> list[str]:
                 f"{key} = {hf[key]!r} is not supported for {fam.model_type}; tessera computes {allowed}"
             )
     if fam.rope:
-        out += _rope(hf)[1]
+        out += _rope(hf, fam)[2]
     out += _sliding_window(hf, fam)
     kinds = set(hf.get("layer_types") or []) - {"full_attention", "sliding_attention"}  # sliding: just above
     if kinds:
@@ -161,12 +190,17 @@ def _sliding_window(hf: dict[str, Any], fam: HFFamily) -> list[str]:
 
     Which layers slide: ``layer_types`` if given (transformers 5), else Qwen2's rule (``use_sliding_window`` and
     layer index ≥ ``max_window_layers``). A window at least as wide as every position the model takes
-    (``max_position_embeddings``) masks nothing: that is full attention, and imports. A ``sliding_window`` with
-    neither key (a Mistral-style config) is refused whatever its width, as tessera cannot tell where it applies.
+    (``max_position_embeddings``) masks nothing: that is full attention, and imports. Mistral's window applies to
+    every layer (`HFFamily.window_everywhere`: transformers' MistralModel masks all layers with it); another
+    architecture's ``sliding_window`` with neither key is refused whatever its width, as tessera cannot tell where
+    it applies.
     """
     window = hf.get("sliding_window")
     context = hf.get(fam.keys["seq_len"]) or 0
-    if hf.get("layer_types") or "use_sliding_window" in hf:
+    if fam.window_everywhere:  # Mistral: every layer slides when the window is set, whatever layer_types says
+        if window is None or window >= context:
+            return []
+    elif hf.get("layer_types") or "use_sliding_window" in hf:
         if hf.get("layer_types"):
             slides = "sliding_attention" in hf["layer_types"]
         else:
@@ -196,7 +230,7 @@ def _values(hf: dict[str, Any], fam: HFFamily) -> dict[str, Any]:
     values["ffn_hidden"] = values["ffn_hidden"] or 4 * values["d_model"]  # GPT-2's n_inner = null
     values["tie_embeddings"] = bool(hf.get("tie_word_embeddings", fam.tie_default))
     if fam.rope:
-        values["rope_theta"] = _rope(hf)[0]
+        values["rope_theta"], values["rope_scaling"], _ = _rope(hf, fam)
     return values
 
 
@@ -300,8 +334,10 @@ def _source(name: str, fam: HFFamily, hf: dict[str, Any]) -> str:
         )
     if name == "n_kv_heads" and name not in fam.keys:
         return f"{fam.keys['n_heads']} (no grouped-query attention)"
-    if name == "rope_theta" and "rope_theta" in (hf.get("rope_parameters") or {}):
-        return "rope_parameters.rope_theta"
+    if name == "rope_theta" and "rope_theta" in _rope_table(hf):
+        return ("rope_scaling" if hf.get("rope_scaling") else "rope_parameters") + ".rope_theta"
+    if name == "rope_scaling":
+        return "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     return fam.keys.get(name, name)
 
 
@@ -311,6 +347,9 @@ def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None, dtype: str =
     fam = family_for_tessera(cfg.family)
     if fam is None:
         raise ConfigError(f"model.family = {cfg.family!r} has no Hugging Face export")
+    imported = family_for_model_type(str((base or {}).get("model_type")))
+    if imported is not None and imported.family == fam.family:
+        fam = imported  # an imported Mistral exports as Mistral (the same weights as Llama's)
     if not fam.rope and cfg.kv_heads != cfg.n_heads:
         raise ConfigError(
             f"{fam.model_type} has no grouped-query attention, but model.n_kv_heads = {cfg.kv_heads} "
@@ -329,8 +368,13 @@ def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None, dtype: str =
         out[seq_key] = max(cfg.seq_len, int((base or {}).get(seq_key) or 0))
         out["head_dim"] = cfg.head_dim
         out["rope_theta"] = cfg.rope_theta  # the pre-5 spelling, next to transformers 5's rope_parameters
-        out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        scaling = cfg.rope_scaling or {"type": "default"}
+        keys = {k: scaling[k] for k in LLAMA3_KEYS if k in scaling}
+        out["rope_parameters"] = {"rope_type": scaling["type"], "rope_theta": cfg.rope_theta, **keys}
         out.pop("rope_scaling", None)
+        out.pop("original_max_position_embeddings", None)  # transformers 5 reads the table's; 4 may not
+        if cfg.rope_scaling is not None:  # transformers 4 reads only this (and the top-level rope_theta)
+            out["rope_scaling"] = {"rope_type": scaling["type"], **keys}
     if "torch_dtype" in out:
         out["torch_dtype"] = dtype
     return out

@@ -69,6 +69,8 @@ class HFFamily:
     """Whether the architecture uses rotary embeddings (rope_theta / rope_parameters apply)."""
     ignored: tuple[str, ...] = field(default=())
     """HF tensor names that are buffers, not weights (present in some old saves); skipped on import."""
+    window_everywhere: bool = False
+    """A non-null ``sliding_window`` applies to every layer whatever ``layer_types`` says (Mistral)."""
 
 
 def _t(hf: str, *parts: str, conv1d: bool = False) -> HFTensor:
@@ -191,6 +193,23 @@ FAMILIES: tuple[HFFamily, ...] = (
         rope=True,
         ignored=(".rotary_emb.inv_freq",),
     ),
+    # Mistral 7B (Jiang et al. 2023) is Llama's block: same keys and weight names, no bias keys (never biased),
+    # a sliding_window over every layer (null in v0.2/v0.3) and 8 KV heads when the key is absent
+    # (MistralConfig's default). Imports as tessera's llama; an imported Mistral exports as Mistral.
+    HFFamily(
+        model_type="mistral",
+        architecture="MistralForCausalLM",
+        family="llama",
+        keys=_LLAMA_KEYS,
+        tie_default=False,
+        required={"hidden_act": ("silu",)},
+        tensors=_LLAMA_TENSORS,
+        embedding="model.embed_tokens.weight",
+        kv_heads_absent=8,
+        rope=True,
+        ignored=(".rotary_emb.inv_freq",),
+        window_everywhere=True,
+    ),
 )
 
 
@@ -206,5 +225,5 @@ def family_for_model_type(model_type: str) -> HFFamily | None:
 
 
 def family_for_tessera(family: str) -> HFFamily | None:
-    """The entry an export of a tessera family writes, or None."""
+    """The entry an export of a tessera family writes (the first of that family: llama, not mistral), or None."""
     return next((f for f in FAMILIES if f.family == family), None)

@@ -14,7 +14,8 @@ so a tensor-parallel rank that holds a column shard of `wq`/`wk`/`wv` runs the s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ __all__ = [
     "TransformerLM",
     "apply_rope",
     "attend",
+    "rope_inv_freq",
     "rope_tables",
 ]
 
@@ -56,11 +58,40 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight  # [..., h]
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None):
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """The inverse frequencies [head_dim/2] of RoPE, fp32: 1 / theta^(2i/hd) as Su et al. (2021), Meta's Llama
+    reference and transformers compute them (the same operations in the same order, so the same bits), then
+    ``scaling`` (`tessera.model.rope_scaling`: llama3, by the published ``apply_scaling`` formula)."""
+    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim  # [hd/2]
+    inv_freq = 1.0 / (theta**exponent)  # inv_freq: [hd/2]
+    if scaling is None:
+        return inv_freq
+    if scaling.get("type") != "llama3":
+        raise ValueError(f"RoPE scaling {scaling!r} is not implemented (model.rope_scaling: llama3 only)")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq  # [hd/2]
+    # long wavelengths (> original / low) are divided by factor; short ones (< original / high) are kept
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)  # 0..1 across the band between
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    between = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return torch.where(between, smoothed, scaled)  # [hd/2]
+
+
+def rope_tables(
+    head_dim: int,
+    seq_len: int,
+    theta: float,
+    device: torch.device | None = None,
+    scaling: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [seq_len, head_dim/2] for positions 0..seq_len-1, computed in fp32."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head dim, got {head_dim}; choose d_model / n_heads even")
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, device)  # [hd/2]
     pos = torch.arange(seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(pos, inv_freq)  # angles: [s, hd/2]
     return angles.cos(), angles.sin()
@@ -87,16 +118,19 @@ class Rope(nn.Module):
     (`TransformerLM.init_weights` does).
     """
 
-    def __init__(self, head_dim: int, seq_len: int, theta: float) -> None:
+    def __init__(
+        self, head_dim: int, seq_len: int, theta: float, scaling: dict[str, Any] | None = None
+    ) -> None:
         super().__init__()
         self.head_dim, self.seq_len, self.theta = head_dim, seq_len, theta
-        cos, sin = rope_tables(head_dim, seq_len, theta)
+        self.scaling = dict(scaling) if scaling is not None else None  # model.rope_scaling
+        cos, sin = rope_tables(head_dim, seq_len, theta, scaling=self.scaling)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def reset(self) -> None:
         """Recompute the tables in place on the buffers' current device."""
-        cos, sin = rope_tables(self.head_dim, self.seq_len, self.theta, device=self.cos.device)
+        cos, sin = rope_tables(self.head_dim, self.seq_len, self.theta, self.cos.device, self.scaling)
         with torch.no_grad():
             self.cos.copy_(cos)
             self.sin.copy_(sin)

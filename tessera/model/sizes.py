@@ -11,6 +11,25 @@ __all__ = ["SIZES", "size_names"]
 
 _TINY_VOCAB = 256  # the byte tokenizer's vocabulary
 
+
+def _llama3(layers: int, d_model: int, heads: int, ffn: int, tie: bool, factor: float) -> dict[str, Any]:
+    """A released Llama 3.1/3.2 shape: 8 KV heads, vocabulary 128256, RoPE base 5·10⁵ with llama3 scaling."""
+    scaling = dict(type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0)
+    return dict(
+        family="llama",
+        n_layers=layers,
+        d_model=d_model,
+        n_heads=heads,
+        n_kv_heads=8,
+        ffn_hidden=ffn,
+        vocab_size=128256,
+        seq_len=2048,
+        tie_embeddings=tie,
+        rope_theta=500000.0,
+        rope_scaling=scaling | {"original_max_position_embeddings": 8192},
+    )
+
+
 SIZES: dict[str, dict[str, Any]] = {
     # Test and demo shapes (byte-level vocabulary).
     "gpt2-tiny": dict(family="gpt", n_layers=2, d_model=32, n_heads=4, vocab_size=_TINY_VOCAB, seq_len=32),
@@ -89,6 +108,15 @@ SIZES: dict[str, dict[str, Any]] = {
         tie_embeddings=False,
         rope_theta=500000.0,
     ),
+    # Llama 3.1 / 3.2 / 3.3 (the released config.json files): the Llama 3 shapes above plus llama3 RoPE scaling,
+    # factor 8 (3.1 8B/70B/405B; 3.3 70B is 3.1 70B's config) or 32 (3.2 1B/3B), low 1, high 4, pre-training context
+    # 8192. The names above stay unscaled (Llama 3's function). Context: tessera's 2048-token training default
+    # (the models accept 128k).
+    "llama3.2-1b": _llama3(16, 2048, 32, 8192, tie=True, factor=32.0),
+    "llama3.2-3b": _llama3(28, 3072, 24, 8192, tie=True, factor=32.0),
+    "llama3.1-8b": _llama3(32, 4096, 32, 14336, tie=False, factor=8.0),
+    "llama3.1-70b": _llama3(80, 8192, 64, 28672, tie=False, factor=8.0),
+    "llama3.1-405b": _llama3(126, 16384, 128, 53248, tie=False, factor=8.0),
     # Qwen2 (Yang et al. 2024; the released config.json files): q/k/v biases, RoPE base 10⁶; 0.5B ties embeddings.
     # Context: tessera's 2048-token training default (the models accept 32k-128k).
     "qwen2-tiny": dict(

@@ -41,6 +41,8 @@ LAYOUTS = {  # name: (world size, HF model kind, parallel section)
     "pp2_1f1b_tied": (2, "gpt2", {"pipeline": 2, "schedule": "1f1b"}),
     "pp2_tp1d_2_tied": (4, "llama_tied", {"pipeline": 2, "tensor": 2}),
     "qwen2_tp1d_2_sp": (2, "qwen2", {"tensor": 2, "sequence_parallel": True}),
+    "llama3_pp2_tp1d_2": (4, "llama3", {"pipeline": 2, "tensor": 2}),  # Llama 3.1's RoPE scaling
+    "mistral_tp2x2": (4, "mistral", {"tensor": "2x2"}),  # exported back as Mistral
 }
 
 

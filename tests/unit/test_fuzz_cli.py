@@ -40,7 +40,7 @@ BASE: dict[str, dict[str, Any]] = {
 KEYS = {
     "model": [
         "size", "family", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "seq_len",
-        "tie_embeddings", "norm_eps", "rope_theta", "init_std",
+        "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "init_std",
     ],
     "parallel": [
         "data", "tensor", "sequence_parallel", "pipeline", "schedule", "stages_per_rank", "stage_layers", "zero",
@@ -59,6 +59,10 @@ NASTY: list[Any] = [
     0.0, -0.0, 0.5, -1.5, 1e15, 1e-300, 1e300, math.nan, math.inf, -math.inf,
     True, False, "", "x", "2x2", "3x2", "0x0", "gpt2-mini", "llama-tiny", "a\x00b", "é" * 3, "x" * 5000,
     "/" + "d" * 300, [], [1, 2], [0], ["a"], [[1]], {"a": 1}, {},
+    {"type": "llama3", "factor": math.nan, "low_freq_factor": 0.0, "high_freq_factor": -math.inf,
+     "original_max_position_embeddings": 10**30},
+    {"type": "llama3", "factor": 1e300, "low_freq_factor": 1e-300, "high_freq_factor": 1e300,
+     "original_max_position_embeddings": 2**62},
 ]  # fmt: skip
 
 

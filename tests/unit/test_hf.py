@@ -23,7 +23,7 @@ from tessera.config import load_config
 from tessera.errors import CheckpointError, ConfigError
 from tessera.hf.export import save_hf
 from tessera.hf.weights import HFCheckpoint, load_init
-from tests.hf_models import KINDS, VOCAB, hf_config, make_hf, rel_err
+from tests.hf_models import KINDS, LLAMA3_ROPE, VOCAB, hf_config, make_hf, rel_err
 
 LOGIT_RTOL = 1e-5
 
@@ -46,9 +46,9 @@ def test_imported_logits_equal_transformers(tmp_path: Path, kind: str) -> None:
     assert rel_err(got, expected) < LOGIT_RTOL
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "qwen2_tied"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama3", "mistral", "qwen2", "qwen2_tied"])
 def test_round_trip_is_bit_exact_and_export_loads_in_transformers(tmp_path: Path, kind: str) -> None:
-    make_hf(tmp_path / "a", kind)
+    original_config = make_hf(tmp_path / "a", kind).config
     cfg, first = imported(tmp_path / "a")
     params = dict(first.named_parameters())
     # a small shard limit forces several files and the index, as a multi-GB model gets
@@ -64,9 +64,68 @@ def test_round_trip_is_bit_exact_and_export_loads_in_transformers(tmp_path: Path
     for name, file in index["weight_map"].items():
         assert torch.equal(load_file(tmp_path / "b" / file)[name], original[name]), name
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
+    # the same architecture (an imported Mistral exports as Mistral) and the same RoPE (llama3 scaling kept)
+    assert type(reloaded.config) is type(original_config)
+    assert getattr(reloaded.config, "rope_parameters", None) == getattr(
+        original_config, "rope_parameters", None
+    )
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert rel_err(reloaded(tokens).logits, first(tokens)) < LOGIT_RTOL
+
+
+def test_llama3_scaling_is_what_makes_the_logits_agree(tmp_path: Path) -> None:
+    """The llama3 folder's parity is not an accident of tiny shapes: the same weights with unscaled RoPE (what
+    tessera computed before it read rope_type llama3) differ from transformers by far more than the tolerance."""
+    from tessera.model.build import build_model
+
+    hf = make_hf(tmp_path / "hf", "llama3")
+    cfg, model = imported(tmp_path / "hf")
+    assert cfg.model.rope_scaling == {"type": "llama3"} | {
+        k: v for k, v in LLAMA3_ROPE.items() if k not in ("rope_type", "rope_theta")
+    }
+    cfg.model.rope_scaling = None
+    unscaled = build_model(cfg.model).eval()
+    unscaled.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        assert rel_err(model(tokens), expected) < LOGIT_RTOL
+        assert rel_err(unscaled(tokens), expected) > 100 * LOGIT_RTOL
+
+
+def test_llama3_folder_in_the_older_rope_scaling_spelling(tmp_path: Path) -> None:
+    """Llama 3.1/3.2 folders saved by transformers 4 hold ``rope_scaling`` (no theta) and a top-level
+    ``rope_theta``: tessera reads the same scaling and theta as transformers 5 does from them."""
+    hf = make_hf(tmp_path / "hf", "llama3")
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    params = raw.pop("rope_parameters")
+    raw["rope_theta"] = params.pop("rope_theta")
+    raw["rope_scaling"] = params
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(raw))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert reloaded.config.rope_parameters == hf.config.rope_parameters
+    cfg, model = imported(tmp_path / "hf")
+    assert (cfg.model.rope_theta, cfg.model.rope_scaling["factor"]) == (LLAMA3_ROPE["rope_theta"], 8.0)
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_err(model(tokens), reloaded(tokens).logits) < LOGIT_RTOL
+    with pytest.raises(
+        ConfigError, match=r"model\.rope_scaling = .* contradicts .*config\.json rope_scaling"
+    ):
+        load_config(None, [f'model.init="hf:{tmp_path / "hf"}"', "model.rope_scaling={type='llama3'}"])
+
+
+def test_mistral_window_as_wide_as_the_context_is_full_attention(tmp_path: Path) -> None:
+    """Mistral v0.1's sliding_window applies to every layer; one covering every position (32) masks nothing."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config("mistral", sliding_window=32)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    cfg, model = imported(tmp_path / "hf")
+    assert cfg.model.family == "llama"
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_err(model(tokens), hf(tokens).logits) < LOGIT_RTOL
 
 
 def test_value_source_reads_slices_of_fused_and_transposed_weights(tmp_path: Path) -> None:
@@ -104,9 +163,28 @@ def test_explicit_keys_that_contradict_the_folder_are_reported(tmp_path: Path) -
 
 
 REFUSED = {
-    "rope_scaling_llama3": (
+    "rope_scaling_llama3_incomplete": (
         {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-        "RoPE scaling type 'llama3'",
+        "config.json rope_parameters lacks low_freq_factor, high_freq_factor",
+    ),
+    "rope_scaling_llama3_low_above_high": (
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 4.0,
+                "high_freq_factor": 4.0,
+            }
+        },
+        "config.json rope_scaling.high_freq_factor = 4.0 must exceed low_freq_factor = 4.0",
+    ),
+    "rope_scaling_llama3_extra_key": (
+        {"rope_parameters": {**LLAMA3_ROPE, "partial_rotary_factor": 0.5}},
+        "rope_parameters keys ['partial_rotary_factor'] are not implemented by tessera",
+    ),
+    "rope_scaling_yarn": (
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}},
+        "RoPE scaling type 'yarn' (rope_parameters) is not implemented",
     ),
     "old_rope_scaling": ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling type 'linear'"),
     "attention_bias": ({"attention_bias": True}, "attention_bias = True"),
@@ -114,7 +192,15 @@ REFUSED = {
     "sliding_window": ({"sliding_window": 4096}, "sliding-window attention"),
     "moe": ({"num_local_experts": 8}, "mixture-of-experts (num_local_experts = 8)"),
     "head_dim": ({"head_dim": 16}, "head_dim = 16"),
-    "unknown_architecture": ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+    "mistral_sliding_window": (
+        {"model_type": "mistral", "sliding_window": 16},
+        "sliding-window attention (sliding_window = 16, narrower than the context max_position_embeddings = 32)",
+    ),
+    "mistral_window_with_full_layer_types": (  # MistralModel masks every layer with it whatever layer_types says
+        {"model_type": "mistral", "sliding_window": 16, "layer_types": ["full_attention"] * 2},
+        "sliding-window attention (sliding_window = 16",
+    ),
+    "unknown_architecture": ({"model_type": "gemma"}, "model_type 'gemma' is not supported"),
 }
 
 

@@ -62,6 +62,11 @@ def test_every_size_builds_with_formula_param_count(name):
         ("gpt2-124m", 124_439_808),  # GPT-2 small with wpe, tied (nanoGPT: 123.65M + 0.79M positions)
         ("llama-1b", 1_235_814_400),  # Llama 3.2 1B, tied
         ("llama-8b", 8_030_261_248),  # Llama 3 8B, untied
+        (
+            "llama3.1-8b",
+            8_030_261_248,
+        ),  # Llama 3.1 8B: Llama 3 8B's shape, llama3 RoPE scaling has no parameters
+        ("llama3.2-3b", 3_212_749_824),  # Llama 3.2 3B, tied (transformers' LlamaForCausalLM at its config)
         ("gpt3-175b", 174_615_846_912),  # GPT-3 175B shape with V padded to 51200, tied, learned positions
         ("megatron-1t", 1_008_038_758_400),  # Narayanan 2021 Table 1: 1008.0 billion
         # Qwen2 0.5B (tied), 7B, 72B: the counts transformers' Qwen2ForCausalLM has at the released configs

@@ -1,0 +1,83 @@
+"""Llama 3.1's RoPE scaling (``model.rope_scaling``, llama3) at parallel layouts against the single-device run.
+
+The one `Rope` module computes the scaled tables (tessera/model/layers.py); tensor-parallel attention and the
+pipeline stages share it, and the meta-device build recomputes it in `Rope.reset`. Each layout trains the
+steps of test_trainer_tp.py and must match the single-device reference in every step's loss and every full
+gradient, with that file's tolerances. The scaling is chosen so that the tiny head dim (8, wavelengths 6.3, 63,
+628 and 6283 positions) has a kept, an interpolated and two divided frequencies; the reference's attention
+gradients differ from the unscaled model's beyond those tolerances, so a layout that lost the scaling fails.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.conftest import train_recording, trainer_config
+from tests.distributed.test_trainer_tp import GRAD_ATOL, GRAD_RTOL, LOSS_ATOL, LOSS_RTOL, STEPS
+from tests.harness import run_distributed
+
+SCALING = {
+    "type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 8.0,
+    "original_max_position_embeddings": 128,
+}
+
+LAYOUTS = {  # name: (world size, parallel section)
+    "pp2_tp1d_2": (4, {"pipeline": 2, "tensor": 2}),
+    "tp2x2": (4, {"tensor": "2x2"}),
+}
+
+Recorded = tuple[dict[int, float], list[dict[str, torch.Tensor]]]
+
+
+def _config(token_file: Path, run_dir: Path, parallel: dict, scaling: dict | None = SCALING) -> dict:
+    model = {"size": "llama-tiny", "n_heads": 4, "n_kv_heads": 2, "d_model": 32, "ffn_hidden": 64}
+    model |= {"rope_scaling": scaling} if scaling is not None else {}
+    return trainer_config(token_file, run_dir, model, parallel, steps=STEPS, grad_clip=0.5)
+
+
+@pytest.fixture(scope="module")
+def reference(token_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Recorded:
+    run_dir = tmp_path_factory.mktemp("rope_reference") / "ref"
+    return train_recording(0, 1, _config(token_file, run_dir, {"accumulation": "depth_first"}))
+
+
+def test_the_scaling_changes_the_reference(token_file: Path, tmp_path: Path, reference: Recorded) -> None:
+    """Without the scaling, step 0's query and key gradients differ beyond the tolerances the layouts meet."""
+    _, unscaled = train_recording(
+        0, 1, _config(token_file, tmp_path / "unscaled", {"accumulation": "depth_first"}, scaling=None)
+    )
+    _, scaled = reference
+    for name in ("blocks.0.attn.wq.weight", "blocks.1.attn.wk.weight"):
+        assert not torch.allclose(unscaled[0][name], scaled[0][name], rtol=GRAD_RTOL, atol=GRAD_ATOL), name
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_llama3_scaling_matches_reference(
+    token_file: Path, tmp_path: Path, name: str, reference: Recorded
+) -> None:
+    world, parallel = LAYOUTS[name]
+    ref_losses, ref_grads = reference
+    results = run_distributed(
+        train_recording, world, _config(token_file, tmp_path / name, parallel), timeout=300
+    )
+    losses = results[0][0]
+    for step in range(STEPS):
+        torch.testing.assert_close(losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL)
+        merged: dict[str, torch.Tensor] = {}
+        for _, grads in results:  # pipeline ranks hold disjoint stages; tensor ranks gather full gradients
+            merged.update(grads[step])
+        assert merged.keys() == ref_grads[step].keys()
+        for n, g in merged.items():
+            torch.testing.assert_close(
+                g,
+                ref_grads[step][n],
+                rtol=GRAD_RTOL,
+                atol=GRAD_ATOL,
+                msg=lambda m, n=n, step=step: f"{name} {n}, step {step}: {m}",
+            )
