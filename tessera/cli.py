@@ -136,7 +136,14 @@ def _check_data(cfg: Config) -> None:
         data = TokenDataset(path)
         data.verify()
         data.check_vocab(cfg.model.vocab_size)
-        print(f"data ok: {path}: {data.n_tokens:,} tokens, checksum verified, ids < {data.max_token_id + 1}")
+        mask = (
+            ""
+            if data.mask is None
+            else f", loss mask verified ({data.meta['loss_mask']['n_targets']:,} targets)"
+        )
+        print(
+            f"data ok: {path}: {data.n_tokens:,} tokens, checksum verified, ids < {data.max_token_id + 1}{mask}"
+        )
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -155,6 +162,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                 Path(args.out),
                 args.tokenizer,
                 text_key=args.text_key,
+                prompt_key=args.prompt_key,
+                completion_key=args.completion_key,
                 eot_token=args.eot_token,
                 workers=args.workers,
                 strict=args.strict,
@@ -167,6 +176,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         f"wrote {info['n_tokens']:,} tokens to {args.out} ({info['n_documents']:,} documents, vocab "
         f"{info['vocab_size']}; {info['n_skipped']} file(s) skipped, {info['n_bad_records']} bad record(s))"
     )
+    if "loss_mask" in info:
+        mask = info["loss_mask"]
+        print(
+            f"wrote its loss mask to {Path(args.out).with_name(mask['file'])}: {mask['n_targets']:,} target "
+            f"tokens (completions and their end-of-text tokens) of {info['n_tokens']:,}; train on them with "
+            "data.loss_mask = true"
+        )
     return 0
 
 
@@ -505,6 +521,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="token file to write")
     p.add_argument("--tokenizer", default="byte", help='"byte", a tokenizers JSON file, or an HF folder')
     p.add_argument("--text-key", default="text", help="the text field/column of JSON, Parquet and HF inputs")
+    p.add_argument(
+        "--prompt-key",
+        default=None,
+        help="fine-tuning records: the prompt field/column (with --completion-key; replaces --text-key); "
+        "writes a loss mask (FILE.mask) marking the completions as the only targets",
+    )
+    p.add_argument("--completion-key", default=None, help="fine-tuning records: the completion field/column")
     p.add_argument(
         "--eot-token",
         default=None,

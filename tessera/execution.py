@@ -720,6 +720,51 @@ def _document_mask_eot(eots: dict[str, int | None]) -> list[Violation]:
     return []
 
 
+def _loss_mask_file(path: str, meta: dict) -> list[Violation]:
+    """A token file's loss mask, as its metadata describes it: present, one byte per token (its checksum is
+    `validate --data`'s, which reads it whole)."""
+    from tessera.train.data import mask_path
+
+    if meta.get("loss_mask") is None:
+        return []
+    mask, n = mask_path(path), int(meta["n_tokens"])
+    size = mask.stat().st_size if mask.is_file() else None
+    if size == n:
+        return []
+    return [
+        Violation(
+            rule="data.loss_mask",
+            problem=f"{path} records a loss mask, but {mask} "
+            + ("is missing" if size is None else f"has {size} bytes for {n} tokens (one byte each)"),
+            fix="copy the mask with its token file, or re-run `tessera prepare` to rebuild both",
+        )
+    ]
+
+
+def _loss_mask_files(masks: dict[str, dict | None]) -> list[Violation]:
+    """data.loss_mask trains on the targets a mask marks: every file needs one, with at least one target."""
+    missing = [path for path, mask in masks.items() if mask is None]
+    if missing:
+        return [
+            Violation(
+                rule="data.loss_mask",
+                problem=f"data.loss_mask = true, but {', '.join(missing)} has no loss mask",
+                fix="prepare it from prompt/completion records with `tessera prepare --prompt-key KEY "
+                "--completion-key KEY`, or set data.loss_mask = false to train on every token",
+            )
+        ]
+    empty = [path for path, mask in masks.items() if mask is not None and mask["n_targets"] == 0]
+    if empty:
+        return [
+            Violation(
+                rule="data.loss_mask",
+                problem=f"the loss mask of {', '.join(empty)} marks no target token, so no step could train",
+                fix="re-run `tessera prepare --prompt-key KEY --completion-key KEY` to rebuild it",
+            )
+        ]
+    return []
+
+
 def _check_data(cfg: Config) -> list[Violation]:
     """Data against the rest: a validation set for train.eval_every, every token file's vocabulary, dtype and
     tokenizer against the model (and each other), and enough tokens for a window of model.seq_len in every
@@ -740,11 +785,21 @@ def _check_data(cfg: Config) -> list[Violation]:
     if not files:
         # the default corpus: the trainer prepares it; its documents' lengths are its files' sizes. Importing the
         # reader (numpy, 0.1 s) would delay `tessera train --nproc N`, which validates before it starts the ranks
+        if d.loss_mask:
+            v.append(
+                Violation(
+                    rule="data.loss_mask",
+                    problem="data.loss_mask = true, but data.path is unset: the default corpus has no loss mask",
+                    fix="set data.path to a token file prepared with `tessera prepare --prompt-key KEY "
+                    "--completion-key KEY`, or data.loss_mask = false",
+                )
+            )
         return v + _check_default_corpus(cfg)
     from tessera.train.data import read_token_meta  # torch-free; numpy only when files are named
 
     tokenizers: dict[str, str | None] = {}
     eots: dict[str, int | None] = {}
+    masks: dict[str, dict | None] = {}
     readable = True
     for path in files:
         try:
@@ -773,8 +828,14 @@ def _check_data(cfg: Config) -> list[Violation]:
             )
         tokenizers[path] = meta.get("tokenizer")  # None: a file of a version that did not record it
         eots[path] = meta.get("eot")
+        masks[path] = meta.get("loss_mask")
+        broken = _loss_mask_file(path, meta)
+        v.extend(broken)
+        readable = readable and not broken  # the lengths' check would open it and name the mask again
     if d.document_mask:
         v.extend(_document_mask_eot(eots))
+    if d.loss_mask:
+        v.extend(_loss_mask_files(masks))
     if len(set(tokenizers.values())) > 1:
         v.append(
             Violation(

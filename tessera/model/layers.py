@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.model.documents import Documents
+from tessera.model.targets import check_reduction
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
@@ -339,8 +340,10 @@ class TransformerLM(nn.Module):
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
+        reduction: str = "mean",
     ) -> torch.Tensor:
-        """Logits [b, s, V]; or, given targets [b, s], the mean cross-entropy over all tokens (a scalar).
+        """Logits [b, s, V]; or, given targets [b, s], the cross-entropy (a scalar) reduced by ``reduction``
+        (`tessera.model.targets`: the mean over all tokens, or the sum over the targets a loss mask keeps).
 
         With a ``cache`` (decoding), tokens are the positions after the cached ones, which the cache then holds.
         With ``positions`` [b, s] (`tessera.model.documents`), each document of a packed sequence is attended
@@ -368,7 +371,7 @@ class TransformerLM(nn.Module):
                 )
             return x  # [b, s, h]
         logits = self.head(x)  # logits: [b, s, V]
-        return logits if targets is None else self.loss(logits, targets)
+        return logits if targets is None else self.loss(logits, targets, reduction)
 
     @staticmethod
     def documents(positions: torch.Tensor) -> Documents:
@@ -376,8 +379,12 @@ class TransformerLM(nn.Module):
         return Documents(positions)
 
     @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over every position; logits upcast to fp32 so bf16/fp16 runs stay stable."""
+    def loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Mean cross-entropy over every position, or (``reduction="sum"``) its sum over the targets that are not
+        `IGNORE_INDEX` (``F.cross_entropy`` skips those); logits upcast to fp32 so bf16/fp16 runs stay stable."""
+        check_reduction(reduction)
+        if reduction == "sum":  # a masked micro-batch: the trainer divides by the global batch's target count
+            return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
         return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())  # logits: [b·s, V]
 
     # --- initialisation ------------------------------------------------------------------------------------

@@ -149,8 +149,10 @@ class ParallelHead(nn.Module):
         super().__init__()
         self.norm, self.out = norm, out
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        return self.out(self.norm(x), targets)  # loss, or logits [b, s, V]
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
+    ) -> torch.Tensor:
+        return self.out(self.norm(x), targets, reduction)  # loss, or logits [b, s, V]
 
 
 class TensorParallel1D(nn.Module):
@@ -237,11 +239,16 @@ class TensorParallel1D(nn.Module):
         return [("head.out.weight", f"embed.{self.plan.token_embedding}.weight")]
 
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        reduction: str = "mean",
     ) -> torch.Tensor:
-        """Loss over the full micro-batch (or full logits without targets); hidden states in/out for a stage
-        without embed/head ([b, s/t, h] with sequence parallelism). ``positions`` [b, s]: document masking
-        (`tessera.model.documents`), the full micro-batch's on every rank."""
+        """Loss over the full micro-batch (or full logits without targets), reduced by ``reduction``
+        (`tessera.model.targets`); hidden states in/out for a stage without embed/head ([b, s/t, h] with
+        sequence parallelism). ``positions`` [b, s]: document masking (`tessera.model.documents`), the full
+        micro-batch's on every rank."""
         # Only a stage that embeds tokens splits the sequence; later stages get [b, s/t, h] already split.
         if self.sequence_parallel and self.embed is not None and tokens.shape[1] % self.tp:
             raise ValueError(
@@ -264,7 +271,7 @@ class TensorParallel1D(nn.Module):
                     "this model part has no head, so it cannot compute a loss; pass targets=None"
                 )
             return x
-        return self.head(x, targets)
+        return self.head(x, targets, reduction)
 
     documents = staticmethod(TransformerLM.documents)
     """Attention sees the whole sequence on every tensor rank (gathered with SP): the documents of all of it."""

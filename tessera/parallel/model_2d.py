@@ -18,6 +18,7 @@ from tessera.errors import ConfigError
 from tessera.model.documents import Documents
 from tessera.model.layers import Block
 from tessera.model.materialize import ShardSpec
+from tessera.model.targets import check_reduction, kept
 from tessera.parallel.layers_2d import (
     MLP2D,
     Attention2D,
@@ -167,9 +168,14 @@ class Model2D(nn.Module):
     # --- forward ---------------------------------------------------------------------------------------------
 
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        reduction: str = "mean",
     ) -> torch.Tensor:
-        """Full micro-batch tokens/targets [b, s] → mean loss over all b·s tokens (same on every grid rank).
+        """Full micro-batch tokens/targets [b, s] → mean loss over all b·s tokens (same on every grid rank), or
+        with ``reduction="sum"`` the loss summed over the targets that are not `IGNORE_INDEX` (loss masks).
 
         Pipeline parts: without `embed`, ``tokens`` is already the hidden block [b/q, s, h/q]; without `head`,
         the hidden block is returned. ``positions`` [b, s] (the full micro-batch's): document masking
@@ -196,10 +202,15 @@ class Model2D(nn.Module):
         rows = targets.shape[0] // q
         mine = targets[i * rows : (i + 1) * rows]  # mine: [b/q, s]
         tok_loss = vocab_parallel_cross_entropy_2d(logits, mine, self.grid, self.per_rank, self.vocab)
+        check_reduction(reduction)
+        if (
+            reduction == "sum"
+        ):  # an ignored target's loss (finite: its log-sum-exp) times 0, and so its gradient
+            tok_loss = tok_loss * kept(mine)  # tok_loss: [b/q, s]
         total = tok_loss.sum()  # this grid row's share of the batch loss
         if q > 1:
             total = comm.reduce_from_region(total, self.grid.col)  # sum over the q grid rows
-        return total / targets.numel()
+        return total if reduction == "sum" else total / targets.numel()
 
     def documents(self, positions: torch.Tensor) -> Documents:
         """The documents of this rank's batch rows: positions [b, s] of the full micro-batch → grid row i's

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import comm
+from tessera.model.targets import check_reduction, kept
 from tessera.parallel.ring_1d import ring_gathered_linears, ring_row_parallel
 
 __all__ = [
@@ -312,14 +313,17 @@ class SequenceParallelNorm(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy over tokens whose logits are split along the vocabulary, never gathering them.
+    """Cross-entropy over tokens whose logits are split along the vocabulary, never gathering them: the mean over
+    every token, or (``total``) the sum over the targets that are not `IGNORE_INDEX`.
 
     Megatron's trick: all-reduce(MAX) the per-token maximum, then one all-reduce(SUM) of [Σ exp, target logit]
-    (the target logit is nonzero only on the rank holding that word). Backward is local: (softmax − onehot) / N.
+    (the target logit is nonzero only on the rank holding that word). Backward is local: (softmax − onehot) / N,
+    or (softmax − onehot) · kept for the sum (an ignored target lies in no rank's slice, so its one-hot is zero
+    and its row is zeroed by ``kept``, as Megatron's ``loss_mask`` zeroes it).
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, group, vocab_start, vocab_size):
+    def forward(ctx, logits, targets, group, vocab_start, vocab_size, total=False):
         x = logits.float().flatten(0, -2)  # x: [N, Vl]
         rows = x.shape[1]
         valid = max(0, min(rows, vocab_size - vocab_start))  # padding columns past the real vocabulary
@@ -336,19 +340,29 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         e = x.exp_()  # e: [N, Vl]
         stats = torch.stack((e.sum(dim=1), target))  # stats: [2, N]
         comm.all_reduce(stats, group)
-        loss = (stats[0].log() - stats[1]).mean()
         softmax = e.div_(stats[0].unsqueeze(1))  # softmax: [N, Vl]
-        ctx.save_for_backward(softmax, idx, mine)
+        if total:
+            keep = kept(targets.flatten()).to(
+                stats.dtype
+            )  # keep: [N], 0 where the loss mask drops the target
+            loss = ((stats[0].log() - stats[1]) * keep).sum()
+            ctx.save_for_backward(softmax, idx, mine, keep)
+        else:
+            loss = (stats[0].log() - stats[1]).mean()
+            ctx.save_for_backward(softmax, idx, mine)
         ctx.shape, ctx.dtype = logits.shape, logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, g):
-        softmax, idx, mine = ctx.saved_tensors
+        softmax, idx, mine, *keep = ctx.saved_tensors
         grad = softmax.clone()  # grad: [N, Vl]
         grad[torch.arange(grad.shape[0], device=grad.device), idx] -= mine.to(grad.dtype)
-        grad.mul_(g / grad.shape[0])
-        return grad.view(ctx.shape).to(ctx.dtype), None, None, None, None
+        if keep:
+            grad.mul_(keep[0].unsqueeze(1) * g)  # the sum: each kept token's own gradient
+        else:
+            grad.mul_(g / grad.shape[0])
+        return grad.view(ctx.shape).to(ctx.dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -357,15 +371,22 @@ def vocab_parallel_cross_entropy(
     group: dist.ProcessGroup,
     vocab_start: int,
     vocab_size: int,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean cross-entropy of local logits [.., Vl] (vocabulary columns [vocab_start, vocab_start + Vl)) against
-    targets [..] over the full vocabulary of ``vocab_size`` words; the same scalar on every rank of ``group``.
+    """Cross-entropy of local logits [.., Vl] (vocabulary columns [vocab_start, vocab_start + Vl)) against
+    targets [..] over the full vocabulary of ``vocab_size`` words; the same scalar on every rank of ``group``:
+    the mean over every token, or (``reduction="sum"``) the sum over the targets that are not `IGNORE_INDEX`.
 
     Columns at or past ``vocab_size`` (padding) are excluded from the softmax.
     """
+    check_reduction(reduction)
     if comm.group_size(group) == 1 and logits.shape[-1] == vocab_size:
+        if reduction == "sum":
+            return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
         return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
-    return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start, vocab_size)
+    return _VocabParallelCrossEntropy.apply(
+        logits, targets, group, vocab_start, vocab_size, reduction == "sum"
+    )
 
 
 class VocabParallelOutput(nn.Module):
@@ -401,10 +422,14 @@ class VocabParallelOutput(nn.Module):
         mod.weight = nn.Parameter(shard(linear.weight, 0, group, padded))  # [Vl, h]
         return mod
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
+    ) -> torch.Tensor:
         # logits: [b, s, Vl]
         (logits,) = column_parallel(x, (self,), self.group, self.sequence_parallel, self.tp_comm_overlap)
         if targets is not None:
-            return vocab_parallel_cross_entropy(logits, targets, self.group, self.start, self.vocab_size)
+            return vocab_parallel_cross_entropy(
+                logits, targets, self.group, self.start, self.vocab_size, reduction
+            )
         full = comm.gather_from_region(logits, -1, self.group)  # full: [b, s, V_pad]
         return full[..., : self.vocab_size]  # [b, s, V]

@@ -90,6 +90,9 @@ class _StepState:
     sends: list[tuple[torch.Tensor, list[dist.Work]]] = field(default_factory=list)
     sends_checked: int = 0  # sends left pending by the last `drop_completed_sends` sweep
     losses: list[torch.Tensor] = field(default_factory=list)
+    loss_weight: float | None = None
+    """None: each micro-batch's mean loss counts 1/m; else its loss summed over the targets a loss mask keeps
+    counts ``loss_weight`` (the trainer's data-parallel size / the global batch's target count)."""
     saved: SavedStorages = field(default_factory=SavedStorages)  # what each F keeps until its backward
 
     def drop_completed_sends(self) -> None:
@@ -199,16 +202,18 @@ class PipelineEngine:
 
     # --- one step ------------------------------------------------------------------------------------------
 
-    def step(self, batches: Sequence[Batch]) -> float | None:
+    def step(self, batches: Sequence[Batch], loss_weight: float | None = None) -> float | None:
         """Run this rank's actions for one optimizer step over ``m`` micro-batches ``(tokens, targets)``.
 
         Gradients accumulate in the stages' parameters (final and data-parallel reduced on return: the
         StageComm's ``finish`` has run). Returns the mean loss over micro-batches, broadcast to every pipeline
-        rank (None only if this engine has no pipeline group and no last stage).
+        rank (None only if this engine has no pipeline group and no last stage). With ``loss_weight`` (a loss
+        mask) each micro-batch's loss is instead its sum over kept targets times ``loss_weight``, and the return
+        is their sum.
         """
         if len(batches) != self.m:
             raise ValueError(f"the schedule has {self.m} micro-batches but step got {len(batches)} batches")
-        state = _StepState(batches)
+        state = _StepState(batches, loss_weight=loss_weight)
         self.timeline = []
         self.peak_saved_bytes = 0  # most activation bytes held for backward at once on this rank, this step
         t0 = time.perf_counter()
@@ -227,17 +232,18 @@ class PipelineEngine:
         self._check_drained(state)
         return self._mean_loss(state)
 
-    def evaluate(self, batches: Sequence[Batch]) -> float | None:
+    def evaluate(self, batches: Sequence[Batch], loss_weight: float | None = None) -> float | None:
         """The mean loss of ``batches`` from a forward-only pass (validation): this rank's forwards and their
         activation messages (`forward_only`), under no_grad; gradients, optimizer state and the StageComm's
-        reductions are untouched. Returns what `step` would (broadcast over the pipeline group)."""
+        reductions are untouched. Returns what `step` would (broadcast over the pipeline group), ``loss_weight``
+        as there."""
         if len(batches) != self.m:
             raise ValueError(
                 f"the schedule has {self.m} micro-batches but evaluate got {len(batches)} batches"
             )
         actions = forward_only(self.actions)
         post_at = recv_post_positions(actions, self.recv_ahead)
-        state, track = _StepState(batches), self.track_saved
+        state, track = _StepState(batches, loss_weight=loss_weight), self.track_saved
         self.track_saved = False  # saved_activation_bytes describes training steps
         try:
             with torch.no_grad():
@@ -313,7 +319,14 @@ class PipelineEngine:
         """Every stage gets the micro-batch's side inputs from the batch it was given (the targets to the last,
         the document positions, if any, to all): each pipeline rank holds every micro-batch's tokens."""
         side = {} if positions is None else {"positions": positions}
-        if s == self.n_stages - 1:
+        if s == self.n_stages - 1 and state.loss_weight is not None:
+            # a loss mask: the sum over kept targets, weighted so the step's sum over micro-batches and (after
+            # the data-parallel mean) replicas is the sum over the global batch's targets / their count
+            out = self.stages[s](x, targets, reduction="sum", **side) * state.loss_weight
+            state.losses.append(out.detach())
+            if self.loss_scale != 1.0:
+                out = out * self.loss_scale  # fp16: backward runs on the scaled loss
+        elif s == self.n_stages - 1:
             out = self.stages[s](x, targets, **side) / self.m  # mean over micro-batches = mean over the batch
             state.losses.append(out.detach())
             if self.loss_scale != 1.0:

@@ -104,22 +104,28 @@ class Stage(nn.Module):
         """tokens shape [b, s] → shape of this stage's input/output hidden tensor (None if unknown)."""
 
     def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        reduction: str = "mean",
     ) -> torch.Tensor:
         """``positions`` [b, s]: the micro-batch's positions per document (document masking), which every stage
-        is given alongside its input, as the last stage is given the targets."""
+        is given alongside its input, as the last stage is given the targets. ``reduction``: the last stage's
+        loss (`tessera.model.targets`); a loss mask's ignored targets come in ``targets``."""
+        tail = {} if reduction == "mean" else {"reduction": reduction}
         if positions is not None:
-            return self._forward_documents(x, targets, positions)
+            return self._forward_documents(x, targets, positions, tail)
         if self._front is not None:
             x = self._front(x)  # tokens [b, s] -> x: [b, s, h]
         for block in self.blocks.values():
             x = block(x)  # x: [b, s, h]
         if self._tail is None:
             return x
-        return self._tail(x, targets)  # loss (scalar), or logits [b, s, V] when targets is None
+        return self._tail(x, targets, **tail)  # loss (scalar), or logits [b, s, V] when targets is None
 
     def _forward_documents(
-        self, x: torch.Tensor, targets: torch.Tensor | None, positions: torch.Tensor
+        self, x: torch.Tensor, targets: torch.Tensor | None, positions: torch.Tensor, tail: dict[str, str]
     ) -> torch.Tensor:
         if self._documents is None:
             raise ValueError(
@@ -133,7 +139,7 @@ class Stage(nn.Module):
             x = block(x, docs=docs)  # x: [b, s, h]
         if self._tail is None:
             return x
-        return self._tail(x, targets)  # loss (scalar), or logits [b, s, V] when targets is None
+        return self._tail(x, targets, **tail)  # loss (scalar), or logits [b, s, V] when targets is None
 
     def extra_repr(self) -> str:
         blocks = ",".join(self.blocks) or "-"

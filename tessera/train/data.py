@@ -2,7 +2,9 @@
 
 A token file is a flat little-endian array of token ids (uint16 when the vocabulary fits, else uint32) next to
 a JSON metadata file of the same stem (`corpus.bin` + `corpus.json`). Both are written atomically. Every
-document ends with the end-of-text token named in the metadata (`eot`).
+document ends with the end-of-text token named in the metadata (`eot`). Prompt/completion data also has a loss
+mask of the same stem (`corpus.mask`: one uint8 per token, 1 where the token is a target), described by the
+metadata's ``loss_mask`` entry (its sha256 and number of targets).
 
 Sampling is stateless: the window of global sample `i` starts at hash(seed, i) mod (n_tokens - seq_len), and
 step `k` uses global samples [k·B, (k+1)·B) for global batch B (shifted by an offset when a resume changed B).
@@ -30,7 +32,7 @@ import numpy as np
 from tessera.errors import DataError, why_unwritable
 from tessera.files import temp_beside
 from tessera.train.corpus import default_corpus_files, holdout_target, min_tokens
-from tessera.train.ingest import Unit, UnitResult, find_units, tokenize_units
+from tessera.train.ingest import Key, Unit, UnitResult, find_units, tokenize_units
 from tessera.train.tokenizer import load_tokenizer, resolve_eot
 
 __all__ = [
@@ -40,9 +42,11 @@ __all__ = [
     "default_corpus_files",
     "ensure_default_corpus",
     "get_batch",
+    "mask_path",
     "open_data",
     "prepare",
     "read_token_meta",
+    "target_count",
     "window_start",
 ]
 
@@ -125,6 +129,11 @@ def _unwritable(out: Path, e: OSError) -> DataError:
     )
 
 
+def mask_path(path: str | Path) -> Path:
+    """The loss mask file of token file ``path``: the same stem with ``.mask``."""
+    return Path(path).with_suffix(".mask")
+
+
 def prepare(
     inputs: list[Path],
     out: Path,
@@ -132,6 +141,8 @@ def prepare(
     extra_meta: dict[str, Any] | None = None,
     *,
     text_key: str = "text",
+    prompt_key: str | None = None,
+    completion_key: str | None = None,
     eot_token: str | None = None,
     workers: int | None = None,
     strict: bool = False,
@@ -143,6 +154,9 @@ def prepare(
     Documents are concatenated in input order, each followed by the end-of-text token (`resolve_eot`). Skipped
     files and bad records are reported as warnings naming file and line, or, with `strict`, raise at the first.
     The output is identical for any number of `workers` (default: every core). Returns the metadata written.
+
+    With ``prompt_key`` and ``completion_key`` a record's document is its prompt then its completion, and the
+    loss mask `mask_path(out)` marks the completion's tokens and the end-of-text token after them as targets.
     """
     out = Path(out)
     if out.is_dir():
@@ -151,17 +165,25 @@ def prepare(
         )
     if workers is not None and workers < 1:
         raise DataError(f"--workers {workers} must be at least 1; leave it out to use every core")
+    key = _record_key(text_key, prompt_key, completion_key, out)
     tok = load_tokenizer(tokenizer_spec)
     eot = resolve_eot(tok, eot_token)
-    units = find_units(list(inputs), text_key)
+    units = find_units(list(inputs), key)
     dtype = _token_dtype(tok.vocab_size)
-    sha = hashlib.sha256()
-    counts = {"tokens": 0, "skipped": 0, "documents": 0, "bad": 0, "max_id": 0}
+    sha, mask_sha = hashlib.sha256(), hashlib.sha256()
+    counts = {"tokens": 0, "skipped": 0, "documents": 0, "bad": 0, "max_id": 0, "targets": 0}
     sources: set[str] = set()
+    mask_file = _TempBeside(mask_path(out)) if isinstance(key, tuple) else None
 
     def chunks() -> Iterator[bytes]:
-        for unit, result in tokenize_units(units, tok.spec, eot, dtype, text_key, workers, progress):
+        for unit, result in tokenize_units(units, tok.spec, eot, dtype, key, workers, progress):
             _report(unit, result, strict)
+            if (
+                mask_file is not None and result.mask is not None
+            ):  # one mask byte per token, in the same order
+                mask_file.write(result.mask.tobytes())
+                mask_sha.update(result.mask.tobytes())
+                counts["targets"] += int(result.mask.sum())
             counts["skipped"] += result.skipped is not None
             counts["bad"] += len(result.problems)
             counts["documents"] += result.n_docs
@@ -182,7 +204,11 @@ def prepare(
                 "JSONL, JSON, Parquet or HF dataset inputs"
             )
 
-    _atomic_write(out, chunks())
+    if mask_file is None:
+        _atomic_write(out, chunks())
+    else:
+        with mask_file:  # the mask is replaced only once the token file it describes is written
+            _atomic_write(out, chunks())
     meta = {
         "format": FORMAT,
         "dtype": dtype.name,
@@ -198,8 +224,67 @@ def prepare(
         "n_bad_records": counts["bad"],
         **(extra_meta or {}),
     }
+    if isinstance(key, tuple):
+        meta["loss_mask"] = {
+            "file": mask_path(out).name,
+            "sha256": mask_sha.hexdigest(),
+            "n_targets": counts["targets"],
+            "prompt_key": key[0],
+            "completion_key": key[1],
+        }
     _atomic_write(out.with_suffix(".json"), iter([json.dumps(meta, indent=2).encode()]))
+    if mask_file is None:
+        mask_path(out).unlink(missing_ok=True)  # an earlier preparation's mask no longer describes `out`
     return meta
+
+
+def _record_key(text_key: str, prompt_key: str | None, completion_key: str | None, out: Path) -> Key:
+    """What a record's document is: ``text_key``, or the (prompt, completion) pair when both are named."""
+    if prompt_key is None and completion_key is None:
+        return text_key
+    if prompt_key is None or completion_key is None:
+        given, missing = ("--prompt-key", "--completion-key")[:: 1 if prompt_key is not None else -1]
+        raise DataError(
+            f"{given} needs {missing} too: a fine-tuning record is a prompt and a completion (e.g. "
+            "--prompt-key prompt --completion-key completion)"
+        )
+    if prompt_key == completion_key:
+        raise DataError(f"--prompt-key and --completion-key both name {prompt_key!r}; name two fields")
+    if mask_path(out) == out or out.suffix == ".json":
+        raise DataError(
+            f"--out {str(out)!r} would be overwritten by its mask or metadata; name it e.g. train.bin"
+        )
+    return (prompt_key, completion_key)
+
+
+class _TempBeside:
+    """A file written to a temp file next to ``path`` and renamed over it when the ``with`` block succeeds
+    (removed when it fails), so a reader sees the old file or the whole new one."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        _make_folder(path)
+        try:
+            fd, self.tmp = temp_beside(path)
+        except OSError as e:
+            raise _unwritable(path, e) from None
+        self.f = os.fdopen(fd, "wb")
+
+    def write(self, data: bytes) -> None:
+        try:
+            self.f.write(data)
+        except OSError as e:  # disk full, quota, I/O error
+            raise _unwritable(self.path, e) from None
+
+    def __enter__(self) -> _TempBeside:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        self.f.close()
+        if exc_type is None:
+            os.replace(self.tmp, self.path)
+        else:
+            Path(self.tmp).unlink(missing_ok=True)
 
 
 _SHOWN_PER_FILE = 5
@@ -268,6 +353,13 @@ def _check_fields(meta: dict[str, Any]) -> None:
         whole("max_token_id", 0)  # compared with the model's vocabulary by check_vocab, which names the fix
     if meta.get("eot") is not None and whole("eot", 0) >= vocab:
         raise ValueError(f"eot = {meta['eot']} is not below vocab_size = {vocab}")
+    mask = meta.get("loss_mask")
+    if mask is not None:  # prompt/completion data (`prepare` with prompt_key and completion_key)
+        if not isinstance(mask, dict) or not isinstance(mask.get("sha256"), str):
+            raise ValueError(f"loss_mask = {mask!r} is not an object with a sha256")
+        targets = mask.get("n_targets")
+        if not isinstance(targets, int) or isinstance(targets, bool) or not 0 <= targets <= meta["n_tokens"]:
+            raise ValueError(f"loss_mask.n_targets = {targets!r} is not an integer in [0, n_tokens]")
 
 
 class TokenDataset:
@@ -290,16 +382,39 @@ class TokenDataset:
                 "belongs to another preparation; re-run `tessera prepare` to rebuild it"
             )
         self.tokens = np.memmap(self.path, dtype=dtype, mode="r", shape=(self.meta["n_tokens"],))
+        self.mask = self._open_mask() if "loss_mask" in self.meta else None
+        """uint8 [n_tokens], 1 where the token is a target (prompt/completion data); None without a mask."""
+
+    def _open_mask(self) -> np.ndarray:
+        """The loss mask the metadata records, checked to hold one byte per token; DataError otherwise."""
+        path, n = mask_path(self.path), int(self.meta["n_tokens"])
+        if not path.is_file():
+            raise DataError(
+                f"token file {str(self.path)!r} records a loss mask, but {str(path)!r} is missing; copy it "
+                "with the token file, or re-run `tessera prepare` to rebuild both"
+            )
+        size = path.stat().st_size
+        if size != n:
+            raise DataError(
+                f"loss mask {str(path)!r} has {size} bytes but token file {str(self.path)!r} holds {n} tokens "
+                "(one mask byte each): it belongs to another preparation; re-run `tessera prepare` to rebuild both"
+            )
+        return np.memmap(path, dtype=np.uint8, mode="r", shape=(n,))
 
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def has_mask(self) -> bool:
+        return self.mask is not None
 
     def view(self, start: int, end: int) -> TokenDataset:
         """The same file restricted to tokens [start, end): a held-out split samples only inside its part."""
         part = copy.copy(self)
         part.meta = dict(self.meta)  # a part's own facts (max_token_id found by a pass) stay its own
         part.tokens = self.tokens[start:end]
+        part.mask = self.mask[start:end] if self.mask is not None else None
         return part
 
     def holdout_cut(self, fraction: float) -> int | None:
@@ -379,6 +494,30 @@ class TokenDataset:
                 f"token file {str(self.path)!r} does not match the checksum in its metadata: it was "
                 "modified or corrupted after preparation; re-run `tessera prepare` to rebuild it"
             )
+        if self.mask is not None:
+            path = mask_path(self.path)
+            mask = np.memmap(path, dtype=np.uint8, mode="r", shape=(int(self.meta["n_tokens"]),))
+            sha = hashlib.sha256()
+            for i in range(0, len(mask), step):
+                sha.update(np.ascontiguousarray(mask[i : i + step]).tobytes())
+            if sha.hexdigest() != self.meta["loss_mask"]["sha256"]:
+                raise DataError(
+                    f"loss mask {str(path)!r} does not match the checksum in the metadata of "
+                    f"{str(self.path)!r}: it was modified, or belongs to another preparation; re-run "
+                    "`tessera prepare` to rebuild both"
+                )
+
+    def target_mask(self, index: int, seq_len: int, seed: int) -> np.ndarray:
+        """Which of global sample ``index``'s next-token targets (`sample`'s y) are trained on: bool [seq_len],
+        the loss mask's bytes of the target tokens. DataError when the file has no loss mask."""
+        if self.mask is None:
+            raise DataError(
+                f"token file {str(self.path)!r} has no loss mask, but data.loss_mask = true trains only on "
+                "targets a mask marks; prepare it with `tessera prepare --prompt-key KEY --completion-key KEY`, "
+                "or set data.loss_mask = false"
+            )
+        start = window_start(index, seed, self.n_tokens - seq_len)  # as `sample` (which checked the length)
+        return np.asarray(self.mask[start + 1 : start + seq_len + 1]) != 0  # [s]: the targets' bytes
 
     def sample(self, index: int, seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """Inputs x and next-token targets y (int64, [seq_len]) of global sample `index` under `seed`."""
@@ -439,6 +578,14 @@ class Blend:
                 "with the same tokenizer and --eot-token"
             )
         return next(iter(eots.values()))
+
+    @property
+    def has_mask(self) -> bool:
+        return all(s.has_mask for s in self.sources)
+
+    def target_mask(self, index: int, seq_len: int, seed: int) -> np.ndarray:
+        """`TokenDataset.target_mask` of the source sample ``index`` is drawn from."""
+        return self.sources[self.source_of(index, seed)].target_mask(index, seq_len, seed)
 
     def source_of(self, index: int, seed: int) -> int:
         """Which source global sample ``index`` is drawn from: a pure function of (seed, index)."""
@@ -532,10 +679,30 @@ def get_batch(
     seq_len: int,
     seed: int,
     offset: int = 0,
+    loss_mask: bool = False,
 ) -> tuple[Any, Any]:
-    """Inputs and targets, LongTensors [micro_batch, seq_len], of one micro-batch (see `batch_indices`)."""
+    """Inputs and targets, LongTensors [micro_batch, seq_len], of one micro-batch (see `batch_indices`). With
+    ``loss_mask`` every target the data's loss mask leaves out is `IGNORE_INDEX` (`tessera.model.targets`)."""
     import torch
 
     idx = batch_indices(step, global_batch, dp_rank, dp_size, micro, micro_batch, offset)
     xs, ys = zip(*(dataset.sample(i, seq_len, seed) for i in idx), strict=True)
-    return torch.from_numpy(np.stack(xs)), torch.from_numpy(np.stack(ys))  # x, y: [mb, s]
+    x, y = torch.from_numpy(np.stack(xs)), torch.from_numpy(np.stack(ys))  # x, y: [mb, s]
+    if loss_mask:
+        from tessera.model.targets import IGNORE_INDEX
+
+        keep = torch.from_numpy(
+            np.stack([dataset.target_mask(i, seq_len, seed) for i in idx])
+        )  # keep: [mb, s]
+        y = y.masked_fill(~keep, IGNORE_INDEX)
+    return x, y
+
+
+def target_count(
+    dataset: TokenDataset | Blend, step: int, global_batch: int, seq_len: int, seed: int, offset: int = 0
+) -> int:
+    """How many targets the loss mask keeps in the whole global batch of ``step`` (samples [o + k·B, o + (k+1)·B),
+    every micro-batch of every data-parallel rank): the one denominator of a masked step's loss. A pure function
+    of the data, so every rank of every layout computes the same number with no communication."""
+    first = offset + step * global_batch
+    return sum(int(dataset.target_mask(i, seq_len, seed).sum()) for i in range(first, first + global_batch))

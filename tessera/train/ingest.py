@@ -13,6 +13,11 @@ a process pool tokenizes; the results are written in unit order, so the token fi
 of workers. A record without the field, with a non-string value, with invalid UTF-8 or containing the
 end-of-text token is a bad record: it is counted and reported as ``file:line`` (or ``file:row``), or, with
 ``strict``, stops the preparation at the first one.
+
+Prompt/completion records (``key`` a pair of field names, for fine-tuning with a loss mask): a document is the
+prompt's tokens, then the completion's, then the end-of-text token, and its mask marks the completion's tokens
+and the end-of-text token as targets (1), the prompt's as not (0). A record without either field is a bad
+record naming it; a plain text file has no fields and is skipped with a warning.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ import numpy as np
 from tessera.errors import DataError
 from tessera.train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["Unit", "UnitResult", "find_units", "tokenize_units"]
+__all__ = ["Key", "Unit", "UnitResult", "find_units", "tokenize_units"]
+
+Key = str | tuple[str, str]
+"""What a record's document is: one text field, or (prompt field, completion field)."""
 
 # Bytes of whole lines per JSONL unit: small enough to spread one big file over the cores.
 JSONL_CHUNK = 16 * 2**20
@@ -63,6 +71,8 @@ class UnitResult:
     """The tokens of a unit's documents (each followed by the end-of-text token) and what went wrong."""
 
     tokens: np.ndarray
+    mask: np.ndarray | None = None
+    """Prompt/completion records: uint8 [len(tokens)], 1 where the token is a target (completion, end of text)."""
     n_docs: int = 0
     problems: list[str] = field(default_factory=list)
     skipped: str | None = None
@@ -72,7 +82,7 @@ class UnitResult:
 # --- finding the units -------------------------------------------------------------------------------------
 
 
-def find_units(inputs: list[Path], text_key: str) -> list[Unit]:
+def find_units(inputs: list[Path], text_key: Key) -> list[Unit]:
     """Units of work for files, directories (walked in sorted order, hidden entries skipped) and HF folders."""
     units: list[Unit] = []
     for item in map(Path, inputs):
@@ -125,7 +135,7 @@ def _kind(path: Path) -> str:
     return "text"
 
 
-def _file_units(path: Path, text_key: str) -> list[Unit]:
+def _file_units(path: Path, text_key: Key) -> list[Unit]:
     kind = _kind(path)
     if kind == "jsonl":
         return list(_jsonl_units(path))
@@ -209,11 +219,17 @@ def _hf_units(folder: Path) -> list[Unit]:
 
 # --- reading documents -------------------------------------------------------------------------------------
 
-# A reader yields (where, text, problem): the document's location for messages, and its text or what is wrong.
-Doc = tuple[str, str | None, str | None]
+# A reader yields (where, text, problem): the document's location for messages, and its text (a prompt and a
+# completion for a pair of keys) or what is wrong.
+Doc = tuple[str, str | tuple[str, str] | None, str | None]
 
 
-def _read_text(unit: Unit, text_key: str) -> Iterator[Doc]:
+def _read_text(unit: Unit, text_key: Key) -> Iterator[Doc]:
+    if isinstance(text_key, tuple):  # raised before reading: a text file has no prompt to leave untrained
+        raise _Skip(
+            "a plain text file has no prompt and completion fields (--prompt-key/--completion-key read JSONL, "
+            "JSON, Parquet and HF dataset records)"
+        )
     path = Path(unit.path)
     raw = path.read_bytes()
     if b"\0" in raw:
@@ -228,7 +244,9 @@ class _Skip(Exception):
     """A whole text file is not text: skipped with a warning, as before structured formats existed."""
 
 
-def _record_text(record: Any, text_key: str) -> tuple[str | None, str | None]:
+def _record_text(record: Any, text_key: Key) -> tuple[str | tuple[str, str] | None, str | None]:
+    if isinstance(text_key, tuple):
+        return _record_pair(record, text_key)
     if not isinstance(record, dict):
         return None, f"a JSON {type(record).__name__}, not an object with a {text_key!r} field"
     if text_key not in record:
@@ -239,7 +257,21 @@ def _record_text(record: Any, text_key: str) -> tuple[str | None, str | None]:
     return value, None
 
 
-def _read_jsonl_lines(unit: Unit, lines: list[bytes], text_key: str) -> Iterator[Doc]:
+def _record_pair(record: Any, keys: tuple[str, str]) -> tuple[tuple[str, str] | None, str | None]:
+    """(prompt, completion) of a record, or what is wrong, naming the option that chooses the missing field."""
+    if not isinstance(record, dict):
+        return None, f"a JSON {type(record).__name__}, not an object with {keys[0]!r} and {keys[1]!r} fields"
+    texts = []
+    for key, option in zip(keys, ("--prompt-key", "--completion-key"), strict=True):
+        if key not in record:
+            return None, f"missing field {key!r} (fields: {', '.join(sorted(record)[:8])}); see {option}"
+        if not isinstance(record[key], str):
+            return None, f"field {key!r} has type {type(record[key]).__name__}, not a string"
+        texts.append(record[key])
+    return (texts[0], texts[1]), None
+
+
+def _read_jsonl_lines(unit: Unit, lines: list[bytes], text_key: Key) -> Iterator[Doc]:
     for i, raw in enumerate(lines):
         where = f"{unit.path}:{unit.first + i}"
         if not raw.strip():
@@ -257,7 +289,7 @@ def _read_jsonl_lines(unit: Unit, lines: list[bytes], text_key: str) -> Iterator
         yield (where, *_record_text(record, text_key))
 
 
-def _read_jsonl(unit: Unit, text_key: str) -> Iterator[Doc]:
+def _read_jsonl(unit: Unit, text_key: Key) -> Iterator[Doc]:
     if unit.kind == "jsonl.gz":
         try:
             with gzip.open(unit.path, "rb") as f:
@@ -276,7 +308,7 @@ def _read_jsonl(unit: Unit, text_key: str) -> Iterator[Doc]:
 _BOM = b"\xef\xbb\xbf"
 
 
-def _read_json(unit: Unit, text_key: str) -> Iterator[Doc]:
+def _read_json(unit: Unit, text_key: Key) -> Iterator[Doc]:
     try:
         records = json.loads(Path(unit.path).read_bytes().decode("utf-8-sig"))  # a leading BOM ignored
     except (ValueError, UnicodeDecodeError) as e:
@@ -292,31 +324,43 @@ def _read_json(unit: Unit, text_key: str) -> Iterator[Doc]:
         yield (f"{unit.path}:record {i + 1}", *_record_text(record, text_key))
 
 
-def _column(table: Any, unit: Unit, text_key: str) -> Any:
+def _column(table: Any, unit: Unit, text_key: str, option: str = "--text-key") -> Any:
     if text_key not in table.column_names:
         raise DataError(
             f"{unit.path} has no column {text_key!r} (columns: {', '.join(table.column_names)}); pass the "
-            "text column with --text-key"
+            f"{'text' if option == '--text-key' else option[2:].split('-')[0]} column with {option}"
         )
     return table.column(text_key)
 
 
-def _read_rows(unit: Unit, table: Any, text_key: str) -> Iterator[Doc]:
+def _read_rows(unit: Unit, table: Any, text_key: Key) -> Iterator[Doc]:
+    if isinstance(text_key, tuple):
+        prompts = _column(table, unit, text_key[0], "--prompt-key").to_pylist()
+        completions = _column(table, unit, text_key[1], "--completion-key").to_pylist()
+        for i, pair in enumerate(zip(prompts, completions, strict=True)):
+            where = f"{unit.path}:row {unit.first + i}"
+            texts = [_cell_text(value, key) for value, key in zip(pair, text_key, strict=True)]
+            problem = next((p for _, p in texts if p is not None), None)
+            yield where, None if problem else (texts[0][0], texts[1][0]), problem
+        return
     for i, value in enumerate(_column(table, unit, text_key).to_pylist()):
-        where = f"{unit.path}:row {unit.first + i}"
-        if isinstance(value, bytes):
-            try:
-                value = value.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield where, None, f"invalid UTF-8 at byte {e.start}"
-                continue
-        if not isinstance(value, str):
-            yield where, None, f"column {text_key!r} is {type(value).__name__}, not a string"
-            continue
-        yield where, value, None
+        text, problem = _cell_text(value, text_key)
+        yield f"{unit.path}:row {unit.first + i}", text, problem
 
 
-def _read_parquet(unit: Unit, text_key: str) -> Iterator[Doc]:
+def _cell_text(value: Any, column: str) -> tuple[Any, str | None]:
+    """A Parquet or Arrow cell's string (UTF-8 bytes decoded), or what is wrong with it."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return None, f"invalid UTF-8 at byte {e.start}"
+    if not isinstance(value, str):
+        return None, f"column {column!r} is {type(value).__name__}, not a string"
+    return value, None
+
+
+def _read_parquet(unit: Unit, text_key: Key) -> Iterator[Doc]:
     pa = _pyarrow(f"the Parquet file {unit.path!r}")
     try:
         table = pa.parquet.ParquetFile(unit.path).read_row_group(unit.start)
@@ -325,7 +369,7 @@ def _read_parquet(unit: Unit, text_key: str) -> Iterator[Doc]:
     yield from _read_rows(unit, table, text_key)
 
 
-def _read_arrow(unit: Unit, text_key: str) -> Iterator[Doc]:
+def _read_arrow(unit: Unit, text_key: Key) -> Iterator[Doc]:
     pa = _pyarrow(f"the Arrow file {unit.path!r}")
     with pa.memory_map(unit.path) as source:
         try:
@@ -339,7 +383,7 @@ def _read_arrow(unit: Unit, text_key: str) -> Iterator[Doc]:
     yield from _read_rows(unit, table, text_key)
 
 
-_READERS: dict[str, Callable[[Unit, str], Iterator[Doc]]] = {
+_READERS: dict[str, Callable[[Unit, Key], Iterator[Doc]]] = {
     "text": _read_text,
     "jsonl": _read_jsonl,
     "jsonl.gz": _read_jsonl,
@@ -359,7 +403,7 @@ class _Job:
     tokenizer: str
     eot: int
     dtype: str
-    text_key: str
+    text_key: Key
 
 
 _WORKER: tuple[_Job, Tokenizer] | None = None
@@ -379,17 +423,22 @@ def _encode(tok: Tokenizer, text: str) -> np.ndarray:
 def _tokenize_unit(unit: Unit) -> UnitResult:
     assert _WORKER is not None, "worker not initialised"
     job, tok = _WORKER
+    pairs = isinstance(job.text_key, tuple)
     pieces: list[np.ndarray] = []
-    result = UnitResult(tokens=np.zeros(0, dtype=job.dtype))
+    masks: list[np.ndarray] = []
+    result = UnitResult(tokens=np.zeros(0, dtype=job.dtype), mask=np.zeros(0, np.uint8) if pairs else None)
     try:
         for where, text, problem in _READERS[unit.kind](unit, job.text_key):
-            ids = _encode(tok, text) if text is not None else None
-            if ids is not None and (ids == job.eot).any():
+            # a pair's parts are encoded apart, so the prompt/completion boundary is a token boundary
+            parts = [] if text is None else [_encode(tok, t) for t in (text if pairs else (text,))]
+            if any((ids == job.eot).any() for ids in parts):
                 problem = f"contains the end-of-text token {job.eot}, which would split it in two"
             if problem is not None:
                 result.problems.append(f"{where}: {problem}")
                 continue
-            pieces.extend((ids, np.array([job.eot])))
+            pieces.extend((*parts, np.array([job.eot])))
+            if pairs:  # the prompt is context only; the completion and the end-of-text token are targets
+                masks.extend((np.zeros(len(parts[0]), np.uint8), np.ones(len(parts[1]) + 1, np.uint8)))
             result.n_docs += 1
     except _Skip as e:
         result.skipped = str(e)
@@ -397,6 +446,8 @@ def _tokenize_unit(unit: Unit) -> UnitResult:
         result.skipped = f"cannot read it ({e})"
     if pieces:
         result.tokens = np.concatenate(pieces).astype(job.dtype)
+    if masks:
+        result.mask = np.concatenate(masks)
     return result
 
 
@@ -405,7 +456,7 @@ def tokenize_units(
     tokenizer: str,
     eot: int,
     dtype: np.dtype,
-    text_key: str = "text",
+    text_key: Key = "text",
     workers: int | None = None,
     progress: bool = False,
 ) -> Iterator[tuple[Unit, UnitResult]]:

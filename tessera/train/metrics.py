@@ -338,6 +338,8 @@ def format_metrics(m: Mapping[str, Any]) -> str:
     parts = []
     if m.get("skipped_samples"):  # a step train.skip_steps names: no loss, throughput or memory to show
         return f"skipped ({m['skipped_samples']} samples passed over: train.skip_steps)"
+    if m.get("target_tokens") == 0:  # data.loss_mask and an all-prompt global batch: skipped
+        return "skipped (no target token in the global batch: data.loss_mask)"
     if m.get("loss") is not None:
         parts.append(f"loss {m['loss']:.4f}")
     if m.get("val_loss") is not None:

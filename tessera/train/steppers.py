@@ -58,12 +58,15 @@ class Stepper(Protocol):
     saved_bytes: int
     """Most activation bytes this rank held for backward during the last ``run``."""
 
-    def run(self, batches: list[Batch]) -> float:
-        """Accumulate the step's gradients (synchronised on return); this replica's mean loss."""
+    def run(self, batches: list[Batch], loss_weight: float | None = None) -> float:
+        """Accumulate the step's gradients (synchronised on return); this replica's mean loss. With
+        ``loss_weight`` (a loss mask: the data-parallel size / the global batch's target count) each
+        micro-batch's loss is its sum over the targets the mask keeps times ``loss_weight`` instead of its mean
+        / the number of micro-batches, and the return is their sum."""
         ...
 
-    def evaluate(self, batches: list[Batch]) -> float:
-        """This replica's mean loss, forward only (validation)."""
+    def evaluate(self, batches: list[Batch], loss_weight: float | None = None) -> float:
+        """This replica's mean loss, forward only (validation); ``loss_weight`` as in ``run``."""
         ...
 
     def clip(self, max_norm: float) -> float:
@@ -134,15 +137,15 @@ class DirectStepper:
         self.shard_id = _shard_id(layout, groups, 0)
         self.saved_bytes = 0
 
-    def run(self, batches: list[Batch]) -> float:
-        """Accumulate every micro-batch's gradient; returns this replica's mean loss."""
+    def run(self, batches: list[Batch], loss_weight: float | None = None) -> float:
+        """Accumulate every micro-batch's gradient; returns this replica's mean loss (`Stepper.run`)."""
         losses, m = [], len(batches)
         self.saved_bytes = 0  # the largest micro-batch's bytes saved for backward on this rank
         for i, batch in enumerate(batches):
             if i == m - 1:
                 self.sync.arm()
             with autocast(self.dtype, batch[0].device), SavedActivationCounter(self.module) as saved:
-                loss = self._loss(batch) / m
+                loss = self._weighted_loss(batch, m, loss_weight)
             self.saved_bytes = max(self.saved_bytes, saved.bytes)
             (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
             losses.append(loss.detach().float())
@@ -155,18 +158,32 @@ class DirectStepper:
         return float(torch.stack(losses).sum())  # one host sync per step, not one per micro-batch
 
     @torch.no_grad()
-    def evaluate(self, batches: list[Batch]) -> float:
-        """This replica's mean loss over the micro-batches, forward only (validation)."""
+    def evaluate(self, batches: list[Batch], loss_weight: float | None = None) -> float:
+        """This replica's mean loss over the micro-batches, forward only (validation; `Stepper.evaluate`)."""
         losses = []
         for batch in batches:
             with autocast(self.dtype, batch[0].device):
-                losses.append(self._loss(batch).detach().float() / len(batches))
+                if loss_weight is None:
+                    losses.append(self._loss(batch).detach().float() / len(batches))
+                else:
+                    losses.append(self._weighted_loss(batch, len(batches), loss_weight).detach().float())
         return float(torch.stack(losses).sum())
 
-    def _loss(self, batch: Batch) -> torch.Tensor:
-        """The module's mean loss on one micro-batch, given its document positions when it has them."""
+    def _weighted_loss(self, batch: Batch, m: int, loss_weight: float | None) -> torch.Tensor:
+        """One micro-batch's share of the step's loss: its mean / m, or with a loss mask its sum over the kept
+        targets times ``loss_weight`` (the trainer's count of the global batch's targets is in it)."""
+        if loss_weight is None:
+            return self._loss(batch) / m
+        return self._loss(batch, "sum") * loss_weight
+
+    def _loss(self, batch: Batch, reduction: str = "mean") -> torch.Tensor:
+        """The module's loss on one micro-batch (`tessera.model.targets`'s ``reduction``), given its document
+        positions when it has them."""
         x, y, positions = batch_parts(batch)
-        return self.module(x, y) if positions is None else self.module(x, y, positions=positions)
+        side = {} if reduction == "mean" else {"reduction": reduction}
+        if positions is not None:
+            side["positions"] = positions
+        return self.module(x, y, **side)
 
     def clip(self, max_norm: float) -> float:
         """Clip to max_norm by the global norm; tensor-parallel modules count every shard once."""
@@ -250,12 +267,12 @@ class ScheduledStepper:
         self.overflow_groups = [g for g in [dp_group, *self.norm_groups] if g is not None]
         self.skip_step = False
 
-    def run(self, batches: list[Batch]) -> float:
-        """Execute this rank's lowered schedule for one step; returns this replica's mean loss."""
+    def run(self, batches: list[Batch], loss_weight: float | None = None) -> float:
+        """Execute this rank's lowered schedule for one step; returns this replica's mean loss (`Stepper.run`)."""
         if self.scaler is not None:
             self.engine.loss_scale = self.scaler.scale
         with autocast(self.dtype, batches[0][0].device):
-            loss = self.engine.step(batches)
+            loss = self.engine.step(batches, loss_weight)
         self.saved_bytes = self.engine.peak_saved_bytes
         if self.scaler is not None:
             ok = self.scaler.unscale_and_check(self._grads(), self.overflow_groups)
@@ -263,10 +280,11 @@ class ScheduledStepper:
             self.skip_step = not ok  # an overflow anywhere skips the update on every rank
         return float(loss)
 
-    def evaluate(self, batches: list[Batch]) -> float:
-        """This replica's mean loss over the micro-batches from a forward-only pass of the schedule."""
+    def evaluate(self, batches: list[Batch], loss_weight: float | None = None) -> float:
+        """This replica's mean loss over the micro-batches from a forward-only pass of the schedule
+        (`Stepper.evaluate`)."""
         with autocast(self.dtype, batches[0][0].device):
-            return float(self.engine.evaluate(batches))
+            return float(self.engine.evaluate(batches, loss_weight))
 
     def _release_remote_stages(self, module: nn.Module) -> None:
         """Empty the parameters of stages other pipeline ranks own (never allocated when built on meta)."""

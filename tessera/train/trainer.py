@@ -26,7 +26,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from tessera import comm
 from tessera.config import Config
-from tessera.errors import CheckpointError, ConfigError
+from tessera.errors import CheckpointError, ConfigError, DataError
 from tessera.execution import DIRECT, resolve
 from tessera.groups import Groups, build_groups
 from tessera.layout import Axis
@@ -40,7 +40,14 @@ from tessera.train import checkpoint as ckpt
 from tessera.train.async_save import AsyncSaves
 from tessera.train.checkpoint_files import RANK_LOCAL_FORMAT, set_aside_later
 from tessera.train.compat import check_compatible, run_settings
-from tessera.train.data import Blend, TokenDataset, ensure_default_corpus, get_batch, open_data
+from tessera.train.data import (
+    Blend,
+    TokenDataset,
+    ensure_default_corpus,
+    get_batch,
+    open_data,
+    target_count,
+)
 from tessera.train.health import StepHealth, check_state_finite
 from tessera.train.launch import STORE_FD, torchrun_attempt_store
 from tessera.train.metrics import MetricsLogger, Progress, memory_bytes, peak_flops_for
@@ -183,6 +190,9 @@ class TrainingRun:
                 data.check_vocab(cfg.model.vocab_size)
                 if cfg.data.document_mask:
                     data.eot  # noqa: B018 (raises DataError now, before any step, if documents cannot be found)
+                for part in data.sources if isinstance(data, Blend) else [data]:
+                    if cfg.data.loss_mask and not part.has_mask:  # the DataError naming the file and the fix
+                        part.target_mask(0, cfg.model.seq_len, 0)
         self.run_dir = Path(cfg.log.run_dir)
         self.ckpt_dir = checkpoint_dir(self.run_dir, cfg)
         # the one place resuming is decided: the checkpoint `resume` loads is chosen (verified, its settings
@@ -281,6 +291,7 @@ class TrainingRun:
         offset = self.sample_offset if data is None else 0
         data = data if data is not None else self.data
         eot = data.eot if cfg.data.document_mask else None
+        masked = cfg.data.loss_mask
         out: list[Batch] = []
         for micro in range(self.n_micro):
             x, y = get_batch(
@@ -294,16 +305,44 @@ class TrainingRun:
                 cfg.model.seq_len,
                 seed,
                 offset,
+                loss_mask=masked,
             )
             x, y = x.to(self.device), y.to(self.device)
             out.append((x, y) if eot is None else (x, y, document_positions(x, eot)))
         return out
 
-    def step(self, step: int, hook: StepHook | None) -> tuple[float, float]:
-        """One optimizer step: accumulate micro-batches, synchronise, clip, update; returns (loss, grad norm)."""
+    def target_tokens(self, step: int, data: TokenDataset | Blend | None = None) -> int | None:
+        """With data.loss_mask: how many targets the mask keeps in the whole global batch ``step`` of ``data``
+        (default: the training data), every rank's every micro-batch, read from the data on each rank alike
+        (`target_count`); None without a loss mask (and in the dry run, which has no data)."""
+        cfg = self.cfg
+        if not cfg.data.loss_mask or (data is None and self.data is None):
+            return None
+        seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
+        offset = self.sample_offset if data is None else 0
+        data = data if data is not None else self.data
+        return target_count(data, step, cfg.train.global_batch, cfg.model.seq_len, seed, offset)
+
+    def loss_weight(self, targets: int | None) -> float | None:
+        """What a masked micro-batch's summed loss is multiplied by: dp / the global batch's target count, so the
+        sum over micro-batches, averaged over the data-parallel replicas (as gradients are), is the global
+        batch's loss per target. None (each micro-batch's mean / m, as ever) without a loss mask."""
+        if targets is None:
+            return None
+        if targets == 0:
+            raise DataError(
+                "a global batch holds no target tokens (every sample is prompt only), so its loss per target is "
+                "undefined; the trainer skips such steps (see docs/data.md, Fine-tuning: loss masks)"
+            )
+        return self.layout.dp / targets
+
+    def step(self, step: int, hook: StepHook | None, targets: int | None = None) -> tuple[float, float]:
+        """One optimizer step: accumulate micro-batches, synchronise, clip, update; returns (loss, grad norm).
+        ``targets``: `target_tokens` of the step when the caller has it (counted here otherwise)."""
         tr = self.cfg.train
         self._require_loaded()
-        total = torch.tensor(self.stepper.run(self.batches(step)), device=self.device)
+        weight = self.loss_weight(targets if targets is not None else self.target_tokens(step))
+        total = torch.tensor(self.stepper.run(self.batches(step), weight), device=self.device)
         comm.all_reduce(total, self.dp_group)
         if hook is not None:
             hook(step, self.model)
@@ -324,12 +363,32 @@ class TrainingRun:
             raise ConfigError("train.eval_every needs data.valid_path or data.valid_fraction")
         total = 0.0
         devices = [self.device] if self.device.type == "cuda" else []
+        n = self.cfg.train.eval_batches
+        # a loss mask: every batch's targets summed, over all of them counted once (token-weighted, as a step)
+        targets = self._eval_targets()
+        weight = self.loss_weight(targets)
         with torch.random.fork_rng(devices=devices):
-            for k in range(self.cfg.train.eval_batches):
-                loss = torch.tensor(self.stepper.evaluate(self.batches(k, self.valid)), device=self.device)
+            for k in range(n):
+                value = self.stepper.evaluate(self.batches(k, self.valid), weight)
+                loss = torch.tensor(value, device=self.device)
                 comm.all_reduce(loss, self.dp_group)
                 total += loss.item() / self.layout.dp
-        return total / self.cfg.train.eval_batches
+        return total if weight is not None else total / n
+
+    def _eval_targets(self) -> int | None:
+        """The targets a loss mask keeps in all the evaluated batches; None without a mask. DataError if none."""
+        if not self.cfg.data.loss_mask:
+            return None
+        assert self.valid is not None
+        n = self.cfg.train.eval_batches
+        targets = sum(self.target_tokens(k, self.valid) or 0 for k in range(n))
+        if targets == 0:
+            raise DataError(
+                f"the validation data's first train.eval_batches = {n} global batches hold no target tokens "
+                "(every sample is prompt only), so a validation loss per target is undefined; evaluate on "
+                "more batches (train.eval_batches) or other validation data"
+            )
+        return targets
 
     def save(self, step: int) -> None:
         with self.watchdog.paused():  # a save may take longer than the hang timeout
@@ -599,16 +658,21 @@ def _loop(
                     "lr": lr_at(step, cfg.train),
                     "skipped_samples": cfg.train.global_batch,
                 }
+            elif (targets := run.target_tokens(step)) == 0:  # a loss mask and an all-prompt global batch
+                metrics = _no_target_step(run, step)
             else:
-                loss, norm = run.step(step, hook)
+                loss, norm = run.step(step, hook, targets)
                 result.losses[step] = loss
                 metrics = _metrics(run, step, loss, norm, time.perf_counter() - t0)
+                if targets is not None:
+                    metrics["target_tokens"] = targets
             run.watchdog.progress(step)
             every = cfg.train.eval_every
             if every and ((step + 1) % every == 0 or step + 1 == cfg.train.steps):
                 metrics["val_loss"] = result.val_losses[step] = run.evaluate()
                 metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 700.0))  # exp overflows past ~709
-            shown = "val_loss" in metrics or "skipped_samples" in metrics  # every skipped step has its record
+            # every skipped step has its record
+            shown = "val_loss" in metrics or "skipped_samples" in metrics or metrics.get("target_tokens") == 0
             if step % cfg.log.every == 0 or step == cfg.train.steps - 1 or shown:
                 logger.log(metrics)
             progress.update(step + 1, metrics)
@@ -645,6 +709,18 @@ def _announce_skips(run: TrainingRun, start: int) -> None:
         f"NOTE: train.skip_steps: {what} not trained on: {'its' if one else 'their'} samples {samples} are passed "
         "over with no update, and the learning rate schedule moves on as if they had run\n"
     )
+
+
+def _no_target_step(run: TrainingRun, step: int) -> dict[str, float]:
+    """A step whose global batch has no target (data.loss_mask, every sample all prompt): its loss per target is
+    0/0, so it is skipped as train.skip_steps skips (no forward, backward or update; the schedule moves on), as
+    every rank decides alike from the data. Said on stderr; the record has ``target_tokens`` 0 and no loss."""
+    if run.rank == 0:
+        sys.stderr.write(
+            f"NOTE: data.loss_mask: step {step}'s global batch holds no target token (every sample is prompt "
+            "only): skipped with no update\n"
+        )
+    return {"step": step, "lr": lr_at(step, run.cfg.train), "target_tokens": 0}
 
 
 def _metrics(run: TrainingRun, step: int, loss: float, norm: float, dt: float) -> dict[str, float]:

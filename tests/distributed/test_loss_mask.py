@@ -1,0 +1,217 @@
+"""data.loss_mask on every layout that computes the loss its own way, against the single-device run with the mask.
+
+The data is prompt/completion records of varied lengths (byte tokens): every window holds prompts (not targets)
+and completions (targets) in changing proportions, so micro-batches, data-parallel ranks and 2D grid rows hold
+different numbers of targets. Each layout trains 2 steps through `train` and must give the reference's loss
+every step and every gradient every step, which holds only if each layout divides the summed loss by the target
+count of the whole global batch (a per-micro-batch or per-rank mean gives another gradient). The layouts: data
+parallel with 2 micro-batches per rank, 1D tensor with sequence parallelism (the vocabulary-parallel loss), the
+pipeline (1F1B; breadth-first), ZeRO-3 and 2D 2×2 (its vocabulary-parallel loss over grid rows), one with
+document masking too. ZeRO-3's gradients live in shards: through `train` it is compared by loss and the clipped
+global norm, and its gathered gradients in a direct run of the schedule runtime below. A resumed masked run
+continues as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.model.build import build_model
+from tessera.model.sizes import SIZES
+from tessera.model.targets import IGNORE_INDEX
+from tessera.train.data import prepare
+from tessera.train.metrics import read_metrics
+from tests.distributed.conftest import interrupted_then_resumed, train_losses, trainer_config
+from tests.distributed.test_document_mask import (
+    GPT,
+    GRAD_ATOL,
+    GRAD_RTOL,
+    LLAMA,
+    LOSS_ATOL,
+    LOSS_RTOL,
+    MICRO,
+    SEQ,
+    STEPS,
+    M,
+    _train_all,
+    _zero_model_cfg,
+)
+from tests.distributed.test_trainer_tp import _assert_same_grad_norms
+from tests.harness import run_distributed
+
+LAYOUTS = {  # name: (world size, model, parallel section, document masking too)
+    "dp2_m2": (2, LLAMA, {"data": 2}, False),  # 8 sequences = 2 ranks × 2 micro-batches × 2
+    "gpt_tp2_sp": (2, GPT, {"tensor": 2, "sequence_parallel": True}, False),
+    "pp2_1f1b_docs": (2, LLAMA, {"pipeline": 2, "schedule": "1f1b"}, True),
+    "gpt_pp2_bf": (2, GPT, {"pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 1}, False),
+    "dp2_z3": (2, LLAMA, {"data": 2, "zero": 3}, False),
+    "tp2x2": (4, LLAMA, {"tensor": "2x2"}, False),
+}
+
+
+@pytest.fixture(scope="module")
+def masked_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Byte tokens of 1500 prompt/completion records with their loss mask."""
+    root = tmp_path_factory.mktemp("sft")
+    rng = random.Random(11)
+    words = ["".join(rng.choices("etaoinshrdlu", k=rng.randint(1, 6))) for _ in range(60)]
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choices(words, k=rng.randint(lo, hi)))
+
+    lines = [json.dumps({"q": text(1, 9), "a": text(0, 5)}) for _ in range(1500)]
+    (root / "sft.jsonl").write_text("\n".join(lines) + "\n")
+    prepare([root / "sft.jsonl"], root / "sft.bin", "byte", prompt_key="q", completion_key="a")
+    return root / "sft.bin"
+
+
+def _config(
+    token_file: Path, run_dir: Path, model: dict, parallel: dict, docs: bool = False, **train
+) -> dict:
+    raw = trainer_config(token_file, run_dir, model, parallel, **{"steps": STEPS, "grad_clip": 0.5, **train})
+    raw["data"].update(loss_mask=True, document_mask=docs)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def references(masked_file: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The single-device runs (depth-first: one micro-batch at a time, the plain loss): Llama and GPT with the
+    loss mask, Llama with document masking too, and Llama without the loss mask (it must differ)."""
+    root, one = tmp_path_factory.mktemp("refs"), {"accumulation": "depth_first"}
+    configs = {
+        "llama": _config(masked_file, root / "ref_llama", LLAMA, one),
+        "gpt": _config(masked_file, root / "ref_gpt", GPT, one),
+        "llama_docs": _config(masked_file, root / "ref_llama_docs", LLAMA, one, docs=True),
+        "llama_unmasked": _config(masked_file, root / "ref_off", LLAMA, one),
+    }
+    configs["llama_unmasked"]["data"]["loss_mask"] = False
+    return root, dict(zip(configs, _train_all(0, 1, list(configs.values())), strict=True))
+
+
+def _reference_of(name: str) -> str:
+    _, model, _, docs = LAYOUTS[name]
+    return ("gpt" if model is GPT else "llama") + ("_docs" if docs else "")
+
+
+def _run_world(rank: int, world: int, configs: list[dict]) -> tuple[list, tuple | None]:
+    """One spawn per world size: the trainer runs, then (world 2) the ZeRO-3 gradient check's step."""
+    return _train_all(rank, world, configs), _zero3_gradients(rank, world) if world == 2 else None
+
+
+@pytest.mark.parametrize("world", sorted({w for w, _, _, _ in LAYOUTS.values()}))
+def test_loss_mask_matches_single_device(
+    masked_file: Path, references: tuple[Path, dict], tmp_path: Path, world: int
+) -> None:
+    references_dir, refs = references
+    # the mask changes the computation: otherwise matching the reference would prove nothing about it
+    masked, unmasked = refs["llama"][1][0], refs["llama_unmasked"][1][0]
+    assert any(not torch.allclose(g, unmasked[n], rtol=GRAD_RTOL, atol=GRAD_ATOL) for n, g in masked.items())
+    metrics = read_metrics(references_dir / "ref_llama")
+    assert all(0 < m["target_tokens"] < 8 * SIZES["llama-tiny"]["seq_len"] for m in metrics)  # some left out
+    names = [n for n, (w, _, _, _) in LAYOUTS.items() if w == world]
+    configs = [_config(masked_file, tmp_path / n, LAYOUTS[n][1], LAYOUTS[n][2], LAYOUTS[n][3]) for n in names]
+    spawned = run_distributed(_run_world, world, configs, timeout=600)
+    results = [trained for trained, _ in spawned]
+    if world == 2:
+        _check_zero3_gradients(*spawned[0][1])
+    for i, name in enumerate(names):
+        family = _reference_of(name)
+        ref_losses, ref_grads = refs[family]
+        losses = results[0][i][0]
+        for step in range(STEPS):
+            torch.testing.assert_close(
+                losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL, msg=name
+            )
+        got = [m["target_tokens"] for m in read_metrics(tmp_path / name)]
+        assert got == [m["target_tokens"] for m in read_metrics(references_dir / f"ref_{family}")], name
+        if LAYOUTS[name][2].get("zero"):
+            _assert_same_grad_norms(tmp_path / name, references_dir / f"ref_{family}")
+            continue  # reduced gradients live in ZeRO shards: _check_zero3_gradients
+        for step in range(STEPS):
+            merged: dict[str, torch.Tensor] = {}
+            for rank_result in results:  # pipeline ranks hold disjoint stages; other ranks equal copies
+                merged.update(rank_result[i][1][step])
+            assert merged.keys() == ref_grads[step].keys(), name
+            for n, g in merged.items():
+                torch.testing.assert_close(
+                    g, ref_grads[step][n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=f"{name} {n} step {step}"
+                )
+
+
+# --- ZeRO-3's gradients, gathered from its shards --------------------------------------------------------------
+
+
+def _masked_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random tokens whose targets are ignored in runs of changing length: micro-batches of different counts."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for k in range(n):
+        x = torch.randint(0, 32, (MICRO, SEQ), generator=g)
+        y = torch.randint(0, 32, (MICRO, SEQ), generator=g)
+        ignored = torch.rand(MICRO, SEQ, generator=g) < 0.2 + 0.15 * k  # 20% .. 65% left out
+        out.append((x, y.masked_fill(ignored, IGNORE_INDEX)))
+    return out
+
+
+def _targets(batches: list) -> int:
+    return sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
+
+
+def _zero3_gradients(rank: int, world: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """One layered ZeRO-3 step over dp2 through the schedule runtime, each micro-batch's summed loss weighted by
+    dp / the global batch's target count; the loss and the gathered gradients."""
+    from tessera import comm
+    from tessera.pipeline.passes import lower
+    from tessera.pipeline.runtime import PipelineEngine
+    from tessera.pipeline.schedules import breadth_first
+    from tessera.pipeline.stage import split_stages
+    from tessera.pipeline.stage_comm import ZeroStageComm
+    from tests.distributed.test_zero import _full_grads
+
+    cfg = _zero_model_cfg()
+    model = build_model(cfg, seed=0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    stages = split_stages(model, cfg.n_layers)
+    zero = ZeroStageComm(stages, None, 3, "layered")
+    lowered = lower(breadth_first(1, M, len(stages)), 1, zero3=True)
+    engine = PipelineEngine(dict(enumerate(stages)), lowered, 0, None, zero, microbatches=M)
+    batches = _masked_batches(world * M)
+    loss = torch.tensor(engine.step(batches[rank * M : (rank + 1) * M], world / _targets(batches)))
+    comm.all_reduce(loss, None)
+    return loss.item() / world, {names[pid]: g for pid, g in _full_grads(zero).items()}
+
+
+def _check_zero3_gradients(loss: float, grads: dict[str, torch.Tensor]) -> None:
+    """ZeRO-3's loss and gathered gradients against one process: the whole batch's summed loss / its targets."""
+    model = build_model(_zero_model_cfg(), seed=0)
+    batches = _masked_batches(2 * M)
+    counts = {int((y != IGNORE_INDEX).sum()) for _, y in batches}
+    assert len(counts) > 1  # micro-batches of different target counts: a per-micro-batch mean would differ
+    ref = sum(model(x, y, reduction="sum") for x, y in batches) / _targets(batches)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.item(), rtol=LOSS_RTOL, atol=LOSS_ATOL)
+    assert grads.keys() == {n for n, _ in model.named_parameters()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=n)
+
+
+# --- resuming --------------------------------------------------------------------------------------------------
+
+
+def test_masked_run_resumes_as_it_would_have_continued(masked_file: Path, tmp_path: Path) -> None:
+    """A masked run checkpointed every step and crashed at step 2 resumes with the uninterrupted run's losses and
+    target counts (the mask, like the samples, is a pure function of the data and the step)."""
+    whole = _config(masked_file, tmp_path / "whole", GPT, {}, steps=3)
+    resumed = _config(masked_file, tmp_path / "resumed", GPT, {}, steps=3)
+    for raw in (whole, resumed):
+        raw["checkpoint"] = {"every": 1, "resume": True}
+    expected = train_losses(0, 1, whole)
+    got = interrupted_then_resumed(0, 1, resumed, 2)
+    assert sorted(got) == [2] and got[2] == expected[2]
+    counts = {m["step"]: m["target_tokens"] for m in read_metrics(tmp_path / "resumed")}
+    assert counts == {m["step"]: m["target_tokens"] for m in read_metrics(tmp_path / "whole")}
