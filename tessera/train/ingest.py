@@ -324,19 +324,19 @@ def _read_json(unit: Unit, text_key: Key) -> Iterator[Doc]:
         yield (f"{unit.path}:record {i + 1}", *_record_text(record, text_key))
 
 
-def _column(table: Any, unit: Unit, text_key: str, option: str = "--text-key") -> Any:
+def _column(table: Any, unit: Unit, text_key: str, what: str = "text", option: str = "--text-key") -> Any:
     if text_key not in table.column_names:
         raise DataError(
             f"{unit.path} has no column {text_key!r} (columns: {', '.join(table.column_names)}); pass the "
-            f"{'text' if option == '--text-key' else option[2:].split('-')[0]} column with {option}"
+            f"{what} column with {option}"
         )
     return table.column(text_key)
 
 
 def _read_rows(unit: Unit, table: Any, text_key: Key) -> Iterator[Doc]:
     if isinstance(text_key, tuple):
-        prompts = _column(table, unit, text_key[0], "--prompt-key").to_pylist()
-        completions = _column(table, unit, text_key[1], "--completion-key").to_pylist()
+        prompts = _column(table, unit, text_key[0], "prompt", "--prompt-key").to_pylist()
+        completions = _column(table, unit, text_key[1], "completion", "--completion-key").to_pylist()
         for i, pair in enumerate(zip(prompts, completions, strict=True)):
             where = f"{unit.path}:row {unit.first + i}"
             texts = [_cell_text(value, key) for value, key in zip(pair, text_key, strict=True)]
