@@ -2,9 +2,10 @@
 
 Draws random-weight `transformers` models (GPT-2 tied/untied; Llama with grouped-query attention, explicit
 ``head_dim``, tied/untied, some with Llama 3.1's llama3 RoPE scaling; Mistral with or without a sliding window;
-Qwen2 with drawn q/k/v biases) of odd vocabularies and head counts, saved with
-``save_pretrained`` (nothing downloaded), and layouts within 4 ranks (dp, 1D tensor 2/4 with or without sequence
-parallelism, 2D 2x2, pipeline 2 with even or uneven ``stage_layers``, ZeRO 1-3 and their combinations). Each config
+Qwen2 with drawn q/k/v biases; Qwen3 with drawn per-head q/k norm weights) of odd vocabularies and head counts,
+saved with ``save_pretrained`` (nothing downloaded), and layouts within 4 ranks (dp, 1D tensor 2/4 with or
+without sequence parallelism, 2D 2x2, pipeline 2 with even or uneven ``stage_layers``, ZeRO 1-3 and their
+combinations). Each config
 is judged by `tessera.execution.violations` (after the config load, which refuses HF configs tessera cannot
 represent); properties:
 
@@ -53,7 +54,7 @@ GRAD_RTOL = 1e-5
 
 def hf_case(rng: random.Random) -> dict[str, Any]:
     """Keyword arguments of a tiny transformers config (``kind`` says which class)."""
-    kind = rng.choice(["gpt2", "llama", "llama", "mistral", "qwen2"])
+    kind = rng.choice(["gpt2", "llama", "llama", "mistral", "qwen2", "qwen3"])
     vocab = rng.choice([257, 259, 300, 512, 1000, 1031, 4099, 50257])
     heads = rng.choice([1, 2, 3, 4, 6, 8])
     head_dim = rng.choice([4, 6, 8, 16])
@@ -93,10 +94,11 @@ def hf_case(rng: random.Random) -> dict[str, Any]:
     if kind == "mistral":  # MistralConfig's default 4096 is wider than the context; 8 is narrower (refused)
         out["sliding_window"] = rng.choice([None, 4096, 8])
     r = rng.random()
-    if r < 0.25:
+    if r < 0.25 or (kind == "qwen3" and r >= 0.32 and r < 0.9):
         out["head_dim"] = hidden // heads  # explicit, as transformers 5 writes it
     elif r < 0.32:
         out["head_dim"] = rng.choice([8, 16])  # may differ from hidden / heads: refused
+    # else Qwen3: Qwen3Config's default head_dim 128, never hidden / heads here: refused
     return out
 
 
@@ -135,6 +137,7 @@ CONFIG_CLASSES = {
     "llama": "LlamaConfig",
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
 }
 
 
@@ -243,6 +246,8 @@ def make_folder(folder: Path, hf: dict[str, Any]) -> None:
         for name, p in model.named_parameters():
             if name.endswith(".bias") and hf["kind"] == "qwen2":
                 p.normal_(0.0, 0.2)  # transformers starts them at 0: a mis-mapped one would not show
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.5)  # transformers starts them at 1: q and k swapped would not show
     if hf["bf16"]:
         model = model.to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="20KB" if hf["shard"] else "5GB")
@@ -392,6 +397,14 @@ VARIANTS = {  # HF config keys beyond the shape, per model type: values users' f
         "max_window_layers": [0, 1, 28],
         "attention_dropout": [0.0, 0.1],
     },
+    "qwen3": {
+        "attention_bias": [False, True],
+        "hidden_act": ["silu", "gelu"],
+        "use_sliding_window": [False, True],
+        "sliding_window": [None, 8, 16, 32, 64],
+        "max_window_layers": [0, 1, 28],
+        "attention_dropout": [0.0, 0.1],
+    },
     "gpt2": {
         "activation_function": ["gelu_new", "gelu_pytorch_tanh", "gelu", "relu"],
         "scale_attn_weights": [True, False],
@@ -409,7 +422,10 @@ def import_case(rng: random.Random, root: Path, i: int) -> tuple[Path, dict[str,
     import transformers
 
     hf = hf_case(rng)
-    hf.pop("head_dim", None)
+    if hf["kind"] != "qwen3":
+        hf.pop("head_dim", None)
+    elif "head_dim" not in hf:  # the default 128 is refused at once; keep it to drop from config.json
+        hf["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
     extra = {k: rng.choice(v) for k, v in VARIANTS[hf["kind"]].items() if rng.random() < 0.4}
     if "rope_scaling" in extra:
         hf.pop("llama3", None)  # the drawn variant replaces the case's own scaling
@@ -426,6 +442,8 @@ def import_case(rng: random.Random, root: Path, i: int) -> tuple[Path, dict[str,
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.2)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.5)
     folder = root / f"import{i}"
     model.save_pretrained(folder)
     saved = json.loads((folder / "config.json").read_text())

@@ -206,7 +206,8 @@ def stage_params(
     when the head's stage is on another pipeline rank, its own copy of the tied embedding). Matrices are split
     over the tensor group; the vectors the family declares replicated are not (tessera/model/family.py): in
     Megatron 1D the norms, the row-parallel Linears' biases and the position table are whole on every rank, in
-    Optimus 2D every vector (norms, biases, position table) is split by the grid's columns only (q of q²).
+    Optimus 2D every vector (norms, biases, position table) is split by the grid's columns only (q of q²); the
+    per-head q/k norms (Qwen3, [head_dim] each) are whole on every rank in both.
     """
     return list(_stage_params(shape, plan, tuple(stage_layers) if stage_layers else None))
 
@@ -216,12 +217,14 @@ def _stage_params(shape: ModelShape, plan: Plan, stage_layers: tuple[int, ...] |
     h, V, fam = shape.d_model, shape.vocab_size, shape.features
     layers = stage_layers or even_split(shape.n_layers, plan.pp * plan.virtual_stages)
     t = plan.tp
+    whole = fam.head_norm_params(shape.head_dim)  # per-head q/k norms: whole on every tensor rank, 1D and 2D
     if plan.tp_kind == "2d":  # vectors: h by j, replicated over the grid rows i
         vector_split = round(t**0.5)
-        block_vectors = shape.layer_params() - fam.block_matmul_params(h, shape.kv_dim, shape.ffn_hidden)
+        matmul = fam.block_matmul_params(h, shape.kv_dim, shape.ffn_hidden)
+        block_vectors = shape.layer_params() - matmul - whole
     else:  # 1D: the replicated vectors of a block (a column-parallel bias is split with its weight)
         vector_split, block_vectors = 1, fam.replicated_block_vectors() * h
-    per_block = (shape.layer_params() - block_vectors) / t + block_vectors / vector_split
+    per_block = (shape.layer_params() - block_vectors - whole) / t + block_vectors / vector_split + whole
     out = [count * per_block for count in layers]
     out[0] += V * h / t + fam.position_params(shape.seq_len, h) / vector_split
     out[-1] += fam.norm_params(h) / vector_split + (0 if (shape.tied and plan.pp == 1) else V * h / t)

@@ -152,14 +152,23 @@ def block_1d(
     stream_bytes: int | None = None,
 ) -> list[Collective]:
     """One block: attention and MLP, each an entry and an exit region; with SP the family's replicated vectors
-    (norms, row-parallel biases: `FamilyPlan.replicated_block_vectors`) all-reduce their h-sized gradients."""
+    (norms, row-parallel biases: `FamilyPlan.replicated_block_vectors`) all-reduce their h-sized gradients; the
+    per-head q/k norms (Qwen3) all-reduce their head_dim-sized gradients with or without SP (each rank
+    normalises only its heads)."""
     x, stream = _hidden(shape, tokens, act_bytes, stream_bytes)
     regions = [*_region(x, sp, entry=True, stream=stream), *_region(x, sp, entry=False)]
     out = regions + regions
     vectors = shape.features.replicated_block_vectors()
     if sp and vectors:
         out.append(Collective("all_reduce", "tensor", shape.d_model * param_bytes, BACKWARD, vectors))
+    out += _head_norms(shape, "tensor", param_bytes)
     return out
+
+
+def _head_norms(shape: ModelShape, group: str, nbytes: int) -> list[Collective]:
+    """The per-head q/k norms' weight gradients [head_dim] summed over ``group`` (none without them)."""
+    norms = len(shape.features.head_norms)
+    return [Collective("all_reduce", group, shape.head_dim * nbytes, BACKWARD, norms)] if norms else []
 
 
 def _hidden(
@@ -307,13 +316,14 @@ def _norm_2d(shape: ModelShape, m: float, q: int, stream: int) -> list[Collectiv
 
 
 def block_2d(shape: ModelShape, m: float, q: int, elem: int, stream: int | None = None) -> list[Collective]:
-    """One block: its two norms and every Linear the family declares (`FamilyPlan.block_linears`); SUMMA blocks
-    in ``elem`` bytes, the rest in ``stream`` bytes (default ``elem``)."""
+    """One block: its two norms, every Linear the family declares (`FamilyPlan.block_linears`) and the per-head
+    q/k norms (Qwen3: whole weights, gradients summed over the rows and the columns); SUMMA blocks in ``elem``
+    bytes, the rest in ``stream`` bytes (default ``elem``)."""
     stream = stream or elem
     out = _norm_2d(shape, m, q, stream) * 2
     for lin in shape.features.block_linears(shape.d_model, shape.kv_dim, shape.ffn_hidden):
         out += linear_2d(m, lin.d_in, lin.d_out, q, lin.bias, elem, stream)
-    return out
+    return out + _head_norms(shape, "row", stream) + _head_norms(shape, "col", stream)
 
 
 def replayed_2d(

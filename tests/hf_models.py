@@ -11,10 +11,21 @@ __all__ = ["KINDS", "LLAMA3_ROPE", "VOCAB", "hf_config", "make_hf", "rel_err", "
 VOCAB = 259
 """Not divisible by 2 or 4, so tensor-parallel vocabulary padding is exercised; covers the byte data (256)."""
 
-KINDS = ("gpt2", "gpt2_untied", "llama", "llama_tied", "llama3", "mistral", "qwen2", "qwen2_tied")
+KINDS = (
+    "gpt2",
+    "gpt2_untied",
+    "llama",
+    "llama_tied",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "qwen2_tied",
+    "qwen3",
+    "qwen3_tied",
+)
 """gpt2 (tied), gpt2_untied, llama (grouped-query attention, untied), llama_tied, llama3 (Llama with Llama 3.1's
 RoPE scaling, `LLAMA3_ROPE`), mistral (MistralForCausalLM without a sliding window), qwen2 (Llama with q/k/v
-biases, GQA, untied), qwen2_tied."""
+biases, GQA, untied), qwen2_tied, qwen3 (Llama with per-head q/k norms, GQA, untied), qwen3_tied."""
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -63,6 +74,14 @@ def hf_config(kind: str, **over: object):
         return transformers.MistralConfig(**shape, rope_theta=1e6, rms_norm_eps=1e-6, **common, **over)
     if kind == "llama3":
         return transformers.LlamaConfig(**shape, rope_parameters=dict(LLAMA3_ROPE), **common, **over)
+    if kind.startswith("qwen3"):  # head_dim given: Qwen3Config's default is 128, not hidden / heads
+        tie = kind == "qwen3_tied"
+        return transformers.Qwen3Config(
+            **{**shape, "head_dim": 8, **common, **over},
+            tie_word_embeddings=tie,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+        )
     return transformers.LlamaConfig(
         **shape, tie_word_embeddings=kind == "llama_tied", rope_theta=50000.0, **common, **over
     )
@@ -79,6 +98,12 @@ def make_hf(folder: Path, kind: str, seed: int = 0):
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.2)
+    # ... and the q/k norm weights at 1: draw them too (q_norm and k_norm swapped would show)
+    if kind.startswith("qwen3"):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.normal_(1.0, 0.5)
     model.save_pretrained(folder)
     return model
 

@@ -40,8 +40,9 @@ class ModelConfig:
     size: str | None = None
     """Registry name (see `tessera.model.sizes`), e.g. "gpt2-124m" or "llama-8b"."""
     family: str = "gpt"
-    """"gpt" (LayerNorm, GELU MLP, learned positions), "llama" (RMSNorm, SwiGLU, RoPE, grouped-query attention) or
-    "qwen2" (Llama with q/k/v biases); each family is declared in tessera/model/family.py."""
+    """"gpt" (LayerNorm, GELU MLP, learned positions), "llama" (RMSNorm, SwiGLU, RoPE, grouped-query attention),
+    "qwen2" (Llama with q/k/v biases) or "qwen3" (Llama with an RMSNorm on each query and key head); each family is
+    declared in tessera/model/family.py."""
     n_layers: int = 2
     """Number of transformer blocks."""
     d_model: int = 64

@@ -182,6 +182,12 @@ def refusals(hf: dict[str, Any], fam: HFFamily) -> list[str]:
     heads, hidden = hf.get(fam.keys["n_heads"]), hf.get(fam.keys["d_model"])
     if hf.get("head_dim") not in (None, hidden // heads if heads else None):
         out.append(f"head_dim = {hf['head_dim']} differs from hidden size / heads = {hidden}/{heads}")
+    elif "head_dim" not in hf and fam.head_dim_absent not in (None, hidden // heads if heads else None):
+        out.append(
+            f"config.json has no 'head_dim': transformers then takes {fam.model_type}'s default "
+            f"{fam.head_dim_absent}, which differs from hidden size / heads = {hidden}/{heads}\n    fix: add "
+            '"head_dim" to config.json (the rows of q_proj.weight / the head count)'
+        )
     return out
 
 

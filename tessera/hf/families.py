@@ -65,6 +65,8 @@ class HFFamily:
     kv_heads_absent: int | None = None
     """transformers' KV head count when config.json lacks the key (None: the head count, as Llama's; a null
     value means the head count in every architecture)."""
+    head_dim_absent: int | None = None
+    """transformers' head dim when config.json lacks "head_dim" (None: hidden / heads, as Llama's)."""
     rope: bool = False
     """Whether the architecture uses rotary embeddings (rope_theta / rope_parameters apply)."""
     ignored: tuple[str, ...] = field(default=())
@@ -209,6 +211,26 @@ FAMILIES: tuple[HFFamily, ...] = (
         rope=True,
         ignored=(".rotary_emb.inv_freq",),
         window_everywhere=True,
+    ),
+    # Qwen3 (dense) is Llama plus an RMSNorm on each query and key head (q_norm, k_norm: [head_dim]), no biases
+    # (attention_bias would put them on q/k/v and o); tessera/model/qwen3.py.
+    HFFamily(
+        model_type="qwen3",
+        architecture="Qwen3ForCausalLM",
+        family="qwen3",
+        keys=_LLAMA_KEYS,
+        tie_default=False,
+        required={"hidden_act": ("silu",), "attention_bias": (False,)},
+        tensors=(
+            *_LLAMA_TENSORS,
+            _t("model.layers.{i}.self_attn.q_norm.weight", "blocks.{i}.attn.q_norm.weight"),
+            _t("model.layers.{i}.self_attn.k_norm.weight", "blocks.{i}.attn.k_norm.weight"),
+        ),
+        embedding="model.embed_tokens.weight",
+        kv_heads_absent=32,  # Qwen3Config's defaults: num_key_value_heads 32, head_dim 128 (transformers 5.24)
+        head_dim_absent=128,
+        rope=True,
+        ignored=(".rotary_emb.inv_freq",),
     ),
 )
 

@@ -13,6 +13,7 @@ from tessera.model.layers import KVCache, TransformerLM
 from tessera.model.llama import Llama
 from tessera.model.materialize import declare, materialize, replicated_specs
 from tessera.model.qwen2 import Qwen2
+from tessera.model.qwen3 import Qwen3
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["build_model", "generate", "meta_model"]
 
-_FAMILIES: dict[str, type[TransformerLM]] = {cls.plan.name: cls for cls in (GPT, Llama, Qwen2)}
+_FAMILIES: dict[str, type[TransformerLM]] = {cls.plan.name: cls for cls in (GPT, Llama, Qwen2, Qwen3)}
 """The model class of each family (its declaration: tessera.model.family)."""
 
 

@@ -21,6 +21,8 @@ token embedding, head.out     ``vocab``: rows split (V padded to t)   ``vocab``:
 ``attention_out``/``mlp_out`` ``row``: weight columns split, bias      ``linear``: weightᵀ block (i, j); bias by j
                               replicated
 norm weights (and biases)     ``replicated``                          ``vector``: slice j, replicated over i
+``attn.q_norm``/``k_norm``    ``replicated`` (gradient all-reduced:   ``grid``: whole on every rank (gradient
+                              each rank normalises its own heads)     summed over the grid's rows and columns)
 position table [S, h]         ``replicated``                          ``vector``: h by j, replicated over i
 ============================  ======================================  ===========================================
 """
@@ -78,6 +80,9 @@ class FamilyPlan:
     """Biases on every MLP Linear."""
     ffn_rule: str
     """Default MLP width when ``model.ffn_hidden`` is unset: "4h", or "swiglu" (8h/3 rounded up to 64)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head's features on the queries and on the keys (``attn.q_norm``, ``attn.k_norm``,
+    weights [head_dim]) after the projections, before RoPE (Qwen3)."""
     attention_in: tuple[str, ...] = ("wq", "wk", "wv")
     """Attention Linears reading the block input (one region entry for all three)."""
     attention_out: str = "wo"
@@ -136,11 +141,19 @@ class FamilyPlan:
 
     def placement_2d(self, name: str) -> str:
         """How plain parameter ``name`` lies on the Optimus 2D grid: "vocab" (V by i, h by j), "linear" (the
-        transposed weight's block (i, j)) or "vector" (last dim by j, replicated over the grid rows i)."""
+        transposed weight's block (i, j)), "vector" (last dim by j, replicated over the grid rows i) or "grid"
+        (whole on every rank: the per-head q/k norms, as each rank holds whole heads)."""
+        if name.endswith(self.head_norms):
+            return "grid"
         where = self.placement_1d(name)
         if where == "vocab":
             return "vocab"
         return "linear" if where in ("column", "row") and name.endswith(".weight") else "vector"
+
+    @property
+    def head_norms(self) -> tuple[str, ...]:
+        """Block-relative names of the per-head q/k norm weights (none without ``qk_norm``)."""
+        return ("attn.q_norm.weight", "attn.k_norm.weight") if self.qk_norm else ()
 
     @property
     def residual_outputs(self) -> tuple[str, ...]:
@@ -159,12 +172,15 @@ class FamilyPlan:
         return (2 if self.norm_bias else 1) * d_model
 
     @lru_cache(maxsize=256)  # noqa: B019 - as block_linears
-    def block_params(self, d_model: int, kv_dim: int, ffn: int) -> int:
-        """Weights, biases and the two norms of one block."""
+    def block_params(self, d_model: int, kv_dim: int, ffn: int, head_dim: int) -> int:
+        """Weights, biases, the two norms and the per-head q/k norms (if any) of one block."""
         linears = self.block_linears(d_model, kv_dim, ffn)
-        return sum(lin.d_in * lin.d_out + lin.bias * lin.d_out for lin in linears) + 2 * self.norm_params(
-            d_model
-        )
+        linear = sum(lin.d_in * lin.d_out + lin.bias * lin.d_out for lin in linears)
+        return linear + 2 * self.norm_params(d_model) + self.head_norm_params(head_dim)
+
+    def head_norm_params(self, head_dim: int) -> int:
+        """Parameters of one block's per-head q/k norms (whole on every tensor rank, in 1D and 2D alike)."""
+        return 2 * head_dim if self.qk_norm else 0
 
     def block_matmul_params(self, d_model: int, kv_dim: int, ffn: int) -> int:
         """Weights of one block's matrix multiplies (forward FLOPs per token = 2 × this)."""
@@ -220,6 +236,10 @@ LLAMA = _register(
 
 # Qwen2 (Yang et al. 2024): Llama with biases on wq, wk, wv only (tessera/model/qwen2.py).
 QWEN2 = _register(replace(LLAMA, name="qwen2", qkv_bias=True))
+
+# Qwen3 (Yang et al. 2025, "Qwen3 Technical Report"; dense sizes): Llama with an RMSNorm on each query and key head
+# before RoPE, no biases (tessera/model/qwen3.py).
+QWEN3 = _register(replace(LLAMA, name="qwen3", qk_norm=True))
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_PLANS)
 """The family names a config may give."""

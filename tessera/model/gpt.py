@@ -59,7 +59,7 @@ class GPTMLP(nn.Module):
 def _block(cfg: ModelConfig) -> Block:
     return Block(
         attn_norm=nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps),
-        attn=Attention(cfg, bias=PLAN.qkv_bias, out_bias=PLAN.out_bias),
+        attn=Attention(cfg, bias=PLAN.qkv_bias, out_bias=PLAN.out_bias, qk_norm=PLAN.qk_norm),
         mlp_norm=nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps),
         mlp=GPTMLP(cfg),
     )

@@ -5,7 +5,8 @@ Parallelism (tensor, pipeline, checkpointing, ZeRO) is applied from outside by r
 modules, so their attribute names are part of the API:
 
     model.embed                     tokens [b, s] -> hidden [b, s, h]
-    model.blocks["i"]               hidden -> hidden; .attn_norm .attn(.wq .wk .wv .wo .core) .mlp_norm .mlp
+    model.blocks["i"]               hidden -> hidden; .attn_norm .attn(.wq .wk .wv [.q_norm .k_norm] .wo .core)
+                                    .mlp_norm .mlp
     model.head                      hidden -> logits [b, s, V]; .norm .out
 
 Linear layers inside attention use the local head count implied by their output width (`view(b, s, -1, hd)`),
@@ -191,10 +192,14 @@ def attend(
     docs: Documents | None = None,
     cache: LayerKV | None = None,
 ) -> torch.Tensor:
-    """Position q [b, nh, s, hd] and k [b, nkv, s, hd] with ``attn.rope`` (if any) and run ``attn.core``: the
-    part every attention layer (plain, 1D, 2D) shares once it has its heads. With ``docs`` positions restart
-    per document and attention stops at document boundaries; with ``cache``, q, k, v are the positions after
-    the cached ones."""
+    """Normalise each head of q [b, nh, s, hd] and k [b, nkv, s, hd] with ``attn.q_norm`` / ``attn.k_norm`` (if
+    any: Qwen3), position them with ``attn.rope`` (if any) and run ``attn.core``: the part every attention layer
+    (plain, 1D, 2D) shares once it has its heads, so the per-head norms are applied here and nowhere else. With
+    ``docs`` positions restart per document and attention stops at document boundaries; with ``cache``, q, k, v
+    are the positions after the cached ones."""
+    # over head_dim, each head on its own: a rank holding whole heads needs no other rank's features
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)  # q: [b, nh, s, hd], k: [b, nkv, s, hd]
     if attn.rope is not None:
         if docs is not None:
             q, k = attn.rope(q, k, positions=docs.positions)  # q: [b, nh, s, hd]
@@ -242,9 +247,15 @@ class Attention(nn.Module):
     """Multi-head / grouped-query self-attention; separate wq, wk, wv, wo projections (simplest to shard)."""
 
     def __init__(
-        self, cfg: ModelConfig, bias: bool, rope: Rope | None = None, out_bias: bool | None = None
+        self,
+        cfg: ModelConfig,
+        bias: bool,
+        rope: Rope | None = None,
+        out_bias: bool | None = None,
+        qk_norm: bool = False,
     ) -> None:
-        """``bias``: biases on wq, wk, wv; ``out_bias``: on wo (None: the same as ``bias``)."""
+        """``bias``: biases on wq, wk, wv; ``out_bias``: on wo (None: the same as ``bias``); ``qk_norm``: an
+        RMSNorm over each query and key head (``q_norm``, ``k_norm``, weights [head_dim], ``cfg.norm_eps``)."""
         super().__init__()
         h, hd = cfg.d_model, cfg.head_dim
         self.head_dim = hd
@@ -252,6 +263,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, cfg.kv_heads * hd, bias=bias)
         self.wv = nn.Linear(h, cfg.kv_heads * hd, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * hd, h, bias=bias if out_bias is None else out_bias)
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if qk_norm else None
         self.core = AttentionCore()
         self.rope = rope
 

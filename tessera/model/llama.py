@@ -59,7 +59,7 @@ class Llama(TransformerLM):
 
     token_embedding_name = PLAN.token_embedding
     plan: FamilyPlan = PLAN
-    """The family's declaration; a Llama variant (Qwen2) subclasses with its own (biases differ)."""
+    """The family's declaration; a Llama variant subclasses with its own (Qwen2: biases; Qwen3: q/k norms)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         plan = self.plan
@@ -67,7 +67,9 @@ class Llama(TransformerLM):
         blocks = [
             Block(
                 attn_norm=RMSNorm(cfg.d_model, cfg.norm_eps),
-                attn=Attention(cfg, bias=plan.qkv_bias, out_bias=plan.out_bias, rope=rope),
+                attn=Attention(
+                    cfg, bias=plan.qkv_bias, out_bias=plan.out_bias, rope=rope, qk_norm=plan.qk_norm
+                ),
                 mlp_norm=RMSNorm(cfg.d_model, cfg.norm_eps),
                 mlp=LlamaMLP(cfg, bias=plan.mlp_bias),
             )

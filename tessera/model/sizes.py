@@ -171,6 +171,63 @@ SIZES: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0,
         norm_eps=1e-5,
     ),
+    # Qwen3 dense (Yang et al. 2025; the released config.json files of Qwen/Qwen3-1.7B, -8B, -14B): Llama with
+    # per-head q/k RMSNorms, no biases, head dim 128 (= hidden / heads in these three; 0.6B, 4B and 32B set a
+    # head_dim that differs, which tessera does not compute), vocabulary 151936, RoPE base 10⁶, RMSNorm eps 1e-6;
+    # 1.7B ties embeddings, 8B and 14B do not. Context: tessera's 2048-token training default (the models' is
+    # 40960).
+    "qwen3-tiny": dict(
+        family="qwen3",
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=96,
+        vocab_size=_TINY_VOCAB,
+        seq_len=32,
+        tie_embeddings=False,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+    ),
+    "qwen3-1.7b": dict(
+        family="qwen3",
+        n_layers=28,
+        d_model=2048,
+        n_heads=16,
+        n_kv_heads=8,
+        ffn_hidden=6144,
+        vocab_size=151936,
+        seq_len=2048,
+        tie_embeddings=True,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+    ),
+    "qwen3-8b": dict(
+        family="qwen3",
+        n_layers=36,
+        d_model=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=12288,
+        vocab_size=151936,
+        seq_len=2048,
+        tie_embeddings=False,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+    ),
+    "qwen3-14b": dict(
+        family="qwen3",
+        n_layers=40,
+        d_model=5120,
+        n_heads=40,
+        n_kv_heads=8,
+        ffn_hidden=17408,
+        vocab_size=151936,
+        seq_len=2048,
+        tie_embeddings=False,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+    ),
     # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, h 12288, 96 heads of 128, context 2048; GPT-2's BPE
     # vocabulary padded to 51200 (a multiple of 1024, as Megatron-LM pads it), tied embeddings.
     "gpt3-175b": dict(family="gpt", n_layers=96, d_model=12288, n_heads=96, vocab_size=51200, seq_len=2048),

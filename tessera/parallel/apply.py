@@ -61,9 +61,11 @@ def norm_weights(module: nn.Module) -> dict[int, float]:
         return {id(p): 1.0 if n in module._split else 1.0 / t for n, p in module.named_parameters()}
     if isinstance(module, Model2D):
         q = module.grid.q
-        # tensors without a row split (biases, norm weights, positions) are copied down each grid column
+        # tensors without a row split (biases, norm weights, positions) are copied down each grid column; those
+        # without a column split either (the per-head q/k norms) along each grid row too
         return {
-            id(p): 1.0 if module._shards[n].dim_i is not None else 1.0 / q
+            id(p): (1.0 if module._shards[n].dim_i is not None else 1.0 / q)
+            * (1.0 if module._shards[n].dim_j is not None else 1.0 / q)
             for n, p in module.named_parameters()
         }
     return {}

@@ -12,6 +12,8 @@ Where the pieces live on P_ij:
 - Vectors of length n (biases, norm weights) and the position table [S, h]: the j-th 1/q slice, replicated over
   the column group (the q ranks that hold the same features for different batch rows). Their gradient is summed
   over the column group in backward (`copy_to_region`), which keeps the replicas identical.
+- Per-head q/k norm weights [head_dim] (Qwen3): whole on every rank (each holds whole heads); their gradient is
+  summed over the row group (the other heads) and the column group (the other batch rows).
 
 Collectives per layer are listed in docs/tensor-2d.md and computed by model_2d.comm_bytes_2d.
 """
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MLP2D",
     "Attention2D",
+    "HeadNorm2D",
     "LayerNorm2D",
     "Linear2D",
     "PositionEmbedding2D",
@@ -52,13 +55,14 @@ __all__ = [
 class Shard:
     """How a local parameter maps onto the plain model's full tensor.
 
-    ``dim_j``: local dim split by the grid column j (gathered over the row group); ``dim_i``: local dim split by
-    the grid row i (gathered over the column group), None when the tensor is replicated over the column group.
+    ``dim_j``: local dim split by the grid column j (gathered over the row group), None when the tensor is
+    replicated over the row group (the per-head q/k norms); ``dim_i``: local dim split by the grid row i
+    (gathered over the column group), None when the tensor is replicated over the column group.
     ``transpose``: the local tensor is a block of the plain tensor's transpose. ``rows``: keep only the first
     ``rows`` rows of the reassembled (plain-orientation) tensor (vocabulary padding), None for all.
     """
 
-    dim_j: int
+    dim_j: int | None
     dim_i: int | None
     transpose: bool = False
     rows: int | None = None
@@ -68,7 +72,7 @@ def _chunk(t: torch.Tensor, dim: int | None, n: int, k: int) -> torch.Tensor:
     return t if dim is None or n == 1 else t.chunk(n, dim=dim)[k]
 
 
-def shard_block(full: torch.Tensor, grid: Grid2D, dim_j: int, dim_i: int | None) -> torch.Tensor:
+def shard_block(full: torch.Tensor, grid: Grid2D, dim_j: int | None, dim_i: int | None) -> torch.Tensor:
     """This rank's block of ``full``: 1/q along ``dim_j`` picked by j, 1/q along ``dim_i`` picked by i."""
     block = _chunk(_chunk(full, dim_j, grid.q, grid.j), dim_i, grid.q, grid.i)
     return block.detach().clone().contiguous()
@@ -184,11 +188,35 @@ class RMSNorm2D(nn.Module):
         return _Norm2D.apply(x, self.weight, None, self.dim, self.eps, False, self.grid)
 
 
+class HeadNorm2D(nn.Module):
+    """A per-head norm (Qwen3's q/k RMSNorm over head_dim) on this rank's whole heads: the plain norm, run locally
+    with its whole weight [hd], which every grid rank holds; backward sums the weight's gradient (this rank's
+    heads of its batch rows) over the row group (the other heads) and the column group (the other batch rows)."""
+
+    def __init__(self, norm: nn.Module, grid: Grid2D) -> None:
+        super().__init__()
+        self.grid = grid
+        self._plain = [norm]  # a list hides it from module registration: the weight is ours
+        self.shards = {"weight": Shard(dim_j=None, dim_i=None)}
+        self.weight = _param(norm.weight, grid, self.shards["weight"])  # [hd]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if self.grid.q > 1:
+            weight = _to_col(comm.copy_to_region(weight, self.grid.row), self.grid)
+        return torch.func.functional_call(self._plain[0], {"weight": weight}, (x,))  # x: [b/q, n/q, s, hd]
+
+
+def _head_norm(norm: nn.Module | None, grid: Grid2D) -> HeadNorm2D | None:
+    return None if norm is None else HeadNorm2D(norm, grid)
+
+
 class Attention2D(nn.Module):
     """Self-attention on b/q sequences × (heads/q) heads per rank, full sequence length; GQA and RoPE local.
 
     Column block j of wq/wk/wv's output is heads [j·nh/q, (j+1)·nh/q) (resp. KV heads [j·nkv/q, ...)), so with
-    q | nkv each rank's query heads find their shared KV head locally. Scores and softmax need no communication.
+    q | nkv each rank's query heads find their shared KV head locally. Scores and softmax need no communication,
+    nor do the per-head q/k norms (Qwen3): each rank holds whole heads (`HeadNorm2D`).
     """
 
     def __init__(self, attn: nn.Module, grid: Grid2D, n_heads: int, n_kv_heads: int) -> None:
@@ -198,6 +226,7 @@ class Attention2D(nn.Module):
         self.head_dim = attn.head_dim
         self.wq, self.wk = Linear2D(attn.wq, grid), Linear2D(attn.wk, grid)
         self.wv, self.wo = Linear2D(attn.wv, grid), Linear2D(attn.wo, grid)
+        self.q_norm, self.k_norm = _head_norm(attn.q_norm, grid), _head_norm(attn.k_norm, grid)
         self.core, self.rope = attn.core, attn.rope  # parameter-free; the Rope tables are shared
 
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:

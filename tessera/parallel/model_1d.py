@@ -7,7 +7,8 @@ Every rank builds the same plain model (same seed) and cuts its shard from the i
 - MLP: the family's `mlp_in` (fc / w_gate, w_up) column-parallel, its `mlp_out` (proj / w_down) row-parallel, the
   activation elementwise and local (tessera/model/family.py declares which is which);
 - token embedding and output projection vocabulary-parallel (vocabulary padded to a multiple of t internally;
-  tied embeddings share one shard); GPT's position table and all norms replicated;
+  tied embeddings share one shard); GPT's position table and all norms replicated (Qwen3's per-head q/k norms
+  too, their gradients all-reduced since each rank normalises only its own heads);
 - with sequence parallelism the residual stream between the regions is [b, s/t, h] (see tensor_1d.py); with
   ``tp_comm_overlap`` its all-gathers / reduce-scatters around the linears run as rings under their GEMMs.
 
@@ -69,6 +70,10 @@ class ParallelAttention(nn.Module):
         self.wk = ColumnParallelLinear.from_linear(attn.wk, group, **opts)
         self.wv = ColumnParallelLinear.from_linear(attn.wv, group, **opts)
         self.wo = RowParallelLinear.from_linear(attn.wo, group, **opts)
+        # per-head q/k norms (Qwen3): replicated, each rank normalising its own heads, so the weights' gradients
+        # are partial sums over heads: all-reduced, with or without sequence parallelism
+        self.q_norm = _replicated(attn.q_norm, group)
+        self.k_norm = _replicated(attn.k_norm, group)
         self.core = attn.core  # parameter-free: checkpointing may wrap it as in the plain model
         self.rope = attn.rope
 
@@ -311,6 +316,11 @@ class TensorParallel1D(nn.Module):
 
 def _norm(norm: nn.Module, group: dist.ProcessGroup, sp: bool) -> nn.Module:
     return SequenceParallelNorm(norm, group) if sp and comm.group_size(group) > 1 else norm
+
+
+def _replicated(norm: nn.Module | None, group: dist.ProcessGroup) -> nn.Module | None:
+    """A norm every tensor rank holds whole but runs on its part of the input (its heads): gradients summed."""
+    return _norm(norm, group, True) if norm is not None else None
 
 
 def _parallel_block(block: nn.Module, plan: FamilyPlan, group: dist.ProcessGroup, regions: Regions) -> Block:

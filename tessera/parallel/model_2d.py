@@ -155,7 +155,7 @@ class Model2D(nn.Module):
         for name, p in self.named_parameters():
             shard = self._shards[name]
             flip = 1 if shard.transpose else 0  # a transposed block's local dim d is plain dim 1 - d
-            parts = {shard.dim_j ^ flip: (q, grid.j)}
+            parts = {} if shard.dim_j is None else {shard.dim_j ^ flip: (q, grid.j)}
             if shard.dim_i is not None:
                 parts[shard.dim_i ^ flip] = (q, grid.i)
             local = tuple(p.shape[::-1] if shard.transpose else p.shape)
@@ -234,7 +234,8 @@ class Model2D(nn.Module):
 
     def _unshard(self, t: torch.Tensor, shard: Shard) -> torch.Tensor:
         if self.grid.q > 1:
-            t = comm.all_gather(t.contiguous(), shard.dim_j, self.grid.row)
+            if shard.dim_j is not None:
+                t = comm.all_gather(t.contiguous(), shard.dim_j, self.grid.row)
             if shard.dim_i is not None:
                 t = comm.all_gather(t.contiguous(), shard.dim_i, self.grid.col)
         t = t.t() if shard.transpose else t
@@ -242,10 +243,13 @@ class Model2D(nn.Module):
         return t.contiguous().clone()
 
     def grad_norm_sq(self) -> torch.Tensor:
-        """Squared global gradient norm over the grid; column-replicated tensors counted once (grid row 0)."""
+        """Squared global gradient norm over the grid; column-replicated tensors counted once (grid row 0),
+        row-replicated ones (the per-head q/k norms) once too (grid column 0)."""
         total = torch.zeros((), dtype=torch.float32, device=next(self.parameters()).device)
         for name, p in self.named_parameters():
-            if p.grad is None or (self._shards[name].dim_i is None and self.grid.i != 0):
+            shard = self._shards[name]
+            copy = (shard.dim_i is None and self.grid.i != 0) or (shard.dim_j is None and self.grid.j != 0)
+            if p.grad is None or copy:
                 continue
             total += p.grad.detach().float().pow(2).sum()
         if self.grid.q > 1:

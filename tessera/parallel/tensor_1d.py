@@ -294,7 +294,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class SequenceParallelNorm(nn.Module):
-    """A replicated norm (LayerNorm or RMSNorm) run on a sequence shard: its parameters' gradients are all-reduced.
+    """A replicated norm (LayerNorm or RMSNorm) run on a part of its input, a sequence shard (or, for Qwen3's
+    per-head q/k norms, this rank's heads): its parameters' gradients are all-reduced.
 
     The parameters are registered here under the plain module's names (``weight``, ``bias``) so parameter names
     match the plain model; the forward is the plain module's own, called with the wrapped parameters.

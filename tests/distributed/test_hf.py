@@ -43,6 +43,7 @@ LAYOUTS = {  # name: (world size, HF model kind, parallel section)
     "qwen2_tp1d_2_sp": (2, "qwen2", {"tensor": 2, "sequence_parallel": True}),
     "llama3_pp2_tp1d_2": (4, "llama3", {"pipeline": 2, "tensor": 2}),  # Llama 3.1's RoPE scaling
     "mistral_tp2x2": (4, "mistral", {"tensor": "2x2"}),  # exported back as Mistral
+    "qwen3_tp2x2": (4, "qwen3", {"tensor": "2x2"}),  # q/k norms read whole by every grid rank, exported once
 }
 
 

@@ -82,6 +82,7 @@ CASES = [
     Case("pp2_llama_1f1b", "1f1b", 2, family="llama"),
     Case("pp2_llama_bf_v2", "breadth_first", 2, v=2, family="llama", checkpointing="selective"),
     Case("pp2_qwen2_bf_v2", "breadth_first", 2, v=2, family="qwen2"),
+    Case("pp2_qwen3_1f1b_full_ckpt", "1f1b", 2, family="qwen3", checkpointing="full"),
     # pp = 4 and dp2 × pp2 (world 4)
     Case("pp4_gpipe", "gpipe", 4),
     Case("pp4_1f1b", "1f1b", 4),
@@ -100,6 +101,15 @@ CASES = [
     Case("pp2_tp2_1f1b", "1f1b", 2, tp=2, n_layers=4),
     Case("pp2_tp2_sp_bf_v2", "breadth_first", 2, v=2, tp=2, n_layers=4, sequence_parallel=True),
     Case("pp2_tp2_sp_qwen2_1f1b", "1f1b", 2, tp=2, n_layers=4, sequence_parallel=True, family="qwen2"),
+    Case(
+        "pp4_qwen3_interleaved_v2_selective",
+        "interleaved_1f1b",
+        4,
+        v=2,
+        family="qwen3",
+        checkpointing="selective",
+    ),
+    Case("pp2_tp2_qwen3_bf_v2", "breadth_first", 2, v=2, tp=2, n_layers=4, family="qwen3"),
     # pp2 × Optimus 2D 2×2 (world 8); the 1D cases above share the world-4 processes
     Case("pp2_tp2x2_1f1b", "1f1b", 2, q=2, n_layers=4),
 ]

@@ -65,7 +65,7 @@ class Case:
 
 
 def _model_cfg(case: Case) -> ModelConfig:
-    # Llama and Qwen2: 8 query heads sharing 4 KV heads (GQA), so t = 4 still splits KV heads.
+    # Llama, Qwen2 and Qwen3: 8 query heads sharing 4 KV heads (GQA), so t = 4 still splits KV heads.
     heads, kv = (4, None) if case.family == "gpt" else (8, 4)
     return ModelConfig(
         family=case.family,
@@ -89,6 +89,7 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         "gpt_tp1d_2_sp_accumulate2": Case("gpt", 2, sp=True, micro=2),
         "llama_tp1d_2_sp_vocab257_untied": Case("llama", 2, sp=True, vocab=257, tied=False),
         "qwen2_tp1d_2_sp_vocab257_untied": Case("qwen2", 2, sp=True, vocab=257, tied=False),
+        "qwen3_tp1d_2_sp_vocab257_untied": Case("qwen3", 2, sp=True, vocab=257, tied=False),
         "gpt_tp1d_2_sp_overlap": Case("gpt", 2, sp=True, overlap=True),
         "gpt_tp1d_2_sp_overlap_accumulate2": Case("gpt", 2, sp=True, micro=2, overlap=True),
         "llama_tp1d_2_sp_overlap_vocab257_untied": Case(
@@ -107,6 +108,8 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         "gpt_dp2_tp1d_2": Case("gpt", 2, dp=2),
         "llama_dp2_tp1d_2_sp": Case("llama", 2, dp=2, sp=True),
         "qwen2_tp1d_4_vocab257": Case("qwen2", 4, vocab=257),
+        # no SP: the q/k norm gradients still all-reduce (each rank normalises its own heads)
+        "qwen3_tp1d_4_vocab257": Case("qwen3", 4, vocab=257),
         "gpt_tp1d_4_sp_overlap_vocab257": Case("gpt", 4, sp=True, vocab=257, overlap=True),
         "llama_tp1d_4_sp_overlap_untied": Case("llama", 4, sp=True, tied=False, overlap=True),
         "llama_dp2_tp1d_2_sp_overlap": Case("llama", 2, dp=2, sp=True, overlap=True),

@@ -67,6 +67,18 @@ MODELS = {
         seq_len=SEQ,
         n_layers=2,
     ),
+    # Qwen3: Llama with per-head q/k norms (whole on every grid rank); untied, vocabulary 257 padded to 258
+    "qwen3_v257": dict(
+        family="qwen3",
+        d_model=16,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=32,
+        vocab_size=257,
+        seq_len=SEQ,
+        n_layers=2,
+        tie_embeddings=False,
+    ),
     # q = 3: heads, KV heads, hidden and MLP width divisible by 3; vocabulary 64 is padded to 66
     "gpt_q3": dict(family="gpt", d_model=36, n_heads=6, vocab_size=64, seq_len=SEQ, n_layers=1),
     "llama_q3": dict(
@@ -217,7 +229,7 @@ SAVED_FAMILIES = ["gpt", "llama"]
 @pytest.fixture(scope="module")
 def tp2x2_results() -> list[dict]:
     """One 4-rank launch shared by the tp2x2 tests (spawning ranks costs more than the models on 2 cores)."""
-    return _launch([*TP2X2_MODELS, "qwen2_v257"], "tp2x2", SAVED_FAMILIES)
+    return _launch([*TP2X2_MODELS, "qwen2_v257", "qwen3_v257"], "tp2x2", SAVED_FAMILIES)
 
 
 def test_tp2x2_gpt_llama_and_vocab_257(tp2x2_results: list[dict]) -> None:
@@ -230,6 +242,14 @@ def test_tp2x2_qwen2(tp2x2_results: list[dict]) -> None:
     declaration: the q/k/v bias gradients' column all-reduces included), loss, every weight and gradient, the norm."""
     k = len(TP2X2_MODELS)
     _check_one("qwen2_v257", "tp2x2", [r["runs"][k] for r in tp2x2_results])
+
+
+def test_tp2x2_qwen3(tp2x2_results: list[dict]) -> None:
+    """Qwen3 (per-head q/k norms, GQA, RoPE, untied, vocabulary 257): the norms' weights whole on every grid rank,
+    their gradients summed over the rows and the columns (`comm_bytes_2d` counts both), loss, every weight and
+    gradient, the norm (each replicated norm weight counted once)."""
+    k = len(TP2X2_MODELS) + 1
+    _check_one("qwen3_v257", "tp2x2", [r["runs"][k] for r in tp2x2_results])
 
 
 def test_dp2_tp2x2_matches_single_device() -> None:

@@ -39,12 +39,12 @@ so atol ~1e-7), which bounds entries near zero such as the key bias's, analytica
 DP, Q, MICRO_BATCH, SEQ, M = 2, 2, 2, 16, 2
 SEED, DATA_SEED = 0, 1
 WORLD = DP * Q * Q
-FAMILIES = ("gpt", "llama", "qwen2")
-SIZES = {"gpt": "gpt2-tiny", "llama": "llama-tiny", "qwen2": "qwen2-tiny"}
+FAMILIES = ("gpt", "llama", "qwen2", "qwen3")
+SIZES = {"gpt": "gpt2-tiny", "llama": "llama-tiny", "qwen2": "qwen2-tiny", "qwen3": "qwen3-tiny"}
 
 
 def _config(family: str, m: int) -> Config:
-    # d_model 32, 4 heads, 2 blocks; GPT ties the embedding and the head, Llama and Qwen2 (2 kv heads) do not
+    # d_model 32, 4 heads, 2 blocks; GPT ties the embedding and the head, Llama, Qwen2 and Qwen3 (2 kv heads) do not
     return from_dict(
         {
             "model": {"size": SIZES[family], "seq_len": SEQ, "tie_embeddings": family == "gpt"},

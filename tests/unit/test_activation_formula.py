@@ -38,6 +38,8 @@ FAMILIES = {
     "llama": {"family": "llama", "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 384, "tie_embeddings": False},
     # Llama with biased wq, wk, wv: in 2D their outputs are fp32 under autocast (the bias is added in fp32)
     "qwen2": {"family": "qwen2", "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 384, "tie_embeddings": False},
+    # Llama with per-head q/k RMSNorms: each keeps its input and the normalised tensor, RoPE its input
+    "qwen3": {"family": "qwen3", "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 384, "tie_embeddings": False},
 }
 LAYOUTS = {  # name: (world size, parallel section)
     "plain": (1, {}),
@@ -51,6 +53,8 @@ BLOCK_CASES = [
     for family in FAMILIES
     if family != "qwen2" or dtype == "bf16"  # in fp32 Qwen2's block saves what Llama's does
     for layout in LAYOUTS
+    # Qwen3's q/k norms split like the heads (tp2 as tp2_sp); their one dtype rule shows plain in fp32
+    if family != "qwen3" or (layout != "tp2" and (dtype == "bf16" or layout == "plain"))
     for checkpointing in ("none", "selective")
 ]
 SEQ, BATCH = 32, 2

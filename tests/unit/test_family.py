@@ -66,6 +66,10 @@ def test_model_holds_what_its_family_declares(family: str) -> None:
             expected |= {f"blocks.{i}.{lin.name}.weight"} | (
                 {f"blocks.{i}.{lin.name}.bias"} if lin.bias else set()
             )
+        for norm in plan.head_norms:  # per-head q/k norms (Qwen3): [head_dim], starting at one
+            w = model.get_parameter(f"blocks.{i}.{norm}")
+            assert tuple(w.shape) == (cfg.head_dim,) and bool((w == 1).all()), norm
+            expected.add(f"blocks.{i}.{norm}")
     assert names == expected
     assert hasattr(model, "rope") == plan.rope
     assert ModelShape.from_config(cfg).n_params() == model.num_params()
@@ -86,15 +90,19 @@ def test_tensor_parallel_layouts_follow_the_declaration(family: str) -> None:
     for name, _ in two_d.named_parameters():
         shard, where = two_d._shards[name], plan.placement_2d(name)
         got = "vocab" if shard.rows is not None else "linear" if shard.transpose else "vector"
+        got = "grid" if shard.dim_j is None else got
         assert got == where, name
-        assert (shard.dim_i is None) == (where == "vector"), name
+        assert (shard.dim_i is None) == (where in ("vector", "grid")), name
 
 
 def test_gpt_parameter_count_is_narayanans() -> None:
     """12h² + 13h per block (Narayanan et al. 2021, eq. 2) from the GPT declaration, f = 4h, g = a."""
     h = 64
-    assert family_plan("gpt").block_params(h, h, 4 * h) == 12 * h * h + 13 * h
-    assert family_plan("llama").block_params(h, h, 4 * h) == 4 * h * h + 3 * 4 * h * h + 2 * h
+    assert family_plan("gpt").block_params(h, h, 4 * h, h // 4) == 12 * h * h + 13 * h
+    assert family_plan("llama").block_params(h, h, 4 * h, h // 4) == 4 * h * h + 3 * 4 * h * h + 2 * h
+    assert (
+        family_plan("qwen3").block_params(h, h, 4 * h, h // 4) == 4 * h * h + 3 * 4 * h * h + 2 * h + h // 2
+    )
 
 
 def test_mlp_activation_is_the_plain_forward() -> None:
@@ -104,3 +112,28 @@ def test_mlp_activation_is_the_plain_forward() -> None:
         x = torch.randn(2, 3, 32)
         hidden = [getattr(mlp, n)(x) for n in plan.mlp_in]
         torch.testing.assert_close(getattr(mlp, plan.mlp_out)(mlp.activate(*hidden)), mlp(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "world", "refused"),
+    [
+        (2, 2, None),
+        ("2x2", 4, None),
+        (4, 4, "n_kv_heads = 2 is not divisible by tensor 4"),
+        ("4x4", 16, "2D grid"),
+    ],
+)
+def test_qwen3_layouts_keep_whole_heads_or_are_refused(
+    tensor: int | str, world: int, refused: str | None
+) -> None:
+    """The per-head q/k norms need each head's features on one rank: validate accepts a tensor degree only where
+    it splits whole query and KV heads (qwen3-tiny: 4 heads, 2 KV heads), and names the KV heads otherwise."""
+    from tessera.config import from_dict
+    from tessera.execution import violations
+
+    raw = {"model": {"size": "qwen3-tiny"}, "parallel": {"tensor": tensor}}
+    found = violations(from_dict({**raw, "train": {"global_batch": 8, "micro_batch": 4}}), world)
+    if refused is None:
+        assert found == []
+    else:
+        assert any("model.n_kv_heads = 2" in v.problem and refused in v.problem for v in found), found

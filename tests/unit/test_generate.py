@@ -31,7 +31,7 @@ def _model(size: str):
     return build_model(cfg).eval(), cfg
 
 
-@pytest.mark.parametrize("size", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("size", ["gpt2-tiny", "llama-tiny", "qwen3-tiny"])  # Qwen3: keys cached normalised
 def test_cached_decoding_matches_the_full_forward(size: str) -> None:
     model, cfg = _model(size)
     tokens = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))

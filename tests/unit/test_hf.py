@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ def test_imported_logits_equal_transformers(tmp_path: Path, kind: str) -> None:
     hf = make_hf(tmp_path / "hf", kind)
     cfg, model = imported(tmp_path / "hf")
     assert cfg.model.vocab_size == VOCAB
-    assert cfg.model.tie_embeddings == (kind in ("gpt2", "llama_tied", "qwen2_tied"))
+    assert cfg.model.tie_embeddings == (kind == "gpt2" or kind.endswith("_tied"))
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected, got = hf(tokens).logits, model(tokens)
@@ -46,7 +47,41 @@ def test_imported_logits_equal_transformers(tmp_path: Path, kind: str) -> None:
     assert rel_err(got, expected) < LOGIT_RTOL
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama3", "mistral", "qwen2", "qwen2_tied"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_tied"])
+def test_qwen3_loss_and_every_gradient_equal_transformers(tmp_path: Path, kind: str) -> None:
+    """Qwen3's per-head q/k norms: the imported model's loss and the gradient of every weight (the norms'
+    included, under their HF names) are transformers' own, to the logits' tolerance (same fp32 arithmetic in
+    another order)."""
+    from tessera.hf.families import family_for_model_type
+
+    hf = make_hf(tmp_path / "hf", kind).train()
+    cfg, model = imported(tmp_path / "hf")
+    model.train()
+    tokens = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(3))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    expected = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten())
+    got = model(x, y)
+    assert abs(got.item() - expected.item()) <= LOGIT_RTOL * expected.item()
+    expected.backward()
+    got.backward()
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    mine = dict(model.named_parameters())
+    fam = family_for_model_type("qwen3")
+    checked = 0
+    for tensor in fam.tensors:
+        for i in range(cfg.model.n_layers) if "{i}" in tensor.hf else [0]:
+            name, (part,) = tensor.hf.format(i=i), tensor.parts
+            if name not in hf_grads:  # the tied head: transformers' lm_head.weight is the embedding
+                continue
+            assert rel_err(mine[part.format(i=i)].grad, hf_grads[name]) < LOGIT_RTOL, name
+            checked += 1
+    assert checked == len(hf_grads) == len(mine)
+    assert any("q_norm" in n for n in hf_grads)
+
+
+@pytest.mark.parametrize(
+    "kind", ["gpt2", "llama", "llama3", "mistral", "qwen2", "qwen2_tied", "qwen3", "qwen3_tied"]
+)
 def test_round_trip_is_bit_exact_and_export_loads_in_transformers(tmp_path: Path, kind: str) -> None:
     original_config = make_hf(tmp_path / "a", kind).config
     cfg, first = imported(tmp_path / "a")
@@ -238,6 +273,34 @@ def test_qwen2_what_tessera_cannot_represent_is_refused_by_name(tmp_path: Path, 
     with pytest.raises(ConfigError) as e:
         load_config(None, [f'model.init="hf:{tmp_path}"'])
     assert message in str(e.value)
+
+
+def test_qwen3_head_dim_other_than_hidden_over_heads_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """Qwen3-0.6B/4B/32B set head_dim ≠ hidden / heads, which tessera does not compute: refused by name, given
+    or absent (Qwen3Config then reads 128)."""
+    raw = hf_config("qwen3").to_dict()
+    tmp_path.joinpath("config.json").write_text(json.dumps(raw | {"head_dim": 16}))
+    with pytest.raises(ConfigError, match=re.escape("head_dim = 16 differs from hidden size / heads = 32/4")):
+        load_config(None, [f'model.init="hf:{tmp_path}"'])
+    del raw["head_dim"]
+    tmp_path.joinpath("config.json").write_text(json.dumps(raw))
+    with pytest.raises(
+        ConfigError, match=re.escape("config.json has no 'head_dim': transformers then takes")
+    ):
+        load_config(None, [f'model.init="hf:{tmp_path}"'])
+
+
+def test_qwen3_attention_bias_and_narrow_sliding_window_are_refused(tmp_path: Path) -> None:
+    for args, message in (
+        ({"attention_bias": True}, "attention_bias = True is not supported for qwen3"),
+        (
+            {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+            "sliding-window attention",
+        ),
+    ):
+        tmp_path.joinpath("config.json").write_text(json.dumps(hf_config("qwen3", **args).to_dict()))
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(None, [f'model.init="hf:{tmp_path}"'])
 
 
 def test_qwen2_sliding_window_as_wide_as_the_context_is_full_attention(tmp_path: Path) -> None:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from tessera.execution import resolve, violations
 from tessera.memory import estimate, stage_params
+from tessera.model.build import build_model
+from tessera.model.sizes import SIZES
 from tessera.planner.cost import ModelShape
 
 MODEL = ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=128, seq_len=32, tie_embeddings=False)
@@ -51,6 +54,23 @@ def test_stage_params_sum_to_model() -> None:
     shape = ModelShape.from_config(MODEL)
     plan = estimate(_cfg(), 1).plan
     assert sum(stage_params(shape, plan)) == pytest.approx(shape.n_params(), rel=REL)
+
+
+@pytest.mark.parametrize("size", [name for name, fields in SIZES.items() if fields["family"] == "qwen3"])
+def test_stage_params_count_the_built_qwen3(size: str) -> None:
+    """The estimator's parameters (its per-head q/k norms: 2·head_dim a block) are the built model's, 1 and 2
+    pipeline stages."""
+    cfg = ModelConfig(size=size)
+    with torch.device("meta"):
+        built = build_model(cfg).num_params()
+    for pipeline in (1, 2):
+        config = Config(
+            model=cfg, parallel=ParallelConfig(pipeline=pipeline), train=TrainConfig(global_batch=8)
+        )
+        plan = estimate(config, pipeline).plan
+        # tied across 2 stages: the last stage holds its own copy of the embedding (counted once when built)
+        copy = cfg.vocab_size * cfg.d_model if cfg.tie_embeddings and pipeline > 1 else 0
+        assert sum(stage_params(ModelShape.from_config(cfg), plan)) - copy == built, pipeline
 
 
 def test_explain_overflow_names_component_and_fix() -> None:

@@ -41,6 +41,7 @@ def expected_params(c: ModelConfig) -> int:
         extra = c.seq_len * h + 2 * h  # wpe, final LayerNorm
     else:
         attn += q_out + 2 * kv_out if c.family == "qwen2" else 0  # Qwen2: biases of wq, wk, wv only
+        attn += 2 * hd if c.family == "qwen3" else 0  # Qwen3: the per-head q and k norm weights
         mlp = 3 * h * f
         norms = 2 * h
         extra = h  # final RMSNorm
@@ -73,6 +74,10 @@ def test_every_size_builds_with_formula_param_count(name):
         ("qwen2-0.5b", 494_032_768),
         ("qwen2-7b", 7_615_616_512),
         ("qwen2-72b", 72_706_203_648),
+        # Qwen3 1.7B (tied), 8B, 14B: the counts transformers' Qwen3ForCausalLM has at the released configs
+        ("qwen3-1.7b", 1_720_574_976),
+        ("qwen3-8b", 8_190_735_360),
+        ("qwen3-14b", 14_768_307_200),
     ],
 )
 def test_known_parameter_counts(name, count):

@@ -102,6 +102,8 @@ def test_estimated_peak_is_the_dry_runs(layout: str) -> None:
         ("gpt", 2, {"tensor": 2}),  # replicated: norms, row-parallel biases, the position table
         ("gpt", 4, {"tensor": "2x2"}),  # every vector split by the grid's columns only
         ("llama", 4, {"tensor": 2, "pipeline": 2, "schedule": "1f1b"}),
+        ("qwen3", 2, {"tensor": 2}),  # the per-head q/k norms whole on every rank
+        ("qwen3", 4, {"tensor": "2x2"}),  # ... on every grid rank too, not split by the columns
     ],
 )
 def test_parameter_and_gradient_bytes_are_exact(family: str, world: int, parallel: dict) -> None:

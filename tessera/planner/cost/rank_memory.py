@@ -10,6 +10,9 @@ from tessera.planner.cost.compute import layers_per_stage, rank_layers
 from tessera.planner.cost.plan import Plan
 from tessera.planner.cost.shape import ModelShape
 
+_FP32 = 4
+"""Bytes of an fp32 element (the RMSNorm's upcast of its input, whatever the compute dtype)."""
+
 __all__ = [
     "MemoryBreakdown",
     "activation_bytes_per_layer",
@@ -99,7 +102,8 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     The Llama family (`swiglu`) is counted as tessera's Llama block saves: each RMSNorm keeps its input and the
     normalised tensor (the 2D norm only its input), attention keeps Q, K and V expanded to all heads, SDPA's
     output and the output projection's input (a transposed copy of it), SwiGLU keeps gate, up, silu(gate) and
-    their product. Selective recomputation drops SDPA's output and the expansion (K, V at kv/h).
+    their product. Selective recomputation drops SDPA's output and the expansion (K, V at kv/h). Qwen3's per-head
+    q/k norms (`qk_norm`) keep Q's and K's fp32 upcast and their normalised tensors, split like the heads.
     `recompute` overrides `plan.recompute` (the working memory of a recomputed block is its "none" count).
     """
     recompute = plan.recompute if recompute is None else recompute
@@ -113,15 +117,20 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     norms = 2 * _norm_bytes(shape, plan)
     inputs = _input_bytes(plan, len(fam.attention_in)) + _input_bytes(plan, len(fam.mlp_in))
     replicated = norms + inputs + (c if shape.dropout else 0)  # two 1-byte masks, in Korthikanti's units
-    # selective recomputation keeps the attention core's inputs as the Linears (and RoPE) left them
-    qkv = (_output_bytes(plan, fam.qkv_bias) if recompute == "selective" else c) * (1 + 2 * kv_h)
+    # selective recomputation keeps the attention core's inputs as the Linears (and RoPE) left them; after the
+    # per-head q/k norms (Qwen3) Q and K are fp32 under autocast, promoted by the norms' fp32 weights
+    kept = _output_bytes(plan, fam.qkv_bias) if recompute == "selective" else c
+    qk_kept = r if (fam.qk_norm and recompute == "selective") else kept
+    qkv = qk_kept * (1 + kv_h) + kept * kv_h
+    # each per-head norm keeps its input upcast to fp32 and the normalised tensor in the Linear's dtype
+    head_norms = (_FP32 + c) * (1 + kv_h) if fam.qk_norm else 0.0
     if shape.swiglu:
         attention = qkv + c if recompute == "selective" else 5 * c
-        sharded = attention + 4 * c * f_h
+        sharded = attention + 4 * c * f_h + head_norms
     else:
         scores = 0.0 if plan.flash_attention else (5 if shape.dropout else 2) * a * s / h * c / 2
         mlp = (_output_bytes(plan, fam.mlp_bias) + c) * f_h  # GELU's input (fc's output), proj's input
-        sharded = qkv + c + mlp + (0.0 if recompute == "selective" else scores)
+        sharded = qkv + c + mlp + head_norms + (0.0 if recompute == "selective" else scores)
     return sbh * (replicated / shard_all + sharded / plan.tp)
 
 

@@ -73,8 +73,9 @@ class ModelShape:
 
     def layer_params(self) -> int:
         """Weights + biases + norm parameters of one block: h(h + 2·kv) + h² + c·h·f (c = 3 for a gated MLP, else 2)
-        plus the family's biases and two norms. GPT with f = 4h, g = a: 12h² + 13h (Narayanan eq. 2)."""
-        return self.features.block_params(self.d_model, self.kv_dim, self.ffn_hidden)
+        plus the family's biases, two norms and per-head q/k norms (Qwen3: 2·head_dim). GPT with f = 4h, g = a:
+        12h² + 13h (Narayanan eq. 2)."""
+        return self.features.block_params(self.d_model, self.kv_dim, self.ffn_hidden, self.head_dim)
 
     def embedding_params(self) -> int:
         """Token embedding (+ learned positions, GPT) (+ untied output head) + final norm."""
