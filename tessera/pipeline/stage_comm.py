@@ -255,7 +255,10 @@ class ZeroStageComm:
         # exists at a time (the memory estimate's communication buffer).
         for earlier in self._inflight:
             earlier.wait_reduce()
-            if self._replicated and self._final(earlier):  # sum it over the replicas under the next backwards
+            # Sum a final shard over the replicas under the next backwards. ``earlier is flat``: the stage is
+            # being reduced again (a rank holding one stage, depth-first: one REDUCE per micro-batch), so the
+            # counts `_final` reads already include this launch and the shard in hand is not yet final.
+            if self._replicated and earlier is not flat and self._final(earlier):
                 earlier.launch_replica_reduce(self.reduce_dtype)
         flat.launch_reduce(self.reduce_dtype, drop_grads=drop_grads)
         self._inflight = [flat]

@@ -16,12 +16,14 @@ One spawn per world size: the dp 4 = 2 × 2 cases (4 ranks), then pipeline and t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tessera import comm
-from tessera.config import Config, ParallelConfig, TrainConfig
+from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from tessera.execution import resolve
 from tessera.groups import Groups, build_groups
 from tessera.layout import Axis, Layout
@@ -51,7 +53,7 @@ MAX_NORM = 0.05
 NORM_RTOL = 1e-5
 """The clipping norm: one square root of a sum over a few thousand fp32 squares, summed in another order."""
 
-CASES = {  # name: (world size, parallel section); every model ties its embedding and head
+CASES = {  # name: (world size, parallel section); the model is `_model_cfg(name)`
     "dp4_s2_z1_layered": (4, {"zero": 1, "zero_shard_size": 2}),
     "dp4_s2_z1_depth_first": (4, {"zero": 1, "zero_shard_size": 2, "accumulation": "depth_first"}),
     "dp4_s2_z2_layered": (4, {"zero": 2, "zero_shard_size": 2}),
@@ -64,12 +66,36 @@ CASES = {  # name: (world size, parallel section); every model ties its embeddin
         {"data": 4, "pipeline": 2, "zero": 2, "zero_shard_size": 2, "accumulation": "depth_first"},
     ),
     "dp4_s2_tp2_z3": (8, {"data": 4, "tensor": 2, "zero": 3, "zero_shard_size": 2}),
+    # One stage per rank, depth-first: the stage's REDUCEs follow each other, so the one in flight is never the
+    # step's last when the next launches (a 1-block model; a pipeline of 1-block ranks under 1F1B).
+    "dp4_s2_z2_depth_first_one_stage": (4, {"zero": 2, "zero_shard_size": 2, "accumulation": "depth_first"}),
+    "dp4_s2_z3_depth_first_one_stage": (4, {"zero": 3, "zero_shard_size": 2, "accumulation": "depth_first"}),
+    "dp4_s2_pp2_z2_1f1b_one_stage": (
+        8,
+        {
+            "data": 4,
+            "pipeline": 2,
+            "schedule": "1f1b",
+            "zero": 2,
+            "zero_shard_size": 2,
+            "accumulation": "depth_first",
+        },
+    ),
+}
+MODEL_CHANGES = {  # name: changes to test_zero's model (2 blocks, tied) for the cases that hold one stage per rank
+    "dp4_s2_z2_depth_first_one_stage": {"n_layers": 1},
+    "dp4_s2_z3_depth_first_one_stage": {"n_layers": 1},
+    "dp4_s2_pp2_z2_1f1b_one_stage": {"tie_embeddings": False},  # as the trainer crashed on; tied it did not
 }
 
 
-def _config(parallel: dict, dp: int) -> Config:
+def _model_cfg(name: str) -> ModelConfig:
+    return replace(_cfg(), **MODEL_CHANGES.get(name, {}))
+
+
+def _config(name: str, parallel: dict, dp: int) -> Config:
     return Config(
-        model=_cfg(),
+        model=_model_cfg(name),
         parallel=ParallelConfig(**parallel),
         train=TrainConfig(
             global_batch=dp * M * MICRO,
@@ -83,11 +109,13 @@ def _config(parallel: dict, dp: int) -> Config:
     )
 
 
-def _reference(steps: list[list]) -> tuple[list[float], list[float], list[dict[str, torch.Tensor]], dict]:
+def _reference(
+    model: ModelConfig, steps: list[list]
+) -> tuple[list[float], list[float], list[dict[str, torch.Tensor]], dict]:
     """One process, torch.optim.AdamW with torch's clipping: per step the loss, the norm clipped by and every
     gradient (by every name, tied aliases too), then the parameters."""
     norms: list[float] = []
-    losses, grads, final = _reference_steps(_cfg(), steps, clip=(MAX_NORM, norms))
+    losses, grads, final = _reference_steps(model, steps, clip=(MAX_NORM, norms))
     return losses, norms, grads, final
 
 
@@ -156,14 +184,14 @@ def _check_replicas_equal(stepper: ScheduledStepper, groups: Groups, case: str) 
 def _run_case(name: str, groups_of: dict[Layout, Groups], world: int) -> int:
     parallel = CASES[name][1]
     layout = Layout.from_config(ParallelConfig(**parallel), world)
-    cfg = _config(parallel, layout.dp)
+    cfg = _config(name, parallel, layout.dp)
     plan = resolve(cfg, world, training=False)
     assert plan.zero_shard == 2 and plan.zero_replicas == 2, name
     if layout not in groups_of:
         groups_of[layout] = build_groups(layout, "cpu", zero_shard=plan.zero_shard)
     groups = groups_of[layout]
     steps = [_batches(layout.dp * M * STEPS)[k::STEPS] for k in range(STEPS)]
-    ref_losses, ref_norms, ref_grads, ref_params = _reference(steps)
+    ref_losses, ref_norms, ref_grads, ref_params = _reference(cfg.model, steps)
     model = parallelize(_model(cfg.model), layout, groups, cfg)
     stepper = ScheduledStepper(model, cfg, layout, groups, plan)
     assert stepper.zero is not None and stepper.zero.group is groups.shard, name
