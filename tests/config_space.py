@@ -72,7 +72,7 @@ class HypothesisPick:
 def draw_run_config(pick: Pick) -> tuple[int, dict]:
     """(world size, raw config sections) of a tiny model: mostly consistent with the world size."""
     world = pick.integers(1, 4)
-    family = pick.sampled_from(["gpt", "llama", "qwen2"])
+    family = pick.sampled_from(["gpt", "llama", "qwen2", "qwen3"])
     n_heads = pick.sampled_from([1, 2, 4])
     model = {
         "family": family,
@@ -83,7 +83,7 @@ def draw_run_config(pick: Pick) -> tuple[int, dict]:
         "seq_len": pick.sampled_from([8, 12, 16]),
         "tie_embeddings": pick.booleans(),
     }
-    if family != "gpt":  # Llama and Qwen2 have grouped-query attention
+    if family != "gpt":  # Llama, Qwen2 and Qwen3 have grouped-query attention
         model["n_kv_heads"] = pick.sampled_from([None, 1, 2])
     tensor_options = [t for t in (1, 2, 3, 4) if world % t == 0] + (["2x2"] if world == 4 else [])
     tensor = pick.sampled_from(tensor_options) if pick.integers(0, 4) else pick.sampled_from([1, 2, 3, "2x2"])

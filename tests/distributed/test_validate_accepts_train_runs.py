@@ -70,7 +70,7 @@ HYBRID = [  # (world size, raw sections): hybrid sharding (dp 4 = 2 × 2), which
         {
             "model": {
                 "family": "llama",
-                "n_layers": 2,
+                "n_layers": layers,
                 "d_model": 32,
                 "n_heads": 2,
                 "vocab_size": 256,
@@ -80,7 +80,12 @@ HYBRID = [  # (world size, raw sections): hybrid sharding (dp 4 = 2 × 2), which
             "train": {"micro_batch": 1, "global_batch": 8, "dtype": "fp32"},
         },
     )
-    for zero, accumulation, extra in ((3, "depth_first", {}), (1, "layered", {"overlap_param_gather": True}))
+    for zero, accumulation, layers, extra in (
+        (3, "depth_first", 2, {}),
+        # one block: one stage per rank, reduced once per micro-batch; crashed at its last REDUCE until 35e0889
+        (2, "depth_first", 1, {}),
+        (1, "layered", 2, {"overlap_param_gather": True}),
+    )
 ]
 SETTINGS = settings(
     derandomize=True,
