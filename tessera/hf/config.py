@@ -137,6 +137,9 @@ def _rope(hf: dict[str, Any], fam: HFFamily) -> tuple[float, dict[str, Any] | No
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     theta = float(table.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = table.get("rope_type", table.get("type", "default"))
+    partial = _partial_rotary(hf, table, key)
+    if partial:
+        return theta, None, partial
     if kind == "default":
         return theta, None, []
     if kind != "llama3":
@@ -158,6 +161,20 @@ def _rope(hf: dict[str, Any], fam: HFFamily) -> tuple[float, dict[str, Any] | No
             f"({scaling['original_max_position_embeddings']!r}); put the intended value into {key}"
         )
     return theta, scaling, refused
+
+
+def _partial_rotary(hf: dict[str, Any], table: dict[str, Any], key: str) -> list[str]:
+    """A ``partial_rotary_factor`` other than 1 (in the RoPE table or top-level, where transformers 5 reads it for
+    every rope type) rotates only part of each head's dimensions; tessera rotates all of them."""
+    where, factor = (key, table["partial_rotary_factor"]) if "partial_rotary_factor" in table else ("", None)
+    if factor is None and hf.get("partial_rotary_factor") is not None:
+        where, factor = "config.json", hf["partial_rotary_factor"]
+    if factor is None or factor == 1:
+        return []
+    return [
+        f"partial_rotary_factor = {factor!r} ({where}) rotates only part of each head; tessera's RoPE rotates the "
+        "whole head (only 1 imports)"
+    ]
 
 
 def refusals(hf: dict[str, Any], fam: HFFamily) -> list[str]:

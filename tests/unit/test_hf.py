@@ -214,8 +214,20 @@ REFUSED = {
         "config.json rope_scaling.high_freq_factor = 4.0 must exceed low_freq_factor = 4.0",
     ),
     "rope_scaling_llama3_extra_key": (
+        {"rope_parameters": {**LLAMA3_ROPE, "mscale": 1.0}},
+        "rope_parameters keys ['mscale'] are not implemented by tessera",
+    ),
+    "partial_rotary_llama3": (
         {"rope_parameters": {**LLAMA3_ROPE, "partial_rotary_factor": 0.5}},
-        "rope_parameters keys ['partial_rotary_factor'] are not implemented by tessera",
+        "partial_rotary_factor = 0.5 (rope_parameters) rotates only part of each head",
+    ),
+    "partial_rotary_default_table": (  # transformers 5 reads it for every rope type, the default one too
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+        "partial_rotary_factor = 0.5 (rope_parameters) rotates only part of each head",
+    ),
+    "partial_rotary_top_level": (
+        {"partial_rotary_factor": 0.25},
+        "partial_rotary_factor = 0.25 (config.json) rotates only part of each head",
     ),
     "rope_scaling_yarn": (
         {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}},
