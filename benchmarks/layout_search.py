@@ -1,6 +1,6 @@
 """Seeded search for silent wrong gradients: random accepted layouts against the one-process run of the same model.
 
-Each case is drawn from the config space of tests/config_space.py (the property test's: GPT/Llama/Qwen2, tied or
+Each case is drawn from the config space of tests/config_space.py (the property test's: GPT/Llama/Qwen2/Qwen3, tied or
 untied embeddings, world 1-4, data × pipeline × tensor (1D, 1D + SP with or without its communication overlap, 2D),
 the four schedules, stages per rank, stage splits, ZeRO 0-3 with overlap_param_gather and hybrid shard sizes,
 accumulation orders, checkpointing modes, fp32/bf16), plus gradient clipping (off, 0.5, 1.0), document masking
@@ -8,7 +8,10 @@ and ZeRO's bf16 gradient reduction; a draw is kept only when `tessera.execution.
 model, data and train settings on one process, accumulating depth-first: the plain loop) then train 2 steps each, and
 `tessera.parity.compare_records` checks the losses, gradient norms, every full gradient by name and the
 parameters after every update (the case starting each step from the reference's state), against `tolerance_for`'s tolerances (docs/parity.md). Nothing is downloaded:
-the corpus is `tests.distributed.conftest.synthetic_corpus`, cut into JSON records so that documents exist.
+the corpus is `tests.distributed.conftest.synthetic_corpus`, cut into JSON records so that documents exist. A
+``loss_mask`` case (only drawn by ``--focus loss_mask``: the plain draw never trains on a mask) and its reference
+train on the same documents as prompt/completion records through `prepare`'s prompt/completion path
+(`masked_corpus`: prompts of up to half a document), so that micro-batches and ranks hold different numbers of targets.
 
     python benchmarks/layout_search.py --seed 0 --configs 40 [--minutes 20] [--min-world 4] [--out FILE.md]
     python benchmarks/layout_search.py --seed 3 --configs 60 --focus 2d,pp3,hybrid,stage_layers,interleaved,gqa_tp
@@ -21,7 +24,9 @@ plain distribution conditioned on that feature). Features (FOCUS): 2d (Optimus 2
 3+), hybrid (ZeRO shard groups replicated), stage_layers (an explicit split of 2+ stages), interleaved and
 breadth_first (pipeline > 1 with 2+ stages per rank), gqa_tp (Llama/Qwen2 with n_kv_heads < n_heads under tensor
 parallelism), untied_pp (untied embeddings across a pipeline), ckpt_pp (activation checkpointing with a
-pipeline), w8 (a 2×2 case doubled by data 2: 8 ranks).
+pipeline), w8 (a 2×2 case doubled by data 2: 8 ranks), qwen3 (the qwen3 family: per-head q/k RMSNorm),
+hybrid_depth_first (hybrid sharding, depth-first accumulation and one stage per rank: the layout of the fix
+35e0889, which the hybrid focus's cases never reached), loss_mask (``data.loss_mask`` on the masked corpus).
 
 Writes the Markdown report (command, configs drawn per feature, agreements and disagreements, worst relative
 differences by dtype) and a JSON line per case next to it (layout_search.jsonl).
@@ -71,6 +76,25 @@ def corpus(root: Path) -> Path:
     return root / "docs.bin"
 
 
+def masked_corpus(root: Path) -> Path:
+    """The same documents as `corpus` as prompt/completion records with their loss mask: each prompt is the
+    document's first 1 to half of its words (seeded), its completion the rest, so every window mixes targets and non-targets
+    in changing proportions (docs/data.md, "Fine-tuning: loss masks")."""
+    from tessera.train.data import prepare
+    from tests.distributed.conftest import synthetic_corpus
+
+    rng = random.Random(0)
+    lines = synthetic_corpus().splitlines()
+    records = []
+    for i in range(0, len(lines), 3):
+        words = " ".join(lines[i : i + 3]).split(" ")
+        k = rng.randint(1, len(words) // 2)
+        records.append({"prompt": " ".join(words[:k]), "completion": " " + " ".join(words[k:])})
+    (root / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    prepare([root / "sft.jsonl"], root / "sft.bin", "byte", prompt_key="prompt", completion_key="completion")
+    return root / "sft.bin"
+
+
 def _gqa(raw: dict) -> bool:
     kv = raw["model"].get("n_kv_heads")
     return kv is not None and kv < raw["model"]["n_heads"]
@@ -88,6 +112,12 @@ FOCUS: dict[str, Callable[[ExecutionPlan, dict], bool]] = {
     "untied_pp": lambda p, raw: p.pp > 1 and not raw["model"].get("tie_embeddings", True),
     "ckpt_pp": lambda p, raw: p.pp > 1 and raw["parallel"].get("checkpointing", "none") != "none",
     "w8": lambda p, raw: p.q > 1 and p.dp == 2,
+    "qwen3": lambda p, raw: raw["model"]["family"] == "qwen3",
+    # the config space's hybrid cases need data 4, hence pipeline 1: one stage per rank is a 1-block model there
+    "hybrid_depth_first": lambda p, raw: (
+        p.zero_replicas > 1 and p.accumulation == "depth_first" and p.stages_per_rank == 1
+    ),
+    "loss_mask": lambda p, raw: raw["data"].get("loss_mask", False),
 }
 """What ``--focus`` can require of a case, judged on the plan that runs it."""
 
@@ -104,10 +134,12 @@ def _eight_ranks(world: int, raw: dict, rng: random.Random) -> tuple[int, dict]:
 
 
 def draw_case(
-    rng: random.Random, tokens: Path, min_world: int = 1, focus: str | None = None
+    rng: random.Random, tokens: Path, min_world: int = 1, focus: str | None = None, masked: Path | None = None
 ) -> tuple[int, dict]:
     """An accepted (world size, raw config): the property test's draw plus clipping, document masking and
-    (with ZeRO) a bf16 gradient reduction; with ``focus``, only a draw that has that FOCUS feature."""
+    (with ZeRO) a bf16 gradient reduction; with ``focus``, only a draw that has that FOCUS feature. The
+    ``loss_mask`` focus trains on ``masked`` (`masked_corpus`) with ``data.loss_mask``, drawing nothing more, so
+    its cases are the plain draws' with the masked data."""
     while True:
         world, raw = draw_run_config(RandomPick(rng))
         if focus == "w8":
@@ -115,6 +147,9 @@ def draw_case(
         raw["train"] |= {**BASE_TRAIN, "grad_clip": rng.choice([0.0, 0.5, 1.0])}
         raw["model"] = {k: v for k, v in raw["model"].items() if v is not None}
         raw["data"] = {"path": str(tokens), "document_mask": rng.random() < 0.3}
+        if focus == "loss_mask":
+            assert masked is not None, "the loss_mask focus needs the masked corpus"
+            raw["data"] |= {"path": str(masked), "loss_mask": True}
         if raw["parallel"]["zero"] and rng.random() < 0.25:  # ZeRO's gradient reduce-scatter in bf16
             raw["train"]["grad_reduce_dtype"] = "bf16"
         # the layout's rules first, without the data section (reading the token file's metadata takes ~0.3 s
@@ -164,6 +199,7 @@ def features(world: int, raw: dict) -> dict[str, Any]:
         "grad_reduce_dtype": raw["train"].get("grad_reduce_dtype", "fp32"),
         "grad_clip": raw["train"]["grad_clip"],
         "document_mask": raw["data"]["document_mask"],
+        "loss_mask": raw["data"].get("loss_mask", False),
     }
 
 
@@ -221,6 +257,7 @@ def search(
     jsonl = out.with_suffix(".jsonl")
     with tempfile.TemporaryDirectory(prefix="layout-search-") as tmp, open(jsonl, "a") as log:
         tokens = corpus(Path(tmp))
+        masked = masked_corpus(Path(tmp)) if rerun is not None or (focus and "loss_mask" in focus) else None
         refs: dict[str, Record] = {}
         for i in range(len(rerun) if rerun is not None else n):
             if time.monotonic() > deadline:
@@ -229,10 +266,10 @@ def search(
             if rerun is not None:  # the same config on today's code: the case's seed and number kept
                 old = rerun[i]
                 target, world, raw = old.get("focus"), old["features"]["world"], old["raw"]
-                raw["data"]["path"] = str(tokens)
+                raw["data"]["path"] = str(masked if raw["data"].get("loss_mask") else tokens)
             else:
                 target = focus[i % len(focus)] if focus else None
-                world, raw = draw_case(rng, tokens, min_world, target)
+                world, raw = draw_case(rng, tokens, min_world, target, masked)
             entry: dict[str, Any] = {
                 "command": command,
                 "seed": rerun[i]["seed"] if rerun is not None else seed,
@@ -268,7 +305,7 @@ def _short(f: dict) -> str:
         f"w{f['world']} {f['family']}{'' if f['tied'] else ' untied'} dp{f['dp']} pp{f['pp']}({f['schedule']},"
         f"v{f['stages_per_rank']}) tp:{f['tensor']} z{f['zero']}{'+opg' if f['overlap_param_gather'] else ''}"
         f"{'+hsdp' if f['hybrid'] else ''} {f['accumulation']} ckpt:{f['checkpointing']} {f['dtype']}"
-        f" clip{f['grad_clip']}{' docmask' if f['document_mask'] else ''}"
+        f" clip{f['grad_clip']}{' docmask' if f['document_mask'] else ''}{' lossmask' if f.get('loss_mask') else ''}"
     )
 
 

@@ -170,6 +170,8 @@ class Record:
     world: int
     dtype: str
     losses: list[float] = field(default_factory=list)
+    """NaN at a step `tessera train` skips for having no target (data.loss_mask, an all-prompt global batch),
+    as its norm; such a step has no gradients (an empty dict) and its parameters are the ones it started from."""
     norms: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -273,8 +275,13 @@ def _load_full(run: TrainingRun, full: dict[str, torch.Tensor]) -> None:
     import torch
 
     state = run.stepper.rank_state(run.model, run.specs)
+    # no AdamW state in ``full``: its run has made no update yet (every step so far had no target, data.loss_mask)
+    # and neither has this one (else their losses differ), so this run's own fresh optimizer state stands
+    moments = any(k.startswith("optim.state.") for k in full)
     with torch.no_grad():
-        for piece in state.to_load(with_moments=True):
+        for piece in state.to_load(with_moments=moments):
+            if not moments and piece.fqn.startswith("optim.state."):
+                continue
             piece.view.copy_(full[piece.fqn][_box(tuple(piece.offsets), tuple(piece.view.shape))])
     if state.after_load is not None:
         state.after_load()
@@ -314,7 +321,9 @@ def record(
     """Train ``cfg`` for ``steps`` steps on this rank (collective under torchrun); rank 0's `Record`, None on
     the other ranks. ``follow``: another run's `Record.states`; step k > 0 starts from its state after step
     k - 1. ``keep_states``: record this run's own states so. ``scale_grad`` = (plain name, factor): that gradient
-    is scaled before each update (the sensitivity check of docs/parity.md). Writes no checkpoint and no metrics."""
+    is scaled before each update (the sensitivity check of docs/parity.md). A step without targets (data.loss_mask:
+    an all-prompt global batch) is skipped as `tessera train` skips it (`Record.losses`). Writes no checkpoint and
+    no metrics."""
     import torch.distributed as dist
 
     from tessera.train.schedule import lr_at
@@ -337,7 +346,12 @@ def record(
         for step in range(steps):
             if follow is not None and step > 0:
                 _load_full(run, follow[step - 1])
-            loss, norm = run.step(step, hook)
+            targets = run.target_tokens(step)
+            if targets == 0:  # as `tessera train`: no target, no loss per target, so no forward or update
+                loss, norm = math.nan, math.nan
+                out.grads.append({})
+            else:
+                loss, norm = run.step(step, hook, targets)
             out.losses.append(loss)
             out.norms.append(norm)
             out.lrs.append(lr_at(step, cfg.train))

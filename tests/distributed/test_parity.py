@@ -8,13 +8,17 @@ The command's own exit statuses: test_parity_cli.py (a wrong gradient) and tests
 
 from __future__ import annotations
 
+import json
+import math
+import random
 from pathlib import Path
 
 import pytest
 
-from tessera.config import from_dict
+from tessera.config import Config, from_dict
 from tessera.model.build import meta_model
-from tessera.parity import FP32, Record, compare_records, run_config, tolerance_for
+from tessera.parity import FP32, Record, compare, compare_records, run_config, tolerance_for
+from tessera.train.data import TokenDataset, prepare, target_count
 from tests.distributed.conftest import trainer_config
 
 STEPS = 2
@@ -51,3 +55,40 @@ def test_layout_matches_one_process(token_file: Path, tmp_path: Path, reference:
         assert set(got.grads[k]) == set(reference.grads[k]) == names
         assert set(got.params[k]) == names
     assert got.world == nproc and got.layout != reference.layout
+
+
+def _prompt_heavy_file(root: Path) -> Path:
+    """Byte tokens of prompt/completion records with 40-byte prompts and 1-byte completions, with their loss
+    mask: 2 targets (the completion and its end-of-text token) in every 43 tokens, so many windows hold none."""
+    rng = random.Random(3)
+    lines = [
+        json.dumps({"q": "".join(rng.choices("abcdefgh ", k=40)), "a": rng.choice("xyz")}) for _ in range(400)
+    ]
+    (root / "sft.jsonl").write_text("\n".join(lines) + "\n")
+    prepare([root / "sft.jsonl"], root / "sft.bin", "byte", prompt_key="q", completion_key="a")
+    return root / "sft.bin"
+
+
+def test_a_step_without_targets_is_skipped_as_train_skips_it(tmp_path: Path) -> None:
+    """data.loss_mask: a step whose global batch is all prompt is skipped by `tessera train` (docs/data.md); compare
+    skips it too (NaN loss and norm, no gradients, no update) in both runs and compares the next step, where it
+    used to stop with the trainer's 'holds no target tokens' error."""
+    tokens = _prompt_heavy_file(tmp_path)
+    data = TokenDataset(tokens)
+    counts = {s: [target_count(data, k, 2, MODEL["seq_len"], s) for k in range(STEPS)] for s in range(100)}
+    seed = next(s for s, (first, second) in counts.items() if first == 0 and second > 0)
+
+    def cfg(parallel: dict) -> Config:
+        raw = trainer_config(
+            tokens, tmp_path, MODEL, parallel, steps=3, global_batch=2, micro_batch=1, seed=seed
+        )
+        raw["data"]["loss_mask"] = True
+        return from_dict(raw)
+
+    reference = cfg({})
+    report = compare(cfg({"data": 2, "zero": 2}), reference, 2, 1, STEPS, tmp_path / "work")
+    assert report.ok, report.table(20)
+    names = {n for n, _ in meta_model(reference.model).named_parameters(remove_duplicate=False)}
+    for run in (report.a, report.b):
+        assert math.isnan(run.losses[0]) and math.isnan(run.norms[0]) and run.grads[0] == {}
+        assert math.isfinite(run.losses[1]) and set(run.grads[1]) == names
