@@ -120,24 +120,39 @@ def test_document_mask_matches_single_device(
         _check_zero3_gradients(*spawned[0][1])
     for i, name in enumerate(names):
         family = "gpt" if LAYOUTS[name][1] is GPT else "llama"
-        ref_losses, ref_grads = refs[family]
-        losses = results[0][i][0]
-        for step in range(STEPS):
+        zero = bool(LAYOUTS[name][2].get("zero"))
+        assert_layout_matches(
+            name, i, results, refs[family], zero, (tmp_path / name, references_dir / f"ref_{family}")
+        )
+
+
+def assert_layout_matches(
+    name: str,
+    i: int,
+    results: list,
+    reference: tuple[dict[int, float], list[dict]],
+    zero: bool,
+    run_dirs: tuple[Path, Path],
+) -> None:
+    """Layout ``name`` (the ``i``-th config of every rank's ``results``) against the single-device ``reference``
+    (losses, gradients per step): every step's loss and every gradient; with ZeRO, whose reduced gradients live in
+    shards (`_check_zero3_gradients`), the clipped gradient norms of ``run_dirs`` (this run's, the reference's)."""
+    ref_losses, ref_grads = reference
+    losses = results[0][i][0]
+    for step in range(STEPS):
+        torch.testing.assert_close(losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL, msg=name)
+    if zero:
+        _assert_same_grad_norms(*run_dirs)
+        return
+    for step in range(STEPS):
+        merged: dict[str, torch.Tensor] = {}
+        for rank_result in results:  # pipeline ranks hold disjoint stages; other ranks equal copies
+            merged.update(rank_result[i][1][step])
+        assert merged.keys() == ref_grads[step].keys(), name
+        for n, g in merged.items():
             torch.testing.assert_close(
-                losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL, msg=name
+                g, ref_grads[step][n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=f"{name} {n} step {step}"
             )
-        if LAYOUTS[name][2].get("zero"):
-            _assert_same_grad_norms(tmp_path / name, references_dir / f"ref_{family}")
-            continue  # reduced gradients live in ZeRO shards: _check_zero3_gradients
-        for step in range(STEPS):
-            merged: dict[str, torch.Tensor] = {}
-            for rank_result in results:  # pipeline ranks hold disjoint stages; other ranks equal copies
-                merged.update(rank_result[i][1][step])
-            assert merged.keys() == ref_grads[step].keys(), name
-            for n, g in merged.items():
-                torch.testing.assert_close(
-                    g, ref_grads[step][n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=f"{name} {n} step {step}"
-                )
 
 
 # --- ZeRO-3's gradients, gathered from its shards --------------------------------------------------------------
