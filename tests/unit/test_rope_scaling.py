@@ -17,8 +17,7 @@ from tessera.errors import ConfigError
 from tessera.model.layers import rope_inv_freq
 from tessera.model.sizes import SIZES
 from tests.hf_models import VOCAB, rel_err
-
-LOGIT_RTOL = 1e-5  # tests/unit/test_hf.py's bound for the same fp32 arithmetic in another order
+from tests.unit.test_hf import LOGIT_RTOL  # the same fp32 arithmetic as transformers', in another order
 
 CASES = {  # name: (theta, head dim, factor, low_freq_factor, high_freq_factor, original context)
     "llama3.1-8b": (500000.0, 128, 8.0, 1.0, 4.0, 8192),
