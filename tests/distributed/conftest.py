@@ -128,3 +128,23 @@ def counting_draws() -> Iterator[dict[str, int]]:
         yield calls
     finally:
         torch.Tensor.normal_, init.stream_seed = normal, stream_seed
+
+
+def assert_rank_grads_match(
+    rank_grads: list[dict[str, torch.Tensor]],
+    reference: dict[str, torch.Tensor],
+    rtol: float,
+    atol: float,
+    what: str,
+) -> None:
+    """One step's gradients, merged over the ranks (pipeline ranks hold disjoint stages; replicas and tensor ranks
+    that gathered full gradients hold equal copies), against the one-process ``reference``: the same names, each
+    within ``rtol``/``atol``."""
+    merged: dict[str, torch.Tensor] = {}
+    for grads in rank_grads:
+        merged.update(grads)
+    assert merged.keys() == reference.keys(), what
+    for n, g in merged.items():
+        torch.testing.assert_close(
+            g, reference[n], rtol=rtol, atol=atol, msg=lambda m, n=n: f"{what} {n}: {m}"
+        )

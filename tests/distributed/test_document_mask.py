@@ -23,7 +23,7 @@ from tessera.model.build import build_model
 from tessera.model.documents import document_positions
 from tessera.train.data import prepare
 from tessera.train.trainer import train
-from tests.distributed.conftest import trainer_config
+from tests.distributed.conftest import assert_rank_grads_match, trainer_config
 from tests.distributed.test_trainer_tp import _assert_same_grad_norms
 from tests.harness import run_distributed
 
@@ -145,14 +145,8 @@ def assert_layout_matches(
         _assert_same_grad_norms(*run_dirs)
         return
     for step in range(STEPS):
-        merged: dict[str, torch.Tensor] = {}
-        for rank_result in results:  # pipeline ranks hold disjoint stages; other ranks equal copies
-            merged.update(rank_result[i][1][step])
-        assert merged.keys() == ref_grads[step].keys(), name
-        for n, g in merged.items():
-            torch.testing.assert_close(
-                g, ref_grads[step][n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=f"{name} {n} step {step}"
-            )
+        rank_grads = [rank_result[i][1][step] for rank_result in results]
+        assert_rank_grads_match(rank_grads, ref_grads[step], GRAD_RTOL, GRAD_ATOL, f"{name} step {step}")
 
 
 # --- ZeRO-3's gradients, gathered from its shards --------------------------------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.conftest import train_recording, trainer_config
+from tests.distributed.conftest import assert_rank_grads_match, train_recording, trainer_config
 from tests.distributed.test_trainer_tp import GRAD_ATOL, GRAD_RTOL, LOSS_ATOL, LOSS_RTOL, STEPS
 from tests.harness import run_distributed
 
@@ -69,15 +69,5 @@ def test_llama3_scaling_matches_reference(
     losses = results[0][0]
     for step in range(STEPS):
         torch.testing.assert_close(losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL)
-        merged: dict[str, torch.Tensor] = {}
-        for _, grads in results:  # pipeline ranks hold disjoint stages; tensor ranks gather full gradients
-            merged.update(grads[step])
-        assert merged.keys() == ref_grads[step].keys()
-        for n, g in merged.items():
-            torch.testing.assert_close(
-                g,
-                ref_grads[step][n],
-                rtol=GRAD_RTOL,
-                atol=GRAD_ATOL,
-                msg=lambda m, n=n, step=step: f"{name} {n}, step {step}: {m}",
-            )
+        rank_grads = [grads[step] for _, grads in results]
+        assert_rank_grads_match(rank_grads, ref_grads[step], GRAD_RTOL, GRAD_ATOL, f"{name} step {step}")

@@ -19,7 +19,7 @@ from tessera.pipeline.csvio import to_csv
 from tessera.pipeline.schedules import build_schedule
 from tessera.train import checkpoint as ckpt
 from tessera.train.trainer import train
-from tests.distributed.conftest import trainer_config
+from tests.distributed.conftest import assert_rank_grads_match, trainer_config
 from tests.harness import run_distributed
 
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
@@ -111,14 +111,8 @@ def test_layouts_match_single_device(
         if LAYOUTS[name][1].get("tensor", 1) != 1:
             continue  # tensor shards: their full gradients are compared in test_trainer_tp.py
         for step in range(STEPS):
-            merged: dict[str, torch.Tensor] = {}
-            for rank_result in results:  # pipeline ranks hold disjoint stages; replicas hold equal copies
-                merged.update(rank_result[i][1][step])
-            assert merged.keys() == ref_grads[step].keys(), name
-            for n, g in merged.items():
-                torch.testing.assert_close(
-                    g, ref_grads[step][n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=f"{name} {n}"
-                )
+            rank_grads = [rank_result[i][1][step] for rank_result in results]
+            assert_rank_grads_match(rank_grads, ref_grads[step], GRAD_RTOL, GRAD_ATOL, f"{name} step {step}")
 
 
 def _same_final_checkpoint(run_dir: Path, twin_dir: Path) -> None:
