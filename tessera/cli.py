@@ -164,6 +164,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                 text_key=args.text_key,
                 prompt_key=args.prompt_key,
                 completion_key=args.completion_key,
+                messages_key=args.messages_key,
                 eot_token=args.eot_token,
                 workers=args.workers,
                 strict=args.strict,
@@ -178,10 +179,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     )
     if "loss_mask" in info:
         mask = info["loss_mask"]
+        kept = (
+            f"assistant turns and their end-of-turn tokens, by {mask['assistant_tokens']}"
+            if "messages_key" in mask
+            else "completions and their end-of-text tokens"
+        )
         print(
             f"wrote its loss mask to {Path(args.out).with_name(mask['file'])}: {mask['n_targets']:,} target "
-            f"tokens (completions and their end-of-text tokens) of {info['n_tokens']:,}; train on them with "
-            "data.loss_mask = true"
+            f"tokens ({kept}) of {info['n_tokens']:,}; train on them with data.loss_mask = true"
         )
     return 0
 
@@ -528,6 +533,12 @@ def _parser() -> argparse.ArgumentParser:
         "writes a loss mask (FILE.mask) marking the completions as the only targets",
     )
     p.add_argument("--completion-key", default=None, help="fine-tuning records: the completion field/column")
+    p.add_argument(
+        "--messages-key",
+        default=None,
+        help="chat records: the field/column of the conversation (a list of {role, content}); renders it with "
+        "the --tokenizer folder's chat template and writes a loss mask (FILE.mask) keeping the assistant turns",
+    )
     p.add_argument(
         "--eot-token",
         default=None,

@@ -750,7 +750,8 @@ def _loss_mask_files(masks: dict[str, dict | None]) -> list[Violation]:
                 rule="data.loss_mask",
                 problem=f"data.loss_mask = true, but {', '.join(missing)} has no loss mask",
                 fix="prepare it from prompt/completion records with `tessera prepare --prompt-key KEY "
-                "--completion-key KEY`, or set data.loss_mask = false to train on every token",
+                "--completion-key KEY` or from chat records with `--messages-key KEY`, or set "
+                "data.loss_mask = false to train on every token",
             )
         ]
     empty = [path for path, mask in masks.items() if mask is not None and mask["n_targets"] == 0]
@@ -759,7 +760,8 @@ def _loss_mask_files(masks: dict[str, dict | None]) -> list[Violation]:
             Violation(
                 rule="data.loss_mask",
                 problem=f"the loss mask of {', '.join(empty)} marks no target token, so no step could train",
-                fix="re-run `tessera prepare --prompt-key KEY --completion-key KEY` to rebuild it",
+                fix="re-run `tessera prepare --prompt-key KEY --completion-key KEY` (or `--messages-key KEY`) to "
+                "rebuild it",
             )
         ]
     return []
@@ -791,7 +793,7 @@ def _check_data(cfg: Config) -> list[Violation]:
                     rule="data.loss_mask",
                     problem="data.loss_mask = true, but data.path is unset: the default corpus has no loss mask",
                     fix="set data.path to a token file prepared with `tessera prepare --prompt-key KEY "
-                    "--completion-key KEY`, or data.loss_mask = false",
+                    "--completion-key KEY` (or `--messages-key KEY`), or data.loss_mask = false",
                 )
             )
         return v + _check_default_corpus(cfg)

@@ -259,7 +259,8 @@ class DataConfig:
     end-of-text token (`tessera prepare` does). Off: the window is one sequence, as in GPT-2 training."""
     loss_mask: bool = False
     """Train only on the targets the data's loss mask marks (`tessera prepare --prompt-key KEY --completion-key
-    KEY`: a record's completion and its end-of-text token, not its prompt). The loss is the cross-entropy summed
+    KEY`: a record's completion and its end-of-text token, not its prompt; `--messages-key KEY`: a conversation's
+    assistant turns and their end-of-turn tokens). The loss is the cross-entropy summed
     over those targets divided by their number in the whole global batch (every micro-batch, every data-parallel
     rank), so every layout computes the same gradient; the validation loss likewise. Needs every token file to
     have a mask. Off: every token is a target."""

@@ -2,8 +2,8 @@
 
 A token file is a flat little-endian array of token ids (uint16 when the vocabulary fits, else uint32) next to
 a JSON metadata file of the same stem (`corpus.bin` + `corpus.json`). Both are written atomically. Every
-document ends with the end-of-text token named in the metadata (`eot`). Prompt/completion data also has a loss
-mask of the same stem (`corpus.mask`: one uint8 per token, 1 where the token is a target), described by the
+document ends with the end-of-text token named in the metadata (`eot`). Prompt/completion and chat data also have
+a loss mask of the same stem (`corpus.mask`: one uint8 per token, 1 where the token is a target), described by the
 metadata's ``loss_mask`` entry (its sha256 and number of targets).
 
 Sampling is stateless: the window of global sample `i` starts at hash(seed, i) mod (n_tokens - seq_len), and
@@ -31,8 +31,9 @@ import numpy as np
 
 from tessera.errors import DataError, why_unwritable
 from tessera.files import temp_beside
+from tessera.train.chat import ChatTemplate
 from tessera.train.corpus import default_corpus_files, holdout_target, min_tokens
-from tessera.train.ingest import Key, Unit, UnitResult, find_units, tokenize_units
+from tessera.train.ingest import Key, Messages, Unit, UnitResult, find_units, tokenize_units
 from tessera.train.tokenizer import load_tokenizer, resolve_eot
 
 __all__ = [
@@ -143,6 +144,7 @@ def prepare(
     text_key: str = "text",
     prompt_key: str | None = None,
     completion_key: str | None = None,
+    messages_key: str | None = None,
     eot_token: str | None = None,
     workers: int | None = None,
     strict: bool = False,
@@ -157,6 +159,9 @@ def prepare(
 
     With ``prompt_key`` and ``completion_key`` a record's document is its prompt then its completion, and the
     loss mask `mask_path(out)` marks the completion's tokens and the end-of-text token after them as targets.
+
+    With ``messages_key`` a record's document is its conversation rendered with the chat template of the tokenizer
+    folder, and the mask marks its assistant turns and their end-of-turn tokens (`tessera.train.chat`).
     """
     out = Path(out)
     if out.is_dir():
@@ -165,15 +170,16 @@ def prepare(
         )
     if workers is not None and workers < 1:
         raise DataError(f"--workers {workers} must be at least 1; leave it out to use every core")
-    key = _record_key(text_key, prompt_key, completion_key, out)
+    key = _record_key(text_key, prompt_key, completion_key, messages_key, out)
     tok = load_tokenizer(tokenizer_spec)
     eot = resolve_eot(tok, eot_token)
+    chat = _chat_template(tok.spec, eot, eot_token) if isinstance(key, Messages) else None
     units = find_units(list(inputs), key)
     dtype = _token_dtype(tok.vocab_size)
     sha, mask_sha = hashlib.sha256(), hashlib.sha256()
     counts = {"tokens": 0, "skipped": 0, "documents": 0, "bad": 0, "max_id": 0, "targets": 0}
     sources: set[str] = set()
-    mask_file = _TempBeside(mask_path(out)) if isinstance(key, tuple) else None
+    mask_file = _TempBeside(mask_path(out)) if not isinstance(key, str) else None
 
     def chunks() -> Iterator[bytes]:
         for unit, result in tokenize_units(units, tok.spec, eot, dtype, key, workers, progress):
@@ -232,29 +238,65 @@ def prepare(
             "prompt_key": key[0],
             "completion_key": key[1],
         }
+    if chat is not None:
+        meta["loss_mask"] = {
+            "file": mask_path(out).name,
+            "sha256": mask_sha.hexdigest(),
+            "n_targets": counts["targets"],
+            "messages_key": key.key,
+            "chat_template_sha256": chat.sha256,
+            "assistant_tokens": "generation markers" if chat.marked else "prefix difference",
+        }
     _atomic_write(out.with_suffix(".json"), iter([json.dumps(meta, indent=2).encode()]))
     if mask_file is None:
         mask_path(out).unlink(missing_ok=True)  # an earlier preparation's mask no longer describes `out`
     return meta
 
 
-def _record_key(text_key: str, prompt_key: str | None, completion_key: str | None, out: Path) -> Key:
-    """What a record's document is: ``text_key``, or the (prompt, completion) pair when both are named."""
-    if prompt_key is None and completion_key is None:
+def _record_key(
+    text_key: str, prompt_key: str | None, completion_key: str | None, messages_key: str | None, out: Path
+) -> Key:
+    """What a record's document is: ``text_key``, the (prompt, completion) pair when both are named, or the
+    conversation in ``messages_key``."""
+    if prompt_key is None and completion_key is None and messages_key is None:
         return text_key
-    if prompt_key is None or completion_key is None:
+    if messages_key is not None and (prompt_key is not None or completion_key is not None):
+        raise DataError(
+            "--messages-key and --prompt-key/--completion-key are two kinds of fine-tuning record; name one"
+        )
+    if messages_key is None and (prompt_key is None or completion_key is None):
         given, missing = ("--prompt-key", "--completion-key")[:: 1 if prompt_key is not None else -1]
         raise DataError(
             f"{given} needs {missing} too: a fine-tuning record is a prompt and a completion (e.g. "
             "--prompt-key prompt --completion-key completion)"
         )
-    if prompt_key == completion_key:
+    if prompt_key is not None and prompt_key == completion_key:
         raise DataError(f"--prompt-key and --completion-key both name {prompt_key!r}; name two fields")
     if mask_path(out) == out or out.suffix == ".json":
         raise DataError(
             f"--out {str(out)!r} would be overwritten by its mask or metadata; name it e.g. train.bin"
         )
-    return (prompt_key, completion_key)
+    return Messages(messages_key) if messages_key is not None else (prompt_key, completion_key)
+
+
+def _chat_template(spec: str, eot: int, eot_token: str | None) -> ChatTemplate:
+    """The tokenizer folder's chat template, loaded here so that a folder without one is refused before any
+    worker starts, and checked not to write the end-of-text token: many chat tokenizers declare their end-of-turn
+    token as EOS (Qwen2.5's <|im_end|>, Llama 3's <|eot_id|>), which would then split every conversation."""
+    chat = ChatTemplate(spec)
+    written = chat.probe()
+    if eot not in written:
+        return chat
+    candidates = [t for t in chat.special_tokens() if t not in written]
+    named = (
+        ("--eot-token " + repr(eot_token)) if eot_token is not None else "the tokenizer's end-of-text token"
+    )
+    hint = f", e.g. --eot-token {chat.special_name(candidates[0])!r}" if candidates else ""
+    raise DataError(
+        f"{named}, {chat.special_name(eot)!r} (id {eot}), which `prepare` puts between documents, is also "
+        "written by the chat template in every conversation (it ends turns), so every conversation would be "
+        f"split at it; pass --eot-token with a special token the template does not write{hint}"
+    )
 
 
 class _TempBeside:
@@ -513,8 +555,8 @@ class TokenDataset:
         if self.mask is None:
             raise DataError(
                 f"token file {str(self.path)!r} has no loss mask, but data.loss_mask = true trains only on "
-                "targets a mask marks; prepare it with `tessera prepare --prompt-key KEY --completion-key KEY`, "
-                "or set data.loss_mask = false"
+                "targets a mask marks; prepare it with `tessera prepare --prompt-key KEY --completion-key KEY` "
+                "(or `--messages-key KEY`), or set data.loss_mask = false"
             )
         start = window_start(index, seed, self.n_tokens - seq_len)  # as `sample` (which checked the length)
         return np.asarray(self.mask[start + 1 : start + seq_len + 1]) != 0  # [s]: the targets' bytes

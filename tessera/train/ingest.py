@@ -18,6 +18,12 @@ Prompt/completion records (``key`` a pair of field names, for fine-tuning with a
 prompt's tokens, then the completion's, then the end-of-text token, and its mask marks the completion's tokens
 and the end-of-text token as targets (1), the prompt's as not (0). A record without either field is a bad
 record naming it; a plain text file has no fields and is skipped with a warning.
+
+Chat records (``key`` a `Messages`): a document is the record's conversation rendered with the tokenizer folder's
+chat template, then the end-of-text token; its mask marks the assistant turns' tokens and their end-of-turn tokens
+(`tessera.train.chat`). A record whose field is not a list of system/user/assistant messages with string content,
+that has no assistant turn, or whose assistant tokens the template does not let apart is a bad record naming it
+and the message.
 """
 
 from __future__ import annotations
@@ -37,12 +43,21 @@ from typing import Any
 import numpy as np
 
 from tessera.errors import DataError
+from tessera.train.chat import ChatError, ChatTemplate, messages_problem
 from tessera.train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["Key", "Unit", "UnitResult", "find_units", "tokenize_units"]
+__all__ = ["Key", "Messages", "Unit", "UnitResult", "find_units", "tokenize_units"]
 
-Key = str | tuple[str, str]
-"""What a record's document is: one text field, or (prompt field, completion field)."""
+
+@dataclass(frozen=True, slots=True)
+class Messages:
+    """A record's document is the conversation in field ``key``, rendered with the tokenizer's chat template."""
+
+    key: str
+
+
+Key = str | tuple[str, str] | Messages
+"""What a record's document is: one text field, (prompt field, completion field), or a conversation field."""
 
 # Bytes of whole lines per JSONL unit: small enough to spread one big file over the cores.
 JSONL_CHUNK = 16 * 2**20
@@ -72,7 +87,8 @@ class UnitResult:
 
     tokens: np.ndarray
     mask: np.ndarray | None = None
-    """Prompt/completion records: uint8 [len(tokens)], 1 where the token is a target (completion, end of text)."""
+    """Prompt/completion and chat records: uint8 [len(tokens)], 1 where the token is a target (completion and end
+    of text; assistant turns and their end-of-turn tokens)."""
     n_docs: int = 0
     problems: list[str] = field(default_factory=list)
     skipped: str | None = None
@@ -220,8 +236,8 @@ def _hf_units(folder: Path) -> list[Unit]:
 # --- reading documents -------------------------------------------------------------------------------------
 
 # A reader yields (where, text, problem): the document's location for messages, and its text (a prompt and a
-# completion for a pair of keys) or what is wrong.
-Doc = tuple[str, str | tuple[str, str] | None, str | None]
+# completion for a pair of keys, a list of messages for a conversation) or what is wrong.
+Doc = tuple[str, str | tuple[str, str] | list | None, str | None]
 
 
 def _read_text(unit: Unit, text_key: Key) -> Iterator[Doc]:
@@ -229,6 +245,11 @@ def _read_text(unit: Unit, text_key: Key) -> Iterator[Doc]:
         raise _Skip(
             "a plain text file has no prompt and completion fields (--prompt-key/--completion-key read JSONL, "
             "JSON, Parquet and HF dataset records)"
+        )
+    if isinstance(text_key, Messages):
+        raise _Skip(
+            "a plain text file has no messages field (--messages-key reads JSONL, JSON, Parquet and HF dataset "
+            "records)"
         )
     path = Path(unit.path)
     raw = path.read_bytes()
@@ -244,9 +265,11 @@ class _Skip(Exception):
     """A whole text file is not text: skipped with a warning, as before structured formats existed."""
 
 
-def _record_text(record: Any, text_key: Key) -> tuple[str | tuple[str, str] | None, str | None]:
+def _record_text(record: Any, text_key: Key) -> tuple[str | tuple[str, str] | list | None, str | None]:
     if isinstance(text_key, tuple):
         return _record_pair(record, text_key)
+    if isinstance(text_key, Messages):
+        return _record_messages(record, text_key.key)
     if not isinstance(record, dict):
         return None, f"a JSON {type(record).__name__}, not an object with a {text_key!r} field"
     if text_key not in record:
@@ -269,6 +292,16 @@ def _record_pair(record: Any, keys: tuple[str, str]) -> tuple[tuple[str, str] | 
             return None, f"field {key!r} has type {type(record[key]).__name__}, not a string"
         texts.append(record[key])
     return (texts[0], texts[1]), None
+
+
+def _record_messages(record: Any, key: str) -> tuple[list | None, str | None]:
+    """A record's conversation, or what is wrong with it, naming --messages-key when the field is missing."""
+    if not isinstance(record, dict):
+        return None, f"a JSON {type(record).__name__}, not an object with a {key!r} field"
+    if key not in record:
+        return None, f"missing field {key!r} (fields: {', '.join(sorted(record)[:8])}); see --messages-key"
+    problem = messages_problem(record[key], key)
+    return (None, problem) if problem else (record[key], None)
 
 
 def _read_jsonl_lines(unit: Unit, lines: list[bytes], text_key: Key) -> Iterator[Doc]:
@@ -334,6 +367,12 @@ def _column(table: Any, unit: Unit, text_key: str, what: str = "text", option: s
 
 
 def _read_rows(unit: Unit, table: Any, text_key: Key) -> Iterator[Doc]:
+    if isinstance(text_key, Messages):  # a list<struct<role, content>> column reads as lists of dicts
+        column = _column(table, unit, text_key.key, "messages", "--messages-key").to_pylist()
+        for i, value in enumerate(column):
+            problem = messages_problem(value, text_key.key)
+            yield f"{unit.path}:row {unit.first + i}", None if problem else value, problem
+        return
     if isinstance(text_key, tuple):
         prompts = _column(table, unit, text_key[0], "prompt", "--prompt-key").to_pylist()
         completions = _column(table, unit, text_key[1], "completion", "--completion-key").to_pylist()
@@ -406,12 +445,13 @@ class _Job:
     text_key: Key
 
 
-_WORKER: tuple[_Job, Tokenizer] | None = None
+_WORKER: tuple[_Job, Tokenizer, ChatTemplate | None] | None = None
 
 
 def _init_worker(job: _Job) -> None:
     global _WORKER
-    _WORKER = (job, load_tokenizer(job.tokenizer))
+    chat = ChatTemplate(job.tokenizer) if isinstance(job.text_key, Messages) else None
+    _WORKER = (job, load_tokenizer(job.tokenizer), chat)
 
 
 def _encode(tok: Tokenizer, text: str) -> np.ndarray:
@@ -420,25 +460,46 @@ def _encode(tok: Tokenizer, text: str) -> np.ndarray:
     return np.asarray(tok.encode(text), dtype=np.int64)
 
 
+def _document(
+    text: Any, job: _Job, tok: Tokenizer, chat: ChatTemplate | None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """A record's tokens (without the end-of-text token) and, for masked records, its mask with one more byte for
+    the end-of-text token that follows; ChatError for a conversation the template cannot split into turns."""
+    if isinstance(job.text_key, str):
+        return _encode(tok, text), None
+    if chat is not None:  # the end-of-text token only separates conversations: no turn of one, not a target
+        ids, mask = chat.encode(text)
+        return ids, np.append(mask, np.uint8(0))
+    # a pair's parts are encoded apart, so the prompt/completion boundary is a token boundary; the prompt is
+    # context only, the completion and the end-of-text token are targets
+    prompt, completion = (_encode(tok, t) for t in text)
+    mask = np.concatenate((np.zeros(len(prompt), np.uint8), np.ones(len(completion) + 1, np.uint8)))
+    return np.concatenate((prompt, completion)), mask
+
+
 def _tokenize_unit(unit: Unit) -> UnitResult:
     assert _WORKER is not None, "worker not initialised"
-    job, tok = _WORKER
-    pairs = isinstance(job.text_key, tuple)
+    job, tok, chat = _WORKER
+    masked = not isinstance(job.text_key, str)
     pieces: list[np.ndarray] = []
     masks: list[np.ndarray] = []
-    result = UnitResult(tokens=np.zeros(0, dtype=job.dtype), mask=np.zeros(0, np.uint8) if pairs else None)
+    result = UnitResult(tokens=np.zeros(0, dtype=job.dtype), mask=np.zeros(0, np.uint8) if masked else None)
     try:
         for where, text, problem in _READERS[unit.kind](unit, job.text_key):
-            # a pair's parts are encoded apart, so the prompt/completion boundary is a token boundary
-            parts = [] if text is None else [_encode(tok, t) for t in (text if pairs else (text,))]
-            if any((ids == job.eot).any() for ids in parts):
-                problem = f"contains the end-of-text token {job.eot}, which would split it in two"
+            if problem is None:
+                try:
+                    ids, mask = _document(text, job, tok, chat)
+                except ChatError as e:
+                    problem = str(e)
+                else:
+                    if (ids == job.eot).any():
+                        problem = f"contains the end-of-text token {job.eot}, which would split it in two"
             if problem is not None:
                 result.problems.append(f"{where}: {problem}")
                 continue
-            pieces.extend((*parts, np.array([job.eot])))
-            if pairs:  # the prompt is context only; the completion and the end-of-text token are targets
-                masks.extend((np.zeros(len(parts[0]), np.uint8), np.ones(len(parts[1]) + 1, np.uint8)))
+            pieces.extend((ids, np.array([job.eot])))
+            if mask is not None:
+                masks.append(mask)
             result.n_docs += 1
     except _Skip as e:
         result.skipped = str(e)
