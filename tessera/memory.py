@@ -220,8 +220,7 @@ def _stage_params(shape: ModelShape, plan: Plan, stage_layers: tuple[int, ...] |
     whole = fam.head_norm_params(shape.head_dim)  # per-head q/k norms: whole on every tensor rank, 1D and 2D
     if plan.tp_kind == "2d":  # vectors: h by j, replicated over the grid rows i
         vector_split = round(t**0.5)
-        matmul = fam.block_matmul_params(h, shape.kv_dim, shape.ffn_hidden)
-        block_vectors = shape.layer_params() - matmul - whole
+        block_vectors = shape.layer_params() - shape.block_matmul_params() - whole
     else:  # 1D: the replicated vectors of a block (a column-parallel bias is split with its weight)
         vector_split, block_vectors = 1, fam.replicated_block_vectors() * h
     per_block = (shape.layer_params() - block_vectors - whole) / t + block_vectors / vector_split + whole

@@ -65,7 +65,7 @@ def _largest(shape: ModelShape, plan: Plan, holds_table: bool) -> float:
     vocabulary padded to it); GPT's position table stays whole under 1D tensor parallelism."""
     tp, h = plan.tp, shape.d_model
     q = plan.q
-    candidates = [h * shape.ffn_hidden / tp, h * max(h, shape.kv_dim) / tp]
+    candidates = [h * shape.ffn_hidden / tp, h * max(h, shape.q_dim, shape.kv_dim) / tp]
     if holds_table:
         candidates.append(
             -(-shape.vocab_size // tp) * h if plan.tp_kind == "1d" else -(-shape.vocab_size // q) * h / q

@@ -321,7 +321,7 @@ def block_2d(shape: ModelShape, m: float, q: int, elem: int, stream: int | None 
     bytes, the rest in ``stream`` bytes (default ``elem``)."""
     stream = stream or elem
     out = _norm_2d(shape, m, q, stream) * 2
-    for lin in shape.features.block_linears(shape.d_model, shape.kv_dim, shape.ffn_hidden):
+    for lin in shape.block_linears():
         out += linear_2d(m, lin.d_in, lin.d_out, q, lin.bias, elem, stream)
     return out + _head_norms(shape, "row", stream) + _head_norms(shape, "col", stream)
 

@@ -85,6 +85,8 @@ def draw_run_config(pick: Pick) -> tuple[int, dict]:
     }
     if family != "gpt":  # Llama, Qwen2 and Qwen3 have grouped-query attention
         model["n_kv_heads"] = pick.sampled_from([None, 1, 2])
+    if not pick.integers(0, 3):  # a head width other than d_model / n_heads (Qwen3-0.6B's kind); 3: odd, RoPE
+        model["head_dim"] = pick.sampled_from([3, 4, 6, 12])  # refuses it, and so does GPT unless it is d / a
     tensor_options = [t for t in (1, 2, 3, 4) if world % t == 0] + (["2x2"] if world == 4 else [])
     tensor = pick.sampled_from(tensor_options) if pick.integers(0, 4) else pick.sampled_from([1, 2, 3, "2x2"])
     ranks = 4 if tensor == "2x2" else int(tensor)

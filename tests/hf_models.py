@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KINDS", "LLAMA3_ROPE", "VOCAB", "hf_config", "make_hf", "rel_err", "train_bpe"]
+__all__ = ["HEAD_DIMS", "KINDS", "LLAMA3_ROPE", "VOCAB", "hf_config", "make_hf", "rel_err", "train_bpe"]
 
 VOCAB = 259
 """Not divisible by 2 or 4, so tensor-parallel vocabulary padding is exercised; covers the byte data (256)."""
@@ -22,10 +22,18 @@ KINDS = (
     "qwen2_tied",
     "qwen3",
     "qwen3_tied",
+    "llama_hd",
+    "mistral_hd",
+    "qwen3_hd",
 )
 """gpt2 (tied), gpt2_untied, llama (grouped-query attention, untied), llama_tied, llama3 (Llama with Llama 3.1's
 RoPE scaling, `LLAMA3_ROPE`), mistral (MistralForCausalLM without a sliding window), qwen2 (Llama with q/k/v
-biases, GQA, untied), qwen2_tied, qwen3 (Llama with per-head q/k norms, GQA, untied), qwen3_tied."""
+biases, GQA, untied), qwen2_tied, qwen3 (Llama with per-head q/k norms, GQA, untied), qwen3_tied; and with a
+head_dim other than hidden / heads = 8 (as Qwen3-0.6B/4B/32B and Mistral-Nemo): llama_hd (head_dim 12: q_proj
+32 → 48), mistral_hd and qwen3_hd (head_dim 16: q_proj 32 → 64, o_proj 64 → 32)."""
+
+HEAD_DIMS = {"llama_hd": 12, "mistral_hd": 16, "qwen3_hd": 16}
+"""The head_dim of each kind that gives one (the others: hidden / heads = 8)."""
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -64,6 +72,9 @@ def hf_config(kind: str, **over: object):
         num_key_value_heads=2,
         max_position_embeddings=32,
     )
+    if kind in HEAD_DIMS:
+        over = {"head_dim": HEAD_DIMS[kind], **over}
+        kind = kind.removesuffix("_hd")
     if kind.startswith("qwen2"):
         tie = kind == "qwen2_tied"
         return transformers.Qwen2Config(

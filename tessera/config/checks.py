@@ -91,7 +91,8 @@ MAX_MICRO_BATCHES = 2**20
 _RANGES: dict[str, dict[str, _Range]] = {
     "model": {
         **dict.fromkeys(
-            ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size"), _POSITIVE
+            ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "vocab_size"),
+            _POSITIVE,
         ),
         "seq_len": _POSITIVE,
         "norm_eps": _POSITIVE_REAL,
@@ -189,7 +190,8 @@ def check_model(m: ModelConfig) -> list[Violation]:
     v.extend(_unknown_choice("model", m, "family", FAMILIES))
     if v:
         return v  # the divisibility rules below need positive sizes
-    if m.d_model % m.n_heads:
+    plan = family_plan(m)
+    if m.head_dim is None and m.d_model % m.n_heads:
         v.append(
             Violation(
                 rule="model.heads",
@@ -205,13 +207,23 @@ def check_model(m: ModelConfig) -> list[Violation]:
                 fix=f"set model.n_kv_heads to one of {divisors_near(m.n_heads, m.kv_heads)}",
             )
         )
+    if m.head_dim is not None and not plan.free_head_dim and m.head_dim * m.n_heads != m.d_model:
+        v.append(
+            Violation(
+                rule="model.head_width",
+                problem=f"model.head_dim = {m.head_dim} differs from model.d_model / model.n_heads = "
+                f"{m.d_model}/{m.n_heads}: family {m.family!r} (GPT-2) has no separate head width",
+                fix="remove model.head_dim, or use a family with RoPE (llama, qwen2, qwen3)",
+            )
+        )
     v.extend(_check_rope_scaling(m))
-    if family_plan(m).rope and m.head_dim % 2:
+    if plan.rope and m.head_size % 2:
+        given = f"model.head_dim = {m.head_dim}" if m.head_dim else f"{m.d_model}/{m.n_heads} = {m.head_size}"
         v.append(
             Violation(
                 rule="model.rope",
-                problem=f"RoPE needs an even head dim, got {m.d_model}/{m.n_heads} = {m.head_dim}",
-                fix="choose d_model and n_heads so that d_model / n_heads is even",
+                problem=f"RoPE needs an even head dim, got {given}",
+                fix="set model.head_dim even" if m.head_dim else "choose d_model / n_heads even",
             )
         )
     return v

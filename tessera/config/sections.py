@@ -17,7 +17,7 @@ from tessera.axes import DIMS
 from tessera.config import checks
 from tessera.config.checks import Violation
 from tessera.errors import ConfigError
-from tessera.model.family import family_plan
+from tessera.model.family import family_plan, head_dim_of
 
 __all__ = [
     "CheckpointConfig",
@@ -48,9 +48,14 @@ class ModelConfig:
     d_model: int = 64
     """Hidden size h."""
     n_heads: int = 4
-    """Query heads; head dim = d_model / n_heads."""
+    """Query heads."""
     n_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None means n_heads (multi-head attention)."""
+    head_dim: int | None = None
+    """Features per attention head; None means d_model / n_heads. Set when a model's heads are wider or narrower
+    than that (Qwen3-0.6B: d_model 1024, 16 heads, head_dim 128): wq is then d_model → n_heads·head_dim, wk and
+    wv d_model → n_kv_heads·head_dim, wo n_heads·head_dim → d_model, as transformers' Llama. Families with RoPE
+    only (GPT-2 has no head_dim); even with RoPE."""
     ffn_hidden: int | None = None
     """MLP hidden size; None means the family's rule: 4·d_model for GPT, 8/3·d rounded up to 64 for SwiGLU."""
     vocab_size: int = 256
@@ -84,8 +89,14 @@ class ModelConfig:
         return family_plan(self).default_ffn(self.d_model)
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        """The per-head width in use: ``head_dim``, or d_model / n_heads when unset (`family.head_dim_of`)."""
+        return head_dim_of(self.d_model, self.n_heads, self.head_dim)
+
+    @property
+    def attn_dim(self) -> int:
+        """The attention's inner width n_heads · head_size: wq's outputs, wo's inputs."""
+        return self.n_heads * self.head_size
 
     def check(self) -> list[Violation]:
         return checks.check_model(self)

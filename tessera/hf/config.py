@@ -24,6 +24,7 @@ from tessera.hf.families import (
     family_for_tessera,
     weight_names,
 )
+from tessera.model.family import head_dim_of
 from tessera.model.rope_scaling import LLAMA3_KEYS, scaling_problems
 
 if TYPE_CHECKING:
@@ -196,16 +197,21 @@ def refusals(hf: dict[str, Any], fam: HFFamily) -> list[str]:
         out.append(f"mixture-of-experts ({', '.join(f'{k} = {hf[k]}' for k in moe)}) is not implemented")
     if hf.get("quantization_config"):
         out.append("quantized weights (quantization_config) cannot be imported; use an unquantized folder")
-    heads, hidden = hf.get(fam.keys["n_heads"]), hf.get(fam.keys["d_model"])
-    if hf.get("head_dim") not in (None, hidden // heads if heads else None):
-        out.append(f"head_dim = {hf['head_dim']} differs from hidden size / heads = {hidden}/{heads}")
-    elif "head_dim" not in hf and fam.head_dim_absent not in (None, hidden // heads if heads else None):
-        out.append(
-            f"config.json has no 'head_dim': transformers then takes {fam.model_type}'s default "
-            f"{fam.head_dim_absent}, which differs from hidden size / heads = {hidden}/{heads}\n    fix: add "
-            '"head_dim" to config.json (the rows of q_proj.weight / the head count)'
-        )
     return out
+
+
+def _head_dim(hf: dict[str, Any], fam: HFFamily) -> int | None:
+    """``model.head_dim`` of an HF config: transformers' per-head width where it differs from hidden / heads,
+    else None (tessera's default). That width is config.json's "head_dim" when set, else the architecture's class
+    default (Qwen3Config: 128; Llama, Mistral, Qwen2: hidden / heads). GPT-2 reads no head_dim (GPT2Attention:
+    n_embd / n_head always), so its key is ignored as transformers ignores it."""
+    if not fam.rope:
+        return None
+    heads, hidden = hf.get(fam.keys["n_heads"]), hf.get(fam.keys["d_model"])
+    width = hf.get("head_dim") if "head_dim" in hf else fam.head_dim_absent
+    if width is None or width * heads == hidden:
+        return None
+    return int(width)
 
 
 def _sliding_window(hf: dict[str, Any], fam: HFFamily) -> list[str]:
@@ -252,6 +258,7 @@ def _values(hf: dict[str, Any], fam: HFFamily) -> dict[str, Any]:
     values["n_kv_heads"] = values.get("n_kv_heads") or values["n_heads"]
     values["ffn_hidden"] = values["ffn_hidden"] or 4 * values["d_model"]  # GPT-2's n_inner = null
     values["tie_embeddings"] = bool(hf.get("tie_word_embeddings", fam.tie_default))
+    values["head_dim"] = _head_dim(hf, fam)
     if fam.rope:
         values["rope_theta"], values["rope_scaling"], _ = _rope(hf, fam)
     return values
@@ -282,6 +289,8 @@ def derive_model(init: str, explicit: dict[str, Any]) -> tuple[dict[str, Any], l
             continue
         if name == "seq_len" and fam.rope and 0 < explicit[name] <= value:
             continue  # a shorter training context is fine with RoPE; learned positions fix it
+        if name == "head_dim" and explicit[name] == head_dim_of(values["d_model"], values["n_heads"], value):
+            continue  # hidden / heads given explicitly: the width the folder's model has
         problems.append(
             f"model.{name} = {explicit[name]!r} contradicts {init} (config.json {_source(name, fam, hf)} "
             f"gives {value!r})\n    fix: remove model.{name}; model.init derives it"
@@ -361,6 +370,8 @@ def _source(name: str, fam: HFFamily, hf: dict[str, Any]) -> str:
         return ("rope_scaling" if hf.get("rope_scaling") else "rope_parameters") + ".rope_theta"
     if name == "rope_scaling":
         return "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    if name == "head_dim" and "head_dim" not in hf:
+        return f"head_dim (absent: {fam.model_type}'s default)"
     return fam.keys.get(name, name)
 
 
@@ -389,7 +400,7 @@ def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None, dtype: str =
     if fam.rope:
         seq_key = fam.keys["seq_len"]
         out[seq_key] = max(cfg.seq_len, int((base or {}).get(seq_key) or 0))
-        out["head_dim"] = cfg.head_dim
+        out["head_dim"] = cfg.head_size
         out["rope_theta"] = cfg.rope_theta  # the pre-5 spelling, next to transformers 5's rope_parameters
         scaling = cfg.rope_scaling or {"type": "default"}
         keys = {k: scaling[k] for k in LLAMA3_KEYS if k in scaling}

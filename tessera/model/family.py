@@ -35,10 +35,19 @@ from typing import Any
 
 from tessera.errors import ConfigError
 
-__all__ = ["FAMILIES", "FAMILY_PLANS", "FamilyPlan", "LinearShape", "family_plan"]
+__all__ = ["FAMILIES", "FAMILY_PLANS", "FamilyPlan", "LinearShape", "family_plan", "head_dim_of"]
 
 _NORMS = ("layer", "rms")
 _FFN_RULES = ("4h", "swiglu")
+
+
+def head_dim_of(d_model: int, n_heads: int, head_dim: int | None) -> int:
+    """The per-head width a model uses: ``model.head_dim`` when given, else d_model / n_heads (the one place
+    that decides it, for the config, the model and the estimators alike). Qwen3 and Mistral-Nemo give it
+    explicitly (hidden 1024, 16 heads, head_dim 128 in Qwen3-0.6B's config.json), so the attention's inner width
+    n_heads · head_dim may differ from d_model (transformers' LlamaAttention: q_proj hidden → heads·head_dim,
+    o_proj heads·head_dim → hidden)."""
+    return head_dim if head_dim is not None else d_model // n_heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +96,9 @@ class FamilyPlan:
     """Attention Linears reading the block input (one region entry for all three)."""
     attention_out: str = "wo"
     """Attention Linear writing back to the residual stream."""
+    free_head_dim: bool = True
+    """Whether ``model.head_dim`` may differ from d_model / n_heads. GPT-2's config has no head_dim key (its head
+    width is always n_embd / n_head), so the GPT family refuses it."""
 
     def __post_init__(self) -> None:
         if self.norm not in _NORMS or self.ffn_rule not in _FFN_RULES:
@@ -116,12 +128,13 @@ class FamilyPlan:
     # --- the tensor-parallel plan ------------------------------------------------------------------------------
 
     @lru_cache(maxsize=256)  # noqa: B019 - frozen plans, a handful per run; the planner's search asks ~1e5 times
-    def block_linears(self, d_model: int, kv_dim: int, ffn: int) -> tuple[LinearShape, ...]:
-        """Every Linear of one block with its global shape, bias and 1D role (column before row)."""
+    def block_linears(self, d_model: int, q_dim: int, kv_dim: int, ffn: int) -> tuple[LinearShape, ...]:
+        """Every Linear of one block with its global shape, bias and 1D role (column before row); ``q_dim`` is
+        the attention's inner width n_heads · head_dim (d_model unless ``model.head_dim`` says otherwise)."""
         h = d_model
-        qkv_out = {"wq": h, "wk": kv_dim, "wv": kv_dim}
+        qkv_out = {"wq": q_dim, "wk": kv_dim, "wv": kv_dim}
         out = [LinearShape(f"attn.{n}", h, qkv_out[n], self.qkv_bias, "column") for n in self.attention_in]
-        out.append(LinearShape(f"attn.{self.attention_out}", h, h, self.out_bias, "row"))
+        out.append(LinearShape(f"attn.{self.attention_out}", q_dim, h, self.out_bias, "row"))
         out += [LinearShape(f"mlp.{n}", h, ffn, self.mlp_bias, "column") for n in self.mlp_in]
         out.append(LinearShape(f"mlp.{self.mlp_out}", ffn, h, self.mlp_bias, "row"))
         return tuple(out)
@@ -172,9 +185,9 @@ class FamilyPlan:
         return (2 if self.norm_bias else 1) * d_model
 
     @lru_cache(maxsize=256)  # noqa: B019 - as block_linears
-    def block_params(self, d_model: int, kv_dim: int, ffn: int, head_dim: int) -> int:
+    def block_params(self, d_model: int, q_dim: int, kv_dim: int, ffn: int, head_dim: int) -> int:
         """Weights, biases, the two norms and the per-head q/k norms (if any) of one block."""
-        linears = self.block_linears(d_model, kv_dim, ffn)
+        linears = self.block_linears(d_model, q_dim, kv_dim, ffn)
         linear = sum(lin.d_in * lin.d_out + lin.bias * lin.d_out for lin in linears)
         return linear + 2 * self.norm_params(d_model) + self.head_norm_params(head_dim)
 
@@ -182,9 +195,9 @@ class FamilyPlan:
         """Parameters of one block's per-head q/k norms (whole on every tensor rank, in 1D and 2D alike)."""
         return 2 * head_dim if self.qk_norm else 0
 
-    def block_matmul_params(self, d_model: int, kv_dim: int, ffn: int) -> int:
+    def block_matmul_params(self, d_model: int, q_dim: int, kv_dim: int, ffn: int) -> int:
         """Weights of one block's matrix multiplies (forward FLOPs per token = 2 × this)."""
-        return sum(lin.d_in * lin.d_out for lin in self.block_linears(d_model, kv_dim, ffn))
+        return sum(lin.d_in * lin.d_out for lin in self.block_linears(d_model, q_dim, kv_dim, ffn))
 
     def position_params(self, seq_len: int, d_model: int) -> int:
         """The learned position table's parameters (0 without one)."""
@@ -214,6 +227,7 @@ GPT = _register(
         out_bias=True,
         mlp_bias=True,
         ffn_rule="4h",
+        free_head_dim=False,
     )
 )
 

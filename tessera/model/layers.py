@@ -92,7 +92,9 @@ def rope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [seq_len, head_dim/2] for positions 0..seq_len-1, computed in fp32."""
     if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head dim, got {head_dim}; choose d_model / n_heads even")
+        raise ValueError(
+            f"RoPE needs an even head dim, got {head_dim}; choose model.head_dim (or d_model / n_heads) even"
+        )
     inv_freq = rope_inv_freq(head_dim, theta, scaling, device)  # [hd/2]
     pos = torch.arange(seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(pos, inv_freq)  # angles: [s, hd/2]
@@ -257,7 +259,7 @@ class Attention(nn.Module):
         """``bias``: biases on wq, wk, wv; ``out_bias``: on wo (None: the same as ``bias``); ``qk_norm``: an
         RMSNorm over each query and key head (``q_norm``, ``k_norm``, weights [head_dim], ``cfg.norm_eps``)."""
         super().__init__()
-        h, hd = cfg.d_model, cfg.head_dim
+        h, hd = cfg.d_model, cfg.head_size
         self.head_dim = hd
         self.wq = nn.Linear(h, cfg.n_heads * hd, bias=bias)
         self.wk = nn.Linear(h, cfg.kv_heads * hd, bias=bias)

@@ -63,7 +63,7 @@ class Llama(TransformerLM):
 
     def __init__(self, cfg: ModelConfig) -> None:
         plan = self.plan
-        rope = Rope(cfg.head_dim, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling)
+        rope = Rope(cfg.head_size, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling)
         blocks = [
             Block(
                 attn_norm=RMSNorm(cfg.d_model, cfg.norm_eps),

@@ -171,11 +171,11 @@ SIZES: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0,
         norm_eps=1e-5,
     ),
-    # Qwen3 dense (Yang et al. 2025; the released config.json files of Qwen/Qwen3-1.7B, -8B, -14B): Llama with
-    # per-head q/k RMSNorms, no biases, head dim 128 (= hidden / heads in these three; 0.6B, 4B and 32B set a
-    # head_dim that differs, which tessera does not compute), vocabulary 151936, RoPE base 10⁶, RMSNorm eps 1e-6;
-    # 1.7B ties embeddings, 8B and 14B do not. Context: tessera's 2048-token training default (the models' is
-    # 40960).
+    # Qwen3 dense (Yang et al. 2025; the released config.json files of Qwen/Qwen3-0.6B, -1.7B, -4B, -8B, -14B,
+    # -32B): Llama with per-head q/k RMSNorms, no biases, head dim 128 (= hidden / heads in 1.7B, 8B and 14B; 0.6B,
+    # 4B and 32B give head_dim 128 explicitly, so their attention is n_heads·128 wide, not hidden), vocabulary
+    # 151936, RoPE base 10⁶, RMSNorm eps 1e-6; 0.6B, 1.7B and 4B tie embeddings, 8B, 14B and 32B do not.
+    # Context: tessera's 2048-token training default (the models' is 40960).
     "qwen3-tiny": dict(
         family="qwen3",
         n_layers=2,
@@ -189,6 +189,20 @@ SIZES: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0,
         norm_eps=1e-6,
     ),
+    "qwen3-0.6b": dict(
+        family="qwen3",
+        n_layers=28,
+        d_model=1024,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_hidden=3072,
+        vocab_size=151936,
+        seq_len=2048,
+        tie_embeddings=True,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+    ),
     "qwen3-1.7b": dict(
         family="qwen3",
         n_layers=28,
@@ -196,6 +210,20 @@ SIZES: dict[str, dict[str, Any]] = {
         n_heads=16,
         n_kv_heads=8,
         ffn_hidden=6144,
+        vocab_size=151936,
+        seq_len=2048,
+        tie_embeddings=True,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+    ),
+    "qwen3-4b": dict(
+        family="qwen3",
+        n_layers=36,
+        d_model=2560,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_hidden=9728,
         vocab_size=151936,
         seq_len=2048,
         tie_embeddings=True,
@@ -222,6 +250,20 @@ SIZES: dict[str, dict[str, Any]] = {
         n_heads=40,
         n_kv_heads=8,
         ffn_hidden=17408,
+        vocab_size=151936,
+        seq_len=2048,
+        tie_embeddings=False,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+    ),
+    "qwen3-32b": dict(
+        family="qwen3",
+        n_layers=64,
+        d_model=5120,
+        n_heads=64,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_hidden=25600,
         vocab_size=151936,
         seq_len=2048,
         tie_embeddings=False,

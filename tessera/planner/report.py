@@ -366,6 +366,8 @@ def config_toml(result: SearchResult, cand: Candidate) -> str:
             for k in ("family", "n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "tie_embeddings")
         }
         model |= {"n_kv_heads": cfg.kv_heads, "ffn_hidden": cfg.ffn}
+        if cfg.head_dim is not None:  # TOML has no null: written only when set
+            model["head_dim"] = cfg.head_dim
     keys = (
         "data",
         "tensor",

@@ -44,6 +44,9 @@ LAYOUTS = {  # name: (world size, HF model kind, parallel section)
     "llama3_pp2_tp1d_2": (4, "llama3", {"pipeline": 2, "tensor": 2}),  # Llama 3.1's RoPE scaling
     "mistral_tp2x2": (4, "mistral", {"tensor": "2x2"}),  # exported back as Mistral
     "qwen3_tp2x2": (4, "qwen3", {"tensor": "2x2"}),  # q/k norms read whole by every grid rank, exported once
+    # head_dim 16 / 12 ≠ hidden / heads = 8 (Qwen3-0.6B's, Mistral NeMo's kind): q_proj / o_proj sliced 2D and 1D
+    "qwen3_hd_tp2x2": (4, "qwen3_hd", {"tensor": "2x2"}),
+    "llama_hd_tp1d_2_sp": (2, "llama_hd", {"tensor": 2, "sequence_parallel": True}),
 }
 
 

@@ -56,6 +56,7 @@ class Case:
     tp: int = 1  # Megatron 1D tensor-parallel size
     sequence_parallel: bool = False
     tie_embeddings: bool = True  # tied across pipeline ranks: the two stages reduce once, at the end
+    head_dim: int | None = None  # None: the size's d_model / n_heads
 
     @property
     def world(self) -> int:
@@ -110,6 +111,17 @@ CASES = [
         checkpointing="selective",
     ),
     Case("pp2_tp2_qwen3_bf_v2", "breadth_first", 2, v=2, tp=2, n_layers=4, family="qwen3"),
+    # head_dim 16 ≠ 32 / 4 (qwen3-tiny with Qwen3-0.6B's kind of heads): the attention 64 wide, split over tp
+    Case(
+        "pp2_tp2_sp_qwen3_hd16_1f1b",
+        "1f1b",
+        2,
+        tp=2,
+        n_layers=4,
+        sequence_parallel=True,
+        family="qwen3",
+        head_dim=16,
+    ),
     # pp2 × Optimus 2D 2×2 (world 8); the 1D cases above share the world-4 processes
     Case("pp2_tp2x2_1f1b", "1f1b", 2, q=2, n_layers=4),
 ]
@@ -123,6 +135,7 @@ def _config(case: Case) -> Config:
                 "size": {"gpt": "gpt2-tiny"}.get(case.family, f"{case.family}-tiny"),
                 "n_layers": case.n_layers,
                 "tie_embeddings": case.tie_embeddings,
+                **({"head_dim": case.head_dim} if case.head_dim else {}),
             },
             "parallel": {
                 "pipeline": case.pp,
@@ -207,7 +220,7 @@ def _run_cases(rank: int, world: int, names: list[str]) -> dict[str, tuple]:
 
 
 def _reference(case: Case) -> tuple[float, dict[str, torch.Tensor]]:
-    return _reference_for(case.family, case.n_layers, case.dp, case.m, case.tie_embeddings)
+    return _reference_for(case.family, case.n_layers, case.dp, case.m, case.tie_embeddings, case.head_dim)
 
 
 def _stage_grads(engine: PipelineEngine, model: torch.nn.Module, case: Case) -> dict[str, torch.Tensor]:
@@ -222,10 +235,18 @@ def _stage_grads(engine: PipelineEngine, model: torch.nn.Module, case: Case) -> 
 
 @cache
 def _reference_for(
-    family: str, n_layers: int, dp: int, m: int, tie_embeddings: bool = True
+    family: str, n_layers: int, dp: int, m: int, tie_embeddings: bool = True, head_dim: int | None = None
 ) -> tuple[float, dict[str, torch.Tensor]]:
     case = Case(
-        "reference", "gpipe", 1, family=family, n_layers=n_layers, dp=dp, m=m, tie_embeddings=tie_embeddings
+        "reference",
+        "gpipe",
+        1,
+        family=family,
+        n_layers=n_layers,
+        dp=dp,
+        m=m,
+        tie_embeddings=tie_embeddings,
+        head_dim=head_dim,
     )
     torch.manual_seed(SEED)
     model = build_model(_config(case).model)

@@ -42,6 +42,7 @@ FP16_WEIGHT_RTOL, FP16_WEIGHT_ATOL = 1e-3, 1e-4
 LLAMA = {"size": "llama-tiny", "n_kv_heads": 2}
 GPT = {"size": "gpt2-tiny"}
 QWEN3 = {"size": "qwen3-tiny"}  # per-head q/k norms: whole on every 2D grid rank, replicated in 1D
+QWEN3_HD = {"size": "qwen3-tiny", "head_dim": 16}  # head_dim 16 ≠ 32 / 4: the attention 64 wide, resharded
 # fp16 without overflows. Whether a step overflows depends on the data-parallel size (each rank's gradient is
 # the mean over its own samples, dp times larger than the global mean until reduced: dp2 at scale s overflows
 # exactly when dp1 does at 2s), so a run whose scale backs off at A would not be "the same run" at B; test_resume_
@@ -70,6 +71,7 @@ PAIRS = {  # name: (model, (world, parallel) at A, (world, parallel) at B, train
         {},
     ),
     "qwen3_tp2_sp->tp2x2": (QWEN3, (2, {"tensor": 2, "sequence_parallel": True}), (4, {"tensor": "2x2"}), {}),
+    "qwen3_hd16_tp2->tp2x2": (QWEN3_HD, (2, {"tensor": 2}), (4, {"tensor": "2x2"}), {}),
     "dp2->dp1": (GPT, (2, {"data": 2}), (1, {}), {}),
     "fp16_dp2_zero2->dp1": (GPT, (2, {"data": 2, "zero": 2}), (1, {}), FP16),
 }
@@ -112,7 +114,13 @@ def references(
     """The single-device run's final weights, per model and train section."""
     root = tmp_path_factory.mktemp("reference")
     out = {}
-    models = {"llama": (LLAMA, {}), "gpt": (GPT, {}), "gpt_fp16": (GPT, FP16), "qwen3": (QWEN3, {})}
+    models = {
+        "llama": (LLAMA, {}),
+        "gpt": (GPT, {}),
+        "gpt_fp16": (GPT, FP16),
+        "qwen3": (QWEN3, {}),
+        "qwen3_hd16": (QWEN3_HD, {}),
+    }
     for key, (model, section) in models.items():
         raw = _raw(root / key, token_file, model, {}, section, STEPS)
         train(from_dict(raw))
@@ -175,7 +183,8 @@ def test_resume_at_another_layout(outcomes: dict, references: dict, name: str) -
         assert final[0] == final[1] == {"scale": FP16["fp16_init_scale"], "good_steps": STEPS, "skipped": 0}
     got = _final_weights(out["resumed"])
     reference = references[
-        {id(GPT): "gpt", id(QWEN3): "qwen3"}.get(id(model), "llama") + ("_fp16" if fp16 else "")
+        {id(GPT): "gpt", id(QWEN3): "qwen3", id(QWEN3_HD): "qwen3_hd16"}.get(id(model), "llama")
+        + ("_fp16" if fp16 else "")
     ]
     rtol, atol = (FP16_WEIGHT_RTOL, FP16_WEIGHT_ATOL) if fp16 else (WEIGHT_RTOL, WEIGHT_ATOL)
     assert got.keys() == reference.keys()

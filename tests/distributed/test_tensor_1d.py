@@ -62,6 +62,7 @@ class Case:
     micro: int = 1  # gradient accumulation over this many micro-batches per rank
     overlap: bool = False  # tp_comm_overlap: SP's all-gathers / reduce-scatters as rings under the GEMMs
     lanes: int = 0  # with overlap: the rings' chunk GEMMs on this many forced lanes (0: CPU's one lane)
+    head_dim: int | None = None  # None: d_model / n_heads; 6 makes the attention 8·6 = 48 wide, not 32
 
 
 def _model_cfg(case: Case) -> ModelConfig:
@@ -76,6 +77,7 @@ def _model_cfg(case: Case) -> ModelConfig:
         vocab_size=case.vocab,
         seq_len=SEQ,
         tie_embeddings=case.tied,
+        head_dim=case.head_dim,
     )
 
 
@@ -90,6 +92,9 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         "llama_tp1d_2_sp_vocab257_untied": Case("llama", 2, sp=True, vocab=257, tied=False),
         "qwen2_tp1d_2_sp_vocab257_untied": Case("qwen2", 2, sp=True, vocab=257, tied=False),
         "qwen3_tp1d_2_sp_vocab257_untied": Case("qwen3", 2, sp=True, vocab=257, tied=False),
+        # head_dim 6 ≠ 32 / 8 (Qwen3-0.6B's kind of shape): wq/wk/wv column shards and wo's row shard 48 wide
+        "qwen3_hd6_tp1d_2_sp_vocab257_untied": Case("qwen3", 2, sp=True, vocab=257, tied=False, head_dim=6),
+        "llama_hd6_tp1d_2_sp_overlap": Case("llama", 2, sp=True, overlap=True, head_dim=6),
         "gpt_tp1d_2_sp_overlap": Case("gpt", 2, sp=True, overlap=True),
         "gpt_tp1d_2_sp_overlap_accumulate2": Case("gpt", 2, sp=True, micro=2, overlap=True),
         "llama_tp1d_2_sp_overlap_vocab257_untied": Case(
@@ -110,6 +115,7 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         "qwen2_tp1d_4_vocab257": Case("qwen2", 4, vocab=257),
         # no SP: the q/k norm gradients still all-reduce (each rank normalises its own heads)
         "qwen3_tp1d_4_vocab257": Case("qwen3", 4, vocab=257),
+        "qwen3_hd6_tp1d_4_vocab257": Case("qwen3", 4, vocab=257, head_dim=6),
         "gpt_tp1d_4_sp_overlap_vocab257": Case("gpt", 4, sp=True, vocab=257, overlap=True),
         "llama_tp1d_4_sp_overlap_untied": Case("llama", 4, sp=True, tied=False, overlap=True),
         "llama_dp2_tp1d_2_sp_overlap": Case("llama", 2, dp=2, sp=True, overlap=True),

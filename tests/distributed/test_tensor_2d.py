@@ -79,6 +79,19 @@ MODELS = {
         n_layers=2,
         tie_embeddings=False,
     ),
+    # head_dim 8 ≠ 16 / 4 (Qwen3-0.6B's kind of shape): the attention 32 wide, wq/wk/wv/wo SUMMA blocks of it
+    "qwen3_hd8_v257": dict(
+        family="qwen3",
+        d_model=16,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_hidden=32,
+        vocab_size=257,
+        seq_len=SEQ,
+        n_layers=2,
+        tie_embeddings=False,
+    ),
     # q = 3: heads, KV heads, hidden and MLP width divisible by 3; vocabulary 64 is padded to 66
     "gpt_q3": dict(family="gpt", d_model=36, n_heads=6, vocab_size=64, seq_len=SEQ, n_layers=1),
     "llama_q3": dict(
@@ -229,7 +242,7 @@ SAVED_FAMILIES = ["gpt", "llama"]
 @pytest.fixture(scope="module")
 def tp2x2_results() -> list[dict]:
     """One 4-rank launch shared by the tp2x2 tests (spawning ranks costs more than the models on 2 cores)."""
-    return _launch([*TP2X2_MODELS, "qwen2_v257", "qwen3_v257"], "tp2x2", SAVED_FAMILIES)
+    return _launch([*TP2X2_MODELS, "qwen2_v257", "qwen3_v257", "qwen3_hd8_v257"], "tp2x2", SAVED_FAMILIES)
 
 
 def test_tp2x2_gpt_llama_and_vocab_257(tp2x2_results: list[dict]) -> None:
@@ -250,6 +263,13 @@ def test_tp2x2_qwen3(tp2x2_results: list[dict]) -> None:
     gradient, the norm (each replicated norm weight counted once)."""
     k = len(TP2X2_MODELS) + 1
     _check_one("qwen3_v257", "tp2x2", [r["runs"][k] for r in tp2x2_results])
+
+
+def test_tp2x2_head_dim_other_than_d_model_over_heads(tp2x2_results: list[dict]) -> None:
+    """Qwen3 with head_dim 8 ≠ d_model / n_heads = 4: wq [32, 16], wk/wv [16, 16], wo [16, 32] in SUMMA blocks,
+    collective bytes (`comm_bytes_2d` with the 32-wide attention), loss, every weight and gradient, the norm."""
+    k = len(TP2X2_MODELS) + 2
+    _check_one("qwen3_hd8_v257", "tp2x2", [r["runs"][k] for r in tp2x2_results])
 
 
 def test_dp2_tp2x2_matches_single_device() -> None:

@@ -39,15 +39,28 @@ so atol ~1e-7), which bounds entries near zero such as the key bias's, analytica
 DP, Q, MICRO_BATCH, SEQ, M = 2, 2, 2, 16, 2
 SEED, DATA_SEED = 0, 1
 WORLD = DP * Q * Q
-FAMILIES = ("gpt", "llama", "qwen2", "qwen3")
-SIZES = {"gpt": "gpt2-tiny", "llama": "llama-tiny", "qwen2": "qwen2-tiny", "qwen3": "qwen3-tiny"}
+FAMILIES = ("gpt", "llama", "qwen2", "qwen3", "qwen3_hd16")
+SIZES = {
+    "gpt": "gpt2-tiny",
+    "llama": "llama-tiny",
+    "qwen2": "qwen2-tiny",
+    "qwen3": "qwen3-tiny",
+    "qwen3_hd16": "qwen3-tiny",
+}
+HEAD_DIMS = {"qwen3_hd16": 16}
+"""head_dim 16 ≠ 32 / 4: the attention 64 wide (Qwen3-0.6B's kind of heads), its SUMMA blocks ZeRO-3 sharded."""
 
 
 def _config(family: str, m: int) -> Config:
     # d_model 32, 4 heads, 2 blocks; GPT ties the embedding and the head, Llama, Qwen2 and Qwen3 (2 kv heads) do not
     return from_dict(
         {
-            "model": {"size": SIZES[family], "seq_len": SEQ, "tie_embeddings": family == "gpt"},
+            "model": {
+                "size": SIZES[family],
+                "seq_len": SEQ,
+                "tie_embeddings": family == "gpt",
+                **({"head_dim": HEAD_DIMS[family]} if family in HEAD_DIMS else {}),
+            },
             "parallel": {"data": DP, "tensor": f"{Q}x{Q}", "zero": 3, "accumulation": "layered"},
             "train": {"global_batch": DP * m * MICRO_BATCH, "micro_batch": MICRO_BATCH},
         }

@@ -40,6 +40,9 @@ FAMILIES = {
     "qwen2": {"family": "qwen2", "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 384, "tie_embeddings": False},
     # Llama with per-head q/k RMSNorms: each keeps its input and the normalised tensor, RoPE its input
     "qwen3": {"family": "qwen3", "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 384, "tie_embeddings": False},
+    # head_dim 48 ≠ 128 / 4: Q, the expanded K and V, SDPA's output and wo's input 4·48 = 192 wide, not 128
+    "llama_hd": {"family": "llama", "n_heads": 4, "n_kv_heads": 2, "head_dim": 48, "ffn_hidden": 384},
+    "qwen3_hd": {"family": "qwen3", "n_heads": 4, "n_kv_heads": 2, "head_dim": 48, "ffn_hidden": 384},
 }
 LAYOUTS = {  # name: (world size, parallel section)
     "plain": (1, {}),
@@ -55,6 +58,7 @@ BLOCK_CASES = [
     for layout in LAYOUTS
     # Qwen3's q/k norms split like the heads (tp2 as tp2_sp); their one dtype rule shows plain in fp32
     if family != "qwen3" or (layout != "tp2" and (dtype == "bf16" or layout == "plain"))
+    if not family.endswith("_hd") or layout != "tp2"  # the heads split as in tp2_sp
     for checkpointing in ("none", "selective")
 ]
 SEQ, BATCH = 32, 2

@@ -26,6 +26,17 @@ GPT = ModelConfig(family="gpt", d_model=24, n_heads=4, vocab_size=50, seq_len=8,
 LLAMA = ModelConfig(
     family="llama", d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=50, seq_len=8, n_layers=2
 )
+LLAMA_HD = ModelConfig(  # head_dim 16 ≠ 32 / 4: wq's outputs and wo's inputs 64 wide
+    family="llama",
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    ffn_hidden=48,
+    vocab_size=50,
+    seq_len=8,
+    n_layers=2,
+)
 
 
 def test_summa_bytes_hand_computed() -> None:
@@ -40,12 +51,15 @@ def test_summa_bytes_hand_computed() -> None:
 
 def _closed_form(cfg: ModelConfig, b: int, s: int, q: int, e: int = 4) -> dict[tuple[str, str], int]:
     """docs/tensor-2d.md's totals written out directly (independent of comm_bytes_2d's bookkeeping)."""
-    h, f, kv, L, m = cfg.d_model, cfg.ffn, cfg.kv_heads * cfg.head_dim, cfg.n_layers, b // q * s
+    h, f, kv, L, m = cfg.d_model, cfg.ffn, cfg.kv_heads * cfg.head_size, cfg.n_layers, b // q * s
+    a = (
+        cfg.n_heads * cfg.head_size
+    )  # the attention's width: wq's outputs, wo's inputs (h unless head_dim is set)
     vp = -(-cfg.vocab_size // q) * q
     gpt = cfg.family == "gpt"
-    ins = [h, h, h, h] + ([h, f] if gpt else [h, h, f])  # input widths of the block's linears
-    weights = 2 * h * h + 2 * h * kv + (2 if gpt else 3) * h * f  # weight elements per block
-    outs = 3 * h + 2 * kv + f if gpt else 0  # bias elements per block (GPT only)
+    ins = [h, h, h, a] + ([h, f] if gpt else [h, h, f])  # input widths of the block's linears
+    weights = 2 * h * a + 2 * h * kv + (2 if gpt else 3) * h * f  # weight elements per block
+    outs = a + 2 * kv + 2 * h + f if gpt else 0  # bias elements per block (GPT only)
     norms = 2 * L + 1
     return {
         ("broadcast", "row"): e * (2 * m * L * sum(ins) + 2 * m * vp),
@@ -61,7 +75,7 @@ def _closed_form(cfg: ModelConfig, b: int, s: int, q: int, e: int = 4) -> dict[t
     }
 
 
-@pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("cfg", [GPT, LLAMA, LLAMA_HD], ids=["gpt", "llama", "llama_head_dim_16"])
 @pytest.mark.parametrize("q", [2, 4])
 def test_comm_bytes_2d_matches_closed_form(cfg: ModelConfig, q: int) -> None:
     assert comm_bytes_2d(cfg, 8, 8, q) == _closed_form(cfg, 8, 8, q)

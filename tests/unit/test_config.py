@@ -180,3 +180,33 @@ def test_as_overrides_is_the_inverse_of_apply_overrides() -> None:
     }
     assert back == expected
     assert as_overrides({"train": {"steps": 5}}) == ["--train.steps=5"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "rule", "message"),
+    [
+        (["model.family=gpt", "model.head_dim=32"], "model.head_width", "(GPT-2) has no separate head width"),
+        (
+            ["model.family=llama", "model.head_dim=7"],
+            "model.rope",
+            "RoPE needs an even head dim, got model.head_dim = 7",
+        ),
+        (["model.family=qwen3", "model.head_dim=0"], "model.head_dim", "model.head_dim"),
+    ],
+)
+def test_head_dim_rules(overrides: list[str], rule: str, message: str) -> None:
+    """model.head_dim: positive, even with RoPE, and for GPT-2 (no head_dim key in transformers) only d / a."""
+    v = {v.rule: v for v in load_config(None, overrides).check(world_size=1)}
+    assert rule in v and message in v[rule].problem, v
+
+
+def test_head_dim_other_than_d_over_heads_is_accepted_with_rope_and_sizes_the_attention() -> None:
+    """d_model 64 with 4 heads of 32 (Qwen3-0.6B's shape in small): no divisibility rule on d_model / n_heads, and
+    head_dim = d_model / n_heads is accepted for GPT too (the same model)."""
+    cfg = load_config(
+        None, ["model.family=qwen3", "model.d_model=60", "model.head_dim=32", "model.n_kv_heads=2"]
+    )
+    assert cfg.check(world_size=1) == []
+    assert (cfg.model.head_size, cfg.model.attn_dim) == (32, 128)
+    assert load_config(None, ["model.family=gpt", "model.head_dim=16"]).check(world_size=1) == []
+    assert load_config(None, ["model.family=gpt"]).model.head_size == 16

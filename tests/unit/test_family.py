@@ -20,8 +20,9 @@ from tessera.parallel.tensor_2d import Grid2D
 from tessera.planner.cost import ModelShape
 
 
-def _cfg(family: str, tie: bool = True) -> ModelConfig:
+def _cfg(family: str, tie: bool = True, head_dim: int | None = None) -> ModelConfig:
     return ModelConfig(
+        head_dim=head_dim,
         family=family,
         n_layers=2,
         d_model=32,
@@ -45,9 +46,14 @@ def test_unknown_family_is_a_config_error_naming_the_known_ones() -> None:
         family_plan("bert")
 
 
+@pytest.mark.parametrize("head_dim", [None, 12], ids=["head_dim_h_over_a", "head_dim_12"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_model_holds_what_its_family_declares(family: str) -> None:
-    cfg = _cfg(family, tie=False)
+def test_model_holds_what_its_family_declares(family: str, head_dim: int | None) -> None:
+    """Every parameter the declaration names, at its declared shape; with head_dim 12 ≠ 32 / 4 the attention is
+    4·12 = 48 wide (wq [48, 32], wk/wv [24, 32], wo [32, 48]), as transformers' Llama lays it out."""
+    if head_dim is not None and not family_plan(family).free_head_dim:
+        pytest.skip("GPT-2 has no head_dim (tests/unit/test_config.py: refused)")
+    cfg = _cfg(family, tie=False, head_dim=head_dim)
     model = build_model(cfg, seed=0)
     plan = family_plan(cfg)
     assert model.plan is plan and model.token_embedding_name == plan.token_embedding
@@ -60,7 +66,7 @@ def test_model_holds_what_its_family_declares(family: str) -> None:
             expected |= {f"blocks.{i}.{norm}.weight"} | (
                 {f"blocks.{i}.{norm}.bias"} if plan.norm_bias else set()
             )
-        for lin in plan.block_linears(cfg.d_model, cfg.kv_heads * cfg.head_dim, cfg.ffn):
+        for lin in plan.block_linears(cfg.d_model, cfg.attn_dim, cfg.kv_heads * cfg.head_size, cfg.ffn):
             w = model.get_parameter(f"blocks.{i}.{lin.name}.weight")
             assert tuple(w.shape) == (lin.d_out, lin.d_in), lin.name
             expected |= {f"blocks.{i}.{lin.name}.weight"} | (
@@ -68,7 +74,7 @@ def test_model_holds_what_its_family_declares(family: str) -> None:
             )
         for norm in plan.head_norms:  # per-head q/k norms (Qwen3): [head_dim], starting at one
             w = model.get_parameter(f"blocks.{i}.{norm}")
-            assert tuple(w.shape) == (cfg.head_dim,) and bool((w == 1).all()), norm
+            assert tuple(w.shape) == (cfg.head_size,) and bool((w == 1).all()), norm
             expected.add(f"blocks.{i}.{norm}")
     assert names == expected
     assert hasattr(model, "rope") == plan.rope
@@ -98,10 +104,11 @@ def test_tensor_parallel_layouts_follow_the_declaration(family: str) -> None:
 def test_gpt_parameter_count_is_narayanans() -> None:
     """12h² + 13h per block (Narayanan et al. 2021, eq. 2) from the GPT declaration, f = 4h, g = a."""
     h = 64
-    assert family_plan("gpt").block_params(h, h, 4 * h, h // 4) == 12 * h * h + 13 * h
-    assert family_plan("llama").block_params(h, h, 4 * h, h // 4) == 4 * h * h + 3 * 4 * h * h + 2 * h
+    assert family_plan("gpt").block_params(h, h, h, 4 * h, h // 4) == 12 * h * h + 13 * h
+    assert family_plan("llama").block_params(h, h, h, 4 * h, h // 4) == 4 * h * h + 3 * 4 * h * h + 2 * h
     assert (
-        family_plan("qwen3").block_params(h, h, 4 * h, h // 4) == 4 * h * h + 3 * 4 * h * h + 2 * h + h // 2
+        family_plan("qwen3").block_params(h, h, h, 4 * h, h // 4)
+        == 4 * h * h + 3 * 4 * h * h + 2 * h + h // 2
     )
 
 

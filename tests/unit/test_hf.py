@@ -24,7 +24,7 @@ from tessera.config import load_config
 from tessera.errors import CheckpointError, ConfigError
 from tessera.hf.export import save_hf
 from tessera.hf.weights import HFCheckpoint, load_init
-from tests.hf_models import KINDS, LLAMA3_ROPE, VOCAB, hf_config, make_hf, rel_err
+from tests.hf_models import HEAD_DIMS, KINDS, LLAMA3_ROPE, VOCAB, hf_config, make_hf, rel_err
 
 LOGIT_RTOL = 1e-5
 
@@ -47,15 +47,17 @@ def test_imported_logits_equal_transformers(tmp_path: Path, kind: str) -> None:
     assert rel_err(got, expected) < LOGIT_RTOL
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_tied"])
-def test_qwen3_loss_and_every_gradient_equal_transformers(tmp_path: Path, kind: str) -> None:
-    """Qwen3's per-head q/k norms: the imported model's loss and the gradient of every weight (the norms'
-    included, under their HF names) are transformers' own, to the logits' tolerance (same fp32 arithmetic in
-    another order)."""
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_tied", "qwen3_hd", "llama_hd", "mistral_hd"])
+def test_loss_and_every_gradient_equal_transformers(tmp_path: Path, kind: str) -> None:
+    """Qwen3's per-head q/k norms and a head_dim other than hidden / heads (q_proj hidden → heads·head_dim,
+    o_proj back): the imported model's loss and the gradient of every weight (the norms' included, under their
+    HF names) are transformers' own, to the logits' tolerance (same fp32 arithmetic in another order)."""
     from tessera.hf.families import family_for_model_type
 
     hf = make_hf(tmp_path / "hf", kind).train()
     cfg, model = imported(tmp_path / "hf")
+    assert cfg.model.head_size == hf.config.head_dim
+    assert cfg.model.head_dim == HEAD_DIMS.get(kind)  # None: hidden / heads, tessera's default
     model.train()
     tokens = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(3))
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -66,7 +68,7 @@ def test_qwen3_loss_and_every_gradient_equal_transformers(tmp_path: Path, kind: 
     got.backward()
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
     mine = dict(model.named_parameters())
-    fam = family_for_model_type("qwen3")
+    fam = family_for_model_type(hf.config.model_type)
     checked = 0
     for tensor in fam.tensors:
         for i in range(cfg.model.n_layers) if "{i}" in tensor.hf else [0]:
@@ -76,11 +78,12 @@ def test_qwen3_loss_and_every_gradient_equal_transformers(tmp_path: Path, kind: 
             assert rel_err(mine[part.format(i=i)].grad, hf_grads[name]) < LOGIT_RTOL, name
             checked += 1
     assert checked == len(hf_grads) == len(mine)
-    assert any("q_norm" in n for n in hf_grads)
+    assert any("q_norm" in n for n in hf_grads) == kind.startswith("qwen3")
 
 
 @pytest.mark.parametrize(
-    "kind", ["gpt2", "llama", "llama3", "mistral", "qwen2", "qwen2_tied", "qwen3", "qwen3_tied"]
+    "kind",
+    ["gpt2", "llama", "llama3", "mistral", "qwen2", "qwen2_tied", "qwen3", "qwen3_tied", *HEAD_DIMS],
 )
 def test_round_trip_is_bit_exact_and_export_loads_in_transformers(tmp_path: Path, kind: str) -> None:
     original_config = make_hf(tmp_path / "a", kind).config
@@ -101,12 +104,21 @@ def test_round_trip_is_bit_exact_and_export_loads_in_transformers(tmp_path: Path
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
     # the same architecture (an imported Mistral exports as Mistral) and the same RoPE (llama3 scaling kept)
     assert type(reloaded.config) is type(original_config)
+    assert _head_width(reloaded.config) == _head_width(original_config)
     assert getattr(reloaded.config, "rope_parameters", None) == getattr(
         original_config, "rope_parameters", None
     )
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert rel_err(reloaded(tokens).logits, first(tokens)) < LOGIT_RTOL
+
+
+def _head_width(config: transformers.PretrainedConfig) -> int:
+    """The per-head width transformers' attention takes from ``config`` (LlamaAttention, Qwen3Attention)."""
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    return (
+        getattr(config, "head_dim", None) or (getattr(config, "hidden_size", None) or config.n_embd) // heads
+    )
 
 
 def test_llama3_scaling_is_what_makes_the_logits_agree(tmp_path: Path) -> None:
@@ -238,7 +250,6 @@ REFUSED = {
     "activation": ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
     "sliding_window": ({"sliding_window": 4096}, "sliding-window attention"),
     "moe": ({"num_local_experts": 8}, "mixture-of-experts (num_local_experts = 8)"),
-    "head_dim": ({"head_dim": 16}, "head_dim = 16"),
     "mistral_sliding_window": (
         {"model_type": "mistral", "sliding_window": 16},
         "sliding-window attention (sliding_window = 16, narrower than the context max_position_embeddings = 32)",
@@ -287,19 +298,49 @@ def test_qwen2_what_tessera_cannot_represent_is_refused_by_name(tmp_path: Path, 
     assert message in str(e.value)
 
 
-def test_qwen3_head_dim_other_than_hidden_over_heads_is_refused_naming_the_key(tmp_path: Path) -> None:
-    """Qwen3-0.6B/4B/32B set head_dim ≠ hidden / heads, which tessera does not compute: refused by name, given
-    or absent (Qwen3Config then reads 128)."""
-    raw = hf_config("qwen3").to_dict()
-    tmp_path.joinpath("config.json").write_text(json.dumps(raw | {"head_dim": 16}))
-    with pytest.raises(ConfigError, match=re.escape("head_dim = 16 differs from hidden size / heads = 32/4")):
-        load_config(None, [f'model.init="hf:{tmp_path}"'])
-    del raw["head_dim"]
-    tmp_path.joinpath("config.json").write_text(json.dumps(raw))
-    with pytest.raises(
-        ConfigError, match=re.escape("config.json has no 'head_dim': transformers then takes")
-    ):
-        load_config(None, [f'model.init="hf:{tmp_path}"'])
+def test_head_dim_is_read_as_transformers_reads_it(tmp_path: Path) -> None:
+    """model.head_dim from config.json: given; absent, the architecture's default (Qwen3Config: 128, Llama:
+    hidden / heads); null, hidden / heads; GPT-2's ignored as GPT2Attention ignores it. None whenever it is
+    hidden / heads (tessera's default), so an explicit model.head_dim = 8 does not contradict it."""
+    cases = [
+        ("qwen3", {"head_dim": 16}, 16),
+        ("qwen3", {"head_dim": 8}, None),
+        ("qwen3", {"head_dim": None}, None),
+        ("qwen3", {"head_dim": "absent"}, 128),
+        ("llama", {"head_dim": "absent"}, None),
+        ("llama", {"head_dim": 12}, 12),
+        ("mistral", {"head_dim": 16}, 16),
+        ("gpt2", {"head_dim": 16}, None),
+    ]
+    for kind, change, expected in cases:
+        raw = hf_config(kind).to_dict() | change
+        if raw["head_dim"] == "absent":
+            del raw["head_dim"]
+        tmp_path.joinpath("config.json").write_text(json.dumps(raw))
+        cfg = load_config(None, [f'model.init="hf:{tmp_path}"'])
+        assert cfg.model.head_dim == expected, (kind, change)
+    assert load_config(None, [f'model.init="hf:{tmp_path}"', "model.head_dim=8"]).model.head_size == 8
+    tmp_path.joinpath("config.json").write_text(json.dumps(hf_config("qwen3").to_dict() | {"head_dim": 16}))
+    with pytest.raises(ConfigError, match=re.escape("model.head_dim = 8 contradicts")):
+        load_config(None, [f'model.init="hf:{tmp_path}"', "model.head_dim=8"])
+
+
+@pytest.mark.parametrize("size", ["qwen3-0.6b", "qwen3-4b", "qwen3-32b", "qwen3-1.7b"])
+def test_qwen3_sizes_have_transformers_parameter_count(size: str) -> None:
+    """The registry's Qwen3 sizes, exported to a config.json (head_dim 128 written, as the released files give
+    it) and built by transformers on the meta device, have tessera's parameter count (the estimator's too)."""
+    from tessera.config import ModelConfig
+    from tessera.hf.config import hf_config as export_config
+    from tessera.model.build import meta_model
+    from tessera.model.sizes import SIZES
+    from tessera.planner.cost import ModelShape
+
+    cfg = ModelConfig(**SIZES[size])
+    config = transformers.Qwen3Config(**export_config(cfg))
+    assert config.head_dim == 128
+    with torch.device("meta"):
+        theirs = transformers.Qwen3ForCausalLM(config).num_parameters()
+    assert meta_model(cfg).num_params() == theirs == ModelShape.from_config(cfg).n_params()
 
 
 def test_qwen3_attention_bias_and_narrow_sliding_window_are_refused(tmp_path: Path) -> None:

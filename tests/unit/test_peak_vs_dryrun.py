@@ -97,18 +97,25 @@ def test_estimated_peak_is_the_dry_runs(layout: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("family", "world", "parallel"),
+    ("family", "world", "parallel", "head_dim"),
     [
-        ("gpt", 2, {"tensor": 2}),  # replicated: norms, row-parallel biases, the position table
-        ("gpt", 4, {"tensor": "2x2"}),  # every vector split by the grid's columns only
-        ("llama", 4, {"tensor": 2, "pipeline": 2, "schedule": "1f1b"}),
-        ("qwen3", 2, {"tensor": 2}),  # the per-head q/k norms whole on every rank
-        ("qwen3", 4, {"tensor": "2x2"}),  # ... on every grid rank too, not split by the columns
+        ("gpt", 2, {"tensor": 2}, None),  # replicated: norms, row-parallel biases, the position table
+        ("gpt", 4, {"tensor": "2x2"}, None),  # every vector split by the grid's columns only
+        ("llama", 4, {"tensor": 2, "pipeline": 2, "schedule": "1f1b"}, None),
+        ("qwen3", 2, {"tensor": 2}, None),  # the per-head q/k norms whole on every rank
+        ("qwen3", 4, {"tensor": "2x2"}, None),  # ... on every grid rank too, not split by the columns
+        # head_dim 48 ≠ 128 / 4: wq, wo 4·48 = 192 wide, wk, wv 2·48 (Qwen3-0.6B's kind of heads)
+        ("qwen3", 2, {"tensor": 2}, 48),
+        ("qwen3", 4, {"tensor": "2x2"}, 48),
+        ("llama", 4, {"tensor": 2, "pipeline": 2, "schedule": "1f1b"}, 48),
     ],
 )
-def test_parameter_and_gradient_bytes_are_exact(family: str, world: int, parallel: dict) -> None:
+def test_parameter_and_gradient_bytes_are_exact(
+    family: str, world: int, parallel: dict, head_dim: int | None
+) -> None:
     """`stage_params` counts what each tensor-parallel rank holds, replicated vectors whole (to the byte)."""
     model = {"family": family, "n_heads": 4, "d_model": 128, "vocab_size": 64, "seq_len": 32, "n_layers": 2}
+    model |= {"n_kv_heads": 2, "head_dim": head_dim} if head_dim else {}
     cfg = from_dict({"model": model, "parallel": parallel, "train": {"global_batch": 4, "micro_batch": 2}})
     for rank in (0, world - 1):
         measured, est = dry_run(cfg, world, rank), estimated_memory(cfg, world, rank)

@@ -27,6 +27,17 @@ LLAMA = ModelConfig(
 QWEN3 = ModelConfig(  # per-head q/k norms: whole on every grid rank, initialised to one
     family="qwen3", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=51, seq_len=16
 )
+QWEN3_HD = ModelConfig(  # head_dim 16 ≠ 32 / 4: wq [64, 32], wo [32, 64] cut into 2D blocks of that width
+    family="qwen3",
+    n_layers=2,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    ffn_hidden=64,
+    vocab_size=51,
+    seq_len=16,
+)
 BIG_ROWS = ModelConfig(family="gpt", n_layers=1, d_model=8, n_heads=2, vocab_size=3 * BLOCK_ELEMENTS // 8 + 5)
 
 
@@ -69,7 +80,7 @@ def test_build_model_is_a_function_of_the_seed(cfg: ModelConfig) -> None:
     assert torch.equal(torch.random.get_rng_state(), state)  # a given seed leaves the global RNG alone
 
 
-@pytest.mark.parametrize("cfg", [GPT, LLAMA, QWEN3], ids=["gpt", "llama", "qwen3"])
+@pytest.mark.parametrize("cfg", [GPT, LLAMA, QWEN3, QWEN3_HD], ids=["gpt", "llama", "qwen3", "qwen3_hd16"])
 @pytest.mark.parametrize(("i", "j"), [(0, 0), (0, 1), (1, 0), (1, 1)])
 def test_2d_shard_declarations_match_the_blocks_cut_from_the_full_model(
     cfg: ModelConfig, i: int, j: int
@@ -86,7 +97,7 @@ def test_2d_shard_declarations_match_the_blocks_cut_from_the_full_model(
     for name, p in theirs.items():
         assert torch.equal(mine[name], p), name
     for name in (n for n in mine if n.endswith(("q_norm.weight", "k_norm.weight"))):
-        assert mine[name].shape == (cfg.head_dim,) and bool((mine[name] == 1).all()), name
+        assert mine[name].shape == (cfg.head_size,) and bool((mine[name] == 1).all()), name
     if cfg.tie_embeddings:
         table = getattr(sharded.embed, sharded.embed.token_name)
         assert sharded.head.out.weight is table.weight  # materialised once, still tied

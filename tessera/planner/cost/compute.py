@@ -94,7 +94,8 @@ def elementwise_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
     the norms; c = r = 2 in the published accounting, r = 4 under tessera's autocast). Per token-hidden element
     (×s·b·h): two norms 2r each (read + write); two residual adds 2r + c each (read the stream and the branch's
     matmul output, write the stream), +1 with fused bias-dropout-add (1-byte mask); activation: GELU 2c·f/h,
-    SwiGLU 3c·f/h; rotary 2c(h+kv)/h (Llama); per-head q/k norms (c + r)(h+kv)/h (Qwen3). Softmax on the a·s² scores: 2c bytes per score, 4c + 1 with dropout
+    SwiGLU 3c·f/h; rotary 2c(q+kv)/h (Llama; q = n_heads·head_dim, = h by default); per-head q/k norms
+    (c + r)(q+kv)/h (Qwen3). Softmax on the a·s² scores: 2c bytes per score, 4c + 1 with dropout
     (+read/write/mask) unless flash attention. Under autocast (`Plan.casts`) each Linear reading a norm's output
     casts it (read r, write c; wq, wk, wv and the MLP's input Linears); the weights are cast once per step, not
     per micro-batch (`weight_cast_bytes_per_layer`). Published bf16: norms 4, adds 6 (7), GELU 4f/h, SwiGLU
@@ -109,10 +110,11 @@ def elementwise_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
     residual_add = 2 * r + c + (1 if shape.dropout else 0)
     replicated = 2 * (2 * r) + 2 * residual_add
     activation = (3 if shape.swiglu else 2) * c * f / h
-    sharded = activation + (2 * c * (h + shape.kv_dim) / h if shape.features.rope else 0)
+    qk = shape.q_dim + shape.kv_dim  # Q's and K's widths: what RoPE and the per-head norms touch
+    sharded = activation + (2 * c * qk / h if shape.features.rope else 0)
     # per-head q/k norms: read Q and K (c), write them (r: their fp32 weights promote them)
     if shape.features.qk_norm:
-        sharded += (c + r) * (h + shape.kv_dim) / h
+        sharded += (c + r) * qk / h
     div_rep = plan.tp if (plan.tp_kind == "2d" or plan.sequence_parallel) else 1
     out = sbh * replicated / div_rep + (sbh * sharded + score_bytes(shape, plan)) / plan.tp
     if plan.casts:
@@ -146,7 +148,7 @@ def weight_cast_bytes_per_layer(shape: ModelShape, plan: Plan) -> tuple[float, f
     if not plan.casts:
         return 0.0, 0.0
     c, r = plan.act_bytes, plan.stream_bytes
-    local = shape.features.block_matmul_params(shape.d_model, shape.kv_dim, shape.ffn_hidden) / plan.tp
+    local = shape.block_matmul_params() / plan.tp
     return 0.0, (c + 4 * r) * local
 
 

@@ -102,7 +102,8 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     The Llama family (`swiglu`) is counted as tessera's Llama block saves: each RMSNorm keeps its input and the
     normalised tensor (the 2D norm only its input), attention keeps Q, K and V expanded to all heads, SDPA's
     output and the output projection's input (a transposed copy of it), SwiGLU keeps gate, up, silu(gate) and
-    their product. Selective recomputation drops SDPA's output and the expansion (K, V at kv/h). Qwen3's per-head
+    their product. Selective recomputation drops SDPA's output and the expansion (K, V at kv/h). The attention
+    tensors are n_heads·head_dim wide (q/h of the stream's h; 1 unless `ModelShape.head_dim` differs). Qwen3's per-head
     q/k norms (`qk_norm`) keep Q's and K's fp32 upcast and their normalised tensors, split like the heads.
     `recompute` overrides `plan.recompute` (the working memory of a recomputed block is its "none" count).
     """
@@ -113,7 +114,8 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     shard_all = plan.tp if (plan.tp_kind == "2d" or plan.sequence_parallel) else 1
     if recompute == "full":
         return sbh * r / shard_all
-    fam, f_h, kv_h = shape.features, shape.ffn_hidden / h, shape.kv_dim / h
+    # attention tensors are n_heads·head_dim (q_h) or n_kv·head_dim (kv_h) wide, per unit of h
+    fam, f_h, q_h, kv_h = shape.features, shape.ffn_hidden / h, shape.q_dim / h, shape.kv_dim / h
     norms = 2 * _norm_bytes(shape, plan)
     inputs = _input_bytes(plan, len(fam.attention_in)) + _input_bytes(plan, len(fam.mlp_in))
     replicated = norms + inputs + (c if shape.dropout else 0)  # two 1-byte masks, in Korthikanti's units
@@ -121,16 +123,16 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     # per-head q/k norms (Qwen3) Q and K are fp32 under autocast, promoted by the norms' fp32 weights
     kept = _output_bytes(plan, fam.qkv_bias) if recompute == "selective" else c
     qk_kept = r if (fam.qk_norm and recompute == "selective") else kept
-    qkv = qk_kept * (1 + kv_h) + kept * kv_h
+    qkv = qk_kept * (q_h + kv_h) + kept * kv_h
     # each per-head norm keeps its input upcast to fp32 and the normalised tensor in the Linear's dtype
-    head_norms = (_FP32 + c) * (1 + kv_h) if fam.qk_norm else 0.0
+    head_norms = (_FP32 + c) * (q_h + kv_h) if fam.qk_norm else 0.0
     if shape.swiglu:
-        attention = qkv + c if recompute == "selective" else 5 * c
+        attention = qkv + c * q_h if recompute == "selective" else 5 * c * q_h
         sharded = attention + 4 * c * f_h + head_norms
     else:
         scores = 0.0 if plan.flash_attention else (5 if shape.dropout else 2) * a * s / h * c / 2
         mlp = (_output_bytes(plan, fam.mlp_bias) + c) * f_h  # GELU's input (fc's output), proj's input
-        sharded = qkv + c + mlp + head_norms + (0.0 if recompute == "selective" else scores)
+        sharded = qkv + c * q_h + mlp + head_norms + (0.0 if recompute == "selective" else scores)
     return sbh * (replicated / shard_all + sharded / plan.tp)
 
 
@@ -167,11 +169,7 @@ def autocast_weight_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
     micro-batches saved it."""
     if not plan.casts:
         return 0.0
-    return (
-        plan.act_bytes
-        * shape.features.block_matmul_params(shape.d_model, shape.kv_dim, shape.ffn_hidden)
-        / plan.tp
-    )
+    return plan.act_bytes * shape.block_matmul_params() / plan.tp
 
 
 def autocast_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
@@ -189,12 +187,7 @@ def autocast_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> floa
     head = plan.act_bytes * _table_rows(shape, plan) * shape.d_model / plan.tp
     gathered = plan.sequence_parallel and plan.tp_kind == "1d" and plan.tp > 1
     if gathered and not _cache_lasts_the_step(plan):  # only the row-parallel Linears' copies are saved
-        fam, h = shape.features, shape.d_model
-        rows = sum(
-            lin.d_in * lin.d_out
-            for lin in fam.block_linears(h, shape.kv_dim, shape.ffn_hidden)
-            if lin.role == "row"
-        )
+        rows = sum(lin.d_in * lin.d_out for lin in shape.block_linears() if lin.role == "row")
         per_layer, head = plan.act_bytes * rows / plan.tp, 0.0
     return rank_layers(shape, plan, stage) * per_layer + (head if stage == plan.pp - 1 else 0.0)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.model.family import FamilyPlan, family_plan
+from tessera.model.family import FamilyPlan, LinearShape, family_plan, head_dim_of
 from tessera.modes import CHECKPOINTING
 
 __all__ = [
@@ -50,17 +50,22 @@ class ModelShape:
     """Dropout layers present (adds 1-byte masks to activation memory and HBM traffic, Korthikanti's accounting)."""
     family: str | None = None
     """`ModelConfig.family`; None: GPT or Llama style by `swiglu`."""
+    head_dim: int | None = None
+    """Features per head; None means d_model / n_heads (`ModelConfig.head_dim`). Resolved at construction by
+    `tessera.model.family.head_dim_of`: an int on every constructed shape."""
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
+        if (self.head_dim is None and self.d_model % self.n_heads) or self.n_heads % self.n_kv_heads:
             raise ValueError(
-                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) and n_heads by "
-                f"n_kv_heads ({self.n_kv_heads})"
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) unless head_dim is given, "
+                f"and n_heads by n_kv_heads ({self.n_kv_heads})"
             )
+        object.__setattr__(self, "head_dim", head_dim_of(self.d_model, self.n_heads, self.head_dim))
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def q_dim(self) -> int:
+        """The attention's inner width n_heads · head_dim (wq's outputs, wo's inputs; d_model by default)."""
+        return self.n_heads * self.head_dim
 
     @property
     def features(self) -> FamilyPlan:
@@ -71,11 +76,21 @@ class ModelShape:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    def block_linears(self) -> tuple[LinearShape, ...]:
+        """Every Linear of one block with its global shape (`FamilyPlan.block_linears`)."""
+        return self.features.block_linears(self.d_model, self.q_dim, self.kv_dim, self.ffn_hidden)
+
+    def block_matmul_params(self) -> int:
+        """Weights of one block's matrix multiplies (`FamilyPlan.block_matmul_params`)."""
+        return self.features.block_matmul_params(self.d_model, self.q_dim, self.kv_dim, self.ffn_hidden)
+
     def layer_params(self) -> int:
-        """Weights + biases + norm parameters of one block: h(h + 2·kv) + h² + c·h·f (c = 3 for a gated MLP, else 2)
-        plus the family's biases, two norms and per-head q/k norms (Qwen3: 2·head_dim). GPT with f = 4h, g = a:
-        12h² + 13h (Narayanan eq. 2)."""
-        return self.features.block_params(self.d_model, self.kv_dim, self.ffn_hidden, self.head_dim)
+        """Weights + biases + norm parameters of one block: h(q + 2·kv) + q·h + c·h·f (q = n_heads·head_dim, = h
+        by default; c = 3 for a gated MLP, else 2) plus the family's biases, two norms and per-head q/k norms
+        (Qwen3: 2·head_dim). GPT with f = 4h, g = a: 12h² + 13h (Narayanan eq. 2)."""
+        return self.features.block_params(
+            self.d_model, self.q_dim, self.kv_dim, self.ffn_hidden, self.head_dim
+        )
 
     def embedding_params(self) -> int:
         """Token embedding (+ learned positions, GPT) (+ untied output head) + final norm."""
@@ -96,7 +111,7 @@ class ModelShape:
     def from_config(cls, obj: Any) -> ModelShape:
         """Duck-typed from an object with n_layers, d_model, n_heads, vocab_size, seq_len and optionally
         n_kv_heads (None ⇒ n_heads), ffn_hidden (None ⇒ the family's rule), family (its declaration gives
-        swiglu), swiglu, tie_embeddings/tied, dropout (a rate > 0 ⇒ True)."""
+        swiglu), swiglu, tie_embeddings/tied, dropout (a rate > 0 ⇒ True), head_dim (None ⇒ d_model / n_heads)."""
         h = int(obj.d_model)
         family = getattr(obj, "family", None)
         fam = family_plan(family or ("llama" if getattr(obj, "swiglu", False) else "gpt"))
@@ -115,18 +130,20 @@ class ModelShape:
             tied=bool(tied),
             dropout=bool(getattr(obj, "dropout", 0) or 0),
             family=family,
+            head_dim=getattr(obj, "head_dim", None),
         )
 
 
 def layer_forward_flops(shape: ModelShape, tokens: float, *, attention: bool = True) -> float:
     """Matmul FLOPs of one block's forward on `tokens` tokens (sequences of length s, full attention).
 
-    2·T·[h(h + 2·kv) + h² + c·h·f] + 4·T·s·h, c = 3 for SwiGLU else 2. GPT (kv = h, f = 4h): 24Th² + 4Tsh,
-    Narayanan 2021 Appendix (per layer 24Bsh² + 4Bs²h). Attention scores and A·V: 2·T·s·h each (`attention`).
+    2·T·[h(q + 2·kv) + q·h + c·h·f] + 4·T·s·q, q = n_heads·head_dim (= h by default), c = 3 for SwiGLU else 2.
+    GPT (q = kv = h, f = 4h): 24Th² + 4Tsh, Narayanan 2021 Appendix (per layer 24Bsh² + 4Bs²h). Attention scores
+    and A·V: 2·T·s·q each (`attention`).
     """
-    h, kv, f, s = shape.d_model, shape.kv_dim, shape.ffn_hidden, shape.seq_len
-    dense = 2 * tokens * (h * (h + 2 * kv) + h * h + (3 if shape.swiglu else 2) * h * f)
-    return dense + (4 * tokens * s * h if attention else 0.0)
+    h, q, kv, f, s = shape.d_model, shape.q_dim, shape.kv_dim, shape.ffn_hidden, shape.seq_len
+    dense = 2 * tokens * (h * (q + 2 * kv) + q * h + (3 if shape.swiglu else 2) * h * f)
+    return dense + (4 * tokens * s * q if attention else 0.0)
 
 
 def logits_forward_flops(shape: ModelShape, tokens: float) -> float:
@@ -147,7 +164,7 @@ def hardware_flops_per_token(shape: ModelShape, recompute: str = "full") -> floa
     """FLOPs actually executed per token: model FLOPs plus the recomputed forward.
 
     full: + L·layer_fwd → GPT 96Lh²(1 + s/(6h) + V/(16Lh)) (Narayanan eq. 3 per token);
-    selective: + the recomputed attention forward (QKᵀ and A·V) 4sh per layer → 72Lh²(1 + 2s/(9h) + V/(12Lh)).
+    selective: + the recomputed attention forward (QKᵀ and A·V) 4sq per layer (q = n_heads·head_dim, = h by default) → 72Lh²(1 + 2s/(9h) + V/(12Lh)).
     Note Korthikanti eq. 8 writes 72Lh²(1 + s/(3h) + ...), i.e. +12sh per layer (their "2.7 % extra" for GPT-3);
     we count only the replayed forward GEMMs. The difference is ≤ 2 % of total FLOPs for s ≤ h.
     """
@@ -156,14 +173,15 @@ def hardware_flops_per_token(shape: ModelShape, recompute: str = "full") -> floa
     if recompute == "full":
         extra = shape.n_layers * layer_forward_flops(shape, 1)
     elif recompute == "selective":
-        extra = shape.n_layers * 4 * shape.seq_len * shape.d_model
+        extra = shape.n_layers * 4 * shape.seq_len * shape.q_dim
     return model_flops_per_token(shape) + extra
 
 
 def palm_flops_per_token(shape: ModelShape) -> float:
     """PaLM's MFU numerator (arXiv 2204.02311 App. B), as Llama 3, torchtitan, fms-fsdp and MosaicML count: 6·N +
-    12·L·h·s per token, N every parameter, attention over the whole sequence (no causal halving)."""
-    return 6 * shape.n_params() + 12 * shape.n_layers * shape.d_model * shape.seq_len
+    12·L·H·Q·s per token (H heads of width Q: n_heads·head_dim, h by default), N every parameter, attention over
+    the whole sequence (no causal halving)."""
+    return 6 * shape.n_params() + 12 * shape.n_layers * shape.q_dim * shape.seq_len
 
 
 def narayanan_flops_per_iteration(batch: int, seq_len: int, n_layers: int, hidden: int, vocab: int) -> float:
@@ -189,5 +207,5 @@ ROW_PARALLEL = (False, True, False, True)
 
 def linears(shape: ModelShape) -> list[tuple[int, int]]:
     """(input width, output width) of the four linears of a block: QKV, proj, fc1 (+gate), fc2."""
-    h, f = shape.d_model, shape.ffn_hidden
-    return [(h, h + 2 * shape.kv_dim), (h, h), (h, (2 if shape.swiglu else 1) * f), (f, h)]
+    h, q, f = shape.d_model, shape.q_dim, shape.ffn_hidden
+    return [(h, q + 2 * shape.kv_dim), (q, h), (h, (2 if shape.swiglu else 1) * f), (f, h)]
