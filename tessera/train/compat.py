@@ -8,7 +8,8 @@ resume does with it is docs/checkpoints.md ("What a resume may change").
 - The model's shape and the tokenizer (``model.*``, ``data.tokenizer``, ``tokens.*``): the weights would load
   into the wrong places or not at all (a block dropped, heads reinterpreted) without an error. ``model.init_std``
   (used only before the first step) and ``model.size`` (a name for the other fields, compared one by one) may
-  change.
+  change. The optional shape fields (``n_kv_heads``, ``head_dim``, ``ffn_hidden``) are compared by the value
+  the model uses: unset on one side and that value written out on the other is the same model.
 - The data order's seed (``data.seed``, or ``train.seed`` when it is unset): the samples of the remaining steps
   and the validation windows would be those of another run, so the validation loss before and after the resume
   would measure different data, unless ``checkpoint.new_data_order`` says so (e.g. to step past the data around
@@ -41,6 +42,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tessera.config import Config
+from tessera.config.sections import ModelConfig
 from tessera.errors import CheckpointError
 from tessera.train.schedule import SCHEDULE_KEYS, lr_at
 from tessera.train.skips import skipped_before, steps_text
@@ -104,6 +106,7 @@ def check_compatible(
     not compared."""
     if not isinstance(saved, dict):
         return
+    saved, now = _shape_resolved(saved), _shape_resolved(now)
     may_change = _MAY_CHANGE | ({"data.seed"} if new_data_order else set())
     changed = [
         _changed(k, saved[k], now[k])
@@ -126,6 +129,23 @@ def check_compatible(
             f"checkpoint {path} was trained with other settings: {'; '.join(changed)}\n    fix: resume with "
             "the saved values (RUN_DIR/config.json holds them), or start a new run in a fresh run directory"
         )
+
+
+def _shape_resolved(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with each optional model shape field that is unset (None) replaced by the value the model
+    then uses, as `ModelConfig` decides it: a run resumed with ``head_dim = 128`` written out where the saved one
+    left it to d_model / n_heads = 128 builds the same weights."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    given = {k.removeprefix("model."): v for k, v in settings.items() if k.startswith("model.")}
+    if not {"d_model", "n_heads", "family"} <= given.keys():  # a checkpoint recording fewer settings
+        return settings
+    model = ModelConfig(**{k: v for k, v in given.items() if k in fields})
+    used = {
+        "model.n_kv_heads": model.kv_heads,
+        "model.head_dim": model.head_size,
+        "model.ffn_hidden": model.ffn,
+    }
+    return settings | {k: v for k, v in used.items() if k in settings and settings[k] is None}
 
 
 def _skips_rewritten(saved: dict[str, Any], now: dict[str, Any], step: int) -> str | None:

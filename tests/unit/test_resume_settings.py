@@ -110,6 +110,23 @@ def test_a_checkpoint_that_records_fewer_settings_is_compared_on_those_it_record
     check_compatible(CKPT, old, settings({"seed": 7, "lr": 5e-3}, {"valid_fraction": 0.1}), 3)
 
 
+def model_settings(**model: Any) -> dict:
+    raw = {"model": {"family": "llama", "d_model": 64, "n_heads": 4, **model}, "train": SCHEDULE}
+    return run_settings(from_dict(raw), {"tokenizer": "byte", "vocab_size": 256})
+
+
+@pytest.mark.parametrize(
+    ("key", "written"), [("head_dim", 16), ("n_kv_heads", 4), ("ffn_hidden", 192)], ids=lambda v: str(v)
+)
+def test_an_unset_shape_field_equals_the_value_it_stands_for(key: str, written: int) -> None:
+    """A run saved with head_dim unset (d_model / n_heads = 16) and resumed with head_dim = 16 written out builds
+    the same weights; it was refused as a changed model. Another value is still refused, by the value in use."""
+    check_compatible(CKPT, model_settings(), model_settings(**{key: written}), 3)
+    check_compatible(CKPT, model_settings(**{key: written}), model_settings(), 3)
+    msg = refusal(model_settings(), model_settings(**{key: written * 2}))
+    assert f"model.{key}: {written} in the checkpoint, {written * 2} now" in msg
+
+
 def _folder(ckpt_dir: Path, step: int, complete: bool = True) -> None:
     path = ckpt_dir / f"step_{step:08d}"
     path.mkdir(parents=True)
