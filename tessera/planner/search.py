@@ -562,21 +562,16 @@ def _search_layout(
     }
     tensor = f"{base.q}x{base.q}" if kind == "2d" else tp
     for recompute in ctx.space.checkpointing:
-        # each schedule's stage splits: they read the layout, v and the per-layer costs, not the ZeRO stage
-        splits_of = {
-            (schedule, v): _splits(
-                ctx,
-                replace(
-                    base,
-                    recompute=recompute,
-                    zero_stage=zeros[0],
-                    virtual_stages=v,
-                    accumulation=_accumulation(schedule),
-                ),
-                p2p,
-            )
-            for schedule, v in schedules
-        }
+        # each schedule's stage splits: they read the layout, v and the per-layer costs, not the ZeRO stage or
+        # the schedule's name (1F1B and GPipe, or interleaved and breadth-first with one v, share theirs)
+        shared: dict[tuple[int, str], list[tuple[int, ...] | None]] = {}  # (v, accumulation) -> splits
+        splits_of = {}
+        for schedule, v in schedules:
+            accumulation = _accumulation(schedule)
+            splits = shared.get((v, accumulation))
+            if splits is None:
+                splits = shared[v, accumulation] = _splits(ctx, base, recompute, zeros[0], v, accumulation)
+            splits_of[schedule, v] = splits
         # (schedule, v, split) whose ZeRO-3 did not fit with a larger shard group: sharding the same model state
         # over fewer ranks holds more of it per rank and the same activations, so its smaller shards are counted
         # rejected unbuilt (`test_hsdp`: the search's answer is the same with every variant priced)
@@ -650,13 +645,18 @@ def _init_fields(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in fields(obj) if f.init}
 
 
-def _splits(ctx: _Ctx, plan: Plan, p2p: float) -> list[tuple[int, ...] | None]:
-    """Stage splits to try: the even one (None) when p·v divides the layers, and with one chunk per rank the
-    split that offloads the embedding's and the head's work from the end stages (`balanced_stage_layers`)."""
-    L, p = ctx.shape.n_layers, plan.pp
-    even = [None] if L % (p * plan.virtual_stages) == 0 else []
-    if p == 1 or plan.virtual_stages > 1:
+def _splits(
+    ctx: _Ctx, base: Plan, recompute: str, zero: int, v: int, accumulation: str
+) -> list[tuple[int, ...] | None]:
+    """Stage splits to try for layout ``base`` with checkpointing ``recompute`` and v chunks per rank: the even
+    one (None) when p·v divides the layers, and with one chunk per rank the split that offloads the embedding's
+    and the head's work from the end stages (`balanced_stage_layers`; priced on ``base`` with ``recompute``,
+    ZeRO stage ``zero``, v and ``accumulation``, built only then)."""
+    L, p = ctx.shape.n_layers, base.pp
+    even = [None] if L % (p * v) == 0 else []
+    if p == 1 or v > 1:
         return even
+    plan = replace(base, recompute=recompute, zero_stage=zero, virtual_stages=v, accumulation=accumulation)
     lt, tp, lg, (emb, emb_tp) = _layer_parts(ctx, plan)
     block = lt.forward + lt.backward + lt.recompute + tp.forward + tp.backward + tp.recompute
     first = (emb.forward + emb.backward + emb_tp.forward) / block

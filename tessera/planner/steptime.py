@@ -670,18 +670,32 @@ def _backward_releases(
     backward_end = _backward_ends(schedule, p, m, v, c, end, sweeps=sweeps)
     # the backwards counted back from `end` (without chunk 0's, reduced once after the tied exchange instead);
     # only those that become items get an end: at most BUCKETED_RELEASES + MAX_RELEASES of the m·v
-    kept = range(total) if not skip_every else [k for k in range(total) if k % skip_every]
-    near = kept[:BUCKETED_RELEASES]
+    kept, n_kept = _kept_backwards(total, skip_every)
+    near = min(n_kept, BUCKETED_RELEASES)
     items: list[tuple[float, float]] = []
-    for k in near:
-        items += _reduce_items(backward_end(k), c.bwd, c.layers, share)
-    rest = len(kept) - len(near)
+    for t in range(near):
+        items += _reduce_items(backward_end(kept(t)), c.bwd, c.layers, share)
+    rest = n_kept - near
     group = max(1, -(-rest // MAX_RELEASES))
     # a group releases at its earliest member's end (slightly early; groups form only past 256 backwards)
     for i in range(0, rest, group):
         stop = min(i + group, rest)
-        items.append((backward_end(kept[len(near) + stop - 1]), share * (stop - i)))
+        items.append((backward_end(kept(near + stop - 1)), share * (stop - i)))
     return items
+
+
+def _kept_backwards(total: int, skip_every: int) -> tuple[Callable[[int], int], int]:
+    """(t -> the t-th of ``range(total)`` that is not a multiple of ``skip_every``, how many there are), without
+    the list of all of them (m·v: thousands per layout). 0 keeps every k. Otherwise the multiples of s in
+    [0, total) are ⌈total / s⌉; each block of s consecutive k from a multiple keeps its s − 1 others, so the t-th
+    kept is in block ⌊t / (s − 1)⌋, at t + ⌊t / (s − 1)⌋ + 1 (integers: exactly the list's entry; s = 1 keeps
+    none)."""
+    if not skip_every:
+        return (lambda t: t), total
+    if skip_every == 1:
+        return (lambda t: t), 0
+    per_block = skip_every - 1
+    return (lambda t: t + t // per_block + 1), total - -(-total // skip_every)
 
 
 def _replica_releases(

@@ -27,6 +27,7 @@ from tessera.planner.steptime import (
     MAX_RELEASES,
     ChunkCosts,
     _backward_releases,
+    _kept_backwards,
     _reduce_items,
     simulate_step,
     simulated_breakdown,
@@ -197,6 +198,17 @@ def test_backward_releases_equal_the_list_of_every_backward() -> None:
                 args = (schedule, p, m, v, c, 123.456, 0.789)
                 want = _releases_by_list(*args, skip_every=skip)
                 assert _backward_releases(*args, skip_every=skip) == want, (schedule, p, m, v, skip)
+
+
+def test_kept_backwards_index_the_list_without_the_multiples() -> None:
+    """`_kept_backwards`' closed form is the list of the k in range(total) that are not multiples of the skip
+    (every k with 0), entry by entry, and its length."""
+    for total in (0, 1, 2, 5, 16, 17, 272, 300, 1031):
+        for skip in (0, 1, 2, 3, 4, 7, 16, total + 1):
+            want = [k for k in range(total) if not skip or k % skip]
+            kth, n = _kept_backwards(total, skip)
+            assert n == len(want), (total, skip)
+            assert [kth(t) for t in range(n)] == want, (total, skip)
 
 
 @pytest.mark.parametrize("tied", [False, True])
