@@ -20,7 +20,12 @@ represent); properties:
   lacks them: each one validate accepts imports with logits equal to transformers' (relative 1e-5), or is
   refused by both at the weight load.
 
-    python benchmarks/hf_search.py [--seed 0] [--configs 300] [--runs 60] [--imports 200]
+Then the same three checks again on Llama, Mistral and Qwen3 folders whose per-head width differs from hidden /
+heads (``head_dim`` in config.json, or Qwen3's absent key, which transformers reads as 128; tessera's
+``model.head_dim``): ``--head-dim-cases`` imports and layout configs and ``--head-dim-runs`` runs, drawn from
+their own seeded stream after the rest, so the draws above are each seed's as before.
+
+    python benchmarks/hf_search.py [--seed 0] [--configs 300] [--runs 60] [--imports 200] [--head-dim-cases 80]
 
 Prints one line per disagreement and a summary; the results are in benchmarks/results/hf_search.md.
 """
@@ -97,9 +102,38 @@ def hf_case(rng: random.Random) -> dict[str, Any]:
     if r < 0.25 or (kind == "qwen3" and r >= 0.32 and r < 0.9):
         out["head_dim"] = hidden // heads  # explicit, as transformers 5 writes it
     elif r < 0.32:
-        out["head_dim"] = rng.choice([8, 16])  # may differ from hidden / heads: refused
-    # else Qwen3: Qwen3Config's default head_dim 128, never hidden / heads here: refused
+        out["head_dim"] = rng.choice([8, 16])  # may differ from hidden / heads (model.head_dim)
+    # else Qwen3: Qwen3Config's default head_dim 128, never hidden / heads here (model.head_dim = 128)
     return out
+
+
+HEAD_DIM_KINDS = ("llama", "mistral", "qwen3")
+"""The kinds `hf_head_dim_case` draws: those whose transformers attention reads a head_dim of its own."""
+HEAD_DIMS = (4, 6, 12, 16, 24, 32)
+"""Even widths (RoPE), narrower and wider than hidden / heads (4 to 16 here)."""
+
+
+def hf_head_dim_case(rng: random.Random) -> dict[str, Any]:
+    """An `hf_case` of a `HEAD_DIM_KINDS` kind whose per-head width differs from hidden / heads: an explicit
+    ``head_dim`` from `HEAD_DIMS`, or for a quarter of the Qwen3 cases none, so transformers reads Qwen3Config's
+    128. Sizes stay tiny at 128: at most 8 heads, so q/k/v/o are at most 128 × 1024."""
+    hf = hf_case(rng)
+    while hf["kind"] not in HEAD_DIM_KINDS:
+        hf = hf_case(rng)
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    if hf["kind"] == "qwen3" and rng.random() < 0.25:
+        hf.pop("head_dim", None)  # never hidden / heads: 128 · heads > 128 ≥ hidden
+    else:
+        hf["head_dim"] = rng.choice([w for w in HEAD_DIMS if w * heads != hidden])
+    return hf
+
+
+def free_head_dim(hf: dict[str, Any]) -> bool:
+    """Whether the folder's heads are other than hidden / heads wide, as transformers reads its config."""
+    if hf["kind"] == "gpt2":
+        return False  # GPT2Attention: n_embd / n_head always
+    width = hf.get("head_dim", 128 if hf["kind"] == "qwen3" else None)
+    return width is not None and width * hf["num_attention_heads"] != hf["hidden_size"]
 
 
 def llama3_tag(rng: random.Random) -> str:
@@ -163,9 +197,12 @@ def layout_case(rng: random.Random, layers: int) -> tuple[int, dict[str, Any]]:
     return world, par
 
 
-def sample(rng: random.Random, root: Path, token_file: Path, i: int) -> tuple[int, dict, dict]:
-    """(world, raw config, HF kwargs) of sample ``i``."""
-    hf = hf_case(rng)
+def sample(
+    rng: random.Random, root: Path, token_file: Path, i: int, head_dim: bool = False
+) -> tuple[int, dict, dict]:
+    """(world, raw config, HF kwargs) of sample ``i``; with ``head_dim`` a `hf_head_dim_case` folder, whose
+    explicit ``[model]`` keys may be ``head_dim`` too."""
+    hf = hf_head_dim_case(rng) if head_dim else hf_case(rng)
     layers = hf.get("n_layer", hf.get("num_hidden_layers"))
     world, parallel = layout_case(rng, layers)
     model: dict[str, Any] = {"init": f"hf:{root / folder_name(hf)}"}
@@ -174,10 +211,12 @@ def sample(rng: random.Random, root: Path, token_file: Path, i: int) -> tuple[in
         model["seq_len"] = ctx // 2  # a shorter training context (RoPE)
     r = rng.random()
     if r < 0.25:  # an explicit [model] key that agrees with config.json (accepted) or not (refused)
-        key, value = rng.choice(explicit_keys(hf))
+        keys = explicit_keys(hf) + ([("head_dim", hf.get("head_dim", 128))] if head_dim else [])
+        key, value = rng.choice(keys)
         model[key] = value if r < 0.18 else alter(value)
     micro = rng.choice([1, 2, 2, 4])
-    raw = trainer_config(token_file, root / f"run{i}", model, parallel, steps=1, lr=1e-3)
+    run = root / (f"hd_run{i}" if head_dim else f"run{i}")
+    raw = trainer_config(token_file, run, model, parallel, steps=1, lr=1e-3)
     dp = max(
         1, world // ((4 if parallel["tensor"] == "2x2" else int(parallel["tensor"])) * parallel["pipeline"])
     )
@@ -417,15 +456,22 @@ DROP = ("tie_word_embeddings", "num_key_value_heads", "head_dim", "rope_paramete
 """config.json keys an older or hand-edited folder may lack (transformers then uses its defaults)."""
 
 
-def import_case(rng: random.Random, root: Path, i: int) -> tuple[Path, dict[str, Any], list[str]] | None:
-    """A random-weight model with drawn extra settings saved to a folder, then config.json keys dropped."""
+def import_case(
+    rng: random.Random, root: Path, i: int, head_dim: bool = False
+) -> tuple[Path, dict[str, Any], list[str]] | None:
+    """A random-weight model with drawn extra settings saved to a folder, then config.json keys dropped; with
+    ``head_dim`` a `hf_head_dim_case` model (dropping its head_dim leaves transformers a width the weights do not
+    have: both must refuse it)."""
     import transformers
 
-    hf = hf_case(rng)
-    if hf["kind"] != "qwen3":
-        hf.pop("head_dim", None)
-    elif "head_dim" not in hf:  # the default 128 is refused at once; keep it to drop from config.json
-        hf["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
+    if head_dim:
+        hf = hf_head_dim_case(rng)
+    else:  # the draws of the searches recorded before model.head_dim: hidden / heads wide
+        hf = hf_case(rng)
+        if hf["kind"] != "qwen3":
+            hf.pop("head_dim", None)
+        elif "head_dim" not in hf:  # keep one to drop from config.json
+            hf["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
     extra = {k: rng.choice(v) for k, v in VARIANTS[hf["kind"]].items() if rng.random() < 0.4}
     if "rope_scaling" in extra:
         hf.pop("llama3", None)  # the drawn variant replaces the case's own scaling
@@ -444,7 +490,7 @@ def import_case(rng: random.Random, root: Path, i: int) -> tuple[Path, dict[str,
                 p.normal_(0.0, 0.2)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(1.0, 0.5)
-    folder = root / f"import{i}"
+    folder = root / (f"import_hd{i}" if head_dim else f"import{i}")
     model.save_pretrained(folder)
     saved = json.loads((folder / "config.json").read_text())
     for k in drop:
@@ -453,17 +499,20 @@ def import_case(rng: random.Random, root: Path, i: int) -> tuple[Path, dict[str,
     return folder, {**hf, **extra}, drop
 
 
-def import_search(rng: random.Random, root: Path, n: int) -> tuple[int, int, int, list[str]]:
-    """(imported, refused by validate, refused at the weight load, disagreements): every accepted folder's
-    logits must equal transformers' own."""
+def import_search(
+    rng: random.Random, root: Path, n: int, head_dim: bool = False
+) -> tuple[int, int, int, list[str], int]:
+    """(imported, refused by validate, refused at the weight load, disagreements, imported with heads other than
+    hidden / heads wide): every accepted folder's logits must equal transformers' own (``head_dim``:
+    `hf_head_dim_case` folders)."""
     import transformers
 
     from tessera.hf.weights import load_init
 
-    imported = refused = at_load = 0
+    imported = refused = at_load = free = 0
     found: list[str] = []
     for i in range(n):
-        case = import_case(rng, root, i)
+        case = import_case(rng, root, i, head_dim)
         if case is None:
             continue
         folder, hf, drop = case
@@ -489,6 +538,7 @@ def import_search(rng: random.Random, root: Path, n: int) -> tuple[int, int, int
             found.append(f"tessera imports what transformers cannot load ({theirs}): {tag}")
             continue
         imported += 1
+        free += free_head_dim(hf)
         tokens = torch.randint(
             0, hf["vocab_size"], (2, cfg.model.seq_len), generator=torch.Generator().manual_seed(i)
         )
@@ -497,39 +547,17 @@ def import_search(rng: random.Random, root: Path, n: int) -> tuple[int, int, int
         err = float((a - b).abs().max() / b.abs().max())
         if err > LOSS_RTOL:
             found.append(f"imported logits differ from transformers' (rel {err:.1e}): {tag}")
-    return imported, refused, at_load, found
+    return imported, refused, at_load, found, free
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--configs", type=int, default=300)
-    ap.add_argument("--runs", type=int, default=60)
-    ap.add_argument("--imports", type=int, default=200)
-    ap.add_argument("--root", type=Path, default=None)
-    args = ap.parse_args()
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    from tessera.train.data import prepare
-    from tests.distributed.conftest import synthetic_corpus
-
-    root = args.root or Path(tempfile.mkdtemp(prefix="hf_search_"))
-    root.mkdir(parents=True, exist_ok=True)
-    token_file = root / "tokens.bin"
-    if not token_file.is_file():
-        (root / "corpus.txt").write_text(synthetic_corpus())
-        prepare([root / "corpus.txt"], token_file, "byte")
-    t0 = time.time()
-    imported, import_refused, at_load, found = import_search(random.Random(args.seed), root, args.imports)
-    print(
-        f"imports: {args.imports} drawn, {imported} imported and compared, {import_refused} refused by validate, "
-        f"{at_load} at the weight load (a saved head that differs from the tied embedding)"
-    )
-    rng = random.Random(args.seed)
+def judge_configs(
+    rng: random.Random, root: Path, token_file: Path, n: int, found: list[str], head_dim: bool = False
+) -> tuple[list[tuple[int, dict, dict]], int]:
+    """(accepted configs, refused count) of ``n`` drawn configs; a refusal ``tessera train`` does not repeat, or
+    a folder transformers cannot build that validate accepts, goes to ``found``."""
     accepted, refused = [], 0
-    for i in range(args.configs):
-        world, raw, hf = sample(rng, root, token_file, i)
+    for i in range(n):
+        world, raw, hf = sample(rng, root, token_file, i, head_dim)
         make_folder(root / folder_name(hf), hf)
         problems = judge(world, raw)
         if (root / folder_name(hf) / "transformers_refused.txt").is_file() and not problems:
@@ -543,10 +571,12 @@ def main() -> None:
                 )
         else:
             accepted.append((world, raw, hf))
-    print(
-        f"judged {args.configs} configs in {time.time() - t0:.0f}s: {len(accepted)} accepted, {refused} refused"
-    )
-    runs = spread(accepted, args.runs)
+    return accepted, refused
+
+
+def run_layouts(runs: list[tuple[int, dict, dict]], root: Path, found: list[str]) -> tuple[float, float, int]:
+    """(worst loss rel, worst gradient rel, runs compared with gradients): each run's step-0 loss and (without
+    ZeRO) gradients against transformers'."""
     worst_loss, worst_grad, compared = 0.0, 0.0, 0
     for j, (world, raw, hf) in enumerate(runs):
         folder = root / folder_name(hf)
@@ -586,13 +616,92 @@ def main() -> None:
                     found.append(f"gradient {name} rel {e:.1e}: {tag}")
             compared += 1
         print(f"[{j}] {tag}: loss {loss:.6f} vs {expected:.6f} rel {err:.1e}", flush=True)
+    return worst_loss, worst_grad, compared
+
+
+def head_dim_counts(cases: list[tuple[int, dict, dict]]) -> str:
+    """How many of ``cases`` have heads other than hidden / heads wide, by kind."""
+    kinds = [hf["kind"] for _, _, hf in cases if free_head_dim(hf)]
+    by_kind = ", ".join(f"{k} {kinds.count(k)}" for k in sorted(set(kinds)))
+    return f"{len(kinds)}" + (f" ({by_kind})" if kinds else "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--configs", type=int, default=300)
+    ap.add_argument("--runs", type=int, default=60)
+    ap.add_argument("--imports", type=int, default=200)
+    ap.add_argument(
+        "--head-dim-cases",
+        type=int,
+        default=80,
+        help="then this many imports and layout configs with head_dim != hidden / heads (own seeded stream)",
+    )
+    ap.add_argument("--head-dim-runs", type=int, default=16, help="runs among the head_dim layout configs")
+    ap.add_argument("--root", type=Path, default=None)
+    args = ap.parse_args()
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    from tessera.train.data import prepare
+    from tests.distributed.conftest import synthetic_corpus
+
+    root = args.root or Path(tempfile.mkdtemp(prefix="hf_search_"))
+    root.mkdir(parents=True, exist_ok=True)
+    token_file = root / "tokens.bin"
+    if not token_file.is_file():
+        (root / "corpus.txt").write_text(synthetic_corpus())
+        prepare([root / "corpus.txt"], token_file, "byte")
+    t0 = time.time()
+    imported, import_refused, at_load, found, free = import_search(
+        random.Random(args.seed), root, args.imports
+    )
+    print(
+        f"imports: {args.imports} drawn, {imported} imported and compared ({free} with head_dim != hidden / heads), "
+        f"{import_refused} refused by validate, {at_load} at the weight load (a saved head that differs from the "
+        "tied embedding)"
+    )
+    accepted, refused = judge_configs(random.Random(args.seed), root, token_file, args.configs, found)
+    print(
+        f"judged {args.configs} configs in {time.time() - t0:.0f}s: {len(accepted)} accepted, {refused} refused; "
+        f"head_dim != hidden / heads: {head_dim_counts(accepted)} accepted"
+    )
+    runs = spread(accepted, args.runs)
+    worst_loss, worst_grad, compared = run_layouts(runs, root, found)
     print(
         f"seed {args.seed}: {args.configs} judged, {len(accepted)} accepted, {refused} refused; {len(runs)} run "
-        f"({compared} with gradients); worst loss rel {worst_loss:.1e}, worst gradient rel {worst_grad:.1e}; "
-        f"{len(found)} disagreement(s) in {time.time() - t0:.0f}s"
+        f"({compared} with gradients; head_dim != hidden / heads: {head_dim_counts(runs)}); worst loss rel "
+        f"{worst_loss:.1e}, worst gradient rel {worst_grad:.1e}; {len(found)} disagreement(s) in "
+        f"{time.time() - t0:.0f}s"
     )
+    if args.head_dim_cases:
+        head_dim_phase(args, root, token_file, found)
     for f in found:
         print("DISAGREEMENT", f)
+
+
+def head_dim_phase(args: argparse.Namespace, root: Path, token_file: Path, found: list[str]) -> None:
+    """The imports, configs and runs of `hf_head_dim_case` folders, from a stream of their own (a str seed is
+    hashed the same way in every process), so that the draws before them stay each seed's."""
+    t0, n = time.time(), args.head_dim_cases
+    imported, import_refused, at_load, hd_found, free = import_search(
+        random.Random(f"head_dim {args.seed}"), root, n, head_dim=True
+    )
+    accepted, refused = judge_configs(
+        random.Random(f"head_dim layouts {args.seed}"), root, token_file, n, hd_found, head_dim=True
+    )
+    runs = spread(accepted, args.head_dim_runs)
+    worst_loss, worst_grad, compared = run_layouts(runs, root, hd_found)
+    print(
+        f"head_dim seed {args.seed}: imports {n} drawn, {imported} compared ({free} with head_dim != hidden / "
+        f"heads), {import_refused} refused by validate, "
+        f"{at_load} at the weight load; {n} configs judged, {len(accepted)} accepted ({head_dim_counts(accepted)}), "
+        f"{refused} refused; {len(runs)} run ({compared} with gradients; {head_dim_counts(runs)}); worst loss rel "
+        f"{worst_loss:.1e}, worst gradient rel {worst_grad:.1e}; {len(hd_found)} disagreement(s) in "
+        f"{time.time() - t0:.0f}s"
+    )
+    found += hd_found
 
 
 if __name__ == "__main__":

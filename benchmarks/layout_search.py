@@ -15,18 +15,26 @@ train on the same documents as prompt/completion records through `prepare`'s pro
 
     python benchmarks/layout_search.py --seed 0 --configs 40 [--minutes 20] [--min-world 4] [--out FILE.md]
     python benchmarks/layout_search.py --seed 3 --configs 60 --focus 2d,pp3,hybrid,stage_layers,interleaved,gqa_tp
+    python benchmarks/layout_search.py --seed 7 --configs 30 --focus head_dim,head_dim+2d,loss_mask+2d,qwen3+2d
     python benchmarks/layout_search.py --rerun OLD.jsonl --out NEW.md   # the same configs on today's code
     python benchmarks/layout_search.py --merge A.jsonl B.jsonl --out benchmarks/results/layout_search.md
 
 ``--focus F1,F2,...`` targets features the plain draw covers thinly: case i must have feature F[i mod len] (the
 same draw, repeated until an accepted config has it: rejection sampling, so each focused case is a draw of the
-plain distribution conditioned on that feature). Features (FOCUS): 2d (Optimus 2×2 tensor), pp3 (pipeline of
+plain distribution conditioned on that feature). An entry may join features with ``+`` (``loss_mask+2d``: masked
+data on a 2×2 grid): the case must have all of them. Features (FOCUS): 2d (Optimus 2×2 tensor), pp3 (pipeline of
 3+), hybrid (ZeRO shard groups replicated), stage_layers (an explicit split of 2+ stages), interleaved and
 breadth_first (pipeline > 1 with 2+ stages per rank), gqa_tp (Llama/Qwen2 with n_kv_heads < n_heads under tensor
 parallelism), untied_pp (untied embeddings across a pipeline), ckpt_pp (activation checkpointing with a
 pipeline), w8 (a 2×2 case doubled by data 2: 8 ranks), qwen3 (the qwen3 family: per-head q/k RMSNorm),
 hybrid_depth_first (hybrid sharding, depth-first accumulation and one stage per rank: the layout of the fix
-35e0889, which the hybrid focus's cases never reached), loss_mask (``data.loss_mask`` on the masked corpus).
+35e0889, which the hybrid focus's cases never reached), loss_mask (``data.loss_mask`` on the masked corpus),
+head_dim (``model.head_dim`` other than d_model / n_heads: a RoPE family's inner attention width n_heads · head_dim
+differing from d_model, as Qwen3-0.6B's).
+
+The plain draw leaves ``model.head_dim`` out (tests/config_space.py's ``head_dim=False``) so that the seeds
+recorded before it existed draw the same cases again; a focus entry with ``head_dim`` draws it (a quarter of the
+draws, widths 3, 4, 6 or 12, before the rejection sampling).
 
 Writes the Markdown report (command, configs drawn per feature, agreements and disagreements, worst relative
 differences by dtype) and a JSON line per case next to it (layout_search.jsonl).
@@ -95,6 +103,12 @@ def masked_corpus(root: Path) -> Path:
     return root / "sft.bin"
 
 
+def _free_head_dim(raw: dict) -> bool:
+    """Whether the case's heads are narrower or wider than d_model / n_heads (``model.head_dim``)."""
+    m = raw["model"]
+    return m.get("head_dim") is not None and m["head_dim"] * m["n_heads"] != m["d_model"]
+
+
 def _gqa(raw: dict) -> bool:
     kv = raw["model"].get("n_kv_heads")
     return kv is not None and kv < raw["model"]["n_heads"]
@@ -118,8 +132,28 @@ FOCUS: dict[str, Callable[[ExecutionPlan, dict], bool]] = {
         p.zero_replicas > 1 and p.accumulation == "depth_first" and p.stages_per_rank == 1
     ),
     "loss_mask": lambda p, raw: raw["data"].get("loss_mask", False),
+    "head_dim": lambda p, raw: _free_head_dim(raw),
 }
 """What ``--focus`` can require of a case, judged on the plan that runs it."""
+
+MAX_DRAWS = 200_000
+"""Draws a focused case may take before the search gives up on it (a combination the space cannot draw, e.g.
+``w8+pp3``, would otherwise loop for ever); the rarest combination above, ``head_dim+2d``, takes ~10³."""
+
+
+def parse_focus(text: str) -> list[str]:
+    """``--focus``'s comma-separated entries, each one feature or several joined by ``+``; a ValueError names
+    unknown features."""
+    entries = [e.strip() for e in text.split(",") if e.strip()]
+    unknown = sorted({f for e in entries for f in e.split("+") if f not in FOCUS})
+    if unknown or not entries:
+        raise ValueError(f"unknown feature(s) {unknown}; known: {', '.join(FOCUS)} (join with +)")
+    return entries
+
+
+def focus_features(focus: str | None) -> list[str]:
+    """The FOCUS features a ``--focus`` entry requires (none for the plain draw)."""
+    return focus.split("+") if focus else []
 
 
 def _eight_ranks(world: int, raw: dict, rng: random.Random) -> tuple[int, dict]:
@@ -137,17 +171,19 @@ def draw_case(
     rng: random.Random, tokens: Path, min_world: int = 1, focus: str | None = None, masked: Path | None = None
 ) -> tuple[int, dict]:
     """An accepted (world size, raw config): the property test's draw plus clipping, document masking and
-    (with ZeRO) a bf16 gradient reduction; with ``focus``, only a draw that has that FOCUS feature. The
-    ``loss_mask`` focus trains on ``masked`` (`masked_corpus`) with ``data.loss_mask``, drawing nothing more, so
-    its cases are the plain draws' with the masked data."""
-    while True:
-        world, raw = draw_run_config(RandomPick(rng))
-        if focus == "w8":
+    (with ZeRO) a bf16 gradient reduction; with ``focus`` (an entry of `parse_focus`), only a draw that has every
+    FOCUS feature it names. The ``loss_mask`` feature trains on ``masked`` (`masked_corpus`) with
+    ``data.loss_mask``, drawing nothing more, so its cases are the plain draws' with the masked data; ``head_dim``
+    adds the config space's head-width draw, which the plain draw leaves out (seeds recorded before it)."""
+    wanted = focus_features(focus)
+    for _ in range(MAX_DRAWS):
+        world, raw = draw_run_config(RandomPick(rng), head_dim="head_dim" in wanted)
+        if "w8" in wanted:
             world, raw = _eight_ranks(world, raw, rng)
         raw["train"] |= {**BASE_TRAIN, "grad_clip": rng.choice([0.0, 0.5, 1.0])}
         raw["model"] = {k: v for k, v in raw["model"].items() if v is not None}
         raw["data"] = {"path": str(tokens), "document_mask": rng.random() < 0.3}
-        if focus == "loss_mask":
+        if "loss_mask" in wanted:
             assert masked is not None, "the loss_mask focus needs the masked corpus"
             raw["data"] |= {"path": str(masked), "loss_mask": True}
         if raw["parallel"]["zero"] and rng.random() < 0.25:  # ZeRO's gradient reduce-scatter in bf16
@@ -157,10 +193,13 @@ def draw_case(
         layout_only = from_dict({**raw, "data": {}})
         if world < min_world or violations(layout_only, world):
             continue
-        if focus is not None and not FOCUS[focus](resolve(layout_only, world), raw):
-            continue
+        if wanted:
+            plan = resolve(layout_only, world)
+            if not all(FOCUS[f](plan, raw) for f in wanted):
+                continue
         if not violations(from_dict(raw), world):
             return world, raw
+    raise RuntimeError(f"no accepted draw has {focus!r} in {MAX_DRAWS} draws: a combination the space lacks?")
 
 
 def reference_of(raw: dict) -> dict:
@@ -180,6 +219,7 @@ def features(world: int, raw: dict) -> dict[str, Any]:
     return {
         "world": world,
         "family": raw["model"].get("family", "gpt"),
+        "head_dim": raw["model"]["head_dim"] if _free_head_dim(raw) else "-",
         "gqa": _gqa(raw),
         "tied": raw["model"].get("tie_embeddings", True),
         "dp": plan.dp,
@@ -257,7 +297,8 @@ def search(
     jsonl = out.with_suffix(".jsonl")
     with tempfile.TemporaryDirectory(prefix="layout-search-") as tmp, open(jsonl, "a") as log:
         tokens = corpus(Path(tmp))
-        masked = masked_corpus(Path(tmp)) if rerun is not None or (focus and "loss_mask" in focus) else None
+        needs_mask = rerun is not None or any("loss_mask" in focus_features(f) for f in focus or [])
+        masked = masked_corpus(Path(tmp)) if needs_mask else None
         refs: dict[str, Record] = {}
         for i in range(len(rerun) if rerun is not None else n):
             if time.monotonic() > deadline:
@@ -302,11 +343,15 @@ def search(
 
 def _short(f: dict) -> str:
     return (
-        f"w{f['world']} {f['family']}{'' if f['tied'] else ' untied'} dp{f['dp']} pp{f['pp']}({f['schedule']},"
+        f"w{f['world']} {f['family']}{_head_width(f)}{'' if f['tied'] else ' untied'} dp{f['dp']} pp{f['pp']}({f['schedule']},"
         f"v{f['stages_per_rank']}) tp:{f['tensor']} z{f['zero']}{'+opg' if f['overlap_param_gather'] else ''}"
         f"{'+hsdp' if f['hybrid'] else ''} {f['accumulation']} ckpt:{f['checkpointing']} {f['dtype']}"
         f" clip{f['grad_clip']}{' docmask' if f['document_mask'] else ''}{' lossmask' if f.get('loss_mask') else ''}"
     )
+
+
+def _head_width(f: dict) -> str:
+    return f" hd{f['head_dim']}" if f.get("head_dim", "-") != "-" else ""
 
 
 def report(results: list[dict]) -> str:
@@ -389,7 +434,7 @@ def main() -> int:
     ap.add_argument(
         "--focus",
         default=None,
-        help=f"comma-separated features each case must have in turn: {', '.join(FOCUS)}",
+        help=f"comma-separated features each case must have in turn (F1+F2: both): {', '.join(FOCUS)}",
     )
     ap.add_argument(
         "--rerun",
@@ -409,10 +454,10 @@ def main() -> int:
         results = [json.loads(line) for f in args.merge for line in Path(f).read_text().splitlines() if line]
     else:
         command = "python benchmarks/layout_search.py " + " ".join(sys.argv[1:])
-        focus = args.focus.split(",") if args.focus else None
-        unknown = [f for f in focus or [] if f not in FOCUS]
-        if unknown:
-            ap.error(f"--focus: unknown feature(s) {unknown}; known: {', '.join(FOCUS)}")
+        try:
+            focus = parse_focus(args.focus) if args.focus else None
+        except ValueError as e:
+            ap.error(f"--focus: {e}")
         rerun = (
             [json.loads(line) for line in Path(args.rerun).read_text().splitlines() if line]
             if args.rerun

@@ -69,8 +69,11 @@ class HypothesisPick:
         return self.draw(self.st.lists(self.st.integers(lo, hi), min_size=n, max_size=n))
 
 
-def draw_run_config(pick: Pick) -> tuple[int, dict]:
-    """(world size, raw config sections) of a tiny model: mostly consistent with the world size."""
+def draw_run_config(pick: Pick, head_dim: bool = True) -> tuple[int, dict]:
+    """(world size, raw config sections) of a tiny model: mostly consistent with the world size.
+
+    ``head_dim=False`` leaves out the ``model.head_dim`` draw (added after the layout search's seeds 0-6 were
+    recorded), so a seeded draw makes those seeds' choices again (benchmarks/layout_search.py's plain draw)."""
     world = pick.integers(1, 4)
     family = pick.sampled_from(["gpt", "llama", "qwen2", "qwen3"])
     n_heads = pick.sampled_from([1, 2, 4])
@@ -85,8 +88,10 @@ def draw_run_config(pick: Pick) -> tuple[int, dict]:
     }
     if family != "gpt":  # Llama, Qwen2 and Qwen3 have grouped-query attention
         model["n_kv_heads"] = pick.sampled_from([None, 1, 2])
-    if not pick.integers(0, 3):  # a head width other than d_model / n_heads (Qwen3-0.6B's kind); 3: odd, RoPE
-        model["head_dim"] = pick.sampled_from([3, 4, 6, 12])  # refuses it, and so does GPT unless it is d / a
+    # a head width other than d_model / n_heads (Qwen3-0.6B's kind); 3: odd, RoPE refuses it, and so does GPT
+    # unless it is d / a
+    if head_dim and not pick.integers(0, 3):
+        model["head_dim"] = pick.sampled_from([3, 4, 6, 12])
     tensor_options = [t for t in (1, 2, 3, 4) if world % t == 0] + (["2x2"] if world == 4 else [])
     tensor = pick.sampled_from(tensor_options) if pick.integers(0, 4) else pick.sampled_from([1, 2, 3, "2x2"])
     ranks = 4 if tensor == "2x2" else int(tensor)
