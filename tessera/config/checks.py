@@ -191,11 +191,17 @@ def check_model(m: ModelConfig) -> list[Violation]:
     if v:
         return v  # the divisibility rules below need positive sizes
     plan = family_plan(m)
-    if m.head_dim is None and m.d_model % m.n_heads:
+    if (m.head_dim is None or plan.heads_divide_hidden) and m.d_model % m.n_heads:
+        why = (
+            f" (family {m.family!r} needs it even with model.head_dim: transformers' LlamaConfig refuses it, so "
+            "the model could not be exported to or imported from a Hugging Face folder)"
+            if m.head_dim is not None
+            else ""
+        )
         v.append(
             Violation(
                 rule="model.heads",
-                problem=f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}",
+                problem=f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}{why}",
                 fix=f"set model.n_heads to one of {divisors_near(m.d_model, m.n_heads)}",
             )
         )

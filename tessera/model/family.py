@@ -99,6 +99,10 @@ class FamilyPlan:
     free_head_dim: bool = True
     """Whether ``model.head_dim`` may differ from d_model / n_heads. GPT-2's config has no head_dim key (its head
     width is always n_embd / n_head), so the GPT family refuses it."""
+    heads_divide_hidden: bool = False
+    """Whether d_model must be a multiple of n_heads even when ``model.head_dim`` is given: transformers 5's
+    ``LlamaConfig.validate_architecture`` refuses a Llama whose hidden size is not, so such a model could neither
+    be imported from nor exported to a Llama folder (Qwen2, Qwen3 and Mistral have no such rule)."""
 
     def __post_init__(self) -> None:
         if self.norm not in _NORMS or self.ffn_rule not in _FFN_RULES:
@@ -245,15 +249,16 @@ LLAMA = _register(
         out_bias=False,
         mlp_bias=False,
         ffn_rule="swiglu",
+        heads_divide_hidden=True,
     )
 )
 
 # Qwen2 (Yang et al. 2024): Llama with biases on wq, wk, wv only (tessera/model/qwen2.py).
-QWEN2 = _register(replace(LLAMA, name="qwen2", qkv_bias=True))
+QWEN2 = _register(replace(LLAMA, name="qwen2", qkv_bias=True, heads_divide_hidden=False))
 
 # Qwen3 (Yang et al. 2025, "Qwen3 Technical Report"; dense sizes): Llama with an RMSNorm on each query and key head
 # before RoPE, no biases (tessera/model/qwen3.py).
-QWEN3 = _register(replace(LLAMA, name="qwen3", qk_norm=True))
+QWEN3 = _register(replace(LLAMA, name="qwen3", qk_norm=True, heads_divide_hidden=False))
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_PLANS)
 """The family names a config may give."""

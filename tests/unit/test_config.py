@@ -192,6 +192,11 @@ def test_as_overrides_is_the_inverse_of_apply_overrides() -> None:
             "RoPE needs an even head dim, got model.head_dim = 7",
         ),
         (["model.family=qwen3", "model.head_dim=0"], "model.head_dim", "model.head_dim"),
+        (  # transformers' LlamaConfig refuses hidden 30 with 4 heads whatever head_dim says; Qwen3 does not
+            ["model.family=llama", "model.d_model=30", "model.head_dim=6"],
+            "model.heads",
+            "family 'llama' needs it even with model.head_dim: transformers' LlamaConfig refuses it",
+        ),
     ],
 )
 def test_head_dim_rules(overrides: list[str], rule: str, message: str) -> None:
@@ -208,5 +213,13 @@ def test_head_dim_other_than_d_over_heads_is_accepted_with_rope_and_sizes_the_at
     )
     assert cfg.check(world_size=1) == []
     assert (cfg.model.head_size, cfg.model.attn_dim) == (32, 128)
+    for family in (
+        "qwen2",
+        "qwen3",
+    ):  # transformers' Qwen2Config and Qwen3Config accept hidden 30 with 4 heads
+        assert (
+            load_config(None, [f"model.family={family}", "model.d_model=30", "model.head_dim=6"]).check(1)
+            == []
+        )
     assert load_config(None, ["model.family=gpt", "model.head_dim=16"]).check(world_size=1) == []
     assert load_config(None, ["model.family=gpt"]).model.head_size == 16
