@@ -201,7 +201,6 @@ class ChatTemplate:
     def _render(self, messages: list[dict], **options: Any) -> Any:
         try:
             return self.tok.apply_chat_template(messages, tokenize=True, return_dict=True, **options)
-        except (
-            Exception
-        ) as e:  # jinja2's TemplateError, a template's raise_exception, transformers' ValueError
+        # jinja2's TemplateError, a template's raise_exception, transformers' ValueError: all a bad record
+        except Exception as e:
             raise ChatError(f"the chat template refused it: {e}") from None
