@@ -220,6 +220,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             args.top_p,
             not args.no_kv_cache,
             on_token=progress,
+            stop=args.stop,
+            chat=args.chat,
         )
     finally:
         if progress is not None:
@@ -564,6 +566,18 @@ def _parser() -> argparse.ArgumentParser:
         "--no-kv-cache", action="store_true", help="re-run the model on the whole context per token"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="end sampling at this token (its text, one token; repeatable); the output leaves it out",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user turn, rendered with the run's tokenizer folder's chat template; sampling ends at "
+        "the template's end of turn and only the reply is printed",
+    )
     p.set_defaults(fn=_no_extra(cmd_generate))
 
     p = sub.add_parser(

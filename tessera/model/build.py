@@ -64,8 +64,11 @@ def generate(
     top_p: float | None = None,
     kv_cache: bool = True,
     on_token: Callable[[int], None] | None = None,
+    stop: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
-    """Sample max_new_tokens continuations of tokens [b, t]; returns [b, t + max_new_tokens].
+    """Sample max_new_tokens continuations of tokens [b, t]; returns [b, t + n], n = max_new_tokens, or fewer
+    when every sequence has sampled a token of ``stop`` (a chat model's end of turn; rows that stopped earlier
+    go on sampling until then).
 
     With ``kv_cache`` each step runs the model on the new token only, attending to the cached keys and values
     of the earlier ones; once the text outgrows model.cfg.seq_len (no positions left) and without the cache,
@@ -79,6 +82,8 @@ def generate(
     was_training = model.training
     model.eval()
     cache = KVCache(model.cfg.n_layers) if kv_cache else None
+    stop_ids = torch.tensor(sorted(stop), dtype=tokens.dtype, device=tokens.device)
+    stopped = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)  # [b]
     try:
         for n in range(1, max_new_tokens + 1):
             if cache is not None and tokens.shape[1] <= model.cfg.seq_len:
@@ -90,6 +95,10 @@ def generate(
             tokens = torch.cat((tokens, next_token), dim=1)  # [b, t+1]
             if on_token is not None:
                 on_token(n)
+            if stop:
+                stopped = stopped | torch.isin(next_token[:, 0], stop_ids)  # stopped: [b]
+                if bool(stopped.all()):
+                    break
     finally:
         model.train(was_training)
     return tokens

@@ -158,6 +158,27 @@ class ChatTemplate:
                 mask[start:end] = 1
         return np.asarray(whole, dtype=np.int64), mask
 
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The tokens a chat model continues: ``messages`` rendered with the assistant header (the generation
+        prompt), as at inference."""
+        try:
+            return self._ids(messages, add_generation_prompt=True)
+        except ChatError as e:
+            raise DataError(str(e)) from None
+
+    def end_of_turn(self) -> int:
+        """The special token that ends an assistant turn (`<|im_end|>`, `<|eot_id|>`): the last special token of
+        the reply `encode` keeps in a two-turn conversation. DataError when the template ends turns without one."""
+        ids, mask = self.encode(_PROBE)
+        kept = ids[mask.astype(bool)]
+        special = kept[np.isin(kept, self._special_ids)]
+        if not len(special):
+            raise DataError(
+                "the chat template ends an assistant turn without a special token, so generation cannot tell "
+                "where a reply ends; pass --stop with the text that ends a turn"
+            )
+        return int(special[-1])
+
     def _span(self, messages: list[dict], i: int, whole: list[int]) -> tuple[int, int]:
         """[start, end) of assistant message i's tokens in ``whole``: the prefix difference, cut after its last
         special token (the end of turn)."""

@@ -8,16 +8,18 @@ prefix need not give a prefix of the whole text (a UTF-8 character split over by
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
 import torch
 
+from tessera.errors import DataError
 from tessera.model.build import build_model, generate
 from tessera.train import checkpoint as ckpt
+from tessera.train.chat import ChatTemplate
 from tessera.train.run_files import newest_weights, run_config
-from tessera.train.tokenizer import load_tokenizer
+from tessera.train.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["TokenProgress", "generate_text", "newest_weights"]
 
@@ -32,18 +34,52 @@ def generate_text(
     top_p: float | None = None,
     kv_cache: bool = True,
     on_token: Callable[[int], None] | None = None,
+    stop: Sequence[str] = (),
+    chat: bool = False,
 ) -> str:
     """Load ``run_dir``'s config and newest weights in one process and continue ``prompt``; ``on_token(n)``
-    is called after the n-th new token."""
+    is called after the n-th new token. Sampling ends early at a token of ``stop`` (each a text that is one
+    token), which the text then leaves out. With ``chat`` the prompt is a user turn rendered with the run's
+    tokenizer folder's chat template, sampling ends at the template's end of turn, and the text is the reply
+    alone; otherwise it is the prompt and its continuation."""
     cfg = run_config(run_dir)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    stop_ids = {_one_token(tok, text) for text in stop}
+    if chat:
+        template = ChatTemplate(cfg.data.tokenizer)
+        prompt_ids = template.prompt_ids([{"role": "user", "content": prompt}])
+        stop_ids.add(template.end_of_turn())
+    else:
+        prompt_ids = tok.encode(prompt) or [0]
     model = build_model(cfg.model)
     ckpt.load_model_weights(newest_weights(run_dir), model)
-    tok = load_tokenizer(cfg.data.tokenizer)
-    ids = torch.tensor([tok.encode(prompt) or [0]], dtype=torch.long)
+    ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, t]
     out = generate(
-        model, ids, tokens, temperature, top_k, torch.Generator().manual_seed(seed), top_p, kv_cache, on_token
-    )
-    return tok.decode(out[0].tolist())
+        model,
+        ids,
+        tokens,
+        temperature,
+        top_k,
+        torch.Generator().manual_seed(seed),
+        top_p,
+        kv_cache,
+        on_token,
+        frozenset(stop_ids),
+    )[0].tolist()
+    if out[-1] in stop_ids and len(out) > len(prompt_ids):
+        out = out[:-1]
+    return tok.decode(out[len(prompt_ids) :] if chat else out)
+
+
+def _one_token(tok: Tokenizer, text: str) -> int:
+    """The id of ``text``, which must be one token of ``tok`` (a stop is compared token by token)."""
+    ids = tok.encode(text)
+    if len(ids) != 1:
+        raise DataError(
+            f"--stop {text!r} is {len(ids)} tokens of the run's tokenizer, not one; pass a single token's text "
+            "(e.g. a special token such as '<|im_end|>', or one character with the byte tokenizer)"
+        )
+    return ids[0]
 
 
 class TokenProgress:

@@ -172,6 +172,25 @@ def test_the_mask_keeps_exactly_the_replies_and_their_end_of_turn(tmp_path, temp
     TokenDataset(out).verify()
 
 
+@pytest.mark.parametrize(
+    ("template", "end_of_turn"), [(CHATML, "<|im_end|>"), (LLAMA3, "<|eot_id|>")], ids=["chatml", "llama3"]
+)
+def test_generation_prompt_and_end_of_turn(tmp_path, template, end_of_turn):
+    """`tessera generate --chat` continues the user turn rendered with the assistant header, as transformers
+    renders it for inference, and stops at the token that ends the template's assistant turns."""
+    from transformers import AutoTokenizer
+
+    from tessera.train.chat import ChatTemplate
+
+    folder = _tokenizer(tmp_path / "tok", template)
+    chat = ChatTemplate(str(folder))
+    messages = [{"role": "user", "content": "Hi"}]
+    hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    expected = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+    assert chat.prompt_ids(messages) == list(expected["input_ids"])
+    assert chat.end_of_turn() == load_tokenizer(str(folder)).token_to_id(end_of_turn)
+
+
 def test_generation_markers_and_the_prefix_difference_agree(tmp_path):
     """One template with {% generation %} markers and the same one without: transformers' assistant mask and the
     prefix difference give the same tokens and the same mask."""
@@ -330,7 +349,7 @@ def test_prepare_and_train_on_the_assistant_turns(tmp_path, capsys):
         "--train.global_batch=2",
         "--train.micro_batch=1",
         "--train.warmup_steps=0",
-        "--checkpoint.every=0",
+        "--checkpoint.every=3",
         f'--log.run_dir="{run}"',
         "--log.progress=false",
         "--log.tensorboard=false",
@@ -339,3 +358,12 @@ def test_prepare_and_train_on_the_assistant_turns(tmp_path, capsys):
     records = [m for m in read_metrics(run) if "loss" in m]
     assert [m["step"] for m in records] == [0, 1, 2]
     assert all(m["target_tokens"] == 2 * kept and np.isfinite(m["loss"]) for m in records)
+    # the fine-tuned run answers a user turn: the reply alone (the rendered prompt opens with <|im_start|>),
+    # ended at <|im_end|> (left out) or by --tokens
+    capsys.readouterr()
+    argv = ["generate", str(run), "--chat", "--prompt", "Hi", "--tokens", "6", "--temperature", "0"]
+    assert main(argv) == 0
+    reply = capsys.readouterr().out
+    assert "<|im_start|>" not in reply and "<|im_end|>" not in reply
+    assert main(["generate", str(run), "--stop", "Hello there"]) == 2  # a stop is compared token by token
+    assert "--stop 'Hello there' is" in capsys.readouterr().err

@@ -54,6 +54,27 @@ def test_greedy_generation_is_the_same_with_and_without_the_cache(size: str) -> 
     assert torch.equal(cached, plain)
 
 
+def _first_stop(row: list[int], stop: set[int]) -> int:
+    """How many tokens of ``row`` generation keeps when it ends at a token of ``stop``: through the first one."""
+    return next((i + 1 for i, t in enumerate(row) if t in stop), len(row))
+
+
+@pytest.mark.parametrize("kv_cache", [True, False], ids=["cached", "uncached"])
+def test_generation_ends_once_every_row_has_sampled_a_stop_token(kv_cache: bool) -> None:
+    """Greedy, so the run with stops is the run without them cut: one row ends through its first stop token; two
+    rows end when the later of their first stops is sampled (the earlier row samples on, as before)."""
+    model, cfg = _model("llama-tiny")
+    prompt = torch.randint(0, cfg.vocab_size, (2, 4), generator=torch.Generator().manual_seed(3))
+    full = generate(model, prompt, 12, temperature=0, kv_cache=kv_cache)[:, 4:]  # [2, 12]
+    rows = full.tolist()
+    stop = {rows[0][3]}  # a token of row 0's continuation, at or before its 4th place
+    one = generate(model, prompt[:1], 12, temperature=0, kv_cache=kv_cache, stop=frozenset(stop))
+    assert torch.equal(one[0, 4:], full[0, : _first_stop(rows[0], stop)])
+    both = generate(model, prompt, 12, temperature=0, kv_cache=kv_cache, stop=frozenset(stop))
+    assert torch.equal(both[:, 4:], full[:, : max(_first_stop(r, stop) for r in rows)])
+    assert _first_stop(rows[0], stop) < 12  # the cut is real
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
     assert torch.equal(_nucleus(probs, 0.7), torch.tensor([[0.0, 0.5, 0.0, 0.3]]))
