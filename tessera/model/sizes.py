@@ -30,6 +30,28 @@ def _llama3(layers: int, d_model: int, heads: int, ffn: int, tie: bool, factor: 
     )
 
 
+def _qwen3(
+    layers: int, d_model: int, heads: int, ffn: int, tie: bool, head_dim: int | None = None
+) -> dict[str, Any]:
+    """A released Qwen3 dense shape: 8 KV heads, vocabulary 151936, RoPE base 10⁶, RMSNorm eps 1e-6; ``head_dim``
+    where config.json gives one other than hidden / heads."""
+    width = {} if head_dim is None else {"head_dim": head_dim}
+    return dict(
+        family="qwen3",
+        n_layers=layers,
+        d_model=d_model,
+        n_heads=heads,
+        n_kv_heads=8,
+        **width,
+        ffn_hidden=ffn,
+        vocab_size=151936,
+        seq_len=2048,
+        tie_embeddings=tie,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+    )
+
+
 SIZES: dict[str, dict[str, Any]] = {
     # Test and demo shapes (byte-level vocabulary).
     "gpt2-tiny": dict(family="gpt", n_layers=2, d_model=32, n_heads=4, vocab_size=_TINY_VOCAB, seq_len=32),
@@ -189,87 +211,12 @@ SIZES: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0,
         norm_eps=1e-6,
     ),
-    "qwen3-0.6b": dict(
-        family="qwen3",
-        n_layers=28,
-        d_model=1024,
-        n_heads=16,
-        n_kv_heads=8,
-        head_dim=128,
-        ffn_hidden=3072,
-        vocab_size=151936,
-        seq_len=2048,
-        tie_embeddings=True,
-        rope_theta=1000000.0,
-        norm_eps=1e-6,
-    ),
-    "qwen3-1.7b": dict(
-        family="qwen3",
-        n_layers=28,
-        d_model=2048,
-        n_heads=16,
-        n_kv_heads=8,
-        ffn_hidden=6144,
-        vocab_size=151936,
-        seq_len=2048,
-        tie_embeddings=True,
-        rope_theta=1000000.0,
-        norm_eps=1e-6,
-    ),
-    "qwen3-4b": dict(
-        family="qwen3",
-        n_layers=36,
-        d_model=2560,
-        n_heads=32,
-        n_kv_heads=8,
-        head_dim=128,
-        ffn_hidden=9728,
-        vocab_size=151936,
-        seq_len=2048,
-        tie_embeddings=True,
-        rope_theta=1000000.0,
-        norm_eps=1e-6,
-    ),
-    "qwen3-8b": dict(
-        family="qwen3",
-        n_layers=36,
-        d_model=4096,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_hidden=12288,
-        vocab_size=151936,
-        seq_len=2048,
-        tie_embeddings=False,
-        rope_theta=1000000.0,
-        norm_eps=1e-6,
-    ),
-    "qwen3-14b": dict(
-        family="qwen3",
-        n_layers=40,
-        d_model=5120,
-        n_heads=40,
-        n_kv_heads=8,
-        ffn_hidden=17408,
-        vocab_size=151936,
-        seq_len=2048,
-        tie_embeddings=False,
-        rope_theta=1000000.0,
-        norm_eps=1e-6,
-    ),
-    "qwen3-32b": dict(
-        family="qwen3",
-        n_layers=64,
-        d_model=5120,
-        n_heads=64,
-        n_kv_heads=8,
-        head_dim=128,
-        ffn_hidden=25600,
-        vocab_size=151936,
-        seq_len=2048,
-        tie_embeddings=False,
-        rope_theta=1000000.0,
-        norm_eps=1e-6,
-    ),
+    "qwen3-0.6b": _qwen3(28, 1024, 16, 3072, tie=True, head_dim=128),
+    "qwen3-1.7b": _qwen3(28, 2048, 16, 6144, tie=True),
+    "qwen3-4b": _qwen3(36, 2560, 32, 9728, tie=True, head_dim=128),
+    "qwen3-8b": _qwen3(36, 4096, 32, 12288, tie=False),
+    "qwen3-14b": _qwen3(40, 5120, 40, 17408, tie=False),
+    "qwen3-32b": _qwen3(64, 5120, 64, 25600, tie=False, head_dim=128),
     # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, h 12288, 96 heads of 128, context 2048; GPT-2's BPE
     # vocabulary padded to 51200 (a multiple of 1024, as Megatron-LM pads it), tied embeddings.
     "gpt3-175b": dict(family="gpt", n_layers=96, d_model=12288, n_heads=96, vocab_size=51200, seq_len=2048),

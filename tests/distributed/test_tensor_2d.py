@@ -32,6 +32,19 @@ OPS_TOL = 1e-12  # SUMMA ops alone in float64 on O(1) entries: sums of ≤ 15 pr
 SEED = 1234
 SEQ = 8
 
+# Qwen3: Llama with per-head q/k norms (whole on every grid rank); untied, vocabulary 257 padded to 258
+QWEN3_V257 = dict(
+    family="qwen3",
+    d_model=16,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_hidden=32,
+    vocab_size=257,
+    seq_len=SEQ,
+    n_layers=2,
+    tie_embeddings=False,
+)
+
 MODELS = {
     "gpt": dict(family="gpt", d_model=24, n_heads=4, vocab_size=64, seq_len=SEQ, n_layers=2),
     "llama": dict(
@@ -67,31 +80,9 @@ MODELS = {
         seq_len=SEQ,
         n_layers=2,
     ),
-    # Qwen3: Llama with per-head q/k norms (whole on every grid rank); untied, vocabulary 257 padded to 258
-    "qwen3_v257": dict(
-        family="qwen3",
-        d_model=16,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_hidden=32,
-        vocab_size=257,
-        seq_len=SEQ,
-        n_layers=2,
-        tie_embeddings=False,
-    ),
+    "qwen3_v257": QWEN3_V257,
     # head_dim 8 ≠ 16 / 4 (Qwen3-0.6B's kind of shape): the attention 32 wide, wq/wk/wv/wo SUMMA blocks of it
-    "qwen3_hd8_v257": dict(
-        family="qwen3",
-        d_model=16,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        ffn_hidden=32,
-        vocab_size=257,
-        seq_len=SEQ,
-        n_layers=2,
-        tie_embeddings=False,
-    ),
+    "qwen3_hd8_v257": dict(QWEN3_V257, head_dim=8),
     # q = 3: heads, KV heads, hidden and MLP width divisible by 3; vocabulary 64 is padded to 66
     "gpt_q3": dict(family="gpt", d_model=36, n_heads=6, vocab_size=64, seq_len=SEQ, n_layers=1),
     "llama_q3": dict(
