@@ -270,14 +270,25 @@ def _record_text(record: Any, text_key: Key) -> tuple[str | tuple[str, str] | li
         return _record_pair(record, text_key)
     if isinstance(text_key, Messages):
         return _record_messages(record, text_key.key)
+    return _string_field(record, text_key, "--text-key")
+
+
+def _field(record: Any, key: str, option: str) -> tuple[Any, str | None]:
+    """A JSON record's field ``key``, or what is wrong: not an object, or no such field (naming ``option``, the
+    flag that chooses it)."""
     if not isinstance(record, dict):
-        return None, f"a JSON {type(record).__name__}, not an object with a {text_key!r} field"
-    if text_key not in record:
-        return None, f"missing field {text_key!r} (fields: {', '.join(sorted(record)[:8])}); see --text-key"
-    value = record[text_key]
-    if not isinstance(value, str):
-        return None, f"field {text_key!r} has type {type(value).__name__}, not a string"
-    return value, None
+        return None, f"a JSON {type(record).__name__}, not an object with a {key!r} field"
+    if key not in record:
+        return None, f"missing field {key!r} (fields: {', '.join(sorted(record)[:8])}); see {option}"
+    return record[key], None
+
+
+def _string_field(record: Any, key: str, option: str) -> tuple[str | None, str | None]:
+    """`_field`, which must hold a string."""
+    value, problem = _field(record, key, option)
+    if problem is None and not isinstance(value, str):
+        problem = f"field {key!r} has type {type(value).__name__}, not a string"
+    return (None, problem) if problem else (value, None)
 
 
 def _record_pair(record: Any, keys: tuple[str, str]) -> tuple[tuple[str, str] | None, str | None]:
@@ -286,22 +297,18 @@ def _record_pair(record: Any, keys: tuple[str, str]) -> tuple[tuple[str, str] | 
         return None, f"a JSON {type(record).__name__}, not an object with {keys[0]!r} and {keys[1]!r} fields"
     texts = []
     for key, option in zip(keys, ("--prompt-key", "--completion-key"), strict=True):
-        if key not in record:
-            return None, f"missing field {key!r} (fields: {', '.join(sorted(record)[:8])}); see {option}"
-        if not isinstance(record[key], str):
-            return None, f"field {key!r} has type {type(record[key]).__name__}, not a string"
-        texts.append(record[key])
+        value, problem = _string_field(record, key, option)
+        if problem:
+            return None, problem
+        texts.append(value)
     return (texts[0], texts[1]), None
 
 
 def _record_messages(record: Any, key: str) -> tuple[list | None, str | None]:
     """A record's conversation, or what is wrong with it, naming --messages-key when the field is missing."""
-    if not isinstance(record, dict):
-        return None, f"a JSON {type(record).__name__}, not an object with a {key!r} field"
-    if key not in record:
-        return None, f"missing field {key!r} (fields: {', '.join(sorted(record)[:8])}); see --messages-key"
-    problem = messages_problem(record[key], key)
-    return (None, problem) if problem else (record[key], None)
+    value, problem = _field(record, key, "--messages-key")
+    problem = problem or messages_problem(value, key)
+    return (None, problem) if problem else (value, None)
 
 
 def _read_jsonl_lines(unit: Unit, lines: list[bytes], text_key: Key) -> Iterator[Doc]:
