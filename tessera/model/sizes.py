@@ -139,6 +139,23 @@ SIZES: dict[str, dict[str, Any]] = {
     "llama3.1-8b": _llama3(32, 4096, 32, 14336, tie=False, factor=8.0),
     "llama3.1-70b": _llama3(80, 8192, 64, 28672, tie=False, factor=8.0),
     "llama3.1-405b": _llama3(126, 16384, 128, 53248, tie=False, factor=8.0),
+    # Mistral NeMo 12B (Mistral AI and NVIDIA 2024; the released config.json of mistralai/Mistral-Nemo-Base-2407):
+    # Llama's function (Mistral imports as the llama family; its sliding window is null), head_dim 128 with
+    # 32 heads at hidden 5120 (attention 4096 wide), 8 KV heads, vocabulary 2¹⁷, RoPE base 10⁶, untied. Context:
+    # tessera's 2048-token training default (the model's is 128000).
+    "mistral-nemo-12b": dict(
+        family="llama",
+        n_layers=40,
+        d_model=5120,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_hidden=14336,
+        vocab_size=131072,
+        seq_len=2048,
+        tie_embeddings=False,
+        rope_theta=1000000.0,
+    ),
     # Qwen2 (Yang et al. 2024; the released config.json files): q/k/v biases, RoPE base 10⁶; 0.5B ties embeddings.
     # Context: tessera's 2048-token training default (the models accept 32k-128k).
     "qwen2-tiny": dict(

@@ -325,10 +325,20 @@ def test_head_dim_is_read_as_transformers_reads_it(tmp_path: Path) -> None:
         load_config(None, [f'model.init="hf:{tmp_path}"', "model.head_dim=8"])
 
 
-@pytest.mark.parametrize("size", ["qwen3-0.6b", "qwen3-4b", "qwen3-32b", "qwen3-1.7b"])
-def test_qwen3_sizes_have_transformers_parameter_count(size: str) -> None:
-    """The registry's Qwen3 sizes, exported to a config.json (head_dim 128 written, as the released files give
-    it) and built by transformers on the meta device, have tessera's parameter count (the estimator's too)."""
+@pytest.mark.parametrize(
+    ("size", "kind"),
+    [
+        ("qwen3-0.6b", "Qwen3"),
+        ("qwen3-4b", "Qwen3"),
+        ("qwen3-32b", "Qwen3"),
+        ("qwen3-1.7b", "Qwen3"),
+        ("mistral-nemo-12b", "Mistral"),
+    ],
+)
+def test_head_dim_sizes_have_transformers_parameter_count(size: str, kind: str) -> None:
+    """The registry's sizes with a head width (Qwen3 0.6B/4B/32B, Mistral NeMo; 1.7B without), exported to a
+    config.json (head_dim 128 written, as the released files give it) and built by transformers' own class for the
+    family on the meta device, have tessera's parameter count (the estimator's too)."""
     from tessera.config import ModelConfig
     from tessera.hf.config import hf_config as export_config
     from tessera.model.build import meta_model
@@ -336,10 +346,10 @@ def test_qwen3_sizes_have_transformers_parameter_count(size: str) -> None:
     from tessera.planner.cost import ModelShape
 
     cfg = ModelConfig(**SIZES[size])
-    config = transformers.Qwen3Config(**export_config(cfg))
+    config = getattr(transformers, f"{kind}Config")(**export_config(cfg))
     assert config.head_dim == 128
     with torch.device("meta"):
-        theirs = transformers.Qwen3ForCausalLM(config).num_parameters()
+        theirs = getattr(transformers, f"{kind}ForCausalLM")(config).num_parameters()
     assert meta_model(cfg).num_params() == theirs == ModelShape.from_config(cfg).n_params()
 
 

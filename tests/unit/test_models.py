@@ -83,6 +83,8 @@ def test_every_size_builds_with_formula_param_count(name):
         ("qwen3-0.6b", 596_049_920),
         ("qwen3-4b", 4_022_468_096),
         ("qwen3-32b", 32_762_123_264),
+        # Mistral NeMo 12B: head_dim 128 with 32 heads at hidden 5120 (transformers' MistralForCausalLM: the same)
+        ("mistral-nemo-12b", 12_247_782_400),
     ],
 )
 def test_known_parameter_counts(name, count):
