@@ -120,7 +120,22 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
         "data-parallel rank"
     )
     print("\n".join(f"  {line}" for line in plan.describe().splitlines()))
+    _warn_long_documents(cfg)
     return 0
+
+
+def _warn_long_documents(cfg: Config) -> None:
+    """data.window_start = "document": the trainer's start-up warning about documents longer than a window, for
+    the named training files (scans them for their document starts; the default corpus is judged when built)."""
+    from tessera.train.data import long_documents, open_data
+
+    d = cfg.data
+    if d.window_start != "document" or not d.sources():
+        return
+    data, _ = open_data(d.sources(), d.valid_path, d.valid_fraction, d.window_start)
+    warning = long_documents(data, cfg.model.seq_len)
+    if warning:
+        print(f"warning: {warning}")
 
 
 def _check_data(cfg: Config) -> None:

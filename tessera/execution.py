@@ -720,6 +720,22 @@ def _document_mask_eot(eots: dict[str, int | None]) -> list[Violation]:
     return []
 
 
+def _window_start_eot(eots: dict[str, int | None]) -> list[Violation]:
+    """data.window_start = "document" finds each file's document starts by its own end-of-text token."""
+    missing = [path for path, eot in eots.items() if eot is None]
+    if not missing:
+        return []
+    return [
+        Violation(
+            rule="data.window_start",
+            problem=f'data.window_start = "document", but {", ".join(missing)} records no end-of-text token, '
+            "so its document starts are unknown",
+            fix="prepare it again with `tessera prepare` (--eot-token TOKEN for a tokenizer without one), "
+            'or set data.window_start = "any"',
+        )
+    ]
+
+
 def _loss_mask_file(path: str, meta: dict) -> list[Violation]:
     """A token file's loss mask, as its metadata describes it: present, one byte per token (its checksum is
     `validate --data`'s, which reads it whole)."""
@@ -836,6 +852,8 @@ def _check_data(cfg: Config) -> list[Violation]:
         readable = readable and not broken  # the lengths' check would open it and name the mask again
     if d.document_mask:
         v.extend(_document_mask_eot(eots))
+    if d.window_start == "document":
+        v.extend(_window_start_eot(eots))
     if d.loss_mask:
         v.extend(_loss_mask_files(masks))
     if len(set(tokenizers.values())) > 1:

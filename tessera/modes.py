@@ -17,6 +17,7 @@ __all__ = [
     "NONFINITE",
     "SCHEDULES",
     "STOP_SIGNALS",
+    "WINDOW_STARTS",
     "reduces_every_microbatch",
 ]
 
@@ -33,6 +34,8 @@ NONFINITE = ("stop", "skip")
 """What a NaN/inf loss or gradient norm does (train.nonfinite): stop the run, or skip the update."""
 STOP_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU")
 """Signals train.stop_signal may name; SIGTERM and SIGINT always stop cleanly."""
+WINDOW_STARTS = ("any", "document")
+"""Where a training or validation window may start (data.window_start): at any token, or at a document start."""
 
 
 def reduces_every_microbatch(accumulation: str, zero_stage: int) -> bool:

@@ -20,7 +20,15 @@ from tessera.axes import DIMS
 from tessera.errors import ConfigError
 from tessera.model.family import FAMILIES, family_plan
 from tessera.model.rope_scaling import scaling_problems
-from tessera.modes import ACCUMULATION, CHECKPOINTING, DTYPES, NONFINITE, SCHEDULES, STOP_SIGNALS
+from tessera.modes import (
+    ACCUMULATION,
+    CHECKPOINTING,
+    DTYPES,
+    NONFINITE,
+    SCHEDULES,
+    STOP_SIGNALS,
+    WINDOW_STARTS,
+)
 
 if TYPE_CHECKING:
     from tessera.config.sections import (
@@ -360,6 +368,7 @@ def check_data(d: DataConfig) -> list[Violation]:
     v = _out_of_range("data", d) + _check_sources(d.path) + _bad_path("data.valid_path", d.valid_path)
     if d.tokenizer != "byte":
         v.extend(_bad_path("data.tokenizer", d.tokenizer))
+    v.extend(_unknown_choice("data", d, "window_start", WINDOW_STARTS, 'use "any" or "document"'))
     if d.valid_path is not None and d.valid_fraction:
         v.append(
             Violation(

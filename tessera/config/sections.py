@@ -268,6 +268,12 @@ class DataConfig:
     end-of-text token) has its positions restart at every document and attention masked block-diagonally
     (causal within each document), as if each were a sequence of its own. Needs token files that record their
     end-of-text token (`tessera prepare` does). Off: the window is one sequence, as in GPT-2 training."""
+    window_start: str = "any"
+    """Where training and validation windows start: "any" token (a window may open mid-document, as in
+    pre-training), or "document": only at a document start (a file's first token or the one after an end-of-text
+    token), each document equally likely, so a fine-tuning window holds its record's prompt before its reply.
+    Documents longer than model.seq_len + 1 tokens then lose their tail (the trainer and `tessera validate` warn
+    how much). Needs token files that record their end-of-text token (`tessera prepare` does)."""
     loss_mask: bool = False
     """Train only on the targets the data's loss mask marks (`tessera prepare --prompt-key KEY --completion-key
     KEY`: a record's completion and its end-of-text token, not its prompt; `--messages-key KEY`: a conversation's

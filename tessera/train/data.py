@@ -6,8 +6,10 @@ document ends with the end-of-text token named in the metadata (`eot`). Prompt/c
 a loss mask of the same stem (`corpus.mask`: one uint8 per token, 1 where the token is a target), described by the
 metadata's ``loss_mask`` entry (its sha256 and number of targets).
 
-Sampling is stateless: the window of global sample `i` starts at hash(seed, i) mod (n_tokens - seq_len), and
-step `k` uses global samples [k·B, (k+1)·B) for global batch B (shifted by an offset when a resume changed B).
+Sampling is stateless: the window of global sample `i` starts at hash(seed, i) mod (n_tokens - seq_len) (with
+``data.window_start = "document"``: at document start number hash(seed, i) mod the number of document starts that
+leave a whole window, from each file's index of document starts), and step `k` uses global samples
+[k·B, (k+1)·B) for global batch B (shifted by an offset when a resume changed B).
 A resumed run, or one with a different data-parallel size or micro-batch split, therefore trains on exactly the
 same samples in every step. A step that ``train.skip_steps`` names draws nothing, so its samples are passed over
 (tessera/train/skips.py). A `Blend` keeps that property: which file sample `i` comes from is another hash of (seed, i), compared with the weights.
@@ -31,6 +33,7 @@ import numpy as np
 
 from tessera.errors import DataError, why_unwritable
 from tessera.files import temp_beside
+from tessera.modes import WINDOW_STARTS
 from tessera.train.chat import ChatTemplate
 from tessera.train.corpus import default_corpus_files, holdout_target, min_tokens
 from tessera.train.ingest import Key, Messages, Unit, UnitResult, find_units, tokenize_units
@@ -43,6 +46,7 @@ __all__ = [
     "default_corpus_files",
     "ensure_default_corpus",
     "get_batch",
+    "long_documents",
     "mask_path",
     "open_data",
     "prepare",
@@ -405,11 +409,18 @@ def _check_fields(meta: dict[str, Any]) -> None:
 
 
 class TokenDataset:
-    """A prepared token file opened as a read-only memmap, validated against its metadata."""
+    """A prepared token file opened as a read-only memmap, validated against its metadata.
 
-    def __init__(self, path: str | Path) -> None:
+    ``window_start`` (data.window_start): where sampled windows start, "any" token or a "document" start
+    (`start`); "document" needs the end-of-text token the metadata records (DataError naming the fix)."""
+
+    def __init__(self, path: str | Path, window_start: str = "any") -> None:
+        if window_start not in WINDOW_STARTS:
+            raise ValueError(f"window_start must be one of {WINDOW_STARTS}, got {window_start!r}")
         self.path = Path(path)
         self.meta = read_token_meta(self.path)
+        self.window_start = window_start
+        self._document_starts: np.ndarray | None = None  # built on first use (`document_starts`)
         dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
         expected = self.meta["n_tokens"] * dtype.itemsize
         actual = self.path.stat().st_size
@@ -426,6 +437,8 @@ class TokenDataset:
         self.tokens = np.memmap(self.path, dtype=dtype, mode="r", shape=(self.meta["n_tokens"],))
         self.mask = self._open_mask() if "loss_mask" in self.meta else None
         """uint8 [n_tokens], 1 where the token is a target (prompt/completion data); None without a mask."""
+        if window_start == "document":  # refused now, before any step
+            self._eot_for("document starts", 'or set data.window_start = "any"')
 
     def _open_mask(self) -> np.ndarray:
         """The loss mask the metadata records, checked to hold one byte per token; DataError otherwise."""
@@ -457,6 +470,8 @@ class TokenDataset:
         part.meta = dict(self.meta)  # a part's own facts (max_token_id found by a pass) stay its own
         part.tokens = self.tokens[start:end]
         part.mask = self.mask[start:end] if self.mask is not None else None
+        # the part finds its own document starts, from its first token (a held-out cut is a document start)
+        part._document_starts = None
         return part
 
     def holdout_cut(self, fraction: float) -> int | None:
@@ -491,14 +506,47 @@ class TokenDataset:
     @property
     def eot(self) -> int:
         """The end-of-text token that ends every document (recorded by `prepare`); DataError if none is."""
+        return self._eot_for("document boundaries", "or set data.document_mask = false")
+
+    def _eot_for(self, what: str, other_fix: str) -> int:
+        """The recorded end-of-text token; DataError naming ``what`` needs it and the fixes when none is."""
         eot = self.meta.get("eot")
         if eot is None:
             raise DataError(
-                f"token file {str(self.path)!r} records no end-of-text token, so its document boundaries are "
-                "unknown; prepare it again with `tessera prepare` (--eot-token TOKEN for a tokenizer without "
-                "one), or set data.document_mask = false"
+                f"token file {str(self.path)!r} records no end-of-text token, so its {what} are unknown; "
+                "prepare it again with `tessera prepare` (--eot-token TOKEN for a tokenizer without one), "
+                f"{other_fix}"
             )
         return int(eot)
+
+    @property
+    def document_starts(self) -> np.ndarray:
+        """int64 offsets of this file's (or part's) document starts, ascending: its first token and every token
+        after an end-of-text token. Found by one chunked scan on first use, then kept (8 bytes per document)."""
+        if self._document_starts is None:
+            eot = self._eot_for("document starts", 'or set data.window_start = "any"')
+            self._document_starts = _document_starts(self.tokens, eot)
+        return self._document_starts
+
+    def start(self, index: int, seq_len: int, seed: int) -> int:
+        """Where global sample ``index``'s window of ``seq_len`` + 1 tokens starts under ``seed``: the one place
+        `sample` and `target_mask` ask, so a window's targets and their mask bytes always agree.
+
+        "any": hash(seed, index) mod (n_tokens - seq_len), every start that leaves a whole window. "document":
+        the same hash mod the number of document starts that leave a whole window picks one of them, so each
+        document is equally likely to open a window, whatever its length (as fine-tuning samples examples)."""
+        if self.n_tokens < min_tokens(seq_len):
+            raise DataError(
+                f"token file {str(self.path)!r} has {self.n_tokens} tokens, too few for sequences of "
+                f"model.seq_len = {seq_len} (needs at least {seq_len + 1}); use more data or a shorter "
+                "model.seq_len"
+            )
+        n_starts = self.n_tokens - seq_len  # starts [0, n_starts) leave seq_len + 1 tokens
+        if self.window_start == "any":
+            return window_start(index, seed, n_starts)
+        starts = self.document_starts
+        usable = int(np.searchsorted(starts, n_starts))  # starts[0] = 0 < n_starts: at least one
+        return int(starts[window_start(index, seed, usable)])
 
     @property
     def max_token_id(self) -> int:
@@ -558,18 +606,12 @@ class TokenDataset:
                 "targets a mask marks; prepare it with `tessera prepare --prompt-key KEY --completion-key KEY` "
                 "(or `--messages-key KEY`), or set data.loss_mask = false"
             )
-        start = window_start(index, seed, self.n_tokens - seq_len)  # as `sample` (which checked the length)
+        start = self.start(index, seq_len, seed)  # as `sample`
         return np.asarray(self.mask[start + 1 : start + seq_len + 1]) != 0  # [s]: the targets' bytes
 
     def sample(self, index: int, seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """Inputs x and next-token targets y (int64, [seq_len]) of global sample `index` under `seed`."""
-        if self.n_tokens < min_tokens(seq_len):
-            raise DataError(
-                f"token file {str(self.path)!r} has {self.n_tokens} tokens, too few for sequences of "
-                f"model.seq_len = {seq_len} (needs at least {seq_len + 1}); use more data or a shorter "
-                "model.seq_len"
-            )
-        start = window_start(index, seed, self.n_tokens - seq_len)
+        start = self.start(index, seq_len, seed)
         window = np.asarray(self.tokens[start : start + seq_len + 1], dtype=np.int64)  # window: [s + 1]
         if int(window.max()) > self.max_token_id:  # check_vocab compared the recorded maximum to the model
             raise DataError(
@@ -578,6 +620,42 @@ class TokenDataset:
                 "preparation (`tessera validate --data` checks its checksum); re-run `tessera prepare`"
             )
         return window[:-1], window[1:]
+
+
+def _document_starts(tokens: np.ndarray, eot: int, block: int = 1 << 24) -> np.ndarray:
+    """Offset 0 and every offset just after an end-of-text token, below len(tokens): int64, ascending. Read in
+    blocks, so a file larger than memory is scanned without loading it."""
+    parts = [np.zeros(1, dtype=np.int64)]
+    for lo in range(0, len(tokens), block):
+        hits = np.flatnonzero(np.asarray(tokens[lo : lo + block]) == eot)
+        parts.append(hits.astype(np.int64) + (lo + 1))
+    starts = np.concatenate(parts)
+    return starts[starts < len(tokens)]  # the last document's end-of-text token starts nothing
+
+
+def long_documents(data: TokenDataset | Blend, seq_len: int) -> str | None:
+    """With data.window_start = "document": a warning, naming the fix, when documents of ``data`` are longer than
+    a window (seq_len + 1 tokens): every window that holds one of their tokens starts at or before their start,
+    so their tokens past the first seq_len + 1 are in no window and never trained. None when every document fits."""
+    files = data.sources if isinstance(data, Blend) else [data]
+    window = min_tokens(seq_len)
+    long = lost = documents = tokens = longest = 0
+    for f in files:
+        lengths = np.diff(np.append(f.document_starts, f.n_tokens))  # [documents]: the last one to the end
+        over = lengths[lengths > window]
+        long, lost = long + len(over), lost + int((over - window).sum())
+        documents, tokens = documents + len(lengths), tokens + f.n_tokens
+        longest = max(longest, int(lengths.max()))
+    if not long:
+        return None
+    names = ", ".join(str(f.path) for f in files)
+    return (
+        f'data.window_start = "document": {long:,} of the {documents:,} documents of {names} are longer than a '
+        f"window (model.seq_len + 1 = {window} tokens, the longest {longest:,}); windows start at document "
+        f"starts, so their {lost:,} tokens past the first {window} ({100 * lost / tokens:.3g}% of the training "
+        f"tokens) are never trained; set model.seq_len >= {longest - 1} to train every document whole, or "
+        'data.window_start = "any" to cut windows anywhere'
+    )
 
 
 def _next_boundary(tokens: np.ndarray, start: int, eot: int, block: int = 1 << 20) -> int | None:
@@ -642,16 +720,22 @@ _BLEND_SALT = 0x6A09E667F3BCC909  # any constant: makes the source choice indepe
 
 
 def open_data(
-    sources: list[tuple[str, float]], valid_path: str | None = None, valid_fraction: float = 0.0
+    sources: list[tuple[str, float]],
+    valid_path: str | None = None,
+    valid_fraction: float = 0.0,
+    window_start: str = "any",
 ) -> tuple[TokenDataset | Blend, TokenDataset | Blend | None]:
     """(training data, validation data or None) from ``(path, weight)`` pairs: one file, or a `Blend`.
 
     ``valid_fraction`` holds out the last whole documents of every file (the validation data is then the blend
-    of those tails with the same weights); ``valid_path`` names a separate token file.
+    of those tails with the same weights); ``valid_path`` names a separate token file. Every file and part
+    starts its windows by ``window_start`` (`TokenDataset.start`), each from its own document starts.
     """
-    files = [TokenDataset(p) for p, _ in sources]
+    files = [TokenDataset(p, window_start) for p, _ in sources]
     weights = [w for _, w in sources]
-    valid: TokenDataset | Blend | None = TokenDataset(valid_path) if valid_path is not None else None
+    valid: TokenDataset | Blend | None = (
+        TokenDataset(valid_path, window_start) if valid_path is not None else None
+    )
     if valid_fraction > 0:
         splits = [f.split_documents(valid_fraction) for f in files]
         files = [train for train, _ in splits]

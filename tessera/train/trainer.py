@@ -45,6 +45,7 @@ from tessera.train.data import (
     TokenDataset,
     ensure_default_corpus,
     get_batch,
+    long_documents,
     open_data,
     target_count,
 )
@@ -155,7 +156,7 @@ def _open_data(cfg: Config, rank: int) -> tuple[TokenDataset | Blend, TokenDatas
         if rank != 0:
             path = ensure_default_corpus(cache, d.default_corpus_mb)
         sources = [(str(path), 1.0)]
-    return open_data(sources, d.valid_path, d.valid_fraction)
+    return open_data(sources, d.valid_path, d.valid_fraction, d.window_start)
 
 
 class TrainingRun:
@@ -193,6 +194,10 @@ class TrainingRun:
                 for part in data.sources if isinstance(data, Blend) else [data]:
                     if cfg.data.loss_mask and not part.has_mask:  # the DataError naming the file and the fix
                         part.target_mask(0, cfg.model.seq_len, 0)
+        if self.data is not None and cfg.data.window_start == "document" and rank == 0:
+            warning = long_documents(self.data, cfg.model.seq_len)  # builds the training files' start index
+            if warning:
+                sys.stderr.write(f"WARNING: {warning}\n")
         self.run_dir = Path(cfg.log.run_dir)
         self.ckpt_dir = checkpoint_dir(self.run_dir, cfg)
         # the one place resuming is decided: the checkpoint `resume` loads is chosen (verified, its settings

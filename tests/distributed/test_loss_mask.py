@@ -7,9 +7,10 @@ every step and every gradient every step, which holds only if each layout divide
 count of the whole global batch (a per-micro-batch or per-rank mean gives another gradient). The layouts: data
 parallel with 2 micro-batches per rank, 1D tensor with sequence parallelism (the vocabulary-parallel loss), the
 pipeline (1F1B; breadth-first), ZeRO-3 and 2D 2×2 (its vocabulary-parallel loss over grid rows), one with
-document masking too. ZeRO-3's gradients live in shards: through `train` it is compared by loss and the clipped
+document masking too, and data parallel with document masking and windows that start at document starts
+(data.window_start = "document": every rank must draw the same document for a sample index). ZeRO-3's gradients live in shards: through `train` it is compared by loss and the clipped
 global norm, and its gathered gradients in a direct run of the schedule runtime below. A resumed masked run
-continues as the uninterrupted one.
+continues as the uninterrupted one, with windows starting anywhere or at document starts.
 """
 
 from __future__ import annotations
@@ -44,14 +45,18 @@ from tests.distributed.test_document_mask import (
 )
 from tests.harness import run_distributed
 
-LAYOUTS = {  # name: (world size, model, parallel section, document masking too)
-    "dp2_m2": (2, LLAMA, {"data": 2}, False),  # 8 sequences = 2 ranks × 2 micro-batches × 2
-    "gpt_tp2_sp": (2, GPT, {"tensor": 2, "sequence_parallel": True}, False),
-    "pp2_1f1b_docs": (2, LLAMA, {"pipeline": 2, "schedule": "1f1b"}, True),
-    "gpt_pp2_bf": (2, GPT, {"pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 1}, False),
-    "dp2_z3": (2, LLAMA, {"data": 2, "zero": 3}, False),
-    "tp2x2": (4, LLAMA, {"tensor": "2x2"}, False),
+DOCS = {"document_mask": True}
+DOC_WINDOWS = {"document_mask": True, "window_start": "document"}
+LAYOUTS = {  # name: (world size, model, parallel section, data settings besides the loss mask)
+    "dp2_m2": (2, LLAMA, {"data": 2}, {}),  # 8 sequences = 2 ranks × 2 micro-batches × 2
+    "gpt_tp2_sp": (2, GPT, {"tensor": 2, "sequence_parallel": True}, {}),
+    "pp2_1f1b_docs": (2, LLAMA, {"pipeline": 2, "schedule": "1f1b"}, DOCS),
+    "gpt_pp2_bf": (2, GPT, {"pipeline": 2, "schedule": "breadth_first", "stages_per_rank": 1}, {}),
+    "dp2_z3": (2, LLAMA, {"data": 2, "zero": 3}, {}),
+    "dp2_m2_doc_windows": (2, LLAMA, {"data": 2}, DOC_WINDOWS),
+    "tp2x2": (4, LLAMA, {"tensor": "2x2"}, {}),
 }
+REFERENCES = {"llama": {}, "gpt": {}, "llama_docs": DOCS, "llama_doc_windows": DOC_WINDOWS}
 
 
 @pytest.fixture(scope="module")
@@ -71,31 +76,32 @@ def masked_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(
-    token_file: Path, run_dir: Path, model: dict, parallel: dict, docs: bool = False, **train
+    token_file: Path, run_dir: Path, model: dict, parallel: dict, data: dict | None = None, **train
 ) -> dict:
     raw = trainer_config(token_file, run_dir, model, parallel, **{"steps": STEPS, "grad_clip": 0.5, **train})
-    raw["data"].update(loss_mask=True, document_mask=docs)
+    raw["data"].update(loss_mask=True, **(data or {}))
     return raw
 
 
 @pytest.fixture(scope="module")
 def references(masked_file: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """The single-device runs (depth-first: one micro-batch at a time, the plain loss): Llama and GPT with the
-    loss mask, Llama with document masking too, and Llama without the loss mask (it must differ)."""
+    loss mask, Llama with document masking too (and windows at document starts), and Llama without the loss mask
+    (it must differ)."""
     root, one = tmp_path_factory.mktemp("refs"), {"accumulation": "depth_first"}
     configs = {
-        "llama": _config(masked_file, root / "ref_llama", LLAMA, one),
-        "gpt": _config(masked_file, root / "ref_gpt", GPT, one),
-        "llama_docs": _config(masked_file, root / "ref_llama_docs", LLAMA, one, docs=True),
-        "llama_unmasked": _config(masked_file, root / "ref_off", LLAMA, one),
+        name: _config(masked_file, root / f"ref_{name}", GPT if name == "gpt" else LLAMA, one, data)
+        for name, data in REFERENCES.items()
     }
+    configs["llama_unmasked"] = _config(masked_file, root / "ref_off", LLAMA, one)
     configs["llama_unmasked"]["data"]["loss_mask"] = False
     return root, dict(zip(configs, _train_all(0, 1, list(configs.values())), strict=True))
 
 
 def _reference_of(name: str) -> str:
-    _, model, _, docs = LAYOUTS[name]
-    return ("gpt" if model is GPT else "llama") + ("_docs" if docs else "")
+    _, model, _, data = LAYOUTS[name]
+    family = "gpt" if model is GPT else "llama"
+    return next(n for n, d in REFERENCES.items() if n.startswith(family) and d == data)
 
 
 def _run_world(rank: int, world: int, configs: list[dict]) -> tuple[list, tuple | None]:
@@ -111,6 +117,8 @@ def test_loss_mask_matches_single_device(
     # the mask changes the computation: otherwise matching the reference would prove nothing about it
     masked, unmasked = refs["llama"][1][0], refs["llama_unmasked"][1][0]
     assert any(not torch.allclose(g, unmasked[n], rtol=GRAD_RTOL, atol=GRAD_ATOL) for n, g in masked.items())
+    # windows at document starts train other samples than windows anywhere (the same masks otherwise)
+    assert refs["llama_doc_windows"][0] != refs["llama_docs"][0]
     metrics = read_metrics(references_dir / "ref_llama")
     assert all(0 < m["target_tokens"] < 8 * SIZES["llama-tiny"]["seq_len"] for m in metrics)  # some left out
     names = [n for n, (w, _, _, _) in LAYOUTS.items() if w == world]
@@ -187,11 +195,16 @@ def _check_zero3_gradients(loss: float, grads: dict[str, torch.Tensor]) -> None:
 # --- resuming --------------------------------------------------------------------------------------------------
 
 
-def test_masked_run_resumes_as_it_would_have_continued(masked_file: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("window_start", ["any", "document"])
+def test_masked_run_resumes_as_it_would_have_continued(
+    masked_file: Path, tmp_path: Path, window_start: str
+) -> None:
     """A masked run checkpointed every step and crashed at step 2 resumes with the uninterrupted run's losses and
-    target counts (the mask, like the samples, is a pure function of the data and the step)."""
-    whole = _config(masked_file, tmp_path / "whole", GPT, {}, steps=3)
-    resumed = _config(masked_file, tmp_path / "resumed", GPT, {}, steps=3)
+    target counts (the mask, like the samples, is a pure function of the data and the step; with windows at
+    document starts, the start index is rebuilt from the file on resume)."""
+    data = {"window_start": window_start}
+    whole = _config(masked_file, tmp_path / "whole", GPT, {}, data, steps=3)
+    resumed = _config(masked_file, tmp_path / "resumed", GPT, {}, data, steps=3)
     for raw in (whole, resumed):
         raw["checkpoint"] = {"every": 1, "resume": True}
     expected = train_losses(0, 1, whole)
