@@ -180,6 +180,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                 prompt_key=args.prompt_key,
                 completion_key=args.completion_key,
                 messages_key=args.messages_key,
+                tools_key=args.tools_key,
                 eot_token=args.eot_token,
                 workers=args.workers,
                 strict=args.strict,
@@ -217,6 +218,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tessera.train.run_files import newest_weights
 
     _check_sampling(args)
+    prompt = _generate_prompt(args)
     # Name a wrong run folder (no config.json, no checkpoint, only split weights) before torch's import (seconds);
     # generate_text looks the weights up again with the same function.
     newest_weights(Path(args.run))
@@ -227,7 +229,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         text = generate_text(
             Path(args.run),
-            args.prompt,
+            prompt,
             args.tokens,
             args.temperature,
             args.top_k,
@@ -243,6 +245,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
             progress.close()
     print(text)
     return 0
+
+
+def _generate_prompt(args: argparse.Namespace) -> str | list[dict]:
+    """generate's prompt: with --chat the conversation from --system, --messages and --prompt, checked before
+    torch's import; otherwise --prompt's text (default "def ")."""
+    if not args.chat:
+        given = [f for f, v in (("--system", args.system), ("--messages", args.messages)) if v is not None]
+        if given:
+            verb = "builds" if len(given) == 1 else "build"
+            raise TesseraError(f"{' and '.join(given)} {verb} a chat prompt, which needs --chat; add --chat")
+        return "def " if args.prompt is None else args.prompt
+    from tessera.train.chat import chat_prompt  # numpy and json only
+
+    return chat_prompt(args.prompt, args.system, args.messages)
 
 
 def _check_sampling(args: argparse.Namespace) -> None:
@@ -557,6 +573,12 @@ def _parser() -> argparse.ArgumentParser:
         "the --tokenizer folder's chat template and writes a loss mask (FILE.mask) keeping the assistant turns",
     )
     p.add_argument(
+        "--tools-key",
+        default=None,
+        help="chat records: the field/column of the tools (JSON schemas) passed to the chat template "
+        "(default: tools, where a record has it)",
+    )
+    p.add_argument(
         "--eot-token",
         default=None,
         help="token, or id (a number), ending each document; default: the tokenizer's own",
@@ -572,7 +594,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
     p.add_argument("run", help="run directory (holds config.json and checkpoints/)")
-    p.add_argument("--prompt", default="def ")
+    p.add_argument(
+        "--prompt", default=None, help='text to continue (default "def "); with --chat, the user\'s turn'
+    )
     p.add_argument("--tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)
@@ -592,6 +616,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the prompt is a user turn, rendered with the run's tokenizer folder's chat template; sampling ends at "
         "the template's end of turn and only the reply is printed",
+    )
+    p.add_argument("--system", default=None, help="with --chat: the system turn, rendered before the rest")
+    p.add_argument(
+        "--messages",
+        default=None,
+        metavar="FILE.json",
+        help="with --chat: the chat so far, a JSON list of {role, content} messages; --prompt, if given, is "
+        "added as the user's next turn, and the reply is the next assistant turn",
     )
     p.set_defaults(fn=_no_extra(cmd_generate))
 

@@ -149,6 +149,7 @@ def prepare(
     prompt_key: str | None = None,
     completion_key: str | None = None,
     messages_key: str | None = None,
+    tools_key: str | None = None,
     eot_token: str | None = None,
     workers: int | None = None,
     strict: bool = False,
@@ -165,7 +166,8 @@ def prepare(
     loss mask `mask_path(out)` marks the completion's tokens and the end-of-text token after them as targets.
 
     With ``messages_key`` a record's document is its conversation rendered with the chat template of the tokenizer
-    folder, and the mask marks its assistant turns and their end-of-turn tokens (`tessera.train.chat`).
+    folder, and the mask marks its assistant turns and their end-of-turn tokens (`tessera.train.chat`); a record's
+    ``tools_key`` field (default ``tools``), when it has one, is the tools the template is given.
     """
     out = Path(out)
     if out.is_dir():
@@ -174,7 +176,7 @@ def prepare(
         )
     if workers is not None and workers < 1:
         raise DataError(f"--workers {workers} must be at least 1; leave it out to use every core")
-    key = _record_key(text_key, prompt_key, completion_key, messages_key, out)
+    key = _record_key(text_key, prompt_key, completion_key, messages_key, tools_key, out)
     tok = load_tokenizer(tokenizer_spec)
     eot = resolve_eot(tok, eot_token)
     chat = _chat_template(tok.spec, eot, eot_token) if isinstance(key, Messages) else None
@@ -248,6 +250,7 @@ def prepare(
             "sha256": mask_sha.hexdigest(),
             "n_targets": counts["targets"],
             "messages_key": key.key,
+            "tools_key": key.tools_key,
             "chat_template_sha256": chat.sha256,
             "assistant_tokens": "generation markers" if chat.marked else "prefix difference",
         }
@@ -258,10 +261,19 @@ def prepare(
 
 
 def _record_key(
-    text_key: str, prompt_key: str | None, completion_key: str | None, messages_key: str | None, out: Path
+    text_key: str,
+    prompt_key: str | None,
+    completion_key: str | None,
+    messages_key: str | None,
+    tools_key: str | None,
+    out: Path,
 ) -> Key:
     """What a record's document is: ``text_key``, the (prompt, completion) pair when both are named, or the
-    conversation in ``messages_key``."""
+    conversation in ``messages_key`` (with the tools in ``tools_key``)."""
+    if tools_key is not None and messages_key is None:
+        raise DataError(
+            f"--tools-key {tools_key!r} names the tools field of chat records; add --messages-key (e.g. messages)"
+        )
     if prompt_key is None and completion_key is None and messages_key is None:
         return text_key
     if messages_key is not None and (prompt_key is not None or completion_key is not None):
@@ -280,7 +292,9 @@ def _record_key(
         raise DataError(
             f"--out {str(out)!r} would be overwritten by its mask or metadata; name it e.g. train.bin"
         )
-    return Messages(messages_key) if messages_key is not None else (prompt_key, completion_key)
+    if messages_key is not None:
+        return Messages(messages_key, tools_key or "tools")
+    return prompt_key, completion_key
 
 
 def _chat_template(spec: str, eot: int, eot_token: str | None) -> ChatTemplate:

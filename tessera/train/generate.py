@@ -26,7 +26,7 @@ __all__ = ["TokenProgress", "generate_text", "newest_weights"]
 
 def generate_text(
     run_dir: Path,
-    prompt: str,
+    prompt: str | list[dict],
     tokens: int,
     temperature: float = 0.8,
     top_k: int | None = None,
@@ -39,18 +39,22 @@ def generate_text(
 ) -> str:
     """Load ``run_dir``'s config and newest weights in one process and continue ``prompt``; ``on_token(n)``
     is called after the n-th new token. Sampling ends early at a token of ``stop`` (each a text that is one
-    token), which the text then leaves out. With ``chat`` the prompt is a user turn rendered with the run's
-    tokenizer folder's chat template, sampling ends at the template's end of turn, and the text is the reply
-    alone; otherwise it is the prompt and its continuation."""
+    token), which the text then leaves out. With ``chat`` the prompt is rendered with the run's tokenizer folder's
+    chat template and the assistant header: a text as a user turn, a list as the messages so far (`chat_prompt`
+    builds it from generate's flags); sampling ends at the template's end of turn, and the text is the reply
+    alone. Otherwise the prompt is a text, and the text is the prompt and its continuation."""
     cfg = run_config(run_dir)
     tok = load_tokenizer(cfg.data.tokenizer)
     stop_ids = {_one_token(tok, text) for text in stop}
     if chat:
         template = ChatTemplate(cfg.data.tokenizer)
-        prompt_ids = template.prompt_ids([{"role": "user", "content": prompt}])
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        prompt_ids = template.prompt_ids(messages)
         stop_ids.add(template.end_of_turn())
-    else:
+    elif isinstance(prompt, str):
         prompt_ids = tok.encode(prompt) or [0]
+    else:
+        raise DataError("a list of messages is a chat prompt: pass chat=True (--chat) to render it")
     model = build_model(cfg.model)
     ckpt.load_model_weights(newest_weights(run_dir), model)
     ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, t]

@@ -19,11 +19,12 @@ prompt's tokens, then the completion's, then the end-of-text token, and its mask
 and the end-of-text token as targets (1), the prompt's as not (0). A record without either field is a bad
 record naming it; a plain text file has no fields and is skipped with a warning.
 
-Chat records (``key`` a `Messages`): a document is the record's conversation rendered with the tokenizer folder's
-chat template, then the end-of-text token; its mask marks the assistant turns' tokens and their end-of-turn tokens
-(`tessera.train.chat`). A record whose field is not a list of system/user/assistant messages with string content,
-that has no assistant turn, or whose assistant tokens the template does not let apart is a bad record naming it
-and the message.
+Chat records (``key`` a `Messages`): a document is the record's conversation (and its tools, when it has the
+tools field) rendered with the tokenizer folder's chat template, then the end-of-text token; its mask marks the
+assistant turns' tokens (their tool calls too) and their end-of-turn tokens (`tessera.train.chat`). A record whose
+field is not a list of system/user/assistant/tool messages with string content (or an assistant's tool calls),
+that has no assistant turn, whose tools or tool calls the template does not render, or whose assistant tokens the
+template does not let apart is a bad record naming it and the message.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from tessera.errors import DataError
-from tessera.train.chat import ChatError, ChatTemplate, messages_problem
+from tessera.train.chat import ChatError, ChatTemplate, Conversation, conversation
 from tessera.train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["Key", "Messages", "Unit", "UnitResult", "find_units", "tokenize_units"]
@@ -51,9 +52,11 @@ __all__ = ["Key", "Messages", "Unit", "UnitResult", "find_units", "tokenize_unit
 
 @dataclass(frozen=True, slots=True)
 class Messages:
-    """A record's document is the conversation in field ``key``, rendered with the tokenizer's chat template."""
+    """A record's document is the conversation in field ``key``, rendered with the tokenizer's chat template and
+    the tools in field ``tools_key`` (when the record has it)."""
 
     key: str
+    tools_key: str = "tools"
 
 
 Key = str | tuple[str, str] | Messages
@@ -236,8 +239,8 @@ def _hf_units(folder: Path) -> list[Unit]:
 # --- reading documents -------------------------------------------------------------------------------------
 
 # A reader yields (where, text, problem): the document's location for messages, and its text (a prompt and a
-# completion for a pair of keys, a list of messages for a conversation) or what is wrong.
-Doc = tuple[str, str | tuple[str, str] | list | None, str | None]
+# completion for a pair of keys, a Conversation for chat records) or what is wrong.
+Doc = tuple[str, str | tuple[str, str] | Conversation | None, str | None]
 
 
 def _read_text(unit: Unit, text_key: Key) -> Iterator[Doc]:
@@ -265,11 +268,13 @@ class _Skip(Exception):
     """A whole text file is not text: skipped with a warning, as before structured formats existed."""
 
 
-def _record_text(record: Any, text_key: Key) -> tuple[str | tuple[str, str] | list | None, str | None]:
+def _record_text(
+    record: Any, text_key: Key
+) -> tuple[str | tuple[str, str] | Conversation | None, str | None]:
     if isinstance(text_key, tuple):
         return _record_pair(record, text_key)
     if isinstance(text_key, Messages):
-        return _record_messages(record, text_key.key)
+        return _record_messages(record, text_key)
     return _string_field(record, text_key, "--text-key")
 
 
@@ -304,11 +309,13 @@ def _record_pair(record: Any, keys: tuple[str, str]) -> tuple[tuple[str, str] | 
     return (texts[0], texts[1]), None
 
 
-def _record_messages(record: Any, key: str) -> tuple[list | None, str | None]:
-    """A record's conversation, or what is wrong with it, naming --messages-key when the field is missing."""
-    value, problem = _field(record, key, "--messages-key")
-    problem = problem or messages_problem(value, key)
-    return (None, problem) if problem else (value, None)
+def _record_messages(record: Any, key: Messages) -> tuple[Conversation | None, str | None]:
+    """A record's conversation and tools (none without the tools field), or what is wrong with it, naming
+    --messages-key when the field is missing."""
+    value, problem = _field(record, key.key, "--messages-key")
+    if problem is not None:
+        return None, problem
+    return conversation(value, record.get(key.tools_key), key.key, key.tools_key)
 
 
 def _read_jsonl_lines(unit: Unit, lines: list[bytes], text_key: Key) -> Iterator[Doc]:
@@ -376,9 +383,13 @@ def _column(table: Any, unit: Unit, text_key: str, what: str = "text", option: s
 def _read_rows(unit: Unit, table: Any, text_key: Key) -> Iterator[Doc]:
     if isinstance(text_key, Messages):  # a list<struct<role, content>> column reads as lists of dicts
         column = _column(table, unit, text_key.key, "messages", "--messages-key").to_pylist()
-        for i, value in enumerate(column):
-            problem = messages_problem(value, text_key.key)
-            yield f"{unit.path}:row {unit.first + i}", None if problem else value, problem
+        has_tools = text_key.tools_key in table.column_names
+        tools = table.column(text_key.tools_key).to_pylist() if has_tools else [None] * len(column)
+        for i, (value, schemas) in enumerate(zip(column, tools, strict=True)):
+            yield (
+                f"{unit.path}:row {unit.first + i}",
+                *conversation(value, schemas, text_key.key, text_key.tools_key),
+            )
         return
     if isinstance(text_key, tuple):
         prompts = _column(table, unit, text_key[0], "prompt", "--prompt-key").to_pylist()

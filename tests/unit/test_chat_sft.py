@@ -76,6 +76,52 @@ STRIP_REASONING = (
 """ChatML that drops an earlier assistant turn's reasoning (as Qwen3's template does): the conversation through
 a turn is then not a prefix of the whole conversation."""
 
+
+def _tool_template(marked: bool) -> str:
+    """A ChatML template with tool support, written after Qwen2.5 Instruct's public template logic: the tools'
+    JSON schemas in the system turn inside <tools></tools>, each assistant tool call as <tool_call>{"name": ...,
+    "arguments": ...}</tool_call> after the reply's text, and consecutive tool results in one user turn, each in
+    <tool_response></tool_response>. With ``marked``, {% generation %} markers around each assistant turn's text,
+    calls and <|im_end|> (the same rendering)."""
+    start, end = ("{%- generation %}", "{%- endgeneration %}") if marked else ("", "")
+    return (
+        "{%- if tools %}"
+        "{{- '<|im_start|>system\\n' }}"
+        "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+        "{{- '# Tools\\n\\nYou may call one or more functions.\\n\\n<tools>' }}"
+        "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+        "{{- '\\n</tools>\\n\\nReturn each call as a JSON object in <tool_call></tool_call> tags.<|im_end|>\\n' }}"
+        "{%- elif messages[0]['role'] == 'system' %}"
+        "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+        "{%- endif %}"
+        "{%- for message in messages %}"
+        "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+        "{%- elif message.role == 'assistant' %}"
+        "{{- '<|im_start|>assistant\\n' }}"
+        + start
+        + "{%- if message.content %}{{- message.content }}{%- endif %}"
+        "{%- for tool_call in message.tool_calls or [] %}"
+        "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+        "{%- set call = tool_call.function if tool_call.function is defined else tool_call %}"
+        '{{- \'<tool_call>\\n{"name": "\' + call.name + \'", "arguments": \' + (call.arguments | tojson) + \'}'
+        "\\n</tool_call>' }}"
+        "{%- endfor %}"
+        "{{- '<|im_end|>' }}" + end + "{{- '\\n' }}"
+        "{%- elif message.role == 'tool' %}"
+        "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+        "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+        "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+
+
+TOOLS_CHATML = _tool_template(marked=False)
+TOOLS_CHATML_MARKED = _tool_template(marked=True)
+
+
 SYSTEM = "You are a helpful assistant."
 CONVERSATIONS = [
     [
@@ -92,6 +138,56 @@ CONVERSATIONS = [
         {"role": "assistant", "content": ""},  # an empty reply still trains its end of turn
         {"role": "user", "content": "A last question, unanswered."},  # context only: no target after it
     ],
+]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The temperature in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def _call(city: str, as_text: bool = False) -> dict:
+    arguments = {"city": city}
+    return {
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps(arguments) if as_text else arguments},
+    }
+
+
+TOOL_CHATS = [
+    [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("Paris")]},
+        {"role": "tool", "content": "18C", "name": "get_weather"},
+        {"role": "assistant", "content": "It is 18C in Paris."},
+        {"role": "user", "content": "And in Madrid and Rome?"},
+        {  # two calls in one turn, the second's arguments a JSON string (as OpenAI's API returns them)
+            "role": "assistant",
+            "content": "Let me check both.",
+            "tool_calls": [_call("Madrid"), _call("Rome", as_text=True)],
+        },
+        {"role": "tool", "content": "25C", "name": "get_weather"},
+        {"role": "tool", "content": "21C", "name": "get_weather"},
+        {"role": "assistant", "content": "Madrid is at 25C, Rome at 21C."},
+    ],
+    [  # a call without content (null, as OpenAI writes it), the conversation ending at the call
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [_call("Oslo")]},
+    ],
+]
+TOOL_REPLIES = [  # what each assistant turn of TOOL_CHATS renders as, by TOOLS_CHATML's layout
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+    "It is 18C in Paris.<|im_end|>",
+    'Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Madrid"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>',
+    "Madrid is at 25C, Rome at 21C.<|im_end|>",
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>',
 ]
 
 
@@ -204,7 +300,10 @@ def test_generation_markers_and_the_prefix_difference_agree(tmp_path):
 
 
 BAD = [  # (record, words of its warning)
-    ({"messages": [{"role": "tool", "content": "x"}, *CONVERSATIONS[0][1:3]]}, "message 1 has role 'tool'"),
+    (
+        {"messages": [{"role": "function", "content": "x"}, *CONVERSATIONS[0][1:3]]},
+        "message 1 has role 'function'",
+    ),
     (
         {"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]},
         "message 1 (user) has no content",
@@ -320,7 +419,7 @@ def test_parquet_conversations_and_two_workers(tmp_path):
         assert (tmp_path / f"one.{name}").read_bytes() == (tmp_path / f"two.{name}").read_bytes()
 
 
-def test_prepare_and_train_on_the_assistant_turns(tmp_path, capsys):
+def test_prepare_and_train_on_the_assistant_turns(tmp_path, capsys, monkeypatch):
     """`tessera prepare --messages-key` then `tessera train` with data.loss_mask: one window spans the whole file
     (model.seq_len = tokens - 1, so every sample starts at token 0), so each step's target count is the global
     batch times the mask's count (the first token, <|im_start|>, is no target)."""
@@ -367,3 +466,271 @@ def test_prepare_and_train_on_the_assistant_turns(tmp_path, capsys):
     assert "<|im_start|>" not in reply and "<|im_end|>" not in reply
     assert main(["generate", str(run), "--stop", "Hello there"]) == 2  # a stop is compared token by token
     assert "--stop 'Hello there' is" in capsys.readouterr().err
+    # --system and --messages: the model is given [system, *file, user --prompt] with the assistant header, the
+    # ids transformers renders for inference
+    from transformers import AutoTokenizer
+
+    import tessera.train.generate as generate_module
+
+    given: list[list[int]] = []
+    sample = generate_module.generate
+
+    def spy(model, ids, *args):
+        given.append(ids[0].tolist())
+        return sample(model, ids, *args)
+
+    monkeypatch.setattr(generate_module, "generate", spy)
+    history = CONVERSATIONS[1][1:4]  # assistant, user, assistant: answered by --prompt's user turn
+    (tmp_path / "history.json").write_text(json.dumps([CONVERSATIONS[1][0], *history]))
+    argv = ["generate", str(run), "--chat", "--tokens", "3", "--temperature", "0", "--system", SYSTEM]
+    assert main([*argv, "--messages", str(tmp_path / "history.json"), "--prompt", "Bye?"]) == 0
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        CONVERSATIONS[1][0],
+        *history,
+        {"role": "user", "content": "Bye?"},
+    ]
+    hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    expected = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+    assert given == [list(expected["input_ids"])]
+    assert main([*argv, "--messages", str(tmp_path / "history.json")]) == 2  # it ends with the assistant's
+    assert "ends with the assistant's turn (message 4)" in capsys.readouterr().err
+
+
+def _tool_records(key: str = "tools") -> list[dict]:
+    return [{"messages": c, key: [WEATHER]} for c in TOOL_CHATS]
+
+
+@pytest.mark.parametrize("template", [TOOLS_CHATML, TOOLS_CHATML_MARKED], ids=["prefix", "markers"])
+def test_tool_calls_are_kept_with_their_turn_and_tool_results_are_not(tmp_path, template):
+    """Decoded, the kept tokens are each assistant turn's text and tool calls (a JSON-string arguments parsed, as
+    the template renders an object) and its <|im_end|>, and nothing else: not the tools' schemas in the system
+    turn, not the tool results, not the user turns. The tools are rendered (they are context)."""
+    folder = _tokenizer(tmp_path / "tok", template)
+    out = tmp_path / "tools.bin"
+    meta = _prepare(_chats(tmp_path, _tool_records()), out, folder)
+    assert _kept_runs(out, folder) == TOOL_REPLIES
+    whole = load_tokenizer(str(folder)).decode(np.fromfile(out, dtype=np.uint16).tolist())
+    assert whole.count("<tools>\n" + json.dumps(WEATHER) + "\n</tools>") == 2
+    assert "<|im_start|>user\n<tool_response>\n25C\n</tool_response>\n<tool_response>\n21C\n" in whole
+    assert meta["n_documents"] == 2 and meta["n_bad_records"] == 0
+    assert meta["loss_mask"]["tools_key"] == "tools"
+    # the tools field is named with --tools-key; a record without it has no tools (then none are rendered)
+    again = _prepare(
+        _chats(tmp_path, _tool_records("functions"), "f.jsonl"),
+        tmp_path / "f.bin",
+        folder,
+        tools_key="functions",
+    )
+    assert (tmp_path / "f.bin").read_bytes() == out.read_bytes() and again["loss_mask"][
+        "tools_key"
+    ] == "functions"
+    with pytest.raises(
+        DataError, match="--tools-key 'functions' names the tools field of chat records; add --messages-key"
+    ):
+        prepare([tmp_path / "f.jsonl"], tmp_path / "g.bin", str(folder), tools_key="functions")
+
+
+def test_tool_calls_by_generation_markers_and_by_prefix_difference_agree(tmp_path):
+    src = _chats(tmp_path, _tool_records())
+    marked = _prepare(src, tmp_path / "m.bin", _tokenizer(tmp_path / "marked", TOOLS_CHATML_MARKED))
+    plain = _prepare(src, tmp_path / "p.bin", _tokenizer(tmp_path / "plain", TOOLS_CHATML))
+    assert marked["loss_mask"]["assistant_tokens"] == "generation markers"
+    assert plain["loss_mask"]["assistant_tokens"] == "prefix difference"
+    assert (tmp_path / "m.bin").read_bytes() == (tmp_path / "p.bin").read_bytes()
+    assert mask_path(tmp_path / "m.bin").read_bytes() == mask_path(tmp_path / "p.bin").read_bytes()
+
+
+def test_a_template_without_tool_support_is_refused_by_record(tmp_path):
+    """ChatML without tool support renders nothing for tool calls and tools (transformers passes them, the
+    template never reads them): a record whose call would vanish from its reply, or whose tools would, is skipped
+    by name; a plain conversation is not affected."""
+    folder = _tokenizer(tmp_path / "tok", CHATML)
+    mentioned = {"role": "assistant", "content": "Calling get_weather.", "tool_calls": [_call("Paris")]}
+    records = [
+        {"messages": TOOL_CHATS[0]},
+        {"messages": CONVERSATIONS[0], "tools": [WEATHER]},
+        {"messages": CONVERSATIONS[0]},
+        {"messages": [TOOL_CHATS[0][1], mentioned]},  # the name in the text does not stand for the call
+    ]
+    src = _chats(tmp_path, records)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        meta = _prepare(src, tmp_path / "a.bin", folder)
+    (message,) = [str(w.message) for w in caught]
+    assert (
+        "chat.jsonl:1: message 3 (assistant): its tool call 'get_weather' is not in the chat template's rendering "
+        "of the turn, so the reply would be trained without its call; use the model's own chat template, one with "
+        "tool support" in message
+    )
+    assert "chat.jsonl:2: the chat template renders the record's 1 tool(s) as nothing" in message
+    assert (
+        "chat.jsonl:4: message 2 (assistant): its tool call 'get_weather' is not in the chat template's"
+        in message
+    )
+    assert meta["n_documents"] == 1 and meta["n_bad_records"] == 3
+    assert _kept_runs(tmp_path / "a.bin", folder) == _replies("<|im_end|>")[:2]
+    with pytest.raises(
+        DataError, match=r"chat\.jsonl:1: message 3 \(assistant\): its tool call 'get_weather'"
+    ):
+        _prepare(src, tmp_path / "s.bin", folder, strict=True)
+
+
+_USER = {"role": "user", "content": "What is the weather in Paris?"}
+_RESULT = {"role": "tool", "content": "18C", "name": "get_weather"}
+_ANSWER = {"role": "assistant", "content": "It is 18C in Paris."}
+
+
+def _with_call(**function) -> dict:
+    return {
+        "messages": [_USER, {"role": "assistant", "content": "", "tool_calls": [function]}, _RESULT, _ANSWER]
+    }
+
+
+BAD_TOOLS = [  # (record, words of its warning)
+    (
+        {"messages": [_USER, {"role": "assistant", "tool_calls": {"name": "get_weather"}}]},
+        "message 2 (assistant) has tool_calls of type dict, not a list of",
+    ),
+    (
+        _with_call(name="get_weather", arguments={}),
+        'message 2 (assistant) tool call 1 is not {"type": "function"',
+    ),
+    (_with_call(type="function", function={"arguments": {}}), "tool call 1 has no function name"),
+    (
+        _with_call(type="function", function={"name": "get_weather"}),
+        "tool call 1 (get_weather) has no arguments; write {} for a call without any",
+    ),
+    (
+        _with_call(type="function", function={"name": "get_weather", "arguments": ["Paris"]}),
+        "tool call 1 (get_weather) has arguments of type list; write them as an object",
+    ),
+    (
+        _with_call(type="function", function={"name": "get_weather", "arguments": "city=Paris"}),
+        "tool call 1 (get_weather) has arguments that are a string but not JSON",
+    ),
+    (
+        _with_call(type="code", function={"name": "get_weather", "arguments": {}}),
+        "tool call 1 has type 'code'; a chat template renders 'function' calls",
+    ),
+    (
+        {"messages": [{**_USER, "tool_calls": [_call("Paris")]}, _ANSWER]},
+        "message 1 (user) has tool_calls; only an assistant turn calls tools",
+    ),
+    (
+        {"messages": [_USER, _RESULT, _ANSWER]},
+        "message 2 (tool) is a tool result with no call before it (before it: the user's)",
+    ),
+    (
+        {
+            "messages": [
+                _USER,
+                {"role": "assistant", "content": "", "tool_calls": [_call("Paris")]},
+                {"role": "tool"},
+            ]
+        },
+        "message 3 (tool) has no content",
+    ),
+    (
+        {
+            "messages": [
+                _USER,
+                {"role": "assistant", "tool_calls": [_call("Paris")]},
+                {**_RESULT, "content": {"t": 18}},
+            ]
+        },
+        "message 3 (tool) has content of type dict, not a string",
+    ),
+    ({"messages": [_USER, {"role": "assistant", "tool_calls": []}]}, "message 2 (assistant) has no content"),
+    (
+        {**_with_call(**_call("Paris")), "tools": {"get_weather": WEATHER}},
+        "field 'tools' is not a list of tool objects",
+    ),
+    ({**_with_call(**_call("Paris")), "tools": "[get_weather]"}, "field 'tools' is a string but not JSON"),
+    (_with_call(**_call("<|im_end|>")), "message 2 (assistant) contains the special token '<|im_end|>'"),
+]
+
+
+def test_bad_tool_records_are_skipped_by_line_and_strict_stops(tmp_path):
+    folder = _tokenizer(tmp_path / "tok", TOOLS_CHATML)
+    good = {"messages": TOOL_CHATS[0], "tools": [WEATHER]}
+    src = _chats(tmp_path, [good, *(r for r, _ in BAD_TOOLS)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        meta = _prepare(src, tmp_path / "a.bin", folder)
+    (message,) = [str(w.message) for w in caught]
+    assert f"{len(BAD_TOOLS)} bad record(s) skipped" in message
+    assert meta["n_documents"] == 1 and meta["n_bad_records"] == len(BAD_TOOLS)
+    for record, words in BAD_TOOLS:  # each alone, with --strict: an error naming its line and the problem
+        one = _chats(tmp_path, [good, record], "one.jsonl")
+        with pytest.raises(
+            DataError, match=r"--strict stops at the first\): .*one\.jsonl:2: .*" + _re(words)
+        ):
+            _prepare(one, tmp_path / "s.bin", folder, strict=True)
+
+
+def _arguments_as_text(message: dict) -> dict:
+    """``message`` with its tool calls' arguments written as JSON strings."""
+    if "tool_calls" not in message:
+        return message
+    calls = [
+        {**c, "function": {**c["function"], "arguments": _json_text(c["function"]["arguments"])}}
+        for c in message["tool_calls"]
+    ]
+    return {**message, "tool_calls": calls}
+
+
+def _json_text(value: dict | str) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def test_parquet_tool_records_match_jsonl(tmp_path):
+    """A Parquet list<struct> column holds a null for every field a message lacks (tool_calls of a user turn,
+    content of a call, name of a reply): read as absent, the files equal those of the same records in JSONL.
+    Arguments and tools are stored as JSON strings, as a struct column could not hold each call's own fields."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    folder = _tokenizer(tmp_path / "tok", TOOLS_CHATML)
+    as_text = [[_arguments_as_text(m) for m in chat] for chat in TOOL_CHATS]
+    pq.write_table(
+        pa.table({"messages": as_text, "tools": [json.dumps([WEATHER])] * 2}), tmp_path / "t.parquet"
+    )
+    _prepare(tmp_path / "t.parquet", tmp_path / "p.bin", folder)
+    _prepare(_chats(tmp_path, _tool_records()), tmp_path / "j.bin", folder)
+    for name in ("bin", "mask"):
+        assert (tmp_path / f"p.{name}").read_bytes() == (tmp_path / f"j.{name}").read_bytes()
+
+
+def test_a_chat_prompt_of_system_messages_and_prompt_is_transformers_generation_prompt(tmp_path):
+    """`generate --chat --system S --messages F --prompt P` continues [system S, *F, user P] rendered with the
+    assistant header, exactly as transformers renders it for inference; without --prompt the file's last turn (a
+    tool result here) is answered."""
+    from transformers import AutoTokenizer
+
+    from tessera.train.chat import ChatTemplate, chat_prompt
+
+    folder = _tokenizer(tmp_path / "tok", TOOLS_CHATML)
+    hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    chat = ChatTemplate(str(folder))
+    history = TOOL_CHATS[0][1:4]  # user, assistant's call, tool result
+    (tmp_path / "chat.json").write_text(json.dumps(history))
+    system = {"role": "system", "content": SYSTEM}
+    cases = [  # (--prompt, --system, --messages, the conversation)
+        (
+            "Thanks!",
+            SYSTEM,
+            tmp_path / "chat.json",
+            [system, *history, {"role": "user", "content": "Thanks!"}],
+        ),
+        (None, None, tmp_path / "chat.json", history),
+        ("Hi", SYSTEM, None, [system, {"role": "user", "content": "Hi"}]),
+    ]
+    for prompt, system_text, messages_file, messages in cases:
+        conversation = chat_prompt(prompt, system_text, messages_file)
+        assert conversation == messages
+        expected = hf.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=True
+        )
+        assert chat.prompt_ids(conversation) == list(expected["input_ids"])
+    assert chat.prompt_ids(history) != chat.prompt_ids(history[:1])  # the history is rendered, not dropped

@@ -136,6 +136,49 @@ BAD_INPUT = [  # (command, with {run folder} placeholders, then the words its me
         ["generate", "{empty}"],
         "{empty} has no config.json; pass the run directory that `tessera train` wrote",
     ),
+    # generate --chat's conversation: --messages names its file's problem and the fix, before the run is read
+    (
+        ["generate", "{missing}", "--system", "Be brief."],
+        "--system builds a chat prompt, which needs --chat; add --chat",
+    ),
+    (
+        ["generate", "{missing}", "--messages", "{chat_ok}"],
+        "--messages builds a chat prompt, which needs --chat",
+    ),
+    (
+        ["generate", "{missing}", "--chat", "--system", "Be brief."],
+        "--chat needs the user's turn: pass --prompt",
+    ),
+    (
+        ["generate", "{missing}", "--chat", "--messages", "{chat_record}"],
+        "--messages '{chat_record}': the file has type dict, not a list of messages; write the chat so far as a "
+        'JSON list of {{"role": ..., "content": ...}} objects',
+    ),
+    (
+        ["generate", "{missing}", "--chat", "--messages", "{chat_no_role}"],
+        "--messages '{chat_no_role}': message 2 has role None; the roles are system, user, assistant, tool",
+    ),
+    (
+        ["generate", "{missing}", "--chat", "--messages", "{chat_answered}"],
+        "--messages '{chat_answered}' ends with the assistant's turn (message 2), so there is no turn to answer; "
+        "add the user's next turn (or the results of its tool calls) to the file, or pass it with --prompt TEXT",
+    ),
+    (
+        ["generate", "{missing}", "--chat", "--messages", "{chat_text}"],
+        "--messages '{chat_text}' is not JSON",
+    ),
+    (
+        ["generate", "{missing}", "--chat", "--messages", "{missing}.json", "--prompt", "Hi"],
+        "--messages '{missing}.json' cannot be read (No such file or directory)",
+    ),
+    (
+        ["generate", "{missing}", "--chat", "--messages", "{chat_system}", "--system", "Be brief."],
+        "--messages '{chat_system}' opens with a system turn and --system gives another; pass one of them",
+    ),
+    (
+        ["generate", "{missing}", "--chat", "--messages", "{chat_ok}"],
+        "run directory {missing} does not exist",
+    ),
     (["export", "{missing}"], "run directory {missing} does not exist"),
     (["export", "{empty}", "--nproc", "2"], "{empty} has no config.json"),  # the launcher's path
     (["export", "{untrained}"], "no complete checkpoint in {untrained}/checkpoints"),
@@ -184,11 +227,30 @@ def _run_folders(root: Path) -> dict[str, Path]:
     return runs
 
 
+def _message_files(root: Path) -> dict[str, Path]:
+    """--messages files: a good chat so far, one record object instead of a list, a message without a role, one
+    ending with the assistant's turn, one opening with a system turn, and text that is not JSON."""
+    user, reply = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
+    values = {
+        "chat_ok": [user],
+        "chat_record": {"messages": [user]},
+        "chat_no_role": [user, {"content": "Hello"}],
+        "chat_answered": [user, reply],
+        "chat_system": [{"role": "system", "content": "Be kind."}, user],
+    }
+    files = {name: root / f"{name}.json" for name in [*values, "chat_text"]}
+    for name, value in values.items():
+        files[name].write_text(json.dumps(value))
+    files["chat_text"].write_text("user: Hi")
+    return files
+
+
 @pytest.mark.parametrize(("command", "message"), BAD_INPUT)
 def test_bad_input_is_named_before_torch(command: list[str], message: str, tmp_path: Path) -> None:
-    """A wrong run folder, checkpoint or flag of generate, export (the launcher and one process), plot and dryrun
-    is named, with its fix, without importing torch (seconds to import, and more to exit) or matplotlib."""
-    runs = {k: str(v) for k, v in _run_folders(tmp_path).items()}
+    """A wrong run folder, checkpoint, flag or --messages file of generate, export (the launcher and one process),
+    plot and dryrun is named, with its fix, without importing torch (seconds to import, and more to exit) or
+    matplotlib."""
+    runs = {k: str(v) for k, v in {**_run_folders(tmp_path), **_message_files(tmp_path)}.items()}
     argv = [part.format(**runs) for part in command]
     code = (
         "import sys\n"
