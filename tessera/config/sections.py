@@ -312,9 +312,10 @@ class CheckpointConfig:
     than the checkpoint's schedule (refused otherwise): the new schedule takes effect at the resume step, at its
     value there (no new warmup)."""
     new_data_order: bool = False
-    """Resume even though the data order's seed (data.seed, or train.seed when it is unset) changed (refused
-    otherwise): the remaining steps draw their samples, and val_loss its windows, with the new seed, e.g. to step
-    past the data around a loss spike (train.skip_steps skips given steps' batches instead)."""
+    """Resume even though the data order's seed (data.seed, or train.seed when it is unset) or data.window_start
+    changed (refused otherwise): the remaining steps draw their samples, and val_loss its windows, with the new seed
+    or rule, e.g. to step past the data around a loss spike (train.skip_steps skips given steps' batches
+    instead)."""
     async_: bool = False
     """Write checkpoints in the background (DCP's async save): training waits only for a copy of the state in
     CPU memory; a checkpoint counts once committed, as ever, and the next save or the end of the run waits for

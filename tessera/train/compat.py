@@ -13,7 +13,8 @@ resume does with it is docs/checkpoints.md ("What a resume may change").
 - The data order's seed (``data.seed``, or ``train.seed`` when it is unset): the samples of the remaining steps
   and the validation windows would be those of another run, so the validation loss before and after the resume
   would measure different data, unless ``checkpoint.new_data_order`` says so (e.g. to step past the data around
-  a loss spike).
+  a loss spike). The same holds for the rule that places the windows (``data.window_start``): another rule draws
+  other windows for the same sample indices, the validation windows included.
 - The held-out split (``data.valid_fraction``, the token file ``data.valid_path`` names, and with a fraction the
   files it holds the tails of): a larger fraction, other files or another validation file would hold out
   documents the run has trained on, or measure ``val_loss`` on other data than before the resume.
@@ -75,6 +76,7 @@ def run_settings(
     settings["data.tokenizer"] = cfg.data.tokenizer
     settings |= {f"tokens.{k}": v for k, v in (tokenizer or {}).items()}
     settings["data.seed"] = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
+    settings["data.window_start"] = cfg.data.window_start
     settings["data.valid_fraction"] = cfg.data.valid_fraction
     settings["data.valid_path"] = valid_file
     if held_out_files:
@@ -85,9 +87,12 @@ def run_settings(
     return json.loads(json.dumps(settings))  # as they come back from meta.json (tuples become lists)
 
 
+_DATA_ORDER = frozenset({"data.seed", "data.window_start"})  # what checkpoint.new_data_order lets change
 _OPT_IN = {  # what a user who means the change sets
     "data.seed": " (to draw the remaining steps' samples and the validation windows with the new seed on purpose: "
     "checkpoint.new_data_order = true)",
+    "data.window_start": " (to draw the remaining steps' windows and the validation windows by the new rule on "
+    "purpose: checkpoint.new_data_order = true)",
 }
 
 
@@ -101,13 +106,13 @@ def check_compatible(
     new_data_order: bool = False,
 ) -> None:
     """Refuse to resume ``path`` at ``step`` when a recorded setting changed (the schedule's only where it changes
-    a remaining step's learning rate, and not with ``new_schedule``; the data order's seed not with
-    ``new_data_order``); checkpoints without settings pass, and a setting an older checkpoint does not record is
+    a remaining step's learning rate, and not with ``new_schedule``; the data order's seed and window rule not
+    with ``new_data_order``); checkpoints without settings pass, and a setting an older checkpoint does not record is
     not compared."""
     if not isinstance(saved, dict):
         return
     saved, now = _shape_resolved(saved), _shape_resolved(now)
-    may_change = _MAY_CHANGE | ({"data.seed"} if new_data_order else set())
+    may_change = _MAY_CHANGE | (_DATA_ORDER if new_data_order else set())
     changed = [
         _changed(k, saved[k], now[k])
         for k in sorted(now)

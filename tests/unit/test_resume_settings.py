@@ -51,6 +51,20 @@ def test_the_data_orders_seed_is_refused_with_both_values_and_the_fix() -> None:
     assert "train.lr" in msg and "data.seed" not in msg
 
 
+def test_a_changed_window_rule_is_refused_unless_a_new_data_order_is_asked_for() -> None:
+    """data.window_start "any" -> "document" on resume draws another window for every remaining sample index and
+    for every validation window (the same reason a changed seed is refused); it was accepted silently."""
+    doc = {"window_start": "document"}
+    msg = refusal(settings(), settings(data=doc))
+    assert "data.window_start: 'any' in the checkpoint, 'document' now" in msg
+    assert "checkpoint.new_data_order = true" in msg
+    check_compatible(CKPT, settings(data=doc), settings(data=doc), 3)
+    check_compatible(CKPT, settings(), settings(data=doc), 3, new_data_order=True)
+    # a checkpoint written before the rule was recorded drew its windows anywhere, and is not compared
+    older = {k: v for k, v in settings().items() if k != "data.window_start"}
+    check_compatible(CKPT, older, settings(data=doc), 3)
+
+
 def test_a_changed_held_out_split_is_refused() -> None:
     """valid_fraction 0.05 -> 0.2 held out documents trained on before the resume, and moving from valid_path to a
     fraction measured val_loss on other data; both were accepted silently."""
