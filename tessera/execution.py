@@ -54,6 +54,7 @@ __all__ = [
     "StagePlan",
     "decide",
     "resolve",
+    "tensor_violations",
     "violations",
 ]
 
@@ -472,7 +473,7 @@ def _check_layout(cfg: Config, world_size: int) -> list[Violation]:
                 fix=fix,
             )
         )
-    v.extend(_check_tensor(cfg.model, t, q, p.sequence_parallel))
+    v.extend(tensor_violations(cfg.model, t, q, p.sequence_parallel))
     v.extend(_check_overlaps(p, t))
     v.extend(_check_zero_shard(p, dp))
     v.extend(_check_pipeline(cfg))
@@ -490,7 +491,10 @@ def _check_layout(cfg: Config, world_size: int) -> list[Violation]:
     return v
 
 
-def _check_tensor(m: ModelConfig, t: int, q: int, sequence_parallel: bool) -> list[Violation]:
+def tensor_violations(m: ModelConfig, t: int, q: int, sequence_parallel: bool) -> list[Violation]:
+    """The rules a tensor split of model ``m`` must meet: t ranks (1D, q = 1) or a q×q grid (t = q²), with or
+    without sequence parallelism. The one place that decides which splits a model takes: `tessera validate`
+    (`_check_layout`) and the planner's search (`tessera.planner.search._tensor_options`) both ask it."""
     v: list[Violation] = []
     # 1D splits heads, KV heads and the MLP over t ranks; 2D splits them over the q columns and the batch over q rows.
     split, name = (t, f"tensor {t}") if q == 1 else (q, f"2D grid {q}x{q}")

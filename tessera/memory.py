@@ -680,12 +680,8 @@ def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]])
             classes=classes,
             replicated=_replica_copies(plan),
         )
-    return _named_walk(
-        plan.schedule or "",
-        plan.pp,
-        plan.micro_batches,
-        plan.stages_per_rank,
-        rank,
+    name, p, m, v = plan.schedule or "", plan.pp, plan.micro_batches, plan.stages_per_rank
+    args = (
         plan.placement,
         plan.accumulation,
         plan.zero,
@@ -695,6 +691,73 @@ def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]])
         plan.exchanged_stages(rank),
         _replica_copies(plan),
     )
+    if not steady_walk(name, p, m, v, rank, plan.accumulation):
+        return _named_walk(name, p, m, v, rank, *args)
+    # every steady count of this list has one walk (`steady_walk`): the first asked for is walked for all
+    key = (name, p, v, rank, *args)
+    return _memo(_STEADY_WALKS, key, lambda: _named_walk(name, p, m, v, rank, *args))
+
+
+_STEADY_WALKS: dict[tuple, Walk] = {}
+
+SPARE_PERIODS = 5
+"""Whole periods of a steady list from which `steady_walk` shares its walk. Three suffice for the walk's moments
+(its proof); `compile_walk`'s bookkeeping keeps the same `Walk` from four on in every case checked (interleaved
+p = 8, v = 4, ZeRO-3 needs four; 1F1B and breadth-first three); one more for margin."""
+
+
+def steady_walk(name: str, p: int, m: int, v: int, rank: int, accumulation: str) -> bool:
+    """Whether pipeline rank ``rank``'s list of schedule ``name`` with ``m`` micro-batches repeats one period at
+    least `SPARE_PERIODS` times after its warm-up: then its walk (`_named_walk`, every other argument the same)
+    equals that of every larger such m (for interleaved, every larger multiple of p). The planner's search prices
+    each layout under several m (the batch split into more or fewer micro-batches): the walk of a schedule, rank
+    and reduction mode is compiled once for all its steady m.
+
+    The lists. The walk (`tessera.peak_memory`) reads a list as (kind, stage) pairs, not micro-batch indices.
+
+    - 1F1B, rank r, m > w = p - 1 - r: A = w forwards, then n = m - w periods U = (F, B), then C = w backwards.
+    - interleaved, m = g·p with g ≥ 2: A = W = 2(p-1-r) + (v-1)·p forwards (W < m·v), then m·v - W
+      forward/backward pairs (pair i: forward W + i, backward i), then W backwards. A virtual index k's stage
+      depends on k mod p·v only (chunk (k mod p·v) // p), so the pairs repeat every p·v: n = g - ⌈W / p·v⌉
+      whole periods U, then a partial one whose length (-W mod p·v) and the last W backwards' stages do not
+      depend on g (m·v is a multiple of p·v); C is that partial period and the backwards. Every stage's last
+      backward is among the last p·v, after the whole periods. (m = p: all forwards first, a ramp.)
+    - breadth-first with depth-first accumulation (one micro-batch at a time): A empty, n = m periods U = the
+      rank's stages forward, then backward in reverse.
+
+    Lowering keeps the form: ZeRO-3's GATHER/FREE around each run of one stage depend on the neighbouring
+    actions only (periodic inside, A and C at the ends), REDUCE_MB follows each backward, and a stage's one
+    REDUCE (ZeRO-1, layered) and the tied stages' EXCHANGE/REDUCE come after its last backward (in C, or in
+    the last period where C is empty).
+
+    Why the moments are equal for every n ≥ 3. The walk's state (counts alive per term; the stages holding
+    gradients, shards, gathered parameters, running totals, wire copies; the reduction in flight; the note
+    bookkeeping) after A·U^k is a fixed point of U from k = 2 on: each period forwards and backwards every
+    stage of the rank equally often (activations return), its first backward of each stage creates that
+    stage's gradients, its first reduction of each stage makes ZeRO's shard (ZeRO-2/3 then drop the gradients
+    at each reduction), ZeRO-3's gathers are freed inside the period or span the whole list, and plain data
+    parallelism's running totals exist from the second period on (the first period's last reduction is settled
+    in the second). ZeRO stages ≥ 1 already reach it at k = 1. A REDUCE in U is never its stage's last except
+    in the last period when C is empty, and "last" matters only with ZeRO ≥ 1 (the deferred ZeRO-1 reduction,
+    hybrid sharding's wire copies), whose state is fixed from k = 1. So with n ≥ 3, the periods from the third
+    on start from the fixed point and note the moments of the third, and C starts from it: the distinct moments,
+    in the order of their first occurrence, and what is held after backward, are those of n = 3, so the peak
+    for any sizes is the same. `compile_walk` walks that same sequence of states, but its bookkeeping (period
+    skips, ramps collapsed to their ends, covered moments dropped) can keep a few more or fewer of the moments
+    that are never the only largest, depending on how many periods it sees: its `Walk` objects are equal from
+    n = 4 on in every case checked, hence `SPARE_PERIODS` = 5, and that equality is the test (every m up to
+    6·(p + 4)·v, every rank, ZeRO 0-3 with and without data parallelism, hybrid sharding's wire copies, tied
+    stages, stage classes: tests/unit/test_plan_speed.py; it fails with 3).
+
+    GPipe, 1F1B with m ≤ w, interleaved with m = p and layered breadth-first hold all m micro-batches in flight:
+    their counts grow with m, and they are walked for each m (ramps: `compile_walk` collapses them to their
+    ends, so they are cheap)."""
+    if name == "1f1b":
+        return m - (p - 1 - rank) >= SPARE_PERIODS
+    if name == "interleaved":
+        warmup = 2 * (p - 1 - rank) + (v - 1) * p
+        return m % p == 0 and m > p and m // p - -(-warmup // (p * v)) >= SPARE_PERIODS
+    return name == BREADTH_FIRST and accumulation != LAYERED and m >= SPARE_PERIODS
 
 
 def _stage_classes(plan: ExecutionPlan, rank: int) -> dict[int, int]:

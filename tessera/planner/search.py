@@ -3,8 +3,9 @@ memory; rank the rest by step time (fixed batch) or by time to the target loss (
 
 Space: data × pipeline × tensor (1D t, or a 2D q×q grid), ZeRO stage 0–3, schedule (1F1B, GPipe, interleaved v,
 breadth-first v), micro-batch size, checkpointing mode, sequence parallelism. Validity follows the config rules
-(`tessera.config`): heads, KV heads, d_model and ffn_hidden divisible by t (or q), seq_len by t with sequence
-parallelism, the micro-batch by q in 2D, layers by p·v or explicit uneven `stage_layers` (one chunk per rank: the
+(`tessera.config`): the tensor split as `tessera.execution.tensor_violations` decides for `tessera validate`
+(heads, KV heads, d_model and ffn_hidden divisible by t or q, seq_len by t with sequence parallelism), the
+micro-batch by q in 2D, layers by p·v or explicit uneven `stage_layers` (one chunk per rank: the
 end stages lightened by the embedding's and head's work, `steptime.balanced_stage_layers`), the global batch by
 micro-batch × d, m a multiple of p for interleaved. Each layout is a run config; its execution plan
 (`tessera.execution.decide`: what the trainer runs, e.g. one pipeline rank with ZeRO runs breadth-first with one
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from tessera.execution import ExecutionPlan, decide
+from tessera.execution import ExecutionPlan, decide, tensor_violations
 from tessera.memory import cost_plan, estimate_plan, memory_floor, model_state_floor, model_state_mean
 from tessera.model.sizes import SIZES
 from tessera.modes import BREADTH_FIRST, CHECKPOINTING, DEPTH_FIRST, LAYERED, SCHEDULES
@@ -265,22 +266,23 @@ def _divisors(n: int) -> list[int]:
 def _tensor_options(
     cfg: ModelConfig, gpus: int, hw: Hardware, space: SearchSpace
 ) -> list[tuple[str, int, bool]]:
-    """(kind, tensor ranks, sequence parallel) triples that the config rules accept."""
-    sizes = (cfg.n_heads, cfg.kv_heads, cfg.d_model, cfg.ffn)
+    """(kind, tensor ranks, sequence parallel) triples of the search space that the GPU count allows and the
+    config's tensor rules accept (`tessera.execution.tensor_violations`, which `tessera validate` applies: the
+    planner never proposes a split validate refuses, nor leaves out one it accepts). Sequence parallelism over
+    one rank splits nothing: not tried."""
     max_t = space.max_tensor or hw.gpus_per_node
     ts = space.tensor_1d or tuple(t for t in _divisors(max_t) if t <= max_t)
     out: list[tuple[str, int, bool]] = []
     for t in ts:
-        if gpus % t or any(x % t for x in sizes):
+        if gpus % t:
             continue
         for sp in space.sequence_parallel:
-            if (t == 1 and sp) or (sp and cfg.seq_len % t):
-                continue
-            out.append(("1d", t, sp))
+            if not (t == 1 and sp) and not tensor_violations(cfg, t, 1, sp):
+                out.append(("1d", t, sp))
     max_q2 = space.max_tensor_2d or 2 * hw.gpus_per_node
     qs = space.tensor_2d if space.tensor_2d is not None else tuple(q for q in range(2, 64) if q * q <= max_q2)
     for q in qs:
-        if q > 1 and gpus % (q * q) == 0 and not any(x % q for x in sizes):
+        if q > 1 and gpus % (q * q) == 0 and not tensor_violations(cfg, q * q, q, False):
             out.append(("2d", q * q, False))
     return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+from collections.abc import Iterator
 
 import pytest
 
@@ -283,3 +284,74 @@ def test_search_and_explain_run_with_the_collector_paused(monkeypatch: pytest.Mo
     assert report_module.explain(result, 3)
     assert gc.isenabled()
     assert seen == {"decide": {False}, "retime": {False}}
+
+
+def _walk_modes(p: int, v: int, rank: int) -> Iterator[tuple]:
+    """(zero, sharded, uses, classes, exchanged, replicated) of the walk's reduction modes: plain, data
+    parallel, ZeRO 1-3 with and without data parallelism, hybrid sharding's wire copies, the rank's stages in
+    one size class or each its own, a stage tied across ranks (exchanged at the end), and ZeRO-3's gather of
+    the last stage bringing the first's parameters (a tied head on the embedding's rank)."""
+    stages = [c * p + rank for c in range(v)]
+    one_class = tuple((s, stages[0]) for s in stages)
+    own = tuple((s, s) for s in stages)
+    for zero, sharded in itertools.product((0, 1, 2, 3), (False, True)):
+        yield zero, sharded, (), one_class, (), False
+    yield 0, True, (), own, (), False
+    yield 3, True, (), own, (), False
+    yield 2, True, (), one_class, (), True
+    yield 1, True, (), one_class, (stages[0],), False
+    yield 3, True, (), one_class, (stages[-1],), False
+    yield 3, True, ((stages[-1], (stages[-1], stages[0])),), own, (), False
+
+
+WALK_FAMILIES = [
+    *[("1f1b", p, 1, "depth_first") for p in (1, 2, 3, 5, 8)],
+    *[("gpipe", p, 1, "depth_first") for p in (1, 3)],
+    *[("interleaved", p, v, "depth_first") for p, v in ((2, 2), (3, 2), (2, 3), (4, 3), (3, 1), (8, 2))],
+    *[
+        ("breadth_first", p, v, acc)
+        for p, v in ((1, 3), (2, 2), (3, 1))
+        for acc in ("depth_first", "layered")
+    ],
+]
+
+
+@pytest.mark.parametrize(("name", "p", "v", "accumulation"), WALK_FAMILIES)
+def test_steady_walks_are_equal(name: str, p: int, v: int, accumulation: str) -> None:
+    """`memory.steady_walk`: the walks (as compiled: the same moments, labels and gradients after backward) of
+    every micro-batch count it calls steady are equal, for every m up to 6·(p + 4)·v (small m < p, m not a
+    multiple of p, interleaved multiples of p), each rank, every reduction mode, so the estimate may walk one of
+    them for all; lists that hold all m micro-batches (GPipe, layered breadth-first) are never steady."""
+    walk = memory._named_walk.__wrapped__
+    ramp = name == "gpipe" or accumulation == "layered"
+    for rank in range(p):
+        steady = [
+            m for m in range(1, 6 * (p + 4) * v + 1) if memory.steady_walk(name, p, m, v, rank, accumulation)
+        ]
+        assert not steady if ramp else len(steady) > 3, steady
+        for zero, sharded, uses, classes, exchanged, replicated in _walk_modes(p, v, rank):
+            args = ("loop", accumulation, zero, sharded, uses, classes, exchanged, replicated)
+            shared = walk(name, p, steady[0], v, rank, *args) if steady else None
+            for m in steady[1:]:
+                assert walk(name, p, m, v, rank, *args) == shared, (rank, zero, sharded, uses, classes, m)
+
+
+def test_the_estimate_walks_a_steady_list_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`memory._rank_walk` compiles one walk for all the steady micro-batch counts of a rank's list: 1F1B on 4
+    ranks, m = 8, 16, 32 (rank 0: warm-up 3, 5 periods and more) walk rank 0 once, and return it each time."""
+    memory._STEADY_WALKS.clear()
+    memory._named_walk.cache_clear()
+    compiled = []
+    named = memory._named_walk
+
+    def counting(*args):
+        compiled.append(args[2])
+        return named(*args)
+
+    monkeypatch.setattr(memory, "_named_walk", counting)
+    model = ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=256, seq_len=32)
+    walks = []
+    for m in (8, 16, 32):
+        plan = valid_plan(model, dict(data=1, pipeline=4, schedule="1f1b"), global_batch=m, micro_batch=1)
+        walks.append(memory._rank_walk(plan, 0, {}))
+    assert compiled == [8] and walks[0] is walks[1] is walks[2]

@@ -314,3 +314,43 @@ def test_planner_modules_do_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'planner imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+TENSOR_RULE_MODELS = [
+    # head_dim set, n_heads·head_dim != d_model (free head width), GQA with 2 KV heads (fewer than t = 4, 8)
+    dict(family="qwen3", d_model=40, n_heads=8, n_kv_heads=2, head_dim=16, ffn_hidden=96, seq_len=36),
+    # an odd MLP: only the 3x3 grid divides it
+    dict(family="qwen2", d_model=36, n_heads=12, n_kv_heads=3, head_dim=4, ffn_hidden=99, seq_len=48),
+    # Llama: d_model a multiple of n_heads even with head_dim (family rule), head width 12 != 48/6
+    dict(family="llama", d_model=48, n_heads=6, n_kv_heads=6, head_dim=12, ffn_hidden=120, seq_len=40),
+    dict(family="llama", d_model=64, n_heads=16, n_kv_heads=4, ffn_hidden=176, seq_len=36),
+    dict(family="gpt", d_model=72, n_heads=12, ffn_hidden=250, seq_len=64),
+    dict(family="gpt", d_model=96, n_heads=8, seq_len=50),  # every t of a node; sequence parallel only t = 2
+]
+
+
+@pytest.mark.parametrize("fields", TENSOR_RULE_MODELS)
+def test_the_planners_tensor_splits_are_the_ones_validate_accepts(fields: dict) -> None:
+    """Every (1D t or 2D q×q, sequence parallel) of the search space: the search offers it exactly when
+    `tessera validate` accepts a config with that split (the rest of the layout valid: data fills the GPUs, one
+    pipeline stage, a micro-batch the grid side divides). The shapes include a head width that is not d_model /
+    n_heads, fewer KV heads than tensor ranks, an odd MLP and a sequence length some t do not divide."""
+    from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from tessera.execution import violations
+    from tessera.planner.search import _tensor_options
+
+    model = ModelConfig(n_layers=2, vocab_size=256, **fields)
+    gpus, space = 144, SearchSpace()  # 144 = 16·9: every t of a node (8) and the 2x2, 3x3, 4x4 grids
+    offered = set(_tensor_options(model, gpus, A100, space))
+    accepted = set()
+    splits = [("1d", t, sp) for t in (1, 2, 4, 8) for sp in (False, True) if t > 1 or not sp]
+    splits += [("2d", q * q, False) for q in (2, 3, 4)]
+    for kind, t, sp in splits:
+        tensor = f"{round(t**0.5)}x{round(t**0.5)}" if kind == "2d" else t
+        parallel = ParallelConfig(data=gpus // t, tensor=tensor, sequence_parallel=sp)
+        # a micro-batch of 12: every grid side here divides it
+        train = TrainConfig(global_batch=12 * gpus // t, micro_batch=12)
+        if not violations(Config(model=model, parallel=parallel, train=train), gpus, training=False):
+            accepted.add((kind, t, sp))
+    assert offered == accepted
+    assert ("1d", 1, False) in offered and len(accepted) < len(splits)  # some split refused: the rule is read
