@@ -316,11 +316,11 @@ def _norm_2d(shape: ModelShape, m: float, q: int, stream: int) -> list[Collectiv
 
 
 def block_2d(shape: ModelShape, m: float, q: int, elem: int, stream: int | None = None) -> list[Collective]:
-    """One block: its two norms, every Linear the family declares (`FamilyPlan.block_linears`) and the per-head
-    q/k norms (Qwen3: whole weights, gradients summed over the rows and the columns); SUMMA blocks in ``elem``
-    bytes, the rest in ``stream`` bytes (default ``elem``)."""
+    """One block: its norms (two; four with post-norms), every Linear the family declares
+    (`FamilyPlan.block_linears`) and the per-head q/k norms (Qwen3: whole weights, gradients summed over the rows
+    and the columns); SUMMA blocks in ``elem`` bytes, the rest in ``stream`` bytes (default ``elem``)."""
     stream = stream or elem
-    out = _norm_2d(shape, m, q, stream) * 2
+    out = _norm_2d(shape, m, q, stream) * len(shape.features.block_norms)  # 2, or 4 with Gemma 2's post-norms
     for lin in shape.block_linears():
         out += linear_2d(m, lin.d_in, lin.d_out, q, lin.bias, elem, stream)
     return out + _head_norms(shape, "row", stream) + _head_norms(shape, "col", stream)

@@ -25,14 +25,26 @@ KINDS = (
     "llama_hd",
     "mistral_hd",
     "qwen3_hd",
+    "gemma2_tied",
+    "gemma2_qpas",
+    "gemma2_nocap_tied",
 )
 """gpt2 (tied), gpt2_untied, llama (grouped-query attention, untied), llama_tied, llama3 (Llama with Llama 3.1's
 RoPE scaling, `LLAMA3_ROPE`), mistral (MistralForCausalLM without a sliding window), qwen2 (Llama with q/k/v
 biases, GQA, untied), qwen2_tied, qwen3 (Llama with per-head q/k norms, GQA, untied), qwen3_tied; and with a
 head_dim other than hidden / heads = 8 (as Qwen3-0.6B/4B/32B and Mistral-Nemo): llama_hd (head_dim 12: q_proj
-32 → 48), mistral_hd and qwen3_hd (head_dim 16: q_proj 32 → 64, o_proj 64 → 32)."""
+32 → 48), mistral_hd and qwen3_hd (head_dim 16: q_proj 32 → 64, o_proj 64 → 32); Gemma 2 (head_dim 16, GQA,
+`GEMMA2_CAPS` soft-caps, a sliding window as wide as the context): gemma2_tied (query_pre_attn_scalar = head_dim),
+gemma2_qpas (scalar 24 ≠ head_dim, untied), gemma2_nocap_tied (both caps null)."""
 
-HEAD_DIMS = {"llama_hd": 12, "mistral_hd": 16, "qwen3_hd": 16}
+HEAD_DIMS = {
+    "llama_hd": 12,
+    "mistral_hd": 16,
+    "qwen3_hd": 16,
+    "gemma2_tied": 16,
+    "gemma2_qpas": 16,
+    "gemma2_nocap_tied": 16,
+}
 """The head_dim of each kind that gives one (the others: hidden / heads = 8)."""
 
 LLAMA3_ROPE = {
@@ -47,6 +59,11 @@ LLAMA3_ROPE = {
 so with 128/8 = 16 and 128/1 = 128 as the band's ends one frequency is kept, one interpolated and two divided
 by the factor (the released models' 8192 would divide all but the first). transformers warns that
 original_max_position_embeddings is not below max_position_embeddings (32); it computes the same formula."""
+
+
+GEMMA2_CAPS = {"attn_logit_softcapping": 1.5, "final_logit_softcapping": 2.0}
+"""Soft-caps that bite at the tiny shapes (scores and logits of order one; the released 50 and 30 would leave them
+nearly linear), so a cap left out or misplaced moves the logits by far more than the tolerance."""
 
 
 def hf_config(kind: str, **over: object):
@@ -75,6 +92,20 @@ def hf_config(kind: str, **over: object):
     if kind in HEAD_DIMS:
         over = {"head_dim": HEAD_DIMS[kind], **over}
         kind = kind.removesuffix("_hd")
+    if kind.startswith("gemma2"):
+        caps = dict.fromkeys(GEMMA2_CAPS) if "nocap" in kind else GEMMA2_CAPS
+        gemma = dict(
+            query_pre_attn_scalar=24 if kind == "gemma2_qpas" else over["head_dim"],
+            sliding_window=shape["max_position_embeddings"],  # as wide as the context: masks nothing
+            tie_word_embeddings=kind.endswith("_tied"),
+            # Gemma2Config's pad_token_id 0 makes transformers' embedding zero that row's lookup gradient
+            # (padding_idx); tessera trains every row (docs/huggingface.md), so the fixture has no pad token
+            pad_token_id=None,
+            **caps,
+        )
+        return transformers.Gemma2Config(
+            **shape, rope_theta=1e4, rms_norm_eps=1e-6, **common, **(gemma | over)
+        )
     if kind.startswith("qwen2"):
         tie = kind == "qwen2_tied"
         return transformers.Qwen2Config(
@@ -115,6 +146,12 @@ def make_hf(folder: Path, kind: str, seed: int = 0):
             for name, p in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     p.normal_(1.0, 0.5)
+    # ... and Gemma's (1 + w) norm weights at 0: draw them (two of the four norms swapped would show)
+    if kind.startswith("gemma2"):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                    p.normal_(0.0, 0.5)
     model.save_pretrained(folder)
     return model
 

@@ -105,6 +105,7 @@ _RANGES: dict[str, dict[str, _Range]] = {
         "seq_len": _POSITIVE,
         "norm_eps": _POSITIVE_REAL,
         "rope_theta": _POSITIVE_REAL,
+        **dict.fromkeys(("query_pre_attn_scalar", "attn_softcap", "final_softcap"), _POSITIVE_REAL),
         "init_std": _NON_NEGATIVE_REAL,
     },
     "parallel": {  # every dimension's size (tessera.axes.DIMS; "tensor" is parsed by parse_tensor)
@@ -231,6 +232,7 @@ def check_model(m: ModelConfig) -> list[Violation]:
             )
         )
     v.extend(_check_rope_scaling(m))
+    v.extend(_check_softcaps(m))
     if plan.rope and m.head_size % 2:
         given = f"model.head_dim = {m.head_dim}" if m.head_dim else f"{m.d_model}/{m.n_heads} = {m.head_size}"
         v.append(
@@ -241,6 +243,25 @@ def check_model(m: ModelConfig) -> list[Violation]:
             )
         )
     return v
+
+
+_SOFTCAP_KEYS = ("query_pre_attn_scalar", "attn_softcap", "final_softcap")
+
+
+def _check_softcaps(m: ModelConfig) -> list[Violation]:
+    """Gemma 2's attention scale and soft-caps belong to a family that declares them (`FamilyPlan.softcaps`):
+    another family's Hugging Face config has no place for them, so its export would drop them."""
+    if family_plan(m).softcaps:
+        return []
+    given = [k for k in _SOFTCAP_KEYS if getattr(m, k) is not None]
+    return [
+        Violation(
+            rule=f"model.{key}",
+            problem=f"model.{key} is set but model.family = {m.family!r} has no soft-capping or attention scalar",
+            fix=f"remove model.{key}, or use family gemma2",
+        )
+        for key in given
+    ]
 
 
 def _check_rope_scaling(m: ModelConfig) -> list[Violation]:

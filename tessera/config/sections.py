@@ -41,8 +41,9 @@ class ModelConfig:
     """Registry name (see `tessera.model.sizes`), e.g. "gpt2-124m" or "llama-8b"."""
     family: str = "gpt"
     """"gpt" (LayerNorm, GELU MLP, learned positions), "llama" (RMSNorm, SwiGLU, RoPE, grouped-query attention),
-    "qwen2" (Llama with q/k/v biases) or "qwen3" (Llama with an RMSNorm on each query and key head); each family is
-    declared in tessera/model/family.py."""
+    "qwen2" (Llama with q/k/v biases), "qwen3" (Llama with an RMSNorm on each query and key head) or "gemma2"
+    (Gemma 2: norms before and after each sublayer, GeGLU, soft-capped logits); each family is declared in
+    tessera/model/family.py."""
     n_layers: int = 2
     """Number of transformer blocks."""
     d_model: int = 64
@@ -72,6 +73,16 @@ class ModelConfig:
     """RoPE frequency scaling (families with RoPE): {type = "llama3", factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings}, as Hugging Face's rope_scaling, e.g. Llama 3.1's factor 8.0, 1.0, 4.0,
     8192 (tessera/model/rope_scaling.py). None: unscaled RoPE."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by query_pre_attn_scalar^-0.5 instead of head_dim^-0.5 (Gemma 2: 256, and 144 in
+    the 27B, whose head_dim is 128). None: head_dim^-0.5. Family gemma2 only."""
+    attn_softcap: float | None = None
+    """Attention logit soft-capping (Gemma 2: 50.0): scores = cap·tanh(scores / cap) before the causal mask and
+    the softmax. Attention is then computed explicitly rather than by SDPA, holding the [b, heads, s, s] scores
+    (docs/huggingface.md, "Gemma 2"). None: no cap. Family gemma2 only."""
+    final_softcap: float | None = None
+    """Final logit soft-capping (Gemma 2: 30.0): logits = cap·tanh(logits / cap) before the loss. None: no cap.
+    Family gemma2 only."""
     init_std: float = 0.02
     """Std of the normal initialisation of weights."""
     init: str | None = None

@@ -91,6 +91,7 @@ def _check_numbers(path: Path, hf: dict[str, Any], fam: HFFamily) -> None:
         *((f"{key}.rope_theta", (value or {}).get("rope_theta")) for key, value in rope),
     ]
     numbers = [(fam.keys["norm_eps"], hf.get(fam.keys["norm_eps"])), *theta]
+    numbers += [(key, hf.get(key)) for key, _ in fam.extra_keys.values()]
     for key, value in [(k, hf.get(k)) for n, k in fam.keys.items() if n != "norm_eps"]:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise ConfigError(
@@ -178,8 +179,9 @@ def _partial_rotary(hf: dict[str, Any], table: dict[str, Any], key: str) -> list
     ]
 
 
-def refusals(hf: dict[str, Any], fam: HFFamily) -> list[str]:
-    """Everything in ``hf`` that tessera's model would compute differently, each named."""
+def refusals(hf: dict[str, Any], fam: HFFamily, seq_len: int | None = None) -> list[str]:
+    """Everything in ``hf`` that tessera's model would compute differently, each named; ``seq_len``: the training
+    context when ``model.seq_len`` is given (else the folder's ``max_position_embeddings``)."""
     out = []
     for key, allowed in fam.required.items():
         if hf.get(key, allowed[0]) not in allowed:
@@ -188,7 +190,7 @@ def refusals(hf: dict[str, Any], fam: HFFamily) -> list[str]:
             )
     if fam.rope:
         out += _rope(hf, fam)[2]
-    out += _sliding_window(hf, fam)
+    out += _sliding_window(hf, fam, seq_len)
     kinds = set(hf.get("layer_types") or []) - {"full_attention", "sliding_attention"}  # sliding: just above
     if kinds:
         out.append(f"layer_types {sorted(kinds)}: only full attention in every layer is implemented")
@@ -214,19 +216,22 @@ def _head_dim(hf: dict[str, Any], fam: HFFamily) -> int | None:
     return int(width)
 
 
-def _sliding_window(hf: dict[str, Any], fam: HFFamily) -> list[str]:
+def _sliding_window(hf: dict[str, Any], fam: HFFamily, seq_len: int | None = None) -> list[str]:
     """Sliding-window attention is refused when a window narrower than the context applies to some layer.
 
     Which layers slide: ``layer_types`` if given (transformers 5), else Qwen2's rule (``use_sliding_window`` and
-    layer index ≥ ``max_window_layers``). A window at least as wide as every position the model takes
-    (``max_position_embeddings``) masks nothing: that is full attention, and imports. Mistral's window applies to
-    every layer (`HFFamily.window_everywhere`: transformers' MistralModel masks all layers with it); another
-    architecture's ``sliding_window`` with neither key is refused whatever its width, as tessera cannot tell where
-    it applies.
+    layer index ≥ ``max_window_layers``). A window at least as wide as every position the model takes masks
+    nothing: that is full attention, and imports. Those positions are the training context ``seq_len`` when
+    ``model.seq_len`` is given (RoPE models may train shorter than the folder's context; tessera's RoPE table, and
+    so its generation, ends there), else ``max_position_embeddings``. Mistral's window applies to every layer
+    (`HFFamily.window_everywhere`: transformers' MistralModel masks all layers with it); Gemma 2's, without
+    ``layer_types``, to every other layer (`HFFamily.window_without_layer_types`); another architecture's
+    ``sliding_window`` with neither key is refused whatever its width, as tessera cannot tell where it applies.
     """
     window = hf.get("sliding_window")
-    context = hf.get(fam.keys["seq_len"]) or 0
-    if fam.window_everywhere:  # Mistral: every layer slides when the window is set, whatever layer_types says
+    context = seq_len or hf.get(fam.keys["seq_len"]) or 0
+    if fam.window_everywhere or (fam.window_without_layer_types and not hf.get("layer_types")):
+        # Mistral: every layer slides when the window is set, whatever layer_types says; Gemma 2: every other one
         if window is None or window >= context:
             return []
     elif hf.get("layer_types") or "use_sliding_window" in hf:
@@ -239,9 +244,15 @@ def _sliding_window(hf: dict[str, Any], fam: HFFamily) -> list[str]:
             return []
     elif window is None:
         return []
+    where = f"model.seq_len = {context}" if seq_len else f"{fam.keys['seq_len']} = {context}"
+    fix = (
+        f"\n    fix: set model.seq_len to at most {window}: a window as wide as the training context masks nothing"
+        if isinstance(window, int) and window > 0
+        else ""
+    )
     return [
-        f"sliding-window attention (sliding_window = {window}, narrower than the context "
-        f"{fam.keys['seq_len']} = {context}) is not implemented; tessera attends to every earlier position"
+        f"sliding-window attention (sliding_window = {window}, narrower than the context {where}) is not "
+        f"implemented; tessera attends to every earlier position{fix}"
     ]
 
 
@@ -259,6 +270,8 @@ def _values(hf: dict[str, Any], fam: HFFamily) -> dict[str, Any]:
     values["ffn_hidden"] = values["ffn_hidden"] or 4 * values["d_model"]  # GPT-2's n_inner = null
     values["tie_embeddings"] = bool(hf.get("tie_word_embeddings", fam.tie_default))
     values["head_dim"] = _head_dim(hf, fam)
+    for name, (key, absent) in fam.extra_keys.items():
+        values[name] = hf.get(key, absent)  # null: None (no soft-cap), as transformers reads it
     if fam.rope:
         values["rope_theta"], values["rope_scaling"], _ = _rope(hf, fam)
     return values
@@ -275,7 +288,8 @@ def derive_model(init: str, explicit: dict[str, Any]) -> tuple[dict[str, Any], l
         hf = read_hf_config(folder)
         fam = _family(hf)
         _check_numbers(folder / "config.json", hf, fam)
-        problems = [f"model.init = {init!r}: {r}" for r in refusals(hf, fam)]
+        seq_len = explicit.get("seq_len") if fam.rope else None  # a shorter training context (RoPE)
+        problems = [f"model.init = {init!r}: {r}" for r in refusals(hf, fam, seq_len)]
         values = _values(hf, fam)
         problems += [f"model.init = {init!r}: {r}" for r in _absent_kv_heads(hf, fam, values)]
     except ConfigError as e:
@@ -370,6 +384,9 @@ def _source(name: str, fam: HFFamily, hf: dict[str, Any]) -> str:
         return ("rope_scaling" if hf.get("rope_scaling") else "rope_parameters") + ".rope_theta"
     if name == "rope_scaling":
         return "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    if name in fam.extra_keys:
+        key = fam.extra_keys[name][0]
+        return key if key in hf else f"{key} (absent: {fam.model_type}'s default)"
     if name == "head_dim" and "head_dim" not in hf:
         return f"head_dim (absent: {fam.model_type}'s default)"
     return fam.keys.get(name, name)
@@ -409,9 +426,26 @@ def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None, dtype: str =
         out.pop("original_max_position_embeddings", None)  # transformers 5 reads the table's; 4 may not
         if cfg.rope_scaling is not None:  # transformers 4 reads only this (and the top-level rope_theta)
             out["rope_scaling"] = {"rope_type": scaling["type"], **keys}
+    for name, (key, _) in fam.extra_keys.items():
+        value = getattr(cfg, name)
+        # tessera's None scalar is 1/sqrt(head_dim): the scalar transformers needs for it is the head width
+        out[key] = cfg.head_size if value is None and name == "query_pre_attn_scalar" else value
+    if fam.window_without_layer_types:
+        _export_window(out, cfg.seq_len)
     if "torch_dtype" in out:
         out["torch_dtype"] = dtype
     return out
+
+
+def _export_window(out: dict[str, Any], seq_len: int) -> None:
+    """tessera attends to every earlier position; a Gemma 2 config.json slides every other layer (its class default
+    4096 when absent), so the window written is at least the training context: then it masks nothing in
+    transformers either (an imported folder's window already is, or the import was refused)."""
+    window = out.get("sliding_window", 4096)
+    if window is not None and window < seq_len:
+        out["sliding_window"] = seq_len
+    else:
+        out.setdefault("sliding_window", window)
 
 
 def _fields(cfg: ModelConfig) -> dict[str, Any]:

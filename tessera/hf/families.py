@@ -73,6 +73,12 @@ class HFFamily:
     """HF tensor names that are buffers, not weights (present in some old saves); skipped on import."""
     window_everywhere: bool = False
     """A non-null ``sliding_window`` applies to every layer whatever ``layer_types`` says (Mistral)."""
+    window_without_layer_types: bool = False
+    """Without ``layer_types`` a non-null ``sliding_window`` still applies to some layers (Gemma 2: transformers'
+    Gemma2Config slides every other layer); with it, ``layer_types`` says which."""
+    extra_keys: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    """Further tessera ModelConfig fields the architecture sets: field -> (HF config key, transformers' value when
+    the key is absent). A null value means None (Gemma 2's soft-caps: no cap)."""
 
 
 def _t(hf: str, *parts: str, conv1d: bool = False) -> HFTensor:
@@ -136,6 +142,24 @@ _LLAMA_KEYS = {
     "seq_len": "max_position_embeddings",
     "norm_eps": "rms_norm_eps",
 }
+
+_GEMMA2_TENSORS = (
+    _t("model.embed_tokens.weight", "embed.tok.weight"),
+    _t("model.layers.{i}.input_layernorm.weight", "blocks.{i}.attn_norm.weight"),
+    _t("model.layers.{i}.self_attn.q_proj.weight", "blocks.{i}.attn.wq.weight"),
+    _t("model.layers.{i}.self_attn.k_proj.weight", "blocks.{i}.attn.wk.weight"),
+    _t("model.layers.{i}.self_attn.v_proj.weight", "blocks.{i}.attn.wv.weight"),
+    _t("model.layers.{i}.self_attn.o_proj.weight", "blocks.{i}.attn.wo.weight"),
+    # Gemma 2's post_attention_layernorm normalises the attention's output (Llama's is the MLP's pre-norm)
+    _t("model.layers.{i}.post_attention_layernorm.weight", "blocks.{i}.attn_post_norm.weight"),
+    _t("model.layers.{i}.pre_feedforward_layernorm.weight", "blocks.{i}.mlp_norm.weight"),
+    _t("model.layers.{i}.mlp.gate_proj.weight", "blocks.{i}.mlp.w_gate.weight"),
+    _t("model.layers.{i}.mlp.up_proj.weight", "blocks.{i}.mlp.w_up.weight"),
+    _t("model.layers.{i}.mlp.down_proj.weight", "blocks.{i}.mlp.w_down.weight"),
+    _t("model.layers.{i}.post_feedforward_layernorm.weight", "blocks.{i}.mlp_post_norm.weight"),
+    _t("model.norm.weight", "head.norm.weight"),
+    _t("lm_head.weight", "head.out.weight"),
+)
 
 FAMILIES: tuple[HFFamily, ...] = (
     HFFamily(
@@ -231,6 +255,34 @@ FAMILIES: tuple[HFFamily, ...] = (
         head_dim_absent=128,
         rope=True,
         ignored=(".rotary_emb.inv_freq",),
+    ),
+    # Gemma 2 (tessera/model/gemma2.py): four (1 + w) RMSNorms per block, scaled embeddings, GeGLU, soft-capped
+    # attention and final logits, attention scaled by query_pre_attn_scalar^-0.5; Gemma2Config's defaults
+    # (transformers 5.24) for the keys a hand-written config.json may lack: 4 KV heads, head_dim 256, scalar 256,
+    # caps 50 and 30.
+    HFFamily(
+        model_type="gemma2",
+        architecture="Gemma2ForCausalLM",
+        family="gemma2",
+        keys=_LLAMA_KEYS,
+        tie_default=True,
+        required={
+            "hidden_activation": ("gelu_pytorch_tanh",),
+            "attention_bias": (False,),
+            "use_bidirectional_attention": (None, False),
+        },
+        tensors=_GEMMA2_TENSORS,
+        embedding="model.embed_tokens.weight",
+        kv_heads_absent=4,
+        head_dim_absent=256,
+        rope=True,
+        ignored=(".rotary_emb.inv_freq",),
+        window_without_layer_types=True,
+        extra_keys={
+            "query_pre_attn_scalar": ("query_pre_attn_scalar", 256),
+            "attn_softcap": ("attn_logit_softcapping", 50.0),
+            "final_softcap": ("final_logit_softcapping", 30.0),
+        },
     ),
 )
 

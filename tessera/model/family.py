@@ -102,11 +102,30 @@ class FamilyPlan:
     heads_divide_hidden: bool = False
     """Whether d_model must be a multiple of n_heads even when ``model.head_dim`` is given: transformers 5's
     ``LlamaConfig.validate_architecture`` refuses a Llama whose hidden size is not, so such a model could neither
-    be imported from nor exported to a Llama folder (Qwen2, Qwen3 and Mistral have no such rule)."""
+    be imported from nor exported to a Llama folder (Gemma2Config has the same rule; Qwen2, Qwen3 and Mistral have
+    none)."""
+    post_norms: bool = False
+    """Two more norms per block on the sublayers' outputs before each residual add (``attn_post_norm``,
+    ``mlp_post_norm``; Gemma 2's post_attention_layernorm and post_feedforward_layernorm)."""
+    norm_offset: float = 0.0
+    """RMSNorm computes x̂·(offset + w) in fp32 and its weights start at 0 when this is 1 (Gemma's
+    ``x * (1 + weight)``); 0: x̂·w with weights starting at 1 (Llama)."""
+    embed_scale: bool = False
+    """Token embeddings multiplied by sqrt(d_model) (Gemma), the factor cast to the hidden dtype first."""
+    softcaps: bool = False
+    """Whether ``model.attn_softcap``, ``model.final_softcap`` and ``model.query_pre_attn_scalar`` apply (Gemma 2);
+    other families refuse them (their Hugging Face configs have no place for them)."""
 
     def __post_init__(self) -> None:
         if self.norm not in _NORMS or self.ffn_rule not in _FFN_RULES:
             raise ValueError(f"family {self.name}: norm in {_NORMS}, ffn_rule in {_FFN_RULES}")
+        if self.norm_offset and self.norm != "rms":
+            raise ValueError(f"family {self.name}: norm_offset needs norm = 'rms'")
+
+    @property
+    def block_norms(self) -> tuple[str, ...]:
+        """Names of one block's hidden-size norms: the two pre-norms, plus the post-norms if declared."""
+        return ("attn_norm", "mlp_norm") + (("attn_post_norm", "mlp_post_norm") if self.post_norms else ())
 
     # --- features ----------------------------------------------------------------------------------------------
 
@@ -180,7 +199,7 @@ class FamilyPlan:
     def replicated_block_vectors(self) -> int:
         """h-sized parameters of one block replicated across the 1D tensor group (norm weights and biases,
         row-parallel biases): their gradients are all-reduced under sequence parallelism."""
-        return 2 * self.norm_params(1) + self.out_bias + self.mlp_bias
+        return len(self.block_norms) * self.norm_params(1) + self.out_bias + self.mlp_bias
 
     # --- parameter counts (the cost model's and the estimator's terms) -----------------------------------------
 
@@ -190,10 +209,11 @@ class FamilyPlan:
 
     @lru_cache(maxsize=256)  # noqa: B019 - as block_linears
     def block_params(self, d_model: int, q_dim: int, kv_dim: int, ffn: int, head_dim: int) -> int:
-        """Weights, biases, the two norms and the per-head q/k norms (if any) of one block."""
+        """Weights, biases, the block's norms (two, or four with post-norms) and the per-head q/k norms (if any)."""
         linears = self.block_linears(d_model, q_dim, kv_dim, ffn)
         linear = sum(lin.d_in * lin.d_out + lin.bias * lin.d_out for lin in linears)
-        return linear + 2 * self.norm_params(d_model) + self.head_norm_params(head_dim)
+        norms = len(self.block_norms) * self.norm_params(d_model)
+        return linear + norms + self.head_norm_params(head_dim)
 
     def head_norm_params(self, head_dim: int) -> int:
         """Parameters of one block's per-head q/k norms (whole on every tensor rank, in 1D and 2D alike)."""
@@ -259,6 +279,20 @@ QWEN2 = _register(replace(LLAMA, name="qwen2", qkv_bias=True, heads_divide_hidde
 # Qwen3 (Yang et al. 2025, "Qwen3 Technical Report"; dense sizes): Llama with an RMSNorm on each query and key head
 # before RoPE, no biases (tessera/model/qwen3.py).
 QWEN3 = _register(replace(LLAMA, name="qwen3", qk_norm=True, heads_divide_hidden=False))
+
+# Gemma 2 (Gemma Team 2024, "Gemma 2: Improving Open Language Models at a Practical Size"): Llama's block with
+# RMSNorm x̂·(1 + w), norms before and after each sublayer, embeddings scaled by sqrt(d_model), a GeGLU MLP (GELU,
+# tanh approximation), attention logits and final logits soft-capped (tessera/model/gemma2.py).
+GEMMA2 = _register(
+    replace(
+        LLAMA,
+        name="gemma2",
+        post_norms=True,
+        norm_offset=1.0,
+        embed_scale=True,
+        softcaps=True,
+    )
+)
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_PLANS)
 """The family names a config may give."""

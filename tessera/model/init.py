@@ -85,7 +85,8 @@ def init_kinds(
     """``{name: InitKind}`` for every parameter name of ``model`` (a tied parameter under each of its names).
 
     Linear and Embedding weights ~ N(0, std); the residual-stream output projections (module names ending in
-    ``residual_outputs``) ~ N(0, std / sqrt(2·n_layers)) as in GPT-2; biases 0; weights of ``norm_types`` 1.
+    ``residual_outputs``) ~ N(0, std / sqrt(2·n_layers)) as in GPT-2; biases 0; weights of ``norm_types`` 1 (0
+    for an RMSNorm with an offset: Gemma's x̂·(1 + w)).
     """
     kinds: dict[str, InitKind] = {}
     by_id: dict[int, InitKind] = {}
@@ -93,17 +94,23 @@ def init_kinds(
         for pname, p in module.named_parameters(recurse=False):
             name = f"{mod_name}.{pname}" if mod_name else pname
             if id(p) not in by_id:
-                norm = isinstance(module, norm_types)
+                # a norm computing x̂·(offset + w) (Gemma) starts at w = 0, the identity scale, as ones elsewhere
+                norm = (
+                    ("zeros" if getattr(module, "offset", 0.0) else "ones")
+                    if isinstance(module, norm_types)
+                    else None
+                )
                 by_id[id(p)] = _kind(norm, mod_name, pname, residual_outputs, n_layers, std)
             kinds[name] = by_id[id(p)]
     return kinds
 
 
 def _kind(
-    norm: bool, mod_name: str, pname: str, residual: tuple[str, ...], n_layers: int, std: float
+    norm: str | None, mod_name: str, pname: str, residual: tuple[str, ...], n_layers: int, std: float
 ) -> InitKind:
-    if norm and pname == "weight":
-        return InitKind("ones")
+    """``norm``: the constant a norm's weight starts at ("ones", or "zeros" for an offset norm), None elsewhere."""
+    if norm is not None and pname == "weight":
+        return InitKind(norm)
     if pname == "bias":
         return InitKind("zeros")
     if mod_name.endswith(residual):

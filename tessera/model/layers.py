@@ -41,23 +41,45 @@ __all__ = [
     "TransformerLM",
     "apply_rope",
     "attend",
+    "embed_scale",
     "rope_inv_freq",
     "rope_tables",
+    "soft_cap",
 ]
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a weight and no bias (Llama); statistics in fp32 whatever the dtype."""
+    """Root-mean-square norm with a weight and no bias (Llama); statistics in fp32 whatever the dtype.
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    With ``offset`` (Gemma: 1) the output is x̂·(offset + w), computed in fp32 and then cast, as transformers'
+    ``Gemma2RMSNorm``; its weight then starts at 0 (`tessera.model.init`)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()  # x: [..., h]
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # xf: [..., h]
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)  # [..., h]
         return xf.to(x.dtype) * self.weight  # [..., h]
+
+
+def embed_scale(d_model: int, dtype: torch.dtype) -> float:
+    """Gemma's embedding multiplier sqrt(d_model) as transformers' scaled embedding holds it (an fp32 tensor) cast
+    to the embedding's dtype, as a Python number (no device tensor per step); the plain, 1D and 2D embeddings of a
+    family declaring ``embed_scale`` multiply their lookups by it."""
+    return float(torch.tensor(d_model**0.5, dtype=torch.float32).to(dtype))
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap·tanh(x / cap), elementwise (Gemma 2's attention and final logit soft-capping); x itself without a cap.
+    The same operations in the same order as transformers (divide, tanh, multiply), so the same bits."""
+    if cap is None:
+        return x
+    return torch.tanh(x / cap) * cap
 
 
 def rope_inv_freq(
@@ -160,6 +182,11 @@ class Rope(nn.Module):
 class AttentionCore(nn.Module):
     """Causal softmax attention on already-projected heads; no parameters, so checkpointing can wrap it alone.
 
+    ``scale`` multiplies the scores (None: 1/sqrt(head_dim), SDPA's default); ``softcap`` soft-caps them before the
+    mask (`soft_cap`, Gemma 2). SDPA cannot soft-cap, so with a cap the scores [b, nh, L, S] are computed and held
+    explicitly (s² memory per head, like transformers' eager attention); on a GPU FlexAttention's ``score_mod``
+    would apply the cap inside a fused kernel, but it needs torch.compile (docs/huggingface.md, "Gemma 2").
+
     q is [b, n_heads, s, hd] and k, v are [b, n_kv_heads, s, hd]; grouped-query attention repeats each KV head
     n_heads / n_kv_heads times (consecutive query heads share a KV head). Head counts come from the tensors,
     so a tensor-parallel rank holding a subset of heads uses it unchanged. With fewer queries than keys
@@ -169,6 +196,10 @@ class AttentionCore(nn.Module):
     skip the masked blocks on a GPU but needs torch.compile, slow to build on CPU).
     """
 
+    def __init__(self, scale: float | None = None, softcap: float | None = None) -> None:
+        super().__init__()
+        self.scale, self.softcap = scale, softcap
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -177,13 +208,31 @@ class AttentionCore(nn.Module):
             k = k.repeat_interleave(n_rep, dim=1)  # k: [b, nh, S, hd]
             v = v.repeat_interleave(n_rep, dim=1)  # v: [b, nh, S, hd]
         L, S = q.shape[2], k.shape[2]
+        if self.softcap is not None:
+            return self._capped(q, k, v, mask)  # [b, nh, L, hd]
         if mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [b, nh, s, hd]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [b, nh, s, hd]
         if L == S:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, nh, s, hd]
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [b, nh, s, hd]
         # SDPA's is_causal aligns the mask top-left when L != S; cached decoding needs it bottom-right
         mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)  # mask: [L, S]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [b, nh, L, hd]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [b, nh, L, hd]
+
+    def _capped(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Soft-capped attention written out, in transformers' order (Gemma2's eager_attention_forward): scores
+        scaled, capped, masked, softmax in fp32 cast back to q's dtype, times V."""
+        L, S = q.shape[2], k.shape[2]
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        scores = soft_cap(torch.matmul(q, k.transpose(2, 3)) * scale, self.softcap)  # scores: [b, nh, L, S]
+        if (
+            mask is None
+        ):  # causal, bottom-right aligned (cached decoding: the queries are the last L positions)
+            mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)  # mask: [L, S]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # probs: [b, nh, L, S]
+        return torch.matmul(probs, v)  # [b, nh, L, hd]
 
 
 def attend(
@@ -267,7 +316,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * hd, h, bias=bias if out_bias is None else out_bias)
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if qk_norm else None
-        self.core = AttentionCore()
+        self.core = AttentionCore(_attention_scale(cfg), cfg.attn_softcap)
         self.rope = rope
 
     def forward(
@@ -284,12 +333,34 @@ class Attention(nn.Module):
         return self.wo(y)  # [b, s, h]
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
+def _attention_scale(cfg: ModelConfig) -> float | None:
+    """The scores' scale: query_pre_attn_scalar^-0.5 where given (Gemma 2), else None (SDPA's 1/sqrt(head_dim))."""
+    scalar = getattr(cfg, "query_pre_attn_scalar", None)
+    return None if scalar is None else scalar**-0.5
 
-    def __init__(self, attn_norm: nn.Module, attn: nn.Module, mlp_norm: nn.Module, mlp: nn.Module) -> None:
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)).
+
+    With post-norms (Gemma 2: ``attn_post_norm``, ``mlp_post_norm``) each sublayer's output is normalised before
+    its residual add: x + attn_post_norm(attn(attn_norm(x))), then x + mlp_post_norm(mlp(mlp_norm(x))). The
+    tensor-parallel layouts build the same `Block` from their own layers, so the order is decided here once."""
+
+    def __init__(
+        self,
+        attn_norm: nn.Module,
+        attn: nn.Module,
+        mlp_norm: nn.Module,
+        mlp: nn.Module,
+        attn_post_norm: nn.Module | None = None,
+        mlp_post_norm: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
+        if (attn_post_norm is None) != (mlp_post_norm is None):
+            raise ValueError("a block has both post-norms or neither")
+        # None adds no module or parameter: the other families' names are unchanged
+        self.attn_post_norm, self.mlp_post_norm = attn_post_norm, mlp_post_norm
 
     def forward(
         self, x: torch.Tensor, cache: LayerKV | None = None, docs: Documents | None = None
@@ -299,20 +370,26 @@ class Block(nn.Module):
             a = self.attn(h, cache)  # a: [b, s, h]
         else:
             a = self.attn(h) if docs is None else self.attn(h, docs=docs)  # a: [b, s, h]
+        if self.attn_post_norm is not None:
+            a = self.attn_post_norm(a)  # a: [b, s, h]
         x = x + a  # x: [b, s, h]
-        return x + self.mlp(self.mlp_norm(x))  # [b, s, h]
+        m = self.mlp(self.mlp_norm(x))  # m: [b, s, h]
+        if self.mlp_post_norm is not None:
+            m = self.mlp_post_norm(m)
+        return x + m  # [b, s, h]
 
 
 class Head(nn.Module):
-    """Final norm then the output projection (no bias) to vocabulary logits."""
+    """Final norm then the output projection (no bias) to vocabulary logits, soft-capped if ``softcap`` is set
+    (Gemma 2's final_logit_softcapping; the tensor-parallel heads cap their vocabulary shard the same way)."""
 
-    def __init__(self, norm: nn.Module, d_model: int, vocab_size: int) -> None:
+    def __init__(self, norm: nn.Module, d_model: int, vocab_size: int, softcap: float | None = None) -> None:
         super().__init__()
-        self.norm = norm
+        self.norm, self.softcap = norm, softcap
         self.out = nn.Linear(d_model, vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x))  # x: [b, s, h] -> [b, s, V]
+        return soft_cap(self.out(self.norm(x)), self.softcap)  # x: [b, s, h] -> [b, s, V]
 
 
 class TransformerLM(nn.Module):
@@ -408,7 +485,8 @@ class TransformerLM(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """Fill every Parameter in place with its deterministic initial value, a function of (seed, name)
         (tessera.model.init.InitSource: N(0, init_std) for Linear and Embedding weights, N(0, init_std /
-        sqrt(2·n_layers)) for the residual-stream output projections as in GPT-2, biases 0, norm weights 1).
+        sqrt(2·n_layers)) for the residual-stream output projections as in GPT-2, biases 0, norm weights 1, or 0
+        for Gemma's x̂·(1 + w)).
         Without ``seed`` one is drawn from the global torch RNG. Re-ties the embedding first (a tied output
         projection is the embedding, drawn once); also resets RoPE tables.
         """

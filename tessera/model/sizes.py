@@ -52,6 +52,32 @@ def _qwen3(
     )
 
 
+def _gemma2(
+    layers: int, d_model: int, heads: int, kv_heads: int, head_dim: int, ffn: int, scalar: int
+) -> dict[str, Any]:
+    """A released Gemma 2 shape: vocabulary 256000, tied, RoPE base 10⁴, RMSNorm eps 1e-6, attention soft-cap 50,
+    final soft-cap 30, attention scaled by ``scalar``^-0.5. Context 4096, the sliding window of every other layer:
+    tessera computes no window, and at a context no wider than it the window masks nothing (8192, the models'
+    context, would attend further than Gemma 2 does in those layers)."""
+    return dict(
+        family="gemma2",
+        n_layers=layers,
+        d_model=d_model,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn_hidden=ffn,
+        vocab_size=256000,
+        seq_len=4096,
+        tie_embeddings=True,
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+        query_pre_attn_scalar=scalar,
+        attn_softcap=50.0,
+        final_softcap=30.0,
+    )
+
+
 SIZES: dict[str, dict[str, Any]] = {
     # Test and demo shapes (byte-level vocabulary).
     "gpt2-tiny": dict(family="gpt", n_layers=2, d_model=32, n_heads=4, vocab_size=_TINY_VOCAB, seq_len=32),
@@ -234,6 +260,27 @@ SIZES: dict[str, dict[str, Any]] = {
     "qwen3-8b": _qwen3(36, 4096, 32, 12288, tie=False),
     "qwen3-14b": _qwen3(40, 5120, 40, 17408, tie=False),
     "qwen3-32b": _qwen3(64, 5120, 64, 25600, tie=False, head_dim=128),
+    # Gemma 2 (Gemma Team 2024, arXiv 2408.00118; the released config.json files of google/gemma-2-2b, -9b, -27b):
+    # head_dim 256 (2B, 9B) or 128 (27B) ≠ hidden / heads, the 27B's scores scaled by 144^-0.5 instead of its
+    # head_dim's 128^-0.5. gemma2-tiny: a test shape with soft-caps that bite at its logits' size.
+    "gemma2-tiny": dict(
+        family="gemma2",
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_hidden=64,
+        vocab_size=_TINY_VOCAB,
+        seq_len=32,
+        norm_eps=1e-6,
+        query_pre_attn_scalar=16,
+        attn_softcap=1.5,
+        final_softcap=2.0,
+    ),
+    "gemma2-2b": _gemma2(26, 2304, 8, 4, 256, 9216, 256),
+    "gemma2-9b": _gemma2(42, 3584, 16, 8, 256, 14336, 256),
+    "gemma2-27b": _gemma2(46, 4608, 32, 16, 128, 36864, 144),
     # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, h 12288, 96 heads of 128, context 2048; GPT-2's BPE
     # vocabulary padded to 51200 (a multiple of 1024, as Megatron-LM pads it), tied embeddings.
     "gpt3-175b": dict(family="gpt", n_layers=96, d_model=12288, n_heads=96, vocab_size=51200, seq_len=2048),

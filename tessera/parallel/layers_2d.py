@@ -119,11 +119,12 @@ class _Norm2D(torch.autograd.Function):
     Forward: row all-reduces of per-token sums [b/q, s, 1] (LayerNorm: Σx, then Σ(x−mean)² — two-pass, as
     accurate as the fused kernel; RMSNorm: Σx²). Saves only x̂ and 1/σ. Backward needs the full-width means of
     ĝ = g·w and ĝ·x̂ (LayerNorm) or of ĝ·x̂ (RMSNorm): one row all-reduce of the stacked sums; the weight/bias
-    gradients (this grid row's tokens only) are summed over the column group in one all-reduce.
+    gradients (this grid row's tokens only) are summed over the column group in one all-reduce. ``offset``
+    (Gemma's RMSNorm: 1) scales by offset + w in fp32 instead of w, as the plain `RMSNorm` does.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dim, eps, centre, grid):
+    def forward(ctx, x, weight, bias, dim, eps, centre, grid, offset=0.0):
         xf = x.float()  # xf: [b/q, s, h/q]
         if centre:
             xf = xf - _all_reduce(xf.sum(-1, keepdim=True), grid.row, grid.q) / dim  # centred
@@ -132,6 +133,9 @@ class _Norm2D(torch.autograd.Function):
         xhat = xf * rstd  # xhat: [b/q, s, h/q]
         ctx.save_for_backward(xhat, rstd, weight)
         ctx.dim, ctx.centre, ctx.grid, ctx.has_bias = dim, centre, grid, bias is not None
+        ctx.offset = offset
+        if offset:
+            return (xhat * (offset + weight.float())).to(x.dtype)
         y = xhat.to(x.dtype) * weight
         return y if bias is None else y + bias
 
@@ -139,7 +143,7 @@ class _Norm2D(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         xhat, rstd, weight = ctx.saved_tensors
         grid, gf = ctx.grid, g.float()
-        gxhat = gf * weight.float()  # gxhat: [b/q, s, h/q]
+        gxhat = gf * (ctx.offset + weight.float())  # gxhat: [b/q, s, h/q]
         sums = [(gxhat * xhat).sum(-1, keepdim=True)] + ([gxhat.sum(-1, keepdim=True)] if ctx.centre else [])
         sums = _all_reduce(torch.cat(sums, dim=-1), grid.row, grid.q) / ctx.dim  # sums: [b/q, s, 1 or 2]
         dx = gxhat - xhat * sums[..., :1]
@@ -149,7 +153,7 @@ class _Norm2D(torch.autograd.Function):
         flat_g, flat_x = gf.reshape(-1, gf.shape[-1]), xhat.reshape(-1, xhat.shape[-1])
         params = [(flat_g * flat_x).sum(0)] + ([flat_g.sum(0)] if ctx.has_bias else [])  # [h/q] each
         params = _all_reduce(torch.stack(params), grid.col, grid.q).to(weight.dtype)  # this grid column's sum
-        return dx, params[0], params[1] if ctx.has_bias else None, None, None, None, None
+        return dx, params[0], params[1] if ctx.has_bias else None, None, None, None, None, None
 
 
 def _all_reduce(t: torch.Tensor, group, q: int) -> torch.Tensor:
@@ -175,17 +179,19 @@ class LayerNorm2D(nn.Module):
 
 
 class RMSNorm2D(nn.Module):
-    """RMSNorm over the hidden dim split across the row group.  x: [b/q, s, h/q] → [b/q, s, h/q]."""
+    """RMSNorm over the hidden dim split across the row group.  x: [b/q, s, h/q] → [b/q, s, h/q]; the plain
+    norm's ``offset`` too (Gemma's x̂·(1 + w))."""
 
     def __init__(self, norm: nn.Module, grid: Grid2D) -> None:
         super().__init__()
         self.grid, self.dim, self.eps = grid, norm.weight.shape[0], norm.eps
+        self.offset = norm.offset
         _need(self.dim, grid.q, "d_model")
         self.shards = {"weight": Shard(dim_j=0, dim_i=None)}
         self.weight = _param(norm.weight, grid, self.shards["weight"])  # [h/q]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Norm2D.apply(x, self.weight, None, self.dim, self.eps, False, self.grid)
+        return _Norm2D.apply(x, self.weight, None, self.dim, self.eps, False, self.grid, self.offset)
 
 
 class HeadNorm2D(nn.Module):

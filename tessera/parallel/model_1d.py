@@ -30,7 +30,7 @@ from tessera import comm
 from tessera.errors import ConfigError
 from tessera.model.documents import Documents
 from tessera.model.family import FamilyPlan
-from tessera.model.layers import Block, TransformerLM, attend
+from tessera.model.layers import Block, TransformerLM, attend, embed_scale
 from tessera.model.materialize import ShardSpec
 from tessera.parallel.tensor_1d import (
     ColumnParallelLinear,
@@ -115,7 +115,8 @@ class ParallelMLP(nn.Module):
 
 class ParallelEmbedding(nn.Module):
     """Vocabulary-parallel token embedding (`wte` / `tok`), plus a replicated learned position table (GPT's
-    `wpe`) if the family declares one."""
+    `wpe`) if the family declares one; scaled by sqrt(h) if the family declares it (Gemma: the partial lookups
+    are summed first, exactly, as one rank's row is the whole lookup)."""
 
     def __init__(self, embed: nn.Module, plan: FamilyPlan, group: dist.ProcessGroup, sp: bool) -> None:
         super().__init__()
@@ -124,13 +125,17 @@ class ParallelEmbedding(nn.Module):
             getattr(embed, self.token_name), group, sequence_parallel=sp
         )
         setattr(self, self.token_name, tok)
+        self.scaled = plan.embed_scale
         self.position_name = plan.position_embedding
         if self.position_name is not None:
             setattr(self, self.position_name, getattr(embed, self.position_name))  # replicated, not sharded
 
     def forward(self, tokens: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         """tokens [b, s] → x [b, s, h] ([b, s/t, h] with SP); learned positions 0..s-1, or ``docs.positions``."""
-        x = getattr(self, self.token_name)(tokens)  # x: [b, s, h] or [b, s/t, h] with SP
+        tok = getattr(self, self.token_name)
+        x = tok(tokens)  # x: [b, s, h] or [b, s/t, h] with SP
+        if self.scaled:
+            x = x * embed_scale(x.shape[-1], tok.weight.dtype)
         if self.position_name is None:
             return x
         table = getattr(self, self.position_name)
@@ -193,7 +198,9 @@ class TensorParallel1D(nn.Module):
         )
         self.head = None
         if model.head is not None:
-            out = VocabParallelOutput.from_linear(model.head.out, group, **regions.options())
+            # the final soft-cap (Gemma 2) is elementwise: each rank caps its vocabulary shard of the logits
+            softcap = model.head.softcap
+            out = VocabParallelOutput.from_linear(model.head.out, group, softcap=softcap, **regions.options())
             if cfg.tie_embeddings and self.embed is not None:
                 out.weight = getattr(self.embed, token_name).weight  # one shard, two uses
             self.head = ParallelHead(_norm(model.head.norm, group, sp), out)
@@ -325,11 +332,15 @@ def _replicated(norm: nn.Module | None, group: dist.ProcessGroup) -> nn.Module |
 
 def _parallel_block(block: nn.Module, plan: FamilyPlan, group: dist.ProcessGroup, regions: Regions) -> Block:
     sp = regions.sequence_parallel
+    # post-norms (Gemma 2) run on the row-parallel outputs: [b, s, h] replicated, or the sequence shard with SP
+    post = [None if n is None else _norm(n, group, sp) for n in (block.attn_post_norm, block.mlp_post_norm)]
     return Block(
         attn_norm=_norm(block.attn_norm, group, sp),
         attn=ParallelAttention(block.attn, group, regions),
         mlp_norm=_norm(block.mlp_norm, group, sp),
         mlp=ParallelMLP(block.mlp, plan, group, regions),
+        attn_post_norm=post[0],
+        mlp_post_norm=post[1],
     )
 
 

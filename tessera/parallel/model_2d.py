@@ -16,7 +16,7 @@ from torch import nn
 from tessera import comm
 from tessera.errors import ConfigError
 from tessera.model.documents import Documents
-from tessera.model.layers import Block
+from tessera.model.layers import Block, embed_scale, soft_cap
 from tessera.model.materialize import ShardSpec
 from tessera.model.targets import check_reduction, kept
 from tessera.parallel.layers_2d import (
@@ -57,24 +57,30 @@ def check_2d(cfg: ModelConfig, q: int) -> list[str]:
     ]
 
 
-def _norm(norm: nn.Module, plan: FamilyPlan, grid: Grid2D) -> nn.Module:
+def _norm(norm: nn.Module | None, plan: FamilyPlan, grid: Grid2D) -> nn.Module | None:
+    if norm is None:  # a post-norm the family does not declare
+        return None
     return LayerNorm2D(norm, grid) if plan.norm_bias else RMSNorm2D(norm, grid)
 
 
 class _Embed2D(nn.Module):
     """tokens [b, s] → x [b/q, s, h/q]: vocabulary-parallel token lookup (+ learned positions if the family
-    declares them, GPT's `wpe`)."""
+    declares them, GPT's `wpe`); scaled by sqrt(h) if the family declares it (Gemma)."""
 
     def __init__(self, embed: nn.Module, plan: FamilyPlan, grid: Grid2D) -> None:
         super().__init__()
         self.token_name, self.position_name = plan.token_embedding, plan.position_embedding
+        self.width, self.scaled = getattr(embed, self.token_name).embedding_dim, plan.embed_scale
         setattr(self, self.token_name, VocabEmbedding2D(getattr(embed, self.token_name).weight, grid))
         if self.position_name is not None:
             setattr(self, self.position_name, PositionEmbedding2D(getattr(embed, self.position_name), grid))
 
     def forward(self, tokens: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         """tokens [b, s] → x [b/q, s, h/q]; ``docs``: this grid row's documents (their positions)."""
-        x = getattr(self, self.token_name)(tokens)  # x: [b/q, s, h/q]
+        tok = getattr(self, self.token_name)
+        x = tok(tokens)  # x: [b/q, s, h/q]
+        if self.scaled:  # sqrt of the full width h, not of this rank's h/q
+            x = x * embed_scale(self.width, tok.weight.dtype)
         if self.position_name is None:
             return x
         return getattr(self, self.position_name)(x, None if docs is None else docs.positions)
@@ -98,12 +104,13 @@ class _Head2D(nn.Module):
         self, head: nn.Module, plan: FamilyPlan, grid: Grid2D, table: VocabEmbedding2D | None
     ) -> None:
         super().__init__()
-        self.grid = grid
+        self.grid, self.softcap = grid, head.softcap
         self.norm = _norm(head.norm, plan, grid)
         self.out = _Out2D(head.out.weight, grid, table)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return output_logits_2d(self.norm(x), self.out.weight, self.grid)  # [b/q, s, V_pad/q]
+        logits = output_logits_2d(self.norm(x), self.out.weight, self.grid)  # logits: [b/q, s, V_pad/q]
+        return soft_cap(logits, self.softcap)  # elementwise: this block of the capped logits (Gemma 2)
 
 
 class Model2D(nn.Module):
@@ -124,6 +131,8 @@ class Model2D(nn.Module):
                 Attention2D(blk.attn, grid, cfg.n_heads, cfg.kv_heads),
                 _norm(blk.mlp_norm, plan, grid),
                 MLP2D(blk.mlp, plan, grid),
+                _norm(blk.attn_post_norm, plan, grid),
+                _norm(blk.mlp_post_norm, plan, grid),
             )
             for name, blk in model.blocks.items()
         }

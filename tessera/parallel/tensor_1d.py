@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import comm
+from tessera.model.layers import soft_cap
 from tessera.model.targets import check_reduction, kept
 from tessera.parallel.ring_1d import ring_gathered_linears, ring_row_parallel
 
@@ -395,6 +396,8 @@ class VocabParallelOutput(nn.Module):
 
     ``weight`` [V_pad/t, h] is this rank's rows (the same Parameter as the embedding's when tied). With targets the
     forward returns the mean loss without gathering logits; without, the full logits [b, s, V] (generation only).
+    ``softcap`` (Gemma 2's final logit soft-cap) caps this rank's logit columns before the loss, as the plain
+    `Head` caps all of them (the padding columns are masked out of the loss either way).
     """
 
     def __init__(
@@ -405,12 +408,13 @@ class VocabParallelOutput(nn.Module):
         *,
         sequence_parallel: bool = False,
         tp_comm_overlap: bool = False,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         check_overlap(sequence_parallel, tp_comm_overlap)
         t = comm.group_size(group)
         self.vocab_size, self.group, self.sequence_parallel = vocab_size, group, sequence_parallel
-        self.tp_comm_overlap = tp_comm_overlap
+        self.tp_comm_overlap, self.softcap = tp_comm_overlap, softcap
         self.rows = padded_vocab(vocab_size, t) // t
         self.start = group_rank(group) * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, dim))  # [Vl, h]
@@ -428,6 +432,7 @@ class VocabParallelOutput(nn.Module):
     ) -> torch.Tensor:
         # logits: [b, s, Vl]
         (logits,) = column_parallel(x, (self,), self.group, self.sequence_parallel, self.tp_comm_overlap)
+        logits = soft_cap(logits, self.softcap)  # elementwise: the shard of the capped logits (Gemma 2)
         if targets is not None:
             return vocab_parallel_cross_entropy(
                 logits, targets, self.group, self.start, self.vocab_size, reduction

@@ -47,6 +47,12 @@ LAYOUTS = {  # name: (world size, HF model kind, parallel section)
     # head_dim 16 / 12 ≠ hidden / heads = 8 (Qwen3-0.6B's, Mistral NeMo's kind): q_proj / o_proj sliced 2D and 1D
     "qwen3_hd_tp2x2": (4, "qwen3_hd", {"tensor": "2x2"}),
     "llama_hd_tp1d_2_sp": (2, "llama_hd", {"tensor": 2, "sequence_parallel": True}),
+    # Gemma 2 (soft-caps, four (1 + w) norms per block, scaled embedding, GeGLU; exported back as Gemma 2), every
+    # gradient against one process: tests/distributed/test_gemma2.py
+    "gemma2_tp1d_2_sp": (2, "gemma2_tied", {"tensor": 2, "sequence_parallel": True}),
+    "gemma2_qpas_tp2x2": (4, "gemma2_qpas", {"tensor": "2x2"}),  # query_pre_attn_scalar ≠ head_dim, untied
+    "gemma2_pp2_tied": (2, "gemma2_tied", {"pipeline": 2, "schedule": "1f1b"}),
+    "gemma2_dp2_zero3": (2, "gemma2_nocap_tied", {"data": 2, "zero": 3}),
 }
 
 

@@ -66,9 +66,12 @@ class Case:
 
 
 def _model_cfg(case: Case) -> ModelConfig:
-    # Llama, Qwen2 and Qwen3: 8 query heads sharing 4 KV heads (GQA), so t = 4 still splits KV heads.
+    # Llama, Qwen2, Qwen3 and Gemma 2: 8 query heads sharing 4 KV heads (GQA), so t = 4 still splits KV heads.
     heads, kv = (4, None) if case.family == "gpt" else (8, 4)
+    # Gemma 2: soft-caps that bite (weights at std 0.3: scores and logits of order one), scalar ≠ head_dim
+    gemma = GEMMA2_CAPS if case.family == "gemma2" else {}
     return ModelConfig(
+        **gemma,
         family=case.family,
         n_layers=2,
         d_model=32,
@@ -80,6 +83,8 @@ def _model_cfg(case: Case) -> ModelConfig:
         head_dim=case.head_dim,
     )
 
+
+GEMMA2_CAPS = {"attn_softcap": 1.5, "final_softcap": 2.0, "query_pre_attn_scalar": 10.0, "init_std": 0.3}
 
 LAYOUTS: dict[int, dict[str, Case]] = {
     2: {
@@ -95,6 +100,10 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         # head_dim 6 ≠ 32 / 8 (Qwen3-0.6B's kind of shape): wq/wk/wv column shards and wo's row shard 48 wide
         "qwen3_hd6_tp1d_2_sp_vocab257_untied": Case("qwen3", 2, sp=True, vocab=257, tied=False, head_dim=6),
         "llama_hd6_tp1d_2_sp_overlap": Case("llama", 2, sp=True, overlap=True, head_dim=6),
+        # Gemma 2: post-norms on the sequence shards (their gradients all-reduced), the final cap on vocabulary
+        # shards, scaled embedding; tied, vocabulary 257 padded to 258
+        "gemma2_hd6_tp1d_2_sp_vocab257": Case("gemma2", 2, sp=True, vocab=257, head_dim=6),
+        "gemma2_tp1d_2_sp_overlap_untied": Case("gemma2", 2, sp=True, tied=False, overlap=True),
         "gpt_tp1d_2_sp_overlap": Case("gpt", 2, sp=True, overlap=True),
         "gpt_tp1d_2_sp_overlap_accumulate2": Case("gpt", 2, sp=True, micro=2, overlap=True),
         "llama_tp1d_2_sp_overlap_vocab257_untied": Case(
@@ -116,6 +125,7 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         # no SP: the q/k norm gradients still all-reduce (each rank normalises its own heads)
         "qwen3_tp1d_4_vocab257": Case("qwen3", 4, vocab=257),
         "qwen3_hd6_tp1d_4_vocab257": Case("qwen3", 4, vocab=257, head_dim=6),
+        "gemma2_tp1d_4_vocab257": Case("gemma2", 4, vocab=257),  # no SP: post-norms replicated whole
         "gpt_tp1d_4_sp_overlap_vocab257": Case("gpt", 4, sp=True, vocab=257, overlap=True),
         "llama_tp1d_4_sp_overlap_untied": Case("llama", 4, sp=True, tied=False, overlap=True),
         "llama_dp2_tp1d_2_sp_overlap": Case("llama", 2, dp=2, sp=True, overlap=True),

@@ -83,6 +83,18 @@ MODELS = {
     "qwen3_v257": QWEN3_V257,
     # head_dim 8 ≠ 16 / 4 (Qwen3-0.6B's kind of shape): the attention 32 wide, wq/wk/wv/wo SUMMA blocks of it
     "qwen3_hd8_v257": dict(QWEN3_V257, head_dim=8),
+    # Gemma 2: four (1 + w) norms per block, scaled embedding, GeGLU, soft-caps that bite (weights at std 0.3:
+    # scores and logits of order one), query_pre_attn_scalar ≠ head_dim 8 ≠ 16 / 4; tied, vocabulary 257
+    "gemma2_v257": dict(
+        QWEN3_V257,
+        family="gemma2",
+        head_dim=8,
+        tie_embeddings=True,
+        query_pre_attn_scalar=12,
+        attn_softcap=1.5,
+        final_softcap=2.0,
+        init_std=0.3,
+    ),
     # q = 3: heads, KV heads, hidden and MLP width divisible by 3; vocabulary 64 is padded to 66
     "gpt_q3": dict(family="gpt", d_model=36, n_heads=6, vocab_size=64, seq_len=SEQ, n_layers=1),
     "llama_q3": dict(
@@ -233,7 +245,8 @@ SAVED_FAMILIES = ["gpt", "llama"]
 @pytest.fixture(scope="module")
 def tp2x2_results() -> list[dict]:
     """One 4-rank launch shared by the tp2x2 tests (spawning ranks costs more than the models on 2 cores)."""
-    return _launch([*TP2X2_MODELS, "qwen2_v257", "qwen3_v257", "qwen3_hd8_v257"], "tp2x2", SAVED_FAMILIES)
+    models = [*TP2X2_MODELS, "qwen2_v257", "qwen3_v257", "qwen3_hd8_v257", "gemma2_v257"]
+    return _launch(models, "tp2x2", SAVED_FAMILIES)
 
 
 def test_tp2x2_gpt_llama_and_vocab_257(tp2x2_results: list[dict]) -> None:
@@ -261,6 +274,14 @@ def test_tp2x2_head_dim_other_than_d_model_over_heads(tp2x2_results: list[dict])
     collective bytes (`comm_bytes_2d` with the 32-wide attention), loss, every weight and gradient, the norm."""
     k = len(TP2X2_MODELS) + 2
     _check_one("qwen3_hd8_v257", "tp2x2", [r["runs"][k] for r in tp2x2_results])
+
+
+def test_tp2x2_gemma2(tp2x2_results: list[dict]) -> None:
+    """Gemma 2: collective bytes (`comm_bytes_2d` with four norms per block, each a row all-reduce of statistics
+    forward and backward and a column all-reduce of its weight's gradient), loss, every weight and gradient (the
+    (1 + w) norms' over the grid rows, the final cap on logit blocks), the norm."""
+    k = len(TP2X2_MODELS) + 3
+    _check_one("gemma2_v257", "tp2x2", [r["runs"][k] for r in tp2x2_results])
 
 
 def test_dp2_tp2x2_matches_single_device() -> None:

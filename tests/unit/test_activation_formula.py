@@ -43,6 +43,18 @@ FAMILIES = {
     # head_dim 48 ≠ 128 / 4: Q, the expanded K and V, SDPA's output and wo's input 4·48 = 192 wide, not 128
     "llama_hd": {"family": "llama", "n_heads": 4, "n_kv_heads": 2, "head_dim": 48, "ffn_hidden": 384},
     "qwen3_hd": {"family": "qwen3", "n_heads": 4, "n_kv_heads": 2, "head_dim": 48, "ffn_hidden": 384},
+    # Gemma 2: four norms per block, GeGLU, the soft-capped attention written out (its scores kept)
+    "gemma2": {
+        "family": "gemma2",
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "head_dim": 48,
+        "ffn_hidden": 384,
+        "query_pre_attn_scalar": 40,
+        "attn_softcap": 50.0,
+        "final_softcap": 30.0,
+    },
+    "gemma2_nocap": {"family": "gemma2", "n_heads": 4, "n_kv_heads": 2, "head_dim": 48, "ffn_hidden": 384},
 }
 LAYOUTS = {  # name: (world size, parallel section)
     "plain": (1, {}),
@@ -108,10 +120,11 @@ def test_block_activation_bytes_equal_the_formula(
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "gemma2", "gemma2_nocap"])
 def test_head_activation_bytes_equal_the_formula(family: str, layout: str, dtype: str) -> None:
     """The embedding and the head together (a 1-block model less one block): the final norm's tensors, the
-    output projection's input (and its bf16 weight copy), the fp32 logits the loss keeps."""
+    output projection's input (and its bf16 weight copy), the fp32 logits the loss keeps; Gemma 2's final
+    soft-cap, tanh's logits-sized output."""
     saved, cfg, world = _saved(family, layout, "none", dtype)
     ends = 2 * saved[1] - saved[2]
     shape, plan = ModelShape.from_config(cfg[1].model), plan_from_config(cfg[1], world)

@@ -65,7 +65,9 @@ def test_model_holds_what_its_family_declares(family: str, head_dim: int | None)
     expected |= {f"embed.{plan.position_embedding}.weight"} if plan.has_position_embedding else set()
     expected |= {"head.norm.bias"} if plan.norm_bias else set()
     for i in range(cfg.n_layers):
-        for norm in ("attn_norm", "mlp_norm"):
+        for norm in plan.block_norms:  # Gemma 2's post-norms too; (1 + w) norms start at w = 0
+            w = model.get_parameter(f"blocks.{i}.{norm}.weight")
+            assert bool((w == (0 if plan.norm_offset else 1)).all()), norm
             expected |= {f"blocks.{i}.{norm}.weight"} | (
                 {f"blocks.{i}.{norm}.bias"} if plan.norm_bias else set()
             )

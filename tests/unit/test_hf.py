@@ -47,11 +47,25 @@ def test_imported_logits_equal_transformers(tmp_path: Path, kind: str) -> None:
     assert rel_err(got, expected) < LOGIT_RTOL
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_tied", "qwen3_hd", "llama_hd", "mistral_hd"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "qwen3",
+        "qwen3_tied",
+        "qwen3_hd",
+        "llama_hd",
+        "mistral_hd",
+        "gemma2_tied",
+        "gemma2_qpas",
+        "gemma2_nocap_tied",
+    ],
+)
 def test_loss_and_every_gradient_equal_transformers(tmp_path: Path, kind: str) -> None:
-    """Qwen3's per-head q/k norms and a head_dim other than hidden / heads (q_proj hidden → heads·head_dim,
-    o_proj back): the imported model's loss and the gradient of every weight (the norms' included, under their
-    HF names) are transformers' own, to the logits' tolerance (same fp32 arithmetic in another order)."""
+    """Qwen3's per-head q/k norms, a head_dim other than hidden / heads (q_proj hidden → heads·head_dim,
+    o_proj back) and Gemma 2 (four (1 + w) norms per block, scaled embedding, GeGLU, soft-capped attention and
+    logits, query_pre_attn_scalar): the imported model's loss and the gradient of every weight (the norms'
+    included, under their HF names) are transformers' own, to the logits' tolerance (same fp32 arithmetic in
+    another order)."""
     from tessera.hf.families import family_for_model_type
 
     hf = make_hf(tmp_path / "hf", kind).train()
@@ -171,6 +185,22 @@ def test_mistral_window_as_wide_as_the_context_is_full_attention(tmp_path: Path)
     cfg, model = imported(tmp_path / "hf")
     assert cfg.model.family == "llama"
     tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_err(model(tokens), hf(tokens).logits) < LOGIT_RTOL
+
+
+def test_mistral_window_narrower_than_the_folder_imports_at_a_training_context_within_it(
+    tmp_path: Path,
+) -> None:
+    """Mistral v0.1's kind (window 16 < context 32): refused with the fix, and with model.seq_len = 16 the window
+    masks nothing in training, so it imports with transformers' logits at that length (the Gemma 2 rule)."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config("mistral", sliding_window=16)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConfigError, match=re.escape("fix: set model.seq_len to at most 16")):
+        load_config(None, [f'model.init="hf:{tmp_path / "hf"}"'])
+    _, model = imported(tmp_path / "hf", "model.seq_len=16")
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert rel_err(model(tokens), hf(tokens).logits) < LOGIT_RTOL
 

@@ -43,7 +43,7 @@ def expected_params(c: ModelConfig) -> int:
         attn += q_out + 2 * kv_out if c.family == "qwen2" else 0  # Qwen2: biases of wq, wk, wv only
         attn += 2 * hd if c.family == "qwen3" else 0  # Qwen3: the per-head q and k norm weights
         mlp = 3 * h * f
-        norms = 2 * h
+        norms = (4 if c.family == "gemma2" else 2) * h  # Gemma 2: a norm before and after each sublayer
         extra = h  # final RMSNorm
     embeddings = V * h * (1 if c.tie_embeddings else 2)
     return L * (attn + mlp + norms) + embeddings + extra
@@ -85,6 +85,11 @@ def test_every_size_builds_with_formula_param_count(name):
         ("qwen3-32b", 32_762_123_264),
         # Mistral NeMo 12B: head_dim 128 with 32 heads at hidden 5120 (transformers' MistralForCausalLM: the same)
         ("mistral-nemo-12b", 12_247_782_400),
+        # Gemma 2 2B, 9B, 27B (tied, four norms per block): transformers' Gemma2ForCausalLM on the meta device at
+        # the released configs has these counts (tests/unit/test_hf.py builds it)
+        ("gemma2-2b", 2_614_341_888),
+        ("gemma2-9b", 9_241_705_984),
+        ("gemma2-27b", 27_227_128_320),
     ],
 )
 def test_known_parameter_counts(name, count):
@@ -101,7 +106,7 @@ def test_flops_per_token_palm_convention():
     assert untied.flops_per_token(seq_len=2048) == 6 * n_matmul + 12 * 32 * 4096 * 2048
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gemma2-tiny"])
 def test_forward_backward(name):
     torch.manual_seed(0)
     cfg = cfg_for(name)
@@ -126,7 +131,7 @@ def test_loss_helper_matches_manual_cross_entropy():
     assert torch.allclose(build_model(cfg_for("gpt2-tiny")).loss(logits, targets), manual, atol=EXACT_TOL)
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gemma2-tiny"])
 def test_causal(name):
     torch.manual_seed(0)
     cfg = cfg_for(name)
@@ -195,7 +200,7 @@ def test_tied_weights_are_one_parameter(name, tok):
     assert untied.num_params() == model.num_params() + 256 * model.cfg.d_model
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gemma2-tiny"])
 def test_init_is_deterministic_given_seed(name):
     states = []
     for seed in (1, 1, 2):
@@ -250,7 +255,7 @@ def test_too_long_sequence_is_a_clear_error():
         build_model(cfg)(torch.zeros(1, cfg.seq_len + 1, dtype=torch.long))
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gemma2-tiny"])
 def test_generate(name):
     torch.manual_seed(0)
     cfg = cfg_for(name)

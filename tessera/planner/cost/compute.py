@@ -108,7 +108,7 @@ def elementwise_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
     c, r = plan.act_bytes, plan.stream_bytes
     sbh = s * b * h
     residual_add = 2 * r + c + (1 if shape.dropout else 0)
-    replicated = 2 * (2 * r) + 2 * residual_add
+    replicated = len(shape.features.block_norms) * (2 * r) + 2 * residual_add  # Gemma 2: four norms
     activation = (3 if shape.swiglu else 2) * c * f / h
     qk = shape.q_dim + shape.kv_dim  # Q's and K's widths: what RoPE and the per-head norms touch
     sharded = activation + (2 * c * qk / h if shape.features.rope else 0)
@@ -127,10 +127,14 @@ def elementwise_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
 def score_bytes(shape: ModelShape, plan: Plan) -> float:
     """HBM bytes of the softmax (and dropout) on one micro-batch's a·s²·b attention scores, before any tensor
     split: 2c per score (read + write in the compute dtype `Plan.act_bytes`), 4c + 1 with dropout (its output and
-    1-byte mask); 0 with flash attention (the scores never reach HBM)."""
-    if plan.flash_attention:
+    1-byte mask); 0 with flash attention (the scores never reach HBM). Soft-capped attention (Gemma 2) is written
+    out whatever the kernel (`tessera.model.layers.AttentionCore`): its scores reach HBM, and the scaling, the cap's
+    divide, tanh and multiply add three read + write passes, 6c per score."""
+    capped = shape.attn_softcap is not None
+    if plan.flash_attention and not capped:
         return 0.0
     per_score = 4 * plan.act_bytes + 1 if shape.dropout else 2 * plan.act_bytes
+    per_score += 6 * plan.act_bytes if capped else 0
     return per_score * shape.n_heads * shape.seq_len**2 * plan.micro_batch
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "autocast_weight_bytes",
     "autocast_weight_bytes_per_layer",
     "boundary_bytes",
+    "capped_score_bytes",
     "head_activation_bytes",
     "memory_per_rank",
     "model_state_bytes",
@@ -105,6 +106,8 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     their product. Selective recomputation drops SDPA's output and the expansion (K, V at kv/h). The attention
     tensors are n_heads·head_dim wide (q/h of the stream's h; 1 unless `ModelShape.head_dim` differs). Qwen3's per-head
     q/k norms (`qk_norm`) keep Q's and K's fp32 upcast and their normalised tensors, split like the heads.
+    Gemma 2's post-norms are two more norms (`FamilyPlan.block_norms`); its soft-capped attention is written out
+    (`tessera.model.layers.AttentionCore`): no SDPA output is kept, its a·s² scores are (`capped_score_bytes`).
     `recompute` overrides `plan.recompute` (the working memory of a recomputed block is its "none" count).
     """
     recompute = plan.recompute if recompute is None else recompute
@@ -116,7 +119,7 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
         return sbh * r / shard_all
     # attention tensors are n_heads·head_dim (q_h) or n_kv·head_dim (kv_h) wide, per unit of h
     fam, f_h, q_h, kv_h = shape.features, shape.ffn_hidden / h, shape.q_dim / h, shape.kv_dim / h
-    norms = 2 * _norm_bytes(shape, plan)
+    norms = len(fam.block_norms) * _norm_bytes(shape, plan)
     inputs = _input_bytes(plan, len(fam.attention_in)) + _input_bytes(plan, len(fam.mlp_in))
     replicated = norms + inputs + (c if shape.dropout else 0)  # two 1-byte masks, in Korthikanti's units
     # selective recomputation keeps the attention core's inputs as the Linears (and RoPE) left them; after the
@@ -128,12 +131,22 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     head_norms = (_FP32 + c) * (q_h + kv_h) if fam.qk_norm else 0.0
     if shape.swiglu:
         attention = qkv + c * q_h if recompute == "selective" else 5 * c * q_h
+        if shape.attn_softcap is not None and recompute != "selective":  # scores instead of SDPA's output
+            attention += capped_score_bytes(plan) * a * s / h - c * q_h
         sharded = attention + 4 * c * f_h + head_norms
     else:
         scores = 0.0 if plan.flash_attention else (5 if shape.dropout else 2) * a * s / h * c / 2
         mlp = (_output_bytes(plan, fam.mlp_bias) + c) * f_h  # GELU's input (fc's output), proj's input
         sharded = qkv + c * q_h + mlp + head_norms + (0.0 if recompute == "selective" else scores)
     return sbh * (replicated / shard_all + sharded / plan.tp)
+
+
+def capped_score_bytes(plan: Plan) -> float:
+    """Bytes per attention score [b, a, s, s] that soft-capped attention keeps for backward: tanh's output (the
+    compute dtype), the fp32 softmax and its cast back to the compute dtype (the same tensor in fp32), which A·V
+    reads. SDPA keeps none of them; this is the s² memory the cap costs (FlexAttention would keep none either)."""
+    c = plan.act_bytes
+    return c + _FP32 + (c if c != _FP32 else 0)
 
 
 def _norm_bytes(shape: ModelShape, plan: Plan) -> float:
@@ -214,10 +227,14 @@ def head_activation_bytes(shape: ModelShape, plan: Plan) -> float:
     """Bytes one micro-batch keeps for backward in the head, besides its fp32 logits: the final norm's saved
     tensors (as in the blocks: its own, `_norm_bytes`, and the output projection's input, `_input_bytes`),
     split by the tensor degree where the sequence is (sequence parallel, 2D). The output projection's weight
-    copy is one per step (`autocast_weight_bytes`)."""
+    copy is one per step (`autocast_weight_bytes`). A final soft-cap (Gemma 2) keeps tanh's output, logits-sized
+    in the compute dtype and split by the vocabulary like them."""
     sbh = shape.seq_len * plan.micro_batch * shape.d_model
     shard_all = plan.tp if (plan.tp_kind == "2d" or plan.sequence_parallel) else 1
-    return sbh * (_norm_bytes(shape, plan) + _input_bytes(plan, 1)) / shard_all
+    capped = 0.0
+    if shape.final_softcap is not None:
+        capped = shape.seq_len * plan.micro_batch * shape.vocab_size * plan.act_bytes / plan.tp
+    return sbh * (_norm_bytes(shape, plan) + _input_bytes(plan, 1)) / shard_all + capped
 
 
 def boundary_bytes(shape: ModelShape, plan: Plan) -> float:

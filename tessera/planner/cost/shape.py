@@ -53,6 +53,11 @@ class ModelShape:
     head_dim: int | None = None
     """Features per head; None means d_model / n_heads (`ModelConfig.head_dim`). Resolved at construction by
     `tessera.model.family.head_dim_of`: an int on every constructed shape."""
+    attn_softcap: float | None = None
+    """Attention logit soft-cap (`ModelConfig.attn_softcap`, Gemma 2): attention is then computed explicitly and
+    keeps its a·s² scores for backward (`tessera.planner.cost.rank_memory.capped_score_bytes`)."""
+    final_softcap: float | None = None
+    """Final logit soft-cap (`ModelConfig.final_softcap`): the head keeps one more logits-sized tensor (tanh's)."""
 
     def __post_init__(self) -> None:
         if (self.head_dim is None and self.d_model % self.n_heads) or self.n_heads % self.n_kv_heads:
@@ -86,8 +91,9 @@ class ModelShape:
 
     def layer_params(self) -> int:
         """Weights + biases + norm parameters of one block: h(q + 2·kv) + q·h + c·h·f (q = n_heads·head_dim, = h
-        by default; c = 3 for a gated MLP, else 2) plus the family's biases, two norms and per-head q/k norms
-        (Qwen3: 2·head_dim). GPT with f = 4h, g = a: 12h² + 13h (Narayanan eq. 2)."""
+        by default; c = 3 for a gated MLP, else 2) plus the family's biases, norms (two; four with Gemma 2's
+        post-norms) and per-head q/k norms (Qwen3: 2·head_dim). GPT with f = 4h, g = a: 12h² + 13h (Narayanan
+        eq. 2)."""
         return self.features.block_params(
             self.d_model, self.q_dim, self.kv_dim, self.ffn_hidden, self.head_dim
         )
@@ -131,6 +137,8 @@ class ModelShape:
             dropout=bool(getattr(obj, "dropout", 0) or 0),
             family=family,
             head_dim=getattr(obj, "head_dim", None),
+            attn_softcap=getattr(obj, "attn_softcap", None),
+            final_softcap=getattr(obj, "final_softcap", None),
         )
 
 

@@ -99,7 +99,8 @@ def tp2d_layer_volume(shape: ModelShape, plan: Plan) -> CommVolume:
         if plan.recompute == "full":  # forward broadcasts of A and B replayed
             calls += [c for c in one if c.phase == FORWARD]
     stats = 2 * m * 4  # (sum, sum of squares) in fp32 per local token
-    return volume_of(calls) + CommVolume(all_reduce=2 * 2 * stats, calls=4)
+    norms = len(shape.features.block_norms)  # each all-reduces its statistics forward and backward
+    return volume_of(calls) + CommVolume(all_reduce=norms * 2 * stats, calls=2 * norms)
 
 
 def pp_p2p_volume(shape: ModelShape, plan: Plan, stage: int) -> CommVolume:
