@@ -226,9 +226,7 @@ class AttentionCore(nn.Module):
         L, S = q.shape[2], k.shape[2]
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         scores = soft_cap(torch.matmul(q, k.transpose(2, 3)) * scale, self.softcap)  # scores: [b, nh, L, S]
-        if (
-            mask is None
-        ):  # causal, bottom-right aligned (cached decoding: the queries are the last L positions)
+        if mask is None:  # causal, bottom-right (cached decoding: the queries are the last L positions)
             mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)  # mask: [L, S]
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # probs: [b, nh, L, S]

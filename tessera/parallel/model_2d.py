@@ -212,9 +212,7 @@ class Model2D(nn.Module):
         mine = targets[i * rows : (i + 1) * rows]  # mine: [b/q, s]
         tok_loss = vocab_parallel_cross_entropy_2d(logits, mine, self.grid, self.per_rank, self.vocab)
         check_reduction(reduction)
-        if (
-            reduction == "sum"
-        ):  # an ignored target's loss (finite: its log-sum-exp) times 0, and so its gradient
+        if reduction == "sum":  # an ignored target's loss (finite: its log-sum-exp) × 0, and so its gradient
             tok_loss = tok_loss * kept(mine)  # tok_loss: [b/q, s]
         total = tok_loss.sum()  # this grid row's share of the batch loss
         if q > 1:
