@@ -164,7 +164,7 @@ def _check_data(cfg: Config) -> None:
 def cmd_prepare(args: argparse.Namespace) -> int:
     import warnings
 
-    from tessera.train.data import default_corpus_files, prepare
+    from tessera.train.data import PrepareNote, default_corpus_files, prepare
 
     if not args.inputs and not 0 < args.default_mb < float("inf"):  # also NaN
         raise TesseraError(f"--default-mb {args.default_mb} must be a positive number of MiB, e.g. 8")
@@ -188,7 +188,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             )
         finally:  # also before an error: why files were skipped explains "no text found"
             for w in caught:  # as messages, not as warnings pointing at a line of library code
-                print(f"warning: {w.message}", file=sys.stderr)
+                kind = "note" if issubclass(w.category, PrepareNote) else "warning"
+                print(f"{kind}: {w.message}", file=sys.stderr)
     print(
         f"wrote {info['n_tokens']:,} tokens to {args.out} ({info['n_documents']:,} documents, vocab "
         f"{info['vocab_size']}; {info['n_skipped']} file(s) skipped, {info['n_bad_records']} bad record(s))"
@@ -219,6 +220,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     _check_sampling(args)
     prompt = _generate_prompt(args)
+    tools = _generate_tools(args)
     # Name a wrong run folder (no config.json, no checkpoint, only split weights) before torch's import (seconds);
     # generate_text looks the weights up again with the same function.
     newest_weights(Path(args.run))
@@ -239,6 +241,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             on_token=progress,
             stop=args.stop,
             chat=args.chat,
+            tools=tools,
         )
     finally:
         if progress is not None:
@@ -251,7 +254,8 @@ def _generate_prompt(args: argparse.Namespace) -> str | list[dict]:
     """generate's prompt: with --chat the conversation from --system, --messages and --prompt, checked before
     torch's import; otherwise --prompt's text (default "def ")."""
     if not args.chat:
-        given = [f for f, v in (("--system", args.system), ("--messages", args.messages)) if v is not None]
+        flags = (("--system", args.system), ("--messages", args.messages), ("--tools", args.tools))
+        given = [f for f, v in flags if v is not None]
         if given:
             verb = "builds" if len(given) == 1 else "build"
             raise TesseraError(f"{' and '.join(given)} {verb} a chat prompt, which needs --chat; add --chat")
@@ -259,6 +263,16 @@ def _generate_prompt(args: argparse.Namespace) -> str | list[dict]:
     from tessera.train.chat import chat_prompt  # numpy and json only
 
     return chat_prompt(args.prompt, args.system, args.messages)
+
+
+def _generate_tools(args: argparse.Namespace) -> list[dict] | None:
+    """generate --chat's --tools file, read and checked before torch's import (`_generate_prompt` refused it
+    without --chat)."""
+    if args.tools is None:
+        return None
+    from tessera.train.chat import chat_tools  # numpy and json only
+
+    return chat_tools(args.tools)
 
 
 def _check_sampling(args: argparse.Namespace) -> None:
@@ -576,12 +590,14 @@ def _parser() -> argparse.ArgumentParser:
         "--tools-key",
         default=None,
         help="chat records: the field/column of the tools (JSON schemas) passed to the chat template "
-        "(default: tools, where a record has it)",
+        "(default: tools, where a record has it); a named field no record has is a warning (--strict: an error)",
     )
     p.add_argument(
         "--eot-token",
         default=None,
-        help="token, or id (a number), ending each document; default: the tokenizer's own",
+        help="token, or id (a number), ending each document; default: the tokenizer's own (with --messages-key, "
+        "when the chat template writes it: a special token named <|endoftext|>, <|end_of_text|>, </s> or <eos> "
+        "that the template never writes)",
     )
     p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: every core)")
     p.add_argument("--strict", action="store_true", help="stop at the first bad record instead of skipping")
@@ -624,6 +640,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE.json",
         help="with --chat: the chat so far, a JSON list of {role, content} messages; --prompt, if given, is "
         "added as the user's next turn, and the reply is the next assistant turn",
+    )
+    p.add_argument(
+        "--tools",
+        default=None,
+        metavar="FILE.json",
+        help="with --chat: the tools the model may call, a JSON list of tool schemas (as chat records' tools "
+        "field), given to the chat template",
     )
     p.set_defaults(fn=_no_extra(cmd_generate))
 

@@ -47,10 +47,12 @@ from tessera.train.tokenizer import _EOT_NAMES
 
 __all__ = [
     "ROLES",
+    "SEPARATORS",
     "ChatError",
     "ChatTemplate",
     "Conversation",
     "chat_prompt",
+    "chat_tools",
     "conversation",
 ]
 
@@ -58,6 +60,12 @@ ROLES = ("system", "user", "assistant", "tool")
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 _CALL = '{"type": "function", "function": {"name": ..., "arguments": {...}}}'
+_TOOL = '{"type": "function", "function": {"name": ..., "parameters": {...}}}'
+SEPARATORS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+"""Names of special tokens that end a document, in order of preference: GPT-2's and Qwen's, Llama 3's, Llama 2's
+and Mistral's, Gemma's (tessera's end-of-text names without Llama 3's end of turn, <|eot_id|>). `prepare` may
+separate conversations with one of them when the tokenizer's EOS is the template's end of turn
+(`ChatTemplate.separator`)."""
 
 
 class ChatError(Exception):
@@ -89,9 +97,9 @@ def conversation(
             None,
             "message 1 is the assistant's: nothing precedes it to be its prompt; open with a system or user turn",
         )
-    schemas, problem = _tools(tools, tools_key)
+    schemas, problem = _tools(tools, f"field {tools_key!r}")
     if problem is not None:
-        return None, problem
+        return None, f"{problem}; write it as a list of tool objects, or name the tools field: --tools-key"
     return Conversation(cleaned, schemas), None
 
 
@@ -125,6 +133,18 @@ def chat_prompt(
     system_turn = [{"role": "system", "content": system}] if system is not None else []
     user_turn = [{"role": "user", "content": prompt}] if prompt is not None else []
     return [*system_turn, *history, *user_turn]
+
+
+def chat_tools(path: str | Path) -> list[dict] | None:
+    """The tools `tessera generate --chat --tools FILE.json` gives the template: the file's JSON list of tool
+    schemas, as a record's tools field holds them (None for an empty list). DataError naming the flag and the fix
+    when the file cannot be read, is not JSON or is not a list of objects."""
+    source = f"--tools {str(path)!r}"
+    shape = f"; write the tools as a JSON list of schemas such as [{_TOOL}]"
+    tools, problem = _tools(_json_file(path, source, shape), "the file")
+    if problem is not None:
+        raise DataError(f"{source}: {problem}{shape}")
+    return tools
 
 
 def _json_file(path: str | Path, source: str, shape: str) -> Any:
@@ -234,20 +254,19 @@ def _tool_calls(value: Any, n: int) -> tuple[list[dict] | None, str | None]:
     return calls, None
 
 
-def _tools(value: Any, key: str) -> tuple[list[dict] | None, str | None]:
-    """A record's tools (JSON schemas of the functions it may call), None when it has none, or what is wrong."""
+def _tools(value: Any, what: str) -> tuple[list[dict] | None, str | None]:
+    """Tools (JSON schemas of the functions a conversation may call), None when there are none, or what is wrong
+    with ``what`` (a record's field, generate's file); a string holding the list is read, as datasets often store
+    it."""
     if value is None or value == [] or value == "":
         return None, None
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError as e:
-            return None, f"field {key!r} is a string but not JSON ({e}); write a list of tool objects"
+            return None, f"{what} is a string but not JSON ({e})"
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        return None, (
-            f'field {key!r} is not a list of tool objects (JSON schemas such as {{"type": "function", '
-            '"function": {"name": ..., "parameters": {...}}}); see --tools-key'
-        )
+        return None, f"{what} is not a list of tool objects (JSON schemas such as {_TOOL})"
     return value or None, None
 
 
@@ -333,6 +352,28 @@ class ChatTemplate:
         ids = [int(i) for i in self._special_ids]
         return sorted(ids, key=lambda i: (_rank(self.special_name(i)), i))
 
+    def never_writes(self, token: int, written: list[int]) -> bool:
+        """Whether the template never writes special token ``token``: it is not in ``written`` (a rendering, the
+        probe's), its text is nowhere in the template's source, and it is no named special token (bos_token,
+        eos_token, pad_token, ...) whose variable the template reads (transformers passes them to the template).
+        The source check catches what a two-turn probe does not render (a branch for tools or a system turn)."""
+        name = self.special_name(token)
+        variables = [attr for attr, text in self.tok.special_tokens_map.items() if text == name]
+        return (
+            token not in written
+            and name not in self.template
+            and not any(re.search(rf"\b{attr}\b", self.template) for attr in variables)
+        )
+
+    def separator(self, written: list[int]) -> int | None:
+        """A special token to end each conversation with when the tokenizer's EOS ends turns: the first, in the
+        order of `SEPARATORS`, of the tokenizer's special tokens named as a document's end that the template never
+        writes (`never_writes`); None when none is."""
+        by_name = {self.special_name(t): t for t in self.special_tokens()}
+        return next(
+            (by_name[n] for n in SEPARATORS if n in by_name and self.never_writes(by_name[n], written)), None
+        )
+
     def encode(self, chat: Conversation) -> tuple[np.ndarray, np.ndarray]:
         """(tokens int64 [n], mask uint8 [n]) of a conversation `conversation` accepted; ChatError naming the
         message when it cannot be rendered, its tools or tool calls are not rendered, or its assistant tokens
@@ -356,11 +397,18 @@ class ChatTemplate:
                 mask[start:end] = 1
         return np.asarray(whole, dtype=np.int64), mask
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The tokens a chat model continues: ``messages`` rendered with the assistant header (the generation
-        prompt), as at inference."""
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The tokens a chat model continues: ``messages`` (and ``tools``, generate's --tools) rendered with the
+        assistant header (the generation prompt), as at inference. DataError when the template refuses them, or
+        renders the tools as nothing (a template without tool support: the model would never see them)."""
         try:
-            return self._ids(messages, add_generation_prompt=True)
+            if tools is not None and self._text(messages, tools) == self._text(messages, None):
+                raise DataError(
+                    f"the run's chat template renders the {len(tools)} tool(s) of --tools as nothing (it has no "
+                    "tool support: the conversation reads the same without them), so the model would never see "
+                    "them; use the model's own chat template, one that reads `tools`, or leave --tools out"
+                )
+            return self._ids(messages, tools, add_generation_prompt=True)
         except ChatError as e:
             raise DataError(str(e)) from None
 

@@ -34,13 +34,14 @@ import numpy as np
 from tessera.errors import DataError, why_unwritable
 from tessera.files import temp_beside
 from tessera.modes import WINDOW_STARTS
-from tessera.train.chat import ChatTemplate
+from tessera.train.chat import SEPARATORS, ChatTemplate
 from tessera.train.corpus import default_corpus_files, holdout_target, min_tokens
 from tessera.train.ingest import Key, Messages, Unit, UnitResult, find_units, tokenize_units
 from tessera.train.tokenizer import load_tokenizer, resolve_eot
 
 __all__ = [
     "Blend",
+    "PrepareNote",
     "TokenDataset",
     "batch_indices",
     "default_corpus_files",
@@ -134,6 +135,11 @@ def _unwritable(out: Path, e: OSError) -> DataError:
     )
 
 
+class PrepareNote(UserWarning):
+    """A choice `prepare` made for the user that they may want to override (`tessera prepare` prints it as a
+    note, not a warning)."""
+
+
 def mask_path(path: str | Path) -> Path:
     """The loss mask file of token file ``path``: the same stem with ``.mask``."""
     return Path(path).with_suffix(".mask")
@@ -167,7 +173,10 @@ def prepare(
 
     With ``messages_key`` a record's document is its conversation rendered with the chat template of the tokenizer
     folder, and the mask marks its assistant turns and their end-of-turn tokens (`tessera.train.chat`); a record's
-    ``tools_key`` field (default ``tools``), when it has one, is the tools the template is given.
+    ``tools_key`` field (default ``tools``), when it has one, is the tools the template is given. A ``tools_key``
+    that no record has is a warning (`strict`: an error). When the tokenizer's EOS ends the template's turns and no
+    ``eot_token`` is given, conversations are separated by a special token the template never writes
+    (`_chat_template`), with a `PrepareNote` naming it.
     """
     out = Path(out)
     if out.is_dir():
@@ -179,12 +188,15 @@ def prepare(
     key = _record_key(text_key, prompt_key, completion_key, messages_key, tools_key, out)
     tok = load_tokenizer(tokenizer_spec)
     eot = resolve_eot(tok, eot_token)
-    chat = _chat_template(tok.spec, eot, eot_token) if isinstance(key, Messages) else None
+    chat = None
+    if isinstance(key, Messages):
+        chat, eot = _chat_template(tok.spec, eot, eot_token)
     units = find_units(list(inputs), key)
     dtype = _token_dtype(tok.vocab_size)
     sha, mask_sha = hashlib.sha256(), hashlib.sha256()
-    counts = {"tokens": 0, "skipped": 0, "documents": 0, "bad": 0, "max_id": 0, "targets": 0}
+    counts = dict.fromkeys(("tokens", "skipped", "documents", "bad", "max_id", "targets", "tools_field"), 0)
     sources: set[str] = set()
+    fields: set[str] = set()  # chat records' field names, to name them when none has the tools field
     mask_file = _TempBeside(mask_path(out)) if not isinstance(key, str) else None
 
     def chunks() -> Iterator[bytes]:
@@ -199,6 +211,8 @@ def prepare(
             counts["skipped"] += result.skipped is not None
             counts["bad"] += len(result.problems)
             counts["documents"] += result.n_docs
+            counts["tools_field"] += result.tools_field
+            fields.update(result.fields)
             if result.skipped is None:
                 sources.add(unit.path)
             data = result.tokens.tobytes()
@@ -215,6 +229,8 @@ def prepare(
                 + f"{counts['skipped']} file(s) skipped, {counts['bad']} bad record(s)); pass UTF-8 text, "
                 "JSONL, JSON, Parquet or HF dataset inputs"
             )
+        if tools_key is not None and not counts["tools_field"]:
+            _no_tools_field(tools_key, fields, strict)  # raised inside the write too, with --strict
 
     if mask_file is None:
         _atomic_write(out, chunks())
@@ -297,24 +313,53 @@ def _record_key(
     return prompt_key, completion_key
 
 
-def _chat_template(spec: str, eot: int, eot_token: str | None) -> ChatTemplate:
+def _chat_template(spec: str, eot: int, eot_token: str | None) -> tuple[ChatTemplate, int]:
     """The tokenizer folder's chat template, loaded here so that a folder without one is refused before any
-    worker starts, and checked not to write the end-of-text token: many chat tokenizers declare their end-of-turn
-    token as EOS (Qwen2.5's <|im_end|>, Llama 3's <|eot_id|>), which would then split every conversation."""
+    worker starts, and the end-of-text token that separates its conversations: ``eot`` unless the template writes
+    it. Many chat tokenizers declare their end-of-turn token as EOS (Qwen2.5's <|im_end|>, Llama 3's <|eot_id|>),
+    which would split every conversation at every turn; without an explicit ``eot_token`` the separator is then a
+    special token named as a document's end that the template never writes (`ChatTemplate.separator`: Qwen2.5's
+    <|endoftext|>, Llama 3's <|end_of_text|>), named in a `PrepareNote`. An ``eot_token`` the template writes, or
+    no such token, is refused with the fix."""
     chat = ChatTemplate(spec)
     written = chat.probe()
     if eot not in written:
-        return chat
-    candidates = [t for t in chat.special_tokens() if t not in written]
+        return chat, eot
+    separator = chat.separator(written) if eot_token is None else None
+    if separator is not None:
+        warnings.warn(
+            f"the tokenizer's end-of-text token {chat.special_name(eot)!r} ends the chat template's turns, so "
+            f"conversations are separated by {chat.special_name(separator)!r} (id {separator}), a special token "
+            "the template never writes; pass --eot-token to choose another",
+            PrepareNote,
+            stacklevel=3,
+        )
+        return chat, separator
+    unwritten = [t for t in chat.special_tokens() if chat.never_writes(t, written)]
     named = (
         ("--eot-token " + repr(eot_token)) if eot_token is not None else "the tokenizer's end-of-text token"
     )
-    hint = f", e.g. --eot-token {chat.special_name(candidates[0])!r}" if candidates else ""
+    hint = f", e.g. --eot-token {chat.special_name(unwritten[0])!r}" if unwritten else ""
     raise DataError(
         f"{named}, {chat.special_name(eot)!r} (id {eot}), which `prepare` puts between documents, is also "
         "written by the chat template in every conversation (it ends turns), so every conversation would be "
-        f"split at it; pass --eot-token with a special token the template does not write{hint}"
+        f"split at it, and the tokenizer has no special token named as a document's end ({', '.join(SEPARATORS)}) "
+        f"that the template never writes; pass --eot-token with a special token the template does not write{hint}"
     )
+
+
+def _no_tools_field(tools_key: str, fields: set[str], strict: bool) -> None:
+    """--tools-key names a field no record has: the conversations were prepared without tools (their calls
+    trained with no schema), which a misspelt or wrong field name does silently. A warning; strict: an error."""
+    have = f" (their fields: {', '.join(sorted(fields)[:12])})" if fields else ""
+    problem = (
+        f"--tools-key {tools_key!r}: no record has a field {tools_key!r}{have}, so every conversation was "
+        "prepared without tools (tool calls trained with no schema); name the records' tools field with "
+        "--tools-key, or leave --tools-key out for records without tools"
+    )
+    if strict:
+        raise DataError(f"{problem} (an error with --strict; without it, a warning)")
+    warnings.warn(problem, stacklevel=5)
 
 
 class _TempBeside:

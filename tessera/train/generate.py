@@ -36,20 +36,24 @@ def generate_text(
     on_token: Callable[[int], None] | None = None,
     stop: Sequence[str] = (),
     chat: bool = False,
+    tools: list[dict] | None = None,
 ) -> str:
     """Load ``run_dir``'s config and newest weights in one process and continue ``prompt``; ``on_token(n)``
     is called after the n-th new token. Sampling ends early at a token of ``stop`` (each a text that is one
     token), which the text then leaves out. With ``chat`` the prompt is rendered with the run's tokenizer folder's
     chat template and the assistant header: a text as a user turn, a list as the messages so far (`chat_prompt`
-    builds it from generate's flags); sampling ends at the template's end of turn, and the text is the reply
-    alone. Otherwise the prompt is a text, and the text is the prompt and its continuation."""
+    builds it from generate's flags), with ``tools`` (`chat_tools` reads --tools) given to the template; sampling
+    ends at the template's end of turn, and the text is the reply alone. Otherwise the prompt is a text, and the
+    text is the prompt and its continuation."""
+    if tools is not None and not chat:
+        raise DataError("tools are given to a chat template: pass chat=True (--chat) with them")
     cfg = run_config(run_dir)
     tok = load_tokenizer(cfg.data.tokenizer)
     stop_ids = {_one_token(tok, text) for text in stop}
     if chat:
         template = ChatTemplate(cfg.data.tokenizer)
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        prompt_ids = template.prompt_ids(messages)
+        prompt_ids = template.prompt_ids(messages, tools)
         stop_ids.add(template.end_of_turn())
     elif isinstance(prompt, str):
         prompt_ids = tok.encode(prompt) or [0]

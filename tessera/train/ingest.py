@@ -24,7 +24,9 @@ tools field) rendered with the tokenizer folder's chat template, then the end-of
 assistant turns' tokens (their tool calls too) and their end-of-turn tokens (`tessera.train.chat`). A record whose
 field is not a list of system/user/assistant/tool messages with string content (or an assistant's tool calls),
 that has no assistant turn, whose tools or tool calls the template does not render, or whose assistant tokens the
-template does not let apart is a bad record naming it and the message.
+template does not let apart is a bad record naming it and the message. Each unit counts its records that have the
+tools field and reports their field names (`UnitResult.tools_field`, `UnitResult.fields`), so `prepare` can name a
+tools field that no record has, whatever the number of workers.
 """
 
 from __future__ import annotations
@@ -96,6 +98,10 @@ class UnitResult:
     problems: list[str] = field(default_factory=list)
     skipped: str | None = None
     """Why the whole file was skipped (text files: binary, unreadable, not UTF-8)."""
+    tools_field: int = 0
+    """Chat records: how many have the tools field (`Messages.tools_key`), bad records included."""
+    fields: set[str] = field(default_factory=set)
+    """Chat records: their field names (at most `_FIELDS_KEPT`), to name them when none has the tools field."""
 
 
 # --- finding the units -------------------------------------------------------------------------------------
@@ -238,9 +244,11 @@ def _hf_units(folder: Path) -> list[Unit]:
 
 # --- reading documents -------------------------------------------------------------------------------------
 
-# A reader yields (where, text, problem): the document's location for messages, and its text (a prompt and a
-# completion for a pair of keys, a Conversation for chat records) or what is wrong.
-Doc = tuple[str, str | tuple[str, str] | Conversation | None, str | None]
+# A reader yields (where, text, problem, fields): the document's location for messages, its text (a prompt and a
+# completion for a pair of keys, a Conversation for chat records) or what is wrong, and the record's field names
+# (a JSON object's keys, a table's columns; none for a text file or what is not an object).
+Doc = tuple[str, str | tuple[str, str] | Conversation | None, str | None, tuple[str, ...]]
+_FIELDS_KEPT = 64  # field names a unit reports: enough to name them, bounded for records with data as keys
 
 
 def _read_text(unit: Unit, text_key: Key) -> Iterator[Doc]:
@@ -259,13 +267,18 @@ def _read_text(unit: Unit, text_key: Key) -> Iterator[Doc]:
     if b"\0" in raw:
         raise _Skip("binary file (contains NUL bytes)")
     try:
-        yield unit.path, raw.decode("utf-8"), None
+        yield unit.path, raw.decode("utf-8"), None, ()
     except UnicodeDecodeError:
         raise _Skip("not UTF-8 text") from None
 
 
 class _Skip(Exception):
     """A whole text file is not text: skipped with a warning, as before structured formats existed."""
+
+
+def _record_doc(where: str, record: Any, text_key: Key) -> Doc:
+    """A JSON record's document, read by `_record_text`, with its field names."""
+    return (where, *_record_text(record, text_key), tuple(record) if isinstance(record, dict) else ())
 
 
 def _record_text(
@@ -326,14 +339,14 @@ def _read_jsonl_lines(unit: Unit, lines: list[bytes], text_key: Key) -> Iterator
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            yield where, None, f"invalid UTF-8 at byte {e.start}"
+            yield where, None, f"invalid UTF-8 at byte {e.start}", ()
             continue
         try:
             record = json.loads(text)
         except ValueError as e:
-            yield where, None, f"not JSON ({e})"
+            yield where, None, f"not JSON ({e})", ()
             continue
-        yield (where, *_record_text(record, text_key))
+        yield _record_doc(where, record, text_key)
 
 
 def _read_jsonl(unit: Unit, text_key: Key) -> Iterator[Doc]:
@@ -362,13 +375,13 @@ def _read_json(unit: Unit, text_key: Key) -> Iterator[Doc]:
         lines = (
             "; one JSON object per line is JSON Lines: name the file .jsonl" if "Extra data" in str(e) else ""
         )
-        yield unit.path, None, f"not a JSON file ({e}){lines}"
+        yield unit.path, None, f"not a JSON file ({e}){lines}", ()
         return
     if not isinstance(records, list):
-        yield unit.path, None, "a .json input must hold an array of objects (or use .jsonl, one per line)"
+        yield unit.path, None, "a .json input must hold an array of objects (or use .jsonl, one per line)", ()
         return
     for i, record in enumerate(records):
-        yield (f"{unit.path}:record {i + 1}", *_record_text(record, text_key))
+        yield _record_doc(f"{unit.path}:record {i + 1}", record, text_key)
 
 
 def _column(table: Any, unit: Unit, text_key: str, what: str = "text", option: str = "--text-key") -> Any:
@@ -381,6 +394,7 @@ def _column(table: Any, unit: Unit, text_key: str, what: str = "text", option: s
 
 
 def _read_rows(unit: Unit, table: Any, text_key: Key) -> Iterator[Doc]:
+    fields = tuple(table.column_names)
     if isinstance(text_key, Messages):  # a list<struct<role, content>> column reads as lists of dicts
         column = _column(table, unit, text_key.key, "messages", "--messages-key").to_pylist()
         has_tools = text_key.tools_key in table.column_names
@@ -389,6 +403,7 @@ def _read_rows(unit: Unit, table: Any, text_key: Key) -> Iterator[Doc]:
             yield (
                 f"{unit.path}:row {unit.first + i}",
                 *conversation(value, schemas, text_key.key, text_key.tools_key),
+                fields,
             )
         return
     if isinstance(text_key, tuple):
@@ -398,11 +413,11 @@ def _read_rows(unit: Unit, table: Any, text_key: Key) -> Iterator[Doc]:
             where = f"{unit.path}:row {unit.first + i}"
             texts = [_cell_text(value, key) for value, key in zip(pair, text_key, strict=True)]
             problem = next((p for _, p in texts if p is not None), None)
-            yield where, None if problem else (texts[0][0], texts[1][0]), problem
+            yield where, None if problem else (texts[0][0], texts[1][0]), problem, fields
         return
     for i, value in enumerate(_column(table, unit, text_key).to_pylist()):
         text, problem = _cell_text(value, text_key)
-        yield f"{unit.path}:row {unit.first + i}", text, problem
+        yield f"{unit.path}:row {unit.first + i}", text, problem, fields
 
 
 def _cell_text(value: Any, column: str) -> tuple[Any, str | None]:
@@ -503,7 +518,9 @@ def _tokenize_unit(unit: Unit) -> UnitResult:
     masks: list[np.ndarray] = []
     result = UnitResult(tokens=np.zeros(0, dtype=job.dtype), mask=np.zeros(0, np.uint8) if masked else None)
     try:
-        for where, text, problem in _READERS[unit.kind](unit, job.text_key):
+        for where, text, problem, fields in _READERS[unit.kind](unit, job.text_key):
+            if isinstance(job.text_key, Messages):
+                _count_fields(result, fields, job.text_key.tools_key)
             if problem is None:
                 try:
                     ids, mask = _document(text, job, tok, chat)
@@ -528,6 +545,15 @@ def _tokenize_unit(unit: Unit) -> UnitResult:
     if masks:
         result.mask = np.concatenate(masks)
     return result
+
+
+def _count_fields(result: UnitResult, fields: tuple[str, ...], tools_key: str) -> None:
+    """Count a chat record's tools field and keep its field names (up to `_FIELDS_KEPT` per unit)."""
+    result.tools_field += tools_key in fields
+    for name in fields:
+        if len(result.fields) >= _FIELDS_KEPT:
+            break
+        result.fields.add(name)
 
 
 def tokenize_units(

@@ -191,9 +191,17 @@ TOOL_REPLIES = [  # what each assistant turn of TOOL_CHATS renders as, by TOOLS_
 ]
 
 
-def _tokenizer(folder: Path, template: str | None, eos: str = "<|endoftext|>") -> Path:
+def _tokenizer(
+    folder: Path,
+    template: str | None,
+    eos: str = "<|endoftext|>",
+    special: list[str] = SPECIAL,
+    bos: str | None = "<|begin_of_text|>",
+    pad: str | None = None,
+) -> Path:
     """A save_pretrained folder: a byte-level BPE (every byte has a token) trained on the conversations' words,
-    with the `SPECIAL` tokens, EOS ``eos`` and chat template ``template`` (none when None)."""
+    with the ``special`` tokens (default `SPECIAL`), EOS ``eos``, BOS ``bos``, padding ``pad`` and chat template
+    ``template`` (none when None)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -202,11 +210,11 @@ def _tokenizer(folder: Path, template: str | None, eos: str = "<|endoftext|>") -
     tok.decoder = decoders.ByteLevel()
     texts = [m["content"] for c in CONVERSATIONS for m in c] + ["system user assistant"]
     trainer = trainers.BpeTrainer(
-        vocab_size=330, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=330, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(texts * 10, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token=eos, additional_special_tokens=SPECIAL
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad, additional_special_tokens=special
     )
     if template is not None:
         fast.chat_template = template
@@ -383,19 +391,128 @@ def test_tokenizers_without_a_chat_template_are_refused(tmp_path):
     assert not (tmp_path / "a.bin").exists()
 
 
-def test_an_end_of_text_token_the_template_writes_is_refused_with_another(tmp_path):
-    """Qwen2.5 Instruct declares <|im_end|> as its EOS: separating conversations with it would split them at
-    every turn, so prepare names a special token the template does not write."""
-    folder = _tokenizer(tmp_path / "tok", CHATML, eos="<|im_end|>")
+QWEN_LIKE = {"special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos": None, "pad": "<|endoftext|>"}
+"""Qwen2.5 Instruct's special tokens: EOS <|im_end|> (given apart), padding <|endoftext|>, no BOS."""
+LLAMA3_LIKE = {
+    "special": [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+    ],
+    "bos": "<|begin_of_text|>",
+}
+"""Llama 3 Instruct's: BOS <|begin_of_text|> (which its template writes), <|end_of_text|>, EOS <|eot_id|>."""
+
+
+@pytest.mark.parametrize(
+    ("template", "eos", "tokens", "separator"),
+    [
+        (CHATML, "<|im_end|>", QWEN_LIKE, "<|endoftext|>"),
+        (LLAMA3, "<|eot_id|>", LLAMA3_LIKE, "<|end_of_text|>"),
+    ],
+    ids=["qwen2.5", "llama3"],
+)
+def test_an_end_of_text_token_the_template_writes_gives_way_to_a_separator(
+    tmp_path, capsys, template, eos, tokens, separator
+):
+    """Qwen2.5 Instruct declares <|im_end|> as its EOS, Llama 3 Instruct <|eot_id|>: separating conversations with
+    it would split them at every turn, so prepare separates them with the tokenizer's <|endoftext|> /
+    <|end_of_text|>, which the template never writes, says so in a note, and records it as the metadata's eot.
+    Document starts (window_start = "document") and document masking's positions then restart once per
+    conversation, not once per turn; the files equal those of naming the separator with --eot-token."""
+    import torch
+
+    from tessera.model.documents import document_positions
+    from tessera.train.data import PrepareNote
+
+    folder = _tokenizer(tmp_path / "tok", template, eos=eos, **tokens)
+    src, out = _chats(tmp_path), tmp_path / "a.bin"
+    with pytest.warns(PrepareNote) as notes:
+        meta = _prepare(src, out, folder)
+    (note,) = [str(w.message) for w in notes]
+    tok = load_tokenizer(str(folder))
+    sep = tok.token_to_id(separator)
+    assert note == (
+        f"the tokenizer's end-of-text token {eos!r} ends the chat template's turns, so conversations are "
+        f"separated by {separator!r} (id {sep}), a special token the template never writes; pass --eot-token to "
+        "choose another"
+    )
+    assert meta["eot"] == sep != tok.token_to_id(eos) and meta["n_documents"] == 2
+    assert _kept_runs(out, folder) == _replies(eos)
+    data = TokenDataset(out, window_start="document")
+    tokens_ = np.asarray(data.tokens, dtype=np.int64)
+    first_end = int(np.flatnonzero(tokens_ == sep)[0])
+    assert data.document_starts.tolist() == [0, first_end + 1]  # two conversations, ten turns
+    assert (tokens_ == tok.token_to_id(eos)).sum() >= 5  # the turns' ends stay inside their conversation
+    positions = document_positions(torch.from_numpy(tokens_)[None], data.eot)[0]
+    assert np.flatnonzero(positions.numpy() == 0).tolist() == [0, first_end + 1]
+    _prepare(src, tmp_path / "named.bin", folder, eot_token=separator)
+    for name in ("bin", "mask"):
+        assert (tmp_path / f"named.{name}").read_bytes() == (tmp_path / f"a.{name}").read_bytes()
+    # `tessera prepare` prints the choice as a note, not as a warning
+    argv = ["prepare", str(src), "--out", str(tmp_path / "c.bin"), "--tokenizer", str(folder)]
+    assert main([*argv, "--messages-key", "messages"]) == 0
+    assert f"note: {note}\n" in capsys.readouterr().err
+
+
+def test_an_explicit_eot_token_wins(tmp_path):
+    """With several separators the template never writes, --eot-token picks one without a note; an --eot-token
+    the template writes is refused, not replaced."""
+    from tessera.train.data import PrepareNote
+
+    folder = _tokenizer(tmp_path / "tok", CHATML, eos="<|im_end|>")  # <|endoftext|> and <|end_of_text|> both
     src = _chats(tmp_path)
-    with pytest.raises(
-        DataError, match=r"'<\|im_end\|>' .* written by the chat template.*--eot-token '<\|endoftext"
-    ):
-        _prepare(src, tmp_path / "a.bin", folder)
-    with pytest.raises(DataError, match=r"--eot-token '<\|im_start\|>'"):
-        _prepare(src, tmp_path / "a.bin", folder, eot_token="<|im_start|>")
-    meta = _prepare(src, tmp_path / "a.bin", folder, eot_token="<|endoftext|>")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        meta = _prepare(src, tmp_path / "a.bin", folder, eot_token="<|end_of_text|>")
+    assert not [w for w in caught if issubclass(w.category, PrepareNote)]
+    assert meta["eot"] == load_tokenizer(str(folder)).token_to_id("<|end_of_text|>")
     assert _kept_runs(tmp_path / "a.bin", folder) == _replies("<|im_end|>") and meta["n_documents"] == 2
+    with pytest.warns(PrepareNote, match=r"separated by '<\|endoftext\|>'"):
+        _prepare(src, tmp_path / "b.bin", folder)
+    for written in ("<|im_end|>", "<|im_start|>"):
+        with pytest.raises(
+            DataError,
+            match=rf"--eot-token '{_re(written)}', .* written by the chat template.*--eot-token '<\|endoftext",
+        ):
+            _prepare(src, tmp_path / "c.bin", folder, eot_token=written)
+    assert not (tmp_path / "c.bin").exists()
+
+
+NOTHING_QUALIFIES = [  # (template, special tokens, padding token): no separator the template never writes
+    # none named as a document's end; an unwritten special token of another name (Qwen's fill-in-the-middle) is
+    # not taken for one
+    (CHATML, ["<|im_start|>", "<|im_end|>", "<|fim_prefix|>"], None),
+    (  # <|endoftext|> written in a branch the two-turn probe does not reach
+        CHATML + "{%- if tools %}{{- '<|endoftext|>' }}{%- endif %}",
+        QWEN_LIKE["special"],
+        None,
+    ),
+    (  # <|endoftext|> is the padding token, whose variable the template reads
+        CHATML + "{%- if tools %}{{- pad_token }}{%- endif %}",
+        QWEN_LIKE["special"],
+        "<|endoftext|>",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("template", "special", "pad"), NOTHING_QUALIFIES, ids=["none", "literal", "variable"]
+)
+def test_an_end_of_text_token_the_template_writes_is_refused_without_a_separator(
+    tmp_path, template, special, pad
+):
+    folder = _tokenizer(tmp_path / "tok", template, eos="<|im_end|>", special=special, bos=None, pad=pad)
+    with pytest.raises(
+        DataError,
+        match=r"the tokenizer's end-of-text token, '<\|im_end\|>' \(id \d+\), .* written by the chat template .* "
+        r"no special token named as a document's end .* that the template never writes; pass --eot-token",
+    ) as refused:
+        _prepare(_chats(tmp_path), tmp_path / "a.bin", folder)
+    assert "e.g. --eot-token '<|endoftext|>'" not in str(refused.value)
+    assert not (tmp_path / "a.bin").exists()
 
 
 def test_parquet_conversations_and_two_workers(tmp_path):
@@ -422,8 +539,9 @@ def test_parquet_conversations_and_two_workers(tmp_path):
 def test_prepare_and_train_on_the_assistant_turns(tmp_path, capsys, monkeypatch):
     """`tessera prepare --messages-key` then `tessera train` with data.loss_mask: one window spans the whole file
     (model.seq_len = tokens - 1, so every sample starts at token 0), so each step's target count is the global
-    batch times the mask's count (the first token, <|im_start|>, is no target)."""
-    folder = _tokenizer(tmp_path / "tok", CHATML)
+    batch times the mask's count (the first token, <|im_start|>, is no target). The template is the tool-capable
+    ChatML one, which renders these conversations as `CHATML` does, so generate --tools has tools to render."""
+    folder = _tokenizer(tmp_path / "tok", TOOLS_CHATML)
     out = tmp_path / "chat" / "train.bin"
     argv = ["prepare", str(_chats(tmp_path)), "--out", str(out), "--tokenizer", str(folder)]
     assert main([*argv, "--messages-key", "messages"]) == 0
@@ -495,6 +613,15 @@ def test_prepare_and_train_on_the_assistant_turns(tmp_path, capsys, monkeypatch)
     assert given == [list(expected["input_ids"])]
     assert main([*argv, "--messages", str(tmp_path / "history.json")]) == 2  # it ends with the assistant's
     assert "ends with the assistant's turn (message 4)" in capsys.readouterr().err
+    # --tools: the schemas are given to the template, as transformers renders them for inference
+    (tmp_path / "tools.json").write_text(json.dumps([WEATHER]))
+    assert main([*argv, "--prompt", "Weather in Paris?", "--tools", str(tmp_path / "tools.json")]) == 0
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Weather in Paris?"}]
+    expected = hf.apply_chat_template(
+        messages, tools=[WEATHER], tokenize=True, add_generation_prompt=True, return_dict=True
+    )
+    assert given[-1] == list(expected["input_ids"])
+    assert json.dumps(WEATHER) in hf.decode(given[-1])
 
 
 def _tool_records(key: str = "tools") -> list[dict]:
@@ -529,6 +656,84 @@ def test_tool_calls_are_kept_with_their_turn_and_tool_results_are_not(tmp_path, 
         DataError, match="--tools-key 'functions' names the tools field of chat records; add --messages-key"
     ):
         prepare([tmp_path / "f.jsonl"], tmp_path / "g.bin", str(folder), tools_key="functions")
+
+
+def _caught(fn, *args, **kwargs) -> tuple[list[str], object]:
+    """``fn``'s warnings (their messages) and its result."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn(*args, **kwargs)
+    return [str(w.message) for w in caught], result
+
+
+def _files(tmp_path: Path, stem: str) -> dict[str, bytes]:
+    """A prepared file's token, mask and metadata bytes, the metadata's name of the mask file left out."""
+    files = {n: (tmp_path / f"{stem}.{n}").read_bytes() for n in ("bin", "mask", "json")}
+    files["json"] = files["json"].replace(f'"{stem}.mask"'.encode(), b"")
+    return files
+
+
+def test_a_tools_key_no_record_has_is_named(tmp_path, monkeypatch):
+    """--tools-key names a field no record has (the records call tools from a 'tools' field): the conversations
+    are prepared without tools and a warning at the end names the field, the fields the records have and the fix;
+    with --strict it is an error and an earlier output stays as it was. Counted per unit, so one worker and two
+    give the same outcome; a single record with the field, in the last of many units, is enough. Records without
+    tools and no --tools-key are not warned about."""
+    from tessera.train import ingest
+
+    monkeypatch.setattr(ingest, "JSONL_CHUNK", 256)  # one file in many units
+    folder = _tokenizer(tmp_path / "tok", TOOLS_CHATML)
+    records = _tool_records() * 4
+    src = _chats(tmp_path, records)
+    assert len(ingest.find_units([src], ingest.Messages("messages", "functions"))) > 4
+    expected = (
+        "--tools-key 'functions': no record has a field 'functions' (their fields: messages, tools), so every "
+        "conversation was prepared without tools (tool calls trained with no schema); name the records' tools "
+        "field with --tools-key, or leave --tools-key out for records without tools"
+    )
+    outcomes = []
+    for workers in (1, 2):
+        caught, meta = _caught(
+            _prepare, src, tmp_path / f"w{workers}.bin", folder, tools_key="functions", workers=workers
+        )
+        assert caught == [expected] and meta["n_documents"] == len(records)
+        outcomes.append((caught, _files(tmp_path, f"w{workers}")))
+    assert outcomes[0] == outcomes[1]
+    # --strict: an error, raised before anything is replaced
+    before = _files(tmp_path, "w1")
+    for workers, out in ((2, tmp_path / "w1.bin"), (1, tmp_path / "new.bin")):
+        with pytest.raises(DataError, match=_re(expected) + r" \(an error with --strict"):
+            _prepare(src, out, folder, tools_key="functions", workers=workers, strict=True)
+    assert _files(tmp_path, "w1") == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("w1", "new"))) == [
+        "w1.bin",
+        "w1.json",
+        "w1.mask",
+    ]
+    # one record with the field, in the last unit: no warning, whatever the workers
+    last = {"messages": TOOL_CHATS[1], "functions": [WEATHER]}
+    one = _chats(tmp_path, [*records, last], "one.jsonl")
+    for workers in (1, 2):
+        caught, meta = _caught(
+            _prepare, one, tmp_path / "o.bin", folder, tools_key="functions", workers=workers, strict=True
+        )
+        assert caught == [] and meta["n_documents"] == len(records) + 1
+    # no --tools-key and no record with tools: nothing to say
+    assert _caught(_prepare, _chats(tmp_path, name="plain.jsonl"), tmp_path / "p.bin", folder)[0] == []
+
+
+def test_a_tools_key_no_parquet_column_has_is_named(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    folder = _tokenizer(tmp_path / "tok", TOOLS_CHATML)
+    pq.write_table(pa.table({"messages": CONVERSATIONS, "id": [1, 2]}), tmp_path / "c.parquet")
+    caught, _ = _caught(_prepare, tmp_path / "c.parquet", tmp_path / "p.bin", folder, tools_key="functions")
+    assert caught == [
+        "--tools-key 'functions': no record has a field 'functions' (their fields: id, messages), so every "
+        "conversation was prepared without tools (tool calls trained with no schema); name the records' tools "
+        "field with --tools-key, or leave --tools-key out for records without tools"
+    ]
 
 
 def test_tool_calls_by_generation_markers_and_by_prefix_difference_agree(tmp_path):
@@ -734,3 +939,33 @@ def test_a_chat_prompt_of_system_messages_and_prompt_is_transformers_generation_
         )
         assert chat.prompt_ids(conversation) == list(expected["input_ids"])
     assert chat.prompt_ids(history) != chat.prompt_ids(history[:1])  # the history is rendered, not dropped
+
+
+def test_a_chat_prompt_with_tools_is_transformers_generation_prompt(tmp_path):
+    """`generate --chat --tools FILE.json` gives the file's schemas to the template: the prompt ids are
+    transformers' `apply_chat_template(messages, tools=..., add_generation_prompt=True)`, with the schemas in
+    them; a template without tool support is refused, since the model would never see the tools."""
+    from transformers import AutoTokenizer
+
+    from tessera.train.chat import ChatTemplate, chat_tools
+
+    (tmp_path / "tools.json").write_text(json.dumps([WEATHER]))
+    tools = chat_tools(tmp_path / "tools.json")
+    assert tools == [WEATHER]
+    (tmp_path / "empty.json").write_text("[]")
+    assert chat_tools(tmp_path / "empty.json") is None
+    folder = _tokenizer(tmp_path / "tok", TOOLS_CHATML)
+    hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    chat = ChatTemplate(str(folder))
+    for messages in ([TOOL_CHATS[0][1]], TOOL_CHATS[0][:4]):  # a question; the chat through a tool's result
+        expected = hf.apply_chat_template(
+            messages, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=True
+        )
+        ids = chat.prompt_ids(messages, tools)
+        assert ids == list(expected["input_ids"]) != chat.prompt_ids(messages)
+        assert "<tools>\n" + json.dumps(WEATHER) + "\n</tools>" in hf.decode(ids)
+    with pytest.raises(
+        DataError,
+        match=r"the run's chat template renders the 1 tool\(s\) of --tools as nothing .* or leave --tools out",
+    ):
+        ChatTemplate(str(_tokenizer(tmp_path / "plain", CHATML))).prompt_ids([TOOL_CHATS[0][1]], tools)

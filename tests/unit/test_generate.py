@@ -176,7 +176,25 @@ BAD_INPUT = [  # (command, with {run folder} placeholders, then the words its me
         "--messages '{chat_system}' opens with a system turn and --system gives another; pass one of them",
     ),
     (
-        ["generate", "{missing}", "--chat", "--messages", "{chat_ok}"],
+        ["generate", "{missing}", "--tools", "{tools_ok}"],
+        "--tools builds a chat prompt, which needs --chat; add --chat",
+    ),
+    (
+        ["generate", "{missing}", "--chat", "--prompt", "Hi", "--tools", "{missing}.json"],
+        "--tools '{missing}.json' cannot be read (No such file or directory); pass an existing JSON file",
+    ),
+    (
+        ["generate", "{missing}", "--chat", "--prompt", "Hi", "--tools", "{chat_text}"],
+        "--tools '{chat_text}' is not JSON",
+    ),
+    (
+        ["generate", "{missing}", "--chat", "--prompt", "Hi", "--tools", "{tools_one}"],
+        "--tools '{tools_one}': the file is not a list of tool objects (JSON schemas such as "
+        '{{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}); write the tools as a JSON '
+        "list of schemas",
+    ),
+    (
+        ["generate", "{missing}", "--chat", "--messages", "{chat_ok}", "--tools", "{tools_ok}"],
         "run directory {missing} does not exist",
     ),
     (["export", "{missing}"], "run directory {missing} does not exist"),
@@ -229,9 +247,13 @@ def _run_folders(root: Path) -> dict[str, Path]:
 
 def _message_files(root: Path) -> dict[str, Path]:
     """--messages files: a good chat so far, one record object instead of a list, a message without a role, one
-    ending with the assistant's turn, one opening with a system turn, and text that is not JSON."""
+    ending with the assistant's turn, one opening with a system turn, and text that is not JSON; --tools files: a
+    list of one schema, and the schema alone."""
     user, reply = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
     values = {
+        "tools_ok": [tool],
+        "tools_one": tool,
         "chat_ok": [user],
         "chat_record": {"messages": [user]},
         "chat_no_role": [user, {"content": "Hello"}],
