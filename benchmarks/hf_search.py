@@ -23,9 +23,14 @@ represent); properties:
 Then the same three checks again on Llama, Mistral and Qwen3 folders whose per-head width differs from hidden /
 heads (``head_dim`` in config.json, or Qwen3's absent key, which transformers reads as 128; tessera's
 ``model.head_dim``): ``--head-dim-cases`` imports and layout configs and ``--head-dim-runs`` runs, drawn from
-their own seeded stream after the rest, so the draws above are each seed's as before.
+their own seeded stream after the rest, so the draws above are each seed's as before. Then likewise on Gemma 2
+folders (`hf_gemma2_case`: attention and final soft-caps null or set, query_pre_attn_scalar at or other than
+head_dim, head_dim at or other than hidden / heads, a sliding window at least the context or narrower, with
+layer_types alternating, all full, all sliding or absent, tied or untied, the (1 + w) norm weights drawn):
+``--gemma2-cases`` imports and layout configs and ``--gemma2-runs`` runs, from a stream of their own.
 
     python benchmarks/hf_search.py [--seed 0] [--configs 300] [--runs 60] [--imports 200] [--head-dim-cases 80]
+    python benchmarks/hf_search.py --imports 0 --configs 0 --runs 0 --head-dim-cases 0 --gemma2-cases 60
 
 Prints one line per disagreement and a summary; the results are in benchmarks/results/hf_search.md.
 """
@@ -128,6 +133,53 @@ def hf_head_dim_case(rng: random.Random) -> dict[str, Any]:
     return hf
 
 
+GEMMA2_ATTN_CAPS = (None, 1.5, 50.0)
+"""attn_logit_softcapping draws: null (no cap), one that bites at these shapes (weights std 0.2: scores of order
+one), Gemma 2's released 50."""
+GEMMA2_FINAL_CAPS = (None, 2.0, 30.0)
+"""final_logit_softcapping draws: null, one that bites (logits of order one), Gemma 2's released 30."""
+
+
+def hf_gemma2_case(rng: random.Random) -> dict[str, Any]:
+    """A Gemma2Config of an `hf_case`'s Llama-like shape: head_dim hidden / heads or another even width,
+    query_pre_attn_scalar at head_dim or not, caps from `GEMMA2_ATTN_CAPS` / `GEMMA2_FINAL_CAPS`, a sliding
+    window as wide as the context, wider, or 8 (narrower: refused unless no layer slides or model.seq_len <= 8),
+    layer_types alternating (Gemma 2's), all full, all sliding or absent (transformers fills in alternating; a
+    config.json without it slides every other layer). No pad token: Gemma2Config's pad_token_id 0 would make
+    transformers' embedding drop that row's gradient, which tessera trains (docs/huggingface.md)."""
+    hf = hf_case(rng)
+    while hf["kind"] == "gpt2":
+        hf = hf_case(rng)
+    hf.pop("llama3", None)
+    hf.pop("sliding_window", None)
+    heads, hidden, layers = hf["num_attention_heads"], hf["hidden_size"], hf["num_hidden_layers"]
+    width = rng.choice([hidden // heads] * 2 + [w for w in HEAD_DIMS if w * heads != hidden])
+    ctx = hf["max_position_embeddings"]
+    sliding = [("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(layers)]
+    layer_types = rng.choice([sliding, ["full_attention"] * layers, ["sliding_attention"] * layers, None])
+    hf |= {
+        "kind": "gemma2",
+        "head_dim": width,
+        "query_pre_attn_scalar": rng.choice([width, width, 24, 256]),
+        "attn_logit_softcapping": rng.choice(GEMMA2_ATTN_CAPS),
+        "final_logit_softcapping": rng.choice(GEMMA2_FINAL_CAPS),
+        "sliding_window": rng.choice([ctx, 2 * ctx, 4096, 8]),
+        "pad_token_id": None,
+    }
+    if layer_types is not None:
+        hf["layer_types"] = layer_types
+    return hf
+
+
+PHASES = {"head_dim": hf_head_dim_case, "gemma2": hf_gemma2_case}
+"""The phases after the plain draws: each draws its folders from a function of its own and a stream of its own."""
+
+
+def draw_hf(rng: random.Random, phase: str = "") -> dict[str, Any]:
+    """A case of ``phase`` (`PHASES`; "": the plain `hf_case`)."""
+    return PHASES[phase](rng) if phase else hf_case(rng)
+
+
 def free_head_dim(hf: dict[str, Any]) -> bool:
     """Whether the folder's heads are other than hidden / heads wide, as transformers reads its config."""
     if hf["kind"] == "gpt2":
@@ -168,6 +220,7 @@ def hf_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
 
 CONFIG_CLASSES = {
     "gpt2": "GPT2Config",
+    "gemma2": "Gemma2Config",
     "llama": "LlamaConfig",
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
@@ -198,11 +251,11 @@ def layout_case(rng: random.Random, layers: int) -> tuple[int, dict[str, Any]]:
 
 
 def sample(
-    rng: random.Random, root: Path, token_file: Path, i: int, head_dim: bool = False
+    rng: random.Random, root: Path, token_file: Path, i: int, phase: str = ""
 ) -> tuple[int, dict, dict]:
-    """(world, raw config, HF kwargs) of sample ``i``; with ``head_dim`` a `hf_head_dim_case` folder, whose
-    explicit ``[model]`` keys may be ``head_dim`` too."""
-    hf = hf_head_dim_case(rng) if head_dim else hf_case(rng)
+    """(world, raw config, HF kwargs) of sample ``i``; with a ``phase`` that phase's folder (`PHASES`), whose
+    explicit ``[model]`` keys may be ``head_dim`` (and Gemma 2's scalar and caps) too."""
+    hf = draw_hf(rng, phase)
     layers = hf.get("n_layer", hf.get("num_hidden_layers"))
     world, parallel = layout_case(rng, layers)
     model: dict[str, Any] = {"init": f"hf:{root / folder_name(hf)}"}
@@ -211,11 +264,11 @@ def sample(
         model["seq_len"] = ctx // 2  # a shorter training context (RoPE)
     r = rng.random()
     if r < 0.25:  # an explicit [model] key that agrees with config.json (accepted) or not (refused)
-        keys = explicit_keys(hf) + ([("head_dim", hf.get("head_dim", 128))] if head_dim else [])
+        keys = explicit_keys(hf) + ([("head_dim", hf.get("head_dim", 128))] if phase else [])
         key, value = rng.choice(keys)
         model[key] = value if r < 0.18 else alter(value)
     micro = rng.choice([1, 2, 2, 4])
-    run = root / (f"hd_run{i}" if head_dim else f"run{i}")
+    run = root / f"{phase}run{i}"
     raw = trainer_config(token_file, run, model, parallel, steps=1, lr=1e-3)
     dp = max(
         1, world // ((4 if parallel["tensor"] == "2x2" else int(parallel["tensor"])) * parallel["pipeline"])
@@ -237,6 +290,15 @@ def explicit_keys(hf: dict[str, Any]) -> list[tuple[str, Any]]:
             ("tie_embeddings", hf["tie_word_embeddings"]),
             ("seq_len", hf["n_positions"]),
         ]
+    gemma2 = [
+        (name, hf[key])
+        for name, key in (
+            ("query_pre_attn_scalar", "query_pre_attn_scalar"),
+            ("attn_softcap", "attn_logit_softcapping"),
+            ("final_softcap", "final_logit_softcapping"),
+        )
+        if hf.get(key) is not None
+    ]
     return [
         ("family", "llama" if hf["kind"] == "mistral" else hf["kind"]),
         ("n_layers", hf["num_hidden_layers"]),
@@ -246,6 +308,7 @@ def explicit_keys(hf: dict[str, Any]) -> list[tuple[str, Any]]:
         ("tie_embeddings", hf["tie_word_embeddings"]),
         ("rope_theta", hf["rope_theta"]),
         ("norm_eps", hf["rms_norm_eps"]),
+        *gemma2,  # empty for the other kinds: their draws are as before
     ]
 
 
@@ -287,6 +350,8 @@ def make_folder(folder: Path, hf: dict[str, Any]) -> None:
                 p.normal_(0.0, 0.2)  # transformers starts them at 0: a mis-mapped one would not show
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(1.0, 0.5)  # transformers starts them at 1: q and k swapped would not show
+            if hf["kind"] == "gemma2" and name.endswith("norm.weight"):
+                p.normal_(0.0, 0.5)  # Gemma's (1 + w) norms start at 0: four norms swapped would not show
     if hf["bf16"]:
         model = model.to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="20KB" if hf["shard"] else "5GB")
@@ -380,6 +445,11 @@ def features(world: int, raw: dict, hf: dict) -> tuple:
         bool(hf.get("tie_word_embeddings")),
         "head_dim" in hf,
         "llama3" in hf,
+        # Gemma 2's (constant for the other kinds: their spread is as before)
+        hf.get("attn_logit_softcapping"),
+        hf.get("final_logit_softcapping"),
+        hf.get("query_pre_attn_scalar", hf.get("head_dim")) == hf.get("head_dim"),
+        str(hf.get("layer_types", "-"))[:30],
     )
 
 
@@ -444,6 +514,13 @@ VARIANTS = {  # HF config keys beyond the shape, per model type: values users' f
         "max_window_layers": [0, 1, 28],
         "attention_dropout": [0.0, 0.1],
     },
+    "gemma2": {
+        "hidden_activation": ["gelu_pytorch_tanh", "gelu"],
+        "attention_bias": [False, True],
+        "use_bidirectional_attention": [False, True],
+        "sliding_window": [None, 8, 16, 32, 4096],
+        "attention_dropout": [0.0, 0.1],
+    },
     "gpt2": {
         "activation_function": ["gelu_new", "gelu_pytorch_tanh", "gelu", "relu"],
         "scale_attn_weights": [True, False],
@@ -457,15 +534,15 @@ DROP = ("tie_word_embeddings", "num_key_value_heads", "head_dim", "rope_paramete
 
 
 def import_case(
-    rng: random.Random, root: Path, i: int, head_dim: bool = False
+    rng: random.Random, root: Path, i: int, phase: str = ""
 ) -> tuple[Path, dict[str, Any], list[str]] | None:
-    """A random-weight model with drawn extra settings saved to a folder, then config.json keys dropped; with
-    ``head_dim`` a `hf_head_dim_case` model (dropping its head_dim leaves transformers a width the weights do not
-    have: both must refuse it)."""
+    """A random-weight model with drawn extra settings saved to a folder, then config.json keys dropped; with a
+    ``phase`` that phase's model (`PHASES`; head_dim: dropping its head_dim leaves transformers a width the weights
+    do not have: both must refuse it)."""
     import transformers
 
-    if head_dim:
-        hf = hf_head_dim_case(rng)
+    if phase:
+        hf = draw_hf(rng, phase)
     else:  # the draws of the searches recorded before model.head_dim: hidden / heads wide
         hf = hf_case(rng)
         if hf["kind"] != "qwen3":
@@ -490,7 +567,9 @@ def import_case(
                 p.normal_(0.0, 0.2)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(1.0, 0.5)
-    folder = root / (f"import_hd{i}" if head_dim else f"import{i}")
+            if hf["kind"] == "gemma2" and name.endswith("norm.weight"):
+                p.normal_(0.0, 0.5)
+    folder = root / (f"import_{phase}{i}" if phase else f"import{i}")
     model.save_pretrained(folder)
     saved = json.loads((folder / "config.json").read_text())
     for k in drop:
@@ -500,11 +579,11 @@ def import_case(
 
 
 def import_search(
-    rng: random.Random, root: Path, n: int, head_dim: bool = False
+    rng: random.Random, root: Path, n: int, phase: str = ""
 ) -> tuple[int, int, int, list[str], int]:
     """(imported, refused by validate, refused at the weight load, disagreements, imported with heads other than
-    hidden / heads wide): every accepted folder's logits must equal transformers' own (``head_dim``:
-    `hf_head_dim_case` folders)."""
+    hidden / heads wide): every accepted folder's logits must equal transformers' own (``phase``: that phase's
+    folders)."""
     import transformers
 
     from tessera.hf.weights import load_init
@@ -512,7 +591,7 @@ def import_search(
     imported = refused = at_load = free = 0
     found: list[str] = []
     for i in range(n):
-        case = import_case(rng, root, i, head_dim)
+        case = import_case(rng, root, i, phase)
         if case is None:
             continue
         folder, hf, drop = case
@@ -551,13 +630,13 @@ def import_search(
 
 
 def judge_configs(
-    rng: random.Random, root: Path, token_file: Path, n: int, found: list[str], head_dim: bool = False
+    rng: random.Random, root: Path, token_file: Path, n: int, found: list[str], phase: str = ""
 ) -> tuple[list[tuple[int, dict, dict]], int]:
     """(accepted configs, refused count) of ``n`` drawn configs; a refusal ``tessera train`` does not repeat, or
     a folder transformers cannot build that validate accepts, goes to ``found``."""
     accepted, refused = [], 0
     for i in range(n):
-        world, raw, hf = sample(rng, root, token_file, i, head_dim)
+        world, raw, hf = sample(rng, root, token_file, i, phase)
         make_folder(root / folder_name(hf), hf)
         problems = judge(world, raw)
         if (root / folder_name(hf) / "transformers_refused.txt").is_file() and not problems:
@@ -639,6 +718,13 @@ def main() -> None:
         help="then this many imports and layout configs with head_dim != hidden / heads (own seeded stream)",
     )
     ap.add_argument("--head-dim-runs", type=int, default=16, help="runs among the head_dim layout configs")
+    ap.add_argument(
+        "--gemma2-cases",
+        type=int,
+        default=60,
+        help="then this many imports and layout configs of Gemma 2 folders (own seeded stream)",
+    )
+    ap.add_argument("--gemma2-runs", type=int, default=12, help="runs among the Gemma 2 layout configs")
     ap.add_argument("--root", type=Path, default=None)
     args = ap.parse_args()
     import transformers
@@ -677,6 +763,8 @@ def main() -> None:
     )
     if args.head_dim_cases:
         head_dim_phase(args, root, token_file, found)
+    if args.gemma2_cases:
+        gemma2_phase(args, root, token_file, found)
     for f in found:
         print("DISAGREEMENT", f)
 
@@ -686,10 +774,10 @@ def head_dim_phase(args: argparse.Namespace, root: Path, token_file: Path, found
     hashed the same way in every process), so that the draws before them stay each seed's."""
     t0, n = time.time(), args.head_dim_cases
     imported, import_refused, at_load, hd_found, free = import_search(
-        random.Random(f"head_dim {args.seed}"), root, n, head_dim=True
+        random.Random(f"head_dim {args.seed}"), root, n, "head_dim"
     )
     accepted, refused = judge_configs(
-        random.Random(f"head_dim layouts {args.seed}"), root, token_file, n, hd_found, head_dim=True
+        random.Random(f"head_dim layouts {args.seed}"), root, token_file, n, hd_found, "head_dim"
     )
     runs = spread(accepted, args.head_dim_runs)
     worst_loss, worst_grad, compared = run_layouts(runs, root, hd_found)
@@ -702,6 +790,29 @@ def head_dim_phase(args: argparse.Namespace, root: Path, token_file: Path, found
         f"{time.time() - t0:.0f}s"
     )
     found += hd_found
+
+
+def gemma2_phase(args: argparse.Namespace, root: Path, token_file: Path, found: list[str]) -> None:
+    """The imports, configs and runs of `hf_gemma2_case` folders, from streams of their own (as `head_dim_phase`)."""
+    t0, n = time.time(), args.gemma2_cases
+    imported, import_refused, at_load, g_found, free = import_search(
+        random.Random(f"gemma2 {args.seed}"), root, n, "gemma2"
+    )
+    accepted, refused = judge_configs(
+        random.Random(f"gemma2 layouts {args.seed}"), root, token_file, n, g_found, "gemma2"
+    )
+    runs = spread(accepted, args.gemma2_runs)
+    worst_loss, worst_grad, compared = run_layouts(runs, root, g_found)
+    caps = sum(hf.get("attn_logit_softcapping") is not None for _, _, hf in runs)
+    print(
+        f"gemma2 seed {args.seed}: imports {n} drawn, {imported} compared ({free} with head_dim != hidden / "
+        f"heads), {import_refused} refused by validate, {at_load} at the weight load; {n} configs judged, "
+        f"{len(accepted)} accepted, {refused} refused; {len(runs)} run ({compared} with gradients, {caps} with an "
+        f"attention cap; {head_dim_counts(runs)} with head_dim != hidden / heads); worst loss rel "
+        f"{worst_loss:.1e}, worst gradient rel {worst_grad:.1e}; {len(g_found)} disagreement(s) in "
+        f"{time.time() - t0:.0f}s"
+    )
+    found += g_found
 
 
 if __name__ == "__main__":

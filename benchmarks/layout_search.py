@@ -16,6 +16,7 @@ train on the same documents as prompt/completion records through `prepare`'s pro
     python benchmarks/layout_search.py --seed 0 --configs 40 [--minutes 20] [--min-world 4] [--out FILE.md]
     python benchmarks/layout_search.py --seed 3 --configs 60 --focus 2d,pp3,hybrid,stage_layers,interleaved,gqa_tp
     python benchmarks/layout_search.py --seed 7 --configs 30 --focus head_dim,head_dim+2d,loss_mask+2d,qwen3+2d
+    python benchmarks/layout_search.py --seed 8 --configs 30 --focus gemma2+pp,gemma2+sp,gemma2+2d,gemma2+zero3+loss_mask,gemma2+window_start+hybrid
     python benchmarks/layout_search.py --rerun OLD.jsonl --out NEW.md   # the same configs on today's code
     python benchmarks/layout_search.py --merge A.jsonl B.jsonl --out benchmarks/results/layout_search.md
 
@@ -30,11 +31,16 @@ pipeline), w8 (a 2×2 case doubled by data 2: 8 ranks), qwen3 (the qwen3 family:
 hybrid_depth_first (hybrid sharding, depth-first accumulation and one stage per rank: the layout of the fix
 35e0889, which the hybrid focus's cases never reached), loss_mask (``data.loss_mask`` on the masked corpus),
 head_dim (``model.head_dim`` other than d_model / n_heads: a RoPE family's inner attention width n_heads · head_dim
-differing from d_model, as Qwen3-0.6B's).
+differing from d_model, as Qwen3-0.6B's), pp (a pipeline), sp (1D tensor parallelism with sequence parallelism),
+zero3 (ZeRO-3 over 2+ data ranks), gemma2 (the gemma2 family, `_gemma2`: soft-caps on or off, a
+query_pre_attn_scalar other than head_dim, a head_dim other than d_model / n_heads, tied or untied), window_start
+(``data.window_start = "document"`` with ``data.document_mask`` on `short_corpus`'s documents of 1 to 3 words, so
+windows open at a document start and span several; with loss_mask, the masked corpus's records).
 
 The plain draw leaves ``model.head_dim`` out (tests/config_space.py's ``head_dim=False``) so that the seeds
 recorded before it existed draw the same cases again; a focus entry with ``head_dim`` draws it (a quarter of the
-draws, widths 3, 4, 6 or 12, before the rejection sampling).
+draws, widths 3, 4, 6 or 12, before the rejection sampling). The gemma2 and window_start features likewise make
+their extra draws only in their own entries, so every earlier seed's draws stay as recorded.
 
 Writes the Markdown report (command, configs drawn per feature, agreements and disagreements, worst relative
 differences by dtype) and a JSON line per case next to it (layout_search.jsonl).
@@ -103,6 +109,45 @@ def masked_corpus(root: Path) -> Path:
     return root / "sft.bin"
 
 
+def short_corpus(root: Path) -> Path:
+    """Byte tokens of documents of 1 to 3 words of the same sentences (seeded): shorter than a window, so a
+    window that starts at a document start (``data.window_start = "document"``) spans several, and the document
+    mask has boundaries to mask."""
+    from tessera.train.data import prepare
+    from tests.distributed.conftest import synthetic_corpus
+
+    rng = random.Random(0)
+    words = " ".join(synthetic_corpus().splitlines()).split(" ")
+    docs, i = [], 0
+    while i < len(words):
+        k = rng.randint(1, 3)
+        docs.append(" ".join(words[i : i + k]))
+        i += k
+    (root / "short.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
+    prepare([root / "short.jsonl"], root / "short.bin", "byte")
+    return root / "short.bin"
+
+
+ATTN_SOFTCAPS = (None, 0.02, 0.5, 50.0)
+"""model.attn_softcap draws: the tiny models' scores are ~0.01 at init (weights std 0.02), so 0.02 bends them,
+0.5 barely, Gemma 2's 50 not at all (a cap still routes attention through the explicit path)."""
+FINAL_SOFTCAPS = (None, 0.1, 1.0, 30.0)
+"""model.final_softcap draws: the logits are ~0.1 at init, so 0.1 bends them; 30 is Gemma 2's."""
+
+
+def _gemma2(model: dict, rng: random.Random) -> None:
+    """Make a drawn model a Gemma 2 (the gemma2 feature): its shape, ties and head width as drawn (a GPT draw
+    gets grouped-query heads as the RoPE families' draws have), soft-caps on or off and the score scale
+    query_pre_attn_scalar^-0.5 at, or other than, head_dim^-0.5."""
+    model["family"] = "gemma2"
+    if "n_kv_heads" not in model:  # GPT's draw has none
+        model["n_kv_heads"] = rng.choice([None, 1, 2])
+    width = model.get("head_dim") or model["d_model"] // model["n_heads"]
+    model["query_pre_attn_scalar"] = rng.choice([None, float(width), 24.0, 5.0])
+    model["attn_softcap"] = rng.choice(ATTN_SOFTCAPS)
+    model["final_softcap"] = rng.choice(FINAL_SOFTCAPS)
+
+
 def _free_head_dim(raw: dict) -> bool:
     """Whether the case's heads are narrower or wider than d_model / n_heads (``model.head_dim``)."""
     m = raw["model"]
@@ -133,6 +178,11 @@ FOCUS: dict[str, Callable[[ExecutionPlan, dict], bool]] = {
     ),
     "loss_mask": lambda p, raw: raw["data"].get("loss_mask", False),
     "head_dim": lambda p, raw: _free_head_dim(raw),
+    "gemma2": lambda p, raw: raw["model"]["family"] == "gemma2",
+    "pp": lambda p, raw: p.pp > 1,
+    "sp": lambda p, raw: p.sequence_parallel,
+    "zero3": lambda p, raw: p.zero == 3 and p.dp > 1,
+    "window_start": lambda p, raw: raw["data"].get("window_start") == "document",
 }
 """What ``--focus`` can require of a case, judged on the plan that runs it."""
 
@@ -168,24 +218,38 @@ def _eight_ranks(world: int, raw: dict, rng: random.Random) -> tuple[int, dict]:
 
 
 def draw_case(
-    rng: random.Random, tokens: Path, min_world: int = 1, focus: str | None = None, masked: Path | None = None
+    rng: random.Random,
+    tokens: Path,
+    min_world: int = 1,
+    focus: str | None = None,
+    masked: Path | None = None,
+    short: Path | None = None,
 ) -> tuple[int, dict]:
     """An accepted (world size, raw config): the property test's draw plus clipping, document masking and
     (with ZeRO) a bf16 gradient reduction; with ``focus`` (an entry of `parse_focus`), only a draw that has every
     FOCUS feature it names. The ``loss_mask`` feature trains on ``masked`` (`masked_corpus`) with
     ``data.loss_mask``, drawing nothing more, so its cases are the plain draws' with the masked data; ``head_dim``
-    adds the config space's head-width draw, which the plain draw leaves out (seeds recorded before it)."""
+    adds the config space's head-width draw, which the plain draw leaves out (seeds recorded before it), and so
+    does ``gemma2``, which then draws the Gemma 2 settings (`_gemma2`); ``window_start`` trains document windows
+    with the document mask on ``short`` (`short_corpus`), or on ``masked`` with loss_mask."""
     wanted = focus_features(focus)
     for _ in range(MAX_DRAWS):
-        world, raw = draw_run_config(RandomPick(rng), head_dim="head_dim" in wanted)
+        world, raw = draw_run_config(RandomPick(rng), head_dim="head_dim" in wanted or "gemma2" in wanted)
         if "w8" in wanted:
             world, raw = _eight_ranks(world, raw, rng)
+        if "gemma2" in wanted:
+            _gemma2(raw["model"], rng)
         raw["train"] |= {**BASE_TRAIN, "grad_clip": rng.choice([0.0, 0.5, 1.0])}
         raw["model"] = {k: v for k, v in raw["model"].items() if v is not None}
         raw["data"] = {"path": str(tokens), "document_mask": rng.random() < 0.3}
         if "loss_mask" in wanted:
             assert masked is not None, "the loss_mask focus needs the masked corpus"
             raw["data"] |= {"path": str(masked), "loss_mask": True}
+        if "window_start" in wanted:
+            assert short is not None, "the window_start focus needs the short-document corpus"
+            raw["data"] |= {"window_start": "document", "document_mask": True}
+            if "loss_mask" not in wanted:
+                raw["data"]["path"] = str(short)
         if raw["parallel"]["zero"] and rng.random() < 0.25:  # ZeRO's gradient reduce-scatter in bf16
             raw["train"]["grad_reduce_dtype"] = "bf16"
         # the layout's rules first, without the data section (reading the token file's metadata takes ~0.3 s
@@ -220,6 +284,7 @@ def features(world: int, raw: dict) -> dict[str, Any]:
         "world": world,
         "family": raw["model"].get("family", "gpt"),
         "head_dim": raw["model"]["head_dim"] if _free_head_dim(raw) else "-",
+        "softcaps": _softcaps(raw["model"]),
         "gqa": _gqa(raw),
         "tied": raw["model"].get("tie_embeddings", True),
         "dp": plan.dp,
@@ -240,7 +305,15 @@ def features(world: int, raw: dict) -> dict[str, Any]:
         "grad_clip": raw["train"]["grad_clip"],
         "document_mask": raw["data"]["document_mask"],
         "loss_mask": raw["data"].get("loss_mask", False),
+        "window_start": raw["data"].get("window_start", "any"),
     }
+
+
+def _softcaps(m: dict) -> str:
+    """Gemma 2's attention cap / final cap / query_pre_attn_scalar ("-": another family)."""
+    if m.get("family") != "gemma2":
+        return "-"
+    return "/".join(str(m.get(k)) for k in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"))
 
 
 def run_case(world: int, raw: dict, work: Path, refs: dict[str, Record], i: int) -> dict[str, Any]:
@@ -297,8 +370,9 @@ def search(
     jsonl = out.with_suffix(".jsonl")
     with tempfile.TemporaryDirectory(prefix="layout-search-") as tmp, open(jsonl, "a") as log:
         tokens = corpus(Path(tmp))
-        needs_mask = rerun is not None or any("loss_mask" in focus_features(f) for f in focus or [])
-        masked = masked_corpus(Path(tmp)) if needs_mask else None
+        wanted = {f for e in focus or [] for f in focus_features(e)}
+        masked = masked_corpus(Path(tmp)) if rerun is not None or "loss_mask" in wanted else None
+        short = short_corpus(Path(tmp)) if rerun is not None or "window_start" in wanted else None
         refs: dict[str, Record] = {}
         for i in range(len(rerun) if rerun is not None else n):
             if time.monotonic() > deadline:
@@ -307,10 +381,12 @@ def search(
             if rerun is not None:  # the same config on today's code: the case's seed and number kept
                 old = rerun[i]
                 target, world, raw = old.get("focus"), old["features"]["world"], old["raw"]
-                raw["data"]["path"] = str(masked if raw["data"].get("loss_mask") else tokens)
+                d = raw["data"]
+                doc_windows = d.get("window_start") == "document"
+                d["path"] = str(masked if d.get("loss_mask") else short if doc_windows else tokens)
             else:
                 target = focus[i % len(focus)] if focus else None
-                world, raw = draw_case(rng, tokens, min_world, target, masked)
+                world, raw = draw_case(rng, tokens, min_world, target, masked, short)
             entry: dict[str, Any] = {
                 "command": command,
                 "seed": rerun[i]["seed"] if rerun is not None else seed,
@@ -347,6 +423,8 @@ def _short(f: dict) -> str:
         f"v{f['stages_per_rank']}) tp:{f['tensor']} z{f['zero']}{'+opg' if f['overlap_param_gather'] else ''}"
         f"{'+hsdp' if f['hybrid'] else ''} {f['accumulation']} ckpt:{f['checkpointing']} {f['dtype']}"
         f" clip{f['grad_clip']}{' docmask' if f['document_mask'] else ''}{' lossmask' if f.get('loss_mask') else ''}"
+        f"{' docwindows' if f.get('window_start') == 'document' else ''}"
+        f"{' caps:' + f['softcaps'] if f.get('softcaps', '-') != '-' else ''}"
     )
 
 

@@ -1,7 +1,8 @@
 """The draws of the two correctness searches (benchmarks/layout_search.py, benchmarks/hf_search.py), without
 training: focus entries joined by ``+`` draw accepted configs that have every named feature, the plain draw
-still makes the choices of the seeds recorded in benchmarks/results/layout_search.jsonl, and hf_search's head_dim
-folders have heads other than hidden / heads wide."""
+still makes the choices of the seeds recorded in benchmarks/results/layout_search.jsonl (the gemma2 and
+window_start features' extra draws included), hf_search's head_dim folders have heads other than hidden / heads
+wide, and its gemma2 folders draw every Gemma 2 setting both ways."""
 
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ layout_search = _load("layout_search")
 
 
 @pytest.fixture(scope="module")
-def corpora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def corpora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     root = tmp_path_factory.mktemp("corpora")
-    return layout_search.corpus(root), layout_search.masked_corpus(root)
+    return layout_search.corpus(root), layout_search.masked_corpus(root), layout_search.short_corpus(root)
 
 
 def test_focus_entries_join_features_with_plus() -> None:
@@ -49,14 +50,29 @@ def test_focus_entries_join_features_with_plus() -> None:
         layout_search.parse_focus("loss_mask+3d")
 
 
-@pytest.mark.parametrize("focus", ["head_dim", "head_dim+2d", "loss_mask+2d", "loss_mask+hybrid", "qwen3+2d"])
+FOCUSES = [
+    "head_dim",
+    "head_dim+2d",
+    "loss_mask+2d",
+    "loss_mask+hybrid",
+    "qwen3+2d",
+    "gemma2+pp",
+    "gemma2+sp",
+    "gemma2+2d",
+    "gemma2+zero3+loss_mask",
+    "gemma2+window_start+hybrid",
+    "window_start+loss_mask",
+]
+
+
+@pytest.mark.parametrize("focus", FOCUSES)
 def test_a_combined_focus_draws_accepted_configs_with_every_feature(
-    focus: str, corpora: tuple[Path, Path]
+    focus: str, corpora: tuple[Path, Path, Path]
 ) -> None:
-    tokens, masked = corpora
+    tokens, masked, short = corpora
     rng = random.Random(7)
     for _ in range(3):
-        world, raw = layout_search.draw_case(rng, tokens, 1, focus, masked)
+        world, raw = layout_search.draw_case(rng, tokens, 1, focus, masked, short)
         cfg = from_dict(raw)
         assert not violations(cfg, world)
         plan = resolve(cfg, world)
@@ -67,6 +83,19 @@ def test_a_combined_focus_draws_accepted_configs_with_every_feature(
             assert plan.zero_replicas > 1
         if "loss_mask" in focus:
             assert raw["data"]["loss_mask"] and raw["data"]["path"] == str(masked)
+        if "window_start" in focus:
+            assert raw["data"]["window_start"] == "document" and raw["data"]["document_mask"]
+            assert raw["data"]["path"] == str(masked if "loss_mask" in focus else short)
+        if "gemma2" in focus:
+            assert m["family"] == "gemma2"
+        else:
+            assert not {"query_pre_attn_scalar", "attn_softcap", "final_softcap"} & set(m)
+        if "pp" in focus.split("+"):
+            assert plan.pp > 1
+        if "sp" in focus.split("+"):
+            assert plan.sequence_parallel and plan.tp > 1
+        if "zero3" in focus:
+            assert plan.zero == 3 and plan.dp > 1
         if "qwen3" in focus:
             assert m["family"] == "qwen3"
         if "head_dim" in focus:
@@ -74,23 +103,53 @@ def test_a_combined_focus_draws_accepted_configs_with_every_feature(
             assert layout_search.features(world, raw)["head_dim"] == m["head_dim"]
 
 
+def test_gemma2_draws_every_setting_both_ways(corpora: tuple[Path, Path, Path]) -> None:
+    """Caps on and off, the score scale at and other than head_dim, heads other than d_model / n_heads wide,
+    tied and untied: each is drawn among 40 gemma2 cases."""
+    rng = random.Random(1)
+    models = [layout_search.draw_case(rng, corpora[0], 1, "gemma2")[1]["model"] for _ in range(40)]
+    assert all(m["family"] == "gemma2" for m in models)
+    for key in ("attn_softcap", "final_softcap"):
+        assert {key in m for m in models} == {True, False}
+        assert {m[key] for m in models if key in m} >= {
+            0.02 if key == "attn_softcap" else 0.1
+        }  # caps that bite
+    widths = [m.get("head_dim") or m["d_model"] // m["n_heads"] for m in models]
+    scalars = [m.get("query_pre_attn_scalar") for m in models]
+    assert {s is None or s == w for s, w in zip(scalars, widths, strict=True)} == {True, False}
+    assert any(layout_search._free_head_dim({"model": m}) for m in models)
+    assert {m["tie_embeddings"] for m in models} == {True, False}
+
+
+def test_short_corpus_windows_span_documents(corpora: tuple[Path, Path, Path]) -> None:
+    """window_start's corpus: documents (each with its end-of-text token) mostly shorter than the drawn windows
+    (8 to 16 tokens), so a window that starts at a document start holds document boundaries to mask."""
+    texts = [json.loads(x)["text"] for x in (corpora[2].parent / "short.jsonl").read_text().splitlines()]
+    lengths = [len(t.encode()) + 1 for t in texts]
+    assert sum(n < 8 for n in lengths) > len(lengths) / 4
+    assert sum(n < 16 for n in lengths) > 0.8 * len(lengths)
+
+
 def test_an_impossible_combination_stops_with_a_message(
-    corpora: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+    corpora: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(layout_search, "MAX_DRAWS", 50)
     with pytest.raises(RuntimeError, match="w8\\+pp3"):  # w8 doubles only pipeline-1 2x2 draws
         layout_search.draw_case(random.Random(0), corpora[0], 1, "w8+pp3", corpora[1])
 
 
-def test_recorded_seeds_draw_their_cases_again(corpora: tuple[Path, Path]) -> None:
+def test_recorded_seeds_draw_their_cases_again(corpora: tuple[Path, Path, Path]) -> None:
     """Seeds 5 and 6 (drawn before model.head_dim existed): the plain and one-feature draws must make the same
-    choices, so a recorded seed is rerun by its command (the head_dim draw is left out of them)."""
-    tokens, masked = corpora
+    choices, so a recorded seed is rerun by its command (the head_dim draw is left out of them); seeds 7 (head_dim
+    and combined entries) and 8 (gemma2 and window_start combinations) likewise."""
+    tokens, masked, short = corpora
     records = [
         json.loads(line)
         for line in (ROOT / "benchmarks/results/layout_search.jsonl").read_text().splitlines()
     ]
-    for seed, n in ((5, 1), (6, 2)):  # qwen3; loss_mask twice (hybrid_depth_first's rejection sampling: slow)
+    # qwen3; loss_mask twice (hybrid_depth_first's rejection sampling: slow); head_dim, head_dim+2d, loss_mask+2d;
+    # gemma2 with a pipeline, with 1D+SP, on 2x2, with ZeRO-3 and the loss mask, with document windows and hybrid
+    for seed, n in ((5, 1), (6, 2), (7, 3), (8, 5)):
         cases = [r for r in records if r["seed"] == seed][:n]
         args = cases[0]["command"].split()
         focus = layout_search.parse_focus(args[args.index("--focus") + 1])
@@ -98,7 +157,7 @@ def test_recorded_seeds_draw_their_cases_again(corpora: tuple[Path, Path]) -> No
         rng = random.Random(seed)
         for r in cases:
             world, raw = layout_search.draw_case(
-                rng, tokens, min_world, focus[r["case"] % len(focus)], masked
+                rng, tokens, min_world, focus[r["case"] % len(focus)], masked, short
             )
             raw["data"]["path"] = "<corpus>"
             assert (world, raw) == (r["features"]["world"], r["raw"]), f"seed {seed} case {r['case']}"
@@ -118,3 +177,33 @@ def test_hf_search_head_dim_folders_have_their_own_head_width() -> None:
     )  # tiny: q ≤ 128 × 1024
     plain = hf_search.hf_case(random.Random(0))
     assert not hf_search.free_head_dim({**plain, "kind": "gpt2"})
+
+
+def test_hf_search_gemma2_folders_draw_every_setting() -> None:
+    pytest.importorskip("transformers")
+    hf_search = _load("hf_search")
+    rng = random.Random(0)
+    cases = [hf_search.hf_gemma2_case(rng) for _ in range(200)]
+    assert {c["kind"] for c in cases} == {"gemma2"}
+    assert all(c["pad_token_id"] is None and "llama3" not in c for c in cases)
+    assert {c["attn_logit_softcapping"] for c in cases} == set(hf_search.GEMMA2_ATTN_CAPS)
+    assert {c["final_logit_softcapping"] for c in cases} == set(hf_search.GEMMA2_FINAL_CAPS)
+    assert {c["query_pre_attn_scalar"] == c["head_dim"] for c in cases} == {True, False}
+    assert {hf_search.free_head_dim(c) for c in cases} == {True, False}
+    assert {c["tie_word_embeddings"] for c in cases} == {True, False}
+    assert {c["sliding_window"] >= c["max_position_embeddings"] for c in cases} == {True, False}
+    kinds = {tuple(sorted(set(c["layer_types"]))) if "layer_types" in c else None for c in cases}
+    assert kinds == {
+        None,
+        ("full_attention",),
+        ("sliding_attention",),
+        ("full_attention", "sliding_attention"),
+    }
+    assert all(
+        len(c.get("layer_types", [0] * c["num_hidden_layers"])) == c["num_hidden_layers"] for c in cases
+    )
+    # the explicit [model] keys and the spread's features: Gemma 2's only for Gemma 2 folders
+    names = [k for k, _ in hf_search.explicit_keys(cases[0])]
+    assert "query_pre_attn_scalar" in names
+    plain = hf_search.hf_case(random.Random(0))
+    assert not {"query_pre_attn_scalar", "attn_softcap"} & {k for k, _ in hf_search.explicit_keys(plain)}
