@@ -6,7 +6,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["HEAD_DIMS", "KINDS", "LLAMA3_ROPE", "VOCAB", "hf_config", "make_hf", "rel_err", "train_bpe"]
+__all__ = [
+    "GEMMA3_LOCAL",
+    "HEAD_DIMS",
+    "KINDS",
+    "LLAMA3_ROPE",
+    "VOCAB",
+    "hf_config",
+    "make_hf",
+    "rel_err",
+    "train_bpe",
+]
 
 VOCAB = 259
 """Not divisible by 2 or 4, so tensor-parallel vocabulary padding is exercised; covers the byte data (256)."""
@@ -28,6 +38,8 @@ KINDS = (
     "gemma2_tied",
     "gemma2_qpas",
     "gemma2_nocap_tied",
+    "gemma3_tied",
+    "gemma3_qpas",
 )
 """gpt2 (tied), gpt2_untied, llama (grouped-query attention, untied), llama_tied, llama3 (Llama with Llama 3.1's
 RoPE scaling, `LLAMA3_ROPE`), mistral (MistralForCausalLM without a sliding window), qwen2 (Llama with q/k/v
@@ -35,7 +47,10 @@ biases, GQA, untied), qwen2_tied, qwen3 (Llama with per-head q/k norms, GQA, unt
 head_dim other than hidden / heads = 8 (as Qwen3-0.6B/4B/32B and Mistral-Nemo): llama_hd (head_dim 12: q_proj
 32 → 48), mistral_hd and qwen3_hd (head_dim 16: q_proj 32 → 64, o_proj 64 → 32); Gemma 2 (head_dim 16, GQA,
 `GEMMA2_CAPS` soft-caps, a sliding window as wide as the context): gemma2_tied (query_pre_attn_scalar = head_dim),
-gemma2_qpas (scalar 24 ≠ head_dim, untied), gemma2_nocap_tied (both caps null)."""
+gemma2_qpas (scalar 24 ≠ head_dim, untied), gemma2_nocap_tied (both caps null); Gemma 3 text (head_dim 16, GQA,
+`GEMMA3_LOCAL`: windows far narrower than the context, local and global layers with different RoPE bases):
+gemma3_tied (3 layers, pattern 2: local, global, local; window 4), gemma3_qpas (4 layers, pattern 3: local, local,
+global, local; window 5; scalar 24, untied)."""
 
 HEAD_DIMS = {
     "llama_hd": 12,
@@ -44,6 +59,8 @@ HEAD_DIMS = {
     "gemma2_tied": 16,
     "gemma2_qpas": 16,
     "gemma2_nocap_tied": 16,
+    "gemma3_tied": 16,
+    "gemma3_qpas": 16,
 }
 """The head_dim of each kind that gives one (the others: hidden / heads = 8)."""
 
@@ -64,6 +81,15 @@ original_max_position_embeddings is not below max_position_embeddings (32); it c
 GEMMA2_CAPS = {"attn_logit_softcapping": 1.5, "final_logit_softcapping": 2.0}
 """Soft-caps that bite at the tiny shapes (scores and logits of order one; the released 50 and 30 would leave them
 nearly linear), so a cap left out or misplaced moves the logits by far more than the tolerance."""
+
+
+GEMMA3_LOCAL = {
+    "gemma3_tied": dict(num_hidden_layers=3, sliding_window=4, pattern=2),
+    "gemma3_qpas": dict(num_hidden_layers=4, sliding_window=5, pattern=3),
+}
+"""Each Gemma 3 kind's layers, window and pattern (every pattern-th layer global): windows of 4 and 5 positions, so
+at the tests' 16-32 positions a band left out, off by one or put on the wrong layers moves the logits. RoPE bases
+1e6 (global) and 10 (local): swapped tables would show at every position past the first."""
 
 
 def hf_config(kind: str, **over: object):
@@ -106,6 +132,23 @@ def hf_config(kind: str, **over: object):
         return transformers.Gemma2Config(
             **shape, rope_theta=1e4, rms_norm_eps=1e-6, **common, **(gemma | over)
         )
+    if kind.startswith("gemma3"):
+        local = dict(GEMMA3_LOCAL[kind])
+        layers, p = local.pop("num_hidden_layers"), local.pop("pattern")
+        gemma = dict(
+            layer_types=["sliding_attention" if (i + 1) % p else "full_attention" for i in range(layers)],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            },
+            query_pre_attn_scalar=24 if kind == "gemma3_qpas" else over["head_dim"],
+            tie_word_embeddings=kind.endswith("_tied"),
+            pad_token_id=None,  # as Gemma 2's fixture: tessera trains every embedding row
+            **local,
+        )
+        return transformers.Gemma3TextConfig(
+            **(shape | {"num_hidden_layers": layers}), rms_norm_eps=1e-6, **common, **(gemma | over)
+        )
     if kind.startswith("qwen2"):
         tie = kind == "qwen2_tied"
         return transformers.Qwen2Config(
@@ -147,10 +190,10 @@ def make_hf(folder: Path, kind: str, seed: int = 0):
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     p.normal_(1.0, 0.5)
     # ... and Gemma's (1 + w) norm weights at 0: draw them (two of the four norms swapped would show)
-    if kind.startswith("gemma2"):
+    if kind.startswith(("gemma2", "gemma3")):  # Gemma 3's q/k norms too
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                if name.endswith(("layernorm.weight", "_norm.weight")) or name == "model.norm.weight":
                     p.normal_(0.0, 0.5)
     model.save_pretrained(folder)
     return model

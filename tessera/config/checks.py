@@ -106,6 +106,8 @@ _RANGES: dict[str, dict[str, _Range]] = {
         "norm_eps": _POSITIVE_REAL,
         "rope_theta": _POSITIVE_REAL,
         **dict.fromkeys(("query_pre_attn_scalar", "attn_softcap", "final_softcap"), _POSITIVE_REAL),
+        **dict.fromkeys(("sliding_window", "sliding_window_pattern"), _POSITIVE),
+        "rope_local_theta": _POSITIVE_REAL,
         "init_std": _NON_NEGATIVE_REAL,
     },
     "parallel": {  # every dimension's size (tessera.axes.DIMS; "tensor" is parsed by parse_tensor)
@@ -233,6 +235,7 @@ def check_model(m: ModelConfig) -> list[Violation]:
         )
     v.extend(_check_rope_scaling(m))
     v.extend(_check_softcaps(m))
+    v.extend(_check_local_attention(m))
     if plan.rope and m.head_size % 2:
         given = f"model.head_dim = {m.head_dim}" if m.head_dim else f"{m.d_model}/{m.n_heads} = {m.head_size}"
         v.append(
@@ -258,10 +261,41 @@ def _check_softcaps(m: ModelConfig) -> list[Violation]:
         Violation(
             rule=f"model.{key}",
             problem=f"model.{key} is set but model.family = {m.family!r} has no soft-capping or attention scalar",
-            fix=f"remove model.{key}, or use family gemma2",
+            fix=f"remove model.{key}, or use family gemma2 or gemma3",
         )
         for key in given
     ]
+
+
+_LOCAL_DEFAULTS = {"sliding_window": None, "sliding_window_pattern": 6, "rope_local_theta": 10000.0}
+
+
+def _check_local_attention(m: ModelConfig) -> list[Violation]:
+    """Gemma 3's local layers (`FamilyPlan.local_attention`): another family has no window or second RoPE base, so
+    the keys are refused there; Gemma 3's global layers scale RoPE in transformers, its local ones do not, and
+    tessera's RoPE scaling is one table for every layer, so model.rope_scaling is refused for gemma3."""
+    plan = family_plan(m)
+    if not plan.local_attention:
+        return [
+            Violation(
+                rule=f"model.{key}",
+                problem=f"model.{key} = {getattr(m, key)!r} is set but model.family = {m.family!r} has no "
+                "local (sliding-window) layers",
+                fix=f"remove model.{key}, or use family gemma3",
+            )
+            for key, default in _LOCAL_DEFAULTS.items()
+            if getattr(m, key) != default
+        ]
+    if m.rope_scaling is not None:
+        return [
+            Violation(
+                rule="model.rope_scaling",
+                problem="model.rope_scaling is set but family gemma3 scales RoPE only on its global layers, which "
+                "tessera does not compute",
+                fix="remove model.rope_scaling (Gemma 3 1B has none; the 4B and larger are not supported)",
+            )
+        ]
+    return []
 
 
 def _check_rope_scaling(m: ModelConfig) -> list[Violation]:

@@ -41,9 +41,9 @@ class ModelConfig:
     """Registry name (see `tessera.model.sizes`), e.g. "gpt2-124m" or "llama-8b"."""
     family: str = "gpt"
     """"gpt" (LayerNorm, GELU MLP, learned positions), "llama" (RMSNorm, SwiGLU, RoPE, grouped-query attention),
-    "qwen2" (Llama with q/k/v biases), "qwen3" (Llama with an RMSNorm on each query and key head) or "gemma2"
-    (Gemma 2: norms before and after each sublayer, GeGLU, soft-capped logits); each family is declared in
-    tessera/model/family.py."""
+    "qwen2" (Llama with q/k/v biases), "qwen3" (Llama with an RMSNorm on each query and key head), "gemma2"
+    (Gemma 2: norms before and after each sublayer, GeGLU, soft-capped logits) or "gemma3" (Gemma 3 text: Gemma 2
+    with q/k norms and sliding-window local layers); each family is declared in tessera/model/family.py."""
     n_layers: int = 2
     """Number of transformer blocks."""
     d_model: int = 64
@@ -75,14 +75,25 @@ class ModelConfig:
     8192 (tessera/model/rope_scaling.py). None: unscaled RoPE."""
     query_pre_attn_scalar: float | None = None
     """Attention scores are scaled by query_pre_attn_scalar^-0.5 instead of head_dim^-0.5 (Gemma 2: 256, and 144 in
-    the 27B, whose head_dim is 128). None: head_dim^-0.5. Family gemma2 only."""
+    the 27B, whose head_dim is 128). None: head_dim^-0.5. Families gemma2 and gemma3."""
     attn_softcap: float | None = None
     """Attention logit soft-capping (Gemma 2: 50.0): scores = cap·tanh(scores / cap) before the causal mask and
     the softmax. Attention is then computed explicitly rather than by SDPA, holding the [b, heads, s, s] scores
-    (docs/huggingface.md, "Gemma 2"). None: no cap. Family gemma2 only."""
+    (docs/huggingface.md, "Gemma 2"). None: no cap. Families gemma2 and gemma3."""
     final_softcap: float | None = None
     """Final logit soft-capping (Gemma 2: 30.0): logits = cap·tanh(logits / cap) before the loss. None: no cap.
-    Family gemma2 only."""
+    Families gemma2 and gemma3."""
+    sliding_window: int | None = None
+    """Gemma 3's local attention: on its sliding layers a query at position i sees the keys j with
+    i - sliding_window < j <= i (transformers' sliding_window_overlay). None: every layer attends to every earlier
+    position. Family gemma3 only."""
+    sliding_window_pattern: int = 6
+    """With ``sliding_window``: layer i (from 0) is global, full attention with RoPE base ``rope_theta``, when
+    (i + 1) is a multiple of it, else local (windowed, RoPE base ``rope_local_theta``); Gemma 3's 5 local : 1
+    global is 6. Family gemma3 only."""
+    rope_local_theta: float = 10000.0
+    """RoPE base of Gemma 3's local (sliding) layers (its rope_local_base_freq); ``rope_theta`` is the global
+    layers'. Family gemma3 only."""
     init_std: float = 0.02
     """Std of the normal initialisation of weights."""
     init: str | None = None

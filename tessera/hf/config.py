@@ -2,7 +2,8 @@
 
 Import derives every shape field from the HF config; an explicit ``[model]`` key that disagrees is a problem,
 not an override. What tessera would compute differently is refused by name, never approximated: RoPE scaling
-other than llama3 (linear, dynamic, yarn, ...), a sliding window narrower than the context, mixed attention,
+other than llama3 (linear, dynamic, yarn, ...), a sliding window narrower than the context (except Gemma 3's, which
+tessera computes), mixed attention,
 mixture-of-experts, quantized weights, a head dim other than hidden/heads, and the per-architecture settings of
 `HFFamily.required` (e.g. Llama's attention_bias, GPT-2's activation). Dropout probabilities are not part of the function a model
 computes and are ignored (tessera trains without dropout).
@@ -24,7 +25,7 @@ from tessera.hf.families import (
     family_for_tessera,
     weight_names,
 )
-from tessera.model.family import head_dim_of
+from tessera.model.family import head_dim_of, is_global_layer
 from tessera.model.rope_scaling import LLAMA3_KEYS, scaling_problems
 
 if TYPE_CHECKING:
@@ -108,6 +109,12 @@ def _family(hf: dict[str, Any]) -> HFFamily:
     from tessera.model.family import FAMILIES as TESSERA_FAMILIES
 
     model_type = hf.get("model_type")
+    if model_type == "gemma3" or "Gemma3ForConditionalGeneration" in (hf.get("architectures") or []):
+        raise ConfigError(
+            f"HF model_type {model_type!r} (Gemma3ForConditionalGeneration, Gemma 3's multimodal model with a "
+            "vision tower) is not supported; tessera imports the text-only Gemma3ForCausalLM (model_type "
+            "'gemma3_text', e.g. google/gemma-3-1b-pt)"
+        )
     fam = family_for_model_type(str(model_type))
     usable = [f.model_type for f in FAMILIES if f.family in TESSERA_FAMILIES]
     if fam is None or fam.family not in TESSERA_FAMILIES:
@@ -188,9 +195,11 @@ def refusals(hf: dict[str, Any], fam: HFFamily, seq_len: int | None = None) -> l
             out.append(
                 f"{key} = {hf[key]!r} is not supported for {fam.model_type}; tessera computes {allowed}"
             )
-    if fam.rope:
-        out += _rope(hf, fam)[2]
-    out += _sliding_window(hf, fam, seq_len)
+    if fam.local_layers:  # Gemma 3: windows computed, a RoPE table per layer type
+        out += _local_rope(hf)[2] + _pattern(hf)[1]
+    else:
+        out += _rope(hf, fam)[2] if fam.rope else []
+        out += _sliding_window(hf, fam, seq_len)
     kinds = set(hf.get("layer_types") or []) - {"full_attention", "sliding_attention"}  # sliding: just above
     if kinds:
         out.append(f"layer_types {sorted(kinds)}: only full attention in every layer is implemented")
@@ -272,9 +281,57 @@ def _values(hf: dict[str, Any], fam: HFFamily) -> dict[str, Any]:
     values["head_dim"] = _head_dim(hf, fam)
     for name, (key, absent) in fam.extra_keys.items():
         values[name] = hf.get(key, absent)  # null: None (no soft-cap), as transformers reads it
-    if fam.rope:
+    if fam.local_layers:
+        values["rope_theta"], values["rope_local_theta"], _ = _local_rope(hf)
+        values["sliding_window"] = hf.get("sliding_window", 4096)  # Gemma3TextConfig's default
+        values["sliding_window_pattern"] = _pattern(hf)[0]
+    elif fam.rope:
         values["rope_theta"], values["rope_scaling"], _ = _rope(hf, fam)
     return values
+
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _local_rope(hf: dict[str, Any]) -> tuple[float, float, list[str]]:
+    """(global RoPE base, local RoPE base, refusals) of a Gemma 3 config, as Gemma3TextConfig reads them: the
+    per-layer-type ``rope_parameters`` tables, else the older top-level ``rope_theta`` (global) and
+    ``rope_local_base_freq`` (local), else 10⁶ and 10⁴. Any scaling (the 4B and larger models' linear factor 8
+    on the global layers, or a top-level ``rope_scaling``) is refused by name: tessera computes none for Gemma 3."""
+    params = hf.get("rope_parameters") or {}
+    tables = {kind: params.get(kind) or {} for kind in _LAYER_TYPES}
+    theta = float(tables["full_attention"].get("rope_theta", hf.get("rope_theta", 1e6)))
+    local = float(tables["sliding_attention"].get("rope_theta", hf.get("rope_local_base_freq", 1e4)))
+    out = []
+    if hf.get("rope_scaling"):
+        out.append(f"rope_scaling = {hf['rope_scaling']!r} is not implemented by tessera for gemma3_text")
+    for kind, table in tables.items():
+        rope_type = table.get("rope_type", table.get("type", "default"))
+        if rope_type != "default":
+            out.append(
+                f"rope_parameters.{kind}.rope_type = {rope_type!r} (RoPE scaling) is not implemented by tessera "
+                "for gemma3_text; only unscaled RoPE imports (Gemma 3 1B)"
+            )
+        out += _partial_rotary(hf, table, f"rope_parameters.{kind}")
+    return theta, local, out
+
+
+def _pattern(hf: dict[str, Any]) -> tuple[int, list[str]]:
+    """(``model.sliding_window_pattern``, refusals) of a Gemma 3 config: every p-th layer global. ``layer_types``
+    when given must be such a pattern (p: the first global layer's index + 1; all local: n_layers + 1); without
+    it, Gemma3TextConfig's ``sliding_window_pattern`` (default 6)."""
+    n = hf.get("num_hidden_layers") or 0
+    types = hf.get("layer_types")
+    if not types:
+        return int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))), []
+    p = types.index("full_attention") + 1 if "full_attention" in types else n + 1
+    expected = ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(n)]
+    if list(types) == expected:
+        return p, []
+    return p, [
+        f"layer_types {types!r} is not a repeating pattern of local layers then one global layer (every "
+        "p-th layer full_attention), the only arrangement tessera's model.sliding_window_pattern expresses"
+    ]
 
 
 def derive_model(init: str, explicit: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -414,7 +471,9 @@ def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None, dtype: str =
     out["tie_word_embeddings"] = cfg.tie_embeddings
     for key, allowed in fam.required.items():
         out.setdefault(key, allowed[0])
-    if fam.rope:
+    if fam.local_layers:
+        _export_local(out, cfg)
+    elif fam.rope:
         seq_key = fam.keys["seq_len"]
         out[seq_key] = max(cfg.seq_len, int((base or {}).get(seq_key) or 0))
         out["head_dim"] = cfg.head_size
@@ -435,6 +494,24 @@ def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None, dtype: str =
     if "torch_dtype" in out:
         out["torch_dtype"] = dtype
     return out
+
+
+def _export_local(out: dict[str, Any], cfg: ModelConfig) -> None:
+    """Gemma 3's RoPE bases per layer type, its window and its layer_types, written out explicitly (transformers'
+    defaults would slide 5 of every 6 layers at 4096). Without a window every layer is full attention."""
+    seq_key = "max_position_embeddings"
+    out[seq_key] = max(cfg.seq_len, int(out.get(seq_key) or 0))
+    out["head_dim"] = cfg.head_size
+    for key in ("rope_theta", "rope_local_base_freq", "rope_scaling", "sliding_window_pattern"):
+        out.pop(key, None)
+    out["rope_parameters"] = {
+        "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta},
+    }
+    out["sliding_window"] = cfg.sliding_window if cfg.sliding_window is not None else cfg.seq_len
+    out["layer_types"] = [
+        "full_attention" if is_global_layer(cfg, i) else "sliding_attention" for i in range(cfg.n_layers)
+    ]
 
 
 def _export_window(out: dict[str, Any], seq_len: int) -> None:

@@ -76,6 +76,10 @@ class HFFamily:
     window_without_layer_types: bool = False
     """Without ``layer_types`` a non-null ``sliding_window`` still applies to some layers (Gemma 2: transformers'
     Gemma2Config slides every other layer); with it, ``layer_types`` says which."""
+    local_layers: bool = False
+    """Gemma 3's local and global layers: ``layer_types`` becomes ``model.sliding_window_pattern``, the per-layer-type
+    ``rope_parameters`` become ``model.rope_theta`` and ``model.rope_local_theta`` (tessera/hf/config.py), and the
+    sliding window is computed rather than refused."""
     extra_keys: dict[str, tuple[str, Any]] = field(default_factory=dict)
     """Further tessera ModelConfig fields the architecture sets: field -> (HF config key, transformers' value when
     the key is absent). A null value means None (Gemma 2's soft-caps: no cap)."""
@@ -159,6 +163,13 @@ _GEMMA2_TENSORS = (
     _t("model.layers.{i}.post_feedforward_layernorm.weight", "blocks.{i}.mlp_post_norm.weight"),
     _t("model.norm.weight", "head.norm.weight"),
     _t("lm_head.weight", "head.out.weight"),
+)
+
+_GEMMA3_TENSORS = (
+    *_GEMMA2_TENSORS[:6],
+    _t("model.layers.{i}.self_attn.q_norm.weight", "blocks.{i}.attn.q_norm.weight"),
+    _t("model.layers.{i}.self_attn.k_norm.weight", "blocks.{i}.attn.k_norm.weight"),
+    *_GEMMA2_TENSORS[6:],
 )
 
 FAMILIES: tuple[HFFamily, ...] = (
@@ -282,6 +293,33 @@ FAMILIES: tuple[HFFamily, ...] = (
             "query_pre_attn_scalar": ("query_pre_attn_scalar", 256),
             "attn_softcap": ("attn_logit_softcapping", 50.0),
             "final_softcap": ("final_logit_softcapping", 30.0),
+        },
+    ),
+    # Gemma 3 text (tessera/model/gemma3.py): Gemma 2 with (1 + w) q/k norms, local sliding-window layers with their
+    # own RoPE base, no soft-caps; Gemma3TextConfig's defaults (transformers 5.24): 4 KV heads, head_dim 256, scalar
+    # 256, caps null. The multimodal model_type "gemma3" (Gemma3ForConditionalGeneration) is refused by name.
+    HFFamily(
+        model_type="gemma3_text",
+        architecture="Gemma3ForCausalLM",
+        family="gemma3",
+        keys=_LLAMA_KEYS,
+        tie_default=True,
+        required={
+            "hidden_activation": ("gelu_pytorch_tanh",),
+            "attention_bias": (False,),
+            "use_bidirectional_attention": (None, False),
+        },
+        tensors=_GEMMA3_TENSORS,
+        embedding="model.embed_tokens.weight",
+        kv_heads_absent=4,
+        head_dim_absent=256,
+        rope=True,
+        ignored=(".rotary_emb.inv_freq",),
+        local_layers=True,
+        extra_keys={
+            "query_pre_attn_scalar": ("query_pre_attn_scalar", 256),
+            "attn_softcap": ("attn_logit_softcapping", None),
+            "final_softcap": ("final_logit_softcapping", None),
         },
     ),
 )

@@ -8,6 +8,7 @@ import torch
 
 from tessera.errors import ConfigError
 from tessera.model.gemma2 import Gemma2
+from tessera.model.gemma3 import Gemma3
 from tessera.model.gpt import GPT
 from tessera.model.init import InitSource, draw_seed
 from tessera.model.layers import KVCache, TransformerLM
@@ -23,7 +24,9 @@ if TYPE_CHECKING:
 
 __all__ = ["build_model", "generate", "meta_model"]
 
-_FAMILIES: dict[str, type[TransformerLM]] = {cls.plan.name: cls for cls in (GPT, Llama, Qwen2, Qwen3, Gemma2)}
+_FAMILIES: dict[str, type[TransformerLM]] = {
+    cls.plan.name: cls for cls in (GPT, Llama, Qwen2, Qwen3, Gemma2, Gemma3)
+}
 """The model class of each family (its declaration: tessera.model.family)."""
 
 

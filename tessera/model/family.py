@@ -35,7 +35,15 @@ from typing import Any
 
 from tessera.errors import ConfigError
 
-__all__ = ["FAMILIES", "FAMILY_PLANS", "FamilyPlan", "LinearShape", "family_plan", "head_dim_of"]
+__all__ = [
+    "FAMILIES",
+    "FAMILY_PLANS",
+    "FamilyPlan",
+    "LinearShape",
+    "family_plan",
+    "head_dim_of",
+    "is_global_layer",
+]
 
 _NORMS = ("layer", "rms")
 _FFN_RULES = ("4h", "swiglu")
@@ -115,6 +123,10 @@ class FamilyPlan:
     softcaps: bool = False
     """Whether ``model.attn_softcap``, ``model.final_softcap`` and ``model.query_pre_attn_scalar`` apply (Gemma 2);
     other families refuse them (their Hugging Face configs have no place for them)."""
+
+    local_attention: bool = False
+    """Gemma 3's local layers: ``model.sliding_window``, ``model.sliding_window_pattern`` and
+    ``model.rope_local_theta`` apply (tessera/model/gemma3.py decides each layer's window and RoPE base)."""
 
     def __post_init__(self) -> None:
         if self.norm not in _NORMS or self.ffn_rule not in _FFN_RULES:
@@ -294,8 +306,22 @@ GEMMA2 = _register(
     )
 )
 
+# Gemma 3 (Gemma Team 2025, "Gemma 3 Technical Report"): Gemma 2's block with per-head q/k RMSNorms (the (1 + w)
+# form), no soft-caps by default, local sliding-window layers with their own RoPE base between global layers
+# (tessera/model/gemma3.py).
+GEMMA3 = _register(replace(GEMMA2, name="gemma3", qk_norm=True, local_attention=True))
+
 FAMILIES: tuple[str, ...] = tuple(FAMILY_PLANS)
 """The family names a config may give."""
+
+
+def is_global_layer(cfg: Any, layer: int) -> bool:
+    """Whether layer ``layer`` (0-based, the model's global index) of ``cfg`` (a `ModelConfig`) attends to every
+    earlier position: every layer without ``sliding_window``, else the layers with (layer + 1) a multiple of
+    ``sliding_window_pattern`` (transformers' Gemma3TextConfig layer_types). The one place that decides it, for
+    the model (tessera/model/gemma3.py) and the Hugging Face export alike."""
+    window = getattr(cfg, "sliding_window", None)
+    return window is None or (layer + 1) % cfg.sliding_window_pattern == 0
 
 
 def family_plan(family: str | Any) -> FamilyPlan:

@@ -41,6 +41,7 @@ __all__ = [
     "TransformerLM",
     "apply_rope",
     "attend",
+    "band_mask",
     "embed_scale",
     "rope_inv_freq",
     "rope_tables",
@@ -183,7 +184,8 @@ class AttentionCore(nn.Module):
     """Causal softmax attention on already-projected heads; no parameters, so checkpointing can wrap it alone.
 
     ``scale`` multiplies the scores (None: 1/sqrt(head_dim), SDPA's default); ``softcap`` soft-caps them before the
-    mask (`soft_cap`, Gemma 2). SDPA cannot soft-cap, so with a cap the scores [b, nh, L, S] are computed and held
+    mask (`soft_cap`, Gemma 2); ``window`` restricts each query to the keys within it (`band_mask`, Gemma 3's
+    local layers), AND the document mask when one is given; SDPA then keeps the mask for backward (s² per call). SDPA cannot soft-cap, so with a cap the scores [b, nh, L, S] are computed and held
     explicitly (s² memory per head, like transformers' eager attention); on a GPU FlexAttention's ``score_mod``
     would apply the cap inside a fused kernel, but it needs torch.compile (docs/huggingface.md, "Gemma 2").
 
@@ -196,9 +198,11 @@ class AttentionCore(nn.Module):
     skip the masked blocks on a GPU but needs torch.compile, slow to build on CPU).
     """
 
-    def __init__(self, scale: float | None = None, softcap: float | None = None) -> None:
+    def __init__(
+        self, scale: float | None = None, softcap: float | None = None, window: int | None = None
+    ) -> None:
         super().__init__()
-        self.scale, self.softcap = scale, softcap
+        self.scale, self.softcap, self.window = scale, softcap, window
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
@@ -208,6 +212,9 @@ class AttentionCore(nn.Module):
             k = k.repeat_interleave(n_rep, dim=1)  # k: [b, nh, S, hd]
             v = v.repeat_interleave(n_rep, dim=1)  # v: [b, nh, S, hd]
         L, S = q.shape[2], k.shape[2]
+        if self.window is not None:
+            band = band_mask(L, S, self.window, q.device)  # band: [L, S]
+            mask = band if mask is None else mask & band  # [b, 1, L, S] with documents
         if self.softcap is not None:
             return self._capped(q, k, v, mask)  # [b, nh, L, hd]
         if mask is not None:
@@ -231,6 +238,15 @@ class AttentionCore(nn.Module):
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # probs: [b, nh, L, S]
         return torch.matmul(probs, v)  # [b, nh, L, hd]
+
+
+def band_mask(L: int, S: int, window: int, device: torch.device | None = None) -> torch.Tensor:
+    """Causal sliding-window mask [L, S] (True: may attend) for L queries that are the last L of S positions
+    (cached decoding: L < S): query position i sees key j iff i - window < j <= i, transformers'
+    ``sliding_window_overlay`` (kv_idx > q_idx - sliding_window) on its causal mask. Within a document (document
+    masking) the distance i - j is the same as in the window, so the band and the document mask combine by AND."""
+    back = torch.arange(S - L, S, device=device)[:, None] - torch.arange(S, device=device)[None, :]  # [L, S]
+    return (back >= 0) & (back < window)
 
 
 def attend(
@@ -302,9 +318,12 @@ class Attention(nn.Module):
         rope: Rope | None = None,
         out_bias: bool | None = None,
         qk_norm: bool = False,
+        norm_offset: float = 0.0,
+        window: int | None = None,
     ) -> None:
         """``bias``: biases on wq, wk, wv; ``out_bias``: on wo (None: the same as ``bias``); ``qk_norm``: an
-        RMSNorm over each query and key head (``q_norm``, ``k_norm``, weights [head_dim], ``cfg.norm_eps``)."""
+        RMSNorm over each query and key head (``q_norm``, ``k_norm``, weights [head_dim], ``cfg.norm_eps``, its
+        ``norm_offset``: Gemma 3's (1 + w)); ``window``: a sliding window (`band_mask`, Gemma 3's local layers)."""
         super().__init__()
         h, hd = cfg.d_model, cfg.head_size
         self.head_dim = hd
@@ -312,9 +331,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, cfg.kv_heads * hd, bias=bias)
         self.wv = nn.Linear(h, cfg.kv_heads * hd, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * hd, h, bias=bias if out_bias is None else out_bias)
-        self.q_norm = RMSNorm(hd, cfg.norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.norm_eps) if qk_norm else None
-        self.core = AttentionCore(_attention_scale(cfg), cfg.attn_softcap)
+        self.q_norm = RMSNorm(hd, cfg.norm_eps, norm_offset) if qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps, norm_offset) if qk_norm else None
+        self.core = AttentionCore(_attention_scale(cfg), cfg.attn_softcap, window)
         self.rope = rope
 
     def forward(

@@ -53,6 +53,11 @@ LAYOUTS = {  # name: (world size, HF model kind, parallel section)
     "gemma2_qpas_tp2x2": (4, "gemma2_qpas", {"tensor": "2x2"}),  # query_pre_attn_scalar ≠ head_dim, untied
     "gemma2_pp2_tied": (2, "gemma2_tied", {"pipeline": 2, "schedule": "1f1b"}),
     "gemma2_dp2_zero3": (2, "gemma2_nocap_tied", {"data": 2, "zero": 3}),
+    # Gemma 3 (windows 4 / 5 narrower than the context, local and global RoPE bases, (1 + w) q/k norms), every
+    # gradient against one process: tests/distributed/test_gemma3.py
+    "gemma3_tp1d_2_sp": (2, "gemma3_tied", {"tensor": 2, "sequence_parallel": True}),
+    "gemma3_qpas_tp2x2": (4, "gemma3_qpas", {"tensor": "2x2"}),
+    "gemma3_qpas_pp2": (2, "gemma3_qpas", {"pipeline": 2, "schedule": "1f1b"}),  # layers L, L | G, L
 }
 
 

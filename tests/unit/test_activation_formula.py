@@ -55,6 +55,17 @@ FAMILIES = {
         "final_softcap": 30.0,
     },
     "gemma2_nocap": {"family": "gemma2", "n_heads": 4, "n_kv_heads": 2, "head_dim": 48, "ffn_hidden": 384},
+    # Gemma 3: per-head (1 + w) q/k norms; pattern 3 makes both blocks of the 1- and 2-block models local, so the
+    # block measured is a windowed one (its band mask goes to SDPA)
+    "gemma3": {
+        "family": "gemma3",
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "head_dim": 48,
+        "ffn_hidden": 384,
+        "sliding_window": 8,
+        "sliding_window_pattern": 3,
+    },
 }
 LAYOUTS = {  # name: (world size, parallel section)
     "plain": (1, {}),
@@ -120,7 +131,7 @@ def test_block_activation_bytes_equal_the_formula(
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("family", ["gpt", "llama", "gemma2", "gemma2_nocap"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "gemma2", "gemma2_nocap", "gemma3"])
 def test_head_activation_bytes_equal_the_formula(family: str, layout: str, dtype: str) -> None:
     """The embedding and the head together (a 1-block model less one block): the final norm's tensors, the
     output projection's input (and its bf16 weight copy), the fp32 logits the loss keeps; Gemma 2's final

@@ -77,9 +77,11 @@ def test_model_holds_what_its_family_declares(family: str, head_dim: int | None)
             expected |= {f"blocks.{i}.{lin.name}.weight"} | (
                 {f"blocks.{i}.{lin.name}.bias"} if lin.bias else set()
             )
-        for norm in plan.head_norms:  # per-head q/k norms (Qwen3): [head_dim], starting at one
+        for norm in plan.head_norms:  # per-head q/k norms (Qwen3, Gemma 3): [head_dim], the identity scale
             w = model.get_parameter(f"blocks.{i}.{norm}")
-            assert tuple(w.shape) == (cfg.head_size,) and bool((w == 1).all()), norm
+            assert tuple(w.shape) == (cfg.head_size,) and bool((w == (0 if plan.norm_offset else 1)).all()), (
+                norm
+            )
             expected.add(f"blocks.{i}.{norm}")
     assert names == expected
     assert hasattr(model, "rope") == plan.rope

@@ -58,6 +58,8 @@ def test_imported_logits_equal_transformers(tmp_path: Path, kind: str) -> None:
         "gemma2_tied",
         "gemma2_qpas",
         "gemma2_nocap_tied",
+        "gemma3_tied",
+        "gemma3_qpas",
     ],
 )
 def test_loss_and_every_gradient_equal_transformers(tmp_path: Path, kind: str) -> None:
@@ -92,7 +94,7 @@ def test_loss_and_every_gradient_equal_transformers(tmp_path: Path, kind: str) -
             assert rel_err(mine[part.format(i=i)].grad, hf_grads[name]) < LOGIT_RTOL, name
             checked += 1
     assert checked == len(hf_grads) == len(mine)
-    assert any("q_norm" in n for n in hf_grads) == kind.startswith("qwen3")
+    assert any("q_norm" in n for n in hf_grads) == kind.startswith(("qwen3", "gemma3"))
 
 
 @pytest.mark.parametrize(

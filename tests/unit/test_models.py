@@ -41,9 +41,9 @@ def expected_params(c: ModelConfig) -> int:
         extra = c.seq_len * h + 2 * h  # wpe, final LayerNorm
     else:
         attn += q_out + 2 * kv_out if c.family == "qwen2" else 0  # Qwen2: biases of wq, wk, wv only
-        attn += 2 * hd if c.family == "qwen3" else 0  # Qwen3: the per-head q and k norm weights
+        attn += 2 * hd if c.family in ("qwen3", "gemma3") else 0  # Qwen3, Gemma 3: per-head q/k norms
         mlp = 3 * h * f
-        norms = (4 if c.family == "gemma2" else 2) * h  # Gemma 2: a norm before and after each sublayer
+        norms = (4 if c.family in ("gemma2", "gemma3") else 2) * h  # Gemma: norms before and after
         extra = h  # final RMSNorm
     embeddings = V * h * (1 if c.tie_embeddings else 2)
     return L * (attn + mlp + norms) + embeddings + extra
@@ -90,6 +90,9 @@ def test_every_size_builds_with_formula_param_count(name):
         ("gemma2-2b", 2_614_341_888),
         ("gemma2-9b", 9_241_705_984),
         ("gemma2-27b", 27_227_128_320),
+        # Gemma 3 1B (tied, four norms and per-head q/k norms per block): transformers' Gemma3ForCausalLM on the
+        # meta device (tests/unit/test_gemma3.py builds it)
+        ("gemma3-1b", 999_885_952),
     ],
 )
 def test_known_parameter_counts(name, count):
@@ -106,7 +109,7 @@ def test_flops_per_token_palm_convention():
     assert untied.flops_per_token(seq_len=2048) == 6 * n_matmul + 12 * 32 * 4096 * 2048
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gemma2-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gemma2-tiny", "gemma3-tiny"])
 def test_forward_backward(name):
     torch.manual_seed(0)
     cfg = cfg_for(name)
@@ -131,7 +134,7 @@ def test_loss_helper_matches_manual_cross_entropy():
     assert torch.allclose(build_model(cfg_for("gpt2-tiny")).loss(logits, targets), manual, atol=EXACT_TOL)
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gemma2-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gemma2-tiny", "gemma3-tiny"])
 def test_causal(name):
     torch.manual_seed(0)
     cfg = cfg_for(name)
@@ -200,7 +203,7 @@ def test_tied_weights_are_one_parameter(name, tok):
     assert untied.num_params() == model.num_params() + 256 * model.cfg.d_model
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gemma2-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gemma2-tiny", "gemma3-tiny"])
 def test_init_is_deterministic_given_seed(name):
     states = []
     for seed in (1, 1, 2):
@@ -255,7 +258,7 @@ def test_too_long_sequence_is_a_clear_error():
         build_model(cfg)(torch.zeros(1, cfg.seq_len + 1, dtype=torch.long))
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gemma2-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gemma2-tiny", "gemma3-tiny"])
 def test_generate(name):
     torch.manual_seed(0)
     cfg = cfg_for(name)

@@ -106,7 +106,7 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     their product. Selective recomputation drops SDPA's output and the expansion (K, V at kv/h). The attention
     tensors are n_heads·head_dim wide (q/h of the stream's h; 1 unless `ModelShape.head_dim` differs). Qwen3's per-head
     q/k norms (`qk_norm`) keep Q's and K's fp32 upcast and their normalised tensors, split like the heads.
-    Gemma 2's post-norms are two more norms (`FamilyPlan.block_norms`); its soft-capped attention is written out
+    Gemma 3's local layers add their band masks (`band_mask_bytes`). Gemma 2's post-norms are two more norms (`FamilyPlan.block_norms`); its soft-capped attention is written out
     (`tessera.model.layers.AttentionCore`): no SDPA output is kept, its a·s² scores are (`capped_score_bytes`).
     `recompute` overrides `plan.recompute` (the working memory of a recomputed block is its "none" count).
     """
@@ -123,12 +123,14 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     inputs = _input_bytes(plan, len(fam.attention_in)) + _input_bytes(plan, len(fam.mlp_in))
     replicated = norms + inputs + (c if shape.dropout else 0)  # two 1-byte masks, in Korthikanti's units
     # selective recomputation keeps the attention core's inputs as the Linears (and RoPE) left them; after the
-    # per-head q/k norms (Qwen3) Q and K are fp32 under autocast, promoted by the norms' fp32 weights
+    # per-head q/k norms (Qwen3) Q and K are fp32 under autocast, promoted by the norms' fp32 weights; a (1 + w)
+    # norm (Gemma 3) casts its output back to its input's dtype
     kept = _output_bytes(plan, fam.qkv_bias) if recompute == "selective" else c
-    qk_kept = r if (fam.qk_norm and recompute == "selective") else kept
+    qk_kept = r if (fam.qk_norm and not fam.norm_offset and recompute == "selective") else kept
     qkv = qk_kept * (q_h + kv_h) + kept * kv_h
-    # each per-head norm keeps its input upcast to fp32 and the normalised tensor in the Linear's dtype
-    head_norms = (_FP32 + c) * (q_h + kv_h) if fam.qk_norm else 0.0
+    # each per-head norm keeps its input upcast to fp32 and the normalised tensor in the Linear's dtype; a (1 + w)
+    # norm (Gemma 3) multiplies the normalised tensor in fp32 before casting, so keeps it in fp32
+    head_norms = (_FP32 + (_FP32 if fam.norm_offset else c)) * (q_h + kv_h) if fam.qk_norm else 0.0
     if shape.swiglu:
         attention = qkv + c * q_h if recompute == "selective" else 5 * c * q_h
         if shape.attn_softcap is not None and recompute != "selective":  # scores instead of SDPA's output
@@ -138,7 +140,17 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
         scores = 0.0 if plan.flash_attention else (5 if shape.dropout else 2) * a * s / h * c / 2
         mlp = (_output_bytes(plan, fam.mlp_bias) + c) * f_h  # GELU's input (fc's output), proj's input
         sharded = qkv + c * q_h + mlp + head_norms + (0.0 if recompute == "selective" else scores)
-    return sbh * (replicated / shard_all + sharded / plan.tp)
+    return sbh * (replicated / shard_all + sharded / plan.tp) + band_mask_bytes(shape, plan, recompute)
+
+
+def band_mask_bytes(shape: ModelShape, plan: Plan, recompute: str) -> float:
+    """Bytes per layer, averaged over the layers, of the sliding-window band masks SDPA keeps for backward: a
+    masked SDPA saves its [s, s] mask cast to the compute dtype (measured by the dry run), one per local layer
+    and micro-batch, whole on every tensor rank (attention sees the whole sequence); the selectively recomputed
+    core keeps none. The same s² a document mask costs per layer (not counted here)."""
+    if not shape.local_layers or recompute == "selective" or shape.attn_softcap is not None:
+        return 0.0
+    return shape.local_layers / shape.n_layers * shape.seq_len**2 * plan.act_bytes
 
 
 def capped_score_bytes(plan: Plan) -> float:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.model.family import FamilyPlan, LinearShape, family_plan, head_dim_of
+from tessera.model.family import FamilyPlan, LinearShape, family_plan, head_dim_of, is_global_layer
 from tessera.modes import CHECKPOINTING
 
 __all__ = [
@@ -58,6 +58,9 @@ class ModelShape:
     keeps its a·s² scores for backward (`tessera.planner.cost.rank_memory.capped_score_bytes`)."""
     final_softcap: float | None = None
     """Final logit soft-cap (`ModelConfig.final_softcap`): the head keeps one more logits-sized tensor (tanh's)."""
+    local_layers: int = 0
+    """Layers attending within a sliding window (Gemma 3's local layers, `tessera.model.family.is_global_layer`):
+    SDPA keeps each one's [s, s] band mask, cast to the compute dtype, for backward."""
 
     def __post_init__(self) -> None:
         if (self.head_dim is None and self.d_model % self.n_heads) or self.n_heads % self.n_kv_heads:
@@ -139,6 +142,7 @@ class ModelShape:
             head_dim=getattr(obj, "head_dim", None),
             attn_softcap=getattr(obj, "attn_softcap", None),
             final_softcap=getattr(obj, "final_softcap", None),
+            local_layers=sum(not is_global_layer(obj, i) for i in range(int(obj.n_layers))),
         )
 
 
