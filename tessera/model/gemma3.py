@@ -5,10 +5,11 @@ scores scaled by ``query_pre_attn_scalar``^-0.5) with, as transformers' ``modeli
 computes it:
 
 - an RMSNorm x̂·(1 + w) over each query and key head (``q_norm``, ``k_norm``) before RoPE, as Qwen3's but offset;
-- local and global layers (`tessera.model.family.is_global_layer`): with ``sliding_window`` set, layer i is global when (i + 1) is a multiple
-  of ``sliding_window_pattern`` (5 local : 1 global in the released models), else local. A local layer attends
-  within the window (`tessera.model.layers.band_mask`: query i sees keys j with i - window < j <= i) and rotates
-  with RoPE base ``rope_local_theta``; a global layer attends to every earlier position with base ``rope_theta``;
+- local and global layers (`tessera.model.family.is_global_layer`): with ``sliding_window`` set, layer i is global
+  when (i + 1) is a multiple of ``sliding_window_pattern`` (5 local : 1 global in the released models), else
+  local. A local layer attends within the window (`tessera.model.layers.band_mask`: query i sees keys j with
+  i - window < j <= i) and rotates with RoPE base ``rope_local_theta``; a global layer attends to every earlier
+  position with base ``rope_theta``;
 - no soft-caps by default (``attn_softcap`` and ``final_softcap`` still apply when set, as in Gemma 2).
 
 Each layer's window and RoPE table are fixed when its `Attention` is built from its global index here; the 1D,

@@ -183,11 +183,12 @@ class Rope(nn.Module):
 class AttentionCore(nn.Module):
     """Causal softmax attention on already-projected heads; no parameters, so checkpointing can wrap it alone.
 
-    ``scale`` multiplies the scores (None: 1/sqrt(head_dim), SDPA's default); ``softcap`` soft-caps them before the
-    mask (`soft_cap`, Gemma 2); ``window`` restricts each query to the keys within it (`band_mask`, Gemma 3's
-    local layers), AND the document mask when one is given; SDPA then keeps the mask for backward (s² per call). SDPA cannot soft-cap, so with a cap the scores [b, nh, L, S] are computed and held
-    explicitly (s² memory per head, like transformers' eager attention); on a GPU FlexAttention's ``score_mod``
-    would apply the cap inside a fused kernel, but it needs torch.compile (docs/huggingface.md, "Gemma 2").
+    ``scale`` multiplies the scores (None: 1/sqrt(head_dim), SDPA's default); ``softcap`` soft-caps them before
+    the mask (`soft_cap`, Gemma 2); ``window`` restricts each query to the keys within it (`band_mask`, Gemma 3's
+    local layers), AND the document mask when one is given; SDPA then keeps the mask for backward (s² per call).
+    SDPA cannot soft-cap, so with a cap the scores [b, nh, L, S] are computed and held explicitly (s² memory per
+    head, like transformers' eager attention); on a GPU FlexAttention's ``score_mod`` would apply the cap inside a
+    fused kernel, but it needs torch.compile (docs/huggingface.md, "Gemma 2").
 
     q is [b, n_heads, s, hd] and k, v are [b, n_kv_heads, s, hd]; grouped-query attention repeats each KV head
     n_heads / n_kv_heads times (consecutive query heads share a KV head). Head counts come from the tensors,

@@ -104,9 +104,10 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     normalised tensor (the 2D norm only its input), attention keeps Q, K and V expanded to all heads, SDPA's
     output and the output projection's input (a transposed copy of it), SwiGLU keeps gate, up, silu(gate) and
     their product. Selective recomputation drops SDPA's output and the expansion (K, V at kv/h). The attention
-    tensors are n_heads·head_dim wide (q/h of the stream's h; 1 unless `ModelShape.head_dim` differs). Qwen3's per-head
-    q/k norms (`qk_norm`) keep Q's and K's fp32 upcast and their normalised tensors, split like the heads.
-    Gemma 3's local layers add their band masks (`band_mask_bytes`). Gemma 2's post-norms are two more norms (`FamilyPlan.block_norms`); its soft-capped attention is written out
+    tensors are n_heads·head_dim wide (q/h of the stream's h; 1 unless `ModelShape.head_dim` differs). Qwen3's
+    per-head q/k norms (`qk_norm`) keep Q's and K's fp32 upcast and their normalised tensors, split like the
+    heads. Gemma 3's local layers add their band masks (`band_mask_bytes`). Gemma 2's post-norms are two more
+    norms (`FamilyPlan.block_norms`); its soft-capped attention is written out
     (`tessera.model.layers.AttentionCore`): no SDPA output is kept, its a·s² scores are (`capped_score_bytes`).
     `recompute` overrides `plan.recompute` (the working memory of a recomputed block is its "none" count).
     """
