@@ -16,6 +16,7 @@ from tessera.process_exit import finish_quickly_at_exit
 
 if TYPE_CHECKING:
     from tessera.config import Config
+    from tessera.planner.cost import Plan
 
 __all__ = ["main"]
 
@@ -367,6 +368,8 @@ def cmd_memory(args: argparse.Namespace, extra: list[str]) -> int:
     est = estimate(cfg, args.world_size, device)
     print(f"per-rank memory estimate for {args.config or 'the defaults'} at world size {args.world_size}:")
     print(f"  {est.describe()}")
+    if cfg.data.document_mask:
+        print(f"  {_document_mask_note(cfg, est.plan)}")
     if per_node:  # the hardware's node size is known: where hybrid sharding's shard groups sit (docs/zero.md)
         _print_shard_placement(cfg, args.world_size, per_node)
     start = startup_memory(cfg, args.world_size)
@@ -382,6 +385,25 @@ def cmd_memory(args: argparse.Namespace, extra: list[str]) -> int:
     if device:
         print(f"  fits: {est.total / 2**30:.2f} GiB of {device / 2**30:.2f} GiB")
     return 0
+
+
+def _document_mask_note(cfg: Config, plan: Plan) -> str:
+    """What document masking adds per layer and micro-batch (in the activations above, or in working memory
+    while a fully checkpointed block is recomputed): SDPA's copy of the mask and RoPE's gathered tables."""
+    from tessera.planner.cost import ModelShape
+    from tessera.planner.cost.rank_memory import attention_mask_bytes, rope_position_bytes
+
+    shape = ModelShape.from_config(cfg.model)
+    mask = attention_mask_bytes(shape, plan, "none")
+    kept = attention_mask_bytes(shape, plan, plan.recompute) if plan.recompute != "full" else 0.0
+    rope = rope_position_bytes(shape, plan)
+    held = (
+        "kept per layer" if kept else f"not kept under {plan.recompute} checkpointing, only while recomputing"
+    )
+    return (
+        f"document masking: SDPA's [b, 1, s, s] mask {mask / 2**20:.1f} MiB per layer and micro-batch ({held}), "
+        f"RoPE at document positions {rope / 2**20:.1f} MiB per layer (docs/memory.md)"
+    )
 
 
 def _print_shard_placement(cfg: Config, world_size: int, gpus_per_node: int) -> None:

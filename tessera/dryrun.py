@@ -30,6 +30,7 @@ from tessera.axes import dim_of
 from tessera.config import Config
 from tessera.fake import FakeRank, fake_process_group
 from tessera.layout import Axis, Layout, default_ranks, parse_ranks
+from tessera.model.documents import document_positions
 
 __all__ = [
     "RankResult",
@@ -96,10 +97,16 @@ def _grad_tensors(run: Any) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None] + shards
 
 
-def _fake_batches(run: Any, cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _fake_batches(run: Any, cfg: Config) -> list[tuple[torch.Tensor, ...]]:
+    """Random (tokens, targets) micro-batches; with data.document_mask also their positions within documents, as
+    the trainer passes them (`TrainingRun.batches`), so the model builds and saves the document mask it would."""
     shape = (cfg.train.micro_batch, cfg.model.seq_len)
     v = cfg.model.vocab_size
-    return [(torch.randint(0, v, shape), torch.randint(0, v, shape)) for _ in range(run.n_micro)]
+    batches = [(torch.randint(0, v, shape), torch.randint(0, v, shape)) for _ in range(run.n_micro)]
+    if not cfg.data.document_mask:
+        return batches
+    # token 0 stands in for the end-of-text token: the mask's size and dtype do not depend on where documents end
+    return [(x, y, document_positions(x, 0)) for x, y in batches]
 
 
 def measure_step(

@@ -134,6 +134,9 @@ class ExecutionPlan:
     tied: bool
     """The token embedding is the head's output projection (model.tie_embeddings): stage 0 and the last stage
     share it (`tied_across`)."""
+    document_mask: bool = False
+    """Attention stops at document boundaries (data.document_mask): every layer's SDPA gets a [b, 1, s, s] mask,
+    which it keeps for backward (`tessera.planner.cost.rank_memory.attention_mask_bytes`)."""
     schedule_checked: bool = field(default=False, compare=False)
     """The lowered schedule was built and validated at resolve time (see SCHEDULE_CHECK_LIMIT)."""
 
@@ -388,6 +391,7 @@ def decide(cfg: Config, world_size: int) -> ExecutionPlan:
         grad_reduce_dtype=tr.grad_reduce_dtype if layout.dp > 1 else "fp32",
         n_layers=n_layers,
         tied=cfg.model.tie_embeddings,
+        document_mask=cfg.data.document_mask,
     )
 
 

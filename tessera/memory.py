@@ -177,6 +177,7 @@ def cost_plan(plan: ExecutionPlan) -> Plan:
         autocast=True,  # fp32 master weights under torch.autocast (tessera.parallel.precision)
         grad_reduce_bytes=DTYPE_BYTES[plan.grad_reduce_dtype],  # ZeRO's reduce-scatter (plain DP: fp32)
         flash_attention=True,  # torch SDPA (flash / memory-efficient kernels) keeps no s×s score tensor
+        document_mask=plan.document_mask,  # but a masked SDPA keeps its mask (rank_memory.attention_mask_bytes)
         rank_order=TESSERA_ORDER,  # ranks laid out by tessera.layout
         stage_layers=None if _even(plan) else plan.stage_layers,
     )

@@ -14,13 +14,15 @@ from tessera.errors import ConfigError, TesseraError
 __all__ = ["add_plan_parsers", "cmd_calibrate", "cmd_plan"]
 
 
-def _model_arg(text: str):
-    """A planner model name, or a TOML config file whose [model] section is used."""
+def _model_arg(text: str) -> tuple[object, bool]:
+    """A planner model name, or a TOML config file whose [model] section is used; and whether the config trains
+    with data.document_mask (whose per-layer attention masks the memory estimate counts)."""
     if text.endswith(".toml") or Path(text).is_file():
         from tessera.config import load_config
 
-        return load_config(text).model
-    return text
+        cfg = load_config(text)
+        return cfg.model, cfg.data.document_mask
+    return text, False
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -32,14 +34,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.global_batch is not None and args.critical_batch:
         raise ConfigError("give either --global-batch N or --critical-batch, not both")
     hw = load_hardware(args.hardware)
+    model, document_mask = _model_arg(args.model)
     space = SearchSpace(
         dtype=args.dtype,
         flash_attention=not args.no_flash_attention,
+        document_mask=document_mask,
         uneven_pipelines=args.uneven_pipelines,
     )
+    if document_mask and not args.json:
+        print("document masking (data.document_mask): each layer's [b, 1, s, s] attention mask is counted")
     try:
         result = search(
-            _model_arg(args.model),
+            model,
             args.gpus,
             hw,
             args.global_batch,

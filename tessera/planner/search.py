@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from tessera.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from tessera.execution import ExecutionPlan, decide, tensor_violations
 from tessera.memory import cost_plan, estimate_plan, memory_floor, model_state_floor, model_state_mean
 from tessera.model.sizes import SIZES
@@ -145,6 +145,9 @@ class SearchSpace:
     """Largest v (chunks per pipeline rank); None: up to one layer per chunk."""
     dtype: str = "bf16"
     flash_attention: bool = True
+    document_mask: bool = False
+    """Train with data.document_mask: every layer keeps its [b, 1, s, s] attention mask for backward, which the
+    memory estimate counts (`tessera.planner.cost.rank_memory.attention_mask_bytes`)."""
     memory_fraction: float = 0.95
     """Usable fraction of device memory (headroom for fragmentation, CUDA context, NCCL buffers)."""
     comm_overlap: bool = True
@@ -505,7 +508,11 @@ def search(
         flops_token=model_flops_per_token(shape),
         peak_total=hw.peak(space.dtype) * gpus,
         gpus=gpus,
-        run=Config(model=cfg, train=TrainConfig(dtype=space.dtype)),
+        run=Config(
+            model=cfg,
+            train=TrainConfig(dtype=space.dtype),
+            data=DataConfig(document_mask=space.document_mask),
+        ),
     )
     found: list[Candidate] = []
     for kind, tp, sp in _tensor_options(cfg, gpus, hw, space):
@@ -541,6 +548,7 @@ def _search_layout(
         dtype=ctx.space.dtype,
         autocast=True,  # tessera's mixed precision: fp32 master weights, fp32 residual stream
         flash_attention=ctx.space.flash_attention,
+        document_mask=ctx.space.document_mask,
         rank_order=TESSERA_ORDER,  # the trainer lays ranks out with tessera.layout
     )
     p2p = p2p_time_per_microbatch(ctx.shape, ctx.hw, base)

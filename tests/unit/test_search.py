@@ -208,6 +208,24 @@ def test_search_memory_is_the_estimators_and_fits(small_search) -> None:
     assert res.rejected_memory > 0  # llama-8b, no ZeRO, no checkpointing, 16 micro-batches in flight: too big
 
 
+def test_search_with_document_masking_counts_every_layers_mask(small_search, tmp_path) -> None:
+    """A search for data.document_mask prices each layout with the masks (`attention_mask_bytes`): a layout
+    without checkpointing needs more memory than without masking, and the config it writes masks documents and
+    resolves to the plan the search priced."""
+    res = search("llama-8b", 32, A100, 128, keep=10**9, space=SearchSpace(document_mask=True))
+    plain = {c.label: c for c in small_search.candidates}
+    masked = [c for c in res.candidates if c.label in plain and c.plan.recompute == "none"]
+    assert masked
+    for cand in masked[:: max(1, len(masked) // 20)]:
+        assert cand.execution.document_mask and cand.plan.document_mask
+        assert cand.memory == estimate_plan(res.shape, cand.execution).breakdown
+        assert cand.memory.activations > plain[cand.label].memory.activations
+    path = tmp_path / "masked.toml"
+    path.write_text(config_toml(res, masked[0]))
+    cfg = load_config(path)
+    assert cfg.data.document_mask and cfg.check(res.gpus) == []
+
+
 def test_search_ranks_by_step_time(small_search) -> None:
     times = [c.step_time for c in small_search.candidates]
     assert times == sorted(times)

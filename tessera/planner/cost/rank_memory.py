@@ -16,6 +16,7 @@ _FP32 = 4
 __all__ = [
     "MemoryBreakdown",
     "activation_bytes_per_layer",
+    "attention_mask_bytes",
     "autocast_weight_bytes",
     "autocast_weight_bytes_per_layer",
     "boundary_bytes",
@@ -24,6 +25,7 @@ __all__ = [
     "memory_per_rank",
     "model_state_bytes",
     "params_per_rank",
+    "rope_position_bytes",
     "stage_params_per_rank",
 ]
 
@@ -106,7 +108,7 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     their product. Selective recomputation drops SDPA's output and the expansion (K, V at kv/h). The attention
     tensors are n_heads·head_dim wide (q/h of the stream's h; 1 unless `ModelShape.head_dim` differs). Qwen3's
     per-head q/k norms (`qk_norm`) keep Q's and K's fp32 upcast and their normalised tensors, split like the
-    heads. Gemma 3's local layers add their band masks (`band_mask_bytes`). Gemma 2's post-norms are two more
+    heads. Gemma 3's local layers add their band masks, document masking every layer's mask (`attention_mask_bytes`) and its RoPE gathers (`rope_position_bytes`). Gemma 2's post-norms are two more
     norms (`FamilyPlan.block_norms`); its soft-capped attention is written out
     (`tessera.model.layers.AttentionCore`): no SDPA output is kept, its a·s² scores are (`capped_score_bytes`).
     `recompute` overrides `plan.recompute` (the working memory of a recomputed block is its "none" count).
@@ -141,17 +143,45 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
         scores = 0.0 if plan.flash_attention else (5 if shape.dropout else 2) * a * s / h * c / 2
         mlp = (_output_bytes(plan, fam.mlp_bias) + c) * f_h  # GELU's input (fc's output), proj's input
         sharded = qkv + c * q_h + mlp + head_norms + (0.0 if recompute == "selective" else scores)
-    return sbh * (replicated / shard_all + sharded / plan.tp) + band_mask_bytes(shape, plan, recompute)
+    masks = attention_mask_bytes(shape, plan, recompute) + rope_position_bytes(shape, plan)
+    return sbh * (replicated / shard_all + sharded / plan.tp) + masks
 
 
-def band_mask_bytes(shape: ModelShape, plan: Plan, recompute: str) -> float:
-    """Bytes per layer, averaged over the layers, of the sliding-window band masks SDPA keeps for backward: a
-    masked SDPA saves its [s, s] mask cast to the compute dtype (measured by the dry run), one per local layer
-    and micro-batch, whole on every tensor rank (attention sees the whole sequence); the selectively recomputed
-    core keeps none. The same s² a document mask costs per layer (not counted here)."""
-    if not shape.local_layers or recompute == "selective" or shape.attn_softcap is not None:
+def attention_mask_bytes(shape: ModelShape, plan: Plan, recompute: str) -> float:
+    """Bytes per layer, averaged over the layers, of the attention masks kept for backward (measured by the dry
+    run, tests/unit/test_activation_formula.py). A masked SDPA saves its boolean mask converted to the compute
+    dtype, a fresh tensor per call, so one per layer and micro-batch, whole on every tensor rank (attention sees
+    the whole gathered sequence, also with sequence parallelism): Gemma 3's local layers their [s, s] band;
+    with document masking (`Plan.document_mask`) every layer its [b, 1, s, s] mask (the band ANDed in), for the
+    rank's own sequences (`_rank_sequences`). Soft-capped attention (Gemma 2, written out) keeps the inverted
+    boolean mask instead, 1 byte per element (without documents its causal [s, s], not counted). The selectively
+    recomputed core keeps none: the checkpoint saves the one boolean mask of the micro-batch, shared by the layers
+    (b·s² bytes, not counted here)."""
+    if recompute == "selective":
         return 0.0
-    return shape.local_layers / shape.n_layers * shape.seq_len**2 * plan.act_bytes
+    s2 = shape.seq_len**2
+    if plan.document_mask:
+        per_element = 1 if shape.attn_softcap is not None else plan.act_bytes
+        return _rank_sequences(plan) * s2 * per_element
+    if shape.attn_softcap is not None:
+        return 0.0
+    return shape.local_layers / shape.n_layers * s2 * plan.act_bytes
+
+
+def rope_position_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Bytes per layer of the RoPE tables gathered at each token's position in its document (`Plan.document_mask`;
+    `tessera.model.layers.Rope`): cos and sin, [b, 1, s, hd/2] each in fp32, a fresh gather per layer that the
+    rotation keeps for backward (with positions 0..s-1 it keeps slices of the tables instead: nothing new).
+    Computed outside the attention core, so kept under selective recomputation too."""
+    if not (plan.document_mask and shape.features.rope):
+        return 0.0
+    return _rank_sequences(plan) * shape.seq_len * shape.head_dim * _FP32
+
+
+def _rank_sequences(plan: Plan) -> float:
+    """Sequences of a micro-batch whose attention one rank computes: all b of them in 1D (sequence parallelism
+    gathers the sequence before attention), b/q in 2D (the grid's rows split the batch)."""
+    return plan.micro_batch / plan.q  # q: 1 in 1D
 
 
 def capped_score_bytes(plan: Plan) -> float:
