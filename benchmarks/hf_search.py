@@ -27,10 +27,14 @@ their own seeded stream after the rest, so the draws above are each seed's as be
 folders (`hf_gemma2_case`: attention and final soft-caps null or set, query_pre_attn_scalar at or other than
 head_dim, head_dim at or other than hidden / heads, a sliding window at least the context or narrower, with
 layer_types alternating, all full, all sliding or absent, tied or untied, the (1 + w) norm weights drawn):
-``--gemma2-cases`` imports and layout configs and ``--gemma2-runs`` runs, from a stream of their own.
+``--gemma2-cases`` imports and layout configs and ``--gemma2-runs`` runs, from a stream of their own. Then on
+Gemma 3 text folders (`hf_gemma3_case`: windows narrower than the context or not, layer_types patterns, absent,
+or no pattern, which tessera must refuse by name: counted, not a disagreement, `check_unpatterned`),
+rope_parameters per layer type): ``--gemma3-cases`` and ``--gemma3-runs``.
 
     python benchmarks/hf_search.py [--seed 0] [--configs 300] [--runs 60] [--imports 200] [--head-dim-cases 80]
     python benchmarks/hf_search.py --imports 0 --configs 0 --runs 0 --head-dim-cases 0 --gemma2-cases 60
+    python benchmarks/hf_search.py --imports 0 --configs 0 --runs 0 --head-dim-cases 0 --gemma2-cases 0 --gemma3-cases 60
 
 Prints one line per disagreement and a summary; the results are in benchmarks/results/hf_search.md.
 """
@@ -171,7 +175,69 @@ def hf_gemma2_case(rng: random.Random) -> dict[str, Any]:
     return hf
 
 
-PHASES = {"head_dim": hf_head_dim_case, "gemma2": hf_gemma2_case}
+GEMMA3_ROPE_BASES = (100.0, 10000.0, 1000000.0)
+"""Gemma 3's rope_parameters draws per layer type: its released 10⁴ (sliding) and 10⁶ (full), and 100, whose low
+frequencies turn visibly within 16 positions."""
+
+
+def gemma3_pattern(layers: int, p: int) -> list[str]:
+    """Gemma 3's layer_types: every p-th layer full attention, the others sliding (p > layers: all sliding)."""
+    return ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(layers)]
+
+
+def hf_gemma3_case(rng: random.Random) -> dict[str, Any]:
+    """A Gemma3TextConfig of an `hf_gemma2_case`'s shape, scalar, head_dim and ties: caps null in most cases
+    (Gemma 3's default), a sliding window narrower than the context (2, 5, 8, context - 1) or not (the context,
+    4096), layer_types a repeating pattern (every p-th layer full, p from 2 to layers + 1, all sliding at
+    layers + 1), absent (transformers derives it from sliding_window_pattern 6: all sliding at these depths) or,
+    with 2+ layers, full then sliding (not a pattern: tessera must refuse it by name), and rope_parameters with a
+    base per layer type (``rope_local``: the sliding layers')."""
+    hf = hf_gemma2_case(rng)
+    layers, ctx = hf["num_hidden_layers"], hf["max_position_embeddings"]
+    hf.pop("layer_types", None)
+    hf |= {
+        "kind": "gemma3",
+        "attn_logit_softcapping": rng.choice([None, None, None, *GEMMA2_ATTN_CAPS[1:]]),
+        "final_logit_softcapping": rng.choice([None, None, None, *GEMMA2_FINAL_CAPS[1:]]),
+        "sliding_window": rng.choice([2, 5, 8, ctx - 1, ctx, 4096]),
+        "rope_local": rng.choice(GEMMA3_ROPE_BASES),
+        "rope_theta": rng.choice(GEMMA3_ROPE_BASES),
+    }
+    r = rng.random()
+    if r < 0.7:
+        hf["layer_types"] = gemma3_pattern(layers, rng.randint(2, layers + 1))
+    elif r < 0.85 and layers >= 2:
+        hf["layer_types"] = ["full_attention"] + ["sliding_attention"] * (layers - 1)  # not a pattern
+    return hf
+
+
+def gemma3_unpatterned(hf: dict[str, Any]) -> bool:
+    """Whether a Gemma 3 folder's layer_types is no repeating pattern (tessera refuses it)."""
+    types = hf.get("layer_types")
+    if hf["kind"] != "gemma3" or not types:
+        return False
+    p = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
+    return list(types) != gemma3_pattern(len(types), p)
+
+
+UNPATTERNED_REFUSED: list[str] = []
+"""Tags of the Gemma 3 folders whose non-pattern layer_types tessera refused (`check_unpatterned`): counted, not
+disagreements."""
+
+
+def check_unpatterned(hf: dict[str, Any], problems: list[str], tag: str, found: list[str]) -> None:
+    """A Gemma 3 folder whose layer_types is no pattern must be refused by name (its local and global layers
+    differ in RoPE base, so no model.sliding_window_pattern computes it); a refusal is counted, an acceptance or a
+    refusal that does not name layer_types is a disagreement."""
+    if not gemma3_unpatterned(hf):
+        return
+    if any("layer_types" in p for p in problems):
+        UNPATTERNED_REFUSED.append(tag)
+    else:
+        found.append(f"a layer_types that is no pattern is not refused by name ({problems}): {tag}")
+
+
+PHASES = {"head_dim": hf_head_dim_case, "gemma2": hf_gemma2_case, "gemma3": hf_gemma3_case}
 """The phases after the plain draws: each draws its folders from a function of its own and a stream of its own."""
 
 
@@ -212,15 +278,21 @@ def llama3_rope(tag: str, theta: float) -> dict[str, Any]:
 
 def hf_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     """The transformers config arguments of a drawn case (the llama3 tag as rope_parameters)."""
-    kw = {k: v for k, v in hf.items() if k not in ("kind", "bf16", "shard", "llama3")}
+    kw = {k: v for k, v in hf.items() if k not in ("kind", "bf16", "shard", "llama3", "rope_local")}
     if "llama3" in hf:
         kw["rope_parameters"] = llama3_rope(hf["llama3"], kw.pop("rope_theta"))
+    if "rope_local" in hf:  # Gemma 3: a base per layer type
+        kw["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", "rope_theta": kw.pop("rope_theta")},
+            "sliding_attention": {"rope_type": "default", "rope_theta": hf["rope_local"]},
+        }
     return kw
 
 
 CONFIG_CLASSES = {
     "gpt2": "GPT2Config",
     "gemma2": "Gemma2Config",
+    "gemma3": "Gemma3TextConfig",
     "llama": "LlamaConfig",
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
@@ -299,6 +371,14 @@ def explicit_keys(hf: dict[str, Any]) -> list[tuple[str, Any]]:
         )
         if hf.get(key) is not None
     ]
+    if (
+        "rope_local" in hf
+    ):  # Gemma 3's window, pattern (none for a layer_types that is not one) and local base
+        gemma2 += [("sliding_window", hf["sliding_window"]), ("rope_local_theta", hf["rope_local"])]
+        if not gemma3_unpatterned(hf):
+            types = hf.get("layer_types") or gemma3_pattern(hf["num_hidden_layers"], 6)
+            p = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
+            gemma2.append(("sliding_window_pattern", p))
     return [
         ("family", "llama" if hf["kind"] == "mistral" else hf["kind"]),
         ("n_layers", hf["num_hidden_layers"]),
@@ -341,7 +421,7 @@ def make_folder(folder: Path, hf: dict[str, Any]) -> None:
         model = transformers.AutoModelForCausalLM.from_config(cls(**kw, **common))
     except Exception as e:  # transformers itself refuses the shape: config.json alone, written by hand
         folder.mkdir(parents=True)
-        (folder / "config.json").write_text(json.dumps({"model_type": hf["kind"], **kw, **common}))
+        (folder / "config.json").write_text(json.dumps({"model_type": cls.model_type, **kw, **common}))
         (folder / "transformers_refused.txt").write_text(f"{type(e).__name__}: {e}")
         return
     with torch.no_grad():
@@ -350,7 +430,7 @@ def make_folder(folder: Path, hf: dict[str, Any]) -> None:
                 p.normal_(0.0, 0.2)  # transformers starts them at 0: a mis-mapped one would not show
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(1.0, 0.5)  # transformers starts them at 1: q and k swapped would not show
-            if hf["kind"] == "gemma2" and name.endswith("norm.weight"):
+            if hf["kind"] in ("gemma2", "gemma3") and name.endswith("norm.weight"):
                 p.normal_(0.0, 0.5)  # Gemma's (1 + w) norms start at 0: four norms swapped would not show
     if hf["bf16"]:
         model = model.to(torch.bfloat16)
@@ -450,6 +530,11 @@ def features(world: int, raw: dict, hf: dict) -> tuple:
         hf.get("final_logit_softcapping"),
         hf.get("query_pre_attn_scalar", hf.get("head_dim")) == hf.get("head_dim"),
         str(hf.get("layer_types", "-"))[:30],
+        # Gemma 3's (likewise constant for the others)
+        hf.get("sliding_window", 0) < hf.get("max_position_embeddings", 0) if "rope_local" in hf else None,
+        gemma3_unpatterned(hf),
+        hf.get("rope_local") == hf.get("rope_theta"),
+        tuple(hf.get("layer_types") or ()),
     )
 
 
@@ -521,6 +606,13 @@ VARIANTS = {  # HF config keys beyond the shape, per model type: values users' f
         "sliding_window": [None, 8, 16, 32, 4096],
         "attention_dropout": [0.0, 0.1],
     },
+    "gemma3": {
+        "hidden_activation": ["gelu_pytorch_tanh", "gelu"],
+        "attention_bias": [False, True],
+        "use_bidirectional_attention": [False, True],
+        "sliding_window": [None, 2, 8, 4096],
+        "attention_dropout": [0.0, 0.1],
+    },
     "gpt2": {
         "activation_function": ["gelu_new", "gelu_pytorch_tanh", "gelu", "relu"],
         "scale_attn_weights": [True, False],
@@ -567,7 +659,7 @@ def import_case(
                 p.normal_(0.0, 0.2)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(1.0, 0.5)
-            if hf["kind"] == "gemma2" and name.endswith("norm.weight"):
+            if hf["kind"] in ("gemma2", "gemma3") and name.endswith("norm.weight"):
                 p.normal_(0.0, 0.5)
     folder = root / (f"import_{phase}{i}" if phase else f"import{i}")
     model.save_pretrained(folder)
@@ -597,7 +689,10 @@ def import_search(
         folder, hf, drop = case
         tag = f"{hf} without {drop}"
         raw = {"model": {"init": f"hf:{folder}"}, "data": {"path": str(root / "tokens.bin")}}
-        if judge(1, raw):
+        problems = judge(1, raw)
+        if "layer_types" not in drop:
+            check_unpatterned(hf, problems, tag, found)
+        if problems:
             refused += 1
             continue
         cfg = from_dict(raw)
@@ -639,6 +734,7 @@ def judge_configs(
         world, raw, hf = sample(rng, root, token_file, i, phase)
         make_folder(root / folder_name(hf), hf)
         problems = judge(world, raw)
+        check_unpatterned(hf, problems, f"[{i}] {hf}", found)
         if (root / folder_name(hf) / "transformers_refused.txt").is_file() and not problems:
             found.append(f"[{i}] transformers cannot build {hf} but validate accepts it")
         if problems:
@@ -725,6 +821,13 @@ def main() -> None:
         help="then this many imports and layout configs of Gemma 2 folders (own seeded stream)",
     )
     ap.add_argument("--gemma2-runs", type=int, default=12, help="runs among the Gemma 2 layout configs")
+    ap.add_argument(
+        "--gemma3-cases",
+        type=int,
+        default=60,
+        help="then this many imports and layout configs of Gemma 3 text folders (own seeded stream)",
+    )
+    ap.add_argument("--gemma3-runs", type=int, default=12, help="runs among the Gemma 3 layout configs")
     ap.add_argument("--root", type=Path, default=None)
     args = ap.parse_args()
     import transformers
@@ -765,6 +868,8 @@ def main() -> None:
         head_dim_phase(args, root, token_file, found)
     if args.gemma2_cases:
         gemma2_phase(args, root, token_file, found)
+    if args.gemma3_cases:
+        gemma3_phase(args, root, token_file, found)
     for f in found:
         print("DISAGREEMENT", f)
 
@@ -811,6 +916,36 @@ def gemma2_phase(args: argparse.Namespace, root: Path, token_file: Path, found: 
         f"attention cap; {head_dim_counts(runs)} with head_dim != hidden / heads); worst loss rel "
         f"{worst_loss:.1e}, worst gradient rel {worst_grad:.1e}; {len(g_found)} disagreement(s) in "
         f"{time.time() - t0:.0f}s"
+    )
+    found += g_found
+
+
+def gemma3_phase(args: argparse.Namespace, root: Path, token_file: Path, found: list[str]) -> None:
+    """The imports, configs and runs of `hf_gemma3_case` folders, from streams of their own (as `gemma2_phase`);
+    the refusals of non-pattern layer_types are counted apart (`check_unpatterned`)."""
+    t0, n = time.time(), args.gemma3_cases
+    UNPATTERNED_REFUSED.clear()
+    imported, import_refused, at_load, g_found, free = import_search(
+        random.Random(f"gemma3 {args.seed}"), root, n, "gemma3"
+    )
+    import_unpatterned = len(UNPATTERNED_REFUSED)
+    accepted, refused = judge_configs(
+        random.Random(f"gemma3 layouts {args.seed}"), root, token_file, n, g_found, "gemma3"
+    )
+    runs = spread(accepted, args.gemma3_runs)
+    worst_loss, worst_grad, compared = run_layouts(runs, root, g_found)
+    narrow = sum(
+        hf["sliding_window"] < raw["model"].get("seq_len", hf["max_position_embeddings"])
+        for _, raw, hf in runs
+    )
+    print(
+        f"gemma3 seed {args.seed}: imports {n} drawn, {imported} compared ({free} with head_dim != hidden / "
+        f"heads), {import_refused} refused by validate ({import_unpatterned} a layer_types that is no pattern), "
+        f"{at_load} at the weight load; {n} configs judged, {len(accepted)} accepted, {refused} refused "
+        f"({len(UNPATTERNED_REFUSED) - import_unpatterned} no pattern); {len(runs)} run ({compared} with "
+        f"gradients, {narrow} with a window narrower than the sequence; {head_dim_counts(runs)} with head_dim != "
+        f"hidden / heads); worst loss rel {worst_loss:.1e}, worst gradient rel {worst_grad:.1e}; "
+        f"{len(g_found)} disagreement(s) in {time.time() - t0:.0f}s"
     )
     found += g_found
 

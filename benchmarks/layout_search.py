@@ -17,6 +17,7 @@ train on the same documents as prompt/completion records through `prepare`'s pro
     python benchmarks/layout_search.py --seed 3 --configs 60 --focus 2d,pp3,hybrid,stage_layers,interleaved,gqa_tp
     python benchmarks/layout_search.py --seed 7 --configs 30 --focus head_dim,head_dim+2d,loss_mask+2d,qwen3+2d
     python benchmarks/layout_search.py --seed 8 --configs 30 --focus gemma2+pp,gemma2+sp,gemma2+2d,gemma2+zero3+loss_mask,gemma2+window_start+hybrid
+    python benchmarks/layout_search.py --seed 10 --configs 30 --minutes 15 --focus gemma3+pp,gemma3+sp,gemma3+2d,gemma3+zero3+document_mask,gemma3+hybrid+loss_mask
     python benchmarks/layout_search.py --rerun OLD.jsonl --out NEW.md   # the same configs on today's code
     python benchmarks/layout_search.py --merge A.jsonl B.jsonl --out benchmarks/results/layout_search.md
 
@@ -35,11 +36,13 @@ differing from d_model, as Qwen3-0.6B's), pp (a pipeline), sp (1D tensor paralle
 zero3 (ZeRO-3 over 2+ data ranks), gemma2 (the gemma2 family, `_gemma2`: soft-caps on or off, a
 query_pre_attn_scalar other than head_dim, a head_dim other than d_model / n_heads, tied or untied), window_start
 (``data.window_start = "document"`` with ``data.document_mask`` on `short_corpus`'s documents of 1 to 3 words, so
-windows open at a document start and span several; with loss_mask, the masked corpus's records).
+windows open at a document start and span several; with loss_mask, the masked corpus's records), gemma3 (the
+gemma3 family, `_gemma3`: Gemma 2's settings plus a sliding window narrower than the sequence, a local/global
+layer pattern, a local RoPE base other than the global one), document_mask (``data.document_mask`` always on).
 
 The plain draw leaves ``model.head_dim`` out (tests/config_space.py's ``head_dim=False``) so that the seeds
 recorded before it existed draw the same cases again; a focus entry with ``head_dim`` draws it (a quarter of the
-draws, widths 3, 4, 6 or 12, before the rejection sampling). The gemma2 and window_start features likewise make
+draws, widths 3, 4, 6 or 12, before the rejection sampling). The gemma2, gemma3 and window_start features likewise make
 their extra draws only in their own entries, so every earlier seed's draws stay as recorded.
 
 Writes the Markdown report (command, configs drawn per feature, agreements and disagreements, worst relative
@@ -148,6 +151,31 @@ def _gemma2(model: dict, rng: random.Random) -> None:
     model["final_softcap"] = rng.choice(FINAL_SOFTCAPS)
 
 
+GEMMA3_ATTN_SOFTCAPS = (1.0, 5.0, 50.0)
+"""The gemma3 feature's attention caps: its per-head q/k norms make the scores of order one at init (not ~0.01 as
+Gemma 2's), so 1 bends them, 5 barely, 50 not at all. `ATTN_SOFTCAPS`' 0.02 saturates the tanh here: the
+gradients through it are rounding (seed 9, case 12: q/k-norm gradients ~1e-8, one process fp32 itself 4e-2 to 1
+from float64; benchmarks/results/layout_search.md)."""
+ROPE_BASES = (100.0, 10000.0, 1000000.0)
+"""The gemma3 feature's RoPE bases, two different ones per case (global rope_theta, local rope_local_theta): at
+sequences of 8 to 16 positions a base of 100 turns the low frequencies visibly, 10⁴ and 10⁶ are Gemma 3's local
+and global ones."""
+
+
+def _gemma3(model: dict, rng: random.Random) -> None:
+    """Make a drawn model a Gemma 3 (the gemma3 feature): `_gemma2`'s settings (caps on in a quarter of the
+    cases each, as Gemma 3 leaves them off) plus a sliding window narrower than the sequence (2 to seq_len - 1)
+    and a pattern from 2 (every other layer global) to n_layers + 1 (every layer local), and a local RoPE base
+    other than the global one; the per-head (1 + w) q/k norms come with the family."""
+    _gemma2(model, rng)
+    model["family"] = "gemma3"
+    for key, caps in (("attn_softcap", GEMMA3_ATTN_SOFTCAPS), ("final_softcap", FINAL_SOFTCAPS[1:])):
+        model[key] = rng.choice(caps) if rng.random() < 0.25 else None
+    model["sliding_window"] = rng.randint(2, model["seq_len"] - 1)
+    model["sliding_window_pattern"] = rng.randint(2, model["n_layers"] + 1)
+    model["rope_theta"], model["rope_local_theta"] = rng.sample(ROPE_BASES, 2)
+
+
 def _free_head_dim(raw: dict) -> bool:
     """Whether the case's heads are narrower or wider than d_model / n_heads (``model.head_dim``)."""
     m = raw["model"]
@@ -179,6 +207,8 @@ FOCUS: dict[str, Callable[[ExecutionPlan, dict], bool]] = {
     "loss_mask": lambda p, raw: raw["data"].get("loss_mask", False),
     "head_dim": lambda p, raw: _free_head_dim(raw),
     "gemma2": lambda p, raw: raw["model"]["family"] == "gemma2",
+    "gemma3": lambda p, raw: raw["model"]["family"] == "gemma3",
+    "document_mask": lambda p, raw: raw["data"]["document_mask"],
     "pp": lambda p, raw: p.pp > 1,
     "sp": lambda p, raw: p.sequence_parallel,
     "zero3": lambda p, raw: p.zero == 3 and p.dp > 1,
@@ -230,18 +260,25 @@ def draw_case(
     FOCUS feature it names. The ``loss_mask`` feature trains on ``masked`` (`masked_corpus`) with
     ``data.loss_mask``, drawing nothing more, so its cases are the plain draws' with the masked data; ``head_dim``
     adds the config space's head-width draw, which the plain draw leaves out (seeds recorded before it), and so
-    does ``gemma2``, which then draws the Gemma 2 settings (`_gemma2`); ``window_start`` trains document windows
-    with the document mask on ``short`` (`short_corpus`), or on ``masked`` with loss_mask."""
+    does ``gemma2``, which then draws the Gemma 2 settings (`_gemma2`), and ``gemma3`` (`_gemma3`);
+    ``window_start`` trains document windows with the document mask on ``short`` (`short_corpus`), or on
+    ``masked`` with loss_mask; ``document_mask`` sets the document mask after its draw."""
     wanted = focus_features(focus)
     for _ in range(MAX_DRAWS):
-        world, raw = draw_run_config(RandomPick(rng), head_dim="head_dim" in wanted or "gemma2" in wanted)
+        world, raw = draw_run_config(
+            RandomPick(rng), head_dim=bool({"head_dim", "gemma2", "gemma3"} & set(wanted))
+        )
         if "w8" in wanted:
             world, raw = _eight_ranks(world, raw, rng)
         if "gemma2" in wanted:
             _gemma2(raw["model"], rng)
+        if "gemma3" in wanted:
+            _gemma3(raw["model"], rng)
         raw["train"] |= {**BASE_TRAIN, "grad_clip": rng.choice([0.0, 0.5, 1.0])}
         raw["model"] = {k: v for k, v in raw["model"].items() if v is not None}
         raw["data"] = {"path": str(tokens), "document_mask": rng.random() < 0.3}
+        if "document_mask" in wanted:  # after the draw above, so the other entries' draws are unchanged
+            raw["data"]["document_mask"] = True
         if "loss_mask" in wanted:
             assert masked is not None, "the loss_mask focus needs the masked corpus"
             raw["data"] |= {"path": str(masked), "loss_mask": True}
@@ -285,6 +322,7 @@ def features(world: int, raw: dict) -> dict[str, Any]:
         "family": raw["model"].get("family", "gpt"),
         "head_dim": raw["model"]["head_dim"] if _free_head_dim(raw) else "-",
         "softcaps": _softcaps(raw["model"]),
+        "local": _local(raw["model"]),
         "gqa": _gqa(raw),
         "tied": raw["model"].get("tie_embeddings", True),
         "dp": plan.dp,
@@ -311,9 +349,17 @@ def features(world: int, raw: dict) -> dict[str, Any]:
 
 def _softcaps(m: dict) -> str:
     """Gemma 2's attention cap / final cap / query_pre_attn_scalar ("-": another family)."""
-    if m.get("family") != "gemma2":
+    if m.get("family") not in ("gemma2", "gemma3"):
         return "-"
     return "/".join(str(m.get(k)) for k in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"))
+
+
+def _local(m: dict) -> str:
+    """Gemma 3's window / pattern / local RoPE base : global base ("-": another family or no window)."""
+    if m.get("sliding_window") is None:
+        return "-"
+    theta = f"{m.get('rope_local_theta', 10000.0):g}:{m.get('rope_theta', 10000.0):g}"
+    return f"w{m['sliding_window']}/p{m.get('sliding_window_pattern', 6)}/{theta}"
 
 
 def run_case(world: int, raw: dict, work: Path, refs: dict[str, Record], i: int) -> dict[str, Any]:
@@ -425,6 +471,7 @@ def _short(f: dict) -> str:
         f" clip{f['grad_clip']}{' docmask' if f['document_mask'] else ''}{' lossmask' if f.get('loss_mask') else ''}"
         f"{' docwindows' if f.get('window_start') == 'document' else ''}"
         f"{' caps:' + f['softcaps'] if f.get('softcaps', '-') != '-' else ''}"
+        f"{' local:' + f['local'] if f.get('local', '-') != '-' else ''}"
     )
 
 

@@ -281,6 +281,8 @@ def _values(hf: dict[str, Any], fam: HFFamily) -> dict[str, Any]:
     values["head_dim"] = _head_dim(hf, fam)
     for name, (key, absent) in fam.extra_keys.items():
         values[name] = hf.get(key, absent)  # null: None (no soft-cap), as transformers reads it
+    for name in fam.unapplied:
+        values[name] = None  # whatever config.json says: transformers' model does not compute it
     if fam.local_layers:
         values["rope_theta"], values["rope_local_theta"], _ = _local_rope(hf)
         values["sliding_window"] = hf.get("sliding_window", 4096)  # Gemma3TextConfig's default
@@ -441,6 +443,8 @@ def _source(name: str, fam: HFFamily, hf: dict[str, Any]) -> str:
         return ("rope_scaling" if hf.get("rope_scaling") else "rope_parameters") + ".rope_theta"
     if name == "rope_scaling":
         return "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    if name in fam.unapplied:
+        return f"{fam.unapplied[name]}, which {fam.architecture} never applies, so it"
     if name in fam.extra_keys:
         key = fam.extra_keys[name][0]
         return key if key in hf else f"{key} (absent: {fam.model_type}'s default)"
@@ -489,6 +493,14 @@ def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None, dtype: str =
         value = getattr(cfg, name)
         # tessera's None scalar is 1/sqrt(head_dim): the scalar transformers needs for it is the head width
         out[key] = cfg.head_size if value is None and name == "query_pre_attn_scalar" else value
+    for name, key in fam.unapplied.items():
+        if getattr(cfg, name) is not None:
+            raise ConfigError(
+                f"model.{name} = {getattr(cfg, name)!r} is set, but transformers' {fam.architecture} never applies "
+                f"{key}, so the exported model would compute without it; remove model.{name} (and retrain) to "
+                f"export as {fam.model_type}"
+            )
+        out[key] = None
     if fam.window_without_layer_types:
         _export_window(out, cfg.seq_len)
     if "torch_dtype" in out:

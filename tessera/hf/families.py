@@ -83,6 +83,11 @@ class HFFamily:
     extra_keys: dict[str, tuple[str, Any]] = field(default_factory=dict)
     """Further tessera ModelConfig fields the architecture sets: field -> (HF config key, transformers' value when
     the key is absent). A null value means None (Gemma 2's soft-caps: no cap)."""
+    unapplied: dict[str, str] = field(default_factory=dict)
+    """tessera ModelConfig field -> the HF config key transformers' model of this architecture stores but never
+    computes with (Gemma 3's attn_logit_softcapping: Gemma3Attention passes no softcap to its attention). The
+    field imports as None whatever config.json says, as transformers computes, and a model with it set cannot be
+    exported as this architecture."""
 
 
 def _t(hf: str, *parts: str, conv1d: bool = False) -> HFTensor:
@@ -318,9 +323,11 @@ FAMILIES: tuple[HFFamily, ...] = (
         local_layers=True,
         extra_keys={
             "query_pre_attn_scalar": ("query_pre_attn_scalar", 256),
-            "attn_softcap": ("attn_logit_softcapping", None),
             "final_softcap": ("final_logit_softcapping", None),
         },
+        # transformers 5.24's Gemma3Attention keeps attn_logit_softcapping but never applies it (Gemma 2's passes
+        # softcap=...): a folder with it set computes without the cap (found by benchmarks/hf_search.py)
+        unapplied={"attn_softcap": "attn_logit_softcapping"},
     ),
 )
 

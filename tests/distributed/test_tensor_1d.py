@@ -66,10 +66,11 @@ class Case:
 
 
 def _model_cfg(case: Case) -> ModelConfig:
-    # Llama, Qwen2, Qwen3 and Gemma 2: 8 query heads sharing 4 KV heads (GQA), so t = 4 still splits KV heads.
+    # Llama, Qwen2, Qwen3, Gemma 2 and 3: 8 query heads sharing 4 KV heads (GQA), so t = 4 still splits KV heads.
     heads, kv = (4, None) if case.family == "gpt" else (8, 4)
-    # Gemma 2: soft-caps that bite (weights at std 0.3: scores and logits of order one), scalar ≠ head_dim
-    gemma = GEMMA2_CAPS if case.family == "gemma2" else {}
+    # Gemma 2: soft-caps that bite (weights at std 0.3: scores and logits of order one), scalar ≠ head_dim;
+    # Gemma 3: a window and local RoPE base on layer 0, layer 1 global (its per-head (1 + w) q/k norms)
+    gemma = {"gemma2": GEMMA2_CAPS, "gemma3": GEMMA3_LOCAL}.get(case.family, {})
     return ModelConfig(
         **gemma,
         family=case.family,
@@ -85,6 +86,13 @@ def _model_cfg(case: Case) -> ModelConfig:
 
 
 GEMMA2_CAPS = {"attn_softcap": 1.5, "final_softcap": 2.0, "query_pre_attn_scalar": 10.0, "init_std": 0.3}
+GEMMA3_LOCAL = {
+    "sliding_window": 3,  # narrower than SEQ: layer 0 attends within the band
+    "sliding_window_pattern": 2,
+    "rope_local_theta": 10.0,
+    "query_pre_attn_scalar": 10.0,
+    "init_std": 0.3,
+}
 
 LAYOUTS: dict[int, dict[str, Case]] = {
     2: {
@@ -104,6 +112,10 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         # shards, scaled embedding; tied, vocabulary 257 padded to 258
         "gemma2_hd6_tp1d_2_sp_vocab257": Case("gemma2", 2, sp=True, vocab=257, head_dim=6),
         "gemma2_tp1d_2_sp_overlap_untied": Case("gemma2", 2, sp=True, tied=False, overlap=True),
+        # Gemma 3: Gemma 2's block plus per-head (1 + w) q/k norms (their gradients all-reduced), a local layer
+        # with its window and RoPE base on the gathered sequence
+        "gemma3_hd6_tp1d_2_sp_vocab257": Case("gemma3", 2, sp=True, vocab=257, head_dim=6),
+        "gemma3_tp1d_2_sp_overlap_untied": Case("gemma3", 2, sp=True, tied=False, overlap=True),
         "gpt_tp1d_2_sp_overlap": Case("gpt", 2, sp=True, overlap=True),
         "gpt_tp1d_2_sp_overlap_accumulate2": Case("gpt", 2, sp=True, micro=2, overlap=True),
         "llama_tp1d_2_sp_overlap_vocab257_untied": Case(
@@ -126,6 +138,7 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         "qwen3_tp1d_4_vocab257": Case("qwen3", 4, vocab=257),
         "qwen3_hd6_tp1d_4_vocab257": Case("qwen3", 4, vocab=257, head_dim=6),
         "gemma2_tp1d_4_vocab257": Case("gemma2", 4, vocab=257),  # no SP: post-norms replicated whole
+        "gemma3_tp1d_4_vocab257": Case("gemma3", 4, vocab=257),  # no SP: q/k norms on each rank's heads
         "gpt_tp1d_4_sp_overlap_vocab257": Case("gpt", 4, sp=True, vocab=257, overlap=True),
         "llama_tp1d_4_sp_overlap_untied": Case("llama", 4, sp=True, tied=False, overlap=True),
         "llama_dp2_tp1d_2_sp_overlap": Case("llama", 2, dp=2, sp=True, overlap=True),

@@ -95,6 +95,19 @@ MODELS = {
         final_softcap=2.0,
         init_std=0.3,
     ),
+    # Gemma 3: Gemma 2's block plus per-head (1 + w) q/k norms, layer 0 local (window 3 < SEQ, RoPE base 10), layer
+    # 1 global; scalar ≠ head_dim 8 ≠ 16 / 4, no caps (Gemma 3's default); untied, vocabulary 257
+    "gemma3_v257": dict(
+        QWEN3_V257,
+        family="gemma3",
+        head_dim=8,
+        tie_embeddings=False,
+        query_pre_attn_scalar=12,
+        sliding_window=3,
+        sliding_window_pattern=2,
+        rope_local_theta=10.0,
+        init_std=0.3,
+    ),
     # q = 3: heads, KV heads, hidden and MLP width divisible by 3; vocabulary 64 is padded to 66
     "gpt_q3": dict(family="gpt", d_model=36, n_heads=6, vocab_size=64, seq_len=SEQ, n_layers=1),
     "llama_q3": dict(
@@ -245,7 +258,7 @@ SAVED_FAMILIES = ["gpt", "llama"]
 @pytest.fixture(scope="module")
 def tp2x2_results() -> list[dict]:
     """One 4-rank launch shared by the tp2x2 tests (spawning ranks costs more than the models on 2 cores)."""
-    models = [*TP2X2_MODELS, "qwen2_v257", "qwen3_v257", "qwen3_hd8_v257", "gemma2_v257"]
+    models = [*TP2X2_MODELS, "qwen2_v257", "qwen3_v257", "qwen3_hd8_v257", "gemma2_v257", "gemma3_v257"]
     return _launch(models, "tp2x2", SAVED_FAMILIES)
 
 
@@ -282,6 +295,13 @@ def test_tp2x2_gemma2(tp2x2_results: list[dict]) -> None:
     (1 + w) norms' over the grid rows, the final cap on logit blocks), the norm."""
     k = len(TP2X2_MODELS) + 3
     _check_one("gemma2_v257", "tp2x2", [r["runs"][k] for r in tp2x2_results])
+
+
+def test_tp2x2_gemma3(tp2x2_results: list[dict]) -> None:
+    """Gemma 3: collective bytes (`comm_bytes_2d` with Gemma 2's four norms and the per-head q/k norms' traffic),
+    loss, every weight and gradient (the local layer's band and RoPE base on the grid), the norm."""
+    k = len(TP2X2_MODELS) + 4
+    _check_one("gemma3_v257", "tp2x2", [r["runs"][k] for r in tp2x2_results])
 
 
 def test_dp2_tp2x2_matches_single_device() -> None:

@@ -115,6 +115,29 @@ def test_the_folder_gives_window_pattern_and_bases(tmp_path: Path) -> None:
     assert not m.tie_embeddings
 
 
+def test_attn_logit_softcapping_imports_as_transformers_computes_it(tmp_path: Path) -> None:
+    """transformers' Gemma3Attention stores attn_logit_softcapping but never applies it: a folder with a cap that
+    bites (0.05: these scores are of order one) imports without it, logits equal to transformers' own; an
+    explicit model.attn_softcap contradicts the folder, and a gemma3 model with one is refused by the export."""
+    from tessera.hf.config import hf_config as export_config
+
+    make_hf(tmp_path, "gemma3_tied")
+    raw = json.loads((tmp_path / "config.json").read_text()) | {"attn_logit_softcapping": 0.05}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    cfg = load_config(None, [f'model.init="hf:{tmp_path}"'])
+    assert cfg.model.attn_softcap is None
+    tokens = torch.randint(0, VOCAB, (2, cfg.model.seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        err = rel_err(load_init(cfg.model).eval()(tokens), theirs(tokens).logits)
+    assert err < RTOL, err
+    with pytest.raises(ConfigError, match="attn_logit_softcapping, which Gemma3ForCausalLM never applies"):
+        load_config(None, [f'model.init="hf:{tmp_path}"', "model.attn_softcap=0.05"])
+    with pytest.raises(ConfigError, match="never applies attn_logit_softcapping"):
+        export_config(_tiny(attn_softcap=50.0))
+    assert export_config(_tiny())["attn_logit_softcapping"] is None
+
+
 REFUSED = {  # name: (config.json changes, the message naming it)
     "multimodal": (
         {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},

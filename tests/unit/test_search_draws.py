@@ -62,6 +62,11 @@ FOCUSES = [
     "gemma2+zero3+loss_mask",
     "gemma2+window_start+hybrid",
     "window_start+loss_mask",
+    "gemma3+pp",
+    "gemma3+sp",
+    "gemma3+2d",
+    "gemma3+zero3+document_mask",
+    "gemma3+hybrid+loss_mask",
 ]
 
 
@@ -88,8 +93,16 @@ def test_a_combined_focus_draws_accepted_configs_with_every_feature(
             assert raw["data"]["path"] == str(masked if "loss_mask" in focus else short)
         if "gemma2" in focus:
             assert m["family"] == "gemma2"
+        elif "gemma3" in focus:
+            assert m["family"] == "gemma3"
+            assert 2 <= m["sliding_window"] < m["seq_len"]
+            assert 2 <= m["sliding_window_pattern"] <= m["n_layers"] + 1
+            assert m["rope_local_theta"] != m.get("rope_theta", 10000.0)
         else:
             assert not {"query_pre_attn_scalar", "attn_softcap", "final_softcap"} & set(m)
+            assert not {"sliding_window", "sliding_window_pattern", "rope_local_theta"} & set(m)
+        if "document_mask" in focus:
+            assert raw["data"]["document_mask"]
         if "pp" in focus.split("+"):
             assert plan.pp > 1
         if "sp" in focus.split("+"):
@@ -121,6 +134,29 @@ def test_gemma2_draws_every_setting_both_ways(corpora: tuple[Path, Path, Path]) 
     assert {m["tie_embeddings"] for m in models} == {True, False}
 
 
+def test_gemma3_draws_every_setting_both_ways(corpora: tuple[Path, Path, Path]) -> None:
+    """Windows from 2 to seq_len - 1, patterns from 2 (every other layer global) to n_layers + 1 (all local), a
+    local RoPE base other than the global one either side of it, caps on and off (an attention cap never
+    `ATTN_SOFTCAPS`' 0.02, which the q/k-normed scores saturate), head widths, ties: among 60 gemma3 cases."""
+    rng = random.Random(2)
+    models = [layout_search.draw_case(rng, corpora[0], 1, "gemma3")[1]["model"] for _ in range(60)]
+    assert all(m["family"] == "gemma3" for m in models)
+    assert {m["sliding_window"] for m in models} >= {2} and any(
+        m["sliding_window"] == m["seq_len"] - 1 for m in models
+    )
+    patterns = [m["sliding_window_pattern"] for m in models]
+    assert 2 in patterns and any(p == m["n_layers"] + 1 for p, m in zip(patterns, models, strict=True))
+    bases = [(m.get("rope_theta", 10000.0), m["rope_local_theta"]) for m in models]
+    assert {local < theta for theta, local in bases} == {True, False}
+    assert {"attn_softcap" in m for m in models} == {True, False}
+    assert {m["attn_softcap"] for m in models if "attn_softcap" in m} <= set(
+        layout_search.GEMMA3_ATTN_SOFTCAPS
+    )
+    assert {"final_softcap" in m for m in models} == {True, False}
+    assert any(layout_search._free_head_dim({"model": m}) for m in models)
+    assert {m["tie_embeddings"] for m in models} == {True, False}
+
+
 def test_short_corpus_windows_span_documents(corpora: tuple[Path, Path, Path]) -> None:
     """window_start's corpus: documents (each with its end-of-text token) mostly shorter than the drawn windows
     (8 to 16 tokens), so a window that starts at a document start holds document boundaries to mask."""
@@ -141,7 +177,7 @@ def test_an_impossible_combination_stops_with_a_message(
 def test_recorded_seeds_draw_their_cases_again(corpora: tuple[Path, Path, Path]) -> None:
     """Seeds 5 and 6 (drawn before model.head_dim existed): the plain and one-feature draws must make the same
     choices, so a recorded seed is rerun by its command (the head_dim draw is left out of them); seeds 7 (head_dim
-    and combined entries) and 8 (gemma2 and window_start combinations) likewise."""
+    and combined entries), 8 (gemma2 and window_start combinations) and 10 (gemma3 combinations) likewise."""
     tokens, masked, short = corpora
     records = [
         json.loads(line)
@@ -149,7 +185,7 @@ def test_recorded_seeds_draw_their_cases_again(corpora: tuple[Path, Path, Path])
     ]
     # qwen3; loss_mask twice (hybrid_depth_first's rejection sampling: slow); head_dim, head_dim+2d, loss_mask+2d;
     # gemma2 with a pipeline, with 1D+SP, on 2x2, with ZeRO-3 and the loss mask, with document windows and hybrid
-    for seed, n in ((5, 1), (6, 2), (7, 3), (8, 5)):
+    for seed, n in ((5, 1), (6, 2), (7, 3), (8, 5), (10, 5)):
         cases = [r for r in records if r["seed"] == seed][:n]
         args = cases[0]["command"].split()
         focus = layout_search.parse_focus(args[args.index("--focus") + 1])
@@ -207,3 +243,31 @@ def test_hf_search_gemma2_folders_draw_every_setting() -> None:
     assert "query_pre_attn_scalar" in names
     plain = hf_search.hf_case(random.Random(0))
     assert not {"query_pre_attn_scalar", "attn_softcap"} & {k for k, _ in hf_search.explicit_keys(plain)}
+
+
+def test_hf_search_gemma3_folders_draw_every_setting() -> None:
+    pytest.importorskip("transformers")
+    hf_search = _load("hf_search")
+    rng = random.Random(0)
+    cases = [hf_search.hf_gemma3_case(rng) for _ in range(200)]
+    assert {c["kind"] for c in cases} == {"gemma3"}
+    assert {c["sliding_window"] < c["max_position_embeddings"] for c in cases} == {True, False}
+    assert {c["rope_local"] == c["rope_theta"] for c in cases} == {True, False}
+    assert {c["query_pre_attn_scalar"] == c["head_dim"] for c in cases} == {True, False}
+    assert {hf_search.free_head_dim(c) for c in cases} == {True, False}
+    assert {c["tie_word_embeddings"] for c in cases} == {True, False}
+    assert {c["attn_logit_softcapping"] is None for c in cases} == {True, False}
+    assert {"layer_types" in c for c in cases} == {True, False}
+    unpatterned = [c for c in cases if hf_search.gemma3_unpatterned(c)]
+    assert unpatterned and all(c["num_hidden_layers"] >= 2 for c in unpatterned)
+    patterns = {tuple(c["layer_types"]) for c in cases if "layer_types" in c and c not in unpatterned}
+    assert ("sliding_attention", "full_attention") in patterns  # pattern 2
+    assert any(set(t) == {"sliding_attention"} for t in patterns)  # pattern layers + 1
+    # rope_parameters per layer type; Gemma 3's explicit [model] keys only for its folders
+    kw = hf_search.hf_kwargs(cases[0])
+    assert set(kw["rope_parameters"]) == {"full_attention", "sliding_attention"} and "rope_local" not in kw
+    names = {k for k, _ in hf_search.explicit_keys(cases[0])}
+    assert {"sliding_window", "rope_local_theta"} <= names
+    assert not {"sliding_window", "rope_local_theta"} & {
+        k for k, _ in hf_search.explicit_keys(hf_search.hf_gemma2_case(random.Random(0)))
+    }
