@@ -170,6 +170,13 @@ _GEMMA2_TENSORS = (
     _t("lm_head.weight", "head.out.weight"),
 )
 
+# What Gemma 2 and 3 compute alike in tessera: tanh GELU, no attention bias, causal attention.
+_GEMMA_REQUIRED = {
+    "hidden_activation": ("gelu_pytorch_tanh",),
+    "attention_bias": (False,),
+    "use_bidirectional_attention": (None, False),
+}
+
 _GEMMA3_TENSORS = (
     *_GEMMA2_TENSORS[:6],
     _t("model.layers.{i}.self_attn.q_norm.weight", "blocks.{i}.attn.q_norm.weight"),
@@ -282,11 +289,7 @@ FAMILIES: tuple[HFFamily, ...] = (
         family="gemma2",
         keys=_LLAMA_KEYS,
         tie_default=True,
-        required={
-            "hidden_activation": ("gelu_pytorch_tanh",),
-            "attention_bias": (False,),
-            "use_bidirectional_attention": (None, False),
-        },
+        required=_GEMMA_REQUIRED,
         tensors=_GEMMA2_TENSORS,
         embedding="model.embed_tokens.weight",
         kv_heads_absent=4,
@@ -309,11 +312,7 @@ FAMILIES: tuple[HFFamily, ...] = (
         family="gemma3",
         keys=_LLAMA_KEYS,
         tie_default=True,
-        required={
-            "hidden_activation": ("gelu_pytorch_tanh",),
-            "attention_bias": (False,),
-            "use_bidirectional_attention": (None, False),
-        },
+        required=_GEMMA_REQUIRED,
         tensors=_GEMMA3_TENSORS,
         embedding="model.embed_tokens.weight",
         kv_heads_absent=4,
