@@ -94,7 +94,8 @@ def markdown() -> str:
         "Generated from the dataclasses in `tessera/config/sections.py` by",
         "`tessera config --markdown > docs/config.md`; `tests/unit/test_config_docs.py` fails when this file and",
         "the code disagree. Set keys in a TOML file (`[train]` then `lr = 3e-4`) or on the command line",
-        "(`--train.lr=3e-4`); `tessera validate CONFIG --world-size N` lists every problem at once.",
+        "(`--train.lr=3e-4`); `tessera validate CONFIG --world-size N` lists every problem at once. TOML has no",
+        "null: `--model.final_softcap=null` on the command line unsets an optional key (one a `size` fills in).",
         "",
     ]
     for s in sections():

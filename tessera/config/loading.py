@@ -70,7 +70,9 @@ def _read_toml(p: Path) -> dict[str, Any]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
-    """Apply ``section.key=value`` overrides in place; values parse as TOML (3e-4, true, "2x2", [1,2]) or text."""
+    """Apply ``section.key=value`` overrides in place; values parse as TOML (3e-4, true, "2x2", [1,2]) or text,
+    and ``null`` unsets an optional key (TOML has no null): e.g. ``model.final_softcap=null`` removes the soft-cap
+    a ``model.size`` sets; a key that cannot be unset is then reported with its type."""
     for item in overrides:
         key, sep, text = item.lstrip("-").partition("=")
         if not sep or "." not in key:
@@ -107,6 +109,8 @@ def _toml_value(value: Any) -> str:
 
 
 def _parse_value(text: str) -> Any:
+    if text == "null":  # unset: no string key takes the word (e.g. checkpointing's "none" is spelled out)
+        return None
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -180,6 +181,18 @@ def test_as_overrides_is_the_inverse_of_apply_overrides() -> None:
     }
     assert back == expected
     assert as_overrides({"train": {"steps": 5}}) == ["--train.steps=5"]
+
+
+def test_null_override_unsets_an_optional_key() -> None:
+    """``model.final_softcap=null`` on the command line removes the soft-cap a size sets (before: "'null' should be
+    of type float | None", with no way to unset it but writing the whole [model] table out); a key that has no
+    unset value is reported with its type; the word "none" stays text (parallel.checkpointing = "none")."""
+    cfg = load_config(None, ["model.size=gemma2-9b", "model.final_softcap=null", "model.attn_softcap=null"])
+    assert cfg.model.final_softcap is None and cfg.model.attn_softcap is None
+    assert load_config(None, ["model.size=gemma2-9b"]).model.final_softcap == 30.0
+    with pytest.raises(ConfigError, match=re.escape("model.n_layers = None should be of type int")):
+        load_config(None, ["model.size=gemma2-9b", "model.n_layers=null"])
+    assert load_config(None, ["parallel.checkpointing=none"]).parallel.checkpointing == "none"
 
 
 @pytest.mark.parametrize(
