@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from tessera.config import ModelConfig
     from tessera.model.documents import Documents
 
-__all__ = ["Gemma2", "Gemma2Embedding", "Gemma2MLP"]
+__all__ = ["Gemma2", "Gemma2Embedding", "Gemma2MLP", "gemma_block", "gemma_norm"]
 
 
 class Gemma2Embedding(nn.Module):
@@ -57,8 +57,21 @@ class Gemma2MLP(LlamaMLP):
         return F.gelu(gate, approximate="tanh") * up
 
 
-def _norm(cfg: ModelConfig) -> RMSNorm:
+def gemma_norm(cfg: ModelConfig) -> RMSNorm:
+    """Gemma's x̂·(1 + w) RMSNorm over the model width (blocks' four norms and the final one; Gemma 3 too)."""
     return RMSNorm(cfg.d_model, cfg.norm_eps, offset=PLAN.norm_offset)
+
+
+def gemma_block(cfg: ModelConfig, attn: Attention) -> Block:
+    """A Gemma block around ``attn``: norms before and after the attention and the GeGLU MLP (Gemma 2 and 3)."""
+    return Block(
+        attn_norm=gemma_norm(cfg),
+        attn=attn,
+        mlp_norm=gemma_norm(cfg),
+        mlp=Gemma2MLP(cfg, bias=PLAN.mlp_bias),
+        attn_post_norm=gemma_norm(cfg),
+        mlp_post_norm=gemma_norm(cfg),
+    )
 
 
 class Gemma2(TransformerLM):
@@ -71,16 +84,9 @@ class Gemma2(TransformerLM):
     def __init__(self, cfg: ModelConfig) -> None:
         rope = Rope(cfg.head_size, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling)
         blocks = [
-            Block(
-                attn_norm=_norm(cfg),
-                attn=Attention(cfg, bias=PLAN.qkv_bias, out_bias=PLAN.out_bias, rope=rope),
-                mlp_norm=_norm(cfg),
-                mlp=Gemma2MLP(cfg, bias=PLAN.mlp_bias),
-                attn_post_norm=_norm(cfg),
-                mlp_post_norm=_norm(cfg),
-            )
+            gemma_block(cfg, Attention(cfg, bias=PLAN.qkv_bias, out_bias=PLAN.out_bias, rope=rope))
             for _ in range(cfg.n_layers)
         ]
-        head = Head(_norm(cfg), cfg.d_model, cfg.vocab_size, softcap=cfg.final_softcap)
+        head = Head(gemma_norm(cfg), cfg.d_model, cfg.vocab_size, softcap=cfg.final_softcap)
         super().__init__(cfg, embed=Gemma2Embedding(cfg), blocks=blocks, head=head)
         self.rope = rope

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 from tessera.model.family import GEMMA3 as PLAN
 from tessera.model.family import FamilyPlan, is_global_layer
-from tessera.model.gemma2 import Gemma2Embedding, Gemma2MLP
-from tessera.model.layers import Attention, Block, Head, RMSNorm, Rope, TransformerLM
+from tessera.model.gemma2 import Gemma2Embedding, gemma_block, gemma_norm
+from tessera.model.layers import Attention, Head, Rope, TransformerLM
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
@@ -34,10 +34,6 @@ __all__ = ["Gemma3", "layer_window"]
 def layer_window(cfg: ModelConfig, layer: int) -> int | None:
     """The sliding window of layer ``layer``, None for a global layer."""
     return None if is_global_layer(cfg, layer) else cfg.sliding_window
-
-
-def _norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
-    return RMSNorm(dim or cfg.d_model, cfg.norm_eps, offset=PLAN.norm_offset)
 
 
 class Gemma3(TransformerLM):
@@ -51,9 +47,9 @@ class Gemma3(TransformerLM):
         rope = Rope(cfg.head_size, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling)
         rope_local = Rope(cfg.head_size, cfg.seq_len, cfg.rope_local_theta)
         blocks = [
-            Block(
-                attn_norm=_norm(cfg),
-                attn=Attention(
+            gemma_block(
+                cfg,
+                Attention(
                     cfg,
                     bias=PLAN.qkv_bias,
                     out_bias=PLAN.out_bias,
@@ -62,13 +58,9 @@ class Gemma3(TransformerLM):
                     norm_offset=PLAN.norm_offset,
                     window=layer_window(cfg, i),
                 ),
-                mlp_norm=_norm(cfg),
-                mlp=Gemma2MLP(cfg, bias=PLAN.mlp_bias),
-                attn_post_norm=_norm(cfg),
-                mlp_post_norm=_norm(cfg),
             )
             for i in range(cfg.n_layers)
         ]
-        head = Head(_norm(cfg), cfg.d_model, cfg.vocab_size, softcap=cfg.final_softcap)
+        head = Head(gemma_norm(cfg), cfg.d_model, cfg.vocab_size, softcap=cfg.final_softcap)
         super().__init__(cfg, embed=Gemma2Embedding(cfg), blocks=blocks, head=head)
         self.rope, self.rope_local = rope, rope_local
