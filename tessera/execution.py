@@ -500,14 +500,13 @@ def tensor_violations(m: ModelConfig, t: int, q: int, sequence_parallel: bool) -
     without sequence parallelism. The one place that decides which splits a model takes: `tessera validate`
     (`_check_layout`) and the planner's search (`tessera.planner.search._tensor_options`) both ask it."""
     v: list[Violation] = []
-    # 1D splits heads, KV heads and the MLP over t ranks; 2D splits them over the q columns and the batch over q rows.
+    # 1D splits heads, KV heads and the MLP over t ranks and never the residual stream, so d_model need not divide
+    # (Qwen2/3 take a head width free of it); 2D also splits the hidden dimension over the q columns of the grid.
     split, name = (t, f"tensor {t}") if q == 1 else (q, f"2D grid {q}x{q}")
-    for field_name, value in (
-        ("n_heads", m.n_heads),
-        ("n_kv_heads", m.kv_heads),
-        ("d_model", m.d_model),
-        ("ffn_hidden", m.ffn),
-    ):
+    split_fields = [("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("ffn_hidden", m.ffn)]
+    if q > 1:
+        split_fields.insert(2, ("d_model", m.d_model))
+    for field_name, value in split_fields:
         if split > 1 and value % split:
             v.append(
                 Violation(

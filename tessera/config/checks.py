@@ -204,8 +204,8 @@ def check_model(m: ModelConfig) -> list[Violation]:
     plan = family_plan(m)
     if (m.head_dim is None or plan.heads_divide_hidden) and m.d_model % m.n_heads:
         why = (
-            f" (family {m.family!r} needs it even with model.head_dim: transformers' LlamaConfig refuses it, so "
-            "the model could not be exported to or imported from a Hugging Face folder)"
+            f" (family {m.family!r} needs it even with model.head_dim: transformers refuses such a config for it, "
+            "so the model could not be exported to or imported from a Hugging Face folder)"
             if m.head_dim is not None
             else ""
         )

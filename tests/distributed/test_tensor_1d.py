@@ -63,6 +63,7 @@ class Case:
     overlap: bool = False  # tp_comm_overlap: SP's all-gathers / reduce-scatters as rings under the GEMMs
     lanes: int = 0  # with overlap: the rings' chunk GEMMs on this many forced lanes (0: CPU's one lane)
     head_dim: int | None = None  # None: d_model / n_heads; 6 makes the attention 8·6 = 48 wide, not 32
+    d_model: int = 32  # with head_dim set, a width t need not divide: 1D never splits the residual stream
 
 
 def _model_cfg(case: Case) -> ModelConfig:
@@ -75,7 +76,7 @@ def _model_cfg(case: Case) -> ModelConfig:
         **gemma,
         family=case.family,
         n_layers=2,
-        d_model=32,
+        d_model=case.d_model,
         n_heads=heads,
         n_kv_heads=kv,
         vocab_size=case.vocab,
@@ -108,6 +109,12 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         # head_dim 6 ≠ 32 / 8 (Qwen3-0.6B's kind of shape): wq/wk/wv column shards and wo's row shard 48 wide
         "qwen3_hd6_tp1d_2_sp_vocab257_untied": Case("qwen3", 2, sp=True, vocab=257, tied=False, head_dim=6),
         "llama_hd6_tp1d_2_sp_overlap": Case("llama", 2, sp=True, overlap=True, head_dim=6),
+        # d_model 31, odd (Qwen2 and Qwen3 take a head width free of it): 1D splits heads and the MLP, never the
+        # residual stream (norms, embedding width), so t need not divide d_model
+        "qwen3_d31_hd6_tp1d_2_sp_overlap_untied": Case(
+            "qwen3", 2, sp=True, overlap=True, head_dim=6, d_model=31, tied=False
+        ),
+        "qwen2_d31_hd6_tp1d_2_vocab257": Case("qwen2", 2, vocab=257, head_dim=6, d_model=31),
         # Gemma 2: post-norms on the sequence shards (their gradients all-reduced), the final cap on vocabulary
         # shards, scaled embedding; tied, vocabulary 257 padded to 258
         "gemma2_hd6_tp1d_2_sp_vocab257": Case("gemma2", 2, sp=True, vocab=257, head_dim=6),
@@ -137,6 +144,7 @@ LAYOUTS: dict[int, dict[str, Case]] = {
         # no SP: the q/k norm gradients still all-reduce (each rank normalises its own heads)
         "qwen3_tp1d_4_vocab257": Case("qwen3", 4, vocab=257),
         "qwen3_hd6_tp1d_4_vocab257": Case("qwen3", 4, vocab=257, head_dim=6),
+        "qwen3_d30_hd6_tp1d_4_sp_vocab257": Case("qwen3", 4, sp=True, vocab=257, head_dim=6, d_model=30),
         "gemma2_tp1d_4_vocab257": Case("gemma2", 4, vocab=257),  # no SP: post-norms replicated whole
         "gemma3_tp1d_4_vocab257": Case("gemma3", 4, vocab=257),  # no SP: q/k norms on each rank's heads
         "gpt_tp1d_4_sp_overlap_vocab257": Case("gpt", 4, sp=True, vocab=257, overlap=True),

@@ -208,7 +208,7 @@ def test_null_override_unsets_an_optional_key() -> None:
         (  # transformers' LlamaConfig refuses hidden 30 with 4 heads whatever head_dim says; Qwen3 does not
             ["model.family=llama", "model.d_model=30", "model.head_dim=6"],
             "model.heads",
-            "family 'llama' needs it even with model.head_dim: transformers' LlamaConfig refuses it",
+            "family 'llama' needs it even with model.head_dim: transformers refuses such a config for it",
         ),
     ],
 )
@@ -236,3 +236,20 @@ def test_head_dim_other_than_d_over_heads_is_accepted_with_rope_and_sizes_the_at
         )
     assert load_config(None, ["model.family=gpt", "model.head_dim=16"]).check(world_size=1) == []
     assert load_config(None, ["model.family=gpt"]).model.head_size == 16
+
+
+def test_1d_tensor_does_not_need_d_model_divisible_but_2d_does() -> None:
+    """1D splits heads, KV heads and the MLP, never the residual stream: Qwen3 with d_model 30 and head_dim 6
+    validates at tensor 4 (tests/distributed/test_tensor_1d.py runs such shapes against one process); the 2D grid
+    splits the hidden dimension over its columns, so a 4x4 grid still refuses d_model 30."""
+    shape = [
+        "model.family=qwen3",
+        "model.d_model=30",
+        "model.head_dim=6",
+        "model.n_heads=8",
+        "model.n_kv_heads=4",
+    ]
+    one_d = load_config(None, [*shape, "parallel.tensor=4", "parallel.sequence_parallel=true"])
+    assert one_d.check(world_size=4) == []
+    two_d = {v.rule: v for v in load_config(None, [*shape, "parallel.tensor=4x4"]).check(world_size=16)}
+    assert "model.d_model = 30 is not divisible by 2D grid 4x4 (4)" in two_d["tensor.divisibility"].problem
