@@ -86,13 +86,13 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
 
 def as_overrides(raw: dict[str, Any]) -> list[str]:
     """``raw``'s values as command-line overrides (``--train.lr=0.0003``), the inverse of `apply_overrides`:
-    what a script passes to ``tessera train`` to run a config it built as dicts. None means unset (TOML has no
-    null), so it is left out."""
+    what a script passes to ``tessera train`` to run a config it built as dicts. None is written ``null``, which
+    unsets the key, so a None that clears what a ``model.size`` sets (e.g. ``final_softcap``) reaches the run too
+    (left out, the size's value would come back)."""
     return [
-        f"--{section}.{key}={_toml_value(value)}"
+        f"--{section}.{key}={'null' if value is None else _toml_value(value)}"
         for section, values in raw.items()
         for key, value in values.items()
-        if value is not None
     ]
 
 

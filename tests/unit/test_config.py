@@ -166,7 +166,7 @@ def test_missing_config_file_is_a_message(capsys: pytest.CaptureFixture) -> None
 
 def test_as_overrides_is_the_inverse_of_apply_overrides() -> None:
     """A config built as dicts reaches `tessera train` as the same values: strings with quotes and backslashes,
-    booleans, floats in exponent form, lists, inline tables (data.path entries); None is left unset."""
+    booleans, floats in exponent form, lists, inline tables (data.path entries); None as ``null`` (unset)."""
     raw = {
         "model": {"family": "llama", "n_layers": 2, "init": None},
         "parallel": {"tensor": "2x2", "stage_layers": [1, 3], "sequence_parallel": True},
@@ -176,11 +176,15 @@ def test_as_overrides_is_the_inverse_of_apply_overrides() -> None:
     }
     back: dict = {}
     apply_overrides(back, as_overrides(raw))
-    expected = {
-        section: {k: v for k, v in values.items() if v is not None} for section, values in raw.items()
-    }
-    assert back == expected
+    assert back == raw
     assert as_overrides({"train": {"steps": 5}}) == ["--train.steps=5"]
+
+
+def test_as_overrides_carries_an_unset_over_a_size_default() -> None:
+    """A config built as dicts that clears a value its ``model.size`` sets (Gemma 2's soft-caps) reaches the run
+    without it: left out of the overrides, the size's 30.0 came back."""
+    raw = {"model": {"size": "gemma2-9b", "final_softcap": None}}
+    assert load_config(None, [o.lstrip("-") for o in as_overrides(raw)]).model.final_softcap is None
 
 
 def test_null_override_unsets_an_optional_key() -> None:
