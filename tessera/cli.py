@@ -134,7 +134,7 @@ def _warn_long_documents(cfg: Config) -> None:
     if d.window_start != "document" or not d.sources():
         return
     data, _ = open_data(d.sources(), d.valid_path, d.valid_fraction, d.window_start)
-    warning = long_documents(data, cfg.model.seq_len)
+    warning = long_documents(data, cfg.model.seq_len, d.loss_mask)  # also caches the files' start index
     if warning:
         print(f"warning: {warning}")
 

@@ -293,9 +293,11 @@ class DataConfig:
     window_start: str = "any"
     """Where training and validation windows start: "any" token (a window may open mid-document, as in
     pre-training), or "document": only at a document start (a file's first token or the one after an end-of-text
-    token), each document equally likely, so a fine-tuning window holds its record's prompt before its reply.
+    token), each document equally likely, so a fine-tuning window holds its record's prompt before its reply (a
+    window that reaches the file's end reads on from its first token, so the last documents open windows too).
     Documents longer than model.seq_len + 1 tokens then lose their tail (the trainer and `tessera validate` warn
-    how much). Needs token files that record their end-of-text token (`tessera prepare` does)."""
+    how much). Needs token files that record their end-of-text token (`tessera prepare` does); their index of
+    document starts is cached beside them (FILE.doc-starts)."""
     loss_mask: bool = False
     """Train only on the targets the data's loss mask marks (`tessera prepare --prompt-key KEY --completion-key
     KEY`: a record's completion and its end-of-text token, not its prompt; `--messages-key KEY`: a conversation's

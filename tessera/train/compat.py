@@ -14,7 +14,9 @@ resume does with it is docs/checkpoints.md ("What a resume may change").
   and the validation windows would be those of another run, so the validation loss before and after the resume
   would measure different data, unless ``checkpoint.new_data_order`` says so (e.g. to step past the data around
   a loss spike). The same holds for the rule that places the windows (``data.window_start``): another rule draws
-  other windows for the same sample indices, the validation windows included.
+  other windows for the same sample indices, the validation windows included; and, with windows at document
+  starts, for which documents may open one (``data.document_windows``: since every document does, a checkpoint
+  of the earlier rule, where only those a whole window before the end did, records none and is taken to be of it).
 - The held-out split (``data.valid_fraction``, the token file ``data.valid_path`` names, and with a fraction the
   files it holds the tails of): a larger fraction, other files or another validation file would hold out
   documents the run has trained on, or measure ``val_loss`` on other data than before the resume.
@@ -45,6 +47,7 @@ from typing import Any
 from tessera.config import Config
 from tessera.config.sections import ModelConfig
 from tessera.errors import CheckpointError
+from tessera.train.data import DOCUMENT_WINDOWS
 from tessera.train.schedule import SCHEDULE_KEYS, lr_at
 from tessera.train.skips import skipped_before, steps_text
 
@@ -55,6 +58,7 @@ _SCHEDULE = tuple(f"train.{k}" for k in SCHEDULE_KEYS)
 _SKIPS = "train.skip_steps"  # compared by the steps before the checkpoint only (`_skips_rewritten`)
 _WHAT = {  # what a recorded value stands for, where it is not the setting's own value
     "data.seed": "the data order's seed: data.seed, or train.seed when data.seed is unset",
+    "data.document_windows": 'which documents open a window with data.window_start = "document"',
     "data.valid_path": "sha256 of the validation file's tokens",
     "data.valid_files": "sha256 of the tokens and the share of each data.path file that data.valid_fraction "
     "holds the last documents of",
@@ -77,6 +81,8 @@ def run_settings(
     settings |= {f"tokens.{k}": v for k, v in (tokenizer or {}).items()}
     settings["data.seed"] = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
     settings["data.window_start"] = cfg.data.window_start
+    if cfg.data.window_start == "document":
+        settings[_DOCUMENT_WINDOWS] = DOCUMENT_WINDOWS
     settings["data.valid_fraction"] = cfg.data.valid_fraction
     settings["data.valid_path"] = valid_file
     if held_out_files:
@@ -87,12 +93,20 @@ def run_settings(
     return json.loads(json.dumps(settings))  # as they come back from meta.json (tuples become lists)
 
 
-_DATA_ORDER = frozenset({"data.seed", "data.window_start"})  # what checkpoint.new_data_order lets change
+_DOCUMENT_WINDOWS = "data.document_windows"
+_EARLIER_DOCUMENT_WINDOWS = "documents starting a whole window before the end"
+"""What a checkpoint with data.window_start = "document" that records no data.document_windows drew windows by."""
+# what checkpoint.new_data_order lets change
+_DATA_ORDER = frozenset({"data.seed", "data.window_start", _DOCUMENT_WINDOWS})
+_NEW_RULE = (
+    " (to draw the remaining steps' windows and the validation windows by the new rule on purpose: "
+    "checkpoint.new_data_order = true)"
+)
 _OPT_IN = {  # what a user who means the change sets
     "data.seed": " (to draw the remaining steps' samples and the validation windows with the new seed on purpose: "
     "checkpoint.new_data_order = true)",
-    "data.window_start": " (to draw the remaining steps' windows and the validation windows by the new rule on "
-    "purpose: checkpoint.new_data_order = true)",
+    "data.window_start": _NEW_RULE,
+    _DOCUMENT_WINDOWS: _NEW_RULE,
 }
 
 
@@ -111,7 +125,7 @@ def check_compatible(
     not compared."""
     if not isinstance(saved, dict):
         return
-    saved, now = _shape_resolved(saved), _shape_resolved(now)
+    saved, now = _document_windows(_shape_resolved(saved)), _shape_resolved(now)
     may_change = _MAY_CHANGE | (_DATA_ORDER if new_data_order else set())
     changed = [
         _changed(k, saved[k], now[k])
@@ -151,6 +165,15 @@ def _shape_resolved(settings: dict[str, Any]) -> dict[str, Any]:
         "model.ffn_hidden": model.ffn,
     }
     return settings | {k: v for k, v in used.items() if k in settings and settings[k] is None}
+
+
+def _document_windows(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` with the rule its windows at document starts were drawn by: a checkpoint that records windows at
+    document starts but not which documents opened them was written before every document did, so the same
+    sample index drew another start (only those a whole window before the end were counted)."""
+    if saved.get("data.window_start") != "document" or _DOCUMENT_WINDOWS in saved:
+        return saved
+    return saved | {_DOCUMENT_WINDOWS: _EARLIER_DOCUMENT_WINDOWS}
 
 
 def _skips_rewritten(saved: dict[str, Any], now: dict[str, Any], step: int) -> str | None:

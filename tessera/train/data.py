@@ -7,8 +7,9 @@ a loss mask of the same stem (`corpus.mask`: one uint8 per token, 1 where the to
 metadata's ``loss_mask`` entry (its sha256 and number of targets).
 
 Sampling is stateless: the window of global sample `i` starts at hash(seed, i) mod (n_tokens - seq_len) (with
-``data.window_start = "document"``: at document start number hash(seed, i) mod the number of document starts that
-leave a whole window, from each file's index of document starts), and step `k` uses global samples
+``data.window_start = "document"``: at document start number hash(seed, i) mod the number of document starts, from
+each file's index of document starts, cached beside the file; a window that reaches the end of the file continues at
+its first token), and step `k` uses global samples
 [k·B, (k+1)·B) for global batch B (shifted by an offset when a resume changed B).
 A resumed run, or one with a different data-parallel size or micro-batch split, therefore trains on exactly the
 same samples in every step. A step that ``train.skip_steps`` names draws nothing, so its samples are passed over
@@ -47,6 +48,7 @@ __all__ = [
     "default_corpus_files",
     "ensure_default_corpus",
     "get_batch",
+    "index_documents",
     "long_documents",
     "mask_path",
     "open_data",
@@ -57,6 +59,12 @@ __all__ = [
 ]
 
 FORMAT = "tessera-tokens/1"
+INDEX_FORMAT = "tessera-document-starts/1"
+INDEX_SUFFIX = ".doc-starts"
+"""The cache of a token file's document starts: ``corpus.bin`` + ``.doc-starts`` (`TokenDataset.index_path`)."""
+DOCUMENT_WINDOWS = "every document, reading past the end from the start"
+"""Which document starts open a window with data.window_start = "document" (a checkpoint records it: earlier
+versions drew only starts a whole window before the end, so the same sample index drew another start)."""
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment: 2^64 / golden ratio
 
@@ -471,15 +479,20 @@ class TokenDataset:
     """A prepared token file opened as a read-only memmap, validated against its metadata.
 
     ``window_start`` (data.window_start): where sampled windows start, "any" token or a "document" start
-    (`start`); "document" needs the end-of-text token the metadata records (DataError naming the fix)."""
+    (`start`); "document" needs the end-of-text token the metadata records (DataError naming the fix).
+    ``write_index``: whether this process may write the cache of the file's document starts
+    (`index_path`); every process reads it. A multi-rank run lets rank 0 alone write it (`index_documents`)."""
 
-    def __init__(self, path: str | Path, window_start: str = "any") -> None:
+    def __init__(self, path: str | Path, window_start: str = "any", write_index: bool = True) -> None:
         if window_start not in WINDOW_STARTS:
             raise ValueError(f"window_start must be one of {WINDOW_STARTS}, got {window_start!r}")
         self.path = Path(path)
         self.meta = read_token_meta(self.path)
         self.window_start = window_start
+        self.write_index = write_index
         self._document_starts: np.ndarray | None = None  # built on first use (`document_starts`)
+        self._root: TokenDataset = self  # the whole file, whose index a part (`view`) takes its starts from
+        self._span = (0, int(self.meta["n_tokens"]))  # this part's tokens [lo, hi) in the whole file
         dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
         expected = self.meta["n_tokens"] * dtype.itemsize
         actual = self.path.stat().st_size
@@ -523,14 +536,30 @@ class TokenDataset:
     def has_mask(self) -> bool:
         return self.mask is not None
 
+    @property
+    def n_targets(self) -> int:
+        """How many tokens the loss mask marks in this file (part): the count `prepare` recorded for the whole
+        file, less those outside a part (counted on whichever side is smaller)."""
+        assert self.mask is not None and self._root.mask is not None
+        total = int(self.meta["loss_mask"]["n_targets"])
+        lo, hi = self._span
+        n = len(self._root.mask)
+        if (lo, hi) == (0, n):
+            return total
+        if hi - lo <= n // 2:
+            return _count_marked(self.mask)
+        return total - _count_marked(self._root.mask[:lo]) - _count_marked(self._root.mask[hi:])
+
     def view(self, start: int, end: int) -> TokenDataset:
         """The same file restricted to tokens [start, end): a held-out split samples only inside its part."""
         part = copy.copy(self)
         part.meta = dict(self.meta)  # a part's own facts (max_token_id found by a pass) stay its own
         part.tokens = self.tokens[start:end]
         part.mask = self.mask[start:end] if self.mask is not None else None
-        # the part finds its own document starts, from its first token (a held-out cut is a document start)
+        # the part takes its document starts from the whole file's index, from its first token on (a held-out
+        # cut is a document start)
         part._document_starts = None
+        part._span = (self._span[0] + start, self._span[0] + end)
         return part
 
     def holdout_cut(self, fraction: float) -> int | None:
@@ -581,19 +610,60 @@ class TokenDataset:
     @property
     def document_starts(self) -> np.ndarray:
         """int64 offsets of this file's (or part's) document starts, ascending: its first token and every token
-        after an end-of-text token. Found by one chunked scan on first use, then kept (8 bytes per document)."""
+        after an end-of-text token. On first use read from the file's cache (`index_path`), or found by one
+        chunked scan and cached; then kept (8 bytes per document). A part takes its share of the file's."""
         if self._document_starts is None:
             eot = self._eot_for("document starts", 'or set data.window_start = "any"')
-            self._document_starts = _document_starts(self.tokens, eot)
+            if self._root is not self:
+                self._document_starts = _starts_within(self._root.document_starts, *self._span)
+            else:
+                self._document_starts = self._cached_starts(eot)
         return self._document_starts
+
+    @property
+    def index_path(self) -> Path:
+        """Where the cache of the file's document starts lives: beside the token file, its name plus
+        ``.doc-starts`` (never the name of the token file, its metadata or its mask)."""
+        return self._root.path.with_name(self._root.path.name + INDEX_SUFFIX)
+
+    def _index_key(self, eot: int) -> dict[str, Any]:
+        """What the cached index must have been built from: the token file as it is now (size and modification
+        time, and the sha256 of its tokens that `prepare` recorded) and the end-of-text token that ends its
+        documents. No seq_len: the index holds every document start, whatever the window."""
+        stat = self.path.stat()
+        return {
+            "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+            "sha256": self.meta.get("sha256"),
+            "n_tokens": int(self.meta["n_tokens"]),
+            "eot": eot,
+        }
+
+    def _cached_starts(self, eot: int) -> np.ndarray:
+        """The whole file's document starts from its cache when that was built from this file as it is now
+        (and is whole), else from a scan, written to the cache when this process may write it."""
+        key = self._index_key(eot)
+        starts = _read_index(self.index_path, key)
+        if starts is None:
+            starts = _document_starts(self.tokens, eot)
+            if self.write_index:
+                _write_index(self.index_path, key, starts)
+        return starts
+
+    def window(self, start: int, seq_len: int) -> np.ndarray:
+        """The ``seq_len`` + 1 tokens from ``start`` (int64): inputs are all but the last, targets all but the
+        first. A window that reaches the file's (part's) end continues at its first token: the stream is read as
+        a ring, so that a document near the end opens a whole window too ("any" starts never reach the end)."""
+        return np.asarray(_ring(self.tokens, start, seq_len + 1), dtype=np.int64)
 
     def start(self, index: int, seq_len: int, seed: int) -> int:
         """Where global sample ``index``'s window of ``seq_len`` + 1 tokens starts under ``seed``: the one place
         `sample` and `target_mask` ask, so a window's targets and their mask bytes always agree.
 
         "any": hash(seed, index) mod (n_tokens - seq_len), every start that leaves a whole window. "document":
-        the same hash mod the number of document starts that leave a whole window picks one of them, so each
-        document is equally likely to open a window, whatever its length (as fine-tuning samples examples)."""
+        the same hash mod the number of document starts picks one of them, so each document is equally likely to
+        open a window, whatever its length (as fine-tuning samples examples), the last ones too: their window
+        holds them whole (up to seq_len + 1 tokens) and then the file's first tokens (`window`)."""
         if self.n_tokens < min_tokens(seq_len):
             raise DataError(
                 f"token file {str(self.path)!r} has {self.n_tokens} tokens, too few for sequences of "
@@ -604,8 +674,7 @@ class TokenDataset:
         if self.window_start == "any":
             return window_start(index, seed, n_starts)
         starts = self.document_starts
-        usable = int(np.searchsorted(starts, n_starts))  # starts[0] = 0 < n_starts: at least one
-        return int(starts[window_start(index, seed, usable)])
+        return int(starts[window_start(index, seed, len(starts))])
 
     @property
     def max_token_id(self) -> int:
@@ -666,12 +735,17 @@ class TokenDataset:
                 "(or `--messages-key KEY`), or set data.loss_mask = false"
             )
         start = self.start(index, seq_len, seed)  # as `sample`
-        return np.asarray(self.mask[start + 1 : start + seq_len + 1]) != 0  # [s]: the targets' bytes
+        return self.window_mask(start, seq_len)
+
+    def window_mask(self, start: int, seq_len: int) -> np.ndarray:
+        """The loss mask's bytes of the targets of `window` (``start``, ``seq_len``): bool [seq_len]."""
+        assert self.mask is not None
+        return np.asarray(_ring(self.mask, start + 1, seq_len)) != 0  # [s]: the targets' bytes, as `window`
 
     def sample(self, index: int, seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """Inputs x and next-token targets y (int64, [seq_len]) of global sample `index` under `seed`."""
         start = self.start(index, seq_len, seed)
-        window = np.asarray(self.tokens[start : start + seq_len + 1], dtype=np.int64)  # window: [s + 1]
+        window = self.window(start, seq_len)  # window: [s + 1]
         if int(window.max()) > self.max_token_id:  # check_vocab compared the recorded maximum to the model
             raise DataError(
                 f"token file {str(self.path)!r} holds id {int(window.max())} near token {start}, above the "
@@ -692,29 +766,141 @@ def _document_starts(tokens: np.ndarray, eot: int, block: int = 1 << 24) -> np.n
     return starts[starts < len(tokens)]  # the last document's end-of-text token starts nothing
 
 
-def long_documents(data: TokenDataset | Blend, seq_len: int) -> str | None:
+def _ring(values: np.ndarray, start: int, length: int) -> np.ndarray:
+    """``length`` consecutive entries of ``values`` from ``start``, continuing at entry 0 past the end (a view
+    when they do not reach it). ``length`` is at most len(values): `TokenDataset.start` refuses shorter files."""
+    n = len(values)
+    assert 0 < length <= n, (length, n)
+    start %= n
+    if start + length <= n:
+        return values[start : start + length]
+    return np.concatenate([values[start:], values[: length - (n - start)]])
+
+
+def _starts_within(starts: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """The document starts of tokens [lo, hi) of a file whose starts are ``starts``, counted from lo: the
+    file's starts inside, and the part's first token (as a scan of the part alone would find them)."""
+    inside = starts[np.searchsorted(starts, lo) : np.searchsorted(starts, hi)] - lo
+    if len(inside) and inside[0] == 0:
+        return inside
+    return np.concatenate([np.zeros(1, dtype=np.int64), inside])
+
+
+def _read_index(path: Path, key: dict[str, Any]) -> np.ndarray | None:
+    """The document starts cached in ``path`` when it was written for ``key`` and is whole (its checksum and
+    shape hold); None otherwise (missing, stale, torn or damaged: the caller scans the file again)."""
+    try:
+        with path.open("rb") as f:
+            header = json.loads(f.readline(1 << 16))
+            offset = f.tell()
+        if header.get("format") != INDEX_FORMAT or header.get("key") != key:
+            return None
+        count = header["count"]
+        # one more than recorded: a longer file is not the one written
+        starts = np.fromfile(path, dtype="<i8", count=count + 1, offset=offset)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # UnicodeDecodeError is a ValueError
+        return None
+    if len(starts) != count or hashlib.sha256(starts.tobytes()).hexdigest() != header.get("sha256"):
+        return None
+    if not count or starts[0] != 0 or starts[-1] >= key["n_tokens"] or np.any(np.diff(starts) <= 0):
+        return None
+    return starts.astype(np.int64)
+
+
+def _write_index(path: Path, key: dict[str, Any], starts: np.ndarray) -> None:
+    """Cache ``starts`` in ``path`` for ``key``: a JSON header line, then the starts as little-endian int64,
+    written beside it and renamed over it (readers see the old cache or the whole new one). A folder that cannot
+    be written (read-only data) is a warning: the run goes on with the scanned index."""
+    payload = np.ascontiguousarray(starts, dtype="<i8").tobytes()
+    header = {
+        "format": INDEX_FORMAT,
+        "key": key,
+        "count": len(starts),
+        "sha256": hashlib.sha256(payload).hexdigest(),
+    }
+    try:
+        fd, tmp = temp_beside(path)
+    except OSError as e:  # a read-only data folder
+        _not_cached(path, e)
+        return
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(header).encode() + b"\n")
+            f.write(payload)
+        os.replace(tmp, path)
+    except BaseException as e:
+        Path(tmp).unlink(missing_ok=True)
+        if not isinstance(e, OSError):
+            raise
+        _not_cached(path, e)  # disk full, or a folder of that name in the way
+
+
+def _not_cached(path: Path, e: OSError) -> None:
+    """The warning that the index could not be cached: the run goes on, but scans the file at every start."""
+    token_file = path.with_name(path.name.removesuffix(INDEX_SUFFIX))
+    warnings.warn(
+        f"the document starts of {str(token_file)!r} cannot be cached in {str(path)!r} "
+        f"({why_unwritable(path, e)}), so every run scans the file for them again; make its folder writable "
+        "to cache them",
+        stacklevel=5,
+    )
+
+
+def index_documents(*datas: TokenDataset | Blend | None) -> None:
+    """Read or build (and cache, where allowed) the document-start index of every file of ``datas``: a
+    multi-rank run calls this on rank 0 before a barrier, so the other ranks read rank 0's cache."""
+    for data in datas:
+        if data is None:
+            continue
+        for f in data.sources if isinstance(data, Blend) else [data]:
+            f.document_starts  # noqa: B018 (built and cached on first use)
+
+
+def long_documents(data: TokenDataset | Blend, seq_len: int, loss_mask: bool = False) -> str | None:
     """With data.window_start = "document": a warning, naming the fix, when documents of ``data`` are longer than
     a window (seq_len + 1 tokens): every window that holds one of their tokens starts at or before their start,
-    so their tokens past the first seq_len + 1 are in no window and never trained. None when every document fits."""
+    so their tokens past the first seq_len + 1 are in no window and never trained. None when every document fits.
+    With ``loss_mask`` (data.loss_mask) what is lost is counted in targets, the tokens the loss mask trains."""
     files = data.sources if isinstance(data, Blend) else [data]
+    loss_mask = loss_mask and all(f.has_mask for f in files)  # else refused before training, naming the file
     window = min_tokens(seq_len)
-    long = lost = documents = tokens = longest = 0
+    long = lost = documents = trained = longest = 0
     for f in files:
-        lengths = np.diff(np.append(f.document_starts, f.n_tokens))  # [documents]: the last one to the end
-        over = lengths[lengths > window]
-        long, lost = long + len(over), lost + int((over - window).sum())
-        documents, tokens = documents + len(lengths), tokens + f.n_tokens
+        starts = f.document_starts
+        lengths = np.diff(np.append(starts, f.n_tokens))  # [documents]: the last one to the end
+        over = lengths > window
+        long += int(over.sum())
+        if loss_mask:
+            lost += _targets_in(f.mask, starts[over] + window, starts[over] + lengths[over])
+            trained += f.n_targets
+        else:
+            lost, trained = lost + int((lengths[over] - window).sum()), trained + f.n_tokens
+        documents += len(lengths)
         longest = max(longest, int(lengths.max()))
     if not long:
         return None
     names = ", ".join(str(f.path) for f in files)
+    what = "targets" if loss_mask else "tokens"
+    share = 100 * lost / trained if trained else 0.0
     return (
         f'data.window_start = "document": {long:,} of the {documents:,} documents of {names} are longer than a '
         f"window (model.seq_len + 1 = {window} tokens, the longest {longest:,}); windows start at document "
-        f"starts, so their {lost:,} tokens past the first {window} ({100 * lost / tokens:.3g}% of the training "
-        f"tokens) are never trained; set model.seq_len >= {longest - 1} to train every document whole, or "
+        f"starts, so their {lost:,} {what} past the first {window} tokens ({share:.3g}% of the training "
+        f"{what}) are never trained; set model.seq_len >= {longest - 1} to train every document whole, or "
         'data.window_start = "any" to cut windows anywhere'
     )
+
+
+def _count_marked(mask: np.ndarray, block: int = 1 << 24) -> int:
+    """Nonzero bytes of a (memory-mapped) mask, read in blocks."""
+    return sum(int(np.count_nonzero(mask[lo : lo + block])) for lo in range(0, len(mask), block))
+
+
+def _targets_in(mask: np.ndarray | None, lo: np.ndarray, hi: np.ndarray) -> int:
+    """How many tokens the loss mask marks in the ranges [lo[i], hi[i]) (the long documents' untrained tails:
+    few, so each is read on its own rather than the whole mask)."""
+    assert mask is not None
+    return sum(int(np.count_nonzero(mask[a:b])) for a, b in zip(lo.tolist(), hi.tolist(), strict=True))
 
 
 def _next_boundary(tokens: np.ndarray, start: int, eot: int, block: int = 1 << 20) -> int | None:
@@ -783,17 +969,19 @@ def open_data(
     valid_path: str | None = None,
     valid_fraction: float = 0.0,
     window_start: str = "any",
+    write_index: bool = True,
 ) -> tuple[TokenDataset | Blend, TokenDataset | Blend | None]:
     """(training data, validation data or None) from ``(path, weight)`` pairs: one file, or a `Blend`.
 
     ``valid_fraction`` holds out the last whole documents of every file (the validation data is then the blend
     of those tails with the same weights); ``valid_path`` names a separate token file. Every file and part
-    starts its windows by ``window_start`` (`TokenDataset.start`), each from its own document starts.
+    starts its windows by ``window_start`` (`TokenDataset.start`), each from its own document starts, whose
+    cache only a ``write_index`` process writes.
     """
-    files = [TokenDataset(p, window_start) for p, _ in sources]
+    files = [TokenDataset(p, window_start, write_index) for p, _ in sources]
     weights = [w for _, w in sources]
     valid: TokenDataset | Blend | None = (
-        TokenDataset(valid_path, window_start) if valid_path is not None else None
+        TokenDataset(valid_path, window_start, write_index) if valid_path is not None else None
     )
     if valid_fraction > 0:
         splits = [f.split_documents(valid_fraction) for f in files]

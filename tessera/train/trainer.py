@@ -45,6 +45,7 @@ from tessera.train.data import (
     TokenDataset,
     ensure_default_corpus,
     get_batch,
+    index_documents,
     long_documents,
     open_data,
     target_count,
@@ -156,7 +157,14 @@ def _open_data(cfg: Config, rank: int) -> tuple[TokenDataset | Blend, TokenDatas
         if rank != 0:
             path = ensure_default_corpus(cache, d.default_corpus_mb)
         sources = [(str(path), 1.0)]
-    return open_data(sources, d.valid_path, d.valid_fraction, d.window_start)
+    data, valid = open_data(sources, d.valid_path, d.valid_fraction, d.window_start, write_index=rank == 0)
+    if d.window_start == "document" and dist.is_initialized():
+        # one writer: rank 0 reads or builds every file's document-start index (and caches it) while the others
+        # wait, then they read its cache; a rank that cannot see it (a node-local folder) scans without writing
+        if rank == 0:
+            index_documents(data, valid)
+        dist.barrier()
+    return data, valid
 
 
 class TrainingRun:
@@ -195,7 +203,7 @@ class TrainingRun:
                     if cfg.data.loss_mask and not part.has_mask:  # the DataError naming the file and the fix
                         part.target_mask(0, cfg.model.seq_len, 0)
         if self.data is not None and cfg.data.window_start == "document" and rank == 0:
-            warning = long_documents(self.data, cfg.model.seq_len)  # builds the training files' start index
+            warning = long_documents(self.data, cfg.model.seq_len, cfg.data.loss_mask)
             if warning:
                 sys.stderr.write(f"WARNING: {warning}\n")
         self.run_dir = Path(cfg.log.run_dir)

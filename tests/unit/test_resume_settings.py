@@ -16,7 +16,7 @@ from tessera.config import from_dict
 from tessera.errors import CheckpointError
 from tessera.train.checkpoint_files import latest_checkpoint, list_checkpoints, set_aside_later
 from tessera.train.compat import check_compatible, run_settings
-from tessera.train.data import batch_indices
+from tessera.train.data import DOCUMENT_WINDOWS, batch_indices
 
 SCHEDULE = {"steps": 6, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 1}
 CKPT = Path("run/checkpoints/step_00000003")
@@ -63,6 +63,28 @@ def test_a_changed_window_rule_is_refused_unless_a_new_data_order_is_asked_for()
     # a checkpoint written before the rule was recorded drew its windows anywhere, and is not compared
     older = {k: v for k, v in settings().items() if k != "data.window_start"}
     check_compatible(CKPT, older, settings(data=doc), 3)
+
+
+def test_a_checkpoint_of_the_earlier_document_windows_is_refused_unless_asked_for() -> None:
+    """Windows at document starts used to open only at documents a whole window before the end; every document
+    opens them now, so the same sample index draws another start. A checkpoint of the earlier rule records
+    data.window_start = "document" and no data.document_windows: it resumed silently into another data order."""
+    now = settings(data={"window_start": "document"})
+    assert now["data.document_windows"] == DOCUMENT_WINDOWS
+    earlier = {k: v for k, v in now.items() if k != "data.document_windows"}
+    msg = refusal(earlier, now)
+    assert (
+        'data.document_windows (which documents open a window with data.window_start = "document"): \'documents '
+        f"starting a whole window before the end' in the checkpoint, {DOCUMENT_WINDOWS!r} now" in msg
+    )
+    assert "checkpoint.new_data_order = true" in msg
+    check_compatible(CKPT, earlier, now, 3, new_data_order=True)
+    check_compatible(CKPT, now, now, 3)  # a checkpoint of this rule
+    # windows anywhere record no document rule, and an earlier one of them resumes as before
+    assert "data.document_windows" not in settings()
+    check_compatible(CKPT, settings(), settings(), 3)
+    msg = refusal(earlier, settings())  # document -> any: the rule itself changed
+    assert "data.window_start: 'document' in the checkpoint, 'any' now" in msg
 
 
 def test_a_changed_held_out_split_is_refused() -> None:
