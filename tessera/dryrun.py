@@ -358,6 +358,8 @@ def format_rank(result: RankResult, estimate: dict[str, float], traffic: dict[tu
         ("peak", result.peak, estimate["peak"]),
     ]
     lines += [f"  {name:<16}{m / scale:10.3f}{e / scale:10.3f}{_pct(m, e):>9}" for name, m, e in rows]
+    if estimate.get("cast_cache"):  # alive in the peak, saved by no backward: the dry run has no row for it
+        lines.insert(-1, f"  {'cast cache':<16}{'—':>10}{estimate['cast_cache'] / scale:10.3f}")
     build_est = estimate["build_peak"]
     lines.append(
         f"  {'build peak':<16}{result.build_peak / scale:10.3f}{build_est / scale:10.3f}"

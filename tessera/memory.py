@@ -10,6 +10,8 @@ micro-batches in flight, and adds what is specific to tessera's runtime (docs/me
   (layer, micro-batch) pairs alive on the rank in the schedule the execution plan runs (`tessera.execution`:
   layered accumulation keeps all m micro-batches; one pipeline rank runs breadth-first with one stage per block);
   plus the head's input and fp32 logits of every in-flight micro-batch on the last stage;
+- cast cache: under bf16 autocast with 1D + sequence parallelism, the compute-dtype copies of the weights the
+  sequence-parallel entry casts but does not save (they live in autocast's cache for the step): not activations;
 - communication buffers: one stage's flattened gradients in flight (ZeRO reduce-scatter or all-reduce), with
   ZeRO-2/3 also the full gradients of the stage in backward, with ZeRO-3 the gathered parameters of one stage.
 """
@@ -36,10 +38,12 @@ from tessera.planner.cost import (
     activation_bytes_per_layer,
     autocast_weight_bytes,
     boundary_bytes,
+    cached_weight_bytes,
     head_activation_bytes,
     memory_per_rank,
     model_state_bytes,
     rank_layers,
+    shared_mask_bytes,
 )
 from tessera.planner.hardware import DTYPE_BYTES
 from tessera.planner.network import TESSERA_ORDER
@@ -60,7 +64,7 @@ __all__ = [
 
 GIB = 2**30
 _V = TypeVar("_V")
-COMPONENTS = ("params", "grads", "optimizer", "activations", "working", "comm_buffers")
+COMPONENTS = ("params", "grads", "optimizer", "activations", "working", "comm_buffers", "cast_cache")
 
 
 _MEMO_SIZE = 4096
@@ -143,6 +147,11 @@ def _fix_for(component: str, plan: Plan) -> str:
             fixes.append("use fewer micro-batches per step (layered accumulation keeps all of them)")
         fixes.append("raise parallel.pipeline or the tensor degree (fewer layers / smaller shards per rank)")
         return " or ".join(fixes)
+    if component == "cast_cache":
+        return (
+            "raise parallel.tensor or parallel.pipeline (fewer weights per rank), or set train.dtype = 'fp32' "
+            "(no compute-dtype copies)"
+        )
     if component in ("optimizer", "grads", "params"):
         want = {"optimizer": 1, "grads": 2, "params": 3}[component]
         if plan.zero_stage < want and plan.dp > 1:
@@ -424,7 +433,15 @@ def _block_and_p2p(shape: ModelShape, plan: ExecutionPlan) -> tuple[float, float
     from which `cost_plan` derives what those two read (the layout: the tensor split, 1D or 2D, the pipeline;
     sequence parallelism, the micro-batch, checkpointing, the dtype; it fixes autocast and flash attention), so
     that the search's first check of a layout builds no cost view."""
-    key = (shape, plan.layout, plan.sequence_parallel, plan.micro_batch, plan.checkpointing, plan.dtype)
+    key = (
+        shape,
+        plan.layout,
+        plan.sequence_parallel,
+        plan.micro_batch,
+        plan.checkpointing,
+        plan.dtype,
+        plan.document_mask,  # attention_mask_bytes, rope_position_bytes
+    )
     return _memo(_BLOCK_AND_P2P, key, lambda: _price_block_and_p2p(shape, plan))
 
 
@@ -523,7 +540,9 @@ def estimate_plan(
         # memory_per_rank multiplies by the rank's blocks; peaks[rank] already counts (block × micro-batch) pairs
         inflight = peaks[rank] / (rank_layers(shape, cplan, rank) or 1.0)
         base = memory_per_rank(shape, cplan, inflight_microbatches=inflight, stage=rank, precision="fp32")
-        bd = _adjust(base, shape, cplan, [per_stage[s] for s in mine], last_mb[rank])
+        # (stage × micro-batch) pairs in flight of the stages holding blocks: each keeps its document mask
+        masked = sum(1 for s in mine if plan.stage_layers[s]) * peaks[rank] / share
+        bd = _adjust(base, shape, cplan, [per_stage[s] for s in mine], last_mb[rank], masked)
         at_peak, after_backward = bd, bd.grads
         if plan.runner != DIRECT:  # what coexists: the rank's action list walked (tessera.peak_memory)
             at_peak, after_backward = _at_peak(bd, shape, plan, rank)
@@ -552,13 +571,15 @@ def _at_peak(
     cplan = cost_plan(plan)
     sizes = _stage_sizes(shape, plan, rank)
     moment, after_backward = _rank_walk(plan, rank, sizes.uses).evaluate(sizes)
-    # autocast's compute-dtype weight copies live through the forward/backward phase (one autocast region)
-    moment.activations += autocast_weight_bytes(shape, cplan, rank)
+    # autocast's compute-dtype weight copies live through the forward/backward phase (one autocast region): the
+    # ones a Linear saves for backward are activations, the ones only autocast's cache holds are not
+    cached = cached_weight_bytes(shape, cplan, rank)
+    moment.activations += autocast_weight_bytes(shape, cplan, rank) - cached
     # the optimizer step: the gradients held after backward and the update's temporaries (two of the
-    # largest shard: ZeRO's Adam denominator) beside the state
+    # largest shard: ZeRO's Adam denominator) beside the state; the autocast region, and its cache, are gone
     temporaries = _temporaries(plan, sizes.grads)
-    if after_backward + temporaries > moment.total:
-        moment = Moment(grads=after_backward, working=temporaries, label="optimizer step")
+    if after_backward + temporaries > moment.total + cached:
+        moment, cached = Moment(grads=after_backward, working=temporaries, label="optimizer step"), 0.0
     p2p = _p2p_buffer_bytes(shape, cplan, plan)
     at_peak = MemoryBreakdown(
         params=held.params,
@@ -567,6 +588,7 @@ def _at_peak(
         activations=moment.activations,
         working=moment.working,
         comm_buffers=moment.buffers + p2p,
+        cast_cache=cached,
     )
     return at_peak, after_backward
 
@@ -579,9 +601,13 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     psi = {s: per_stage[s] for s in plan.rank_stages(rank)}
     per_layer, recompute, boundary, head, head_working = _micro_batch_bytes(shape, cplan)
     last = plan.n_stages - 1
-    # a stage whose output goes to another rank keeps it for its backward (not saved by autograd)
+    # a stage whose output goes to another rank keeps it for its backward (not saved by autograd); a stage with
+    # blocks keeps its micro-batch's document mask under selective recomputation (one tensor for its layers)
+    mask = shared_mask_bytes(shape, cplan)
     acts = {
-        s: per_layer * plan.stage_layers[s] + (boundary if s != last and s + 1 not in psi else 0.0)
+        s: per_layer * plan.stage_layers[s]
+        + (boundary if s != last and s + 1 not in psi else 0.0)
+        + (mask if plan.stage_layers[s] else 0.0)
         for s in psi
     }
     working = {s: recompute for s in psi}
@@ -631,6 +657,7 @@ def _micro_batch_bytes(shape: ModelShape, cplan: Plan) -> tuple[float, float, fl
         cplan.dtype,
         cplan.autocast,
         cplan.flash_attention,
+        cplan.document_mask,  # attention_mask_bytes, rope_position_bytes
     )
     return _memo(_MICRO_BATCH_BYTES, key, lambda: _price_micro_batch(shape, cplan))
 
@@ -859,10 +886,17 @@ def _candidate_ranks(plan: ExecutionPlan) -> list[int]:
 
 
 def _adjust(
-    base: MemoryBreakdown, shape: ModelShape, plan: Plan, stage_psi: list[float], last_inflight: int
+    base: MemoryBreakdown,
+    shape: ModelShape,
+    plan: Plan,
+    stage_psi: list[float],
+    last_inflight: int,
+    masked_pairs: float,
 ) -> MemoryBreakdown:
-    """tessera-specific terms: exact per-rank parameters, the head's per-micro-batch activations, and the
-    buffers of tessera's ZeRO implementation (see the module docstring)."""
+    """tessera-specific terms: exact per-rank parameters, the head's per-micro-batch activations, the document
+    mask each stage keeps per micro-batch (``masked_pairs``: (stage × micro-batch) pairs in flight, of stages
+    with blocks; `shared_mask_bytes`), and the buffers of tessera's ZeRO implementation (see the module
+    docstring)."""
     params, grads, optimizer = model_state_bytes(sum(stage_psi), plan.zero_dp, plan.zero_stage, "fp32")
     sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.stream_bytes  # the fp32 residual stream
     logits = 4 * shape.seq_len * plan.micro_batch * shape.vocab_size / plan.tp
@@ -882,7 +916,8 @@ def _adjust(
         params=params,
         grads=grads,
         optimizer=optimizer,
-        activations=base.activations + head,
+        activations=base.activations + head + masked_pairs * shared_mask_bytes(shape, plan),
         working=max(working, 0.0),
         comm_buffers=buffers,
+        cast_cache=base.cast_cache,
     )

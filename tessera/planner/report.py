@@ -316,7 +316,7 @@ def _candidate_json(c: Candidate, timed_by: str, reason: str | None) -> dict[str
         "memory_per_gpu_bytes": c.memory.total,
         "memory_breakdown_bytes": {
             k: getattr(c.memory, k)
-            for k in ("params", "grads", "optimizer", "activations", "working", "comm_buffers")
+            for k in ("params", "grads", "optimizer", "activations", "working", "comm_buffers", "cast_cache")
         },
         "breakdown_s": c.breakdown.parts,
         "steps": c.steps,

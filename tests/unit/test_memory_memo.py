@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from tessera import memory
-from tessera.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from tessera.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from tessera.execution import ExecutionPlan, Layout, resolve
 from tessera.planner.cost import ModelShape
 from tests.plan_grid import valid_plan
@@ -31,11 +31,14 @@ def _clear() -> None:
         table.clear()
 
 
-def _plan(world: int, micro_batch: int = 1, global_batch: int = 8, **parallel: object) -> ExecutionPlan:
+def _plan(
+    world: int, micro_batch: int = 1, global_batch: int = 8, documents: bool = False, **parallel: object
+) -> ExecutionPlan:
     cfg = Config(
         model=MODEL,
         parallel=ParallelConfig(**parallel),
         train=TrainConfig(global_batch=global_batch, micro_batch=micro_batch),
+        data=DataConfig(document_mask=documents),
     )
     return resolve(cfg, world, training=False)
 
@@ -119,6 +122,12 @@ def test_memoized_values_equal_fresh_ones_over_a_grid() -> None:
         (dict(world=2, pipeline=2), dict(world=2, pipeline=2, checkpointing="full")),
         (dict(world=2, pipeline=2), dict(world=2, pipeline=2, micro_batch=2)),
         (dict(world=2, tensor=2), dict(world=2, tensor=2, sequence_parallel=True)),
+        # document masking: every layer's mask (none), the stage's shared mask (selective)
+        (dict(world=2, pipeline=2), dict(world=2, pipeline=2, documents=True)),
+        (
+            dict(world=2, pipeline=2, checkpointing="selective"),
+            dict(world=2, pipeline=2, checkpointing="selective", documents=True),
+        ),
     ],
 )
 def test_a_plan_differing_in_a_read_field_gets_its_own_value(first: dict, second: dict) -> None:

@@ -61,10 +61,12 @@ from tessera.planner.cost.rank_memory import (
     autocast_weight_bytes,
     autocast_weight_bytes_per_layer,
     boundary_bytes,
+    cached_weight_bytes,
     head_activation_bytes,
     memory_per_rank,
     model_state_bytes,
     params_per_rank,
+    shared_mask_bytes,
     stage_params_per_rank,
 )
 from tessera.planner.cost.shape import (
@@ -113,6 +115,7 @@ __all__ = [
     "autocast_weight_bytes_per_layer",
     "boundary_bytes",
     "broadcast_time",
+    "cached_weight_bytes",
     "dp_collective_times",
     "dp_time",
     "dp_volume",
@@ -150,6 +153,7 @@ __all__ = [
     "ring_lanes",
     "ring_step_time",
     "score_bytes",
+    "shared_mask_bytes",
     "stage_params_per_rank",
     "stage_time",
     "tensor_traffic_time",

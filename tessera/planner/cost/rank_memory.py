@@ -20,12 +20,14 @@ __all__ = [
     "autocast_weight_bytes",
     "autocast_weight_bytes_per_layer",
     "boundary_bytes",
+    "cached_weight_bytes",
     "capped_score_bytes",
     "head_activation_bytes",
     "memory_per_rank",
     "model_state_bytes",
     "params_per_rank",
     "rope_position_bytes",
+    "shared_mask_bytes",
     "stage_params_per_rank",
 ]
 
@@ -42,6 +44,9 @@ class MemoryBreakdown:
     working: float
     """Transient: one block's full activations while recomputing, the logits of one micro-batch on the last stage."""
     comm_buffers: float
+    cast_cache: float = 0.0
+    """Compute-dtype weight copies that only autocast's cast cache holds, saved by no backward
+    (`cached_weight_bytes`); the copies a Linear saves are in ``activations``."""
     peak: float | None = None
     """What coexists at the rank's peak (`tessera.memory` walks the rank's action list for it); None: every
     component at once, the cost model's bound."""
@@ -53,7 +58,15 @@ class MemoryBreakdown:
     @property
     def everything(self) -> float:
         """Every component at its size at once (what a measurement of each component's own peak adds up to)."""
-        return self.params + self.grads + self.optimizer + self.activations + self.working + self.comm_buffers
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.working
+            + self.comm_buffers
+            + self.cast_cache
+        )
 
 
 def params_per_rank(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
@@ -110,7 +123,8 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     per-head q/k norms (`qk_norm`) keep Q's and K's fp32 upcast and their normalised tensors, split like the
     heads. Gemma 3's local layers add their band masks, document masking every layer's mask (`attention_mask_bytes`) and its RoPE gathers (`rope_position_bytes`). Gemma 2's post-norms are two more
     norms (`FamilyPlan.block_norms`); its soft-capped attention is written out
-    (`tessera.model.layers.AttentionCore`): no SDPA output is kept, its a·s² scores are (`capped_score_bytes`).
+    (`tessera.model.layers.AttentionCore`): no SDPA output is kept, its a·s² scores are (`capped_score_bytes`)
+    and its inverted mask, per layer (`attention_mask_bytes`).
     `recompute` overrides `plan.recompute` (the working memory of a recomputed block is its "none" count).
     """
     recompute = plan.recompute if recompute is None else recompute
@@ -154,18 +168,34 @@ def attention_mask_bytes(shape: ModelShape, plan: Plan, recompute: str) -> float
     the whole gathered sequence, also with sequence parallelism): Gemma 3's local layers their [s, s] band;
     with document masking (`Plan.document_mask`) every layer its [b, 1, s, s] mask (the band ANDed in), for the
     rank's own sequences (`_rank_sequences`). Soft-capped attention (Gemma 2, written out) keeps the inverted
-    boolean mask instead, 1 byte per element (without documents its causal [s, s], not counted). The selectively
-    recomputed core keeps none: the checkpoint saves the one boolean mask of the micro-batch, shared by the layers
-    (b·s² bytes, not counted here)."""
+    boolean mask instead (``masked_fill(~mask)``), 1 byte per element, a fresh one per layer: with documents
+    [b, 1, s, s], without them its causal (or, local layers, band) [s, s]: 16 MiB a layer at s = 4096, 3.9 % of
+    a Gemma 2 9B block at t = 8 + SP in bf16. The selectively recomputed core keeps none: the checkpoint saves
+    the one boolean document mask of the micro-batch, shared by the layers (`shared_mask_bytes`)."""
     if recompute == "selective":
         return 0.0
     s2 = shape.seq_len**2
+    capped = shape.attn_softcap is not None
     if plan.document_mask:
-        per_element = 1 if shape.attn_softcap is not None else plan.act_bytes
-        return _rank_sequences(plan) * s2 * per_element
-    if shape.attn_softcap is not None:
-        return 0.0
+        return _rank_sequences(plan) * s2 * (1 if capped else plan.act_bytes)
+    if capped:
+        return s2  # ~mask of the [s, s] causal or band mask, bool
     return shape.local_layers / shape.n_layers * s2 * plan.act_bytes
+
+
+def shared_mask_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Bytes of the boolean document mask ([b, 1, s, s], `tessera.model.documents.Documents.mask`) that one
+    pipeline stage keeps per micro-batch under selective recomputation with document masking: the checkpointed
+    core's inputs are saved once (`torch.utils.checkpoint`), and every layer of the stage passes it the same
+    mask tensor, so it is one storage per (stage, micro-batch), not per layer; b/q sequences on a 2D rank, all
+    b on a 1D rank (measured: tests/unit/test_activation_row.py). The core's per-call cast of it to the
+    compute dtype is not kept (it is recomputed in backward: the working memory's "none" count has it). Without
+    selective recomputation no layer saves the boolean mask itself (SDPA keeps its cast,
+    `attention_mask_bytes`); with full recomputation it is not saved either. Per stage: `tessera.memory` adds it
+    to each stage that holds blocks."""
+    if not (plan.document_mask and plan.recompute == "selective"):
+        return 0.0
+    return _rank_sequences(plan) * shape.seq_len**2
 
 
 def rope_position_bytes(shape: ModelShape, plan: Plan) -> float:
@@ -203,8 +233,7 @@ def _input_bytes(plan: Plan, linears: int) -> float:
     """Bytes per element saved for the input of `linears` Linears reading one norm output: one tensor in the
     stream dtype, or under autocast one cast per Linear (autocast casts a non-parameter on every call); the
     sequence-parallel entry saves only its fp32 shard (tessera.parallel.tensor_1d._GatheredLinears)."""
-    gathered = plan.sequence_parallel and plan.tp_kind == "1d" and plan.tp > 1
-    if plan.casts and not gathered:
+    if plan.casts and not _gathered(plan):
         return linears * plan.act_bytes
     return plan.stream_bytes
 
@@ -236,16 +265,40 @@ def autocast_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> floa
     A Linear saves its weight's copy for backward; the sequence-parallel entry saves the fp32 weights instead, so
     its Linears' copies (the column-parallel ones and the head's) live only in autocast's cache, which lasts the
     step in the schedule runtime (one autocast region per step) unless ZeRO-3 clears it at every FREE, and one
-    micro-batch's forward in the direct loop (`_cache_lasts_the_step`)."""
+    micro-batch's forward in the direct loop (`_cache_lasts_the_step`). Those are `cached_weight_bytes`, the
+    rest are saved for backward (activations)."""
     if not plan.casts:
         return 0.0
+    if _gathered(plan) and not _cache_lasts_the_step(plan):  # only the row-parallel Linears' copies are saved
+        return rank_layers(shape, plan, stage) * plan.act_bytes * _row_weights(shape) / plan.tp
     per_layer = autocast_weight_bytes_per_layer(shape, plan)
     head = plan.act_bytes * _table_rows(shape, plan) * shape.d_model / plan.tp
-    gathered = plan.sequence_parallel and plan.tp_kind == "1d" and plan.tp > 1
-    if gathered and not _cache_lasts_the_step(plan):  # only the row-parallel Linears' copies are saved
-        rows = sum(lin.d_in * lin.d_out for lin in shape.block_linears() if lin.role == "row")
-        per_layer, head = plan.act_bytes * rows / plan.tp, 0.0
     return rank_layers(shape, plan, stage) * per_layer + (head if stage == plan.pp - 1 else 0.0)
+
+
+def cached_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
+    """The part of `autocast_weight_bytes` that no backward saves: under sequence parallelism (1D) the copies of
+    the column-parallel weights (wq, wk, wv; the MLP's input Linears) and of the output projection, which the
+    sequence-parallel entry casts through autocast's cache but saves in fp32 (`tensor_1d._GatheredLinears`),
+    while the cache lasts the step (`_cache_lasts_the_step`). They are alive through the forward and backward
+    like the saved copies, but a count of what autograd saves (the dry run's activations) does not see them:
+    counted among the activations, they made that row 8-68 % high on the bf16 1D + SP layouts of
+    tests/unit/test_activation_row.py."""
+    if not (plan.casts and _gathered(plan) and _cache_lasts_the_step(plan)):
+        return 0.0
+    column = shape.block_matmul_params() - _row_weights(shape)
+    head = _table_rows(shape, plan) * shape.d_model if stage == plan.pp - 1 else 0
+    return plan.act_bytes * (rank_layers(shape, plan, stage) * column + head) / plan.tp
+
+
+def _gathered(plan: Plan) -> bool:
+    """Whether the blocks enter the tensor region through the sequence-parallel entry (1D + SP, t > 1)."""
+    return plan.sequence_parallel and plan.tp_kind == "1d" and plan.tp > 1
+
+
+def _row_weights(shape: ModelShape) -> int:
+    """Elements of one block's row-parallel weights (the output projection, the MLP's output Linear)."""
+    return sum(lin.d_in * lin.d_out for lin in shape.block_linears() if lin.role == "row")
 
 
 def _table_rows(shape: ModelShape, plan: Plan) -> int:
@@ -319,7 +372,8 @@ def memory_per_rank(
     Model state on Ψ = `params_per_rank` (Rajbhandari 2020, K = 12): mixed precision 2Ψ params + 2Ψ grads +
     12Ψ optimizer (fp32 master, m, v); fp32 training 4Ψ + 4Ψ + 8Ψ. ZeRO-1 shards the optimizer over d, ZeRO-2 also
     gradients, ZeRO-3 also parameters. Activations = `activation_bytes_per_layer` × the rank's blocks
-    (`rank_layers`) × `inflight_microbatches` (from the schedule: 1F1B p − stage, GPipe/breadth-first m·v chunks ...). Working:
+    (`rank_layers`) × `inflight_microbatches` (from the schedule: 1F1B p − stage, GPipe/breadth-first m·v chunks ...)
+    + the weight copies the Linears save; the copies only autocast's cache holds are ``cast_cache``. Working:
     one block's un-checkpointed activations when recomputing, fp32 logits 4·s·b·V/t on the last stage. Buffers:
     p2p send+recv (2 boundary tensors), ZeRO-3 gather of 2 blocks (prefetch), ZeRO-2/3 one block of full grads.
     """
@@ -328,7 +382,8 @@ def memory_per_rank(
     w_b, g_b = (2, 2) if precision == "mixed" else (4, 4)
     z = plan.zero_stage
     acts = activation_bytes_per_layer(shape, plan) * rank_layers(shape, plan, stage) * inflight_microbatches
-    acts += autocast_weight_bytes(shape, plan, stage)
+    cached = cached_weight_bytes(shape, plan, stage)  # alive, but saved by no backward: not an activation
+    acts += autocast_weight_bytes(shape, plan, stage) - cached
     working = 0.0
     if plan.recompute != "none":
         working += activation_bytes_per_layer(shape, plan, recompute="none")
@@ -345,4 +400,5 @@ def memory_per_rank(
         activations=acts,
         working=working,
         comm_buffers=buffers,
+        cast_cache=cached,
     )
