@@ -7,12 +7,14 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "GEMMA3_LINEAR",
     "GEMMA3_LOCAL",
     "HEAD_DIMS",
     "KINDS",
     "LLAMA3_ROPE",
     "VOCAB",
     "hf_config",
+    "make_gemma3_multimodal",
     "make_hf",
     "rel_err",
     "train_bpe",
@@ -196,6 +198,64 @@ def make_hf(folder: Path, kind: str, seed: int = 0):
                 if name.endswith(("layernorm.weight", "_norm.weight")) or name == "model.norm.weight":
                     p.normal_(0.0, 0.5)
     model.save_pretrained(folder)
+    return model
+
+
+GEMMA3_LINEAR = {
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+}
+"""Gemma 3 4B/12B/27B's RoPE tables at the tiny shapes: the global layers' linearly scaled by 8 (every frequency
+divided by it: at the tests' 16-32 positions the fastest turns 4 rad instead of 31), the local ones unscaled."""
+
+TINY_VISION = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
+"""A SigLIP vision tower of 2 × 2 patches, with mm_tokens_per_image = 4: the projector pools nothing."""
+
+
+def make_gemma3_multimodal(
+    folder: Path, layout: str = "language_model", tied: bool = True, seed: int = 0, **text: object
+):
+    """A random-weight `Gemma3ForConditionalGeneration` (gemma3_tied's text config with `GEMMA3_LINEAR`, ``text``
+    over it, and `TINY_VISION`) saved to ``folder``; returned in eval mode. ``layout`` names its weights:
+    "language_model" as transformers 5.24's save_pretrained (and the released folders) write them
+    ("language_model.model.*", "vision_tower.*"), "model.language_model" as its module names are
+    ("model.language_model.*", "model.vision_tower.*", "lm_head.weight"), rewritten here from the saved file."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    config = hf_config("gemma3_tied").to_dict() | {"rope_parameters": GEMMA3_LINEAR} | text
+    for key in ("architectures", "dtype", "torch_dtype", "transformers_version", "tie_word_embeddings"):
+        config.pop(key, None)
+    mm = transformers.Gemma3Config(
+        text_config=config, vision_config=TINY_VISION, mm_tokens_per_image=4, tie_word_embeddings=tied
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(mm).eval()
+    with torch.no_grad():  # Gemma's (1 + w) norm weights start at 0: draw them, as make_hf does
+        for name, p in model.model.language_model.named_parameters():
+            if name.endswith(("layernorm.weight", "_norm.weight")) or name == "norm.weight":
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    if layout == "model.language_model":
+        renames = {
+            "language_model.model.": "model.language_model.",
+            "language_model.lm_head.": "lm_head.",
+            "vision_tower.": "model.vision_tower.",
+            "multi_modal_projector.": "model.multi_modal_projector.",
+        }
+        tensors = load_file(folder / "model.safetensors")
+        renamed = {}
+        for name, t in tensors.items():
+            old = next(o for o in renames if name.startswith(o))
+            renamed[renames[old] + name[len(old) :]] = t
+        save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
     return model
 
 

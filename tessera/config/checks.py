@@ -272,30 +272,20 @@ _LOCAL_DEFAULTS = {"sliding_window": None, "sliding_window_pattern": 6, "rope_lo
 
 def _check_local_attention(m: ModelConfig) -> list[Violation]:
     """Gemma 3's local layers (`FamilyPlan.local_attention`): another family has no window or second RoPE base, so
-    the keys are refused there; Gemma 3's global layers scale RoPE in transformers, its local ones do not, and
-    tessera's RoPE scaling is one table for every layer, so model.rope_scaling is refused for gemma3."""
-    plan = family_plan(m)
-    if not plan.local_attention:
-        return [
-            Violation(
-                rule=f"model.{key}",
-                problem=f"model.{key} = {getattr(m, key)!r} is set but model.family = {m.family!r} has no "
-                "local (sliding-window) layers",
-                fix=f"remove model.{key}, or use family gemma3",
-            )
-            for key, default in _LOCAL_DEFAULTS.items()
-            if getattr(m, key) != default
-        ]
-    if m.rope_scaling is not None:
-        return [
-            Violation(
-                rule="model.rope_scaling",
-                problem="model.rope_scaling is set but family gemma3 scales RoPE only on its global layers, which "
-                "tessera does not compute",
-                fix="remove model.rope_scaling (Gemma 3 1B has none; the 4B and larger are not supported)",
-            )
-        ]
-    return []
+    the keys are refused there. (On gemma3, model.rope_scaling scales the global layers' RoPE only, as
+    transformers' Gemma3RotaryEmbedding does: `_check_rope_scaling` checks the table.)"""
+    if family_plan(m).local_attention:
+        return []
+    return [
+        Violation(
+            rule=f"model.{key}",
+            problem=f"model.{key} = {getattr(m, key)!r} is set but model.family = {m.family!r} has no "
+            "local (sliding-window) layers",
+            fix=f"remove model.{key}, or use family gemma3",
+        )
+        for key, default in _LOCAL_DEFAULTS.items()
+        if getattr(m, key) != default
+    ]
 
 
 def _check_rope_scaling(m: ModelConfig) -> list[Violation]:
@@ -307,7 +297,7 @@ def _check_rope_scaling(m: ModelConfig) -> list[Violation]:
             Violation(
                 rule="model.rope_scaling",
                 problem=f"model.rope_scaling is set but model.family = {m.family!r} has no RoPE",
-                fix="remove model.rope_scaling, or use a family with RoPE (llama, qwen2)",
+                fix="remove model.rope_scaling, or use a family with RoPE (llama, qwen2, qwen3, gemma2, gemma3)",
             )
         ]
     return [

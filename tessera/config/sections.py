@@ -72,7 +72,8 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     """RoPE frequency scaling (families with RoPE): {type = "llama3", factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings}, as Hugging Face's rope_scaling, e.g. Llama 3.1's factor 8.0, 1.0, 4.0,
-    8192 (tessera/model/rope_scaling.py). None: unscaled RoPE."""
+    8192, or {type = "linear", factor} (tessera/model/rope_scaling.py). Family gemma3 scales its global layers
+    only, its local ones stay unscaled (Gemma 3 4B/12B/27B: linear, factor 8.0). None: unscaled RoPE."""
     query_pre_attn_scalar: float | None = None
     """Attention scores are scaled by query_pre_attn_scalar^-0.5 instead of head_dim^-0.5 (Gemma 2: 256, and 144 in
     the 27B, whose head_dim is 128). None: head_dim^-0.5. Families gemma2 and gemma3."""

@@ -2,8 +2,8 @@
 
 Import derives every shape field from the HF config; an explicit ``[model]`` key that disagrees is a problem,
 not an override. What tessera would compute differently is refused by name, never approximated: RoPE scaling
-other than llama3 (linear, dynamic, yarn, ...), a sliding window narrower than the context (except Gemma 3's, which
-tessera computes), mixed attention,
+other than llama3 and linear (dynamic, yarn, ...), a sliding window narrower than the context (except Gemma 3's,
+which tessera computes), mixed attention,
 mixture-of-experts, quantized weights, a head dim other than hidden/heads, and the per-architecture settings of
 `HFFamily.required` (e.g. Llama's attention_bias, GPT-2's activation). Dropout probabilities are not part of the function a model
 computes and are ignored (tessera trains without dropout).
@@ -11,7 +11,9 @@ computes and are ignored (tessera trains without dropout).
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +28,7 @@ from tessera.hf.families import (
     weight_names,
 )
 from tessera.model.family import head_dim_of, is_global_layer
-from tessera.model.rope_scaling import LLAMA3_KEYS, scaling_problems
+from tessera.model.rope_scaling import TYPE_KEYS, TYPES, scaling_problems
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
@@ -42,6 +44,8 @@ __all__ = [
     "read_hf_config",
     "refusals",
     "stored_names",
+    "text_config",
+    "text_weight_names",
 ]
 
 INDEX = "model.safetensors.index.json"
@@ -109,12 +113,6 @@ def _family(hf: dict[str, Any]) -> HFFamily:
     from tessera.model.family import FAMILIES as TESSERA_FAMILIES
 
     model_type = hf.get("model_type")
-    if model_type == "gemma3" or "Gemma3ForConditionalGeneration" in (hf.get("architectures") or []):
-        raise ConfigError(
-            f"HF model_type {model_type!r} (Gemma3ForConditionalGeneration, Gemma 3's multimodal model with a "
-            "vision tower) is not supported; tessera imports the text-only Gemma3ForCausalLM (model_type "
-            "'gemma3_text', e.g. google/gemma-3-1b-pt)"
-        )
     fam = family_for_model_type(str(model_type))
     usable = [f.model_type for f in FAMILIES if f.family in TESSERA_FAMILIES]
     if fam is None or fam.family not in TESSERA_FAMILIES:
@@ -123,6 +121,31 @@ def _family(hf: dict[str, Any]) -> HFFamily:
             f"HF model_type {model_type!r} is not supported{why}; tessera imports {', '.join(usable)}"
         )
     return fam
+
+
+def text_config(hf: dict[str, Any], fam: HFFamily) -> dict[str, Any]:
+    """The config of the language model ``fam`` imports from a folder's ``hf``: ``hf`` itself, or a multimodal
+    folder's text config (`HFFamily.text_config`) as its config class reads it: transformers' defaults for the
+    keys it leaves out, and the top-level ``tie_word_embeddings`` (Gemma3ForConditionalGeneration ties lm_head
+    to the language model's embedding by it; the text config's own is not read) and ``quantization_config``."""
+    if fam.text_config is None:
+        return hf
+    text = hf.get(fam.text_config)
+    if not isinstance(text, dict):
+        raise ConfigError(
+            f"config.json of a {fam.architecture} folder has no {fam.text_config!r} object (the language model's "
+            f"config; got {text!r}); restore it or save the model again"
+        )
+    kind = text.get("model_type", fam.text_model_type)
+    if kind != fam.text_model_type:
+        raise ConfigError(
+            f"config.json {fam.text_config}.model_type = {kind!r}: a {fam.architecture} folder's language model "
+            f"is {fam.text_model_type!r}, the only one tessera imports from it"
+        )
+    top = {"tie_word_embeddings": hf.get("tie_word_embeddings", fam.tie_default)}
+    if hf.get("quantization_config"):
+        top["quantization_config"] = hf["quantization_config"]
+    return {**fam.text_defaults, **text, **top}
 
 
 def _rope_table(hf: dict[str, Any]) -> dict[str, Any]:
@@ -151,25 +174,39 @@ def _rope(hf: dict[str, Any], fam: HFFamily) -> tuple[float, dict[str, Any] | No
         return theta, None, partial
     if kind == "default":
         return theta, None, []
-    if kind != "llama3":
-        why = f"RoPE scaling type {kind!r} ({key}) is not implemented by tessera; only default and llama3 import"
-        return theta, None, [why]
-    scaling = {"type": kind} | {k: table[k] for k in LLAMA3_KEYS if k in table}
-    context = hf.get(fam.keys["seq_len"])
-    scaling.setdefault("original_max_position_embeddings", context)
-    refused = [problem for problem, _ in scaling_problems(scaling, f"config.json {key}")]
-    extra = sorted(set(table) - {"rope_type", "type", "rope_theta", *LLAMA3_KEYS})
-    if extra:
-        refused.append(
-            f"{key} keys {extra} are not implemented by tessera (a llama3 table has {LLAMA3_KEYS})"
-        )
+    scaling, refused = _scaling(table, kind, key, hf.get(fam.keys["seq_len"]))
+    if scaling is None:
+        return theta, None, refused
     top = hf.get("original_max_position_embeddings")
-    if top is not None and top != scaling["original_max_position_embeddings"]:
+    if kind == "llama3" and top is not None and top != scaling["original_max_position_embeddings"]:
         refused.append(
             f"original_max_position_embeddings = {top!r} outside {key} differs from the one transformers 5 uses "
             f"({scaling['original_max_position_embeddings']!r}); put the intended value into {key}"
         )
     return theta, scaling, refused
+
+
+def _scaling(
+    table: dict[str, Any], kind: str, key: str, context: Any
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """(`model.rope_scaling`, refusals) of an HF RoPE table ``key`` whose rope_type ``kind`` is not "default": a
+    type tessera computes (`tessera.model.rope_scaling.TYPE_KEYS`) with its keys, a llama3 table without
+    ``original_max_position_embeddings`` taking the model's context ``context`` as transformers 5 does; any other
+    type (None) or key is refused by name."""
+    if kind not in TYPES:
+        return None, [
+            f"RoPE scaling type {kind!r} ({key}) is not implemented by tessera; only default, "
+            f"{' and '.join(TYPES)} import"
+        ]
+    keys = TYPE_KEYS[kind]
+    scaling = {"type": kind} | {k: table[k] for k in keys if k in table}
+    if kind == "llama3":
+        scaling.setdefault("original_max_position_embeddings", context)
+    refused = [problem for problem, _ in scaling_problems(scaling, f"config.json {key}")]
+    extra = sorted(set(table) - {"rope_type", "type", "rope_theta", "partial_rotary_factor", *keys})
+    if extra:
+        refused.append(f"{key} keys {extra} are not implemented by tessera (a {kind} table has {keys})")
+    return scaling, refused
 
 
 def _partial_rotary(hf: dict[str, Any], table: dict[str, Any], key: str) -> list[str]:
@@ -196,7 +233,7 @@ def refusals(hf: dict[str, Any], fam: HFFamily, seq_len: int | None = None) -> l
                 f"{key} = {hf[key]!r} is not supported for {fam.model_type}; tessera computes {allowed}"
             )
     if fam.local_layers:  # Gemma 3: windows computed, a RoPE table per layer type
-        out += _local_rope(hf)[2] + _pattern(hf)[1]
+        out += _local_rope(hf)[3] + _pattern(hf)[1] + _null_window(hf)
     else:
         out += _rope(hf, fam)[2] if fam.rope else []
         out += _sliding_window(hf, fam, seq_len)
@@ -284,7 +321,7 @@ def _values(hf: dict[str, Any], fam: HFFamily) -> dict[str, Any]:
     for name in fam.unapplied:
         values[name] = None  # whatever config.json says: transformers' model does not compute it
     if fam.local_layers:
-        values["rope_theta"], values["rope_local_theta"], _ = _local_rope(hf)
+        values["rope_theta"], values["rope_local_theta"], values["rope_scaling"], _ = _local_rope(hf)
         values["sliding_window"] = hf.get("sliding_window", 4096)  # Gemma3TextConfig's default
         values["sliding_window_pattern"] = _pattern(hf)[0]
     elif fam.rope:
@@ -295,27 +332,99 @@ def _values(hf: dict[str, Any], fam: HFFamily) -> dict[str, Any]:
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def _local_rope(hf: dict[str, Any]) -> tuple[float, float, list[str]]:
-    """(global RoPE base, local RoPE base, refusals) of a Gemma 3 config, as Gemma3TextConfig reads them: the
-    per-layer-type ``rope_parameters`` tables, else the older top-level ``rope_theta`` (global) and
-    ``rope_local_base_freq`` (local), else 10⁶ and 10⁴. Any scaling (the 4B and larger models' linear factor 8
-    on the global layers, or a top-level ``rope_scaling``) is refused by name: tessera computes none for Gemma 3."""
-    params = hf.get("rope_parameters") or {}
-    tables = {kind: params.get(kind) or {} for kind in _LAYER_TYPES}
-    theta = float(tables["full_attention"].get("rope_theta", hf.get("rope_theta", 1e6)))
-    local = float(tables["sliding_attention"].get("rope_theta", hf.get("rope_local_base_freq", 1e4)))
-    out = []
-    if hf.get("rope_scaling"):
-        out.append(f"rope_scaling = {hf['rope_scaling']!r} is not implemented by tessera for gemma3_text")
+def _local_rope(hf: dict[str, Any]) -> tuple[float, float, dict[str, Any] | None, list[str]]:
+    """(global RoPE base, local RoPE base, the global layers' `model.rope_scaling`, refusals) of a Gemma 3 config,
+    as transformers 5.24's Gemma3TextConfig reads them (`_gemma3_rope_tables`). The global layers' table may scale
+    (the 4B and larger: linear, factor 8; llama3 too, which tessera computes for any RoPE); the local layers' must
+    not (tessera scales only the global layers, as those models do); any other type is refused by name."""
+    tables, out = _gemma3_rope_tables(hf)
+    full, local = tables["full_attention"], tables["sliding_attention"]
+    theta, local_theta = _theta(full, "full_attention", out), _theta(local, "sliding_attention", out)
+    key = "rope_scaling" if hf.get("rope_scaling") is not None else "rope_parameters.full_attention"
+    kind = full.get("rope_type", "default")
+    scaling = None
+    if kind != "default":
+        scaling, refused = _scaling(full, kind, key, hf.get("max_position_embeddings"))
+        out += [f"{r} (Gemma 3's global layers)" for r in refused]
+    if local.get("rope_type", "default") != "default":
+        out.append(
+            f"rope_parameters.sliding_attention.rope_type = {local['rope_type']!r} (RoPE scaling on the local "
+            "layers) is not implemented by tessera: model.rope_scaling scales Gemma 3's global layers only"
+        )
     for kind, table in tables.items():
-        rope_type = table.get("rope_type", table.get("type", "default"))
-        if rope_type != "default":
-            out.append(
-                f"rope_parameters.{kind}.rope_type = {rope_type!r} (RoPE scaling) is not implemented by tessera "
-                "for gemma3_text; only unscaled RoPE imports (Gemma 3 1B)"
-            )
         out += _partial_rotary(hf, table, f"rope_parameters.{kind}")
-    return theta, local, out
+    return theta, local_theta, scaling, out
+
+
+def _gemma3_rope_tables(hf: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """({layer type: RoPE table}, refusals) as Gemma3TextConfig.convert_rope_params_to_dict and
+    standardize_rope_params (transformers 5.24) build them: ``rope_parameters`` (absent: a default table per layer
+    type), a top-level ``rope_scaling`` merged into the full_attention table (its keys replacing the table's: the
+    older configs of the 4B and larger spell their scaling so), the older top-level ``rope_theta`` (global) and
+    ``rope_local_base_freq`` (local) where a table has no theta, else 10⁶ and 10⁴, then each table's rope_type from
+    its ``type`` when it has none. A merged ``type`` that differs from the table's rope_type is refused:
+    transformers 5.24 ignores it (its default tables already say rope_type "default"), transformers 4 applied it."""
+    params = hf.get("rope_parameters")
+    tables = (
+        copy.deepcopy(params) if params is not None else {k: {"rope_type": "default"} for k in _LAYER_TYPES}
+    )
+    scaling = hf.get("rope_scaling")
+    if scaling is not None:
+        if not isinstance(tables.get("full_attention"), dict):
+            return {k: {"rope_type": "default", "rope_theta": 0.0} for k in _LAYER_TYPES}, [
+                "rope_scaling is given next to a rope_parameters without a full_attention table, which "
+                "transformers 5.24's Gemma3TextConfig cannot read\n    fix: put the scaling into "
+                "rope_parameters.full_attention"
+            ]
+        tables["full_attention"].update(scaling)
+    thetas = {
+        "full_attention": hf.get("rope_theta", 1e6),
+        "sliding_attention": hf.get("rope_local_base_freq", 1e4),
+    }
+    result, out = {}, []
+    for kind in _LAYER_TYPES:
+        if not isinstance(tables.get(kind) or {}, dict):
+            out.append(
+                f"rope_parameters.{kind} = {tables[kind]!r} is not an object; restore it or save the model again"
+            )
+            tables[kind] = None
+        table = dict(tables.get(kind) or {"rope_type": "default"})
+        table.setdefault("rope_theta", thetas[kind])
+        table.setdefault("rope_type", table.get("type", "default"))
+        if "type" in table and table["type"] != table["rope_type"]:
+            where = "rope_scaling" if scaling is not None and "type" in scaling else f"rope_parameters.{kind}"
+            out.append(
+                f"{where}.type = {table['type']!r} next to rope_type = {table['rope_type']!r}: transformers 5.24's "
+                f"Gemma3TextConfig computes rope_type and ignores type (transformers 4 applied type)\n    fix: "
+                f'spell the scaling meant as "rope_type" in {where}, and remove "type"'
+            )
+        result[kind] = table
+    return result, out
+
+
+def _theta(table: dict[str, Any], kind: str, out: list[str]) -> float:
+    """A Gemma 3 table's RoPE base as a float; one that is no number is a refusal appended to ``out``."""
+    value = table["rope_theta"]
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    out.append(
+        f"rope_parameters.{kind}.rope_theta = {value!r} is not a number; restore it or save the model again"
+    )
+    return 0.0
+
+
+def _null_window(hf: dict[str, Any]) -> list[str]:
+    """``sliding_window: null``: transformers 5.24's Gemma3TextModel cannot compute such a config whatever its
+    layer_types (every forward builds the sliding-window mask, and that raises), so there is no function to
+    import; tessera would otherwise attend globally where layer_types says sliding."""
+    if "sliding_window" not in hf or hf["sliding_window"] is not None:
+        return []
+    return [
+        "sliding_window = null: transformers 5.24's Gemma3TextModel cannot run such a config (its forward "
+        "raises 'Could not find a `sliding_window` argument in the config'), so there is no model to import"
+        "\n    fix: set sliding_window to the window the model was trained with (one at least "
+        "max_position_embeddings wide masks nothing)"
+    ]
 
 
 def _pattern(hf: dict[str, Any]) -> tuple[int, list[str]]:
@@ -344,19 +453,22 @@ def derive_model(init: str, explicit: dict[str, Any]) -> tuple[dict[str, Any], l
         folder = init_folder(init)
         if not folder.is_dir() and all(explicit.get(k) is not None for k in _DERIVED):
             return {}, []
-        hf = read_hf_config(folder)
-        fam = _family(hf)
+        raw = read_hf_config(folder)
+        fam = _family(raw)
+        hf = text_config(raw, fam)  # a multimodal folder: its language model's
         _check_numbers(folder / "config.json", hf, fam)
         seq_len = explicit.get("seq_len") if fam.rope else None  # a shorter training context (RoPE)
-        problems = [f"model.init = {init!r}: {r}" for r in refusals(hf, fam, seq_len)]
+        where = f"model.init = {init!r}: " + (f"{fam.text_config}: " if fam.text_config else "")
+        problems = [where + r for r in refusals(hf, fam, seq_len)]
         values = _values(hf, fam)
-        problems += [f"model.init = {init!r}: {r}" for r in _absent_kv_heads(hf, fam, values)]
+        problems += [where + r for r in _absent_kv_heads(hf, fam, values)]
     except ConfigError as e:
         return {}, [str(e)]
     stored = None if problems else stored_names(folder)
     if stored is not None:  # the weights' names, so that validate refuses what the load would
+        names, _, mixed = text_weight_names(fam, stored)
         wanted = weight_names(fam, values["n_layers"], values["tie_embeddings"])
-        problems += name_problems(folder, fam, wanted, stored)
+        problems = [f"{folder}: {m}" for m in mixed] or name_problems(folder, fam, wanted, set(names))
     for name, value in values.items():
         if name not in explicit or explicit[name] == value:
             continue
@@ -365,10 +477,43 @@ def derive_model(init: str, explicit: dict[str, Any]) -> tuple[dict[str, Any], l
         if name == "head_dim" and explicit[name] == head_dim_of(values["d_model"], values["n_heads"], value):
             continue  # hidden / heads given explicitly: the width the folder's model has
         problems.append(
-            f"model.{name} = {explicit[name]!r} contradicts {init} (config.json {_source(name, fam, hf)} "
+            f"model.{name} = {explicit[name]!r} contradicts {init} (config.json {_text_key(name, fam)}"
+            f"{_source(name, fam, hf)} "
             f"gives {value!r})\n    fix: remove model.{name}; model.init derives it"
         )
     return values, problems
+
+
+def _text_key(name: str, fam: HFFamily) -> str:
+    """The prefix of a derived value's config.json key in a multimodal folder ("text_config."), none for the tie,
+    which is read at the top level (`text_config`)."""
+    return f"{fam.text_config}." if fam.text_config and name != "tie_embeddings" else ""
+
+
+def text_weight_names(fam: HFFamily, stored: Iterable[str]) -> tuple[dict[str, str], list[str], list[str]]:
+    """({text-only name: stored name}, the stored names not imported, problems) of a folder's weights.
+
+    A text-only architecture's names are its own. A multimodal one's language-model weights are renamed from the
+    `HFFamily.text_layouts` layout the folder uses ("language_model.model.layers.0..." → "model.layers.0..."), its
+    `HFFamily.not_imported` weights (vision tower, projector) are set aside unread, and any other name is kept as it
+    is, for `name_problems` to refuse. A folder mixing two layouts is a problem: which copy is the model?"""
+    stored = set(stored)
+    if fam.text_config is None:
+        return {n: n for n in stored}, [], []
+    skipped = sorted(n for n in stored if n.startswith(fam.not_imported))
+    rest = stored - set(skipped)
+    layouts = [
+        pairs for pairs in fam.text_layouts if any(n.startswith(p) for _, p in pairs[:1] for n in rest)
+    ]
+    if len(layouts) > 1:
+        prefixes = [pairs[0][1] for pairs in layouts]
+        return {}, skipped, [f"the weights name the language model under both {prefixes}; keep one copy"]
+    names = {}
+    for name in rest:
+        pairs = layouts[0] if layouts else ()
+        text = next((t + name[len(p) :] for t, p in pairs if name.startswith(p)), name)
+        names[text] = name
+    return names, skipped, []
 
 
 def _absent_kv_heads(hf: dict[str, Any], fam: HFFamily, values: dict[str, Any]) -> list[str]:
@@ -442,7 +587,8 @@ def _source(name: str, fam: HFFamily, hf: dict[str, Any]) -> str:
     if name == "rope_theta" and "rope_theta" in _rope_table(hf):
         return ("rope_scaling" if hf.get("rope_scaling") else "rope_parameters") + ".rope_theta"
     if name == "rope_scaling":
-        return "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+        table = "rope_parameters.full_attention" if fam.local_layers else "rope_parameters"
+        return "rope_scaling" if hf.get("rope_scaling") else table
     if name in fam.unapplied:
         return f"{fam.unapplied[name]}, which {fam.architecture} never applies, so it"
     if name in fam.extra_keys:
@@ -460,6 +606,11 @@ def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None, dtype: str =
     if fam is None:
         raise ConfigError(f"model.family = {cfg.family!r} has no Hugging Face export")
     imported = family_for_model_type(str((base or {}).get("model_type")))
+    if imported is not None and imported.text_config is not None:
+        # a multimodal folder (Gemma3ForConditionalGeneration): its text config is the base of the text-only export
+        base = {**imported.text_defaults, **(base or {}).get(imported.text_config, {})}
+        base["model_type"] = imported.text_model_type
+        imported = family_for_model_type(imported.text_model_type)
     if imported is not None and imported.family == fam.family:
         fam = imported  # an imported Mistral exports as Mistral (the same weights as Llama's)
     if not fam.rope and cfg.kv_heads != cfg.n_heads:
@@ -482,13 +633,12 @@ def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None, dtype: str =
         out[seq_key] = max(cfg.seq_len, int((base or {}).get(seq_key) or 0))
         out["head_dim"] = cfg.head_size
         out["rope_theta"] = cfg.rope_theta  # the pre-5 spelling, next to transformers 5's rope_parameters
-        scaling = cfg.rope_scaling or {"type": "default"}
-        keys = {k: scaling[k] for k in LLAMA3_KEYS if k in scaling}
-        out["rope_parameters"] = {"rope_type": scaling["type"], "rope_theta": cfg.rope_theta, **keys}
+        out["rope_parameters"] = _rope_parameters(cfg.rope_scaling, cfg.rope_theta)
+        keys = {k: v for k, v in out["rope_parameters"].items() if k not in ("rope_type", "rope_theta")}
         out.pop("rope_scaling", None)
         out.pop("original_max_position_embeddings", None)  # transformers 5 reads the table's; 4 may not
         if cfg.rope_scaling is not None:  # transformers 4 reads only this (and the top-level rope_theta)
-            out["rope_scaling"] = {"rope_type": scaling["type"], **keys}
+            out["rope_scaling"] = {"rope_type": cfg.rope_scaling["type"], **keys}
     for name, (key, _) in fam.extra_keys.items():
         value = getattr(cfg, name)
         # tessera's None scalar is 1/sqrt(head_dim): the scalar transformers needs for it is the head width
@@ -509,21 +659,30 @@ def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None, dtype: str =
 
 
 def _export_local(out: dict[str, Any], cfg: ModelConfig) -> None:
-    """Gemma 3's RoPE bases per layer type, its window and its layer_types, written out explicitly (transformers'
-    defaults would slide 5 of every 6 layers at 4096). Without a window every layer is full attention."""
+    """Gemma 3's RoPE tables per layer type (the global layers' scaled by `model.rope_scaling`), its window and its
+    layer_types, written out explicitly (transformers' defaults would slide 5 of every 6 layers at 4096). Without
+    a window every layer is full attention."""
     seq_key = "max_position_embeddings"
     out[seq_key] = max(cfg.seq_len, int(out.get(seq_key) or 0))
     out["head_dim"] = cfg.head_size
     for key in ("rope_theta", "rope_local_base_freq", "rope_scaling", "sliding_window_pattern"):
         out.pop(key, None)
-    out["rope_parameters"] = {
-        "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta},
+    out["rope_parameters"] = {  # model.rope_scaling scales the global layers only
+        "full_attention": _rope_parameters(cfg.rope_scaling, cfg.rope_theta),
+        "sliding_attention": _rope_parameters(None, cfg.rope_local_theta),
     }
     out["sliding_window"] = cfg.sliding_window if cfg.sliding_window is not None else cfg.seq_len
     out["layer_types"] = [
         "full_attention" if is_global_layer(cfg, i) else "sliding_attention" for i in range(cfg.n_layers)
     ]
+
+
+def _rope_parameters(scaling: dict[str, Any] | None, theta: float) -> dict[str, Any]:
+    """A transformers 5 RoPE table: rope_type, rope_theta and the scaling's keys (`model.rope_scaling`, None:
+    unscaled)."""
+    scaling = scaling or {"type": "default"}
+    keys = {k: scaling[k] for k in TYPE_KEYS.get(scaling["type"], ()) if k in scaling}
+    return {"rope_type": scaling["type"], "rope_theta": theta, **keys}
 
 
 def _export_window(out: dict[str, Any], seq_len: int) -> None:

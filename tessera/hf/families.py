@@ -12,7 +12,7 @@ model does not have (the output projection when it is tied to the embedding) is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = [
@@ -88,6 +88,22 @@ class HFFamily:
     computes with (Gemma 3's attn_logit_softcapping: Gemma3Attention passes no softcap to its attention). The
     field imports as None whatever config.json says, as transformers computes, and a model with it set cannot be
     exported as this architecture."""
+    text_config: str | None = None
+    """A multimodal architecture's config.json key holding its language model's config (Gemma3ForConditionalGeneration:
+    "text_config"). Its language model is imported: that config (`text_defaults` filling the keys it leaves out,
+    the top-level "tie_word_embeddings" tying the head), its weights under one of `text_layouts`; the weights under
+    `not_imported` are left unread. An export writes the text-only architecture of the same tessera family. None: a
+    text-only architecture."""
+    text_model_type: str = ""
+    """The model_type the ``text_config`` must have (absent: taken as this one, the config class's sub-config)."""
+    text_defaults: dict[str, Any] = field(default_factory=dict)
+    """transformers' values of the text config's keys that a config.json may leave out: the released Gemma 3 4B/12B/
+    27B folders list only the keys that differ from Gemma3TextConfig's defaults."""
+    text_layouts: tuple[tuple[tuple[str, str], ...], ...] = ()
+    """Each way a checkpoint names its language model's weights, as (text-only prefix, stored prefix) pairs: the
+    text-only name "model.layers.0..." is stored as "language_model.model.layers.0..." in one layout."""
+    not_imported: tuple[str, ...] = ()
+    """Prefixes of the stored weights that are not imported (a vision tower, a multimodal projector)."""
 
 
 def _t(hf: str, *parts: str, conv1d: bool = False) -> HFTensor:
@@ -182,6 +198,74 @@ _GEMMA3_TENSORS = (
     _t("model.layers.{i}.self_attn.q_norm.weight", "blocks.{i}.attn.q_norm.weight"),
     _t("model.layers.{i}.self_attn.k_norm.weight", "blocks.{i}.attn.k_norm.weight"),
     *_GEMMA2_TENSORS[6:],
+)
+
+# Gemma 3 text (tessera/model/gemma3.py): Gemma 2 with (1 + w) q/k norms, local sliding-window layers with their
+# own RoPE base, no soft-caps; Gemma3TextConfig's defaults (transformers 5.24): 4 KV heads, head_dim 256, scalar
+# 256, caps null.
+_GEMMA3_TEXT = HFFamily(
+    model_type="gemma3_text",
+    architecture="Gemma3ForCausalLM",
+    family="gemma3",
+    keys=_LLAMA_KEYS,
+    tie_default=True,
+    required=_GEMMA_REQUIRED,
+    tensors=_GEMMA3_TENSORS,
+    embedding="model.embed_tokens.weight",
+    kv_heads_absent=4,
+    head_dim_absent=256,
+    rope=True,
+    ignored=(".rotary_emb.inv_freq",),
+    local_layers=True,
+    extra_keys={
+        "query_pre_attn_scalar": ("query_pre_attn_scalar", 256),
+        "final_softcap": ("final_logit_softcapping", None),
+    },
+    # transformers 5.24's Gemma3Attention keeps attn_logit_softcapping but never applies it (Gemma 2's passes
+    # softcap=...): a folder with it set computes without the cap (found by benchmarks/hf_search.py)
+    unapplied={"attn_softcap": "attn_logit_softcapping"},
+)
+
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+}
+"""Gemma3TextConfig's defaults (transformers 5.24) for the keys tessera reads, which Gemma3Config fills into a
+text_config that leaves them out (tests/unit/test_gemma3_multimodal.py compares them with the class)."""
+
+# Gemma 3 4B/12B/27B (Gemma3ForConditionalGeneration, model_type "gemma3"): Gemma 3 text plus a SigLIP vision tower
+# and a projector, which are not imported. Checkpoints name the language model "language_model.model.*" (head
+# "language_model.lm_head.weight"), as the released folders and transformers 5.24's save_pretrained do, or
+# "model.language_model.*" ("lm_head.weight"), the module names of transformers' class since 4.52, which a state dict
+# saved directly holds; transformers 5.24's conversion_mapping.py ("llava") loads both. Gemma3ForConditionalGeneration
+# applies neither soft-cap of its text config (its forward returns lm_head's logits as they are).
+_GEMMA3_MULTIMODAL = replace(
+    _GEMMA3_TEXT,
+    model_type="gemma3",
+    architecture="Gemma3ForConditionalGeneration",
+    unapplied={"attn_softcap": "attn_logit_softcapping", "final_softcap": "final_logit_softcapping"},
+    text_config="text_config",
+    text_model_type="gemma3_text",
+    text_defaults=GEMMA3_TEXT_DEFAULTS,
+    text_layouts=(
+        (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+        (("model.", "model.language_model."), ("lm_head.", "lm_head.")),
+    ),
+    not_imported=(
+        "vision_tower.",
+        "multi_modal_projector.",
+        "model.vision_tower.",
+        "model.multi_modal_projector.",
+    ),
 )
 
 FAMILIES: tuple[HFFamily, ...] = (
@@ -303,31 +387,8 @@ FAMILIES: tuple[HFFamily, ...] = (
             "final_softcap": ("final_logit_softcapping", 30.0),
         },
     ),
-    # Gemma 3 text (tessera/model/gemma3.py): Gemma 2 with (1 + w) q/k norms, local sliding-window layers with their
-    # own RoPE base, no soft-caps; Gemma3TextConfig's defaults (transformers 5.24): 4 KV heads, head_dim 256, scalar
-    # 256, caps null. The multimodal model_type "gemma3" (Gemma3ForConditionalGeneration) is refused by name.
-    HFFamily(
-        model_type="gemma3_text",
-        architecture="Gemma3ForCausalLM",
-        family="gemma3",
-        keys=_LLAMA_KEYS,
-        tie_default=True,
-        required=_GEMMA_REQUIRED,
-        tensors=_GEMMA3_TENSORS,
-        embedding="model.embed_tokens.weight",
-        kv_heads_absent=4,
-        head_dim_absent=256,
-        rope=True,
-        ignored=(".rotary_emb.inv_freq",),
-        local_layers=True,
-        extra_keys={
-            "query_pre_attn_scalar": ("query_pre_attn_scalar", 256),
-            "final_softcap": ("final_logit_softcapping", None),
-        },
-        # transformers 5.24's Gemma3Attention keeps attn_logit_softcapping but never applies it (Gemma 2's passes
-        # softcap=...): a folder with it set computes without the cap (found by benchmarks/hf_search.py)
-        unapplied={"attn_softcap": "attn_logit_softcapping"},
-    ),
+    _GEMMA3_TEXT,
+    _GEMMA3_MULTIMODAL,
 )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,8 @@ import torch
 from torch import nn
 
 from tessera.errors import CheckpointError
-from tessera.hf.config import INDEX, SINGLE, name_problems
-from tessera.hf.families import TIED_HEAD, HFFamily, HFTensor, family_for_tessera
+from tessera.hf.config import INDEX, SINGLE, name_problems, text_weight_names
+from tessera.hf.families import TIED_HEAD, HFFamily, HFTensor, family_for_model_type, family_for_tessera
 from tessera.model.build import meta_model
 from tessera.model.layers import TransformerLM
 from tessera.model.materialize import declare, materialize, replicated_specs
@@ -127,7 +128,7 @@ class HFCheckpoint:
                 "model.init = hf:... needs the `safetensors` package; run `pip install 'tessera[hf]'`"
             ) from None
         self.folder, self._open = Path(folder), safe_open
-        self._files = _files(self.folder)
+        self._files, self._stored = self._text_files(_files(self.folder))
         self._where: dict[str, tuple[HFPlanned, int]] = {}
         for planned in plan_tensors(model):
             offset = 0
@@ -143,6 +144,30 @@ class HFCheckpoint:
         wanted = {planned.name for planned, _ in self._where.values()}
         self._tied_head = TIED_HEAD if TIED_HEAD in self._files and TIED_HEAD not in wanted else None
 
+    def _text_files(self, files: dict[str, Path]) -> tuple[dict[str, Path], dict[str, str]]:
+        """({text-only HF name: file}, {text-only name: stored name}): a multimodal folder's language-model weights
+        by the names of its text-only architecture (`text_weight_names`); its vision tower and projector are left
+        unread, which one warning (rank 0's) says."""
+        folder_fam = _folder_family(self.folder)
+        if folder_fam is None or folder_fam.text_config is None:
+            return files, {n: n for n in files}
+        names, skipped, mixed = text_weight_names(folder_fam, files)
+        if mixed:
+            raise CheckpointError(f"{self.folder}: {mixed[0]}")
+        if skipped and _rank() == 0:
+            kinds = sorted({next(p for p in folder_fam.not_imported if n.startswith(p)) for n in skipped})
+            warnings.warn(
+                f"{self.folder} is a {folder_fam.architecture} folder: importing its language model only; its "
+                f"{len(skipped)} vision tower and projector weights ({', '.join(p + '*' for p in kinds)}) are not "
+                f"imported (nor read), and an export writes a text-only {folder_fam.text_model_type} folder",
+                stacklevel=3,
+            )
+        return {text: files[stored] for text, stored in names.items()}, names
+
+    def _slice(self, hf_name: str) -> Any:
+        """The lazily read (memory-mapped) safetensors slice of text-only HF tensor ``hf_name``."""
+        return self._handle(hf_name).get_slice(self._stored[hf_name])
+
     def _check_names(self, fam: HFFamily) -> None:
         """Every tessera tensor is in the folder with its shape, and every weight of the folder is used (the
         names are checked at validation too, from config.json; here again, against the built model)."""
@@ -151,7 +176,7 @@ class HFCheckpoint:
         if problems:
             raise CheckpointError("\n".join(problems))
         for name, planned in wanted.items():
-            shape = tuple(self._handle(name).get_slice(name).get_shape())
+            shape = tuple(self._slice(name).get_shape())
             if shape != planned.shape:
                 raise CheckpointError(
                     f"{self.folder}: {name} has shape {shape}, config.json implies {planned.shape}"
@@ -181,7 +206,7 @@ class HFCheckpoint:
         # loaded, a NaN or inf would make the first loss NaN and stop the run as diverged, blaming the lr
         if not bool(torch.isfinite(window).all()):
             raise CheckpointError(
-                f"{self._files[planned.name]}: weight {planned.name} holds NaN or infinite values; the file is "
+                f"{self._files[planned.name]}: weight {self._stored[planned.name]} holds NaN or infinite values; the file is "
                 "damaged or was saved from a diverged run: use another copy or checkpoint of the model"
             )
         if self._tied_head and planned.name == self._fam.embedding:
@@ -190,7 +215,7 @@ class HFCheckpoint:
 
     def _read(self, hf_name: str, hf_dims: list[tuple[int, int]]) -> torch.Tensor:
         """The rectangle ``hf_dims`` of HF tensor ``hf_name`` as fp32."""
-        window = self._handle(hf_name).get_slice(hf_name)[tuple(slice(a, b) for a, b in hf_dims)]
+        window = self._slice(hf_name)[tuple(slice(a, b) for a, b in hf_dims)]
         return window.to(torch.float32)
 
     def _check_tied_head(self, embedding: torch.Tensor, hf_dims: list[tuple[int, int]]) -> None:
@@ -215,6 +240,23 @@ class HFCheckpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _folder_family(folder: Path) -> HFFamily | None:
+    """The architecture a folder's config.json names (None without one: validation reported it already)."""
+    from tessera.errors import ConfigError
+    from tessera.hf.config import read_hf_config
+
+    try:
+        return family_for_model_type(str(read_hf_config(folder).get("model_type")))
+    except ConfigError:
+        return None
+
+
+def _rank() -> int:
+    """This process's rank (0 outside torch.distributed)."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _opened(safe_open: Callable, path: Path) -> Any:

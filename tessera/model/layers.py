@@ -88,13 +88,18 @@ def rope_inv_freq(
 ) -> torch.Tensor:
     """The inverse frequencies [head_dim/2] of RoPE, fp32: 1 / theta^(2i/hd) as Su et al. (2021), Meta's Llama
     reference and transformers compute them (the same operations in the same order, so the same bits), then
-    ``scaling`` (`tessera.model.rope_scaling`: llama3, by the published ``apply_scaling`` formula)."""
+    ``scaling`` (`tessera.model.rope_scaling`: llama3, by the published ``apply_scaling`` formula; linear, every
+    frequency divided by the factor, as transformers' ``_compute_linear_scaling_rope_parameters``)."""
     exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim  # [hd/2]
     inv_freq = 1.0 / (theta**exponent)  # inv_freq: [hd/2]
     if scaling is None:
         return inv_freq
+    if scaling.get("type") == "linear":
+        return inv_freq / scaling["factor"]  # [hd/2]
     if scaling.get("type") != "llama3":
-        raise ValueError(f"RoPE scaling {scaling!r} is not implemented (model.rope_scaling: llama3 only)")
+        raise ValueError(
+            f"RoPE scaling {scaling!r} is not implemented (model.rope_scaling: llama3 or linear)"
+        )
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     original = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq  # [hd/2]

@@ -78,6 +78,33 @@ def _gemma2(
     )
 
 
+def _gemma3(
+    layers: int, d_model: int, heads: int, kv_heads: int, head_dim: int, ffn: int, scalar: int
+) -> dict[str, Any]:
+    """A released Gemma 3 4B/12B/27B language model: vocabulary 262208, tied, RMSNorm eps 1e-6, no soft-caps,
+    attention scaled by ``scalar``^-0.5, window 1024 on 5 local layers (RoPE base 10⁴) to 1 global (base 10⁶,
+    linear scaling factor 8), context 131072 (set a shorter model.seq_len to train shorter)."""
+    return dict(
+        family="gemma3",
+        n_layers=layers,
+        d_model=d_model,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn_hidden=ffn,
+        vocab_size=262208,
+        seq_len=131072,
+        tie_embeddings=True,
+        norm_eps=1e-6,
+        query_pre_attn_scalar=scalar,
+        sliding_window=1024,
+        sliding_window_pattern=6,
+        rope_theta=1e6,
+        rope_local_theta=10000.0,
+        rope_scaling={"type": "linear", "factor": 8.0},
+    )
+
+
 SIZES: dict[str, dict[str, Any]] = {
     # Test and demo shapes (byte-level vocabulary).
     "gpt2-tiny": dict(family="gpt", n_layers=2, d_model=32, n_heads=4, vocab_size=_TINY_VOCAB, seq_len=32),
@@ -319,6 +346,14 @@ SIZES: dict[str, dict[str, Any]] = {
         rope_theta=1e6,
         rope_local_theta=10000.0,
     ),
+    # Gemma 3 4B, 12B, 27B: the language models of the released Gemma3ForConditionalGeneration folders
+    # (google/gemma-3-4b-pt, -12b-pt, -27b-pt config.json "text_config", the keys it leaves out at Gemma3TextConfig's
+    # defaults: vocabulary 262208, 8 heads, 4 KV heads, head_dim 256, query_pre_attn_scalar 256, context 131072).
+    # Window 1024 on 5 local layers to 1 global; the global layers' RoPE linearly scaled by 8 (positions
+    # interpolated to the 128K context), the local ones unscaled.
+    "gemma3-4b": _gemma3(34, 2560, 8, 4, 256, 10240, 256),
+    "gemma3-12b": _gemma3(48, 3840, 16, 8, 256, 15360, 256),
+    "gemma3-27b": _gemma3(62, 5376, 32, 16, 128, 21504, 168),
     # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, h 12288, 96 heads of 128, context 2048; GPT-2's BPE
     # vocabulary padded to 51200 (a multiple of 1024, as Megatron-LM pads it), tied embeddings.
     "gpt3-175b": dict(family="gpt", n_layers=96, d_model=12288, n_heads=96, vocab_size=51200, seq_len=2048),

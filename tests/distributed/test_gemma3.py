@@ -23,7 +23,7 @@ from tessera.model.build import meta_model
 from tessera.parity import FP32, Record, compare_records, run_config, tolerance_for
 from tests.distributed.conftest import trainer_config
 from tests.distributed.test_document_mask import documents_file  # noqa: F401 - a fixture
-from tests.hf_models import make_hf
+from tests.hf_models import make_gemma3_multimodal, make_hf
 
 STEPS = 2
 LAYOUTS = {  # name: (processes, parallel section, document masking)
@@ -91,3 +91,43 @@ def test_gemma3_layout_matches_one_process(
         assert set(got.grads[k]) == set(reference.grads[k]) == names
         assert set(got.params[k]) == names
     assert got.world == nproc and got.layout != reference.layout
+
+
+MULTIMODAL_LAYOUTS = {
+    "tp2_sp": LAYOUTS["tp2_sp"],
+    "tp2x2": LAYOUTS["tp2x2"],
+    "pp2": (2, {"pipeline": 2, "schedule": "1f1b", "stage_layers": [1, 2]}, False),
+}
+"""Gemma 3 4B/12B/27B's folders: each rank reads its slices of the language model under the multimodal prefix; the
+pipeline's second stage holds layers 1 (global, scaled RoPE) and 2 (local)."""
+
+
+@pytest.fixture(scope="module")
+def multimodal(token_file: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Record]:
+    """A random-weight Gemma3ForConditionalGeneration folder (tests/hf_models.py: 3 layers local, global, local,
+    window 4, the global layers' RoPE linearly scaled by 8, tied) and its one-process run."""
+    root = tmp_path_factory.mktemp("gemma3_mm")
+    make_gemma3_multimodal(root / "hf")
+    work = tmp_path_factory.mktemp("gemma3_mm_ref")
+    raw = _raw(token_file, work, root / "hf", {}, False)
+    return root / "hf", run_config(from_dict(raw), 1, STEPS, work, "ref", keep_states=True)
+
+
+@pytest.mark.parametrize("name", MULTIMODAL_LAYOUTS)
+def test_multimodal_linear_rope_layout_matches_one_process(
+    token_file: Path, tmp_path: Path, multimodal: tuple[Path, Record], name: str
+) -> None:
+    """The language model of a Gemma3ForConditionalGeneration folder with linear-scaled global layers, at 1D
+    tensor 2 + SP, 2D 2×2 and pipeline 2 (its global layer first on the second stage), equals
+    its one-process run: loss, every gradient and every updated parameter."""
+    folder, reference = multimodal
+    nproc, parallel, _ = MULTIMODAL_LAYOUTS[name]
+    cfg = from_dict(_raw(token_file, tmp_path, folder, parallel, False))
+    assert cfg.model.rope_scaling == {"type": "linear", "factor": 8.0}
+    got = run_config(cfg, nproc, STEPS, tmp_path, name, follow=reference)
+    report = compare_records(got, reference, FP32)
+    assert report.ok, report.table(20)
+    names = {n for n, _ in meta_model(cfg.model).named_parameters(remove_duplicate=False)}
+    for k in range(STEPS):  # every tensor was gathered and compared, not a subset
+        assert set(got.grads[k]) == set(reference.grads[k]) == names
+        assert set(got.params[k]) == names

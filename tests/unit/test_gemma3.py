@@ -2,8 +2,9 @@
 
 The sliding window (`band_mask`) under cached decoding (fewer queries than keys) and document masking; that the
 window and the per-layer RoPE bases change the function (so the transformers comparisons test them); the folder's
-values; `tessera validate`'s refusals (the multimodal Gemma3ForConditionalGeneration, RoPE scaling, a layer_types
-that is no pattern, the local-layer keys on other families); the export's layer_types; the released 1B's parameter
+values; `tessera validate`'s refusals (a Gemma3ForConditionalGeneration folder without its text config, RoPE
+scaling tessera does not compute, a layer_types that is no pattern, a null window, the local-layer keys on other
+families); (the multimodal folders and the global layers' RoPE scaling: tests/unit/test_gemma3_multimodal.py); the export's layer_types; the released 1B's parameter
 count against transformers' own class and the planner's ModelShape.
 
 Tolerances: 1e-5 relative (test_hf's LOGIT_RTOL: the same fp32 arithmetic in another order).
@@ -139,18 +140,51 @@ def test_attn_logit_softcapping_imports_as_transformers_computes_it(tmp_path: Pa
 
 
 REFUSED = {  # name: (config.json changes, the message naming it)
-    "multimodal": (
+    "multimodal_without_text_config": (
         {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
-        "Gemma3ForConditionalGeneration, Gemma 3's multimodal model",
+        "config.json of a Gemma3ForConditionalGeneration folder has no 'text_config' object",
     ),
-    "linear_rope": (
+    "yarn_rope": (
         {
             "rope_parameters": {
-                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             }
         },
-        "rope_parameters.full_attention.rope_type = 'linear' (RoPE scaling) is not implemented",
+        "RoPE scaling type 'yarn' (rope_parameters.full_attention) is not implemented by tessera; only default, "
+        "llama3 and linear import (Gemma 3's global layers)",
+    ),
+    "dynamic_rope_scaling": (
+        {"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}},
+        "RoPE scaling type 'dynamic' (rope_scaling) is not implemented by tessera",
+    ),
+    "scaled_local_layers": (
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+            }
+        },
+        "rope_parameters.sliding_attention.rope_type = 'linear' (RoPE scaling on the local layers) is not "
+        "implemented by tessera",
+    ),
+    "rope_scaling_type_spelling": (  # transformers 5.24 computes unscaled RoPE from it, transformers 4 scaled
+        {"rope_scaling": {"type": "linear", "factor": 8.0}},
+        "rope_scaling.type = 'linear' next to rope_type = 'default': transformers 5.24's Gemma3TextConfig computes "
+        "rope_type and ignores type",
+    ),
+    "table_not_an_object": (
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": 4,
+            }
+        },
+        "rope_parameters.sliding_attention = 4 is not an object",
+    ),
+    "null_window": (
+        {"sliding_window": None},
+        "sliding_window = null: transformers 5.24's Gemma3TextModel cannot run such a config",
     ),
     "layer_types": (
         {"layer_types": ["full_attention", "sliding_attention", "sliding_attention"]},
@@ -189,7 +223,7 @@ def test_validate_refuses_what_tessera_does_not_compute(tmp_path: Path) -> None:
     (tmp_path / "mm").mkdir()
     (tmp_path / "mm" / "config.json").write_text(json.dumps(raw))
     status, out = validate(f'model.init="hf:{tmp_path / "mm"}"')
-    assert status != 0 and "Gemma3ForCausalLM (model_type 'gemma3_text'" in out, out
+    assert status != 0 and "Gemma3ForConditionalGeneration folder has no 'text_config' object" in out, out
     local = {"sliding_window": "4", "sliding_window_pattern": "2", "rope_local_theta": "10.0"}
     for key, value in local.items():
         status, out = validate('model.family="llama"', f"model.{key}={value}")
@@ -197,8 +231,17 @@ def test_validate_refuses_what_tessera_does_not_compute(tmp_path: Path) -> None:
         assert f"model.{key} = {value} is set but model.family = 'llama'" in out
     scaling = 'model.rope_scaling={type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, '
     scaling += "original_max_position_embeddings=8}"
-    status, out = validate('model.size="gemma3-tiny"', scaling)
-    assert status == 1 and "family gemma3 scales RoPE only on its global layers" in out, out
+    # scaling on the global layers, as transformers' Gemma 3 4B and larger do
+    assert validate('model.size="gemma3-tiny"', scaling)[0] == 0
+    assert validate('model.size="gemma3-tiny"', 'model.rope_scaling={type="linear", factor=8.0}')[0] == 0
+    status, out = validate('model.size="gemma3-tiny"', 'model.rope_scaling={type="linear", factor=-8.0}')
+    assert status == 1 and "model.rope_scaling.factor = -8.0 must be > 0" in out, out
+    status, out = validate('model.size="gemma3-tiny"', 'model.rope_scaling={type="linear"}')
+    assert status == 1 and "model.rope_scaling lacks factor" in out and "give every linear key" in out, out
+    status, out = validate('model.size="gemma3-tiny"', 'model.rope_scaling={type="linear", factor=8.0, x=1}')
+    assert status == 1 and "model.rope_scaling has unknown key(s) ['x']" in out, out
+    status, out = validate('model.size="gemma3-tiny"', 'model.rope_scaling={type="yarn", factor=8.0}')
+    assert status == 1 and "model.rope_scaling.type = 'yarn' is not implemented by tessera" in out, out
     assert validate('model.size="gemma3-tiny"')[0] == 0
 
 

@@ -157,6 +157,44 @@ def test_llama3_scaling_is_what_makes_the_logits_agree(tmp_path: Path) -> None:
         assert rel_err(unscaled(tokens), expected) > 100 * LOGIT_RTOL
 
 
+@pytest.mark.parametrize("spelling", ["rope_parameters", "rope_scaling_type"])
+def test_linear_scaled_llama_imports_and_exports(tmp_path: Path, spelling: str) -> None:
+    """A Llama folder with linear RoPE scaling (position interpolation, factor 4), in transformers 5's
+    rope_parameters or transformers 4's rope_scaling with "type": imported logits equal transformers' (and the
+    same weights unscaled miss them by far more than the tolerance), and the export carries the scaling."""
+    from tessera.model.build import build_model
+
+    table = {"rope_parameters": {"rope_type": "linear", "rope_theta": 50000.0, "factor": 4.0}}
+    if spelling == "rope_scaling_type":
+        table = {"rope_theta": 50000.0, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    torch.manual_seed(0)
+    raw = hf_config("llama").to_dict()
+    raw.pop("rope_parameters")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(raw | table))
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert (config.rope_parameters["rope_type"], config.rope_parameters["factor"]) == ("linear", 4.0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(raw | table))  # the spelling under test
+    cfg, model = imported(tmp_path / "hf")
+    assert cfg.model.rope_scaling == {"type": "linear", "factor": 4.0}
+    cfg.model.rope_scaling = None
+    unscaled = build_model(cfg.model).eval()
+    unscaled.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        assert rel_err(model(tokens), expected) < LOGIT_RTOL
+        assert rel_err(unscaled(tokens), expected) > 100 * LOGIT_RTOL
+    cfg.model.rope_scaling = {"type": "linear", "factor": 4.0}
+    save_hf(tmp_path / "out", cfg, dict(model.named_parameters()).__getitem__)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert reloaded.config.rope_parameters == {"rope_type": "linear", "rope_theta": 50000.0, "factor": 4.0}
+    with torch.no_grad():
+        assert rel_err(reloaded(tokens).logits, expected) < LOGIT_RTOL
+
+
 def test_llama3_folder_in_the_older_rope_scaling_spelling(tmp_path: Path) -> None:
     """Llama 3.1/3.2 folders saved by transformers 4 hold ``rope_scaling`` (no theta) and a top-level
     ``rope_theta``: tessera reads the same scaling and theta as transformers 5 does from them."""
@@ -277,7 +315,18 @@ REFUSED = {
         {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}},
         "RoPE scaling type 'yarn' (rope_parameters) is not implemented",
     ),
-    "old_rope_scaling": ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling type 'linear'"),
+    "old_rope_scaling": ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE scaling type 'dynamic'"),
+    "linear_extra_key": (  # transformers' linear ignores the key with a warning; tessera refuses it by name
+        {
+            "rope_parameters": {
+                "rope_type": "linear",
+                "rope_theta": 5e5,
+                "factor": 2.0,
+                "low_freq_factor": 1.0,
+            }
+        },
+        "rope_parameters keys ['low_freq_factor'] are not implemented by tessera (a linear table has ('factor',))",
+    ),
     "attention_bias": ({"attention_bias": True}, "attention_bias = True"),
     "activation": ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
     "sliding_window": ({"sliding_window": 4096}, "sliding-window attention"),

@@ -93,6 +93,11 @@ def test_every_size_builds_with_formula_param_count(name):
         # Gemma 3 1B (tied, four norms and per-head q/k norms per block): transformers' Gemma3ForCausalLM on the
         # meta device (tests/unit/test_gemma3.py builds it)
         ("gemma3-1b", 999_885_952),
+        # Gemma 3 4B, 12B, 27B (the language models of the released multimodal folders): transformers'
+        # Gemma3ForCausalLM on the meta device at their text configs (tests/unit/test_gemma3_multimodal.py builds it)
+        ("gemma3-4b", 3_880_263_168),
+        ("gemma3-12b", 11_766_034_176),
+        ("gemma3-27b", 27_009_346_304),
     ],
 )
 def test_known_parameter_counts(name, count):
