@@ -68,7 +68,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
-    """RoPE base (Llama only)."""
+    """RoPE base of the families with RoPE (all but gpt); gemma3: its global layers (local: rope_local_theta)."""
     rope_scaling: dict[str, Any] | None = None
     """RoPE frequency scaling (families with RoPE): {type = "llama3", factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings}, as Hugging Face's rope_scaling, e.g. Llama 3.1's factor 8.0, 1.0, 4.0,
