@@ -1,6 +1,6 @@
 """The registry of parallel dimensions: each is named once here, and everything generic about it follows.
 
-A *dimension* is one way the ranks are split (data, pipeline, tensor). It has a name (used in a cost model rank
+A *dimension* is one way the ranks are split (data, pipeline, context, tensor). It has a name (used in a cost model rank
 order, for group placement and in traffic tables), a `[parallel]` config key, and one or more *shapes*: a size
 field of `tessera.layout.Layout` and the mesh axes (`Axis`) that field spans, each of that size. The tensor
 dimension has two shapes, Megatron 1D (field ``tp``, one axis) and the Optimus 2D grid (field ``q``, two axes of
@@ -32,6 +32,7 @@ class Axis(StrEnum):
 
     DATA = "data"
     PIPE = "pipe"
+    CONTEXT = "context"  # context parallelism: the sequence of each micro-batch split over its ranks
     TENSOR = "tensor"  # Megatron 1D
     TENSOR_ROW = "tensor_row"  # Optimus 2D: the grid row index i (its group: one grid column, same j)
     TENSOR_COL = "tensor_col"  # Optimus 2D: the grid column index j (its group: one grid row, same i)
@@ -48,6 +49,9 @@ class Dim:
     shapes: tuple[tuple[str, tuple[Axis, ...]], ...]
     """(Layout size field, the mesh axes it spans) per alternative shape; the first is the default. The first
     field is also the cost model `Plan`'s attribute for the dimension's rank count."""
+    quiet: bool = False
+    """Left out of layout descriptions and messages at size 1 (context: most runs never use it, and every
+    message naming a layout would otherwise grow "context 1")."""
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -80,6 +84,7 @@ class Dim:
 DIMS: tuple[Dim, ...] = (
     Dim(name="data", key="data", shapes=(("dp", (Axis.DATA,)),)),
     Dim(name="pipe", key="pipeline", shapes=(("pp", (Axis.PIPE,)),)),
+    Dim(name="context", key="context", shapes=(("cp", (Axis.CONTEXT,)),), quiet=True),
     Dim(
         name="tensor",
         key="tensor",

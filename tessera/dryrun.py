@@ -99,14 +99,20 @@ def _grad_tensors(run: Any) -> list[torch.Tensor]:
 
 def _fake_batches(run: Any, cfg: Config) -> list[tuple[torch.Tensor, ...]]:
     """Random (tokens, targets) micro-batches; with data.document_mask also their positions within documents, as
-    the trainer passes them (`TrainingRun.batches`), so the model builds and saves the document mask it would."""
+    the trainer passes them (`TrainingRun.batches`), so the model builds and saves the document mask it would;
+    with context parallelism this rank's part of each (`tessera.parallel.context.context_batch`)."""
     shape = (cfg.train.micro_batch, cfg.model.seq_len)
     v = cfg.model.vocab_size
     batches = [(torch.randint(0, v, shape), torch.randint(0, v, shape)) for _ in range(run.n_micro)]
-    if not cfg.data.document_mask:
-        return batches
-    # token 0 stands in for the end-of-text token: the mask's size and dtype do not depend on where documents end
-    return [(x, y, document_positions(x, 0)) for x, y in batches]
+    if cfg.data.document_mask:
+        # token 0 stands in for the end-of-text token: the mask's size and dtype do not depend on where documents
+        # end
+        batches = [(x, y, document_positions(x, 0)) for x, y in batches]
+    if run.layout.cp > 1:  # the context rank's chunks and positions, as `TrainingRun.batches` cuts them
+        from tessera.parallel.context import context_batch
+
+        batches = [context_batch(b, run.layout.cp, run.cp_rank) for b in batches]
+    return batches
 
 
 def measure_step(
@@ -213,6 +219,9 @@ def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, 
 
     execution = resolve(cfg, world_size, training=False)  # the stages and schedule the run executes
     shape, plan = ModelShape.from_config(cfg.model), cost_plan(execution)
+    # context parallelism: the data × context ranks reduce gradients and the loss (`Groups.batch`), on their
+    # group "data_context": the data formulas at dp·cp ranks, renamed below
+    batch_plan = dataclasses.replace(plan, dp=plan.dp * plan.cp, cp=1) if plan.cp > 1 else plan
     stage = execution.layout.coords(rank)[Axis.PIPE]
     layers = execution.stage_layers
     mine = execution.rank_stages(stage)
@@ -220,12 +229,27 @@ def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, 
     for part in (
         _tensor_traffic(cfg, plan, [layers[s] for s in mine], first=0 in mine, last=len(layers) - 1 in mine),
         _pipe_traffic(shape, plan, stage, execution.exchanged_stages(stage)),
-        _data_traffic(cfg, execution, plan, {s: stage_params(shape, plan, layers)[s] for s in mine}),
-        _scalar_traffic(plan),
+        _data_traffic(cfg, execution, batch_plan, {s: stage_params(shape, plan, layers)[s] for s in mine}),
+        _scalar_traffic(batch_plan),
+        _context_traffic(cfg, plan),
     ):
         for key, nbytes in part.items():
+            key = (key[0], "data_context") if plan.cp > 1 and key[1] == "data" else key
             out[key] = out.get(key, 0.0) + nbytes
     return {key: nbytes for key, nbytes in out.items() if nbytes}
+
+
+def _context_traffic(cfg: Config, plan: Any) -> dict:
+    """K/V all-gathered per block and micro-batch, dK/dV reduce-scattered (`traffic.context_traffic`); full
+    checkpointing gathers again in each block's replayed forward."""
+    from tessera import traffic
+
+    if plan.cp == 1:
+        return {}
+    per_micro = traffic.context_traffic(cfg.model, plan.micro_batch, plan.cp, plan.tp, plan.act_bytes)
+    gathers = 2 if plan.recompute == "full" else 1
+    m = plan.n_microbatches
+    return {("all_gather", "context"): gathers * m * per_micro, ("reduce_scatter", "context"): m * per_micro}
 
 
 _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "recv")

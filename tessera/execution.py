@@ -52,6 +52,7 @@ __all__ = [
     "SCHEDULE_RUNTIME",
     "ExecutionPlan",
     "StagePlan",
+    "context_violations",
     "decide",
     "resolve",
     "tensor_violations",
@@ -118,7 +119,8 @@ class ExecutionPlan:
     """Activation checkpointing of every stage's blocks."""
     zero: int
     zero_shard: int
-    """Ranks of one ZeRO shard group: consecutive data-parallel ranks (the inner part of the data axis,
+    """Ranks of one ZeRO shard group (with context parallelism: the data × context ranks, the ones that average
+    gradients, as torchtitan and Megatron-Core shard over dp × cp): consecutive data-parallel ranks (the inner part of the data axis,
     `tessera.layout.Layout.data_shard_groups`) that shard the model state; the data-parallel size / zero_shard
     replica groups all-reduce the gradient shards (hybrid sharding, `parallel.zero_shard_size`). The whole
     data-parallel size when the config leaves it unset."""
@@ -149,10 +151,20 @@ class ExecutionPlan:
         return self.layout.pp
 
     @property
+    def cp(self) -> int:
+        """Context-parallel size c: each rank holds 1/c of every sequence (docs/context-parallel.md)."""
+        return self.layout.cp
+
+    @property
+    def batch_ranks(self) -> int:
+        """Ranks that split a global batch's tokens and average its gradients: data × context."""
+        return self.layout.batch_ranks
+
+    @property
     def zero_replicas(self) -> int:
         """ZeRO shard groups that replicate each other (1 without hybrid sharding): each gradient shard is
         all-reduced over this many ranks."""
-        return self.dp // self.zero_shard
+        return self.batch_ranks // self.zero_shard
 
     @property
     def tp(self) -> int:
@@ -246,6 +258,13 @@ class ExecutionPlan:
             by_rank.setdefault(st.rank, []).append(st.describe())
         for rank in sorted(by_rank):
             lines.append(f"pipeline rank {rank}: " + "; ".join(by_rank[rank]))
+        if self.cp > 1:
+            lines.append(
+                f"context: {self.cp} ranks, each holding chunks i and {2 * self.cp - 1}-i of {2 * self.cp} per "
+                "sequence; K/V all-gathered per attention layer; gradients averaged"
+                + (" and ZeRO state sharded" if self.zero else "")
+                + f" over data × context = {self.batch_ranks} ranks"
+            )
         if self.tp_comm_overlap:
             lines.append(
                 "tensor-parallel all-gathers / reduce-scatters: rings under their GEMM chunks (tp_comm_overlap)"
@@ -383,12 +402,12 @@ def decide(cfg: Config, world_size: int) -> ExecutionPlan:
         accumulation=accumulation,
         checkpointing=par.checkpointing,
         zero=par.zero,
-        zero_shard=par.zero_shard_size or layout.dp,
+        zero_shard=par.zero_shard_size or layout.batch_ranks,
         micro_batch=tr.micro_batch,
         micro_batches=m,
         global_batch=tr.global_batch,
         dtype=tr.dtype,
-        grad_reduce_dtype=tr.grad_reduce_dtype if layout.dp > 1 else "fp32",
+        grad_reduce_dtype=tr.grad_reduce_dtype if layout.batch_ranks > 1 else "fp32",
         n_layers=n_layers,
         tied=cfg.model.tie_embeddings,
         document_mask=cfg.data.document_mask,
@@ -463,13 +482,16 @@ def _check_layout(cfg: Config, world_size: int) -> list[Violation]:
     dp, others = sizes["dp"], [d for d in DIMS if d.key != "data"]
     rest = math.prod(d.ranks(sizes) for d in others)  # ranks per data-parallel replica
     if dp * rest != world_size:
+        others = [d for d in others if not (d.quiet and d.ranks(sizes) == 1)]  # "context 1" says nothing
         names = "·".join(d.key for d in others)
         fix = (
             f"set parallel.data = {world_size // rest}"
             if world_size % rest == 0
             else f"use a world size that is a multiple of {names} = {rest}, e.g. {multiple_near(world_size, rest)}"
         )
-        factors = " × ".join(f"{d.key} {d.ranks(sizes)}" for d in DIMS)
+        factors = " × ".join(
+            f"{d.key} {d.ranks(sizes)}" for d in DIMS if not (d.quiet and d.ranks(sizes) == 1)
+        )
         v.append(
             Violation(
                 rule="world_size",
@@ -478,6 +500,7 @@ def _check_layout(cfg: Config, world_size: int) -> list[Violation]:
             )
         )
     v.extend(tensor_violations(cfg.model, t, q, p.sequence_parallel))
+    v.extend(context_violations(cfg, t, q))
     v.extend(_check_overlaps(p, t))
     v.extend(_check_zero_shard(p, dp))
     v.extend(_check_pipeline(cfg))
@@ -534,6 +557,55 @@ def tensor_violations(m: ModelConfig, t: int, q: int, sequence_parallel: bool) -
                 fix=f"set model.seq_len = {multiple_near(m.seq_len, t)}",
             )
         )
+    return v
+
+
+def context_violations(cfg: Config, t: int, q: int) -> list[Violation]:
+    """What context parallelism (parallel.context = c > 1) runs with in this pass, and what it refuses, each
+    with the fix (docs/context-parallel.md, "What is refused"): the sequence must cut into 2c equal chunks (2c·t
+    with sequence parallelism, which splits each rank's s/c tokens again); not with a pipeline, a 2D grid,
+    hybrid sharding or tp_comm_overlap, none of which its tests cover yet."""
+    p, c, s = cfg.parallel, cfg.parallel.context, cfg.model.seq_len
+    if c == 1:
+        return []
+    v: list[Violation] = []
+    unit = 2 * c * (t if p.sequence_parallel else 1)
+    if s % unit:
+        split = f"2·context {c}" + (
+            f" × tensor {t} (sequence parallelism)" if p.sequence_parallel and t > 1 else ""
+        )
+        v.append(
+            Violation(
+                rule="context.seq_len",
+                problem=f"model.seq_len = {s} is not divisible by {split} = {unit}: context parallelism cuts each "
+                f"sequence into {2 * c} equal chunks",
+                fix=f"set model.seq_len = {multiple_near(s, unit)}",
+            )
+        )
+    refused = (
+        (
+            p.pipeline > 1,
+            f"parallel.pipeline = {p.pipeline}",
+            "set parallel.pipeline = 1 (or parallel.context = 1)",
+        ),
+        (q > 1, f'parallel.tensor = "{q}x{q}" (2D)', "use 1D tensor parallelism (parallel.tensor = t)"),
+        (
+            p.zero_shard_size is not None,
+            f"parallel.zero_shard_size = {p.zero_shard_size} (hybrid sharding)",
+            "remove parallel.zero_shard_size: ZeRO shards over data × context",
+        ),
+        (p.tp_comm_overlap, "parallel.tp_comm_overlap", "set parallel.tp_comm_overlap = false"),
+    )
+    for hit, what, fix in refused:
+        if hit:
+            v.append(
+                Violation(
+                    rule="context.refused",
+                    problem=f"parallel.context = {c} does not run with {what} in this version "
+                    '(docs/context-parallel.md, "What is refused")',
+                    fix=fix,
+                )
+            )
     return v
 
 

@@ -4,7 +4,11 @@ axis per `tessera.axes.Axis` the layout uses (a new dimension needs nothing here
 Hybrid sharding (`parallel.zero_shard_size` s < data-parallel size) adds two subgroups of the data axis, whose
 members `Layout.data_shard_groups` / `data_replica_groups` compute: ZeRO's shard group (s consecutive data ranks,
 counted as "data_shard" in comm.STATS) and its replica group ("data_replicate"). The data axis's own group stays
-what data sampling, the loss and the metrics use."""
+what data sampling uses.
+
+Context parallelism (`parallel.context` c > 1) adds the data × context group ("data_context" in comm.STATS):
+the ranks that split one global batch's tokens, so the ones that average gradients and losses and that ZeRO
+shards over (`Groups.batch`; docs/context-parallel.md). With c = 1 it is the data group itself."""
 
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ class Groups:
     """Hybrid sharding's shard group; None: ZeRO shards over the whole data group."""
     replica: dist.ProcessGroup | None = None
     """Hybrid sharding's replica group (the ranks holding the same shard); None without hybrid sharding."""
+    data_context: dist.ProcessGroup | None = None
+    """The data × context group when context parallelism is on; None otherwise (`batch` is then the data group)."""
 
     def group(self, axis: Axis) -> dist.ProcessGroup:
         """The group of ranks that differ from this one only along ``axis``."""
@@ -46,9 +52,21 @@ class Groups:
         return self.group(Axis.DATA)
 
     @property
+    def batch(self) -> dist.ProcessGroup:
+        """The ranks that split one global batch's tokens: data × context. The one group gradients are averaged
+        over (the bucketed all-reduce, ZeRO's reduce-scatter) and losses summed over; the data group without
+        context parallelism."""
+        return self.data_context if self.data_context is not None else self.dp
+
+    @property
+    def cp(self) -> dist.ProcessGroup:
+        """The context-parallel group: the ranks holding the other chunks of this rank's sequences."""
+        return self.group(Axis.CONTEXT)
+
+    @property
     def zero_shard(self) -> dist.ProcessGroup:
-        """The group ZeRO shards its state over: the shard group, or the whole data group."""
-        return self.shard if self.shard is not None else self.dp
+        """The group ZeRO shards its state over: the shard group, or the whole `batch` group (data × context)."""
+        return self.shard if self.shard is not None else self.batch
 
     @property
     def pp(self) -> dist.ProcessGroup:
@@ -89,6 +107,8 @@ def build_groups(layout: Layout, device_type: str = "cpu", zero_shard: int | Non
     for name in names:
         name_group(mesh.get_group(name), name)
     groups = Groups(layout=layout, mesh=mesh, rank=dist.get_rank())
+    if layout.cp > 1:
+        groups.data_context = _subgroup(layout.all_groups(Axis.DATA, Axis.CONTEXT), "data_context")
     if zero_shard is not None and zero_shard < layout.dp:
         members = layout.data_shard_groups(zero_shard)
         if groups.rank == 0:

@@ -1,7 +1,7 @@
 """The parallel layout as pure arithmetic: named axes, rank ↔ coordinates, and each group's members.
 
 The dimensions, their order and their mesh axes come from the registry `tessera.axes.DIMS`. Rank order, outermost
-to innermost: data, pipe, then the tensor axes. Tensor is innermost so that a tensor group (the chattiest) sits on
+to innermost: data, pipe, context, then the tensor axes. Tensor is innermost so that a tensor group (the chattiest) sits on
 adjacent ranks, i.e. inside one node. For 2D tensor parallelism the q×q grid has two axes, ``TENSOR_ROW``
 (coordinate i) and ``TENSOR_COL`` (coordinate j), with j innermost: device P_ij has rank offset i·q + j.
 
@@ -23,6 +23,8 @@ class Layout:
 
     dp: int = 1
     pp: int = 1
+    cp: int = 1
+    """Context-parallel size c (`docs/context-parallel.md`): between pipe and tensor, in rank order too."""
     tp: int = 1
     q: int = 1
 
@@ -65,6 +67,12 @@ class Layout:
     @property
     def world_size(self) -> int:
         return world_size(self.sizes)
+
+    @property
+    def batch_ranks(self) -> int:
+        """Ranks that split one global batch's tokens and average its gradients: data × context (each context
+        rank holds 1/c of every sequence of its data rank's samples; docs/context-parallel.md)."""
+        return self.dp * self.cp
 
     @property
     def axes(self) -> tuple[Axis, ...]:
@@ -186,6 +194,8 @@ class Layout:
         for d in DIMS:
             field, axes = d.shape(self.sizes)
             n = getattr(self, field)
+            if d.quiet and n == 1:
+                continue
             parts.append(f"{d.key} {'2D ' + 'x'.join([str(n)] * len(axes)) if len(axes) > 1 else n}")
         return f"{' × '.join(parts)} = {self.world_size} ranks"
 

@@ -177,7 +177,8 @@ def cost_plan(plan: ExecutionPlan) -> Plan:
         overlap_param_gather=plan.overlap_param_gather,
         virtual_stages=plan.stages_per_rank,
         zero_stage=plan.zero,
-        zero_shard=plan.zero_shard if plan.zero_replicas > 1 else 0,  # 0: over all dp ranks (plain ZeRO)
+        # 0: over all dp ranks (plain ZeRO); context parallelism shards over dp·cp (`ExecutionPlan.zero_shard`)
+        zero_shard=plan.zero_shard if plan.zero_replicas > 1 or plan.cp > 1 else 0,
         micro_batch=plan.micro_batch,
         n_microbatches=plan.micro_batches,
         recompute=plan.checkpointing,
@@ -658,6 +659,7 @@ def _micro_batch_bytes(shape: ModelShape, cplan: Plan) -> tuple[float, float, fl
         cplan.autocast,
         cplan.flash_attention,
         cplan.document_mask,  # attention_mask_bytes, rope_position_bytes
+        cplan.cp,  # a context rank's s/c tokens and gathered K/V
     )
     return _memo(_MICRO_BATCH_BYTES, key, lambda: _price_micro_batch(shape, cplan))
 
@@ -667,7 +669,7 @@ def _price_micro_batch(shape: ModelShape, cplan: Plan) -> tuple[float, float, fl
     recompute = (
         activation_bytes_per_layer(shape, cplan, recompute="none") if cplan.recompute != "none" else 0.0
     )
-    logits = 4 * shape.seq_len * cplan.micro_batch * shape.vocab_size / cplan.tp
+    logits = 4 * shape.seq_len // cplan.cp * cplan.micro_batch * shape.vocab_size / cplan.tp  # s/c tokens
     head = head_activation_bytes(shape, cplan) + logits
     # the head's backward begins with the cross-entropy's softmax and gradient (two more logits) and the
     # output layer's weight gradient, before the stage's saved activations are freed
@@ -899,7 +901,7 @@ def _adjust(
     docstring)."""
     params, grads, optimizer = model_state_bytes(sum(stage_psi), plan.zero_dp, plan.zero_stage, "fp32")
     sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.stream_bytes  # the fp32 residual stream
-    logits = 4 * shape.seq_len * plan.micro_batch * shape.vocab_size / plan.tp
+    logits = 4 * shape.seq_len // plan.cp * plan.micro_batch * shape.vocab_size / plan.tp  # s/c tokens
     head = last_inflight * (head_activation_bytes(shape, plan) + logits)
     working = base.working - (
         logits if last_inflight else 0.0

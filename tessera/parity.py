@@ -105,9 +105,10 @@ def check_comparable(a: Config, b: Config) -> None:
 
 
 def default_nproc(cfg: Config) -> int:
-    """The world size a config states: pipeline × tensor ranks × data (1 when data is left to the world)."""
+    """The world size a config states: pipeline × context × tensor ranks × data (1 when data is left to the
+    world)."""
     par = cfg.parallel
-    return par.pipeline * par.tensor_ranks * (par.data or 1)
+    return par.pipeline * par.context * par.tensor_ranks * (par.data or 1)
 
 
 # --- tolerances -----------------------------------------------------------------------------------------------

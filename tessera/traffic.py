@@ -40,6 +40,8 @@ __all__ = [
     "block_2d",
     "bytes_by_group",
     "comm_bytes_2d",
+    "context_block",
+    "context_traffic",
     "embedding_1d",
     "embedding_2d",
     "head_1d",
@@ -403,10 +405,40 @@ def tensor_calls(shape: ModelShape, plan: Any, part: str) -> list[Collective]:
             "embedding": lambda: embedding_2d(shape, m, s, q, e, r),
             "head": lambda: head_2d(shape, m, q, e, r),
         }[part]()
-    n, sp = b * s, plan.sequence_parallel
+    n, sp = b * s // plan.cp, plan.sequence_parallel  # a context rank's s/c tokens of each sequence
     return {
         "block": lambda: block_1d(shape, n, sp, e, stream_bytes=r),
         "replay": lambda: replayed_1d(shape, n, sp, e, stream_bytes=r),
         "embedding": lambda: embedding_1d(shape, n, sp, e, stream_bytes=r),
         "head": lambda: head_1d(shape, n, sp, e, stream_bytes=r),
     }[part]()
+
+
+# --- context parallelism (c ranks, all-gather K/V; docs/context-parallel.md) --------------------------------------
+# Per attention layer and micro-batch, each context rank all-gathers its K and V, [b, n_kv/t, s/c, hd] each, into
+# the whole sequence's [b, n_kv/t, s, hd] (the gathered output: s tokens), and in backward reduce-scatters dK and
+# dV of that size (the unreduced input). K and V are matmul outputs after RoPE: compute bytes. Nothing else in a
+# block crosses the context group: every other operation is per token.
+
+
+def context_block(shape: ModelShape, b: int, c: int, t: int, elem: int) -> list[Collective]:
+    """One block's context-group collectives for one micro-batch of ``b`` sequences on c context ranks of a
+    1D tensor split t (each rank's n_kv/t heads), ``elem`` bytes per element; none when c = 1."""
+    if c == 1:
+        return []
+    kv = b * (shape.kv_dim // t) * shape.seq_len * elem  # one of K, V gathered: [b, n_kv/t, s, hd]
+    return [
+        Collective("all_gather", "context", kv, FORWARD, 2),
+        Collective("reduce_scatter", "context", kv, BACKWARD, 2),
+    ]
+
+
+def context_traffic(model: Any, b: int, c: int, t: int = 1, bytes_per_element: int = 4) -> int:
+    """Bytes one micro-batch hands to each of the context group's all-gather and reduce-scatter (the two are
+    equal), over every block of ``model`` (a `ModelConfig`). Full checkpointing gathers K/V once more in each
+    block's replayed forward (the all-gather's bytes twice)."""
+    from tessera.planner.cost.shape import ModelShape
+
+    shape = ModelShape.from_config(model)
+    calls = times(context_block(shape, b, c, t, bytes_per_element), shape.n_layers)
+    return int(sum(x.total for x in calls if x.kind == "all_gather"))

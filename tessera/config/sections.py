@@ -127,7 +127,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    """How ranks are laid out: data × pipeline × tensor (1D size t, or a 2D grid "qxq"), tensor innermost."""
+    """How ranks are laid out: data × pipeline × context × tensor (1D size t, or a 2D grid "qxq"), tensor innermost."""
 
     data: int | None = None
     """Data-parallel size; None means whatever is left: world_size / (pipeline · tensor ranks)."""
@@ -140,6 +140,10 @@ class ParallelConfig:
     a ring of point-to-point steps run under the GEMM's chunks (Megatron's --tp-comm-overlap; docs/tensor-1d.md)."""
     pipeline: int = 1
     """Pipeline-parallel size p."""
+    context: int = 1
+    """Context-parallel size c: each micro-batch's sequence is cut into 2c chunks, rank i holding chunks i and
+    2c-1-i; attention all-gathers K and V over the c ranks (Llama 3's all-gather CP; docs/context-parallel.md).
+    seq_len must divide by 2c (2c·t with sequence parallelism). Not with pipeline or 2D tensor parallelism."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved, breadth_first, or a CSV file of your own (pipeline/csvio.py)."""
     stages_per_rank: int = 1

@@ -48,9 +48,17 @@ class Documents:
     causal within each document, built on first use (a stage that only embeds never builds it).
     """
 
+    distance: torch.Tensor | None = None
+    """Query's minus key's global index [L, S] when the keys are not the queries' own positions in order
+    (context parallelism: `tessera.parallel.context.ContextDocuments`); None here, where they are."""
+
     def __init__(self, positions: torch.Tensor) -> None:
         self.positions = positions  # positions: [b, s]
         self._mask: torch.Tensor | None = None
+
+    def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values attention runs against: these (a context-parallel rank gathers every rank's)."""
+        return k, v
 
     @property
     def mask(self) -> torch.Tensor:

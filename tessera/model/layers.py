@@ -211,15 +211,22 @@ class AttentionCore(nn.Module):
         self.scale, self.softcap, self.window = scale, softcap, window
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        distance: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``distance`` [L, S]: each query's minus each key's global index, where the keys are not the last S
+        positions in order (context parallelism); the window's band is cut from it. ``mask`` is then given."""
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=1)  # k: [b, nh, S, hd]
             v = v.repeat_interleave(n_rep, dim=1)  # v: [b, nh, S, hd]
         L, S = q.shape[2], k.shape[2]
         if self.window is not None:
-            band = band_mask(L, S, self.window, q.device)  # band: [L, S]
+            band = band_mask(L, S, self.window, q.device, distance)  # band: [L, S]
             mask = band if mask is None else mask & band  # [b, 1, L, S] with documents
         if self.softcap is not None:
             return self._capped(q, k, v, mask)  # [b, nh, L, hd]
@@ -246,12 +253,20 @@ class AttentionCore(nn.Module):
         return torch.matmul(probs, v)  # [b, nh, L, hd]
 
 
-def band_mask(L: int, S: int, window: int, device: torch.device | None = None) -> torch.Tensor:
+def band_mask(
+    L: int, S: int, window: int, device: torch.device | None = None, distance: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal sliding-window mask [L, S] (True: may attend) for L queries that are the last L of S positions
     (cached decoding: L < S): query position i sees key j iff i - window < j <= i, transformers'
     ``sliding_window_overlay`` (kv_idx > q_idx - sliding_window) on its causal mask. Within a document (document
-    masking) the distance i - j is the same as in the window, so the band and the document mask combine by AND."""
-    back = torch.arange(S - L, S, device=device)[:, None] - torch.arange(S, device=device)[None, :]  # [L, S]
+    masking) the distance i - j is the same as in the window, so the band and the document mask combine by AND.
+    ``distance`` [L, S] (i - j by global index: context parallelism's queries and gathered keys) replaces the
+    last-L-of-S frame."""
+    back = distance
+    if back is None:
+        back = (
+            torch.arange(S - L, S, device=device)[:, None] - torch.arange(S, device=device)[None, :]
+        )  # [L, S]
     return (back >= 0) & (back < window)
 
 
@@ -280,7 +295,10 @@ def attend(
         k, v = cache.append(k, v)  # k, v: [b, nkv, cached + s, hd]
     if docs is None:
         return attn.core(q, k, v)  # [b, nh, s, hd]
-    return attn.core(q, k, v, docs.mask)  # [b, nh, s, hd]
+    k, v = docs.gather(k, v)  # k, v: [b, nkv, S, hd], S = s·c under context parallelism (after RoPE: global)
+    if docs.distance is None:
+        return attn.core(q, k, v, docs.mask)  # [b, nh, s, hd]
+    return attn.core(q, k, v, docs.mask, docs.distance)  # [b, nh, s, hd]
 
 
 class LayerKV:

@@ -1,6 +1,7 @@
 """``parallelize``: apply parallelism to a plain model from outside, in one fixed, documented order.
 
-Order: tensor parallelism (1D or 2D) → activation checkpointing → pipeline stages → ZeRO. Tensor parallelism goes
+Order: tensor parallelism (1D or 2D) → context parallelism (no parameters: how attention sees the sequence) →
+activation checkpointing → pipeline stages → ZeRO. Tensor parallelism goes
 first because it decides which tensors exist on a rank; checkpointing wraps those sharded blocks; stages group
 blocks; ZeRO shards whatever parameters a rank ends up holding. Data-parallel gradient synchronisation is attached
 by the trainer (tessera/parallel/data.py), because when it fires depends on the accumulation order.
@@ -20,17 +21,25 @@ __all__ = ["norm_weights", "parallelize", "shard_specs", "tensor_groups"]
 
 
 def parallelize(model: nn.Module, layout: Layout, groups: Groups | None, cfg: Config) -> nn.Module:
-    """Return the module this rank trains: ``module(tokens, targets) -> loss`` over the full micro-batch."""
-    if layout.tensor_size == 1:
-        return model
-    assert groups is not None, "tensor parallelism needs torch.distributed groups"
-    if layout.is_2d:
-        from tessera.parallel.model_2d import apply_tensor_2d
+    """Return the module this rank trains: ``module(tokens, targets) -> loss`` over the full micro-batch (its
+    context rank's part of it with context parallelism, which is applied last: it changes no parameter, only
+    how attention sees the sequence, `tessera.parallel.context`)."""
+    if layout.tensor_size > 1:
+        assert groups is not None, "tensor parallelism needs torch.distributed groups"
+        if layout.is_2d:
+            from tessera.parallel.model_2d import apply_tensor_2d
 
-        return apply_tensor_2d(model, groups, cfg)
-    from tessera.parallel.model_1d import apply_tensor_1d
+            model = apply_tensor_2d(model, groups, cfg)
+        else:
+            from tessera.parallel.model_1d import apply_tensor_1d
 
-    return apply_tensor_1d(model, groups, cfg)
+            model = apply_tensor_1d(model, groups, cfg)
+    if layout.cp > 1:
+        assert groups is not None, "context parallelism needs torch.distributed groups"
+        from tessera.parallel.context import apply_context
+
+        model = apply_context(model, groups.cp)
+    return model
 
 
 def shard_specs(module: nn.Module) -> dict[str, ShardSpec]:

@@ -549,7 +549,7 @@ def build_pipeline(
     local = {id(param) for stage in stages.values() for param in stage.parameters()}
     materialize(model, only=local, defer=zero > 0)
     pp_group = groups.pp if groups is not None and p > 1 else None
-    dp_group = groups.dp if groups is not None and layout.dp > 1 else None
+    dp_group = groups.batch if groups is not None and layout.batch_ranks > 1 else None  # data × context
     hooks = stage_comm(stages) if stage_comm is not None else DataParallelStageComm(stages, dp_group)
     return PipelineEngine(
         stages,

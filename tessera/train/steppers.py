@@ -101,6 +101,8 @@ def _shard_id(layout: Layout, groups: Groups | None, zero: int) -> str | None:
         parts.append(f"tp{groups.rank % layout.tensor_size}")
     if zero > 0 and layout.dp > 1:
         parts.append(f"dp{groups.coord(Axis.DATA)}")
+    if zero > 0 and layout.cp > 1:  # ZeRO shards over data × context
+        parts.append(f"cp{groups.coord(Axis.CONTEXT)}")
     return ".".join(parts) or None
 
 
@@ -111,7 +113,7 @@ def _replica_group(plan: ExecutionPlan, groups: Groups | None) -> torch.distribu
         return None
     if groups.replica is None or comm.group_size(groups.zero_shard) != plan.zero_shard:
         raise ValueError(
-            f"the plan shards ZeRO over {plan.zero_shard} of {plan.dp} data-parallel ranks, but the groups were "
+            f"the plan shards ZeRO over {plan.zero_shard} of {plan.batch_ranks} data-parallel ranks, but the groups were "
             "built without that shard size: build_groups(layout, device, zero_shard=plan.zero_shard)"
         )
     return groups.replica
@@ -128,11 +130,11 @@ class DirectStepper:
         self.scaler = DynamicLossScaler(cfg.train.fp16_init_scale) if self.dtype == "fp16" else None
         self.zero = None  # no ZeRO on the direct loop (the plan routes ZeRO to the schedule runtime)
         self.norm_groups, self.weights = tensor_groups(layout, groups), norm_weights(module)
-        self.overflow_groups = self.norm_groups + ([groups.dp] if groups is not None else [])
+        self.overflow_groups = self.norm_groups + ([groups.batch] if groups is not None else [])
         self.skip_step = False
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, cfg.train)
-        dp_group = groups.dp if groups is not None else None
+        dp_group = groups.batch if groups is not None else None  # data × context: who averages gradients
         self.sync = GradSync(self.params, dp_group, int(cfg.train.bucket_mb * 2**20))
         self.shard_id = _shard_id(layout, groups, 0)
         self.saved_bytes = 0
@@ -214,7 +216,8 @@ class ScheduledStepper:
     ) -> None:
         plan = plan or resolve(cfg, layout.world_size, training=False)  # a stepper reads no data
         self.dtype = cfg.train.dtype
-        dp_group = groups.dp if groups is not None and layout.dp > 1 else None
+        # data × context: the ranks that average gradients (`Groups.batch`)
+        dp_group = groups.batch if groups is not None and layout.batch_ranks > 1 else None
         self.zero: ZeroStageComm | None = None
 
         def stage_comm(stages: dict) -> DataParallelStageComm | ZeroStageComm:

@@ -35,6 +35,7 @@ from tessera.model.documents import Batch, document_positions
 from tessera.model.init import InitSource, ValueSource, draw_seed
 from tessera.model.materialize import declare, materialize
 from tessera.parallel.apply import parallelize, shard_specs
+from tessera.parallel.context import context_batch
 from tessera.rank_errors import decided_on_every_rank
 from tessera.train import checkpoint as ckpt
 from tessera.train.async_save import AsyncSaves
@@ -192,7 +193,9 @@ class TrainingRun:
             else None
         )
         self.dp_rank = self.groups.coord(Axis.DATA) if self.groups else 0
-        self.dp_group = self.groups.dp if self.groups else None
+        self.cp_rank = self.groups.coord(Axis.CONTEXT) if self.groups else 0
+        # the ranks splitting a global batch's tokens (data × context): losses are summed over them
+        self.dp_group = self.groups.batch if self.groups else None
         self.data, self.valid = _open_data(cfg, rank) if with_data else (None, None)  # export: model only
         for data in (self.data, self.valid):
             if data is not None:
@@ -321,7 +324,10 @@ class TrainingRun:
                 loss_mask=masked,
             )
             x, y = x.to(self.device), y.to(self.device)
-            out.append((x, y) if eot is None else (x, y, document_positions(x, eot)))
+            batch = (x, y) if eot is None else (x, y, document_positions(x, eot))
+            if self.layout.cp > 1:  # this context rank's 2 chunks, positions from the whole window
+                batch = context_batch(batch, self.layout.cp, self.cp_rank)
+            out.append(batch)
         return out
 
     def target_tokens(self, step: int, data: TokenDataset | Blend | None = None) -> int | None:
@@ -337,9 +343,9 @@ class TrainingRun:
         return target_count(data, step, cfg.train.global_batch, cfg.model.seq_len, seed, offset)
 
     def loss_weight(self, targets: int | None) -> float | None:
-        """What a masked micro-batch's summed loss is multiplied by: dp / the global batch's target count, so the
-        sum over micro-batches, averaged over the data-parallel replicas (as gradients are), is the global
-        batch's loss per target. None (each micro-batch's mean / m, as ever) without a loss mask."""
+        """What a masked micro-batch's summed loss is multiplied by: dp·cp / the global batch's target count, so
+        the sum over micro-batches, averaged over the data × context ranks (as gradients are), is the global
+        batch's loss per target, whatever number of targets each context rank's chunks hold. None (each micro-batch's mean / m, as ever) without a loss mask."""
         if targets is None:
             return None
         if targets == 0:
@@ -347,7 +353,7 @@ class TrainingRun:
                 "a global batch holds no target tokens (every sample is prompt only), so its loss per target is "
                 "undefined; the trainer skips such steps (see docs/data.md, Fine-tuning: loss masks)"
             )
-        return self.layout.dp / targets
+        return self.layout.batch_ranks / targets
 
     def step(self, step: int, hook: StepHook | None, targets: int | None = None) -> tuple[float, float]:
         """One optimizer step: accumulate micro-batches, synchronise, clip, update; returns (loss, grad norm).
@@ -360,7 +366,7 @@ class TrainingRun:
         if hook is not None:
             hook(step, self.model)
         norm = self.stepper.clip(tr.grad_clip if tr.grad_clip > 0 else float("inf"))
-        loss = total.item() / self.layout.dp  # the step's one host sync (with the norm's), as before
+        loss = total.item() / self.layout.batch_ranks  # the step's one host sync (with the norm's), as before
         # equal on every rank, so every rank decides alike; skips fp16 overflows and, by policy, NaN/inf
         if self.health.apply_update(step, loss, norm, self.stepper.skip_step, self.stepper.state_module):
             for g in self.optimizer.param_groups:
@@ -385,7 +391,7 @@ class TrainingRun:
                 value = self.stepper.evaluate(self.batches(k, self.valid), weight)
                 loss = torch.tensor(value, device=self.device)
                 comm.all_reduce(loss, self.dp_group)
-                total += loss.item() / self.layout.dp
+                total += loss.item() / self.layout.batch_ranks
         return total if weight is not None else total / n
 
     def _eval_targets(self) -> int | None:

@@ -28,7 +28,7 @@ def test_every_mesh_axis_belongs_to_one_dimension() -> None:
     owners = {a: [d.name for d in DIMS for _, axes in d.shapes if a in axes] for a in Axis}
     assert all(len(names) == 1 for names in owners.values()), owners
     assert {a: dim_of(a).name for a in Axis} == {Axis(a): n for a, n in _AXIS_OF_GROUP.items()}
-    assert TESSERA_ORDER == RANK_ORDER == ("data", "pipe", "tensor")
+    assert TESSERA_ORDER == RANK_ORDER == ("data", "pipe", "context", "tensor")
 
 
 @pytest.mark.parametrize(
@@ -46,8 +46,8 @@ def test_config_sizes_through_the_registry(tensor: int | str, world: int, expect
 def test_plan_sizes_are_rank_counts() -> None:
     layout = Layout(dp=2, pp=3, q=2)
     plan = Plan(**layout.plan_sizes(), tp_kind="2d")
-    assert layout.plan_sizes() == {"dp": 2, "pp": 3, "tp": 4}
-    assert plan.sizes() == {"data": 2, "pipe": 3, "tensor": 4}
+    assert layout.plan_sizes() == {"dp": 2, "pp": 3, "cp": 1, "tp": 4}
+    assert plan.sizes() == {"data": 2, "pipe": 3, "context": 1, "tensor": 4}
     assert plan.world_size == layout.world_size == 24
     assert layout.describe() == "data 2 × pipeline 3 × tensor 2D 2x2 = 24 ranks"
 
@@ -56,4 +56,4 @@ def test_alternative_shapes_are_exclusive() -> None:
     with pytest.raises(ValueError, match=r"cannot combine tp = 2 and q = 2"):
         Layout(tp=2, q=2)
     with pytest.raises(ValueError, match="no dimension"):
-        dim_of("context")  # type: ignore[arg-type]
+        dim_of("expert")  # type: ignore[arg-type]

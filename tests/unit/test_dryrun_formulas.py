@@ -56,6 +56,14 @@ LAYOUTS = {
         {"tensor": "2x2", "pipeline": 2},
         {"global_batch": 4, "micro_batch": 2, "dtype": "bf16"},
     ),
+    # context 2 × tensor 2 (SP) × data 2, ZeRO-3, full checkpointing: K/V all-gathered per block (again in the
+    # replayed forward) and dK/dV reduce-scattered on "context"; ZeRO over data × context ("data_context"); the
+    # tensor collectives on the rank's s/c tokens
+    "cp2_tp2_sp_dp2_z3_full": (
+        8,
+        {"context": 2, "tensor": 2, "sequence_parallel": True, "zero": 3, "checkpointing": "full"},
+        {"global_batch": 4, "micro_batch": 1},
+    ),
 }
 
 HYBRID = {

@@ -58,7 +58,13 @@ def test_tensor_axes_are_innermost(layout: Layout) -> None:
 def test_2d_row_and_column_groups() -> None:
     lay = Layout(dp=2, q=3)
     # rank 4 is P_11 of the first replica: rows are contiguous, columns strided by q
-    assert lay.coords(4) == {Axis.DATA: 0, Axis.PIPE: 0, Axis.TENSOR_ROW: 1, Axis.TENSOR_COL: 1}
+    assert lay.coords(4) == {
+        Axis.DATA: 0,
+        Axis.PIPE: 0,
+        Axis.CONTEXT: 0,
+        Axis.TENSOR_ROW: 1,
+        Axis.TENSOR_COL: 1,
+    }
     assert lay.group_members(4, Axis.TENSOR_COL) == [3, 4, 5]  # row group: same i
     assert lay.group_members(4, Axis.TENSOR_ROW) == [1, 4, 7]  # column group: same j
     assert lay.group_members(4, Axis.DATA) == [4, 13]

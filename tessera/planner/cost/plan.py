@@ -24,6 +24,9 @@ class Plan:
 
     dp: int = 1
     pp: int = 1
+    cp: int = 1
+    """Context-parallel ranks (tessera's `parallel.context`): each holds 1/cp of every sequence. The search does
+    not generate cp > 1 (docs/planner.md); `tessera memory` prices it (`tessera.memory`)."""
     tp: int = 1
     """Tensor ranks per replica: t for 1D, q² for 2D. (One rank-count field per dimension of `tessera.axes.DIMS`,
     named by its `plan_field`.)"""
@@ -103,7 +106,7 @@ class Plan:
     @property
     def zero_replicas(self) -> int:
         """Shard groups replicating each other (1 without hybrid sharding)."""
-        return self.dp // self.zero_dp
+        return max(1, self.dp * self.cp // self.zero_dp)  # context: ZeRO shards over dp·cp (1 replica)
 
     @property
     def replica_reduce_width(self) -> int:

@@ -4,7 +4,7 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tessera.planner.cost.compute import layers_per_stage, rank_layers
 from tessera.planner.cost.plan import Plan
@@ -128,6 +128,8 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     `recompute` overrides `plan.recompute` (the working memory of a recomputed block is its "none" count).
     """
     recompute = plan.recompute if recompute is None else recompute
+    if plan.cp > 1:
+        return _context_layer_bytes(shape, plan, recompute)
     s, b, h, a = shape.seq_len, plan.micro_batch, shape.d_model, shape.n_heads
     sbh = s * b * h
     c, r = plan.act_bytes, plan.stream_bytes
@@ -159,6 +161,32 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
         sharded = qkv + c * q_h + mlp + head_norms + (0.0 if recompute == "selective" else scores)
     masks = attention_mask_bytes(shape, plan, recompute) + rope_position_bytes(shape, plan)
     return sbh * (replicated / shard_all + sharded / plan.tp) + masks
+
+
+def context_local(shape: ModelShape, plan: Plan) -> tuple[ModelShape, Plan]:
+    """A context rank's view (tessera's `parallel.context` c, docs/context-parallel.md): its s/c tokens, and the
+    mask every layer's SDPA then keeps (its positions are global, so the run always passes one)."""
+    return replace(shape, seq_len=shape.seq_len // plan.cp), replace(plan, cp=1, document_mask=True)
+
+
+def _context_layer_bytes(shape: ModelShape, plan: Plan, recompute: str) -> float:
+    """`activation_bytes_per_layer` of a context rank: everything per token at s/c tokens, plus K and V of the
+    other ranks' s − s/c tokens as attention keeps them (expanded to the query heads for SDPA; at n_kv heads as
+    the checkpointed core's inputs under selective recomputation) and its [b, 1, s/c, s] mask, c times the
+    [s/c, s/c] one counted at s/c. Measured within 2 % by tests/distributed/test_context_parallel.py."""
+    local_shape, local = context_local(shape, plan)
+    per_token = activation_bytes_per_layer(local_shape, local, recompute)
+    if recompute == "full":
+        return per_token
+    c, s = plan.cp, shape.seq_len
+    width = (shape.kv_dim if recompute == "selective" else shape.q_dim) / plan.tp
+    gathered = 2 * plan.act_bytes * plan.micro_batch * width * (s - s // c)
+    scores = 0.0  # soft-capped attention, written out (Gemma 2): [b, a, s/c, s] scores, c times those counted
+    if shape.attn_softcap is not None and recompute != "selective":
+        scores = (
+            (c - 1) * capped_score_bytes(plan) * shape.n_heads / plan.tp * plan.micro_batch * (s // c) ** 2
+        )
+    return per_token + gathered + scores + (c - 1) * attention_mask_bytes(local_shape, local, recompute)
 
 
 def attention_mask_bytes(shape: ModelShape, plan: Plan, recompute: str) -> float:
@@ -193,6 +221,9 @@ def shared_mask_bytes(shape: ModelShape, plan: Plan) -> float:
     selective recomputation no layer saves the boolean mask itself (SDPA keeps its cast,
     `attention_mask_bytes`); with full recomputation it is not saved either. Per stage: `tessera.memory` adds it
     to each stage that holds blocks."""
+    if plan.cp > 1:  # a context rank always masks: its [b, 1, s/c, s] mask, c times the one of s/c tokens
+        local_shape, local = context_local(shape, plan)
+        return plan.cp * shared_mask_bytes(local_shape, replace(local, recompute=plan.recompute))
     if not (plan.document_mask and plan.recompute == "selective"):
         return 0.0
     return _rank_sequences(plan) * shape.seq_len**2
@@ -325,6 +356,8 @@ def head_activation_bytes(shape: ModelShape, plan: Plan) -> float:
     split by the tensor degree where the sequence is (sequence parallel, 2D). The output projection's weight
     copy is one per step (`autocast_weight_bytes`). A final soft-cap (Gemma 2) keeps tanh's output, logits-sized
     in the compute dtype and split by the vocabulary like them."""
+    if plan.cp > 1:  # a context rank's s/c tokens
+        return head_activation_bytes(*context_local(shape, plan))
     sbh = shape.seq_len * plan.micro_batch * shape.d_model
     shard_all = plan.tp if (plan.tp_kind == "2d" or plan.sequence_parallel) else 1
     capped = 0.0
@@ -338,7 +371,7 @@ def boundary_bytes(shape: ModelShape, plan: Plan) -> float:
     until sent; its gradient, sent back): b·s·h in the stream dtype (`Plan.stream_bytes`: fp32 under tessera's
     autocast, whose residual stream is fp32), divided by t when the sequence is split (sequence parallel, 2D)."""
     shard = plan.tp if (plan.sequence_parallel or plan.tp_kind == "2d") else 1
-    return shape.seq_len * plan.micro_batch * shape.d_model * plan.stream_bytes / shard
+    return shape.seq_len // plan.cp * plan.micro_batch * shape.d_model * plan.stream_bytes / shard
 
 
 def model_state_bytes(
@@ -388,7 +421,7 @@ def memory_per_rank(
     if plan.recompute != "none":
         working += activation_bytes_per_layer(shape, plan, recompute="none")
     if stage == plan.pp - 1:
-        working += 4 * shape.seq_len * plan.micro_batch * shape.vocab_size / plan.tp
+        working += 4 * shape.seq_len // plan.cp * plan.micro_batch * shape.vocab_size / plan.tp
     sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.stream_bytes
     layer_local = shape.layer_params() / plan.tp
     buffers = (2 * sbh if plan.pp > 1 else 0.0) + (2 * layer_local * w_b if z >= 3 else 0.0)
