@@ -30,7 +30,8 @@ layer_types alternating, all full, all sliding or absent, tied or untied, the (1
 ``--gemma2-cases`` imports and layout configs and ``--gemma2-runs`` runs, from a stream of their own. Then on
 Gemma 3 text folders (`hf_gemma3_case`: windows narrower than the context or not, layer_types patterns, absent,
 or no pattern, which tessera must refuse by name: counted, not a disagreement, `check_unpatterned`),
-rope_parameters per layer type): ``--gemma3-cases`` and ``--gemma3-runs``.
+rope_parameters per layer type, linear scaling on the global layers half the time, factor 2 or 8 as the 4B-27B):
+``--gemma3-cases`` and ``--gemma3-runs``.
 
     python benchmarks/hf_search.py [--seed 0] [--configs 300] [--runs 60] [--imports 200] [--head-dim-cases 80]
     python benchmarks/hf_search.py --imports 0 --configs 0 --runs 0 --head-dim-cases 0 --gemma2-cases 60
@@ -208,6 +209,9 @@ def hf_gemma3_case(rng: random.Random) -> dict[str, Any]:
         hf["layer_types"] = gemma3_pattern(layers, rng.randint(2, layers + 1))
     elif r < 0.85 and layers >= 2:
         hf["layer_types"] = ["full_attention"] + ["sliding_attention"] * (layers - 1)  # not a pattern
+    # linear RoPE scaling on the global layers, as Gemma 3 4B/12B/27B (factor 8) or another factor; the local
+    # layers stay unscaled (drawn last, so the draws above are each case's as before ff1ae3b)
+    hf["global_linear"] = rng.choice([None, None, 2.0, 8.0])
     return hf
 
 
@@ -278,12 +282,19 @@ def llama3_rope(tag: str, theta: float) -> dict[str, Any]:
 
 def hf_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
     """The transformers config arguments of a drawn case (the llama3 tag as rope_parameters)."""
-    kw = {k: v for k, v in hf.items() if k not in ("kind", "bf16", "shard", "llama3", "rope_local")}
+    kw = {
+        k: v
+        for k, v in hf.items()
+        if k not in ("kind", "bf16", "shard", "llama3", "rope_local", "global_linear")
+    }
     if "llama3" in hf:
         kw["rope_parameters"] = llama3_rope(hf["llama3"], kw.pop("rope_theta"))
     if "rope_local" in hf:  # Gemma 3: a base per layer type
+        full = {"rope_type": "default", "rope_theta": kw.pop("rope_theta")}
+        if hf.get("global_linear"):
+            full |= {"rope_type": "linear", "factor": hf["global_linear"]}
         kw["rope_parameters"] = {
-            "full_attention": {"rope_type": "default", "rope_theta": kw.pop("rope_theta")},
+            "full_attention": full,
             "sliding_attention": {"rope_type": "default", "rope_theta": hf["rope_local"]},
         }
     return kw
@@ -375,6 +386,8 @@ def explicit_keys(hf: dict[str, Any]) -> list[tuple[str, Any]]:
         "rope_local" in hf
     ):  # Gemma 3's window, pattern (none for a layer_types that is not one) and local base
         gemma2 += [("sliding_window", hf["sliding_window"]), ("rope_local_theta", hf["rope_local"])]
+        if hf.get("global_linear"):
+            gemma2.append(("rope_scaling", {"type": "linear", "factor": hf["global_linear"]}))
         if not gemma3_unpatterned(hf):
             types = hf.get("layer_types") or gemma3_pattern(hf["num_hidden_layers"], 6)
             p = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
@@ -397,6 +410,8 @@ def alter(value: Any) -> Any:
         return not value
     if isinstance(value, str):
         return "llama" if value != "llama" else "gpt"
+    if isinstance(value, dict):  # a RoPE scaling table: another factor
+        return {**value, "factor": value["factor"] * 2}
     return value * 2
 
 
@@ -535,6 +550,7 @@ def features(world: int, raw: dict, hf: dict) -> tuple:
         gemma3_unpatterned(hf),
         hf.get("rope_local") == hf.get("rope_theta"),
         tuple(hf.get("layer_types") or ()),
+        hf.get("global_linear"),
     )
 
 
@@ -938,12 +954,14 @@ def gemma3_phase(args: argparse.Namespace, root: Path, token_file: Path, found: 
         hf["sliding_window"] < raw["model"].get("seq_len", hf["max_position_embeddings"])
         for _, raw, hf in runs
     )
+    scaled = sum(bool(hf.get("global_linear")) for _, _, hf in runs)
     print(
         f"gemma3 seed {args.seed}: imports {n} drawn, {imported} compared ({free} with head_dim != hidden / "
         f"heads), {import_refused} refused by validate ({import_unpatterned} a layer_types that is no pattern), "
         f"{at_load} at the weight load; {n} configs judged, {len(accepted)} accepted, {refused} refused "
         f"({len(UNPATTERNED_REFUSED) - import_unpatterned} no pattern); {len(runs)} run ({compared} with "
-        f"gradients, {narrow} with a window narrower than the sequence; {head_dim_counts(runs)} with head_dim != "
+        f"gradients, {narrow} with a window narrower than the sequence, {scaled} with linear-scaled global "
+        f"layers; {head_dim_counts(runs)} with head_dim != "
         f"hidden / heads); worst loss rel {worst_loss:.1e}, worst gradient rel {worst_grad:.1e}; "
         f"{len(g_found)} disagreement(s) in {time.time() - t0:.0f}s"
     )
