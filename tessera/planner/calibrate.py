@@ -686,8 +686,8 @@ def trainer_plan(cfg: Any, world: int, *, flash_attention: bool = True) -> tuple
             f"parallel.schedule = {schedule!r} has no closed-form prediction; use one of "
             f"{', '.join(CONFIG_TO_IR)} to predict the step time"
         )
-    # ZeRO over one data-parallel rank moves no bytes: time it as plain training
-    zero = execution.zero if execution.dp > 1 else 0
+    # ZeRO over one rank moves no bytes: time it as plain training (it shards over data × context)
+    zero = execution.zero if execution.batch_ranks > 1 else 0
     plan = replace(cost_plan(execution), zero_stage=zero, flash_attention=flash_attention)
     return plan, schedule
 

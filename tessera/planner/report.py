@@ -37,6 +37,7 @@ bigger ones keep the closed form (same model, checked against the simulator in t
 COMPONENT_NAMES = {
     "compute": "compute",
     "tp_comm": "exposed tensor-parallel communication",
+    "cp_comm": "exposed context-parallel communication",
     "bubble": "pipeline bubble",
     "pp_comm": "pipeline p2p communication",
     "dp_comm": "exposed data-parallel communication",
@@ -45,6 +46,7 @@ COMPONENT_NAMES = {
 _COLORS = {
     "compute": "#4c72b0",
     "tp_comm": "#dd8452",
+    "cp_comm": "#da8bc3",
     "bubble": "#c7c7c7",
     "pp_comm": "#55a868",
     "dp_comm": "#c44e52",
@@ -84,7 +86,7 @@ def _distinct(result: SearchResult, top: int) -> list[Candidate]:
     out: list[Candidate] = []
     for c in result.candidates:
         pl = c.plan
-        key = (pl.dp, pl.pp, pl.tp, pl.tp_kind, c.schedule, pl.zero_dp)
+        key = (pl.dp, pl.pp, pl.cp, pl.tp, pl.tp_kind, c.schedule, pl.zero_dp)
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -206,6 +208,11 @@ def _why(part: str, win: Candidate, run: Candidate, result: SearchResult) -> str
             f"from {r.tp_kind} tensor parallelism over {r.tp} ranks with micro-batch {r.micro_batch} "
             f"(winner: {w.tp_kind} over {w.tp})"
         )
+    if part == "cp_comm":
+        return (
+            f"from all-gathering K and V (and reduce-scattering their gradients) over {r.cp} context ranks in "
+            f"every block (winner: context {w.cp})"
+        )
     if part == "pp_comm":
         hops = p2p_hops(run.schedule, r.pp, r.n_microbatches, r.virtual_stages)
         return f"from ≈{hops:.0f} pipeline transfers on the critical path ({run.schedule}, p={r.pp}, v={r.virtual_stages})"
@@ -267,7 +274,7 @@ def render_text(result: SearchResult, entries: list[Explained]) -> str:
             f"{c.memory.total / 1e9:.1f} GB | {e.timed_by} |"
         )
     lines += ["", "Breakdown (seconds per step on the critical rank):", ""]
-    names = list(COMPONENT_NAMES)
+    names = _columns(entries)
     lines.append("| # | " + " | ".join(names) + " | total |")
     lines.append("|---" * (len(names) + 2) + "|")
     for i, e in enumerate(entries, 1):
@@ -291,12 +298,20 @@ def render_text(result: SearchResult, entries: list[Explained]) -> str:
     return "\n".join(lines)
 
 
+def _columns(entries: list[Explained]) -> list[str]:
+    """The breakdown's columns: every part, context-parallel communication only when a listed layout uses
+    context parallelism (the tables of layouts without it are as before)."""
+    cp = any(e.candidate.plan.cp > 1 for e in entries)
+    return [n for n in COMPONENT_NAMES if n != "cp_comm" or cp]
+
+
 def _candidate_json(c: Candidate, timed_by: str, reason: str | None) -> dict[str, Any]:
     pl = c.plan
     return {
         "label": c.label,
         "data": pl.dp,
         "pipeline": pl.pp,
+        "context": pl.cp,
         "tensor": f"{pl.q}x{pl.q}" if pl.tp_kind == "2d" else pl.tp,
         "sequence_parallel": pl.sequence_parallel,
         "tp_comm_overlap": pl.tp_comm_overlap,
@@ -370,6 +385,7 @@ def config_toml(result: SearchResult, cand: Candidate) -> str:
             model["head_dim"] = cfg.head_dim
     keys = (
         "data",
+        "context",
         "tensor",
         "sequence_parallel",
         "tp_comm_overlap",
@@ -392,6 +408,8 @@ def config_toml(result: SearchResult, cand: Candidate) -> str:
     ):  # even stages, ZeRO over all data ranks: nothing to write
         if parallel[unset] is None:
             del parallel[unset]
+    if parallel["context"] == 1:  # no context parallelism: the default, not written
+        del parallel["context"]
     train = {"global_batch": tr.global_batch, "micro_batch": tr.micro_batch, "dtype": tr.dtype}
     lines = [
         f"# Written by `tessera plan` for {result.gpus} × {result.hardware.name}: {cand.label}",
@@ -428,7 +446,9 @@ def render_picture(result: SearchResult, entries: list[Explained], path: str | P
     labels = [f"#{i} {e.candidate.label}" for i, e in enumerate(entries, 1)]
     for row, e in enumerate(entries):
         left = 0.0
-        for name, value in e.candidate.breakdown.parts.items():
+        parts = e.candidate.breakdown.parts
+        for name in _columns(entries):
+            value = parts[name]
             ax.barh(
                 row, value, left=left, color=_COLORS[name], label=COMPONENT_NAMES[name] if row == 0 else None
             )

@@ -1,7 +1,8 @@
 """Layout search: enumerate every valid layout for a model, a GPU count and a batch; prune what does not fit in
 memory; rank the rest by step time (fixed batch) or by time to the target loss (critical batch).
 
-Space: data × pipeline × tensor (1D t, or a 2D q×q grid), ZeRO stage 0–3, schedule (1F1B, GPipe, interleaved v,
+Space: data × pipeline × context × tensor (1D t, or a 2D q×q grid; context c only at long context,
+`CONTEXT_MIN_SEQ`, with one stage and 1D tensor parallelism), ZeRO stage 0–3, schedule (1F1B, GPipe, interleaved v,
 breadth-first v), micro-batch size, checkpointing mode, sequence parallelism. Validity follows the config rules
 (`tessera.config`): the tensor split as `tessera.execution.tensor_violations` decides for `tessera validate`
 (heads, KV heads, d_model and ffn_hidden divisible by t or q, seq_len by t with sequence parallelism), the
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from tessera.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from tessera.execution import ExecutionPlan, decide, tensor_violations
+from tessera.execution import ExecutionPlan, context_violations, decide, tensor_violations
 from tessera.memory import cost_plan, estimate_plan, memory_floor, model_state_floor, model_state_mean
 from tessera.model.sizes import SIZES
 from tessera.modes import BREADTH_FIRST, CHECKPOINTING, DEPTH_FIRST, LAYERED, SCHEDULES
@@ -34,6 +35,7 @@ from tessera.planner.cost import (
     MemoryBreakdown,
     ModelShape,
     Plan,
+    cp_comm_time_per_layer,
     embedding_time,
     layer_time,
     layers_per_stage,
@@ -73,6 +75,11 @@ the fewest devices whose memory holds the model state, so its gathers leave the 
 alone. Up to 8 nodes it divides ZeRO-3's per-rank model state by up to 8 × the node shard's; the whole data group
 (plain ZeRO-3, always tried) is the end beyond. Each multiple is one more ZeRO-3 variant per layout, most over
 the memory limit and counted by `model_state_mean` before their configs are built."""
+CONTEXT_MIN_SEQ = 8192
+"""Sequence length from which the search tries context parallelism (`SearchSpace.context`). Below it a
+sequence's activations are small beside the model state and each layer's K/V gathers cost more than the s/c
+tokens save: at s = 2048 no layout of the models tried wins with it (docs/planner.md, "Context parallelism").
+Shorter sequences are tried with it only when no layout fits without."""
 MAX_CRITICAL_BATCH_FACTOR = 4.0
 """With the critical batch, a layout whose smallest batch (d × micro-batch) exceeds this × B_crit is skipped."""
 
@@ -138,6 +145,12 @@ class SearchSpace:
     1, 2, 4 … `HYBRID_NODE_MULTIPLES` nodes' worth, each s ≥ 2 that divides d and is below it (`_hybrid_shards`)."""
     checkpointing: tuple[str, ...] = CHECKPOINTING
     sequence_parallel: tuple[bool, ...] = (False, True)
+    context: tuple[int, ...] | None = None
+    """Context-parallel sizes c > 1 to try (`parallel.context`, with one pipeline stage and 1D tensor parallelism
+    only, as `tessera.execution.context_violations` allows); None: powers of two up to `max_context` when the
+    sequence has at least `CONTEXT_MIN_SEQ` tokens, or when no layout fits without; empty: never."""
+    max_context: int = 16
+    """Largest context size the default `context` tries (Llama 3 trained 128K tokens at 16)."""
     micro_batches: tuple[int, ...] | None = None
     """Micro-batch sizes to try; None: every divisor of the per-replica batch up to max_micro_batch."""
     max_micro_batch: int = 16
@@ -204,8 +217,9 @@ class Candidate:
             for name, on in (("TP comm", pl.tp_comm_overlap), ("param gather", pl.overlap_param_gather))
             if on
         ]
+        context = f" c{pl.cp}" if pl.cp > 1 else ""
         return (
-            f"d{pl.dp} p{pl.pp} {tensor} | {sched} | b{pl.micro_batch} m{pl.n_microbatches} | "
+            f"d{pl.dp}{context} p{pl.pp} {tensor} | {sched} | b{pl.micro_batch} m{pl.n_microbatches} | "
             f"ZeRO-{pl.zero_stage}"
             + (f" hybrid {pl.zero_replicas}×{pl.zero_dp}" if pl.zero_replicas > 1 else "")
             + f" | ckpt {pl.recompute}"
@@ -333,8 +347,10 @@ class _Ctx:
 
 
 def _layer_parts(ctx: _Ctx, plan: Plan) -> tuple:
-    """Per-layer compute, TP, output layer and embedding times: depend only on the tensor/micro-batch choices."""
+    """Per-layer compute, TP, output layer, embedding and context-parallel times: depend only on the
+    tensor/context/micro-batch choices."""
     key = (
+        plan.cp,
         plan.tp,
         plan.tp_kind,
         plan.sequence_parallel,
@@ -349,6 +365,7 @@ def _layer_parts(ctx: _Ctx, plan: Plan) -> tuple:
             tp_comm_time_per_layer(ctx.shape, ctx.hw, base),
             logits_time(ctx.shape, ctx.hw, base),
             embedding_time(ctx.shape, ctx.hw, base),
+            cp_comm_time_per_layer(ctx.shape, ctx.hw, base),
         )
     return ctx.layer_cache[key]
 
@@ -380,7 +397,9 @@ def _evaluate(
     plan = replace(base, **{f: getattr(timed, f) for f in _EXECUTION_FIELDS})
     schedule = execution.schedule or "1f1b"  # the direct loop: one micro-batch after another
     bd = _step(ctx, plan, schedule, p2p)
-    if ctx.space.comm_overlap and plan.tp_kind == "1d" and plan.sequence_parallel and plan.tp > 1:
+    # tp_comm_overlap: refused with context parallelism (`execution.context_violations`)
+    rings = plan.tp_kind == "1d" and plan.sequence_parallel and plan.tp > 1 and plan.cp == 1
+    if ctx.space.comm_overlap and rings:
         # the rings' smaller GEMM chunks can cost more than the transfer they hide: on only where faster
         ringed = replace(plan, tp_comm_overlap=True)
         ring_bd = _step(ctx, ringed, schedule, p2p)
@@ -404,9 +423,10 @@ def _evaluate(
 
 def _step(ctx: _Ctx, plan: Plan, schedule: str, p2p: float) -> StepBreakdown:
     """`steptime.fast_step` of `plan` from the cached per-layer parts."""
-    lt, tp, lg, (emb, emb_tp) = _layer_parts(ctx, plan)
+    lt, tp, lg, (emb, emb_tp), cp = _layer_parts(ctx, plan)
     counts = layers_per_stage(ctx.shape, plan)
-    return _fast(ctx.shape, ctx.hw, plan, schedule, pipeline_from_layer(counts, lt, tp, lg, p2p, emb, emb_tp))
+    pc = pipeline_from_layer(counts, lt, tp, lg, p2p, emb, emb_tp, cp)
+    return _fast(ctx.shape, ctx.hw, plan, schedule, pc)
 
 
 _EXECUTION_FIELDS = (
@@ -514,15 +534,12 @@ def search(
             data=DataConfig(document_mask=space.document_mask),
         ),
     )
-    found: list[Candidate] = []
-    for kind, tp, sp in _tensor_options(cfg, gpus, hw, space):
-        for p in space.pipeline or _pipeline_sizes(shape.n_layers, gpus // tp, space.uneven_pipelines):
-            if (gpus // tp) % p:
-                continue
-            dp = gpus // (tp * p)
-            q = round(tp**0.5) if kind == "2d" else 1
-            for batch, b in _batches(global_batch, crit_seq, dp, space, q):
-                found += _search_layout(ctx, result, kind, tp, sp, p, dp, batch, b)
+    contexts = _context_sizes(space, shape.seq_len, gpus)
+    found = _search_sizes(ctx, result, cfg, [1, *contexts], global_batch, crit_seq)
+    if not found and not contexts and space.context is None:  # short sequences: context only if nothing fits
+        found = _search_sizes(
+            ctx, result, cfg, _context_sizes(space, CONTEXT_MIN_SEQ, gpus), global_batch, crit_seq
+        )
     if crit_tokens is not None and loss is not None:
         found = [_with_steps(c, shape, loss, crit_tokens) for c in found]
     found.sort(key=lambda c: c.training_time if c.steps is not None else c.step_time)
@@ -532,14 +549,73 @@ def search(
     return result
 
 
+def _context_sizes(space: SearchSpace, seq_len: int, gpus: int) -> list[int]:
+    """Context sizes c > 1 to try (`SearchSpace.context`): the given ones, or powers of two up to
+    `SearchSpace.max_context` (and the GPU count) from `CONTEXT_MIN_SEQ` tokens on."""
+    if space.context is not None:
+        return [c for c in space.context if c > 1]
+    if seq_len < CONTEXT_MIN_SEQ:
+        return []
+    top = min(space.max_context, gpus)
+    return [2**i for i in range(1, top.bit_length()) if 2**i <= top]
+
+
+def _search_sizes(
+    ctx: _Ctx,
+    result: SearchResult,
+    cfg: ModelConfig,
+    contexts: list[int],
+    global_batch: int | None,
+    crit_seq: float | None,
+) -> list[Candidate]:
+    """Every layout with a context size of `contexts` (1: none): tensor × context × pipeline × data, the
+    combinations `tessera.execution.context_violations` refuses left out (a pipeline or a 2D grid with context
+    parallelism, a sequence that does not cut into 2c (2c·t) chunks), as `tessera validate` refuses them."""
+    gpus, space, shape = ctx.gpus, ctx.space, ctx.shape
+    found: list[Candidate] = []
+    for kind, tp, sp in _tensor_options(cfg, gpus, ctx.hw, space):
+        for c in contexts:
+            if (gpus // tp) % c:
+                continue
+            for p in space.pipeline or _pipeline_sizes(
+                shape.n_layers, gpus // (tp * c), space.uneven_pipelines
+            ):
+                if (gpus // (tp * c)) % p or (c > 1 and _context_refused(ctx, kind, tp, sp, p, c)):
+                    continue
+                dp = gpus // (tp * p * c)
+                q = round(tp**0.5) if kind == "2d" else 1
+                for batch, b in _batches(global_batch, crit_seq, dp, space, q):
+                    found += _search_layout(ctx, result, kind, tp, sp, p, dp, batch, b, c)
+    return found
+
+
+def _context_refused(ctx: _Ctx, kind: str, tp: int, sp: bool, p: int, c: int) -> bool:
+    """Whether `tessera validate` refuses context c with this tensor split and pipeline
+    (`execution.context_violations`: the one rule the search and validate share)."""
+    q = round(tp**0.5) if kind == "2d" else 1
+    tensor = f"{q}x{q}" if kind == "2d" else tp
+    parallel = ParallelConfig(tensor=tensor, sequence_parallel=sp, pipeline=p, context=c)
+    return bool(context_violations(replace(ctx.run, parallel=parallel), tp if kind == "1d" else q, q))
+
+
 def _search_layout(
-    ctx: _Ctx, result: SearchResult, kind: str, tp: int, sp: bool, p: int, dp: int, batch: int, b: int
+    ctx: _Ctx,
+    result: SearchResult,
+    kind: str,
+    tp: int,
+    sp: bool,
+    p: int,
+    dp: int,
+    batch: int,
+    b: int,
+    c: int = 1,
 ) -> list[Candidate]:
     m = batch // (dp * b)
     out: list[Candidate] = []
     base = Plan(
         dp=dp,
         pp=p,
+        cp=c,
         tp=tp,
         tp_kind=kind,
         sequence_parallel=sp,
@@ -553,10 +629,13 @@ def _search_layout(
     )
     p2p = p2p_time_per_microbatch(ctx.shape, ctx.hw, base)
     schedules = _schedule_options(ctx.space, ctx.shape.n_layers, p, m)
-    zeros = [z for z in ctx.space.zero_stages if dp > 1 or z == 0] or [0]
+    zeros = [z for z in ctx.space.zero_stages if dp * c > 1 or z == 0] or [
+        0
+    ]  # ZeRO shards over data × context
     # (ZeRO stage, shard size): None shards over all d ranks; hybrid sharding only beside ZeRO-3
     # largest shard first, after plain ZeRO-3: a layout that does not fit with s does not fit with any smaller s
-    hybrid = sorted(_hybrid_shards(ctx, tp, p, dp), reverse=True) if 3 in zeros else []
+    # (hybrid sharding is refused with context parallelism: `execution.context_violations`)
+    hybrid = sorted(_hybrid_shards(ctx, tp, p, dp), reverse=True) if 3 in zeros and c == 1 else []
     variants = [(z, None) for z in zeros] + [(3, s) for s in hybrid]
     train = replace(ctx.run.train, global_batch=batch, micro_batch=b)  # the same for every variant below
     # the configs below are built by keyword from these (what dataclasses.replace copies, without its field scan
@@ -568,7 +647,8 @@ def _search_layout(
     over = {
         (z, s)
         for z, s in variants
-        if model_state_mean(ctx.shape, replace(base, zero_stage=z, zero_shard=s or 0)) > ctx.limit
+        if model_state_mean(ctx.shape, replace(base, zero_stage=z, zero_shard=s or (dp * c if c > 1 else 0)))
+        > ctx.limit
     }
     tensor = f"{base.q}x{base.q}" if kind == "2d" else tp
     for recompute in ctx.space.checkpointing:
@@ -587,7 +667,7 @@ def _search_layout(
         # rejected unbuilt (`test_hsdp`: the search's answer is the same with every variant priced)
         zero3_over: set[tuple[str, int, tuple[int, ...] | None]] = set()
         for zero, shard in variants:
-            deferred = ctx.space.comm_overlap and zero in (1, 2) and dp > 1  # where it fits (`_evaluate`)
+            deferred = ctx.space.comm_overlap and zero in (1, 2) and dp * c > 1  # where it fits (`_evaluate`)
             for schedule, v in schedules:
                 splits = splits_of[schedule, v]
                 if (zero, shard) in over:
@@ -604,6 +684,7 @@ def _search_layout(
                         tensor=tensor,
                         sequence_parallel=sp,
                         pipeline=p,
+                        context=c,
                         schedule=schedule,
                         stages_per_rank=v,
                         stage_layers=None if split is None else list(split),
@@ -667,8 +748,9 @@ def _splits(
     if p == 1 or v > 1:
         return even
     plan = replace(base, recompute=recompute, zero_stage=zero, virtual_stages=v, accumulation=accumulation)
-    lt, tp, lg, (emb, emb_tp) = _layer_parts(ctx, plan)
+    lt, tp, lg, (emb, emb_tp), cp = _layer_parts(ctx, plan)
     block = lt.forward + lt.backward + lt.recompute + tp.forward + tp.backward + tp.recompute
+    block += cp.forward + cp.backward + cp.recompute
     first = (emb.forward + emb.backward + emb_tp.forward) / block
     split = balanced_stage_layers(L, p, first, (lg.forward + lg.backward) / block)
     if even and split == (L // p,) * p:

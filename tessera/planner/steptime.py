@@ -62,6 +62,7 @@ from tessera.planner.cost import (
     LayerTime,
     ModelShape,
     Plan,
+    cp_comm_time_per_layer,
     dp_collective_times,
     embedding_time,
     layer_time,
@@ -121,10 +122,12 @@ FP32_OPTIMIZER_BYTES_PER_PARAM = 28
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class StepBreakdown:
-    """Seconds of one optimizer step on the critical rank; the six parts add up to `step_time`."""
+    """Seconds of one optimizer step on the critical rank; the parts add up to `step_time`."""
 
     compute: float
     tp_comm: float
+    cp_comm: float = 0.0
+    """Context parallelism's K/V all-gathers and dK/dV reduce-scatters (`cost.cp_comm_time_per_layer`): exposed."""
     bubble: float
     pp_comm: float
     dp_comm: float
@@ -132,7 +135,15 @@ class StepBreakdown:
 
     @property
     def step_time(self) -> float:
-        return self.compute + self.tp_comm + self.bubble + self.pp_comm + self.dp_comm + self.optimizer
+        return (
+            self.compute
+            + self.tp_comm
+            + self.cp_comm
+            + self.bubble
+            + self.pp_comm
+            + self.dp_comm
+            + self.optimizer
+        )
 
     def as_dict(self) -> dict[str, float]:
         """The parts by name plus ``step_time``."""
@@ -140,7 +151,7 @@ class StepBreakdown:
 
     @property
     def parts(self) -> dict[str, float]:
-        """The six parts by name (no total)."""
+        """The parts by name (no total)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
@@ -161,30 +172,36 @@ class ChunkCosts:
     """One boundary transfer, one direction."""
     layers: int
     """Blocks per chunk."""
+    fwd_cp: float = 0.0
+    bwd_cp: float = 0.0
+    """Exposed context-parallel time (K/V gathers forward; dK/dV reduce-scatters and replayed gathers backward)."""
 
     @property
     def fwd(self) -> float:
-        return self.fwd_compute + self.fwd_tp
+        return self.fwd_compute + self.fwd_tp + self.fwd_cp
 
     @property
     def bwd(self) -> float:
-        return self.bwd_compute + self.bwd_tp
+        return self.bwd_compute + self.bwd_tp + self.bwd_cp
 
 
-def _per_layer(shape: ModelShape, hw: Hardware, plan: Plan) -> tuple[LayerTime, LayerTime, LayerTime, float]:
+def _per_layer(
+    shape: ModelShape, hw: Hardware, plan: Plan
+) -> tuple[LayerTime, LayerTime, LayerTime, float, LayerTime]:
     return (
         layer_time(shape, hw, plan),
         tp_comm_time_per_layer(shape, hw, plan),
         logits_time(shape, hw, plan),
         p2p_time_per_microbatch(shape, hw, plan),
+        cp_comm_time_per_layer(shape, hw, plan),
     )
 
 
 def chunk_costs(shape: ModelShape, hw: Hardware, plan: Plan) -> ChunkCosts:
     """Durations of one chunk's F and B for one micro-batch with equal stages (module docstring); raises when
     the layers do not split evenly (use `pipeline_costs`, which honours `plan.stage_layers`)."""
-    lt, tp, lg, p2p = _per_layer(shape, hw, plan)
-    return chunk_from_layer(layers_per_stage(shape, plan)[0], lt, tp, lg, p2p)
+    lt, tp, lg, p2p, cp = _per_layer(shape, hw, plan)
+    return chunk_from_layer(layers_per_stage(shape, plan)[0], lt, tp, lg, p2p, cp)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -213,8 +230,9 @@ class PipelineCosts:
         t += self.emb.backward + self.emb_tp.backward if stage == 0 else 0.0
         return t + (self.block.out_bwd if stage == len(self.counts) - 1 else 0.0)
 
-    def rank_parts(self, p: int, rank: int) -> tuple[float, float]:
-        """(compute, exposed TP) seconds of pipeline rank `rank` for one micro-batch over all its chunks."""
+    def rank_parts(self, p: int, rank: int) -> tuple[float, float, float]:
+        """(compute, exposed TP, exposed context-parallel) seconds of pipeline rank `rank` for one micro-batch
+        over all its chunks."""
         blocks = rank_blocks(self.counts, p)[rank]
         b = self.block
         compute = blocks * (b.fwd_compute + b.bwd_compute)
@@ -223,7 +241,7 @@ class PipelineCosts:
             compute, tp = compute + self.emb.forward + self.emb.backward, tp + self.emb_tp.forward
         if rank == p - 1:
             compute += b.out_fwd + b.out_bwd
-        return compute, tp
+        return compute, tp, blocks * (b.fwd_cp + b.bwd_cp)
 
     def critical_rank(self, p: int) -> int:
         """The pipeline rank with the most work per micro-batch (the last one on ties: it holds the head)."""
@@ -238,6 +256,8 @@ class PipelineCosts:
             bwd_compute=blocks * b.bwd_compute,
             fwd_tp=blocks * b.fwd_tp,
             bwd_tp=blocks * b.bwd_tp,
+            fwd_cp=blocks * b.fwd_cp,
+            bwd_cp=blocks * b.bwd_cp,
             out_fwd=b.out_fwd,
             out_bwd=b.out_bwd,
             p2p=b.p2p,
@@ -278,9 +298,9 @@ def balanced_stage_layers(n_layers: int, p: int, first_extra: float, last_extra:
 
 def pipeline_costs(shape: ModelShape, hw: Hardware, plan: Plan) -> PipelineCosts:
     """Every global stage's costs for `plan` (`layers_per_stage`: `stage_layers` or an even split)."""
-    lt, tp, lg, p2p = _per_layer(shape, hw, plan)
+    lt, tp, lg, p2p, cp = _per_layer(shape, hw, plan)
     emb, emb_tp = embedding_time(shape, hw, plan)
-    return pipeline_from_layer(layers_per_stage(shape, plan), lt, tp, lg, p2p, emb, emb_tp)
+    return pipeline_from_layer(layers_per_stage(shape, plan), lt, tp, lg, p2p, emb, emb_tp, cp)
 
 
 def pipeline_from_layer(
@@ -291,21 +311,29 @@ def pipeline_from_layer(
     p2p: float,
     emb: LayerTime,
     emb_tp: LayerTime,
+    cp: LayerTime | None = None,
 ) -> PipelineCosts:
-    """`PipelineCosts` from one block's compute and TP time, the output layer, one transfer and the embedding."""
+    """`PipelineCosts` from one block's compute, TP and context-parallel time, the output layer, one transfer
+    and the embedding."""
     return PipelineCosts(
-        block=chunk_from_layer(1, lt, tp, lg, p2p), counts=tuple(counts), emb=emb, emb_tp=emb_tp
+        block=chunk_from_layer(1, lt, tp, lg, p2p, cp), counts=tuple(counts), emb=emb, emb_tp=emb_tp
     )
 
 
-def chunk_from_layer(layers: int, lt: LayerTime, tp: LayerTime, lg: LayerTime, p2p: float) -> ChunkCosts:
-    """A chunk of ``layers`` layers from one layer's compute ``lt`` and exposed TP time ``tp``, plus the output
-    layer ``lg`` (charged on the last stage) and one boundary transfer ``p2p``."""
+def chunk_from_layer(
+    layers: int, lt: LayerTime, tp: LayerTime, lg: LayerTime, p2p: float, cp: LayerTime | None = None
+) -> ChunkCosts:
+    """A chunk of ``layers`` layers from one layer's compute ``lt``, exposed TP time ``tp`` and exposed
+    context-parallel time ``cp`` (none without), plus the output layer ``lg`` (charged on the last stage) and one
+    boundary transfer ``p2p``."""
+    cp = cp or LayerTime(forward=0.0, backward=0.0, recompute=0.0)
     return ChunkCosts(
         fwd_compute=layers * lt.forward,
         bwd_compute=layers * (lt.backward + lt.recompute),
         fwd_tp=layers * tp.forward,
         bwd_tp=layers * (tp.backward + tp.recompute),
+        fwd_cp=layers * cp.forward,
+        bwd_cp=layers * (cp.backward + cp.recompute),
         out_fwd=lg.forward,
         out_bwd=lg.backward,
         p2p=p2p,
@@ -482,7 +510,7 @@ def _fast(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, pc: Pipeli
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
     c = pc.chunk(p, v)
     crit = pc.critical_rank(p)
-    compute, tp = (m * x for x in pc.rank_parts(p, crit))
+    compute, tp, cp = (m * x for x in pc.rank_parts(p, crit))
     loads = _rank_loads(pc, p)
     if _sweeps(schedule, plan):  # one micro-batch at a time through every rank's chunks and back: in series
         free = m * sum(loads)
@@ -503,7 +531,8 @@ def _fast(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, pc: Pipeli
     return StepBreakdown(
         compute=compute,
         tp_comm=tp,
-        bubble=max(0.0, free - compute - tp),
+        cp_comm=cp,
+        bubble=max(0.0, free - compute - tp - cp),
         pp_comm=pp + exchange,
         dp_comm=dp,
         optimizer=optimizer_time(shape, hw, plan),
@@ -541,7 +570,7 @@ def _fast_dp(
     the ``exchange`` that follows the last compute at ``end``; per micro-batch, its m backwards are taken to
     be every v-th from the end (exact for v = 1); the ranks between hold no tied stage and reduce all of theirs,
     so where there are such ranks (p > 2) the larger of rank 0's and rank 1's exposure is the step's."""
-    if plan.dp <= 1:
+    if plan.batch_ranks <= 1:
         return 0.0
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
     # rank 0's timing with the heavier end's parameters (the simulator prices every rank with its own)
@@ -716,7 +745,7 @@ def _per_microbatch_reduce(plan: Plan) -> bool:
     """Every micro-batch's gradient is reduced on its own (ZeRO-2/3 reduce-scatter, plain data parallelism in a
     pipeline all-reduce), each overlapping that micro-batch's backward: the lowered schedule's REDUCE_MB actions
     (`cost.per_microbatch_reduction`, one rule for runtime and planner)."""
-    return plan.dp > 1 and per_microbatch_reduction(plan)
+    return plan.batch_ranks > 1 and per_microbatch_reduction(plan)
 
 
 _FORWARD, _BACKWARD, _EXCHANGE = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.EXCHANGE_TIED
@@ -767,7 +796,7 @@ def _simulate(
     lowered = lower(
         ir,
         p,
-        zero3=plan.zero_stage == 3 and plan.dp > 1,
+        zero3=plan.zero_stage == 3 and plan.batch_ranks > 1,
         reduce_every_microbatch=_per_microbatch_reduce(plan),
         tied=tied_stages(shape.tied, p * v),
     )
@@ -782,12 +811,13 @@ def _simulate(
         end, entries = timeline(lowered, p, _durations(pc, exchange), comm_latency=p2p)
     # the free-communication run: only its length is used
     free = step_time(lowered, p, _durations(pc)) if p2p > 0 or exchange > 0 else end
-    compute, tp = (m * x for x in pc.rank_parts(p, pc.critical_rank(p)))
+    compute, tp, cp = (m * x for x in pc.rank_parts(p, pc.critical_rank(p)))
     exposed = _simulated_dp(shape, hw, plan, entries, end, pc)
     breakdown = StepBreakdown(
         compute=compute,
         tp_comm=tp,
-        bubble=max(0.0, free - compute - tp),
+        cp_comm=cp,
+        bubble=max(0.0, free - compute - tp - cp),
         pp_comm=max(0.0, end - free),
         dp_comm=exposed,
         optimizer=optimizer_time(shape, hw, plan),
@@ -808,7 +838,7 @@ def _simulated_dp(
     EXCHANGE whole when it runs —, each stage's share in proportion to its blocks (one reduction: ÷ m where
     the step reduces every micro-batch); gathers spread over the step; the worst rank's lateness past the
     step end is exposed."""
-    if plan.dp <= 1:
+    if plan.batch_ranks <= 1:
         return 0.0
     p, m = plan.pp, plan.n_microbatches
     worst = 0.0

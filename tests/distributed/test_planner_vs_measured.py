@@ -58,8 +58,33 @@ def test_trainer_plan_follows_the_stepper_the_trainer_picks(tmp_path: Path) -> N
     assert (plan.virtual_stages, plan.accumulation) == (1, "depth_first")
     plan, _ = _plan_of({"pipeline": 2, "stage_layers": [1, 3]})  # uneven stages are priced as they run
     assert plan.stage_layers == (1, 3)
+    # context parallelism: priced as a context rank (s/c tokens, the K/V gathers), ZeRO over data × context even
+    # with one data rank
+    plan, schedule = _plan_of({"context": 2, "zero": 1}, world=2)
+    assert (plan.cp, plan.dp, plan.batch_ranks, plan.zero_stage, plan.zero_dp) == (2, 1, 2, 1, 2)
     with pytest.raises(ValueError, match="closed-form"):
         _plan_of({"pipeline": 2, "schedule": str(_csv_1f1b(tmp_path))})
+
+
+def test_predicted_step_of_a_context_run_prices_its_gathers() -> None:
+    """`predict_trainer_step` (what `tessera calibrate`'s check compares with measured steps) on a context config:
+    the context part is the cost model's per-block K/V collectives × blocks × micro-batches, on the CPU
+    A100 file's network. Measured step times of context runs are not compared (module docstring: wall-clock
+    comparisons live in benchmarks/planner_validation.py, which has no context layout yet)."""
+    from tessera.planner.calibrate import predict_trainer_step
+    from tessera.planner.cost import ModelShape, cp_comm_time_per_layer
+    from tessera.planner.hardware import load_hardware
+
+    raw = _config(1, 2, 4, 0, Path("unused.bin"), Path("unused"))
+    raw["parallel"] = {"context": 2}
+    raw["data"] = {}
+    cfg = from_dict(raw)
+    hw = load_hardware("a100-80gb")
+    bd = predict_trainer_step(cfg, 2, hw)
+    plan, _ = trainer_plan(cfg, 2)
+    per_block = cp_comm_time_per_layer(ModelShape.from_config(cfg.model), hw, plan)
+    assert bd.cp_comm > 0
+    assert bd.cp_comm == pytest.approx(4 * 4 * (per_block.forward + per_block.backward), rel=1e-12)
 
 
 def _csv_1f1b(directory: Path) -> Path:

@@ -307,7 +307,8 @@ def test_plan_cli_writes_json_toml_and_picture(tmp_path, capsys) -> None:
     doc = json.loads(capsys.readouterr().out)
     assert doc["gpus"] == 4 and len(doc["layouts"]) == 3
     first = doc["layouts"][0]
-    assert set(first["breakdown_s"]) == {"compute", "tp_comm", "bubble", "pp_comm", "dp_comm", "optimizer"}
+    parts = {"compute", "tp_comm", "cp_comm", "bubble", "pp_comm", "dp_comm", "optimizer"}
+    assert set(first["breakdown_s"]) == parts
     assert math.isclose(sum(first["breakdown_s"].values()), first["step_time_s"], rel_tol=1e-9)
     cfg = load_config(out)
     assert cfg.check(4) == [] and cfg.train.global_batch == 32

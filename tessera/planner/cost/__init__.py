@@ -9,7 +9,9 @@ degree, m micro-batches per step per pipeline.
 Step-time pieces are separately callable so a pipeline simulator can place them on a timeline:
 `layer_time` (per-layer forward/backward/recompute compute), `stage_time` (one pipeline stage, one micro-batch,
 including exposed tensor-parallel communication), `p2p_time_per_microbatch` (one stage boundary, one direction),
-`dp_time` (per-stage data-parallel reduction), `tp_comm_time_per_layer` (exposed tensor-parallel time).
+`dp_time` (per-stage data-parallel reduction), `tp_comm_time_per_layer` (exposed tensor-parallel time),
+`cp_comm_time_per_layer` (exposed context-parallel K/V gathers). c is the context-parallel degree: a rank holds
+b·s/c tokens (`local_tokens`).
 Pure Python: no torch import.
 
 The package holds one job per module: `shape` (ModelShape, FLOPs), `plan` (Plan), `compute` (compute seconds),
@@ -30,6 +32,8 @@ from tessera.planner.cost.collectives import (
     reduce_scatter_time,
 )
 from tessera.planner.cost.comm_time import (
+    context_calls,
+    cp_comm_time_per_layer,
     dp_collective_times,
     dp_time,
     p2p_time_per_microbatch,
@@ -48,6 +52,7 @@ from tessera.planner.cost.compute import (
     layer_time,
     layers_per_stage,
     linear_gemm_times,
+    local_tokens,
     logit_bytes,
     logits_time,
     rank_layers,
@@ -116,6 +121,8 @@ __all__ = [
     "boundary_bytes",
     "broadcast_time",
     "cached_weight_bytes",
+    "context_calls",
+    "cp_comm_time_per_layer",
     "dp_collective_times",
     "dp_time",
     "dp_volume",
@@ -130,6 +137,7 @@ __all__ = [
     "layer_time",
     "layers_per_stage",
     "linear_gemm_times",
+    "local_tokens",
     "logit_bytes",
     "logits_forward_flops",
     "logits_time",

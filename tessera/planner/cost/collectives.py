@@ -39,9 +39,12 @@ def group_placement(hw: Hardware, plan: Plan, axis: str) -> Placement:
     """Where one group along `axis` sits: a dimension of `tessera.axes.DIMS` ("data": d members; "pipe": two
     pipeline neighbours; "tensor": the 1D group, or in 2D one grid row) strided by `plan.rank_order`, or a mesh
     axis of the 2D grid: `Axis.TENSOR_COL` (a grid row, same i: q members, stride 1), `Axis.TENSOR_ROW` (a grid
-    column, same j: q members, stride q), or hybrid sharding's shard or replica group (`HYBRID_GROUPS`). The
+    column, same j: q members, stride q), hybrid sharding's shard or replica group (`HYBRID_GROUPS`), or
+    "data_context", context parallelism's data × context group (`_batch_placement`). The
     tensor dimension is innermost in both orders used."""
     G = hw.gpus_per_node
+    if axis == "data_context":
+        return _batch_placement(hw, plan)
     if axis in HYBRID_GROUPS:
         return _hybrid_placement(hw, plan, axis)
     if plan.tp_kind == "2d" and axis in ("tensor", Axis.TENSOR_COL, Axis.TENSOR_ROW):
@@ -53,6 +56,20 @@ def group_placement(hw: Hardware, plan: Plan, axis: str) -> Placement:
         )
     size = min(2, sizes[axis]) if axis == "pipe" else sizes[axis]  # pipe: a sender and its receiver
     return placement(size, axis_stride(plan.rank_order, sizes, axis), G)
+
+
+def _batch_placement(hw: Hardware, plan: Plan) -> Placement:
+    """The data × context group (`tessera.groups.Groups.batch`: every gradient reduction and ZeRO's shards with
+    context parallelism): dp·c ranks. Without a pipeline (which context parallelism refuses) data and context are
+    adjacent in tessera's rank order, so the group is dp·c consecutive context coordinates, t apart."""
+    if plan.pp > 1 and plan.cp > 1:
+        raise ValueError(
+            "the data × context group is priced without a pipeline (parallel.context refuses "
+            "parallel.pipeline > 1); set pp = 1"
+        )
+    return placement(
+        plan.batch_ranks, axis_stride(plan.rank_order, plan.sizes(), "context"), hw.gpus_per_node
+    )
 
 
 HYBRID_GROUPS = ("data_shard", "data_replicate")
@@ -69,7 +86,7 @@ def _hybrid_placement(hw: Hardware, plan: Plan, axis: str) -> Placement:
     return placement(plan.zero_replicas, stride * plan.zero_dp, hw.gpus_per_node)
 
 
-_GROUP_AXIS = {"tensor": "tensor", "row": Axis.TENSOR_COL, "col": Axis.TENSOR_ROW}
+_GROUP_AXIS = {"tensor": "tensor", "row": Axis.TENSOR_COL, "col": Axis.TENSOR_ROW, "context": "context"}
 """`tessera.traffic`'s group names → `group_placement`'s: the Optimus row group (same i) is the group along the mesh
 axis TENSOR_COL (stride 1), the column group along TENSOR_ROW (stride q)."""
 

@@ -4,17 +4,19 @@ exposed tensor-parallel time), one stage boundary's transfer, the data-parallel 
 
 from __future__ import annotations
 
-from tessera.planner.cost.collectives import group_placement, p2p_time
-from tessera.planner.cost.compute import LayerTime, layer_time, linear_gemm_times, logits_time
+from tessera.planner.cost.collectives import group_placement, p2p_time, traffic_time
+from tessera.planner.cost.compute import LayerTime, layer_time, linear_gemm_times, local_tokens, logits_time
 from tessera.planner.cost.plan import Plan, per_microbatch_reduction
 from tessera.planner.cost.shape import ModelShape
 from tessera.planner.cost.tp_overlap import overlaps_tensor_comm, ring_lanes, tensor_traffic_time
 from tessera.planner.cost.volume import tied_exchange_bytes
 from tessera.planner.hardware import Hardware
 from tessera.planner.network import bus_bandwidth, collective_time
-from tessera.traffic import BACKWARD, FORWARD, tensor_calls
+from tessera.traffic import BACKWARD, FORWARD, Collective, context_block, tensor_calls
 
 __all__ = [
+    "context_calls",
+    "cp_comm_time_per_layer",
     "dp_collective_times",
     "dp_time",
     "p2p_time_per_microbatch",
@@ -49,6 +51,34 @@ def tp_comm_time_per_layer(shape: ModelShape, hw: Hardware, plan: Plan) -> Layer
     )
 
 
+def context_calls(shape: ModelShape, plan: Plan) -> list[Collective]:
+    """One block's context-group collectives for one micro-batch (`tessera.traffic.context_block`, the formula
+    the dry run and the distributed tests check against the bytes a run moves): forward an all-gather of K and
+    one of V, [b, n_kv/t, s, hd] each gathered, backward a reduce-scatter of dK and dV of that size, in the
+    compute dtype. Empty without context parallelism."""
+    return context_block(shape, plan.micro_batch, plan.cp, plan.tp, plan.act_bytes)
+
+
+def cp_comm_time_per_layer(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
+    """Seconds context-parallel communication adds per block per micro-batch (`context_calls`), each collective
+    priced by `network.collective_time` on the context group's placement: c ranks t apart in tessera's rank
+    order (data, pipe, context, tensor), so inside one node while c·t fits in it, else a ring across nodes.
+
+    Exposed, not overlapped: tessera's `attend` gathers K and V synchronously (`comm.all_gather_to_region`, an
+    autograd function whose backward reduce-scatters dK, dV) and the attention core waits for them. Full
+    checkpointing replays the block's forward, gather included (`recompute` = the forward's seconds), as the
+    dry run's formula counts; selective checkpointing replays only the core, after the gather (0)."""
+    calls = context_calls(shape, plan)
+    if not calls:
+        return LayerTime(forward=0.0, backward=0.0, recompute=0.0)
+    forward = traffic_time(hw, plan, calls, FORWARD)
+    return LayerTime(
+        forward=forward,
+        backward=traffic_time(hw, plan, calls, BACKWARD),
+        recompute=forward if plan.recompute == "full" else 0.0,
+    )
+
+
 def _ring_gemms(
     shape: ModelShape, hw: Hardware, plan: Plan
 ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
@@ -61,7 +91,7 @@ def _ring_gemms(
     the ring's t chunk GEMMs on the runtime's `tp_overlap.ring_lanes` streams, / t."""
     if not overlaps_tensor_comm(plan):
         return [], []
-    rows = shape.seq_len * plan.micro_batch
+    rows = local_tokens(shape, plan)
     chunks = linear_gemm_times(shape, hw, plan, rows / plan.tp, chunks=plan.tp, lanes=ring_lanes(hw, plan))
     wholes = linear_gemm_times(shape, hw, plan, rows)
     qkv, proj, fc1, fc2 = zip(chunks, wholes, strict=True)
@@ -136,14 +166,16 @@ def dp_collective_times(
     buckets: int = 1,
 ) -> tuple[float, float]:
     """(gradient reduction, parameter all-gather) seconds per step of `params_local` parameters on the data
-    group, placed by `plan.rank_order`: the collectives of `dp_volume` (ZeRO-0 one all-reduce; ZeRO ≥ 1 a
+    group (data × context with context parallelism: `Plan.batch_ranks`), placed by `plan.rank_order`: the collectives of `dp_volume` (ZeRO-0 one all-reduce; ZeRO ≥ 1 a
     reduce-scatter, ×m with depth-first ZeRO-2/3; all-gathers once, twice for ZeRO-3, ×m depth-first), each
     split into `buckets` calls (one per layer in the trainer) and priced by `network.collective_time`, so the
     latency terms count every call."""
-    if plan.dp <= 1:
+    if plan.batch_ranks <= 1:
         return 0.0, 0.0
-    # ZeRO's collectives run on its shard group (the whole data group without hybrid sharding)
-    group = group_placement(hw, plan, "data_shard" if plan.zero_stage else "data")
+    # ZeRO's collectives run on its shard group (the whole data group without hybrid sharding); with context
+    # parallelism every gradient collective spans data × context (`Groups.batch`)
+    axis = "data_shard" if plan.zero_stage else "data"
+    group = group_placement(hw, plan, "data_context" if plan.cp > 1 else axis)
     m = plan.n_microbatches if plan.accumulation == "depth_first" else 1
     g, w = params_local * grad_bytes, params_local * param_bytes
     if plan.zero_stage == 0:

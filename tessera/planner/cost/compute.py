@@ -26,6 +26,7 @@ __all__ = [
     "layer_time",
     "layers_per_stage",
     "linear_gemm_times",
+    "local_tokens",
     "logit_bytes",
     "logits_time",
     "score_bytes",
@@ -73,15 +74,21 @@ def attention_core_time(shape: ModelShape, hw: Hardware, plan: Plan) -> tuple[fl
     scores never reach HBM and a causal kernel skips the masked half, so forward FLOPs = 4·s²·d per head / 2,
     backward `FLASH_BACKWARD_FACTOR` × that, both at the measured rate × `gemm_framework_share` (the share of a
     kernel's rate a framework keeps, as for GEMMs). Otherwise two batched GEMMs (QKᵀ and A·V, full s×s: the
-    masked half is computed, and the roofline charges the scores' HBM traffic), backward 2× forward."""
-    s, d = shape.seq_len, shape.head_dim
+    masked half is computed, and the roofline charges the scores' HBM traffic), backward 2× forward.
+
+    Context parallelism (`Plan.cp` = c): a rank's s/c queries attend to the whole gathered sequence's s keys.
+    Unfused, its two GEMMs are [s/c × d]·[d × s] and [s/c × s]·[s × d]: 4·(s/c)·s·d FLOPs per head, 1/c of one
+    device's. Fused, the causal work of one device is 4·s²·d/2 per head; with the 2c-chunk balance rank i holds
+    chunks i and 2c−1−i, whose queries see (i + 1/2) + (2c − 1 − i + 1/2) = 2c chunk-widths of keys, so every
+    rank does 2c·(s/2c)²·4d = 4·s²·d/(2c): 1/c of the causal work (docs/context-parallel.md, "The chunks")."""
+    s, d, c = shape.seq_len, shape.head_dim, plan.cp
     heads = shape.n_heads * plan.micro_batch / plan.tp
     if plan.flash_attention and hw.flash_attention_flops > 0 and plan.act_bytes == 2:
-        forward = 4 * s * s * d * heads / 2 / (hw.flash_attention_flops * hw.gemm_framework_share)
+        forward = 4 * s * s * d * heads / 2 / c / (hw.flash_attention_flops * hw.gemm_framework_share)
         return forward, FLASH_BACKWARD_FACTOR * forward
     dt = plan.dtype
-    forward = gemm_call_time(hw, s, s, d, batch=heads, dtype=dt) + gemm_call_time(
-        hw, s, d, s, batch=heads, dtype=dt
+    forward = gemm_call_time(hw, s / c, s, d, batch=heads, dtype=dt) + gemm_call_time(
+        hw, s / c, d, s, batch=heads, dtype=dt
     )
     return forward, 2 * forward
 
@@ -104,9 +111,9 @@ def elementwise_bytes_per_layer(shape: ModelShape, plan: Plan) -> float:
     rest by t or q²; a cast's input is the gathered tensor under sequence parallelism (not divided by t).
     Backward is taken as 2× these bytes (`layer_time`).
     """
-    s, b, h, f = shape.seq_len, plan.micro_batch, shape.d_model, shape.ffn_hidden
+    h, f = shape.d_model, shape.ffn_hidden
     c, r = plan.act_bytes, plan.stream_bytes
-    sbh = s * b * h
+    sbh = local_tokens(shape, plan) * h  # a context rank's s/c tokens of each sequence
     residual_add = 2 * r + c + (1 if shape.dropout else 0)
     replicated = len(shape.features.block_norms) * (2 * r) + 2 * residual_add  # Gemma 2: four norms
     activation = (3 if shape.swiglu else 2) * c * f / h
@@ -135,7 +142,8 @@ def score_bytes(shape: ModelShape, plan: Plan) -> float:
         return 0.0
     per_score = 4 * plan.act_bytes + 1 if shape.dropout else 2 * plan.act_bytes
     per_score += 6 * plan.act_bytes if capped else 0
-    return per_score * shape.n_heads * shape.seq_len**2 * plan.micro_batch
+    # context parallelism: the rank's s/c queries against all s keys
+    return per_score * shape.n_heads * shape.seq_len**2 / plan.cp * plan.micro_batch
 
 
 def weight_cast_bytes_per_layer(shape: ModelShape, plan: Plan) -> tuple[float, float]:
@@ -165,11 +173,13 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     a·b/tp heads). Elementwise time = `elementwise_bytes_per_layer` / HBM bandwidth. Backward = 2 × forward (two
     GEMMs per forward GEMM), except the attention core (its own backward) and the weight casts under autocast
     (`weight_cast_bytes_per_layer`: their forward and backward bytes differ).
+    Context parallelism (`Plan.cp` = c): every GEMM and elementwise op runs on the rank's b·s/c tokens
+    (`local_tokens`), the attention core on its s/c queries against all s keys (`attention_core_time`).
     Recompute: full ⇒ one forward less the MLP's output GEMM (torch's non-reentrant checkpoint stops early;
     the whole forward under `Plan.replays_last_exit`), selective ⇒ the attention core (QKᵀ, softmax/dropout on
     the scores, A·V) of a forward, none ⇒ 0.
     """
-    gemms = linear_gemm_times(shape, hw, plan, shape.seq_len * plan.micro_batch)
+    gemms = linear_gemm_times(shape, hw, plan, local_tokens(shape, plan))
     dense = sum(gemms)
     attn, attn_backward = attention_core_time(shape, hw, plan)
     elementwise = elementwise_bytes_per_layer(shape, plan) / hw.hbm_bandwidth
@@ -213,6 +223,12 @@ def linear_gemm_times(
     return out
 
 
+def local_tokens(shape: ModelShape, plan: Plan) -> float:
+    """Token rows of one micro-batch on one rank before any tensor split: b·s, or b·s/c on a context rank
+    (`Plan.cp`), which holds s/c tokens of each sequence (docs/context-parallel.md)."""
+    return shape.seq_len * plan.micro_batch / plan.cp
+
+
 def layers_per_stage(shape: ModelShape, plan: Plan) -> tuple[int, ...]:
     """Blocks of each global stage (chunk c of pipeline rank r is global stage c·p + r): `plan.stage_layers`, or
     the even split. A layer count that p·v does not divide, without `stage_layers`, is an error (never rounded)."""
@@ -253,7 +269,7 @@ def embedding_time(shape: ModelShape, hw: Hardware, plan: Plan) -> tuple[LayerTi
     Tensor parallel: the vocabulary-split embedding's collectives as the runtime issues them
     (`tessera.traffic.tensor_calls`): 1D an all-reduce of b·s·h forward (with SP a reduce-scatter forward and an
     all-gather backward, and the position table's gradient), 2D a reduce-scatter / all-gather on the columns."""
-    sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.stream_bytes
+    sbh = local_tokens(shape, plan) * shape.d_model * plan.stream_bytes
     nbytes = sbh * (4 if shape.features.has_position_embedding else 2)
     shard = plan.tp if plan.tp_kind == "2d" else 1
     fwd = nbytes / shard / hw.hbm_bandwidth
@@ -279,7 +295,7 @@ def logits_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     issues them (`tessera.traffic.tensor_calls`: 1D the entry region and the loss's two small all-reduces; 2D the
     final norm, the SUMMA logits products and the loss); with `Plan.tp_comm_overlap` the entry's all-gather and
     its backward pair run as rings under the logits GEMM's chunks (`cost.tp_overlap`). Never recomputed."""
-    M = shape.seq_len * plan.micro_batch
+    M = local_tokens(shape, plan)
     gemm = gemm_call_time(hw, M, shape.vocab_size / plan.tp, shape.d_model, dtype=plan.dtype)
     loss = logit_bytes(plan) * M * shape.vocab_size / plan.tp / hw.hbm_bandwidth
     calls = tensor_calls(shape, plan, "head")

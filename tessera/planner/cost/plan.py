@@ -25,8 +25,9 @@ class Plan:
     dp: int = 1
     pp: int = 1
     cp: int = 1
-    """Context-parallel ranks (tessera's `parallel.context`): each holds 1/cp of every sequence. The search does
-    not generate cp > 1 (docs/planner.md); `tessera memory` prices it (`tessera.memory`)."""
+    """Context-parallel ranks (tessera's `parallel.context`): each holds 1/cp of every sequence. The search tries
+    cp > 1 at long context (`tessera.planner.search`, docs/planner.md); the step time prices a rank's s/c tokens
+    (`cost.compute`) and the K/V gathers (`cost.cp_comm_time_per_layer`), `tessera memory` its memory."""
     tp: int = 1
     """Tensor ranks per replica: t for 1D, q² for 2D. (One rank-count field per dimension of `tessera.axes.DIMS`,
     named by its `plan_field`.)"""
@@ -115,6 +116,12 @@ class Plan:
         accumulated shard in place, or a copy in ``train.grad_reduce_dtype`` (docs/zero.md); the published
         accounting reduces in the gradient dtype."""
         return self.grad_reduce_width
+
+    @property
+    def batch_ranks(self) -> int:
+        """Ranks that split the batch and reduce gradients together: data × context (`tessera.groups.Groups.
+        batch`; ZeRO shards over them with context parallelism)."""
+        return self.dp * self.cp
 
     @property
     def world_size(self) -> int:

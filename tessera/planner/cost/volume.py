@@ -143,7 +143,7 @@ def dp_volume(
     ``reduced_once`` of the `params_local` are reduced once per step whatever the accumulation: the stages tied
     to another pipeline rank's, reduced after their EXCHANGE (`tessera.pipeline.passes.tied_across`).
     """
-    if plan.dp <= 1:
+    if plan.batch_ranks <= 1:
         return CommVolume()
     g, w, once = params_local * grad_bytes, params_local * param_bytes, reduced_once * grad_bytes
     m = plan.n_microbatches if plan.accumulation == "depth_first" else 1
