@@ -40,10 +40,12 @@ from tessera.planner.cost import (
     boundary_bytes,
     cached_weight_bytes,
     head_activation_bytes,
+    head_transient_bytes,
     memory_per_rank,
     model_state_bytes,
     rank_layers,
     shared_mask_bytes,
+    tied_gradient_bytes,
 )
 from tessera.planner.hardware import DTYPE_BYTES
 from tessera.planner.network import TESSERA_ORDER
@@ -405,7 +407,9 @@ def _rank_floor(shape: ModelShape, plan: ExecutionPlan, rank: int) -> float:
         # not where a hand-written list may split a backward into I and W, nor a tied stage's
         reduced_backwards=every and not exchanged and not (plan.schedule or "").endswith(".csv"),
     )
-    held = max(moment + autocast_weight_bytes(shape, cplan, rank), after + _temporaries(plan, sizes.grads))
+    held = max(
+        moment + autocast_weight_bytes(shape, cplan, rank), after + _temporaries(shape, plan, sizes.grads)
+    )
     return params + optimizer + p2p + held
 
 
@@ -544,7 +548,11 @@ def estimate_plan(
         # (stage × micro-batch) pairs in flight of the stages holding blocks: each keeps its document mask
         masked = sum(1 for s in mine if plan.stage_layers[s]) * peaks[rank] / share
         bd = _adjust(base, shape, cplan, [per_stage[s] for s in mine], last_mb[rank], masked)
-        at_peak, after_backward = bd, bd.grads
+        # the direct loop, after backward: the tied table's two gradients summed, or the optimizer step's temporaries
+        after = max(
+            2 * tied_gradient_bytes(shape, cplan), _adamw_temporaries(shape, cplan, embedding=True, head=True)
+        )
+        at_peak, after_backward = _direct_at_peak(bd, plan.micro_batches, after), bd.grads
         if plan.runner != DIRECT:  # what coexists: the rank's action list walked (tessera.peak_memory)
             at_peak, after_backward = _at_peak(bd, shape, plan, rank)
         candidate = MemoryEstimate(
@@ -564,6 +572,19 @@ def estimate_plan(
     return best
 
 
+def _direct_at_peak(held: MemoryBreakdown, micro_batches: int, after_backward: float) -> MemoryBreakdown:
+    """The direct loop's peak (no action list to walk; one stage): the larger of two moments. The loss's (forward
+    or backward): every component, as from the second micro-batch on the gradients accumulate beside the next
+    one's activations and transients; with one micro-batch without the gradients, which its backward creates as
+    it frees the activations (the walk's rule for a stage's first backward). Once the activations are freed: the
+    gradients and ``after_backward``, the larger of the embedding's backward's transient (a tied table's two
+    gradients summed out of place, 2 × `tied_gradient_bytes`) and the optimizer step's (`_temporaries`)."""
+    both = {name: getattr(held, name) for name in COMPONENTS}
+    during = held if micro_batches > 1 else MemoryBreakdown(**{**both, "grads": 0.0})
+    after = MemoryBreakdown(**{**both, "activations": 0.0, "working": after_backward, "cast_cache": 0.0})
+    return during if during.total >= after.total else after
+
+
 def _at_peak(
     held: MemoryBreakdown, shape: ModelShape, plan: ExecutionPlan, rank: int
 ) -> tuple[MemoryBreakdown, float]:
@@ -578,7 +599,7 @@ def _at_peak(
     moment.activations += autocast_weight_bytes(shape, cplan, rank) - cached
     # the optimizer step: the gradients held after backward and the update's temporaries (two of the
     # largest shard: ZeRO's Adam denominator) beside the state; the autocast region, and its cache, are gone
-    temporaries = _temporaries(plan, sizes.grads)
+    temporaries = _temporaries(shape, plan, sizes.grads)
     if after_backward + temporaries > moment.total + cached:
         moment, cached = Moment(grads=after_backward, working=temporaries, label="optimizer step"), 0.0
     p2p = _p2p_buffer_bytes(shape, cplan, plan)
@@ -615,11 +636,16 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     if last in psi:
         acts[last] += head
         working[last] += head_working
+    uses = {last: (last, 0)} if shape.tied and last != 0 and {0, last} <= psi.keys() else {}
+    if uses:  # the embedding's backward makes the table's gradient beside the head's (``uses``), then adds it
+        working[0] = max(working[0], tied_gradient_bytes(shape, cplan))
     grads = {s: 4.0 * n for s, n in psi.items()}
     # the flat copy that the data-parallel reduction sends is in the reduce dtype (ZeroStage.flat_grads)
     width = DTYPE_BYTES[plan.grad_reduce_dtype]
     # hybrid sharding: the replica all-reduce sends the fp32 shard itself, or a copy in a narrower reduce dtype
     wire = {s: width * n / plan.zero_shard for s, n in psi.items()} if _replica_copies(plan) else {}
+    # the tied table's gradient (fp32), which the head's backward makes in stage 0's gradients
+    tied = _table_bytes(shape, cplan) if uses else 0.0
     return StageBytes(
         activations=acts,
         grads=grads,
@@ -628,7 +654,8 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
         zero=plan.zero,
         dp=plan.zero_shard,  # what ZeRO shards over (hybrid sharding: the shard group)
         deferred_reduce=_deferred(plan.zero, plan.accumulation),
-        uses={last: (last, 0)} if shape.tied and last != 0 and {0, last} <= psi.keys() else {},
+        uses=uses,
+        tied=tied,
         wire=wire,
     )
 
@@ -671,9 +698,9 @@ def _price_micro_batch(shape: ModelShape, cplan: Plan) -> tuple[float, float, fl
     )
     logits = 4 * shape.seq_len // cplan.cp * cplan.micro_batch * shape.vocab_size / cplan.tp  # s/c tokens
     head = head_activation_bytes(shape, cplan) + logits
-    # the head's backward begins with the cross-entropy's softmax and gradient (two more logits) and the
-    # output layer's weight gradient, before the stage's saved activations are freed
-    head_working = 2 * logits + 4.0 * shape.vocab_size * shape.d_model / cplan.tp
+    # the loss's and the output layer's moment, before the stage's saved activations are freed: beside them, not
+    # beside a recomputed block (the head's backward is over before the first block is recomputed)
+    head_working = max(head_transient_bytes(shape, cplan) - recompute, 0.0)
     return per_layer, recompute, boundary_bytes(shape, cplan), head, head_working
 
 
@@ -683,16 +710,49 @@ def _p2p_buffer_bytes(shape: ModelShape, cplan: Plan, plan: ExecutionPlan) -> fl
     return 2 * boundary_bytes(shape, cplan) if plan.pp > 1 else 0.0
 
 
-def _temporaries(plan: ExecutionPlan, grads: dict[int, float]) -> float:
+def _temporaries(shape: ModelShape, plan: ExecutionPlan, grads: dict[int, float]) -> float:
     """The optimizer step's temporaries beside the state: two of the largest shard (ZeRO's Adam denominator), or,
     once the update is done, with ``overlap_param_gather`` (d > 1) every stage's copy of its shard, the input of
-    its all-gather left in flight (`ZeroStageComm.gather_updated_params`), if that is more."""
+    its all-gather left in flight (`ZeroStageComm.gather_updated_params`), if that is more. Without ZeRO:
+    `_adamw_temporaries`."""
     if not plan.zero:
-        return 0.0
+        return _adamw_temporaries(
+            shape, cost_plan(plan), embedding=0 in grads, head=plan.n_stages - 1 in grads
+        )
     s = plan.zero_shard  # the ranks ZeRO shards over
     adam = 2 * max(grads.values(), default=0.0) / s
     inputs = sum(grads.values()) / s if plan.overlap_param_gather and s > 1 else 0.0
     return max(adam, inputs)
+
+
+def _adamw_temporaries(shape: ModelShape, cplan: Plan, *, embedding: bool, head: bool) -> float:
+    """torch's AdamW without ZeRO (``foreach=False``, `make_optimizer`) updates one parameter at a time: its
+    denominator sqrt(v), then that over the bias correction (two fp32 tensors of the parameter's shape), while the
+    previous parameter's denominator is still referenced (the loop's variable is rebound only once the new one is
+    made). The largest such moment: the vocabulary table's shard, twice, and when it is the output layer's own
+    (untied, or a tied copy on the last pipeline rank) the block matrix updated before it (a block's largest
+    Linear counted); the embedding's table is the first parameter, with nothing before it; or a block's largest
+    Linear three times. Not counted before 2026-12-03 (docs/memory.md)."""
+    block = _largest_parameter(shape, cplan, table=False)
+    tables = 0.0
+    if embedding or head:
+        after_blocks = head and not (shape.tied and embedding)  # the output layer's table follows the blocks
+        tables = 2 * _table_bytes(shape, cplan) + (block if after_blocks else 0.0)
+    return max(tables, 3 * block)
+
+
+def _largest_parameter(shape: ModelShape, cplan: Plan, table: bool) -> float:
+    """fp32 bytes of the largest parameter tensor a rank holds: a block's largest Linear, or with ``table`` the
+    vocabulary table's shard ([V/t, h] padded to a multiple of t; 2D: its [V_pad/q, h/q] block)."""
+    block = max((lin.d_in * lin.d_out for lin in shape.block_linears()), default=0) / cplan.tp
+    return max(4.0 * block, _table_bytes(shape, cplan) if table else 0.0)
+
+
+def _table_bytes(shape: ModelShape, cplan: Plan) -> float:
+    """fp32 bytes of a rank's shard of the vocabulary table (its gradient's too): [V/t, h], V padded to a multiple
+    of t; 2D: its [V_pad/q, h/q] block."""
+    side = cplan.q if cplan.tp_kind == "2d" else cplan.tp
+    return 4.0 * -(-shape.vocab_size // side) * side * shape.d_model / cplan.tp
 
 
 def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]]) -> Walk:
@@ -903,9 +963,11 @@ def _adjust(
     sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.stream_bytes  # the fp32 residual stream
     logits = 4 * shape.seq_len // plan.cp * plan.micro_batch * shape.vocab_size / plan.tp  # s/c tokens
     head = last_inflight * (head_activation_bytes(shape, plan) + logits)
-    working = base.working - (
-        logits if last_inflight else 0.0
-    )  # the logits are counted per micro-batch above
+    # a recomputed block, or on the last stage the head's moment if larger (`memory_per_rank` puts it on the
+    # pipeline's last position; here it follows the head, wherever the placement puts it)
+    working = activation_bytes_per_layer(shape, plan, recompute="none") if plan.recompute != "none" else 0.0
+    if last_inflight:
+        working = max(working, head_transient_bytes(shape, plan))
     largest = max(stage_psi, default=0.0)
     biggest = largest * 4.0
     flat = largest * plan.grad_reduce_width  # the reduction's flat copy, in its dtype

@@ -22,6 +22,7 @@ from tessera.planner.cost import (
     gemm_time,
     group_bandwidth,
     hardware_flops_per_token,
+    head_transient_bytes,
     layer_forward_flops,
     layer_time,
     memory_per_rank,
@@ -380,8 +381,14 @@ def test_memory_per_rank_components() -> None:
     assert mem.comm_buffers == 2 * 128 * 256 * 2
     parts = mem.params + mem.grads + mem.optimizer + mem.activations + mem.working + mem.comm_buffers
     assert mem.total == pytest.approx(parts, rel=REL)
+    # the last stage: the head's moment or the recomputed block, whichever is larger (never alive together)
     last = memory_per_rank(shape, plan, inflight_microbatches=1, stage=1)
-    assert last.working > mem.working  # fp32 logits on the last stage
+    assert last.working == max(mem.working, head_transient_bytes(shape, plan))
+    plain = replace(plan, recompute="none")
+    assert memory_per_rank(shape, plain, inflight_microbatches=1, stage=1).working == head_transient_bytes(
+        shape, plain
+    )
+    assert head_transient_bytes(shape, plain) > 0
 
 
 def test_invalid_options_are_clear() -> None:

@@ -23,12 +23,14 @@ __all__ = [
     "cached_weight_bytes",
     "capped_score_bytes",
     "head_activation_bytes",
+    "head_transient_bytes",
     "memory_per_rank",
     "model_state_bytes",
     "params_per_rank",
     "rope_position_bytes",
     "shared_mask_bytes",
     "stage_params_per_rank",
+    "tied_gradient_bytes",
 ]
 
 
@@ -42,7 +44,8 @@ class MemoryBreakdown:
     activations: float
     """Stored activations of all in-flight micro-batches (checkpoints or full, per the recompute mode)."""
     working: float
-    """Transient: one block's full activations while recomputing, the logits of one micro-batch on the last stage."""
+    """Transient: one block's full activations while recomputing, or on the last stage the loss's and the output
+    layer's moment (`head_transient_bytes`), whichever is larger (they are never alive together)."""
     comm_buffers: float
     cast_cache: float = 0.0
     """Compute-dtype weight copies that only autocast's cast cache holds, saved by no backward
@@ -296,11 +299,11 @@ def autocast_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> floa
     A Linear saves its weight's copy for backward; the sequence-parallel entry saves the fp32 weights instead, so
     its Linears' copies (the column-parallel ones and the head's) live only in autocast's cache, which lasts the
     step in the schedule runtime (one autocast region per step) unless ZeRO-3 clears it at every FREE, and one
-    micro-batch's forward in the direct loop (`_cache_lasts_the_step`). Those are `cached_weight_bytes`, the
-    rest are saved for backward (activations)."""
+    micro-batch's forward in the direct loop, the loss's forward included (`_cache_holds_copies`). Those are
+    `cached_weight_bytes`, the rest are saved for backward (activations)."""
     if not plan.casts:
         return 0.0
-    if _gathered(plan) and not _cache_lasts_the_step(plan):  # only the row-parallel Linears' copies are saved
+    if _gathered(plan) and not _cache_holds_copies(plan):  # only the row-parallel Linears' copies are saved
         return rank_layers(shape, plan, stage) * plan.act_bytes * _row_weights(shape) / plan.tp
     per_layer = autocast_weight_bytes_per_layer(shape, plan)
     head = plan.act_bytes * _table_rows(shape, plan) * shape.d_model / plan.tp
@@ -311,11 +314,11 @@ def cached_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
     """The part of `autocast_weight_bytes` that no backward saves: under sequence parallelism (1D) the copies of
     the column-parallel weights (wq, wk, wv; the MLP's input Linears) and of the output projection, which the
     sequence-parallel entry casts through autocast's cache but saves in fp32 (`tensor_1d._GatheredLinears`),
-    while the cache lasts the step (`_cache_lasts_the_step`). They are alive through the forward and backward
-    like the saved copies, but a count of what autograd saves (the dry run's activations) does not see them:
-    counted among the activations, they made that row 8-68 % high on the bf16 1D + SP layouts of
-    tests/unit/test_activation_row.py."""
-    if not (plan.casts and _gathered(plan) and _cache_lasts_the_step(plan)):
+    while the cache holds them (`_cache_holds_copies`). They are alive through the forward and backward (the
+    direct loop: through each micro-batch's forward, up to the loss's moment) like the saved copies, but a count
+    of what autograd saves (the dry run's activations) does not see them: counted among the activations, they made
+    that row 8-68 % high on the bf16 1D + SP layouts of tests/unit/test_activation_row.py."""
+    if not (plan.casts and _gathered(plan) and _cache_holds_copies(plan)):
         return 0.0
     column = shape.block_matmul_params() - _row_weights(shape)
     head = _table_rows(shape, plan) * shape.d_model if stage == plan.pp - 1 else 0
@@ -340,14 +343,14 @@ def _table_rows(shape: ModelShape, plan: Plan) -> int:
     return -(-shape.vocab_size // plan.q) * plan.q
 
 
-def _cache_lasts_the_step(plan: Plan) -> bool:
-    """Whether autocast's cast cache keeps each weight's copy until the step ends: the schedule runtime runs a
-    step in one autocast region and only ZeRO-3 clears the cache (when it frees a stage); the direct loop
-    (no pipeline, no ZeRO, one micro-batch at a time: `tessera.execution`) opens a region per micro-batch."""
-    direct = (
-        plan.pp == 1 and plan.zero_stage == 0 and (plan.accumulation != "layered" or plan.n_microbatches == 1)
-    )
-    return not direct and plan.zero_stage < 3
+def _cache_holds_copies(plan: Plan) -> bool:
+    """Whether autocast's cast cache holds each weight's copy at the rank's peak: the schedule runtime runs a step
+    in one autocast region, so the copies last the step, unless ZeRO-3 clears the cache when it frees a stage;
+    the direct loop (no pipeline, no ZeRO, one micro-batch at a time: `tessera.execution`) opens a region per
+    micro-batch's forward, whose last moment is the loss's (logits, their fp32 copy, the shifted logits:
+    `head_transient_bytes`), the copies still cached. Until 2026-12-03 the direct loop's copies were left out:
+    gpt2-124m, 2 layers, tensor 2 + SP, bf16, one micro-batch of 2 fell 4.9 % under the dry run without them."""
+    return plan.zero_stage < 3
 
 
 def head_activation_bytes(shape: ModelShape, plan: Plan) -> float:
@@ -364,6 +367,57 @@ def head_activation_bytes(shape: ModelShape, plan: Plan) -> float:
     if shape.final_softcap is not None:
         capped = shape.seq_len * plan.micro_batch * shape.vocab_size * plan.act_bytes / plan.tp
     return sbh * (_norm_bytes(shape, plan) + _input_bytes(plan, 1)) / shard_all + capped
+
+
+def head_transient_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Bytes the loss and the output layer hold on the last stage for a moment, beyond what the micro-batch keeps
+    for backward (`head_activation_bytes` and the loss's saved fp32 softmax, 4·N·V elements' worth, N = s·b tokens,
+    V = the rank's vocabulary columns, s·b·V/t in all): the largest of the loss's forward and backward and the
+    output layer's weight gradient, each tensor in its own dtype (c: the logits', `Plan.act_bytes`; an fp32 copy
+    is made only when c < 4). Measured tensor by tensor with the dry run (docs/memory.md, "The head's moments"):
+
+    - 1D vocabulary-parallel loss (`_VocabParallelCrossEntropy`): forward, the logits (c), their fp32 copy and the
+      shifted logits x − max (4, which becomes the saved softmax in place): c + 4 beyond the softmax under bf16,
+      c under fp32 (no copy); on the rank holding padding columns the copy is cloned first (c + 4 whatever c).
+      Backward, the softmax's clone (4, the gradient) and its cast back to c: 4 + c under bf16, 4 under fp32;
+    - one rank (`F.cross_entropy`): its backward holds the NLL's gradient and the log-softmax's (4 + 4) beside
+      the saved log-softmax: 8;
+    - 2D (`_VocabParallelCE`): its backward holds exp(z − lse) and its product with the upstream gradient (4 + 4),
+      then their cast back to c: 8 + c under bf16, 8 under fp32;
+    - the output layer's weight gradient (1D and one rank), after the loss's backward has freed its saved softmax
+      (−4) and while the logits' gradient (c) is alive: the gradient [V/t, h] in c and its fp32 cast (c + 4 per
+      element; 4 under fp32), which can exceed the loss's moment only where h is larger than about N.
+
+    Before 2026-12-03 this was two fp32 logits and the weight gradient (8 + 4·h/N per logit) on every layout: under
+    bf16 1D it summed tensors that are never alive together (Gemma 2 9B's last stage +3.3 %, docs/dryrun.md)."""
+    # the rank's logit elements (a context rank's s/c tokens)
+    logits = shape.seq_len // plan.cp * plan.micro_batch * shape.vocab_size / plan.tp
+    c = plan.act_bytes
+    cast = c if c < _FP32 else 0  # a copy in another dtype exists only when the dtypes differ
+    if plan.tp_kind == "2d":
+        return (2 * _FP32 + cast) * logits
+    if plan.tp == 1:
+        loss = 2 * _FP32
+    else:
+        padded = shape.vocab_size % plan.tp != 0  # the last rank's shard: padding columns, a masked clone
+        loss = max(c + (_FP32 if (cast or padded) else 0), _FP32 + cast)
+    weight_grad = shape.vocab_size * shape.d_model / plan.tp * (cast + _FP32)
+    return max(loss * logits, (c - _FP32) * logits + weight_grad)
+
+
+def tied_gradient_bytes(shape: ModelShape, plan: Plan) -> float:
+    """With the embedding tied to the output projection: the fp32 gradient of the rank's table shard ([V/t, h], V
+    padded to a multiple of t; 2D: its [V_pad/q, h/q] block), which the embedding's backward makes beside the one
+    the head's backward made (0 untied). In one autograd graph (the direct loop) autograd collects the two before
+    accumulating them and sums them out of place (its input buffer): two tables beyond the gradient kept; with the
+    head and the embedding in stages of their own (the schedule runtime), the head's is ``.grad`` already and the
+    embedding's is added into it in place: one. Measured with the dry run: gpt2-774m, 2 layers, tensor 2 + SP,
+    bf16, one micro-batch (the step's peak) and tests/unit/test_peak_vs_dryrun.py (docs/memory.md)."""
+    if not shape.tied:
+        return 0.0
+    side = plan.q if plan.tp_kind == "2d" else plan.tp  # the vocabulary is padded to a multiple of this
+    rows = -(-shape.vocab_size // side) * side
+    return _FP32 * rows * shape.d_model / plan.tp
 
 
 def boundary_bytes(shape: ModelShape, plan: Plan) -> float:
@@ -407,7 +461,8 @@ def memory_per_rank(
     gradients, ZeRO-3 also parameters. Activations = `activation_bytes_per_layer` × the rank's blocks
     (`rank_layers`) × `inflight_microbatches` (from the schedule: 1F1B p − stage, GPipe/breadth-first m·v chunks ...)
     + the weight copies the Linears save; the copies only autocast's cache holds are ``cast_cache``. Working:
-    one block's un-checkpointed activations when recomputing, fp32 logits 4·s·b·V/t on the last stage. Buffers:
+    one block's un-checkpointed activations when recomputing, on the last stage the larger of that and the head's
+    moment (`head_transient_bytes`). Buffers:
     p2p send+recv (2 boundary tensors), ZeRO-3 gather of 2 blocks (prefetch), ZeRO-2/3 one block of full grads.
     """
     psi = params_per_rank(shape, plan, stage)
@@ -420,8 +475,8 @@ def memory_per_rank(
     working = 0.0
     if plan.recompute != "none":
         working += activation_bytes_per_layer(shape, plan, recompute="none")
-    if stage == plan.pp - 1:
-        working += 4 * shape.seq_len // plan.cp * plan.micro_batch * shape.vocab_size / plan.tp
+    if stage == plan.pp - 1:  # the head's moment comes before any block is recomputed: never both at once
+        working = max(working, head_transient_bytes(shape, plan))
     sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.stream_bytes
     layer_local = shape.layer_params() / plan.tp
     buffers = (2 * sbh if plan.pp > 1 else 0.0) + (2 * layer_local * w_b if z >= 3 else 0.0)
