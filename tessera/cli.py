@@ -388,21 +388,26 @@ def cmd_memory(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _document_mask_note(cfg: Config, plan: Plan) -> str:
-    """What document masking adds per layer and micro-batch (in the activations above, or in working memory
-    while a fully checkpointed block is recomputed): SDPA's copy of the mask and RoPE's gathered tables."""
+    """What document masking adds (in the activations above, or in working memory while a fully checkpointed
+    block is recomputed): the micro-batch's additive masks, shared by the layers, and RoPE's gathered tables
+    per layer."""
     from tessera.planner.cost import ModelShape
-    from tessera.planner.cost.rank_memory import attention_mask_bytes, rope_position_bytes
+    from tessera.planner.cost.rank_memory import (
+        attention_bias_bytes,
+        mask_kinds,
+        rope_position_bytes,
+        shared_mask_bytes,
+    )
 
     shape = ModelShape.from_config(cfg.model)
-    mask = attention_mask_bytes(shape, plan, "none")
-    kept = attention_mask_bytes(shape, plan, plan.recompute) if plan.recompute != "full" else 0.0
+    masks = attention_bias_bytes(shape, plan)
+    kept = shared_mask_bytes(shape, plan)
+    held = "kept" if kept else f"not kept under {plan.recompute} checkpointing or soft-capped attention"
     rope = rope_position_bytes(shape, plan)
-    held = (
-        "kept per layer" if kept else f"not kept under {plan.recompute} checkpointing, only while recomputing"
-    )
     return (
-        f"document masking: SDPA's [b, 1, s, s] mask {mask / 2**20:.1f} MiB per layer and micro-batch ({held}), "
-        f"RoPE at document positions {rope / 2**20:.1f} MiB per layer (docs/memory.md)"
+        f"document masking: {mask_kinds(shape)} [b, 1, s, s] additive mask(s), {masks / 2**20:.1f} MiB per "
+        f"micro-batch, shared by the layers ({held}); RoPE at document positions {rope / 2**20:.1f} MiB per "
+        "layer (docs/memory.md)"
     )
 
 

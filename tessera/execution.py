@@ -137,8 +137,9 @@ class ExecutionPlan:
     """The token embedding is the head's output projection (model.tie_embeddings): stage 0 and the last stage
     share it (`tied_across`)."""
     document_mask: bool = False
-    """Attention stops at document boundaries (data.document_mask): every layer's SDPA gets a [b, 1, s, s] mask,
-    which it keeps for backward (`tessera.planner.cost.rank_memory.attention_mask_bytes`)."""
+    """Attention stops at document boundaries (data.document_mask): every layer's SDPA gets the micro-batch's
+    [b, 1, s, s] additive mask, one tensor shared by the layers, which they keep for backward
+    (`tessera.planner.cost.rank_memory.shared_mask_bytes`)."""
     schedule_checked: bool = field(default=False, compare=False)
     """The lowered schedule was built and validated at resolve time (see SCHEDULE_CHECK_LIMIT)."""
 

@@ -18,7 +18,7 @@ micro-batches in flight, and adds what is specific to tessera's runtime (docs/me
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TypeVar
@@ -36,6 +36,7 @@ from tessera.planner.cost import (
     ModelShape,
     Plan,
     activation_bytes_per_layer,
+    attention_bias_bytes,
     autocast_weight_bytes,
     boundary_bytes,
     cached_weight_bytes,
@@ -189,7 +190,7 @@ def cost_plan(plan: ExecutionPlan) -> Plan:
         autocast=True,  # fp32 master weights under torch.autocast (tessera.parallel.precision)
         grad_reduce_bytes=DTYPE_BYTES[plan.grad_reduce_dtype],  # ZeRO's reduce-scatter (plain DP: fp32)
         flash_attention=True,  # torch SDPA (flash / memory-efficient kernels) keeps no s×s score tensor
-        document_mask=plan.document_mask,  # but a masked SDPA keeps its mask (rank_memory.attention_mask_bytes)
+        document_mask=plan.document_mask,  # but the layers keep the micro-batch's mask (rank_memory.shared_mask_bytes)
         rank_order=TESSERA_ORDER,  # ranks laid out by tessera.layout
         stage_layers=None if _even(plan) else plan.stage_layers,
     )
@@ -445,7 +446,7 @@ def _block_and_p2p(shape: ModelShape, plan: ExecutionPlan) -> tuple[float, float
         plan.micro_batch,
         plan.checkpointing,
         plan.dtype,
-        plan.document_mask,  # attention_mask_bytes, rope_position_bytes
+        plan.document_mask,  # shared_mask_bytes, rope_position_bytes
     )
     return _memo(_BLOCK_AND_P2P, key, lambda: _price_block_and_p2p(shape, plan))
 
@@ -545,8 +546,7 @@ def estimate_plan(
         # memory_per_rank multiplies by the rank's blocks; peaks[rank] already counts (block × micro-batch) pairs
         inflight = peaks[rank] / (rank_layers(shape, cplan, rank) or 1.0)
         base = memory_per_rank(shape, cplan, inflight_microbatches=inflight, stage=rank, precision="fp32")
-        # (stage × micro-batch) pairs in flight of the stages holding blocks: each keeps its document mask
-        masked = sum(1 for s in mine if plan.stage_layers[s]) * peaks[rank] / share
+        masked = _masked_micro_batches(plan, mine, peaks[rank] / share)
         bd = _adjust(base, shape, cplan, [per_stage[s] for s in mine], last_mb[rank], masked)
         # the direct loop, after backward: the tied table's two gradients summed, or the optimizer step's temporaries
         after = max(
@@ -583,6 +583,19 @@ def _direct_at_peak(held: MemoryBreakdown, micro_batches: int, after_backward: f
     during = held if micro_batches > 1 else MemoryBreakdown(**{**both, "grads": 0.0})
     after = MemoryBreakdown(**{**both, "activations": 0.0, "working": after_backward, "cast_cache": 0.0})
     return during if during.total >= after.total else after
+
+
+def _masked_micro_batches(plan: ExecutionPlan, mine: Sequence[int], per_block: float) -> float:
+    """Micro-batches whose attention masks a rank holds at its peak (`shared_mask_bytes` each): the runtime
+    builds one set per micro-batch and rank, shared by the rank's stages (`PipelineEngine._documents`).
+    ``per_block``: the micro-batches in flight per block at the peak. With one stage of blocks, or every stage
+    on the rank (no pipeline: ZeRO-3's stages of one block, which hold the same micro-batches), that is the
+    count; with several pipeline stages per rank (interleaved) the stages' micro-batches may differ: at most
+    their sum, and the step's micro-batches."""
+    stages = sum(1 for s in mine if plan.stage_layers[s])
+    if plan.pp == 1 or stages <= 1:
+        return per_block if stages else 0.0
+    return min(float(plan.micro_batches), stages * per_block)
 
 
 def _at_peak(
@@ -623,13 +636,15 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     psi = {s: per_stage[s] for s in plan.rank_stages(rank)}
     per_layer, recompute, boundary, head, head_working = _micro_batch_bytes(shape, cplan)
     last = plan.n_stages - 1
-    # a stage whose output goes to another rank keeps it for its backward (not saved by autograd); a stage with
-    # blocks keeps its micro-batch's document mask under selective recomputation (one tensor for its layers)
+    # a stage whose output goes to another rank keeps it for its backward (not saved by autograd); a micro-batch's
+    # attention masks are one set per rank, shared by its stages (`PipelineEngine._documents`): built by the
+    # first of them to run it, the rank's first stage with blocks, whose backward is the micro-batch's last here
     mask = shared_mask_bytes(shape, cplan)
+    first = min((s for s in psi if plan.stage_layers[s]), default=None)
     acts = {
         s: per_layer * plan.stage_layers[s]
         + (boundary if s != last and s + 1 not in psi else 0.0)
-        + (mask if plan.stage_layers[s] else 0.0)
+        + (mask if s == first else 0.0)
         for s in psi
     }
     working = {s: recompute for s in psi}
@@ -685,7 +700,7 @@ def _micro_batch_bytes(shape: ModelShape, cplan: Plan) -> tuple[float, float, fl
         cplan.dtype,
         cplan.autocast,
         cplan.flash_attention,
-        cplan.document_mask,  # attention_mask_bytes, rope_position_bytes
+        cplan.document_mask,  # shared_mask_bytes, rope_position_bytes
         cplan.cp,  # a context rank's s/c tokens and gathered K/V
     )
     return _memo(_MICRO_BATCH_BYTES, key, lambda: _price_micro_batch(shape, cplan))
@@ -696,6 +711,8 @@ def _price_micro_batch(shape: ModelShape, cplan: Plan) -> tuple[float, float, fl
     recompute = (
         activation_bytes_per_layer(shape, cplan, recompute="none") if cplan.recompute != "none" else 0.0
     )
+    if cplan.recompute == "full":  # the replayed blocks build the micro-batch's masks again and share them
+        recompute += attention_bias_bytes(shape, cplan)
     logits = 4 * shape.seq_len // cplan.cp * cplan.micro_batch * shape.vocab_size / cplan.tp  # s/c tokens
     head = head_activation_bytes(shape, cplan) + logits
     # the loss's and the output layer's moment, before the stage's saved activations are freed: beside them, not

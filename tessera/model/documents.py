@@ -46,6 +46,13 @@ class Documents:
 
     ``positions`` [b, s]: position of each token within its document; ``mask`` [b, 1, s, s] (True: may attend),
     causal within each document, built on first use (a stage that only embeds never builds it).
+
+    ``bias(window, dtype)`` is the form attention runs with: the additive mask (0 where a query may attend, −inf
+    elsewhere, a sliding window's band ANDed in) in the compute dtype, built once per micro-batch and kind (global
+    layers, local layers) and handed to every layer as the same tensor. SDPA converts a boolean mask to this form
+    on every call and saves its copy for backward (one [b, 1, s, s] per layer); given the additive mask in its own
+    dtype it saves the caller's tensor by reference, so every layer's backward shares one storage
+    (docs/memory.md, "Attention masks: one per micro-batch").
     """
 
     distance: torch.Tensor | None = None
@@ -55,17 +62,44 @@ class Documents:
     def __init__(self, positions: torch.Tensor) -> None:
         self.positions = positions  # positions: [b, s]
         self._mask: torch.Tensor | None = None
+        self._biases: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
 
     def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values attention runs against: these (a context-parallel rank gathers every rank's)."""
         return k, v
 
+    def back(self) -> torch.Tensor:
+        """How far each key lies before each query, [L, S] (i − j; by global index under context parallelism)."""
+        if self.distance is not None:
+            return self.distance  # [s/c, s]
+        index = torch.arange(self.positions.shape[1], device=self.positions.device)
+        return index[:, None] - index[None, :]  # [s, s]
+
     @property
     def mask(self) -> torch.Tensor:
         if self._mask is None:
-            s = self.positions.shape[1]
-            index = torch.arange(s, device=self.positions.device)
-            back = index[:, None] - index[None, :]  # back: [s, s], how far key j lies before query i
+            back = self.back()  # back: [L, S]
             # key j is visible to query i iff 0 <= i - j <= p_i: itself and its own document's earlier tokens
-            self._mask = ((back >= 0) & (back <= self.positions[:, :, None])).unsqueeze(1)  # [b, 1, s, s]
+            self._mask = ((back >= 0) & (back <= self.positions[:, :, None])).unsqueeze(1)  # [b, 1, L, S]
         return self._mask
+
+    def bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask [b, 1, L, S] in ``dtype`` (0: may attend, −inf: may not) of the layers with sliding
+        window ``window`` (None: global layers), the band 0 <= i − j < window ANDed into `mask` (within a document
+        the distance is the window's). One tensor per (window, dtype) until `release`."""
+        key = (window, dtype)
+        if key not in self._biases:
+            allowed = self.mask  # allowed: [b, 1, L, S]
+            if window is not None:
+                back = self.back()  # back: [L, S]
+                allowed = allowed & (back < window)  # back >= 0 is in the mask already
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)  # bias: [b, 1, L, S]
+            self._biases[key] = bias.masked_fill_(~allowed, float("-inf"))
+        return self._biases[key]
+
+    def release(self) -> None:
+        """Drop the masks held here (the model calls it when its blocks' forward is done). What a layer saved for
+        backward stays alive through autograd; under full recomputation, whose checkpoints keep this object until
+        backward, nothing else would free them, and the replayed blocks build them again, once."""
+        self._mask = None
+        self._biases.clear()

@@ -39,9 +39,11 @@ __all__ = [
     "RMSNorm",
     "Rope",
     "TransformerLM",
+    "additive_mask",
     "apply_rope",
     "attend",
     "band_mask",
+    "compute_dtype",
     "embed_scale",
     "rope_inv_freq",
     "rope_tables",
@@ -199,9 +201,13 @@ class AttentionCore(nn.Module):
     n_heads / n_kv_heads times (consecutive query heads share a KV head). Head counts come from the tensors,
     so a tensor-parallel rank holding a subset of heads uses it unchanged. With fewer queries than keys
     (decoding after cached tokens) the queries are the last positions: query j sees keys up to S - L + j.
-    With ``mask`` [b, 1, s, s] (document masking: `Documents.mask`, True where a query may attend) it replaces
-    the causal mask; SDPA then runs its masked kernel, which runs on CPU and GPU alike (flex attention would
-    skip the masked blocks on a GPU but needs torch.compile, slow to build on CPU).
+    With ``mask`` [b, 1, L, S] it replaces the causal mask: either boolean (True where a query may attend; the
+    window's band is ANDed in here) or additive in the compute dtype (0 or −inf: `Documents.bias`, the band
+    already in), which SDPA and the capped path use as they are. `attend` passes the additive form, one tensor
+    per micro-batch and kind shared by every layer: SDPA saves a float mask of its own dtype by reference, where
+    it converts a boolean one on every call and saves each copy. SDPA then runs its masked kernel on CPU, and on
+    a GPU the memory-efficient one, which takes the additive mask as its bias (flash attention takes none; flex
+    attention would skip the masked blocks but needs torch.compile, slow to build on CPU).
     """
 
     def __init__(
@@ -225,7 +231,7 @@ class AttentionCore(nn.Module):
             k = k.repeat_interleave(n_rep, dim=1)  # k: [b, nh, S, hd]
             v = v.repeat_interleave(n_rep, dim=1)  # v: [b, nh, S, hd]
         L, S = q.shape[2], k.shape[2]
-        if self.window is not None:
+        if self.window is not None and (mask is None or mask.dtype == torch.bool):
             band = band_mask(L, S, self.window, q.device, distance)  # band: [L, S]
             mask = band if mask is None else mask & band  # [b, 1, L, S] with documents
         if self.softcap is not None:
@@ -248,9 +254,33 @@ class AttentionCore(nn.Module):
         scores = soft_cap(torch.matmul(q, k.transpose(2, 3)) * scale, self.softcap)  # scores: [b, nh, L, S]
         if mask is None:  # causal, bottom-right (cached decoding: the queries are the last L positions)
             mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)  # mask: [L, S]
-        scores = scores.masked_fill(~mask, float("-inf"))
+        # adding the additive mask equals masked_fill(~mask, -inf) on the finite capped scores, and the add saves
+        # nothing for backward, where masked_fill kept its inverted boolean mask per layer
+        scores = scores + additive_mask(mask, scores.dtype)  # scores: [b, nh, L, S]
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # probs: [b, nh, L, S]
         return torch.matmul(probs, v)  # [b, nh, L, hd]
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``mask`` as an additive mask in ``dtype``: a boolean one (True: may attend) becomes 0 / −inf, an
+    additive one is returned as it is if already in ``dtype``."""
+    if mask.dtype != torch.bool:
+        return mask if mask.dtype == dtype else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul-like op (SDPA) computes ``x`` in here: autocast's where it is on for x's device, else
+    x's own. An additive mask in this dtype reaches SDPA uncast, so every layer can share it."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def _core_window(core: nn.Module) -> int | None:
+    """The sliding window of an attention core, also when checkpointing wraps it (`Checkpointed.inner`)."""
+    return getattr(getattr(core, "inner", core), "window", None)
 
 
 def band_mask(
@@ -296,9 +326,9 @@ def attend(
     if docs is None:
         return attn.core(q, k, v)  # [b, nh, s, hd]
     k, v = docs.gather(k, v)  # k, v: [b, nkv, S, hd], S = s·c under context parallelism (after RoPE: global)
-    if docs.distance is None:
-        return attn.core(q, k, v, docs.mask)  # [b, nh, s, hd]
-    return attn.core(q, k, v, docs.mask, docs.distance)  # [b, nh, s, hd]
+    # the micro-batch's additive mask of this layer's kind (global or its window), one tensor for all such layers
+    bias = docs.bias(_core_window(attn.core), compute_dtype(q))  # bias: [b, 1, s, S]
+    return attn.core(q, k, v, bias)  # [b, nh, s, hd]
 
 
 class LayerKV:
@@ -489,6 +519,7 @@ class TransformerLM(nn.Module):
             x = self.embed(tokens, docs=docs) if self.embed is not None else tokens  # x: [b, s, h]
             for block in self.blocks.values():
                 x = block(x, docs=docs)  # x: [b, s, h]
+            docs.release()  # the masks live on in what the layers saved (full recomputation: rebuilt once)
         elif cache is None:
             x = self.embed(tokens) if self.embed is not None else tokens  # x: [b, s, h]
             for block in self.blocks.values():

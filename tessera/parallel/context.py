@@ -73,7 +73,8 @@ class ContextDocuments(Documents):
     ``positions`` [b, s/c]: each local token's position within its document, or (no document masking) its
     global index; either way query i sees key j iff 0 <= g_i − g_j <= p_i, with g the global indices: itself
     and the earlier tokens of its document (its whole prefix when p_i = g_i). ``distance`` [s/c, s] is
-    g_i − g_j, from which a sliding window is cut (`tessera.model.layers.AttentionCore`)."""
+    g_i − g_j, from which the mask and a sliding window's band are cut (`Documents.mask`, `Documents.bias`:
+    [b, 1, s/c, s], built once per micro-batch and kind and shared by the layers)."""
 
     def __init__(self, positions: torch.Tensor, group: dist.ProcessGroup) -> None:
         super().__init__(positions)  # positions: [b, s/c]
@@ -82,13 +83,6 @@ class ContextDocuments(Documents):
         s, device = positions.shape[1] * c, positions.device
         query = context_indices(s, c, rank, device)  # query: [s/c]
         self.distance = query[:, None] - key_indices(s, c, device)[None, :]  # [s/c, s]
-
-    @property
-    def mask(self) -> torch.Tensor:
-        if self._mask is None:
-            back = self.distance  # back: [s/c, s]
-            self._mask = ((back >= 0) & (back <= self.positions[:, :, None])).unsqueeze(1)  # [b, 1, s/c, s]
-        return self._mask
 
     def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """All-gather k, v [b, nkv, s/c, hd] over the context group → [b, nkv, s, hd] (ranks' tokens in

@@ -277,6 +277,7 @@ class TensorParallel1D(nn.Module):
             x = self.embed(tokens, docs) if self.embed is not None else tokens  # x: [b, s, h] or [b, s/t, h]
             for block in self.blocks.values():
                 x = block(x, docs=docs)
+            docs.release()  # the masks live on in what the layers saved (full recomputation: rebuilt once)
         if self.head is None:
             if targets is not None:
                 raise ValueError(

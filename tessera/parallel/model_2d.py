@@ -203,6 +203,8 @@ class Model2D(nn.Module):
             x = tokens
         for block in self.blocks.values():
             x = block(x) if docs is None else block(x, docs=docs)  # x: [b/q, s, h/q]
+        if docs is not None:
+            docs.release()  # the masks live on in what the layers saved (full recomputation: rebuilt once)
         if self.head is None:
             return x
         if targets is None:

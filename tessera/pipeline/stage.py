@@ -22,6 +22,7 @@ from torch import nn
 
 from tessera.config import even_split
 from tessera.errors import ConfigError
+from tessera.model.documents import Documents
 from tessera.modes import CHECKPOINTING
 from tessera.parallel.checkpointing import apply_checkpointing
 
@@ -109,13 +110,16 @@ class Stage(nn.Module):
         targets: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         reduction: str = "mean",
+        docs: Documents | None = None,
     ) -> torch.Tensor:
         """``positions`` [b, s]: the micro-batch's positions per document (document masking), which every stage
         is given alongside its input, as the last stage is given the targets. ``reduction``: the last stage's
-        loss (`tessera.model.targets`); a loss mask's ignored targets come in ``targets``."""
+        loss (`tessera.model.targets`); a loss mask's ignored targets come in ``targets``. ``docs``: the
+        micro-batch's `documents`, shared with this rank's other stages (`PipelineEngine`, which releases
+        them); None: this stage builds its own."""
         tail = {} if reduction == "mean" else {"reduction": reduction}
         if positions is not None:
-            return self._forward_documents(x, targets, positions, tail)
+            return self._forward_documents(x, targets, positions, tail, docs)
         if self._front is not None:
             x = self._front(x)  # tokens [b, s] -> x: [b, s, h]
         for block in self.blocks.values():
@@ -124,19 +128,31 @@ class Stage(nn.Module):
             return x
         return self._tail(x, targets, **tail)  # loss (scalar), or logits [b, s, V] when targets is None
 
-    def _forward_documents(
-        self, x: torch.Tensor, targets: torch.Tensor | None, positions: torch.Tensor, tail: dict[str, str]
-    ) -> torch.Tensor:
+    def documents(self, positions: torch.Tensor) -> Documents:
+        """The model's view of a micro-batch's documents (a 2D model keeps its grid row's sequences)."""
         if self._documents is None:
             raise ValueError(
                 "the pipelined model has no documents(positions) method, so its stages cannot mask documents; "
                 "turn data.document_mask off"
             )
+        return self._documents(positions)
+
+    def _forward_documents(
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None,
+        positions: torch.Tensor,
+        tail: dict[str, str],
+        docs: Documents | None,
+    ) -> torch.Tensor:
+        own = docs is None
+        docs = self.documents(positions) if docs is None else docs
         if self._front is not None:
             x = self._front(x, positions=positions)  # tokens [b, s] -> x: [b, s, h]
-        docs = self._documents(positions)
         for block in self.blocks.values():
             x = block(x, docs=docs)  # x: [b, s, h]
+        if own:
+            docs.release()  # the masks live on in what the layers saved (full recomputation: rebuilt once)
         if self._tail is None:
             return x
         return self._tail(x, targets, **tail)  # loss (scalar), or logits [b, s, V] when targets is None

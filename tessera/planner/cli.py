@@ -16,7 +16,7 @@ __all__ = ["add_plan_parsers", "cmd_calibrate", "cmd_plan"]
 
 def _model_arg(text: str) -> tuple[object, bool]:
     """A planner model name, or a TOML config file whose [model] section is used; and whether the config trains
-    with data.document_mask (whose per-layer attention masks the memory estimate counts)."""
+    with data.document_mask (whose attention masks, one per micro-batch, the memory estimate counts)."""
     if text.endswith(".toml") or Path(text).is_file():
         from tessera.config import load_config
 
@@ -42,7 +42,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         uneven_pipelines=args.uneven_pipelines,
     )
     if document_mask and not args.json:
-        print("document masking (data.document_mask): each layer's [b, 1, s, s] attention mask is counted")
+        print(
+            "document masking (data.document_mask): each micro-batch's [b, 1, s, s] attention mask is counted"
+        )
     try:
         result = search(
             model,

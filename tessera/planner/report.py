@@ -416,7 +416,7 @@ def config_toml(result: SearchResult, cand: Candidate) -> str:
         f"# predicted step {cand.step_time:.4g} s, MFU {cand.mfu:.1%}, {cand.memory.total / 1e9:.1f} GB per GPU",
     ]
     sections = [("model", model), ("parallel", parallel), ("train", train)]
-    if cand.config.data.document_mask:  # priced with every layer's attention mask: the file must mask too
+    if cand.config.data.document_mask:  # priced with the attention masks: the file must mask too
         sections.append(("data", {"document_mask": True}))
     for section, values in sections:
         lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]

@@ -159,8 +159,9 @@ class SearchSpace:
     dtype: str = "bf16"
     flash_attention: bool = True
     document_mask: bool = False
-    """Train with data.document_mask: every layer keeps its [b, 1, s, s] attention mask for backward, which the
-    memory estimate counts (`tessera.planner.cost.rank_memory.attention_mask_bytes`)."""
+    """Train with data.document_mask: each micro-batch's layers keep its [b, 1, s, s] attention mask for
+    backward, one tensor shared by them, which the memory estimate counts
+    (`tessera.planner.cost.rank_memory.shared_mask_bytes`)."""
     memory_fraction: float = 0.95
     """Usable fraction of device memory (headroom for fragmentation, CUDA context, NCCL buffers)."""
     comm_overlap: bool = True

@@ -27,6 +27,7 @@ from tessera.planner.cost import (
     autocast_weight_bytes,
     autocast_weight_bytes_per_layer,
     head_activation_bytes,
+    shared_mask_bytes,
 )
 
 RTOL = 0.01
@@ -149,11 +150,12 @@ DOCUMENT_CASES = [
 def test_document_masked_block_activation_bytes_equal_the_formula(
     family: str, layout: str, checkpointing: str, dtype: str
 ) -> None:
-    """With data.document_mask every layer's SDPA gets the micro-batch's [b, 1, s, s] boolean mask and keeps its
-    own cast of it to the compute dtype (b/q sequences per rank in 2D, all b with sequence parallelism, whose
-    attention sees the gathered sequence), and RoPE gathers its tables per layer; the selectively recomputed
-    core keeps no mask, a fully recomputed block only its input. Without `Plan.document_mask` the formula misses
-    the none cases by 16-45 %."""
+    """With data.document_mask every layer's SDPA gets the micro-batch's [b, 1, s, s] additive mask (b/q
+    sequences per rank in 2D, all b with sequence parallelism, whose attention sees the gathered sequence) and
+    saves it by reference, one storage for all layers (`shared_mask_bytes`, not in the per-block difference:
+    `test_document_masks_of_micro_batches_in_flight`, tests/unit/test_shared_mask.py), and RoPE gathers its
+    tables per layer; a fully recomputed block keeps only its input. Until 2026-12-03 each layer kept its own cast
+    of a boolean mask, which this difference then counted (`attention_mask_bytes`)."""
     saved, cfg, world = _saved(family, layout, checkpointing, dtype, documents=True)
     per_block = saved[2] - saved[1]
     shape, plan = ModelShape.from_config(cfg[2].model), plan_from_config(cfg[2], world)
@@ -196,8 +198,9 @@ def test_micro_batches_in_flight_share_the_weight_copies() -> None:
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_document_masks_of_micro_batches_in_flight(dtype: str) -> None:
     """A 1D pipeline rank (tensor 2, pipeline 2, GPipe: 4 micro-batches in flight) with document masking:
-    each micro-batch's stage builds its own mask, and every layer of every micro-batch keeps its own cast of it
-    (`attention_mask_bytes`) and its RoPE gathers, as many as the blocks' other activations."""
+    each micro-batch's stage builds its own additive mask, which every layer of the stage keeps by reference
+    (`shared_mask_bytes`, one per micro-batch; until 2026-12-03 every layer kept its own cast, which this test
+    counted as `attention_mask_bytes` per layer), and its RoPE gathers per layer."""
     raw = _raw(
         "llama_hd",
         {"tensor": 2, "pipeline": 2, "schedule": "gpipe"},
@@ -209,7 +212,8 @@ def test_document_masks_of_micro_batches_in_flight(dtype: str) -> None:
     cfg = from_dict({**raw, "train": {"global_batch": 4, "micro_batch": 1, "dtype": dtype}})
     shape, plan = ModelShape.from_config(cfg.model), plan_from_config(cfg, 4)
     blocks = 2  # of 4, on pipeline rank 0
-    formula = 4 * blocks * activation_bytes_per_layer(shape, plan) + autocast_weight_bytes(shape, plan, 0)
+    per_micro_batch = blocks * activation_bytes_per_layer(shape, plan) + shared_mask_bytes(shape, plan)
+    formula = 4 * per_micro_batch + autocast_weight_bytes(shape, plan, 0)
     assert dry_run(cfg, 4, 0).activations == pytest.approx(formula, rel=RTOL)
 
 
@@ -236,12 +240,12 @@ def test_2d_weight_copies_do_not_grow_with_the_micro_batches_in_flight() -> None
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["plain", "tp2_sp"])
-def test_soft_capped_attention_keeps_an_inverted_mask_per_layer(layout: str, dtype: str) -> None:
-    """Gemma 2's written-out attention masks its scores with ``masked_fill(~mask)``: every layer keeps its own
-    inverted [s, s] causal mask, 1 byte per element, whatever b and the tensor split. At a long sequence and a
-    narrow block (s 256, h 32, 2 heads) it is 3.5-7.4 % of a block: measured, the formula is 0.3 % under with it
-    and 3.8-7.9 % under without it, as it was before 2026-12-03. At Gemma 2 9B's shape, t = 8 + SP, bf16, s 4096:
-    16 MiB a layer, 3.9 % of a block."""
+def test_soft_capped_attention_keeps_no_mask(layout: str, dtype: str) -> None:
+    """Gemma 2's written-out attention adds the additive mask to its capped scores, and an add saves nothing for
+    backward. Until 2026-12-03 it masked them with ``masked_fill(~mask)``, and every layer kept its own inverted
+    [s, s] causal mask, 1 byte per element (at Gemma 2 9B's shape, t = 8 + SP, bf16, s 4096: 16 MiB a layer,
+    3.9 % of a block). At a long sequence and a narrow block (s 256, h 32, 2 heads) that mask was 3.5-7.4 % of
+    a block, so this test, whose formula counts none, fails if a layer keeps one again."""
     world, parallel = LAYOUTS[layout]
     model = {
         **FAMILIES["gemma2"],

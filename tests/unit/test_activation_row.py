@@ -96,7 +96,7 @@ def test_activation_row_equals_the_dry_run(family: str, layout: str, checkpointi
 
 
 DOCUMENT_LAYOUTS = {  # name: (world size, parallel section); micro-batch 2 so that 2D splits the batch
-    "1 rank": (1, {}),  # one stage per block (layered accumulation): a mask per block and micro-batch
+    "1 rank": (1, {}),  # one stage per block (layered accumulation): the stages share a micro-batch's mask
     "tp2+SP": (2, {"tensor": 2, "sequence_parallel": True}),  # the whole b on each rank
     "2D 2x2": (4, {"tensor": "2x2"}),  # b/q sequences per rank
     "pp2": (2, {"pipeline": 2}),
@@ -104,19 +104,23 @@ DOCUMENT_LAYOUTS = {  # name: (world size, parallel section); micro-batch 2 so t
 }
 
 
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 @pytest.mark.parametrize("layout", list(DOCUMENT_LAYOUTS))
-def test_selective_recomputation_keeps_one_document_mask_per_stage(family: str, layout: str) -> None:
-    """With data.document_mask under selective recomputation each checkpointed core saves its inputs, and every
-    layer of a stage passes the same boolean [b, 1, s, s] mask: one per (stage, micro-batch) in flight
+def test_one_document_mask_per_micro_batch(family: str, layout: str, checkpointing: str) -> None:
+    """With data.document_mask every layer of a rank is given the micro-batch's same additive [b, 1, s, s] mask
+    in the compute dtype (`Documents.bias`, one per micro-batch and rank: the schedule runtime shares it between
+    a rank's stages), which SDPA saves by reference (none) or every checkpointed core saves as its input
+    (selective; until 2026-12-03 the boolean mask, 1 byte per element instead of 2 here); Gemma 2's capped path
+    adds it to its scores and saves none without recomputation. One per micro-batch in flight
     (`shared_mask_bytes`), beside each layer's RoPE gathers. The row with documents less the row without is
-    those two alone, to the byte (no statistics differ); without the mask term the estimate is 7.7 % (pp2: two
-    micro-batches in flight on one stage of two blocks) to 14.3 % (one block per stage) short of it here."""
+    those alone, to the byte (no statistics differ). Until 2026-12-03 every layer (none) or every stage
+    (selective: one block per stage on one rank) kept its own; this test fails with either."""
     world, parallel = DOCUMENT_LAYOUTS[layout]
     rank = 0
     measured, estimated = {}, {}
     for documents in (False, True):
-        cfg = _config(family, parallel, "bf16", "selective", documents=documents, micro_batch=2)
+        cfg = _config(family, parallel, "bf16", checkpointing, documents=documents, micro_batch=2)
         measured[documents] = dry_run(cfg, world, rank).activations
         estimated[documents] = estimated_memory(cfg, world, rank)["activations"]
     added = measured[True] - measured[False]

@@ -208,18 +208,23 @@ def test_search_memory_is_the_estimators_and_fits(small_search) -> None:
     assert res.rejected_memory > 0  # llama-8b, no ZeRO, no checkpointing, 16 micro-batches in flight: too big
 
 
-def test_search_with_document_masking_counts_every_layers_mask(small_search, tmp_path) -> None:
-    """A search for data.document_mask prices each layout with the masks (`attention_mask_bytes`): a layout
-    without checkpointing needs more memory than without masking, and the config it writes masks documents and
-    resolves to the plan the search priced."""
+def test_search_with_document_masking_counts_the_masks(tmp_path) -> None:
+    """A search for data.document_mask prices each layout with the masks (`shared_mask_bytes`): a layout
+    without checkpointing peaks no lower than the same plan without masking (most higher), and the config it writes
+    masks documents and resolves to the plan the search priced."""
     res = search("llama-8b", 32, A100, 128, keep=10**9, space=SearchSpace(document_mask=True))
-    plain = {c.label: c for c in small_search.candidates}
-    masked = [c for c in res.candidates if c.label in plain and c.plan.recompute == "none"]
+    masked = [c for c in res.candidates if c.plan.recompute == "none"]
     assert masked
+    above = 0
     for cand in masked[:: max(1, len(masked) // 20)]:
         assert cand.execution.document_mask and cand.plan.document_mask
         assert cand.memory == estimate_plan(res.shape, cand.execution).breakdown
-        assert cand.memory.activations > plain[cand.label].memory.activations
+        # the same plan without masking (a label names several plans: accumulation, ZeRO's sharding, ...); its
+        # peak, as the fullest rank and its moment may differ (the optimizer step's holds no activations)
+        unmasked = estimate_plan(res.shape, dataclasses.replace(cand.execution, document_mask=False))
+        assert cand.memory.peak >= unmasked.breakdown.peak
+        above += cand.memory.peak > unmasked.breakdown.peak
+    assert above
     path = tmp_path / "masked.toml"
     path.write_text(config_toml(res, masked[0]))
     cfg = load_config(path)

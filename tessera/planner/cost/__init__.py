@@ -63,6 +63,7 @@ from tessera.planner.cost.plan import Plan, per_microbatch_reduction
 from tessera.planner.cost.rank_memory import (
     MemoryBreakdown,
     activation_bytes_per_layer,
+    attention_bias_bytes,
     autocast_weight_bytes,
     autocast_weight_bytes_per_layer,
     boundary_bytes,
@@ -118,6 +119,7 @@ __all__ = [
     "activation_bytes_per_layer",
     "all_gather_time",
     "all_reduce_time",
+    "attention_bias_bytes",
     "autocast_weight_bytes",
     "autocast_weight_bytes_per_layer",
     "boundary_bytes",

@@ -70,8 +70,9 @@ class Plan:
     even split, which requires p·v to divide the layer count (`layers_per_stage`)."""
     document_mask: bool = False
     """Document masking (tessera's data.document_mask, from `tessera.memory.cost_plan`): every attention call
-    gets a boolean [b, 1, s, s] mask, which a masked SDPA keeps for backward in the compute dtype, per layer
-    (`rank_memory.attention_mask_bytes`), and RoPE gathers its tables at each token's position per layer."""
+    gets the micro-batch's additive [b, 1, s, s] mask in the compute dtype, one tensor per kind shared by the
+    layers, which keep it for backward (`rank_memory.shared_mask_bytes`), and RoPE gathers its tables at each
+    token's position per layer."""
     grad_reduce_bytes: int = 0
     """Bytes per element of the data-parallel gradient reduction (tessera's `train.grad_reduce_dtype`: 2 for a
     bf16 ZeRO reduce-scatter); 0: as wide as the parameters (`param_bytes`). Read it through

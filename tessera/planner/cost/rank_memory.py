@@ -16,6 +16,7 @@ _FP32 = 4
 __all__ = [
     "MemoryBreakdown",
     "activation_bytes_per_layer",
+    "attention_bias_bytes",
     "attention_mask_bytes",
     "autocast_weight_bytes",
     "autocast_weight_bytes_per_layer",
@@ -24,6 +25,7 @@ __all__ = [
     "capped_score_bytes",
     "head_activation_bytes",
     "head_transient_bytes",
+    "mask_kinds",
     "memory_per_rank",
     "model_state_bytes",
     "params_per_rank",
@@ -124,10 +126,12 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     their product. Selective recomputation drops SDPA's output and the expansion (K, V at kv/h). The attention
     tensors are n_heads·head_dim wide (q/h of the stream's h; 1 unless `ModelShape.head_dim` differs). Qwen3's
     per-head q/k norms (`qk_norm`) keep Q's and K's fp32 upcast and their normalised tensors, split like the
-    heads. Gemma 3's local layers add their band masks, document masking every layer's mask (`attention_mask_bytes`) and its RoPE gathers (`rope_position_bytes`). Gemma 2's post-norms are two more
+    heads. Gemma 3's local layers add their band masks without document masking (`attention_mask_bytes`),
+    document masking its RoPE gathers (`rope_position_bytes`; its masks are per micro-batch,
+    `shared_mask_bytes`). Gemma 2's post-norms are two more
     norms (`FamilyPlan.block_norms`); its soft-capped attention is written out
-    (`tessera.model.layers.AttentionCore`): no SDPA output is kept, its a·s² scores are (`capped_score_bytes`)
-    and its inverted mask, per layer (`attention_mask_bytes`).
+    (`tessera.model.layers.AttentionCore`): no SDPA output is kept, its a·s² scores are (`capped_score_bytes`),
+    no mask (the additive mask's add saves nothing).
     `recompute` overrides `plan.recompute` (the working memory of a recomputed block is its "none" count).
     """
     recompute = plan.recompute if recompute is None else recompute
@@ -175,8 +179,9 @@ def context_local(shape: ModelShape, plan: Plan) -> tuple[ModelShape, Plan]:
 def _context_layer_bytes(shape: ModelShape, plan: Plan, recompute: str) -> float:
     """`activation_bytes_per_layer` of a context rank: everything per token at s/c tokens, plus K and V of the
     other ranks' s − s/c tokens as attention keeps them (expanded to the query heads for SDPA; at n_kv heads as
-    the checkpointed core's inputs under selective recomputation) and its [b, 1, s/c, s] mask, c times the
-    [s/c, s/c] one counted at s/c. Measured within 2 % by tests/distributed/test_context_parallel.py."""
+    the checkpointed core's inputs under selective recomputation); its [b, 1, s/c, s] mask is one per micro-batch
+    and kind, shared by the layers (`shared_mask_bytes`). Measured within 2 % by
+    tests/distributed/test_context_parallel.py."""
     local_shape, local = context_local(shape, plan)
     per_token = activation_bytes_per_layer(local_shape, local, recompute)
     if recompute == "full":
@@ -189,47 +194,55 @@ def _context_layer_bytes(shape: ModelShape, plan: Plan, recompute: str) -> float
         scores = (
             (c - 1) * capped_score_bytes(plan) * shape.n_heads / plan.tp * plan.micro_batch * (s // c) ** 2
         )
-    return per_token + gathered + scores + (c - 1) * attention_mask_bytes(local_shape, local, recompute)
+    return per_token + gathered + scores  # its masks: one per micro-batch and kind (`shared_mask_bytes`)
 
 
 def attention_mask_bytes(shape: ModelShape, plan: Plan, recompute: str) -> float:
-    """Bytes per layer, averaged over the layers, of the attention masks kept for backward (measured by the dry
-    run, tests/unit/test_activation_formula.py). A masked SDPA saves its boolean mask converted to the compute
-    dtype, a fresh tensor per call, so one per layer and micro-batch, whole on every tensor rank (attention sees
-    the whole gathered sequence, also with sequence parallelism): Gemma 3's local layers their [s, s] band;
-    with document masking (`Plan.document_mask`) every layer its [b, 1, s, s] mask (the band ANDed in), for the
-    rank's own sequences (`_rank_sequences`). Soft-capped attention (Gemma 2, written out) keeps the inverted
-    boolean mask instead (``masked_fill(~mask)``), 1 byte per element, a fresh one per layer: with documents
-    [b, 1, s, s], without them its causal (or, local layers, band) [s, s]: 16 MiB a layer at s = 4096, 3.9 % of
-    a Gemma 2 9B block at t = 8 + SP in bf16. The selectively recomputed core keeps none: the checkpoint saves
-    the one boolean document mask of the micro-batch, shared by the layers (`shared_mask_bytes`)."""
-    if recompute == "selective":
+    """Bytes per layer, averaged over the layers, of attention masks that every layer keeps for backward on its
+    own (measured by the dry run, tests/unit/test_activation_formula.py): only Gemma 3's local layers without
+    document masking, whose band is a boolean [s, s] that SDPA converts to the compute dtype on every call and
+    saves, whole on every tensor rank (attention sees the whole gathered sequence); none under selective
+    recomputation (the core is recomputed). With document masking or context parallelism every layer of a kind
+    uses one additive mask of the micro-batch (`Documents.bias`, `shared_mask_bytes`), and soft-capped attention
+    (Gemma 2, written out) adds its additive mask to the scores, which saves nothing (before 2026-12-03 each
+    layer kept its own: SDPA's cast, the capped path's inverted boolean)."""
+    if recompute == "selective" or plan.document_mask or shape.attn_softcap is not None:
         return 0.0
-    s2 = shape.seq_len**2
-    capped = shape.attn_softcap is not None
-    if plan.document_mask:
-        return _rank_sequences(plan) * s2 * (1 if capped else plan.act_bytes)
-    if capped:
-        return s2  # ~mask of the [s, s] causal or band mask, bool
-    return shape.local_layers / shape.n_layers * s2 * plan.act_bytes
+    return shape.local_layers / shape.n_layers * shape.seq_len**2 * plan.act_bytes
+
+
+def mask_kinds(shape: ModelShape) -> int:
+    """Distinct additive masks of a masked micro-batch (`Documents.bias`): one for the global layers, one for
+    the local layers of a sliding window (Gemma 2 and 3), the band ANDed in. Counted for the whole model, also
+    for a pipeline stage that holds layers of one kind only (an overestimate of one mask there)."""
+    return 1 + (0 < shape.local_layers < shape.n_layers)
+
+
+def attention_bias_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Bytes of the additive masks one micro-batch builds on one rank for its layers to share
+    (`tessera.model.documents.Documents.bias`): `mask_kinds` × [b, 1, s, s] in the compute dtype with document
+    masking (b/q sequences on a 2D rank, all b on a 1D rank: attention sees the gathered sequence), a context
+    rank's [b, 1, s/c, s] (it always masks: its positions are global). 0 without a mask."""
+    if not (plan.document_mask or plan.cp > 1):
+        return 0.0
+    s = shape.seq_len
+    return mask_kinds(shape) * _rank_sequences(plan) * (s // plan.cp) * s * plan.act_bytes
 
 
 def shared_mask_bytes(shape: ModelShape, plan: Plan) -> float:
-    """Bytes of the boolean document mask ([b, 1, s, s], `tessera.model.documents.Documents.mask`) that one
-    pipeline stage keeps per micro-batch under selective recomputation with document masking: the checkpointed
-    core's inputs are saved once (`torch.utils.checkpoint`), and every layer of the stage passes it the same
-    mask tensor, so it is one storage per (stage, micro-batch), not per layer; b/q sequences on a 2D rank, all
-    b on a 1D rank (measured: tests/unit/test_activation_row.py). The core's per-call cast of it to the
-    compute dtype is not kept (it is recomputed in backward: the working memory's "none" count has it). Without
-    selective recomputation no layer saves the boolean mask itself (SDPA keeps its cast,
-    `attention_mask_bytes`); with full recomputation it is not saved either. Per stage: `tessera.memory` adds it
-    to each stage that holds blocks."""
-    if plan.cp > 1:  # a context rank always masks: its [b, 1, s/c, s] mask, c times the one of s/c tokens
-        local_shape, local = context_local(shape, plan)
-        return plan.cp * shared_mask_bytes(local_shape, replace(local, recompute=plan.recompute))
-    if not (plan.document_mask and plan.recompute == "selective"):
+    """Bytes of attention masks that one pipeline stage keeps per micro-batch, shared by its layers: with
+    document masking or context parallelism the micro-batch's additive masks (`attention_bias_bytes`), which
+    every layer's SDPA saves by reference (one storage, not one per layer: tests/unit/test_shared_mask.py), or
+    under selective recomputation every checkpointed core saves as its input. Not under full recomputation (the
+    model drops them after its forward, `Documents.release`; the replayed blocks build them again: working
+    memory), nor in soft-capped attention without selective recomputation (it adds them to the scores, which
+    saves nothing). Until 2026-12-03 SDPA kept a cast of a boolean mask per layer instead. Per stage:
+    `tessera.memory` adds it to each stage that holds blocks."""
+    if plan.recompute == "full":
         return 0.0
-    return _rank_sequences(plan) * shape.seq_len**2
+    if shape.attn_softcap is not None and plan.recompute != "selective":
+        return 0.0
+    return attention_bias_bytes(shape, plan)
 
 
 def rope_position_bytes(shape: ModelShape, plan: Plan) -> float:
