@@ -18,6 +18,7 @@ train on the same documents as prompt/completion records through `prepare`'s pro
     python benchmarks/layout_search.py --seed 7 --configs 30 --focus head_dim,head_dim+2d,loss_mask+2d,qwen3+2d
     python benchmarks/layout_search.py --seed 8 --configs 30 --focus gemma2+pp,gemma2+sp,gemma2+2d,gemma2+zero3+loss_mask,gemma2+window_start+hybrid
     python benchmarks/layout_search.py --seed 10 --configs 30 --minutes 15 --focus gemma3+pp,gemma3+sp,gemma3+2d,gemma3+zero3+document_mask,gemma3+hybrid+loss_mask
+    python benchmarks/layout_search.py --seed 11 --configs 24 --minutes 15 --focus context,context+sp,context+zero3,context+document_mask,context+loss_mask,context+gemma3
     python benchmarks/layout_search.py --rerun OLD.jsonl --out NEW.md   # the same configs on today's code
     python benchmarks/layout_search.py --merge A.jsonl B.jsonl --out benchmarks/results/layout_search.md
 
@@ -38,7 +39,8 @@ query_pre_attn_scalar other than head_dim, a head_dim other than d_model / n_hea
 (``data.window_start = "document"`` with ``data.document_mask`` on `short_corpus`'s documents of 1 to 3 words, so
 windows open at a document start and span several; with loss_mask, the masked corpus's records), gemma3 (the
 gemma3 family, `_gemma3`: Gemma 2's settings plus a sliding window narrower than the sequence, a local/global
-layer pattern, a local RoPE base other than the global one), document_mask (``data.document_mask`` always on).
+layer pattern, a local RoPE base other than the global one), document_mask (``data.document_mask`` always on),
+context (``parallel.context = 2`` on a draw's layout, doubling its world: up to 8 ranks).
 
 The plain draw leaves ``model.head_dim`` out (tests/config_space.py's ``head_dim=False``) so that the seeds
 recorded before it existed draw the same cases again; a focus entry with ``head_dim`` draws it (a quarter of the
@@ -213,6 +215,7 @@ FOCUS: dict[str, Callable[[ExecutionPlan, dict], bool]] = {
     "sp": lambda p, raw: p.sequence_parallel,
     "zero3": lambda p, raw: p.zero == 3 and p.dp > 1,
     "window_start": lambda p, raw: raw["data"].get("window_start") == "document",
+    "context": lambda p, raw: p.cp > 1,
 }
 """What ``--focus`` can require of a case, judged on the plan that runs it."""
 
@@ -234,6 +237,18 @@ def parse_focus(text: str) -> list[str]:
 def focus_features(focus: str | None) -> list[str]:
     """The FOCUS features a ``--focus`` entry requires (none for the plain draw)."""
     return focus.split("+") if focus else []
+
+
+def _context(world: int, raw: dict) -> tuple[int, dict]:
+    """A draw doubled by context 2 (the context feature): each data replica's sequence split over 2 more ranks,
+    so the data size and the batch arithmetic stay the draw's. The keys context refuses whatever their value
+    (hybrid sharding's shard size, the tensor rings' overlap) are dropped; a pipeline or a 2D grid stays, and
+    the rules refuse it (rejection)."""
+    par = raw["parallel"]
+    par["context"] = 2
+    par.pop("zero_shard_size", None)
+    par.pop("tp_comm_overlap", None)
+    return 2 * world, raw
 
 
 def _eight_ranks(world: int, raw: dict, rng: random.Random) -> tuple[int, dict]:
@@ -270,6 +285,8 @@ def draw_case(
         )
         if "w8" in wanted:
             world, raw = _eight_ranks(world, raw, rng)
+        if "context" in wanted:
+            world, raw = _context(world, raw)
         if "gemma2" in wanted:
             _gemma2(raw["model"], rng)
         if "gemma3" in wanted:
@@ -326,6 +343,7 @@ def features(world: int, raw: dict) -> dict[str, Any]:
         "gqa": _gqa(raw),
         "tied": raw["model"].get("tie_embeddings", True),
         "dp": plan.dp,
+        "context": plan.cp,
         "pp": plan.pp,
         "tensor": tensor,
         "tp_comm_overlap": plan.tp_comm_overlap,
@@ -465,7 +483,8 @@ def search(
 
 def _short(f: dict) -> str:
     return (
-        f"w{f['world']} {f['family']}{_head_width(f)}{'' if f['tied'] else ' untied'} dp{f['dp']} pp{f['pp']}({f['schedule']},"
+        f"w{f['world']} {f['family']}{_head_width(f)}{'' if f['tied'] else ' untied'} dp{f['dp']}"
+        f"{' cp' + str(f['context']) if f.get('context', 1) > 1 else ''} pp{f['pp']}({f['schedule']},"
         f"v{f['stages_per_rank']}) tp:{f['tensor']} z{f['zero']}{'+opg' if f['overlap_param_gather'] else ''}"
         f"{'+hsdp' if f['hybrid'] else ''} {f['accumulation']} ckpt:{f['checkpointing']} {f['dtype']}"
         f" clip{f['grad_clip']}{' docmask' if f['document_mask'] else ''}{' lossmask' if f.get('loss_mask') else ''}"
