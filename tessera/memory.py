@@ -38,6 +38,7 @@ from tessera.planner.cost import (
     activation_bytes_per_layer,
     attention_bias_bytes,
     autocast_weight_bytes,
+    autocast_weight_bytes_per_layer,
     boundary_bytes,
     cached_weight_bytes,
     head_activation_bytes,
@@ -45,6 +46,7 @@ from tessera.planner.cost import (
     memory_per_rank,
     model_state_bytes,
     rank_layers,
+    recompute_working_bytes,
     shared_mask_bytes,
     tied_gradient_bytes,
 )
@@ -552,7 +554,8 @@ def estimate_plan(
         after = max(
             2 * tied_gradient_bytes(shape, cplan), _adamw_temporaries(shape, cplan, embedding=True, head=True)
         )
-        at_peak, after_backward = _direct_at_peak(bd, plan.micro_batches, after), bd.grads
+        replay = _direct_replay(bd, shape, cplan)
+        at_peak, after_backward = _direct_at_peak(bd, plan.micro_batches, after, replay), bd.grads
         if plan.runner != DIRECT:  # what coexists: the rank's action list walked (tessera.peak_memory)
             at_peak, after_backward = _at_peak(bd, shape, plan, rank)
         candidate = MemoryEstimate(
@@ -572,7 +575,38 @@ def estimate_plan(
     return best
 
 
-def _direct_at_peak(held: MemoryBreakdown, micro_batches: int, after_backward: float) -> MemoryBreakdown:
+def _direct_replay(held: MemoryBreakdown, shape: ModelShape, cplan: Plan) -> MemoryBreakdown | None:
+    """Under full recomputation, the direct loop's moment in the first block's replayed backward (its last and
+    fullest: every later block's gradients are made by then). Alive: the gradients of the head and of every block
+    but the first, and of the first block its MLP output Linear's weight (its backward comes before the MLP's
+    activation backward, the replay's fullest moment); the first block's checkpointed input (the later blocks'
+    and the head's saved tensors are freed); its replay (`recompute_working_bytes`) with its compute-dtype weight
+    copies, which the replay makes again (the forward's autocast region, and its cache, are over). Not yet made:
+    the rest of the first block's gradients and, untied, the embedding table's. None without full
+    recomputation. Until 2026-12-03 the one-micro-batch moment held no gradients at all: -9 to -15 % under the
+    dry run on small fp32 layouts (docs/memory.md, "Full recomputation's moments")."""
+    if cplan.recompute != "full":
+        return None
+    mlp_out = next(lin for lin in reversed(shape.block_linears()) if lin.name.startswith("mlp."))
+    unmade = 4.0 * (shape.layer_params() - mlp_out.d_in * mlp_out.d_out) / cplan.tp
+    if not shape.tied:
+        unmade += _table_bytes(shape, cplan)
+    copies = autocast_weight_bytes_per_layer(shape, cplan)
+    return MemoryBreakdown(
+        params=held.params,
+        grads=max(held.grads - unmade, 0.0),
+        optimizer=held.optimizer,
+        activations=activation_bytes_per_layer(shape, cplan) + copies,
+        working=recompute_working_bytes(shape, cplan)
+        + attention_bias_bytes(shape, cplan),  # masks built again
+        comm_buffers=0.0,
+        cast_cache=0.0,
+    )
+
+
+def _direct_at_peak(
+    held: MemoryBreakdown, micro_batches: int, after_backward: float, replay: MemoryBreakdown | None = None
+) -> MemoryBreakdown:
     """The direct loop's peak (no action list to walk; one stage): the larger of two moments. The loss's (forward
     or backward): every component, as from the second micro-batch on the gradients accumulate beside the next
     one's activations and transients; with one micro-batch without the gradients, which its backward creates as
@@ -582,7 +616,7 @@ def _direct_at_peak(held: MemoryBreakdown, micro_batches: int, after_backward: f
     both = {name: getattr(held, name) for name in COMPONENTS}
     during = held if micro_batches > 1 else MemoryBreakdown(**{**both, "grads": 0.0})
     after = MemoryBreakdown(**{**both, "activations": 0.0, "working": after_backward, "cast_cache": 0.0})
-    return during if during.total >= after.total else after
+    return max((during, after) + ((replay,) if replay else ()), key=lambda moment: moment.total)
 
 
 def _masked_micro_batches(plan: ExecutionPlan, mine: Sequence[int], per_block: float) -> float:
@@ -651,6 +685,10 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     if last in psi:
         acts[last] += head
         working[last] += head_working
+        if cplan.recompute == "full":
+            # the first replay on the last stage runs once the head's backward has freed its saved tensors (the
+            # logits' softmax, the final norm's): the stage's moment is the larger of the head's and the replay's
+            working[last] = max(recompute - head, head_transient_bytes(shape, cplan))
     uses = {last: (last, 0)} if shape.tied and last != 0 and {0, last} <= psi.keys() else {}
     if uses:  # the embedding's backward makes the table's gradient beside the head's (``uses``), then adds it
         working[0] = max(working[0], tied_gradient_bytes(shape, cplan))
@@ -688,8 +726,8 @@ def _micro_batch_bytes(shape: ModelShape, cplan: Plan) -> tuple[float, float, fl
     """One micro-batch's (activations saved per block, a recomputed block's transient, the boundary tensor,
     the head's saved activations with its fp32 logits, the head's backward transient). Memoized on the fields
     `activation_bytes_per_layer`, `head_activation_bytes` and `boundary_bytes` read (the tensor split, the
-    micro-batch, checkpointing, the dtypes, flash attention): not ZeRO, the pipeline or the schedule, which the
-    search varies around one micro-batch shape."""
+    micro-batch, checkpointing, the dtypes, flash attention, whether ZeRO-3 clears autocast's cache): not the
+    rest of ZeRO, the pipeline or the schedule, which the search varies around one micro-batch shape."""
     key = (
         shape,
         cplan.tp,
@@ -702,15 +740,14 @@ def _micro_batch_bytes(shape: ModelShape, cplan: Plan) -> tuple[float, float, fl
         cplan.flash_attention,
         cplan.document_mask,  # shared_mask_bytes, rope_position_bytes
         cplan.cp,  # a context rank's s/c tokens and gathered K/V
+        cplan.zero_stage >= 3,  # full recomputation's replay recasts its weights (recompute_working_bytes)
     )
     return _memo(_MICRO_BATCH_BYTES, key, lambda: _price_micro_batch(shape, cplan))
 
 
 def _price_micro_batch(shape: ModelShape, cplan: Plan) -> tuple[float, float, float, float, float]:
     per_layer = activation_bytes_per_layer(shape, cplan)
-    recompute = (
-        activation_bytes_per_layer(shape, cplan, recompute="none") if cplan.recompute != "none" else 0.0
-    )
+    recompute = recompute_working_bytes(shape, cplan)
     if cplan.recompute == "full":  # the replayed blocks build the micro-batch's masks again and share them
         recompute += attention_bias_bytes(shape, cplan)
     logits = 4 * shape.seq_len // cplan.cp * cplan.micro_batch * shape.vocab_size / cplan.tp  # s/c tokens
@@ -982,7 +1019,7 @@ def _adjust(
     head = last_inflight * (head_activation_bytes(shape, plan) + logits)
     # a recomputed block, or on the last stage the head's moment if larger (`memory_per_rank` puts it on the
     # pipeline's last position; here it follows the head, wherever the placement puts it)
-    working = activation_bytes_per_layer(shape, plan, recompute="none") if plan.recompute != "none" else 0.0
+    working = recompute_working_bytes(shape, plan)
     if last_inflight:
         working = max(working, head_transient_bytes(shape, plan))
     largest = max(stage_psi, default=0.0)

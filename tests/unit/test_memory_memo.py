@@ -32,12 +32,17 @@ def _clear() -> None:
 
 
 def _plan(
-    world: int, micro_batch: int = 1, global_batch: int = 8, documents: bool = False, **parallel: object
+    world: int,
+    micro_batch: int = 1,
+    global_batch: int = 8,
+    documents: bool = False,
+    dtype: str = "fp32",
+    **parallel: object,
 ) -> ExecutionPlan:
     cfg = Config(
         model=MODEL,
         parallel=ParallelConfig(**parallel),
-        train=TrainConfig(global_batch=global_batch, micro_batch=micro_batch),
+        train=TrainConfig(global_batch=global_batch, micro_batch=micro_batch, dtype=dtype),
         data=DataConfig(document_mask=documents),
     )
     return resolve(cfg, world, training=False)
@@ -122,6 +127,11 @@ def test_memoized_values_equal_fresh_ones_over_a_grid() -> None:
         (dict(world=2, pipeline=2), dict(world=2, pipeline=2, checkpointing="full")),
         (dict(world=2, pipeline=2), dict(world=2, pipeline=2, micro_batch=2)),
         (dict(world=2, tensor=2), dict(world=2, tensor=2, sequence_parallel=True)),
+        # full recomputation in bf16: ZeRO-3's replay makes its block's weight copies again (ZeRO-1's cache has them)
+        (
+            dict(world=2, data=2, zero=1, checkpointing="full", dtype="bf16"),
+            dict(world=2, data=2, zero=3, checkpointing="full", dtype="bf16"),
+        ),
         # document masking: every layer's mask (none), the stage's shared mask (selective)
         (dict(world=2, pipeline=2), dict(world=2, pipeline=2, documents=True)),
         (

@@ -34,6 +34,7 @@ from tessera.planner.cost import (
     p2p_time_per_microbatch,
     pp_p2p_volume,
     reduce_scatter_time,
+    replay_gradient_bytes,
     stage_time,
     tp1d_layer_volume,
     tp2d_layer_volume,
@@ -375,9 +376,12 @@ def test_memory_per_rank_components() -> None:
     psi = (4 * shape.layer_params() + 1000 * 256 + 128 * 256) / 2
     assert (mem.params, mem.grads, mem.optimizer) == pytest.approx((2 * psi, 2 * psi, 12 * psi / 2), rel=REL)
     assert mem.activations == pytest.approx(2 * 128 * 256 * 4 * 2, rel=REL)  # 2sbh × 4 layers × 2 in flight
-    assert mem.working == pytest.approx(
-        activation_bytes_per_layer(shape, replace(plan, recompute="none")), rel=REL
+    # the replayed block's un-checkpointed activations and the gradients its backward holds beside them
+    replay = activation_bytes_per_layer(shape, replace(plan, recompute="none")) + replay_gradient_bytes(
+        shape, plan
     )
+    assert mem.working == pytest.approx(replay, rel=REL)
+    assert replay_gradient_bytes(shape, plan) == 1 * 2 * 128 * 1 * shape.ffn_hidden / 2  # GELU: one [N, f/t]
     assert mem.comm_buffers == 2 * 128 * 256 * 2
     parts = mem.params + mem.grads + mem.optimizer + mem.activations + mem.working + mem.comm_buffers
     assert mem.total == pytest.approx(parts, rel=REL)

@@ -29,6 +29,8 @@ __all__ = [
     "memory_per_rank",
     "model_state_bytes",
     "params_per_rank",
+    "recompute_working_bytes",
+    "replay_gradient_bytes",
     "rope_position_bytes",
     "shared_mask_bytes",
     "stage_params_per_rank",
@@ -316,11 +318,22 @@ def autocast_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> floa
     `cached_weight_bytes`, the rest are saved for backward (activations)."""
     if not plan.casts:
         return 0.0
+    if plan.recompute == "full":  # no block saves a copy: the cache's, and the head's own unless cache-only
+        saved_head = stage == plan.pp - 1 and not _gathered(plan)
+        return cached_weight_bytes(shape, plan, stage) + (
+            _head_copy_bytes(shape, plan) if saved_head else 0.0
+        )
     if _gathered(plan) and not _cache_holds_copies(plan):  # only the row-parallel Linears' copies are saved
         return rank_layers(shape, plan, stage) * plan.act_bytes * _row_weights(shape) / plan.tp
     per_layer = autocast_weight_bytes_per_layer(shape, plan)
-    head = plan.act_bytes * _table_rows(shape, plan) * shape.d_model / plan.tp
+    head = _head_copy_bytes(shape, plan)
     return rank_layers(shape, plan, stage) * per_layer + (head if stage == plan.pp - 1 else 0.0)
+
+
+def _head_copy_bytes(shape: ModelShape, plan: Plan) -> float:
+    """The output projection's compute-dtype copy on one rank: act_bytes · V·h/t (2D: the padded table's
+    block, V_pad·h/q²)."""
+    return plan.act_bytes * _table_rows(shape, plan) * shape.d_model / plan.tp
 
 
 def cached_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
@@ -330,7 +343,18 @@ def cached_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
     while the cache holds them (`_cache_holds_copies`). They are alive through the forward and backward (the
     direct loop: through each micro-batch's forward, up to the loss's moment) like the saved copies, but a count
     of what autograd saves (the dry run's activations) does not see them: counted among the activations, they made
-    that row 8-68 % high on the bf16 1D + SP layouts of tests/unit/test_activation_row.py."""
+    that row 8-68 % high on the bf16 1D + SP layouts of tests/unit/test_activation_row.py.
+
+    Under full recomputation no block saves its copies (a checkpoint keeps only the block's input), so every
+    block's copies are cache-only where the cache holds them; the replay finds them there. With ZeRO-3 (the cache
+    cleared at every FREE) only the replayed block's copies exist, made again by the replay
+    (`recompute_working_bytes`). Counted as saved until 2026-12-03: the activation row 16-32 % high on small
+    bf16 layouts (docs/memory.md, "Full recomputation's moments")."""
+    if plan.casts and plan.recompute == "full" and _cache_holds_copies(plan):
+        # every block's copies: the checkpoints save none, the replay finds them in the cache
+        blocks = rank_layers(shape, plan, stage) * autocast_weight_bytes_per_layer(shape, plan)
+        gathered_head = stage == plan.pp - 1 and _gathered(plan)
+        return blocks + (_head_copy_bytes(shape, plan) if gathered_head else 0.0)
     if not (plan.casts and _gathered(plan) and _cache_holds_copies(plan)):
         return 0.0
     column = shape.block_matmul_params() - _row_weights(shape)
@@ -364,6 +388,41 @@ def _cache_holds_copies(plan: Plan) -> bool:
     `head_transient_bytes`), the copies still cached. Until 2026-12-03 the direct loop's copies were left out:
     gpt2-124m, 2 layers, tensor 2 + SP, bf16, one micro-batch of 2 fell 4.9 % under the dry run without them."""
     return plan.zero_stage < 3
+
+
+def replay_gradient_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Under full recomputation, what a replayed block's backward holds at its fullest beyond the tensors its
+    replay saves: at the MLP's activation backward, the gradient of the output Linear's input and one gradient
+    per input Linear's output (GELU: d(gelu out), d(fc out); SwiGLU/GeGLU: d(product), d(up), d(act(gate))),
+    [N, f/t] each in the compute dtype, while the output Linear's input, freed by that Linear's backward, is
+    gone: ``len(mlp_in)`` such tensors beyond the "none" count (N: the rank's tokens, s/c with context
+    parallelism; 2D: N/q·f/q, the same /t). The block's upstream gradient (fp32, [N, h]) is the replay's input
+    counted twice (the checkpoint's and the "none" count's norm input), so it adds nothing. With 1D sequence
+    parallelism the entry's backward (`tensor_1d._GatheredLinears`, which saved its fp32 shard) gathers its
+    input again and makes that input's gradient before reduce-scattering it: two [N, h] tensors of the whole
+    sequence in the stream dtype. Read off the dry run's live tensors (docs/memory.md, "Full recomputation's
+    moments"). 0 otherwise."""
+    if plan.recompute != "full":
+        return 0.0
+    tokens = shape.seq_len // plan.cp * plan.micro_batch
+    mlp = len(shape.features.mlp_in) * plan.act_bytes * tokens * shape.ffn_hidden / plan.tp
+    entry = 2 * plan.stream_bytes * tokens * shape.d_model if _gathered(plan) else 0.0
+    return mlp + entry
+
+
+def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
+    """A recomputed block's moment in its backward, beyond what the rank keeps for it (0 without recomputation):
+    its un-checkpointed activations (`activation_bytes_per_layer`'s "none" count), and under full recomputation
+    the gradients in flight (`replay_gradient_bytes`) and, where autocast's cache does not hold the weight copies
+    through the step (ZeRO-3 clears it at every FREE, `_cache_holds_copies`), the block's compute-dtype weight
+    copies that its replay makes again (`autocast_weight_bytes_per_layer`). The direct loop's replay runs after
+    its forward's autocast region, so it makes them too (`tessera.memory` adds them there)."""
+    if plan.recompute == "none":
+        return 0.0
+    working = activation_bytes_per_layer(shape, plan, recompute="none") + replay_gradient_bytes(shape, plan)
+    if plan.recompute == "full" and not _cache_holds_copies(plan):
+        working += autocast_weight_bytes_per_layer(shape, plan)
+    return working
 
 
 def head_activation_bytes(shape: ModelShape, plan: Plan) -> float:
@@ -485,9 +544,7 @@ def memory_per_rank(
     acts = activation_bytes_per_layer(shape, plan) * rank_layers(shape, plan, stage) * inflight_microbatches
     cached = cached_weight_bytes(shape, plan, stage)  # alive, but saved by no backward: not an activation
     acts += autocast_weight_bytes(shape, plan, stage) - cached
-    working = 0.0
-    if plan.recompute != "none":
-        working += activation_bytes_per_layer(shape, plan, recompute="none")
+    working = recompute_working_bytes(shape, plan)
     if stage == plan.pp - 1:  # the head's moment comes before any block is recomputed: never both at once
         working = max(working, head_transient_bytes(shape, plan))
     sbh = shape.seq_len * plan.micro_batch * shape.d_model * plan.stream_bytes
