@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Batch", "Documents", "batch_parts", "document_positions"]
+__all__ = ["Batch", "Documents", "additive_mask", "batch_parts", "document_positions"]
 
 Batch = Sequence[torch.Tensor]
 """One micro-batch: (tokens, targets), or (tokens, targets, positions) with document masking."""
@@ -93,8 +93,7 @@ class Documents:
             if window is not None:
                 back = self.back()  # back: [L, S]
                 allowed = allowed & (back < window)  # back >= 0 is in the mask already
-            bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)  # bias: [b, 1, L, S]
-            self._biases[key] = bias.masked_fill_(~allowed, float("-inf"))
+            self._biases[key] = additive_mask(allowed, dtype)  # [b, 1, L, S]
         return self._biases[key]
 
     def release(self) -> None:
@@ -103,3 +102,11 @@ class Documents:
         backward, nothing else would free them, and the replayed blocks build them again, once."""
         self._mask = None
         self._biases.clear()
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``mask`` as an additive mask in ``dtype``: a boolean one (True: may attend) becomes 0 / −inf, an
+    additive one is returned as it is if already in ``dtype``."""
+    if mask.dtype != torch.bool:
+        return mask if mask.dtype == dtype else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))

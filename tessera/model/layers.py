@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.model.documents import Documents
+from tessera.model.documents import Documents, additive_mask
 from tessera.model.targets import check_reduction
 
 if TYPE_CHECKING:
@@ -259,14 +259,6 @@ class AttentionCore(nn.Module):
         scores = scores + additive_mask(mask, scores.dtype)  # scores: [b, nh, L, S]
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # probs: [b, nh, L, S]
         return torch.matmul(probs, v)  # [b, nh, L, hd]
-
-
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``mask`` as an additive mask in ``dtype``: a boolean one (True: may attend) becomes 0 / −inf, an
-    additive one is returned as it is if already in ``dtype``."""
-    if mask.dtype != torch.bool:
-        return mask if mask.dtype == dtype else mask.to(dtype)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
