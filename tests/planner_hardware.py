@@ -16,3 +16,17 @@ LEVELS = Hardware(
     inter_node_bandwidth=10e9,
     inter_node_latency=1e-5,
 )
+
+TWO_CPUS = Hardware(
+    name="two-cpus",
+    peak_flops={"fp32": 5e10, "bf16": 5e10},
+    memory_bytes=4e9,
+    hbm_bandwidth=2e10,
+    gpus_per_node=2,
+    intra_node_bandwidth=2e9,
+    intra_node_latency=2e-5,
+    inter_node_bandwidth=2e9,
+    inter_node_latency=2e-5,
+)
+"""Two CPU processes as the planner sees them (round figures of a laptop's gloo run, not a calibration): for
+`tessera plan --out` files that `tessera train --nproc 2` then runs."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from tessera.config.sections import (
 from tessera.errors import ConfigError
 from tessera.model.sizes import SIZES
 
-__all__ = ["apply_overrides", "as_overrides", "from_dict", "load_config"]
+__all__ = ["apply_overrides", "as_overrides", "from_dict", "load_config", "toml_value"]
 
 # --- loading -------------------------------------------------------------------------------------------------
 
@@ -90,22 +91,28 @@ def as_overrides(raw: dict[str, Any]) -> list[str]:
     unsets the key, so a None that clears what a ``model.size`` sets (e.g. ``final_softcap``) reaches the run too
     (left out, the size's value would come back)."""
     return [
-        f"--{section}.{key}={'null' if value is None else _toml_value(value)}"
+        f"--{section}.{key}={'null' if value is None else toml_value(value)}"
         for section, values in raw.items()
         for key, value in values.items()
     ]
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """``value`` (a bool, number, string, list or table) as TOML text, e.g. for a key of a written config."""
     if isinstance(value, bool):  # before int: bool is an int
         return str(value).lower()
     if isinstance(value, str):
         return json.dumps(value)  # a JSON string is a TOML basic string (same quotes and escapes)
     if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     return str(value)  # int, float (inf and nan are TOML's spellings too)
+
+
+def _toml_key(key: str) -> str:
+    """A table key: bare when TOML allows it (letters, digits, _ and -), else a quoted string."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
 def _parse_value(text: str) -> Any:

@@ -467,6 +467,8 @@ GPU_KEPT_REASONS = {
     "gemm_tile": "fitted on published runs with the quantization model",
     "gemm_framework_share": "fitted on published end-to-end runs; it scales the measured kernel rates",
     "overlap_slowdown": "a published average (compute slowed under overlapped collectives); not measured",
+    "storage_write_bandwidth": "the cluster's shared file system, not visible from one node",
+    "gpu_mtbf_hours": "a published failure rate (interruptions per GPU-hour at scale)",
 }
 """Why each field a GPU calibration does not measure comes from the base file."""
 PEAK_TOLERANCE = 1.05

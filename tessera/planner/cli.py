@@ -8,33 +8,66 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tessera.errors import ConfigError, TesseraError
+
+if TYPE_CHECKING:
+    from tessera.planner.hardware import Hardware
+    from tessera.planner.run_settings import RunInputs
 
 __all__ = ["add_plan_parsers", "cmd_calibrate", "cmd_plan"]
 
 
-def _model_arg(text: str) -> tuple[object, bool]:
-    """A planner model name, or a TOML config file whose [model] section is used; and whether the config trains
-    with data.document_mask (whose attention masks, one per micro-batch, the memory estimate counts)."""
+def _model_arg(text: str) -> tuple[Any, bool, dict[str, Any]]:
+    """A planner model name, or a TOML config file whose [model] section is used; whether the config trains
+    with data.document_mask (whose attention masks, one per micro-batch, the memory estimate counts); and the
+    file's tables as written (`plan --out` keeps its data, train, checkpoint and log keys)."""
     if text.endswith(".toml") or Path(text).is_file():
+        import tomllib
+
         from tessera.config import load_config
 
-        cfg = load_config(text)
-        return cfg.model, cfg.data.document_mask
-    return text, False
+        cfg = load_config(text)  # refuses a missing, unreadable or invalid file with the reason
+        return cfg.model, cfg.data.document_mask, tomllib.loads(Path(text).read_text(encoding="utf-8"))
+    return text, False, {}
+
+
+def _run_inputs(args: argparse.Namespace, file: dict[str, Any]) -> RunInputs:
+    """The run's settings the user chose (`run_settings.RunInputs`): the flags and the model's config file."""
+    from tessera.planner.run_settings import RunInputs
+
+    return RunInputs(
+        data=args.data,
+        valid=args.valid,
+        steps=args.steps,
+        tokens=args.tokens,
+        run_dir=args.run_dir,
+        file=file,
+        file_name=args.model if file else None,
+    )
+
+
+def _hardware(args: argparse.Namespace) -> Hardware:
+    """The hardware file, with --storage-gbps (GB/s per GPU) in place of its storage_write_bandwidth."""
+    from dataclasses import replace
+
+    from tessera.planner.hardware import load_hardware
+
+    hw = load_hardware(args.hardware)
+    return hw if args.storage_gbps is None else replace(hw, storage_write_bandwidth=args.storage_gbps * 1e9)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search layouts, print the top ones with breakdowns and reasons; optionally write JSON/TOML/PNG."""
-    from tessera.planner.hardware import load_hardware
     from tessera.planner.report import explain, render_picture, render_text, to_json, write_config
     from tessera.planner.search import SearchSpace, search
 
     if args.global_batch is not None and args.critical_batch:
         raise ConfigError("give either --global-batch N or --critical-batch, not both")
-    hw = load_hardware(args.hardware)
-    model, document_mask = _model_arg(args.model)
+    _check_run_flags(args)
+    hw = _hardware(args)
+    model, document_mask, file = _model_arg(args.model)
     space = SearchSpace(
         dtype=args.dtype,
         flash_attention=not args.no_flash_attention,
@@ -62,14 +95,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(to_json(result, entries) if args.json else render_text(result, entries))
     best = entries[0].candidate
     if args.out:
-        write_config(result, best, args.out)
+        write_config(result, best, args.out, _run_inputs(args, file))
         if not args.json:
             print(f"\nwrote {args.out} (check: tessera validate {args.out} --world-size {args.gpus})")
+            _print_data_notes(args.out, args.gpus)
     if args.picture:
         render_picture(result, entries, args.picture)
         if not args.json:
             print(f"wrote {args.picture}")
     return 0
+
+
+RUN_FLAGS = ("data", "valid", "steps", "tokens", "run_dir", "storage_gbps")
+"""The flags that shape the file --out writes (`run_settings.RunInputs`)."""
+
+
+def _check_run_flags(args: argparse.Namespace) -> None:
+    given = [f"--{name.replace('_', '-')}" for name in RUN_FLAGS if getattr(args, name) is not None]
+    if given and not args.out:
+        raise ConfigError(f"{', '.join(given)} set what `--out FILE` writes: add --out plan.toml")
+
+
+def _print_data_notes(path: str, gpus: int) -> None:
+    """Say what is wrong with the data the written config names, or that it names none."""
+    from tessera.config import load_config
+    from tessera.planner.report import data_problems
+
+    if load_config(path).data.path is None:
+        print("note: no --data: the config trains on tessera's embedded demo corpus; pass --data PATH")
+    for problem in data_problems(path, gpus):
+        print(f"note: here, {problem}")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -113,6 +168,26 @@ def _no_extra(fn):
     return run
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 2e12)") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number")
+    return value
+
+
 def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
     """Register `plan` and `calibrate` on the `tessera` subcommand parser."""
     p = subparsers.add_parser("plan", help="search parallel layouts for a model and GPU count")
@@ -131,7 +206,31 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--out", default=None, help="write the best layout as a tessera config TOML")
+    p.add_argument("--out", default=None, help="write the best layout as a runnable tessera config TOML")
+    run = p.add_argument_group("the run --out writes (docs/planner.md, 'What plan --out writes')")
+    run.add_argument("--data", default=None, help="token file for data.path (`tessera prepare`)")
+    run.add_argument(
+        "--valid", default=None, help="validation token file (data.valid_path); sets train.eval_every"
+    )
+    length = run.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=_positive_int, default=None, help="train.steps")
+    length.add_argument(
+        "--tokens",
+        type=_positive_number,
+        default=None,
+        help="training tokens, e.g. 2e12: steps = ceil(tokens / batch tokens)",
+    )
+    run.add_argument(
+        "--run-dir",
+        default=None,
+        help="log.run_dir (default runs/MODEL-Ngpu); checkpoints in DIR/checkpoints",
+    )
+    run.add_argument(
+        "--storage-gbps",
+        type=_positive_number,
+        default=None,
+        help="checkpoint write bandwidth per GPU in GB/s (default: the hardware file's storage_write_bandwidth)",
+    )
     p.add_argument("--picture", default=None, help="write a PNG of the step-time breakdowns")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--no-flash-attention", action="store_true", help="count the s×s attention scores")

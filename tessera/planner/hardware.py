@@ -18,6 +18,8 @@ from tessera.errors import ConfigError
 
 __all__ = [
     "DEFAULT_GEMM_EFFICIENCY",
+    "DEFAULT_GPU_MTBF_HOURS",
+    "DEFAULT_STORAGE_WRITE_BANDWIDTH",
     "DTYPE_BYTES",
     "GemmRow",
     "Hardware",
@@ -44,6 +46,17 @@ DEFAULT_GEMM_EFFICIENCY: tuple[tuple[float, float], ...] = (
     (1e11, 0.63),
     (1e12, 0.65),
 )
+
+DEFAULT_STORAGE_WRITE_BANDWIDTH = 2e12 / 16_384
+"""Bytes/s per GPU at which every rank writes its checkpoint shard at once: Llama 3's checkpoint storage (Meta's
+Tectonic, "a sustainable throughput of 2 TB/s") shared by the 16,384 H100s of its pre-training (Llama 3 paper,
+arXiv 2407.21783, §3.3.1), ≈ 122 MB/s per GPU. A published cluster's figure, not a measurement of ours."""
+
+DEFAULT_GPU_MTBF_HOURS = 54 * 24 * 16_384 / 419
+"""Mean time between unexpected job interruptions per GPU, hours: Llama 3's 419 unexpected interruptions in a
+54-day snapshot of pre-training on 16,384 H100s (arXiv 2407.21783, §3.3.4), ≈ 50,700 GPU-hours; a job on N GPUs is
+interrupted every DEFAULT_GPU_MTBF_HOURS / N hours on average (3.1 h on 16,384). It counts every cause of an
+unexpected interruption (GPUs and their memory, hosts, network, software), not GPU failures only."""
 
 
 class GemmRow(NamedTuple):
@@ -109,6 +122,13 @@ class Hardware:
     """Fraction by which compute slows while a data-parallel collective runs under it (the collective's kernels
     take SMs and memory bandwidth): each hidden second of such a collective adds this many seconds to the step
     (`steptime.dp_cost`). 0: overlap is free."""
+    storage_write_bandwidth: float = DEFAULT_STORAGE_WRITE_BANDWIDTH
+    """Bytes/s at which each GPU writes its checkpoint shard while every rank writes at once (the file system's
+    sustained write throughput / the GPUs sharing it); `tessera plan --out` prices a checkpoint's write with it.
+    Default: Llama 3's cluster, `DEFAULT_STORAGE_WRITE_BANDWIDTH`."""
+    gpu_mtbf_hours: float = DEFAULT_GPU_MTBF_HOURS
+    """Mean time between unexpected job interruptions per GPU, hours (a job on N GPUs: this / N); `tessera plan
+    --out` sets the checkpoint interval from it. Default: Llama 3's interruption count, `DEFAULT_GPU_MTBF_HOURS`."""
 
     def peak(self, dtype: str = "bf16") -> float:
         """Dense peak FLOP/s for `dtype`; clear error for a dtype the file does not list."""
@@ -136,6 +156,8 @@ class Hardware:
                 "gpus_per_node",
                 "intra_node_bandwidth",
                 "inter_node_bandwidth",
+                "storage_write_bandwidth",
+                "gpu_mtbf_hours",
             )
             if not getattr(self, key) > 0
         ]
@@ -196,6 +218,8 @@ OPTIONAL_KEYS = frozenset(
         "gemm_table",
         "flash_attention_flops",
         "overlap_slowdown",
+        "storage_write_bandwidth",
+        "gpu_mtbf_hours",
     }
 )
 """Hardware keys a file may omit (they have defaults)."""
@@ -270,6 +294,8 @@ def save_hardware(hw: Hardware, path: str | Path) -> None:
         "gemm_framework_share",
         "flash_attention_flops",
         "overlap_slowdown",
+        "storage_write_bandwidth",
+        "gpu_mtbf_hours",
     ):
         lines.append(f"{key} = {getattr(hw, key)!r}")
     lines.append(f"gemm_tile = [{hw.gemm_tile[0]}, {hw.gemm_tile[1]}]")

@@ -8,12 +8,16 @@ runner-up: its largest loss component against the winner, with the layout choice
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tessera.config import load_config
+from tessera.config.checks import Violation
+from tessera.config.loading import toml_value
 from tessera.errors import ConfigError
+from tessera.planner.run_settings import PLAN_KEYS, RunInputs, Setting, run_settings
 from tessera.planner.search import Candidate, SearchResult, without_cycle_collection
 from tessera.planner.steptime import StepBreakdown, p2p_hops, pipeline_costs, rank_blocks, simulated_breakdown
 
@@ -22,6 +26,7 @@ __all__ = [
     "SIM_ACTION_LIMIT",
     "Explained",
     "config_toml",
+    "data_problems",
     "explain",
     "mfu_warning",
     "render_picture",
@@ -360,78 +365,137 @@ def to_json(result: SearchResult, entries: list[Explained]) -> str:
     return json.dumps(doc, indent=2)
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return f'"{v}"'
-    return repr(v)
-
-
-def config_toml(result: SearchResult, cand: Candidate) -> str:
-    """A runnable tessera config for `cand`: its run config's model, parallel and train sections. Under
-    `tessera validate` / `tessera memory` it resolves to the candidate's execution plan, so the memory figure is
-    the one the search pruned with."""
-    cfg, par, tr = result.model_config, cand.config.parallel, cand.config.train
+def _model_table(result: SearchResult, inputs: RunInputs) -> dict[str, Any]:
+    """[model]: the model file's own table (it resolves to the shape searched, every key it sets kept), the
+    registry name, or the searched shape's fields."""
+    if "model" in inputs.file:
+        return dict(inputs.file["model"])
     if result.model is not None:
-        model = {"size": result.model}
-    else:
-        model = {
-            k: getattr(cfg, k)
-            for k in ("family", "n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "tie_embeddings")
-        }
-        model |= {"n_kv_heads": cfg.kv_heads, "ffn_hidden": cfg.ffn}
-        if cfg.head_dim is not None:  # TOML has no null: written only when set
-            model["head_dim"] = cfg.head_dim
-    keys = (
-        "data",
-        "context",
-        "tensor",
-        "sequence_parallel",
-        "tp_comm_overlap",
-        "pipeline",
-        "schedule",
-        "stages_per_rank",
-    )
-    keys += (
-        "stage_layers",
-        "zero",
-        "zero_shard_size",
-        "overlap_param_gather",
-        "accumulation",
-        "checkpointing",
-    )
-    parallel = {k: getattr(par, k) for k in keys}  # the overlaps too: the file runs what was priced
-    for unset in (
-        "stage_layers",
-        "zero_shard_size",
-    ):  # even stages, ZeRO over all data ranks: nothing to write
+        return {"size": result.model}
+    cfg = result.model_config
+    model = {
+        k: getattr(cfg, k)
+        for k in ("family", "n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "tie_embeddings")
+    }
+    model |= {"n_kv_heads": cfg.kv_heads, "ffn_hidden": cfg.ffn}
+    if cfg.head_dim is not None:  # TOML has no null: written only when set
+        model["head_dim"] = cfg.head_dim
+    return model
+
+
+_PARALLEL_KEYS = (
+    "data",
+    "context",
+    "tensor",
+    "sequence_parallel",
+    "tp_comm_overlap",
+    "pipeline",
+    "schedule",
+    "stages_per_rank",
+    "stage_layers",
+    "zero",
+    "zero_shard_size",
+    "overlap_param_gather",
+    "accumulation",
+    "checkpointing",
+)
+
+
+def _parallel_table(cand: Candidate) -> dict[str, Any]:
+    """[parallel]: the layout, the overlaps too (the file runs what was priced); unset keys left out."""
+    par = cand.config.parallel
+    parallel = {k: getattr(par, k) for k in _PARALLEL_KEYS}
+    # even stages, ZeRO over all data ranks: nothing to write
+    for unset in ("stage_layers", "zero_shard_size"):
         if parallel[unset] is None:
             del parallel[unset]
     if parallel["context"] == 1:  # no context parallelism: the default, not written
         del parallel["context"]
-    train = {"global_batch": tr.global_batch, "micro_batch": tr.micro_batch, "dtype": tr.dtype}
+    return parallel
+
+
+def _sections(result: SearchResult, cand: Candidate, inputs: RunInputs) -> dict[str, dict[str, Setting]]:
+    """Every section written, each key with where it comes from (`run_settings` for the run's keys)."""
+    tr = cand.config.train
+    model = f"from {inputs.file_name}" if inputs.file_name else "the model searched"
+    sections: dict[str, dict[str, Setting]] = {
+        "model": {k: Setting(value=v, source=model) for k, v in _model_table(result, inputs).items()},
+        "parallel": {
+            k: Setting(value=v, source="the plan's layout") for k, v in _parallel_table(cand).items()
+        },
+        "train": {k: Setting(value=getattr(tr, k), source="the plan's batch and dtype") for k in PLAN_KEYS},
+        "data": {},
+    }
+    for section, values in run_settings(result, cand, inputs).items():
+        sections.setdefault(section, {}).update(values)
+    if cand.config.data.document_mask and "document_mask" not in sections["data"]:
+        # priced with the attention masks: the run must mask too
+        sections["data"]["document_mask"] = Setting(value=True, source="the plan priced document masks")
+    return sections
+
+
+_UNSET_DATA = (
+    "path unset: tessera train reads the embedded demo corpus (the Python standard library's sources); give the "
+    "run's token files with `tessera plan --data PATH` or data.path"
+)
+
+
+def _comment(text: str) -> list[str]:
+    return ["# " + line for line in textwrap.wrap(text, 114)]
+
+
+def config_toml(result: SearchResult, cand: Candidate, inputs: RunInputs | None = None) -> str:
+    """A runnable tessera config for `cand`: the model, the plan's parallel layout, batch and dtype, and the run's
+    data, steps, learning-rate schedule, evaluation, checkpointing and directory (`run_settings`: the flags in
+    `inputs`, the model file's own keys, else derived), each key under a comment saying where it comes from. Under
+    `tessera validate` / `tessera memory` it resolves to the candidate's execution plan, so the memory figure is
+    the one the search pruned with."""
+    inputs = inputs or RunInputs()
     lines = [
         f"# Written by `tessera plan` for {result.gpus} × {result.hardware.name}: {cand.label}",
         f"# predicted step {cand.step_time:.4g} s, MFU {cand.mfu:.1%}, {cand.memory.total / 1e9:.1f} GB per GPU",
+        "# Each key's comment says where it comes from; change any when running: tessera train FILE --train.lr=...",
     ]
-    sections = [("model", model), ("parallel", parallel), ("train", train)]
-    if cand.config.data.document_mask:  # priced with the attention masks: the file must mask too
-        sections.append(("data", {"document_mask": True}))
-    for section, values in sections:
-        lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    for section, values in _sections(result, cand, inputs).items():
+        lines += ["", f"[{section}]"]
+        if section == "data" and "path" not in values:
+            lines += _comment(_UNSET_DATA)
+        said = None
+        for key, setting in values.items():
+            if setting.source != said:
+                lines += _comment(setting.source)
+                said = setting.source
+            lines.append(f"{key} = {toml_value(setting.value)}")
     return "\n".join(lines) + "\n"
 
 
-def write_config(result: SearchResult, cand: Candidate, path: str | Path) -> Path:
-    """Write `config_toml` and check it loads and validates for the searched world size."""
+def _problems(path: Path, gpus: int) -> tuple[list[Violation], list[Violation]]:
+    """`tessera validate`'s problems with the written file for `gpus` ranks: (the rest, the data's). The data's
+    concern the files it names (missing here, another vocabulary, ...): they may exist only where the run trains."""
+    problems = load_config(path).check(gpus)
+    data = [p for p in problems if p.rule.startswith("data.")]
+    return [p for p in problems if p not in data], data
+
+
+def write_config(
+    result: SearchResult, cand: Candidate, path: str | Path, inputs: RunInputs | None = None
+) -> Path:
+    """Write `config_toml` and check it loads and validates for the searched world size; problems with the data
+    files it names are left to `data_problems` (a warning where the plan is made)."""
     path = Path(path)
-    path.write_text(config_toml(result, cand))
-    cfg = load_config(path)
-    problems = cfg.check(result.gpus)
+    path.write_text(config_toml(result, cand, inputs))
+    problems, _ = _problems(path, result.gpus)
     if problems:
-        raise ConfigError(f"planner wrote an invalid config {path} (a bug): " + "; ".join(map(str, problems)))
+        raise ConfigError(
+            f"the config written to {path} does not validate for {result.gpus} ranks:\n"
+            + "\n".join(map(str, problems))
+        )
     return path
+
+
+def data_problems(path: str | Path, gpus: int) -> list[Violation]:
+    """What `tessera validate` finds wrong with the data files a written config names (empty: nothing)."""
+    return _problems(Path(path), gpus)[1]
 
 
 def render_picture(result: SearchResult, entries: list[Explained], path: str | Path) -> Path:
