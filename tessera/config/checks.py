@@ -408,9 +408,11 @@ def _check_skip_steps(ranges: list[Any], steps: int) -> list[Violation]:
     return []
 
 
-def check_data(d: DataConfig) -> list[Violation]:
-    """Every violated rule of [data] on its own (the rules across sections: `tessera.execution`)."""
-    v = _out_of_range("data", d) + _check_sources(d.path) + _bad_path("data.valid_path", d.valid_path)
+def check_data(d: DataConfig, *, files: bool = True) -> list[Violation]:
+    """Every violated rule of [data] on its own (the rules across sections: `tessera.execution`). ``files=False``
+    leaves out whether the named files exist here: an estimate reads no data, and a config written for a cluster
+    names files that may exist only there."""
+    v = _out_of_range("data", d) + _check_sources(d.path, files) + _bad_path("data.valid_path", d.valid_path)
     if d.tokenizer != "byte":
         v.extend(_bad_path("data.tokenizer", d.tokenizer))
     v.extend(_unknown_choice("data", d, "window_start", WINDOW_STARTS, 'use "any" or "document"'))
@@ -430,7 +432,7 @@ def check_data(d: DataConfig) -> list[Violation]:
                 fix="e.g. data.valid_fraction = 0.05",
             )
         )
-    if not v and d.valid_path is not None and not Path(d.valid_path).exists():
+    if files and not v and d.valid_path is not None and not Path(d.valid_path).exists():
         v.append(_missing_file("data.valid_path", d.valid_path))
     return v
 
@@ -486,8 +488,8 @@ def _missing_file(rule: str, path: str) -> Violation:
     )
 
 
-def _check_sources(path: str | list[Any] | None) -> list[Violation]:
-    """Every entry of data.path is an existing file or a {path, weight > 0} table."""
+def _check_sources(path: str | list[Any] | None, files: bool = True) -> list[Violation]:
+    """Every entry of data.path is a file name or a {path, weight > 0} table, and (``files``) the file exists."""
     if path is None:
         return []
     entries = [path] if isinstance(path, str) else path
@@ -527,7 +529,7 @@ def _check_sources(path: str | list[Any] | None) -> list[Violation]:
             )
         elif _bad_path(where, entry):
             v.extend(_bad_path(where, entry))
-        elif not Path(entry).exists():
+        elif files and not Path(entry).exists():
             v.append(_missing_file(where, entry))
     return v
 

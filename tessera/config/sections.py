@@ -318,8 +318,8 @@ class DataConfig:
         entries = [self.path] if isinstance(self.path, str) else self.path
         return [(e, 1.0) if isinstance(e, str) else (e["path"], float(e.get("weight", 1.0))) for e in entries]
 
-    def check(self) -> list[Violation]:
-        return checks.check_data(self)
+    def check(self, *, files: bool = True) -> list[Violation]:
+        return checks.check_data(self, files=files)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -229,3 +229,28 @@ def test_data_tokenizer_must_be_the_one_that_made_the_data(tmp_path: Path, token
     assert _rules([byte, small]) == []
     _rewrite_meta(tokens, tokenizer=None)  # a file of a version that did not record its tokenizer: not judged
     assert _rules([bpe, byte, small]) == []
+
+
+def test_files_missing_here_are_refused_for_training_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A config written for a cluster (`tessera plan --data /cluster/tokens.bin --out`) names files this machine
+    lacks: `validate` and `train` refuse them by name, while `memory` (and every estimate, which reads no data)
+    prices the run; a path no file may have is refused by both."""
+    missing, valid = tmp_path / "cluster" / "tokens.bin", tmp_path / "cluster" / "valid.bin"
+    overrides = [
+        f'--data.path=["{missing}", {{path = "{missing}", weight = 2}}]',
+        f'--data.valid_path="{valid}"',
+    ]
+    cfg = load_config(None, [o[2:] for o in overrides])
+    assert sorted(v.rule for v in violations(cfg, 1)) == ["data.path[0]", "data.path[1]"]
+    only_valid = load_config(None, [f'data.valid_path="{valid}"'])
+    assert [v.rule for v in violations(only_valid, 1)] == ["data.valid_path"]
+    assert violations(only_valid, 1, training=False) == []
+    assert main(["validate", "--world-size", "1", *overrides]) == 1
+    assert "does not exist" in capsys.readouterr().out
+    assert violations(cfg, 1, training=False) == []
+    assert main(["memory", "--world-size", "1", *overrides]) == 0
+    assert "per-rank memory estimate" in capsys.readouterr().out
+    bad = load_config(None, ['data.path="a\0b"'])
+    assert [v.rule for v in violations(bad, 1, training=False)] == ["data.path"]
