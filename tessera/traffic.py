@@ -49,6 +49,7 @@ __all__ = [
     "linear_2d",
     "replayed_1d",
     "replayed_2d",
+    "replays_mlp_exit",
     "ring_gemm_lanes",
     "summa",
     "summa_bytes",
@@ -181,15 +182,26 @@ def _hidden(
     return x * act_bytes, x * (act_bytes if stream_bytes is None else stream_bytes)
 
 
+def replays_mlp_exit(shape: ModelShape) -> bool:
+    """Whether full checkpointing's replay of a block runs its MLP exit (the output Linear's GEMM and, under 1D
+    tensor parallelism, its all-reduce or reduce-scatter). torch.utils.checkpoint (non-reentrant) stops once the
+    last tensor the block saved for backward is rebuilt: a post-norm (Gemma 2/3's ``mlp_post_norm``) saves the
+    exit's output, so the replay runs the exit; otherwise nothing after the output Linear's own saved input and
+    weight saves anything, and the replay stops before its GEMM (F.linear packs its inputs before it computes;
+    the ring of ``tp_comm_overlap`` saves them before its ring, `ring_1d._RowParallelSaved`)."""
+    return shape.features.post_norms
+
+
 def replayed_1d(
     shape: ModelShape, tokens: float, sp: bool, act_bytes: int, *, stream_bytes: int | None = None
 ) -> list[Collective]:
     """What full checkpointing replays per block before its backward: the block's forward collectives but the
-    last exit's (torch.utils.checkpoint stops once the last saved tensor is rebuilt, and nothing inside the block
-    saves the MLP exit's output)."""
+    last exit's, unless a post-norm saves that exit's output (`replays_mlp_exit`)."""
     x = tokens * shape.d_model * act_bytes
     block = block_1d(shape, tokens, sp, act_bytes, stream_bytes=stream_bytes)
     forward = [c for c in block if c.phase == FORWARD]
+    if replays_mlp_exit(shape):
+        return forward
     last_exit = "reduce_scatter" if sp else "all_reduce"
     out, dropped = [], False
     for c in reversed(forward):

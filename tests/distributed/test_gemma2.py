@@ -4,7 +4,7 @@ Gemma2ForCausalLM (tests/hf_models.py: head_dim 16 ≠ 32 / 4, 2 KV heads, soft-
 weights drawn, vocabulary 259 that no tensor degree divides).
 
 Layouts: Megatron 1D tensor 2 with sequence parallelism (post-norms on the sequence shards, the final soft-cap
-on vocabulary shards), Optimus 2D 2×2 (the (1 + w) norms over the grid row, the cap on logit blocks), pipeline 2
+on vocabulary shards; also with its rings and full recomputation), Optimus 2D 2×2 (the (1 + w) norms over the grid row, the cap on logit blocks), pipeline 2
 with the tied embedding and head on different ranks, ZeRO-3 over data 2. Tolerances: docs/parity.md's fp32 ones
 (`tessera.parity.FP32`), the repository's distributed tests' own; the runs compute the same fp32 arithmetic in
 another order. That the step-0 loss is transformers' own at each layout: tests/distributed/test_hf.py.
@@ -25,6 +25,12 @@ from tests.hf_models import make_hf
 STEPS = 2
 LAYOUTS = {  # name: (processes, parallel section)
     "tp2_sp": (2, {"tensor": 2, "sequence_parallel": True}),
+    # full recomputation with SP's collectives as rings: the post-norm saves the MLP exit's output, so each
+    # block's replay runs that exit's ring after its saved-tensor node (ring_1d._RowParallelSaved)
+    "tp2_sp_overlap_full": (
+        2,
+        {"tensor": 2, "sequence_parallel": True, "tp_comm_overlap": True, "checkpointing": "full"},
+    ),
     "tp2x2": (4, {"tensor": "2x2"}),
     "pp2_tied": (2, {"pipeline": 2, "schedule": "1f1b"}),
     "dp2_zero3": (2, {"data": 2, "zero": 3}),

@@ -27,6 +27,25 @@ LAYOUTS = {  # name: (processes, parallel section)
     "dp2_zero3": (2, {"data": 2, "zero": 3}),
     "pp2_1f1b_tied": (2, {"pipeline": 2, "schedule": "1f1b"}),  # the tied embedding and head on two ranks
     "tp2_1d": (2, {"tensor": 2}),
+    # full recomputation with SP's collectives as rings (tp_comm_overlap): the replay stops before each block's
+    # MLP exit ring, its x and weight saved before the ring (ring_1d._RowParallelSaved); the backward reads them
+    "tp2_sp_overlap_full": (
+        2,
+        {"tensor": 2, "sequence_parallel": True, "tp_comm_overlap": True, "checkpointing": "full"},
+    ),
+    # the same inside a breadth-first pipeline with ZeRO-3 (the megatron-1t plan's layout, dp 1)
+    "pp2_bf_tp2_sp_overlap_z3_full": (
+        4,
+        {
+            "pipeline": 2,
+            "schedule": "breadth_first",
+            "tensor": 2,
+            "sequence_parallel": True,
+            "tp_comm_overlap": True,
+            "zero": 3,
+            "checkpointing": "full",
+        },
+    ),
 }
 
 

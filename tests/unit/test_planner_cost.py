@@ -300,6 +300,36 @@ def test_tp_comm_time_1d_is_two_all_reduces_per_pass() -> None:
     )
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_post_norms_replay_the_mlp_exit(sp: bool) -> None:
+    """Gemma 2's mlp_post_norm saves the MLP exit's output, so full recomputation replays that exit: its GEMM
+    and its collective (traffic.replays_mlp_exit). Hand-computed on 1D t = 8, b = 1, s = 512, h = 1024, bf16:
+    without SP each exit is one all-reduce of b·s·h·2 bytes, with SP one reduce-scatter of it; the replay
+    issues both exits, as the forward does, where a Llama block's replay issues the attention exit only."""
+    hw = load_hardware("a100-80gb")
+    gemma = replace(gpt(h=1024, a=8, s=512), family="gemma2", dropout=False)
+    llama = replace(gemma, family="llama")
+    plan = Plan(tp=8, micro_batch=1, recompute="full", sequence_parallel=sp)
+    x, bw, lat = 512 * 1024 * 2, hw.intra_node_bandwidth, hw.intra_node_latency
+    one = reduce_scatter_time(x, 8, bw, lat) if sp else all_reduce_time(x, 8, bw, lat)
+    # the replayed collectives (besides the entries' all-gathers under SP, the same for both families)
+    entries = 2 * all_gather_time(x, 8, bw, lat) if sp else 0.0
+    assert tp_comm_time_per_layer(shape=gemma, hw=hw, plan=plan).recompute == pytest.approx(
+        entries + 2 * one, rel=REL
+    )
+    assert tp_comm_time_per_layer(shape=llama, hw=hw, plan=plan).recompute == pytest.approx(
+        entries + one, rel=REL
+    )
+    # the compute: the whole forward replayed (on an ideal device), where Llama's replay stops before the
+    # MLP's output GEMM (2·b·s·f·h FLOPs / t)
+    ideal = flat_hw(0.5)
+    lt = layer_time(gemma, ideal, plan)
+    assert lt.recompute == pytest.approx(lt.forward, rel=REL)
+    exit_gemm = 2 * 512 * gemma.ffn_hidden * 1024 / 8 / (100e12 * 0.5)
+    llama_lt = layer_time(llama, ideal, plan)
+    assert llama_lt.recompute == pytest.approx(llama_lt.forward - exit_gemm, rel=IDEAL_REL)
+
+
 def test_stage_time_composes_layer_pieces() -> None:
     shape, hw = gpt(h=1024, s=512), load_hardware("h100")
     plan = Plan(tp=2, micro_batch=2, recompute="full")

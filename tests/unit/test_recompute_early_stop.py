@@ -1,5 +1,6 @@
 """Full checkpointing replays a block's forward but its MLP output projection: torch's non-reentrant checkpoint
-stops once every tensor the backward saved is rebuilt, and nothing saves that Linear's output. The runtime is
+stops once every tensor the backward saved is rebuilt, and nothing saves that Linear's output (unless a post-norm
+does: Gemma 2 and 3 replay it). The runtime is
 checked (forward-hook counts on tessera's own blocks) and the planner prices the same replay
 (`cost.compute.layer_time`; Megatron's whole-forward replay under `Plan.replays_last_exit`)."""
 
@@ -18,10 +19,29 @@ from tessera.planner.cost import ModelShape, Plan
 from tessera.planner.cost.compute import layer_time
 from tessera.planner.gemm import gemm_call_time
 from tessera.planner.hardware import load_hardware
+from tessera.traffic import replays_mlp_exit
 
 
 @pytest.mark.parametrize("family, exit_name", [("gpt", "mlp.proj"), ("llama", "mlp.w_down")])
 def test_full_checkpointing_skips_the_mlp_exit_on_replay(family: str, exit_name: str) -> None:
+    calls = _linear_calls(family)
+    assert calls.pop(exit_name) == 1  # the forward only
+    assert calls and all(n == 2 for n in calls.values()), calls  # forward + replay
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_a_post_norm_makes_the_replay_run_the_mlp_exit(family: str) -> None:
+    """Gemma's mlp_post_norm saves the MLP output projection's output, so the replay runs that Linear too
+    (`traffic.replays_mlp_exit`: the planner prices its GEMM and its exit collective)."""
+    calls = _linear_calls(family)
+    assert calls["mlp.w_down"] == 2
+    assert all(n == 2 for n in calls.values()), calls
+    shape = ModelShape.from_config(ModelConfig(family=family, n_layers=1))
+    assert replays_mlp_exit(shape) and not replays_mlp_exit(replace(shape, family="llama"))
+
+
+def _linear_calls(family: str) -> dict[str, int]:
+    """Forward calls of each nn.Linear of a one-block model's block in one full-checkpointing step."""
     model = build_model(ModelConfig(family=family, n_layers=1), seed=0)
     apply_checkpointing(model, "full")
     block = next(iter(model.blocks.values())) if isinstance(model.blocks, nn.ModuleDict) else model.blocks[0]
@@ -31,8 +51,7 @@ def test_full_checkpointing_skips_the_mlp_exit_on_replay(family: str, exit_name:
             module.register_forward_hook(lambda *_, n=name: calls.__setitem__(n, calls.get(n, 0) + 1))
     logits = model(torch.randint(0, 256, (2, 16)))
     logits.float().sum().backward()
-    assert calls.pop(exit_name) == 1  # the forward only
-    assert calls and all(n == 2 for n in calls.values()), calls  # forward + replay
+    return calls
 
 
 def test_planner_replays_the_forward_less_the_exit_gemm() -> None:

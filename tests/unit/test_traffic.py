@@ -34,7 +34,12 @@ LAYOUTS = {
     "tp2_full": (2, {"tensor": 2, "checkpointing": "full"}),
     # 2D with full checkpointing: SUMMA blocks, norm statistics, the vocabulary SUMMA, the replayed forward
     "tp2x2_full": (4, {"tensor": "2x2", "checkpointing": "full"}),
+    # Gemma 2 with full checkpointing: its post-norm saves the MLP exit's output, so the replay issues that exit
+    # too (traffic.replays_mlp_exit), without and with SP
+    "gemma2_tp2_full": (2, {"tensor": 2, "checkpointing": "full"}),
+    "gemma2_tp2_sp_full": (2, {"tensor": 2, "sequence_parallel": True, "checkpointing": "full"}),
 }
+MODELS = {"gemma2_tp2_full": "gemma2-tiny", "gemma2_tp2_sp_full": "gemma2-tiny"}  # others: llama-tiny
 
 
 def _planner_bytes(cfg, world: int, kind: str, monkeypatch: pytest.MonkeyPatch) -> float:
@@ -73,7 +78,7 @@ def _planner_bytes(cfg, world: int, kind: str, monkeypatch: pytest.MonkeyPatch) 
 def test_planner_prices_the_runtime_bytes(name: str, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     world, parallel = LAYOUTS[name]
     raw = {
-        "model": {"size": "llama-tiny"},
+        "model": {"size": MODELS.get(name, "llama-tiny")},
         "parallel": parallel,
         "train": {"global_batch": 4, "micro_batch": 2, "dtype": dtype},
     }

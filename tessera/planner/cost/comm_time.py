@@ -36,7 +36,8 @@ def tp_comm_time_per_layer(shape: ModelShape, hw: Hardware, plan: Plan) -> Layer
     replicated vectors' gradient all-reduces. 2D: per Linear q rounds of block broadcasts / reduces on row groups
     (stride 1) and column groups (stride q), plus the norms' statistics and the bias / norm gradient sums. Full
     recompute replays what the runtime replays (`tensor_calls(..., "replay")`: the block's forward collectives
-    but the last 1D exit, `traffic.replayed_1d`), or the whole forward with `plan.replays_last_exit` (Megatron).
+    but the last 1D exit, unless a post-norm saves its output, `traffic.replayed_1d`), or the whole forward with
+    `plan.replays_last_exit` (Megatron).
 
     With `Plan.tp_comm_overlap` (1D + SP) every all-gather / reduce-scatter is a ring under its GEMM chunks
     (`cost.tp_overlap`), priced as what it adds beyond the GEMMs (`_ring_gemms` pairs them); a replay replays

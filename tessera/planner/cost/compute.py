@@ -12,7 +12,7 @@ from tessera.planner.cost.shape import ROW_PARALLEL, ModelShape, linears
 from tessera.planner.cost.tp_overlap import overlaps_tensor_comm, ring_lanes, tensor_traffic_time
 from tessera.planner.gemm import gemm_call_time, lanes_call_time, plateau_time
 from tessera.planner.hardware import Hardware
-from tessera.traffic import BACKWARD, FORWARD, tensor_calls
+from tessera.traffic import BACKWARD, FORWARD, replays_mlp_exit, tensor_calls
 
 __all__ = [
     "FLASH_BACKWARD_FACTOR",
@@ -176,7 +176,8 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     Context parallelism (`Plan.cp` = c): every GEMM and elementwise op runs on the rank's b·s/c tokens
     (`local_tokens`), the attention core on its s/c queries against all s keys (`attention_core_time`).
     Recompute: full ⇒ one forward less the MLP's output GEMM (torch's non-reentrant checkpoint stops early;
-    the whole forward under `Plan.replays_last_exit`), selective ⇒ the attention core (QKᵀ, softmax/dropout on
+    the whole forward under `Plan.replays_last_exit`, or where a post-norm saves that GEMM's output:
+    `traffic.replays_mlp_exit`), selective ⇒ the attention core (QKᵀ, softmax/dropout on
     the scores, A·V) of a forward, none ⇒ 0.
     """
     gemms = linear_gemm_times(shape, hw, plan, local_tokens(shape, plan))
@@ -185,10 +186,11 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     elementwise = elementwise_bytes_per_layer(shape, plan) / hw.hbm_bandwidth
     fwd = dense + attn + elementwise
     selective = attn + score_bytes(shape, plan) / plan.tp / hw.hbm_bandwidth  # QKᵀ, softmax(+dropout), A·V
-    # torch's non-reentrant checkpoint stops once every tensor the backward saved is rebuilt: nothing saves the
-    # MLP's output projection's output, so its GEMM (with the exit collective, tessera.traffic.replayed_1d) is
-    # not replayed; Megatron's checkpointing (replays_last_exit) re-runs the whole forward
-    full = fwd if plan.replays_last_exit else fwd - gemms[-1]
+    # torch's non-reentrant checkpoint stops once every tensor the backward saved is rebuilt: unless a post-norm
+    # saves the MLP's output projection's output (Gemma 2/3), nothing does, so its GEMM (with the exit
+    # collective, tessera.traffic.replayed_1d) is not replayed; Megatron's checkpointing (replays_last_exit)
+    # re-runs the whole forward
+    full = fwd if plan.replays_last_exit or replays_mlp_exit(shape) else fwd - gemms[-1]
     recompute = {"none": 0.0, "selective": selective, "full": full}[plan.recompute]
     # the weight gradients' cast back to fp32 and accumulation are backward-only (not twice the forward cast)
     cast_fwd, cast_bwd = weight_cast_bytes_per_layer(shape, plan)

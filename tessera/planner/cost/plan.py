@@ -82,7 +82,8 @@ class Plan:
     included, as Megatron-LM's checkpointing does (it re-runs the checkpointed layers' forward) and torch's
     non-reentrant checkpoint did before it stopped early; the published Megatron runs are priced with it. False
     (tessera's runtime, torch's non-reentrant checkpoint): recomputation stops once every saved tensor is rebuilt,
-    so the last exit is not replayed (`cost.compute.layer_time`, `tessera.traffic.replayed_1d`)."""
+    so the last exit is not replayed unless a post-norm saves its output (Gemma 2/3:
+    `tessera.traffic.replays_mlp_exit`; `cost.compute.layer_time`, `tessera.traffic.replayed_1d`)."""
 
     @property
     def q(self) -> int:
