@@ -204,12 +204,16 @@ class Candidate:
     @property
     def label(self) -> str:
         """One-line description, e.g. ``d64 p8 t8+SP | interleaved v2 | b1 m24 | ZeRO-1 | ckpt selective | overlap
-        TP comm + param gather`` (the overlaps the layout runs, `parallel.tp_comm_overlap` / `overlap_param_gather`)."""
+        TP comm + param gather`` (the overlaps the layout runs, `parallel.tp_comm_overlap` / `overlap_param_gather`).
+        Breadth-first is layered unless it says ``depth-first``."""
         pl = self.plan
         tensor = (
             f"{pl.q}x{pl.q}" if pl.tp_kind == "2d" else f"t{pl.tp}" + ("+SP" if pl.sequence_parallel else "")
         )
         sched = self.schedule + (f" v{pl.virtual_stages}" if pl.virtual_stages > 1 else "")
+        if self.schedule == BREADTH_FIRST and pl.accumulation == DEPTH_FIRST:
+            # one pipeline rank under ZeRO runs one stage per block (`execution.decide`), accumulating either way
+            sched += " depth-first"
         if pl.stage_layers is not None:
             c = pl.stage_layers
             sched += " stages " + (",".join(map(str, c)) if len(c) <= 4 else f"{c[0]},{c[1]},…,{c[-1]}")

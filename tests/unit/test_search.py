@@ -378,3 +378,17 @@ def test_the_planners_tensor_splits_are_the_ones_validate_accepts(fields: dict) 
             accepted.add((kind, t, sp))
     assert offered == accepted
     assert ("1d", 1, False) in offered and len(accepted) < len(splits)  # some split refused: the rule is read
+
+
+def test_a_label_tells_layered_from_depth_first_breadth_first() -> None:
+    """One pipeline rank under ZeRO runs one stage per block whatever its accumulation (`execution.decide`): the
+    layered and the depth-first runs are different plans and their labels must say which (configs/demo.toml's
+    model on 4 GPUs listed both as "breadth_first v4", the depth-first one written as schedule = "1f1b")."""
+    res = search(load_config("configs/demo.toml").model, 4, load_hardware("a100-80gb"))
+    by_accumulation: dict[str, set[str]] = {}
+    for c in res.candidates:
+        if c.schedule == "breadth_first" and c.plan.pp == 1:
+            by_accumulation.setdefault(c.plan.accumulation, set()).add(c.label)
+    assert set(by_accumulation) == {"layered", "depth_first"}
+    assert all("depth-first" in label for label in by_accumulation["depth_first"])
+    assert not any("depth-first" in label for label in by_accumulation["layered"])
