@@ -53,8 +53,13 @@ def _hardware(args: argparse.Namespace) -> Hardware:
     from dataclasses import replace
 
     from tessera.planner.hardware import load_hardware
+    from tessera.planner.stacks import with_stack
 
     hw = load_hardware(args.hardware)
+    try:
+        hw = with_stack(hw, args.stack)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return hw if args.storage_gbps is None else replace(hw, storage_write_bandwidth=args.storage_gbps * 1e9)
 
 
@@ -62,11 +67,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Search layouts, print the top ones with breakdowns and reasons; optionally write JSON/TOML/PNG."""
     from tessera.planner.report import explain, render_picture, render_text, to_json, write_config
     from tessera.planner.search import SearchSpace, search
+    from tessera.planner.stacks import DEFAULT_STACK
 
     if args.global_batch is not None and args.critical_batch:
         raise ConfigError("give either --global-batch N or --critical-batch, not both")
     _check_run_flags(args)
+    if args.stack != DEFAULT_STACK and args.out is not None:
+        raise ConfigError(
+            f"--out writes a run tessera executes, and tessera runs the {DEFAULT_STACK} stack: drop --stack "
+            f"{args.stack} (it prices the layouts at that stack's compute rate, a comparison) or --out"
+        )
     hw = _hardware(args)
+    if args.stack != DEFAULT_STACK and not args.json:
+        print(
+            f"stack {args.stack}: compute priced at framework share {hw.gemm_framework_share:g} "
+            f"(tessera itself runs the {DEFAULT_STACK} stack; docs/planner.md, 'Software stacks')"
+        )
     model, document_mask, file = _model_arg(args.model)
     space = SearchSpace(
         dtype=args.dtype,
@@ -194,6 +210,12 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="model name (e.g. llama-70b, megatron-1t) or a config TOML")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--hardware", default="a100-80gb", help="shipped hardware name or a TOML file")
+    p.add_argument(
+        "--stack",
+        default="default",  # stacks.DEFAULT_STACK, imported lazily: this parser is built for every command
+        help="software stack whose compute rate prices the layouts: default (what tessera runs) or megatron-te "
+        "(Megatron-Core + Transformer Engine, calibrated for h100; tessera.planner.stacks)",
+    )
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=int, default=None, help="sequences per step")
     batch.add_argument(

@@ -60,12 +60,15 @@ def group_placement(hw: Hardware, plan: Plan, axis: str) -> Placement:
 
 def _batch_placement(hw: Hardware, plan: Plan) -> Placement:
     """The data × context group (`tessera.groups.Groups.batch`: every gradient reduction and ZeRO's shards with
-    context parallelism): dp·c ranks. Without a pipeline (which context parallelism refuses) data and context are
-    adjacent in tessera's rank order, so the group is dp·c consecutive context coordinates, t apart."""
-    if plan.pp > 1 and plan.cp > 1:
+    context parallelism): dp·c ranks. Where data sits right outside context in the rank order (tessera's without
+    a pipeline, which its context parallelism refuses; Megatron-Core's `tp-cp-ep-dp-pp` with one) the group is
+    dp·c consecutive context coordinates, t apart. Tessera's order with a pipeline puts it between them."""
+    order = plan.rank_order
+    adjacent = order.index("data") + 1 == order.index("context")
+    if plan.pp > 1 and plan.cp > 1 and not adjacent:
         raise ValueError(
-            "the data × context group is priced without a pipeline (parallel.context refuses "
-            "parallel.pipeline > 1); set pp = 1"
+            "the data × context group is priced without a pipeline in tessera's rank order (parallel.context "
+            "refuses parallel.pipeline > 1); set pp = 1"
         )
     return placement(
         plan.batch_ranks, axis_stride(plan.rank_order, plan.sizes(), "context"), hw.gpus_per_node
