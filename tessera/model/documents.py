@@ -10,6 +10,9 @@ Everything follows from the positions ``p`` [b, s] (`document_positions`): a que
 sees exactly the keys j with ``i - p_i <= j <= i`` — its own document's tokens up to itself. That is the
 block-diagonal causal mask, built here once per micro-batch and shared by every layer (`Documents`). Hugging
 Face's packing collator (``DataCollatorWithFlattening``) passes packed documents the same way, as position ids.
+
+Without document masking every forward makes the same kind of per-micro-batch holder, `AttentionMasks`, whose only
+mask is a sliding window's band (Gemma 3's local layers), likewise built once and shared by the layers.
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Batch", "Documents", "additive_mask", "batch_parts", "document_positions"]
+__all__ = [
+    "AttentionMasks",
+    "Batch",
+    "Documents",
+    "additive_mask",
+    "band_mask",
+    "batch_parts",
+    "document_positions",
+]
 
 Batch = Sequence[torch.Tensor]
 """One micro-batch: (tokens, targets), or (tokens, targets, positions) with document masking."""
@@ -41,32 +52,80 @@ def document_positions(tokens: torch.Tensor, eot: int) -> torch.Tensor:
     return index - first  # [b, s]
 
 
-class Documents:
+class AttentionMasks:
+    """The attention masks of one micro-batch's forward through the blocks, built on first use and handed to every
+    layer that needs one as the same tensor (docs/memory.md, "Attention masks: one per micro-batch").
+
+    The model (or the pipeline runtime, for a rank's stages) makes one per micro-batch, passes it to every block
+    and calls `release` when the blocks' forward is done. This base is the micro-batch without document masking:
+    its sequences attended causally at positions 0..s-1. Global layers need no mask (SDPA's ``is_causal``, which
+    the flash kernel takes); the layers of a sliding window (Gemma 3's local layers) need the band, the same
+    [L, S] for every sequence. SDPA converts a boolean mask to the compute dtype on every call and saves that copy
+    for backward, so a band built in each layer cost one [s, s] per local layer and micro-batch; `bias` builds the
+    additive band once, which SDPA saves by reference in every layer. `Documents` adds the positions and the
+    document mask.
+    """
+
+    positions: torch.Tensor | None = None
+    """Each token's position [b, s] (within its document, or under context parallelism its global index), which
+    RoPE and learned position tables read; None here: positions 0..s-1, the tables' leading rows."""
+    distance: torch.Tensor | None = None
+    """Query's minus key's global index [L, S] when the keys are not the queries' own positions in order
+    (context parallelism: `tessera.parallel.context.ContextDocuments`); None where they are."""
+
+    def __init__(self) -> None:
+        self._biases: dict[tuple[int | None, torch.dtype, int, int], torch.Tensor] = {}
+
+    def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values attention runs against: these (a context-parallel rank gathers every rank's)."""
+        return k, v
+
+    def allowed(self, window: int | None, L: int, S: int, device: torch.device) -> torch.Tensor | None:
+        """Where the layers with sliding window ``window`` may attend (True), for L queries against S keys: None
+        for global layers (causal attention needs no mask), the band [L, S] for a window (`band_mask`)."""
+        if window is None:
+            return None
+        return band_mask(L, S, window, device, self.distance)  # [L, S]
+
+    def bias(
+        self, window: int | None, dtype: torch.dtype, L: int, S: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """The additive mask (0: may attend, −inf: may not) in ``dtype`` of the layers with sliding window
+        ``window`` (None: global layers) for L queries against S keys: `allowed` in additive form, one tensor per
+        kind until `release`; None where `allowed` is (causal: SDPA's is_causal)."""
+        key = (window, dtype, L, S)
+        if key not in self._biases:
+            allowed = self.allowed(window, L, S, device)  # allowed: [L, S] or [b, 1, L, S], or None
+            if allowed is None:
+                return None
+            self._biases[key] = additive_mask(allowed, dtype)
+        return self._biases[key]
+
+    def release(self) -> None:
+        """Drop the masks held here (called when the blocks' forward is done). What a layer saved for backward
+        stays alive through autograd; under full recomputation, whose checkpoints keep this object until
+        backward, nothing else would free them, and the replayed blocks build them again, once."""
+        self._biases.clear()
+
+
+class Documents(AttentionMasks):
     """The documents of a micro-batch's sequences, as the attention layers need them.
 
     ``positions`` [b, s]: position of each token within its document; ``mask`` [b, 1, s, s] (True: may attend),
     causal within each document, built on first use (a stage that only embeds never builds it).
 
-    ``bias(window, dtype)`` is the form attention runs with: the additive mask (0 where a query may attend, −inf
-    elsewhere, a sliding window's band ANDed in) in the compute dtype, built once per micro-batch and kind (global
-    layers, local layers) and handed to every layer as the same tensor. SDPA converts a boolean mask to this form
-    on every call and saves its copy for backward (one [b, 1, s, s] per layer); given the additive mask in its own
-    dtype it saves the caller's tensor by reference, so every layer's backward shares one storage
+    ``bias(window, dtype, L, S, device)`` is the form attention runs with: the additive mask (0 where a query may
+    attend, −inf elsewhere, a sliding window's band ANDed in) in the compute dtype, built once per micro-batch and
+    kind (global layers, local layers) and handed to every layer as the same tensor. SDPA converts a boolean mask
+    to this form on every call and saves its copy for backward (one [b, 1, s, s] per layer); given the additive
+    mask in its own dtype it saves the caller's tensor by reference, so every layer's backward shares one storage
     (docs/memory.md, "Attention masks: one per micro-batch").
     """
 
-    distance: torch.Tensor | None = None
-    """Query's minus key's global index [L, S] when the keys are not the queries' own positions in order
-    (context parallelism: `tessera.parallel.context.ContextDocuments`); None here, where they are."""
-
     def __init__(self, positions: torch.Tensor) -> None:
+        super().__init__()
         self.positions = positions  # positions: [b, s]
         self._mask: torch.Tensor | None = None
-        self._biases: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
-
-    def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values attention runs against: these (a context-parallel rank gathers every rank's)."""
-        return k, v
 
     def back(self) -> torch.Tensor:
         """How far each key lies before each query, [L, S] (i − j; by global index under context parallelism)."""
@@ -83,25 +142,32 @@ class Documents:
             self._mask = ((back >= 0) & (back <= self.positions[:, :, None])).unsqueeze(1)  # [b, 1, L, S]
         return self._mask
 
-    def bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """The additive mask [b, 1, L, S] in ``dtype`` (0: may attend, −inf: may not) of the layers with sliding
-        window ``window`` (None: global layers), the band 0 <= i − j < window ANDed into `mask` (within a document
-        the distance is the window's). One tensor per (window, dtype) until `release`."""
-        key = (window, dtype)
-        if key not in self._biases:
-            allowed = self.mask  # allowed: [b, 1, L, S]
-            if window is not None:
-                back = self.back()  # back: [L, S]
-                allowed = allowed & (back < window)  # back >= 0 is in the mask already
-            self._biases[key] = additive_mask(allowed, dtype)  # [b, 1, L, S]
-        return self._biases[key]
+    def allowed(self, window: int | None, L: int, S: int, device: torch.device) -> torch.Tensor:
+        """`mask` [b, 1, L, S], with a sliding window's band ANDed in (within a document the distance is the
+        window's); L, S and device are the documents' own (their positions and distances fix them)."""
+        if window is None:
+            return self.mask  # [b, 1, L, S]
+        return self.mask & band_mask(L, S, window, device, self.distance)  # [b, 1, L, S]
 
     def release(self) -> None:
-        """Drop the masks held here (the model calls it when its blocks' forward is done). What a layer saved for
-        backward stays alive through autograd; under full recomputation, whose checkpoints keep this object until
-        backward, nothing else would free them, and the replayed blocks build them again, once."""
+        super().release()
         self._mask = None
-        self._biases.clear()
+
+
+def band_mask(
+    L: int, S: int, window: int, device: torch.device | None = None, distance: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal sliding-window mask [L, S] (True: may attend) for L queries that are the last L of S positions
+    (cached decoding: L < S): query position i sees key j iff i - window < j <= i, transformers'
+    ``sliding_window_overlay`` (kv_idx > q_idx - sliding_window) on its causal mask. Within a document (document
+    masking) the distance i - j is the same as in the window, so the band and the document mask combine by AND.
+    ``distance`` [L, S] (i - j by global index: context parallelism's queries and gathered keys) replaces the
+    last-L-of-S frame."""
+    if distance is not None:
+        return (distance >= 0) & (distance < window)  # [L, S]
+    # diagonals of a boolean [L, S] (1 byte an element) rather than an int64 [L, S] of distances (8): query i sits
+    # at position S - L + i and sees keys j with S - L + i - window < j <= S - L + i
+    return torch.ones(L, S, dtype=torch.bool, device=device).tril(S - L).triu_(S - L - window + 1)  # [L, S]
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

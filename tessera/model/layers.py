@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.model.documents import Documents, additive_mask
+from tessera.model.documents import AttentionMasks, Documents, additive_mask, band_mask
 from tessera.model.targets import check_reduction
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ class AttentionCore(nn.Module):
 
     ``scale`` multiplies the scores (None: 1/sqrt(head_dim), SDPA's default); ``softcap`` soft-caps them before
     the mask (`soft_cap`, Gemma 2); ``window`` restricts each query to the keys within it (`band_mask`, Gemma 3's
-    local layers), AND the document mask when one is given; SDPA then keeps the mask for backward (s² per call).
+    local layers), cut here when no mask comes in (cached decoding, selective recomputation without documents).
     SDPA cannot soft-cap, so with a cap the scores [b, nh, L, S] are computed and held explicitly (s² memory per
     head, like transformers' eager attention); on a GPU FlexAttention's ``score_mod`` would apply the cap inside a
     fused kernel, but it needs torch.compile (docs/huggingface.md, "Gemma 2").
@@ -201,11 +201,12 @@ class AttentionCore(nn.Module):
     n_heads / n_kv_heads times (consecutive query heads share a KV head). Head counts come from the tensors,
     so a tensor-parallel rank holding a subset of heads uses it unchanged. With fewer queries than keys
     (decoding after cached tokens) the queries are the last positions: query j sees keys up to S - L + j.
-    With ``mask`` [b, 1, L, S] it replaces the causal mask: either boolean (True where a query may attend; the
-    window's band is ANDed in here) or additive in the compute dtype (0 or −inf: `Documents.bias`, the band
-    already in), which SDPA and the capped path use as they are. `attend` passes the additive form, one tensor
-    per micro-batch and kind shared by every layer: SDPA saves a float mask of its own dtype by reference, where
-    it converts a boolean one on every call and saves each copy. SDPA then runs its masked kernel on CPU, and on
+    With ``mask`` [b, 1, L, S] or [L, S] it replaces the causal mask: either boolean (True where a query may
+    attend; the window's band is ANDed in here) or additive in the compute dtype (0 or −inf:
+    `AttentionMasks.bias`, the document mask, the band or both), which SDPA and the capped path use as they are.
+    `attend` passes the additive form, one tensor per micro-batch and kind shared by every layer: SDPA saves a
+    float mask of its own dtype by reference, where it converts a boolean one on every call and saves each copy
+    (a band cut per layer cost 2·s² bytes per local layer in bf16). SDPA then runs its masked kernel on CPU, and on
     a GPU the memory-efficient one, which takes the additive mask as its bias (flash attention takes none; flex
     attention would skip the masked blocks but needs torch.compile, slow to build on CPU).
     """
@@ -275,21 +276,9 @@ def _core_window(core: nn.Module) -> int | None:
     return getattr(getattr(core, "inner", core), "window", None)
 
 
-def band_mask(
-    L: int, S: int, window: int, device: torch.device | None = None, distance: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Causal sliding-window mask [L, S] (True: may attend) for L queries that are the last L of S positions
-    (cached decoding: L < S): query position i sees key j iff i - window < j <= i, transformers'
-    ``sliding_window_overlay`` (kv_idx > q_idx - sliding_window) on its causal mask. Within a document (document
-    masking) the distance i - j is the same as in the window, so the band and the document mask combine by AND.
-    ``distance`` [L, S] (i - j by global index: context parallelism's queries and gathered keys) replaces the
-    last-L-of-S frame."""
-    back = distance
-    if back is None:
-        back = (
-            torch.arange(S - L, S, device=device)[:, None] - torch.arange(S, device=device)[None, :]
-        )  # [L, S]
-    return (back >= 0) & (back < window)
+def _recomputed(core: nn.Module) -> bool:
+    """Whether selective recomputation wraps the attention core (`Checkpointed`, whose ``inner`` it is)."""
+    return hasattr(core, "inner")
 
 
 def attend(
@@ -297,20 +286,22 @@ def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    docs: Documents | None = None,
+    docs: AttentionMasks | None = None,
     cache: LayerKV | None = None,
 ) -> torch.Tensor:
     """Normalise each head of q [b, nh, s, hd] and k [b, nkv, s, hd] with ``attn.q_norm`` / ``attn.k_norm`` (if
     any: Qwen3), position them with ``attn.rope`` (if any) and run ``attn.core``: the part every attention layer
     (plain, 1D, 2D) shares once it has its heads, so the per-head norms are applied here and nowhere else. With
-    ``docs`` positions restart per document and attention stops at document boundaries; with ``cache``, q, k, v
-    are the positions after the cached ones."""
+    ``docs``, the micro-batch's `AttentionMasks`, the layer's mask is the one all layers of its kind share (with
+    document masking positions restart per document and attention stops at document boundaries); with
+    ``cache``, q, k, v are the positions after the cached ones."""
     # over head_dim, each head on its own: a rank holding whole heads needs no other rank's features
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)  # q: [b, nh, s, hd], k: [b, nkv, s, hd]
+    positions = None if docs is None else docs.positions
     if attn.rope is not None:
-        if docs is not None:
-            q, k = attn.rope(q, k, positions=docs.positions)  # q: [b, nh, s, hd]
+        if positions is not None:
+            q, k = attn.rope(q, k, positions=positions)  # q: [b, nh, s, hd]
         else:
             q, k = attn.rope(q, k, cache.length if cache is not None else 0)  # q: [b, nh, s, hd]
     if cache is not None:
@@ -318,9 +309,14 @@ def attend(
     if docs is None:
         return attn.core(q, k, v)  # [b, nh, s, hd]
     k, v = docs.gather(k, v)  # k, v: [b, nkv, S, hd], S = s·c under context parallelism (after RoPE: global)
-    # the micro-batch's additive mask of this layer's kind (global or its window), one tensor for all such layers
-    bias = docs.bias(_core_window(attn.core), compute_dtype(q))  # bias: [b, 1, s, S]
-    return attn.core(q, k, v, bias)  # [b, nh, s, hd]
+    if positions is None and _recomputed(attn.core):
+        # selective recomputation without documents: the core cuts its band itself, again in backward, and keeps
+        # none, where the shared band would be kept as the checkpointed core's input, one per micro-batch
+        return attn.core(q, k, v)  # [b, nh, s, hd]
+    # the micro-batch's additive mask of this layer's kind (global or its window), one tensor for all such layers;
+    # None: causal (no documents, a global layer)
+    bias = docs.bias(_core_window(attn.core), compute_dtype(q), q.shape[2], k.shape[2], q.device)
+    return attn.core(q, k, v, bias)  # [b, nh, s, hd]; bias: [b, 1, s, S], the band [s, S] or None
 
 
 class LayerKV:
@@ -383,10 +379,10 @@ class Attention(nn.Module):
         self.rope = rope
 
     def forward(
-        self, x: torch.Tensor, cache: LayerKV | None = None, docs: Documents | None = None
+        self, x: torch.Tensor, cache: LayerKV | None = None, docs: AttentionMasks | None = None
     ) -> torch.Tensor:
-        """x [b, s, h] -> [b, s, h]; with ``cache``, x holds the positions after the cached ones; with
-        ``docs``, attention stops at document boundaries."""
+        """x [b, s, h] -> [b, s, h]; with ``cache``, x holds the positions after the cached ones; ``docs``: the
+        micro-batch's masks (`attend`)."""
         b, s, _ = x.shape  # x: [b, s, h]
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # q: [b, nh, s, hd]
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # k: [b, nkv, s, hd]
@@ -426,7 +422,7 @@ class Block(nn.Module):
         self.attn_post_norm, self.mlp_post_norm = attn_post_norm, mlp_post_norm
 
     def forward(
-        self, x: torch.Tensor, cache: LayerKV | None = None, docs: Documents | None = None
+        self, x: torch.Tensor, cache: LayerKV | None = None, docs: AttentionMasks | None = None
     ) -> torch.Tensor:
         h = self.attn_norm(x)  # h: [b, s, h]
         if cache is not None:
@@ -504,18 +500,17 @@ class TransformerLM(nn.Module):
         With ``positions`` [b, s] (`tessera.model.documents`), each document of a packed sequence is attended
         and positioned on its own.
         """
-        if positions is not None:
-            if cache is not None:
-                raise ValueError("document masking is for training on packed sequences; decode without it")
-            docs = self.documents(positions)
-            x = self.embed(tokens, docs=docs) if self.embed is not None else tokens  # x: [b, s, h]
+        if positions is not None and cache is not None:
+            raise ValueError("document masking is for training on packed sequences; decode without it")
+        if cache is None:
+            docs = self.masks(positions)  # the micro-batch's masks, one per kind for all the blocks
+            if self.embed is None:
+                x = tokens  # x: [b, s, h]
+            else:
+                x = self.embed(tokens) if positions is None else self.embed(tokens, docs=docs)  # x: [b, s, h]
             for block in self.blocks.values():
                 x = block(x, docs=docs)  # x: [b, s, h]
             docs.release()  # the masks live on in what the layers saved (full recomputation: rebuilt once)
-        elif cache is None:
-            x = self.embed(tokens) if self.embed is not None else tokens  # x: [b, s, h]
-            for block in self.blocks.values():
-                x = block(x)  # x: [b, s, h]
         else:
             x = self.embed(tokens, cache.length)  # x: [b, s, h]
             for block, kv in zip(self.blocks.values(), cache.layers, strict=True):
@@ -533,6 +528,13 @@ class TransformerLM(nn.Module):
     def documents(positions: torch.Tensor) -> Documents:
         """What the blocks need of a micro-batch's documents: all of its sequences (a 2D model keeps its rows)."""
         return Documents(positions)
+
+    def masks(self, positions: torch.Tensor | None) -> AttentionMasks:
+        """The holder of one micro-batch's attention masks for a forward of the blocks, which every block gets
+        and the caller releases after the last: the micro-batch's `documents` with document masking (``positions``
+        [b, s]; under context parallelism always), else `AttentionMasks` (causal; a sliding window's band). The
+        tensor-parallel models and the pipeline stages make theirs here too."""
+        return AttentionMasks() if positions is None else self.documents(positions)
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

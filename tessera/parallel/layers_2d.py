@@ -32,7 +32,7 @@ from tessera.model.layers import attend
 from tessera.parallel.tensor_2d import Grid2D, matmul_ab_2d, matmul_abt_2d
 
 if TYPE_CHECKING:
-    from tessera.model.documents import Documents
+    from tessera.model.documents import AttentionMasks
     from tessera.model.family import FamilyPlan
 
 __all__ = [
@@ -235,8 +235,9 @@ class Attention2D(nn.Module):
         self.q_norm, self.k_norm = _head_norm(attn.q_norm, grid), _head_norm(attn.k_norm, grid)
         self.core, self.rope = attn.core, attn.rope  # parameter-free; the Rope tables are shared
 
-    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
-        """x [b/q, s, h/q] → [b/q, s, h/q]; ``docs``: this grid row's sequences' documents (`Model2D.documents`)."""
+    def forward(self, x: torch.Tensor, docs: AttentionMasks | None = None) -> torch.Tensor:
+        """x [b/q, s, h/q] → [b/q, s, h/q]; ``docs``: the micro-batch's masks (`Model2D.masks`: with documents this
+        grid row's sequences')."""
         b, s, _ = x.shape  # x: [b/q, s, h/q]
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # q: [b/q, nh/q, s, hd]
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # k: [b/q, nkv/q, s, hd]

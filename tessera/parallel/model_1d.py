@@ -28,7 +28,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.errors import ConfigError
-from tessera.model.documents import Documents
+from tessera.model.documents import AttentionMasks
 from tessera.model.family import FamilyPlan
 from tessera.model.layers import Block, TransformerLM, attend, embed_scale
 from tessera.model.materialize import ShardSpec
@@ -77,7 +77,7 @@ class ParallelAttention(nn.Module):
         self.core = attn.core  # parameter-free: checkpointing may wrap it as in the plain model
         self.rope = attn.rope
 
-    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: AttentionMasks | None = None) -> torch.Tensor:
         linears = (self.wq, self.wk, self.wv)
         q, k, v = column_parallel(x, linears, self.group, self.sequence_parallel, self.tp_comm_overlap)
         b, s, _ = q.shape  # q: [b, s, nh·hd/t] (the full sequence, also with SP)
@@ -130,7 +130,7 @@ class ParallelEmbedding(nn.Module):
         if self.position_name is not None:
             setattr(self, self.position_name, getattr(embed, self.position_name))  # replicated, not sharded
 
-    def forward(self, tokens: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, docs: AttentionMasks | None = None) -> torch.Tensor:
         """tokens [b, s] → x [b, s, h] ([b, s/t, h] with SP); learned positions 0..s-1, or ``docs.positions``."""
         tok = getattr(self, self.token_name)
         x = tok(tokens)  # x: [b, s, h] or [b, s/t, h] with SP
@@ -268,16 +268,16 @@ class TensorParallel1D(nn.Module):
                 f"length is {tokens.shape[1]}; use a seq_len divisible by {self.tp} or turn "
                 "parallel.sequence_parallel off"
             )
-        if positions is None:
-            x = self.embed(tokens) if self.embed is not None else tokens  # x: [b, s, h] or [b, s/t, h]
-            for block in self.blocks.values():
-                x = block(x)
+        docs = self.masks(positions)  # the micro-batch's masks, one per kind for all the blocks
+        if self.embed is None:
+            x = tokens  # x: [b, s, h] or [b, s/t, h]
+        elif positions is None:
+            x = self.embed(tokens)  # x: [b, s, h] or [b, s/t, h]
         else:
-            docs = self.documents(positions)
-            x = self.embed(tokens, docs) if self.embed is not None else tokens  # x: [b, s, h] or [b, s/t, h]
-            for block in self.blocks.values():
-                x = block(x, docs=docs)
-            docs.release()  # the masks live on in what the layers saved (full recomputation: rebuilt once)
+            x = self.embed(tokens, docs)  # learned positions read the documents'
+        for block in self.blocks.values():
+            x = block(x, docs=docs)
+        docs.release()  # the masks live on in what the layers saved (full recomputation: rebuilt once)
         if self.head is None:
             if targets is not None:
                 raise ValueError(
@@ -288,6 +288,7 @@ class TensorParallel1D(nn.Module):
 
     documents = staticmethod(TransformerLM.documents)
     """Attention sees the whole sequence on every tensor rank (gathered with SP): the documents of all of it."""
+    masks = TransformerLM.masks
 
     def full_parameters(self, grad: bool = False) -> dict[str, torch.Tensor]:
         """Full, unpadded parameters (or gradients) keyed like the plain model; collective over the tensor group.

@@ -16,7 +16,7 @@ from torch import nn
 from tessera import comm
 from tessera.errors import ConfigError
 from tessera.model.documents import Documents
-from tessera.model.layers import Block, embed_scale, soft_cap
+from tessera.model.layers import Block, TransformerLM, embed_scale, soft_cap
 from tessera.model.materialize import ShardSpec
 from tessera.model.targets import check_reduction, kept
 from tessera.parallel.layers_2d import (
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from tessera.config import ModelConfig
     from tessera.groups import Groups
     from tessera.model.family import FamilyPlan
-    from tessera.model.layers import TransformerLM
 
 __all__ = ["Model2D", "apply_tensor_2d", "check_2d", "comm_bytes_2d"]
 
@@ -190,7 +189,7 @@ class Model2D(nn.Module):
         the hidden block is returned. ``positions`` [b, s] (the full micro-batch's): document masking
         (`tessera.model.documents`); this rank uses its grid row's sequences.
         """
-        docs = None if positions is None else self.documents(positions)
+        docs = self.masks(positions)  # the micro-batch's masks, one per kind for all the blocks
         q, i = self.grid.q, self.grid.i
         if self.embed is not None:
             if tokens.shape[0] % q:
@@ -198,13 +197,12 @@ class Model2D(nn.Module):
                     f"2D tensor parallelism splits the micro-batch over q = {q} grid rows, but it has "
                     f"{tokens.shape[0]} sequences; use a micro-batch size divisible by {q}"
                 )
-            x = self.embed(tokens) if docs is None else self.embed(tokens, docs)  # x: [b/q, s, h/q]
+            x = self.embed(tokens) if positions is None else self.embed(tokens, docs)  # x: [b/q, s, h/q]
         else:
             x = tokens
         for block in self.blocks.values():
-            x = block(x) if docs is None else block(x, docs=docs)  # x: [b/q, s, h/q]
-        if docs is not None:
-            docs.release()  # the masks live on in what the layers saved (full recomputation: rebuilt once)
+            x = block(x, docs=docs)  # x: [b/q, s, h/q]
+        docs.release()  # the masks live on in what the layers saved (full recomputation: rebuilt once)
         if self.head is None:
             return x
         if targets is None:
@@ -226,6 +224,8 @@ class Model2D(nn.Module):
         b/q sequences, the rows its [b/q, s, h/q] activations hold."""
         rows = positions.shape[0] // self.grid.q
         return Documents(positions[self.grid.i * rows : (self.grid.i + 1) * rows])  # positions: [b/q, s]
+
+    masks = TransformerLM.masks
 
     # --- the contract with the trainer, tests and checkpoints ------------------------------------------------
 

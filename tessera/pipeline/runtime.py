@@ -45,7 +45,7 @@ from torch import nn
 from tessera import comm
 from tessera.errors import ConfigError
 from tessera.layout import Axis
-from tessera.model.documents import Batch, Documents, batch_parts
+from tessera.model.documents import AttentionMasks, Batch, batch_parts
 from tessera.model.materialize import materialize
 from tessera.modes import reduces_every_microbatch
 from tessera.parallel.clipping import squared_norm
@@ -94,10 +94,10 @@ class _StepState:
     """None: each micro-batch's mean loss counts 1/m; else its loss summed over the targets a loss mask keeps
     counts ``loss_weight`` (the trainer's data-parallel size / the global batch's target count)."""
     saved: SavedStorages = field(default_factory=SavedStorages)  # what each F keeps until its backward
-    documents: dict[int, Documents] = field(default_factory=dict)
-    """Micro-batch → its documents (document masking, context parallelism), shared by this rank's stages, so
-    their layers share one set of attention masks per micro-batch (docs/memory.md); released after the
-    micro-batch's last forward here."""
+    documents: dict[int, AttentionMasks] = field(default_factory=dict)
+    """Micro-batch → its attention masks (`Stage.masks`: its documents with document masking or context
+    parallelism, else a sliding window's band), shared by this rank's stages, so their layers share one set of
+    masks per micro-batch (docs/memory.md); released after the micro-batch's last forward here."""
     forwards: Counter = field(default_factory=Counter)  # micro-batch → its forwards run on this rank
 
     def drop_completed_sends(self) -> None:
@@ -316,12 +316,12 @@ class PipelineEngine:
         if j in state.documents and state.forwards[j] == len(self.stages):  # its last forward on this rank
             state.documents.pop(j).release()  # the masks live on in what the stages' layers saved
 
-    def _documents(self, state: _StepState, s: int, j: int, positions: torch.Tensor) -> Documents:
-        """Micro-batch ``j``'s documents on this rank, built by its first stage to run it and shared by the
-        rest, so that every layer of the rank shares one set of masks per micro-batch, not one per stage (ZeRO-3
-        runs a stage per block)."""
+    def _documents(self, state: _StepState, s: int, j: int, positions: torch.Tensor | None) -> AttentionMasks:
+        """Micro-batch ``j``'s attention masks on this rank (its documents, if ``positions``), made by its first
+        stage to run it and shared by the rest, so that every layer of the rank shares one set of masks per
+        micro-batch, not one per stage (ZeRO-3 runs a stage per block)."""
         if j not in state.documents:
-            state.documents[j] = self.stages[s].documents(positions)
+            state.documents[j] = self.stages[s].masks(positions)
         return state.documents[j]
 
     def _stage_forward(
@@ -336,7 +336,7 @@ class PipelineEngine:
         """Every stage gets the micro-batch's side inputs from the batch it was given (the targets to the last,
         the document positions, if any, to all): each pipeline rank holds every micro-batch's tokens."""
         side = {} if positions is None else {"positions": positions}
-        if positions is not None and isinstance(self.stages[s], Stage):
+        if isinstance(self.stages[s], Stage):
             side["docs"] = self._documents(state, s, j, positions)
         if s == self.n_stages - 1 and state.loss_weight is not None:
             # a loss mask: the sum over kept targets, weighted so the step's sum over micro-batches and (after

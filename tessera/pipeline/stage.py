@@ -22,7 +22,8 @@ from torch import nn
 
 from tessera.config import even_split
 from tessera.errors import ConfigError
-from tessera.model.documents import Documents
+from tessera.model.documents import AttentionMasks, Documents
+from tessera.model.layers import TransformerLM
 from tessera.modes import CHECKPOINTING
 from tessera.parallel.checkpointing import apply_checkpointing
 
@@ -110,20 +111,22 @@ class Stage(nn.Module):
         targets: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         reduction: str = "mean",
-        docs: Documents | None = None,
+        docs: AttentionMasks | None = None,
     ) -> torch.Tensor:
         """``positions`` [b, s]: the micro-batch's positions per document (document masking), which every stage
         is given alongside its input, as the last stage is given the targets. ``reduction``: the last stage's
         loss (`tessera.model.targets`); a loss mask's ignored targets come in ``targets``. ``docs``: the
-        micro-batch's `documents`, shared with this rank's other stages (`PipelineEngine`, which releases
-        them); None: this stage builds its own."""
+        micro-batch's `masks`, shared with this rank's other stages (`PipelineEngine`, which releases them);
+        None: this stage makes its own and releases it after its blocks."""
         tail = {} if reduction == "mean" else {"reduction": reduction}
-        if positions is not None:
-            return self._forward_documents(x, targets, positions, tail, docs)
+        own = docs is None
+        docs = self.masks(positions) if docs is None else docs
         if self._front is not None:
-            x = self._front(x)  # tokens [b, s] -> x: [b, s, h]
+            x = self._front(x, positions=positions)  # tokens [b, s] -> x: [b, s, h]
         for block in self.blocks.values():
-            x = block(x)  # x: [b, s, h]
+            x = block(x, docs=docs)  # x: [b, s, h]
+        if own:
+            docs.release()  # the masks live on in what the layers saved (full recomputation: rebuilt once)
         if self._tail is None:
             return x
         return self._tail(x, targets, **tail)  # loss (scalar), or logits [b, s, V] when targets is None
@@ -137,25 +140,7 @@ class Stage(nn.Module):
             )
         return self._documents(positions)
 
-    def _forward_documents(
-        self,
-        x: torch.Tensor,
-        targets: torch.Tensor | None,
-        positions: torch.Tensor,
-        tail: dict[str, str],
-        docs: Documents | None,
-    ) -> torch.Tensor:
-        own = docs is None
-        docs = self.documents(positions) if docs is None else docs
-        if self._front is not None:
-            x = self._front(x, positions=positions)  # tokens [b, s] -> x: [b, s, h]
-        for block in self.blocks.values():
-            x = block(x, docs=docs)  # x: [b, s, h]
-        if own:
-            docs.release()  # the masks live on in what the layers saved (full recomputation: rebuilt once)
-        if self._tail is None:
-            return x
-        return self._tail(x, targets, **tail)  # loss (scalar), or logits [b, s, V] when targets is None
+    masks = TransformerLM.masks
 
     def extra_repr(self) -> str:
         blocks = ",".join(self.blocks) or "-"

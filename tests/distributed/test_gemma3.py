@@ -6,9 +6,10 @@ query_pre_attn_scalar 24, untied, vocabulary 259).
 
 Layouts: Megatron 1D tensor 2 with sequence parallelism (attention sees the gathered sequence, so each band is
 the whole sequence's), Optimus 2D 2×2, pipeline 2 (the second stage holds layers 2 and 3, global then local: a
-stage that renumbered its layers from 0 would make both local), ZeRO-3 over data 2; and tensor 2 + SP with
+stage that renumbered its layers from 0 would make both local), ZeRO-3 over data 2; tensor 2 + SP with
 document masking (data.document_mask on short documents: the band and the document mask together) against the
-one-process run with the same mask. Tolerances: docs/parity.md's fp32 ones (`tessera.parity.FP32`). That the
+one-process run with the same mask; and with recomputation (selective at tensor 2 + SP, full at pipeline 2 and
+ZeRO-3), whose replays cut or rebuild the band the layers share. Tolerances: docs/parity.md's fp32 ones (`tessera.parity.FP32`). That the
 step-0 loss is transformers' own at each layout: tests/distributed/test_hf.py.
 """
 
@@ -32,6 +33,11 @@ LAYOUTS = {  # name: (processes, parallel section, document masking)
     "pp2": (2, {"pipeline": 2, "schedule": "1f1b"}, False),
     "dp2_zero3": (2, {"data": 2, "zero": 3}, False),
     "tp2_sp_docs": (2, {"tensor": 2, "sequence_parallel": True}, True),
+    # the local layers' shared band under recomputation: selective's cores cut their own, full's replays rebuild
+    # the released band once (through ZeRO-3's one-block stages, which share the micro-batch's band)
+    "tp2_sp_selective": (2, {"tensor": 2, "sequence_parallel": True, "checkpointing": "selective"}, False),
+    "pp2_full": (2, {"pipeline": 2, "schedule": "1f1b", "checkpointing": "full"}, False),
+    "dp2_zero3_full": (2, {"data": 2, "zero": 3, "checkpointing": "full"}, False),
 }
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from tessera.config import Config, from_dict
-from tessera.dryrun import dry_run
+from tessera.dryrun import dry_run, estimated_memory
 from tessera.memory import plan_from_config
 from tessera.planner.cost import (
     ModelShape,
@@ -59,7 +59,8 @@ FAMILIES = {
     },
     "gemma2_nocap": {"family": "gemma2", "n_heads": 4, "n_kv_heads": 2, "head_dim": 48, "ffn_hidden": 384},
     # Gemma 3: per-head (1 + w) q/k norms; pattern 3 makes both blocks of the 1- and 2-block models local, so the
-    # block measured is a windowed one (its band mask goes to SDPA)
+    # block measured is a windowed one (its band goes to SDPA: one per micro-batch, shared by the local layers, so
+    # not in the per-block difference; the head's test and test_gemma3_band_estimate_is_the_dry_runs count it)
     "gemma3": {
         "family": "gemma3",
         "n_heads": 4,
@@ -179,14 +180,15 @@ def test_document_masked_block_activation_bytes_equal_the_formula(
 def test_head_activation_bytes_equal_the_formula(family: str, layout: str, dtype: str) -> None:
     """The embedding and the head together (a 1-block model less one block): the final norm's tensors, the
     output projection's input (and its bf16 weight copy), the fp32 logits the loss keeps; Gemma 2's final
-    soft-cap, tanh's logits-sized output."""
+    soft-cap, tanh's logits-sized output. Gemma 3's models of 1 and 2 blocks (both local) each keep one [s, s]
+    band, shared by their layers (`shared_mask_bytes`), which the difference leaves here once."""
     saved, cfg, world = _saved(family, layout, "none", dtype)
     ends = 2 * saved[1] - saved[2]
     shape, plan = ModelShape.from_config(cfg[1].model), plan_from_config(cfg[1], world)
     logits = 4 * SEQ * BATCH * shape.vocab_size / plan.tp
     copies = _weight_copies(cfg, world)
     head_copy = 2 * copies[1] - copies[2]  # the output projection's
-    formula = head_activation_bytes(shape, plan) + logits + head_copy
+    formula = head_activation_bytes(shape, plan) + logits + head_copy + shared_mask_bytes(shape, plan)
     # beside them: token and target ids (int64), norm and loss statistics: measured ≤ 28 bytes per token
     assert ends == pytest.approx(formula, abs=32 * SEQ * BATCH)
 
@@ -278,3 +280,51 @@ def test_soft_capped_attention_keeps_no_mask(layout: str, dtype: str) -> None:
     copies = _weight_copies(cfg, world)
     formula = activation_bytes_per_layer(shape, plan) + copies[2] - copies[1]
     assert saved[2] - saved[1] == pytest.approx(formula, rel=RTOL)
+
+
+BAND_MODEL = {**FAMILIES["gemma3"], "d_model": 64, "head_dim": 16, "ffn_hidden": 128, "vocab_size": 64}
+"""Gemma 3 at s = 256: 4 blocks, pattern 3 (local, local, global, local); its [s, s] band is 128 KiB in bf16."""
+BAND_LAYOUTS = {  # name: (world size, parallel section, train section)
+    "plain": (1, {}, {"global_batch": 2, "micro_batch": 1}),
+    "tp2_sp": (2, {"tensor": 2, "sequence_parallel": True}, {"global_batch": 2, "micro_batch": 1}),
+    "2d2x2": (4, {"tensor": "2x2"}, {"global_batch": 4, "micro_batch": 2}),  # the grid's rows split b
+    # GPipe: 4 micro-batches in flight on pipeline rank 0 (blocks 0 and 1, both local), a band each
+    "pp2_gpipe_tp2": (
+        4,
+        {"tensor": 2, "pipeline": 2, "schedule": "gpipe"},
+        {"global_batch": 4, "micro_batch": 1},
+    ),
+    # ZeRO-3 runs a stage per block: the runtime shares one band per micro-batch among them
+    "dp2_zero3": (2, {"zero": 3}, {"global_batch": 4, "micro_batch": 1}),
+}
+
+
+def _band_activations(layout: str, checkpointing: str, window: int | None) -> tuple[float, float]:
+    """(the dry run's, the estimate's) activation row of rank 0 for `BAND_MODEL` with sliding window ``window``
+    (None: every layer global)."""
+    world, parallel, train = BAND_LAYOUTS[layout]
+    cfg = from_dict(
+        {
+            "model": {**BAND_MODEL, "sliding_window": window, "seq_len": 256, "n_layers": 4},
+            "parallel": {**parallel, "checkpointing": checkpointing},
+            "train": {**train, "dtype": "bf16"},
+        }
+    )
+    return dry_run(cfg, world, 0).activations, estimated_memory(cfg, world, 0)["activations"]
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+@pytest.mark.parametrize("layout", list(BAND_LAYOUTS))
+def test_gemma3_band_is_in_the_estimate(layout: str, checkpointing: str) -> None:
+    """Gemma 3 without document masking: its local layers share one additive [s, s] band per micro-batch and rank
+    (`AttentionMasks.bias`, `shared_mask_bytes`; the global layers none: is_causal); selective recomputation's
+    cores cut their band themselves and keep none; full recomputation keeps none past the forward. What the band
+    adds to the activation row (the model less the same model without a window) is the dry run's, to the byte
+    (what both leave out of a block is the same with and without the band: 1.2 % of this small model). Until
+    2026-12-03 every local layer kept its own cast of a boolean band, and the estimate counted it per layer,
+    averaged over the layers (-2.5 % on a pipeline stage of local layers only)."""
+    banded, plain = (
+        _band_activations(layout, checkpointing, 8),
+        _band_activations(layout, checkpointing, None),
+    )
+    assert banded[1] - plain[1] == banded[0] - plain[0]

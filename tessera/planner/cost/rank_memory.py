@@ -17,7 +17,6 @@ __all__ = [
     "MemoryBreakdown",
     "activation_bytes_per_layer",
     "attention_bias_bytes",
-    "attention_mask_bytes",
     "autocast_weight_bytes",
     "autocast_weight_bytes_per_layer",
     "boundary_bytes",
@@ -128,9 +127,9 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     their product. Selective recomputation drops SDPA's output and the expansion (K, V at kv/h). The attention
     tensors are n_heads·head_dim wide (q/h of the stream's h; 1 unless `ModelShape.head_dim` differs). Qwen3's
     per-head q/k norms (`qk_norm`) keep Q's and K's fp32 upcast and their normalised tensors, split like the
-    heads. Gemma 3's local layers add their band masks without document masking (`attention_mask_bytes`),
-    document masking its RoPE gathers (`rope_position_bytes`; its masks are per micro-batch,
-    `shared_mask_bytes`). Gemma 2's post-norms are two more
+    heads. Document masking adds its RoPE gathers (`rope_position_bytes`); attention masks are not per layer but
+    per micro-batch (`shared_mask_bytes`: the documents', or without them Gemma 3's local band). Gemma 2's
+    post-norms are two more
     norms (`FamilyPlan.block_norms`); its soft-capped attention is written out
     (`tessera.model.layers.AttentionCore`): no SDPA output is kept, its a·s² scores are (`capped_score_bytes`),
     no mask (the additive mask's add saves nothing).
@@ -168,8 +167,7 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
         scores = 0.0 if plan.flash_attention else (5 if shape.dropout else 2) * a * s / h * c / 2
         mlp = (_output_bytes(plan, fam.mlp_bias) + c) * f_h  # GELU's input (fc's output), proj's input
         sharded = qkv + c * q_h + mlp + head_norms + (0.0 if recompute == "selective" else scores)
-    masks = attention_mask_bytes(shape, plan, recompute) + rope_position_bytes(shape, plan)
-    return sbh * (replicated / shard_all + sharded / plan.tp) + masks
+    return sbh * (replicated / shard_all + sharded / plan.tp) + rope_position_bytes(shape, plan)
 
 
 def context_local(shape: ModelShape, plan: Plan) -> tuple[ModelShape, Plan]:
@@ -199,20 +197,6 @@ def _context_layer_bytes(shape: ModelShape, plan: Plan, recompute: str) -> float
     return per_token + gathered + scores  # its masks: one per micro-batch and kind (`shared_mask_bytes`)
 
 
-def attention_mask_bytes(shape: ModelShape, plan: Plan, recompute: str) -> float:
-    """Bytes per layer, averaged over the layers, of attention masks that every layer keeps for backward on its
-    own (measured by the dry run, tests/unit/test_activation_formula.py): only Gemma 3's local layers without
-    document masking, whose band is a boolean [s, s] that SDPA converts to the compute dtype on every call and
-    saves, whole on every tensor rank (attention sees the whole gathered sequence); none under selective
-    recomputation (the core is recomputed). With document masking or context parallelism every layer of a kind
-    uses one additive mask of the micro-batch (`Documents.bias`, `shared_mask_bytes`), and soft-capped attention
-    (Gemma 2, written out) adds its additive mask to the scores, which saves nothing (before 2026-12-03 each
-    layer kept its own: SDPA's cast, the capped path's inverted boolean)."""
-    if recompute == "selective" or plan.document_mask or shape.attn_softcap is not None:
-        return 0.0
-    return shape.local_layers / shape.n_layers * shape.seq_len**2 * plan.act_bytes
-
-
 def mask_kinds(shape: ModelShape) -> int:
     """Distinct additive masks of a masked micro-batch (`Documents.bias`): one for the global layers, one for
     the local layers of a sliding window (Gemma 2 and 3), the band ANDed in. Counted for the whole model, also
@@ -222,27 +206,33 @@ def mask_kinds(shape: ModelShape) -> int:
 
 def attention_bias_bytes(shape: ModelShape, plan: Plan) -> float:
     """Bytes of the additive masks one micro-batch builds on one rank for its layers to share
-    (`tessera.model.documents.Documents.bias`): `mask_kinds` × [b, 1, s, s] in the compute dtype with document
-    masking (b/q sequences on a 2D rank, all b on a 1D rank: attention sees the gathered sequence), a context
-    rank's [b, 1, s/c, s] (it always masks: its positions are global). 0 without a mask."""
-    if not (plan.document_mask or plan.cp > 1):
-        return 0.0
+    (`tessera.model.documents.AttentionMasks.bias`): with document masking `mask_kinds` × [b, 1, s, s] in the
+    compute dtype (b/q sequences on a 2D rank, all b on a 1D rank: attention sees the gathered sequence), a
+    context rank's [b, 1, s/c, s] (it always masks: its positions are global); without either, the local layers'
+    band (Gemma 3), one [s, s] whatever b (the same for every sequence, whole on every tensor rank), and none for
+    global layers (SDPA's is_causal)."""
     s = shape.seq_len
-    return mask_kinds(shape) * _rank_sequences(plan) * (s // plan.cp) * s * plan.act_bytes
+    if plan.document_mask or plan.cp > 1:
+        return mask_kinds(shape) * _rank_sequences(plan) * (s // plan.cp) * s * plan.act_bytes
+    return (shape.local_layers > 0) * s * s * plan.act_bytes
 
 
 def shared_mask_bytes(shape: ModelShape, plan: Plan) -> float:
-    """Bytes of attention masks that one pipeline stage keeps per micro-batch, shared by its layers: with
-    document masking or context parallelism the micro-batch's additive masks (`attention_bias_bytes`), which
-    every layer's SDPA saves by reference (one storage, not one per layer: tests/unit/test_shared_mask.py), or
-    under selective recomputation every checkpointed core saves as its input. Not under full recomputation (the
-    model drops them after its forward, `Documents.release`; the replayed blocks build them again: working
-    memory), nor in soft-capped attention without selective recomputation (it adds them to the scores, which
-    saves nothing). Until 2026-12-03 SDPA kept a cast of a boolean mask per layer instead. Per stage:
-    `tessera.memory` adds it to each stage that holds blocks."""
+    """Bytes of attention masks that one pipeline stage keeps per micro-batch, shared by its layers: the
+    micro-batch's additive masks (`attention_bias_bytes`: the documents' with document masking or context
+    parallelism, else Gemma 3's local band), which every layer's SDPA saves by reference (one storage, not one per
+    layer: tests/unit/test_shared_mask.py), or under selective recomputation every checkpointed core saves as its
+    input (with documents; without them the checkpointed core cuts its band itself, again in backward, and keeps
+    none). Not under full recomputation (the model drops them after its forward, `AttentionMasks.release`; the
+    replayed blocks build them again: working memory), nor in soft-capped attention without selective
+    recomputation (it adds them to the scores, which saves nothing). Until 2026-12-03 SDPA kept a cast of a
+    boolean mask per layer instead (documents, and Gemma 3's band without them). Per stage: `tessera.memory` adds
+    it to each stage that holds blocks."""
     if plan.recompute == "full":
         return 0.0
     if shape.attn_softcap is not None and plan.recompute != "selective":
+        return 0.0
+    if plan.recompute == "selective" and not (plan.document_mask or plan.cp > 1):
         return 0.0
     return attention_bias_bytes(shape, plan)
 
@@ -416,12 +406,16 @@ def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
     the gradients in flight (`replay_gradient_bytes`) and, where autocast's cache does not hold the weight copies
     through the step (ZeRO-3 clears it at every FREE, `_cache_holds_copies`), the block's compute-dtype weight
     copies that its replay makes again (`autocast_weight_bytes_per_layer`). The direct loop's replay runs after
-    its forward's autocast region, so it makes them too (`tessera.memory` adds them there)."""
+    its forward's autocast region, so it makes them too (`tessera.memory` adds them there). Under selective
+    recomputation without documents a local layer's replayed core cuts its band again (`shared_mask_bytes`
+    keeps none); the masks full recomputation's replays build again `tessera.memory` adds beside this."""
     if plan.recompute == "none":
         return 0.0
     working = activation_bytes_per_layer(shape, plan, recompute="none") + replay_gradient_bytes(shape, plan)
     if plan.recompute == "full" and not _cache_holds_copies(plan):
         working += autocast_weight_bytes_per_layer(shape, plan)
+    if plan.recompute == "selective" and not (plan.document_mask or plan.cp > 1):
+        working += attention_bias_bytes(shape, plan)  # the band, [s, s] (0 without local layers)
     return working
 
 

@@ -60,7 +60,8 @@ class ModelShape:
     """Final logit soft-cap (`ModelConfig.final_softcap`): the head keeps one more logits-sized tensor (tanh's)."""
     local_layers: int = 0
     """Layers attending within a sliding window (Gemma 3's local layers, `tessera.model.family.is_global_layer`):
-    SDPA keeps each one's [s, s] band mask, cast to the compute dtype, for backward."""
+    they share one [s, s] band mask per micro-batch, which their SDPA keeps for backward
+    (`tessera.planner.cost.rank_memory.attention_bias_bytes`)."""
 
     def __post_init__(self) -> None:
         if (self.head_dim is None and self.d_model % self.n_heads) or self.n_heads % self.n_kv_heads:
