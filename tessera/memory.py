@@ -36,17 +36,18 @@ from tessera.planner.cost import (
     ModelShape,
     Plan,
     activation_bytes_per_layer,
-    attention_bias_bytes,
     autocast_weight_bytes,
     autocast_weight_bytes_per_layer,
     boundary_bytes,
     cached_weight_bytes,
+    context_distance_bytes,
     head_activation_bytes,
     head_transient_bytes,
     memory_per_rank,
     model_state_bytes,
     rank_layers,
     recompute_working_bytes,
+    replay_mask_bytes,
     shared_mask_bytes,
     tied_gradient_bytes,
 )
@@ -597,8 +598,7 @@ def _direct_replay(held: MemoryBreakdown, shape: ModelShape, cplan: Plan) -> Mem
         grads=max(held.grads - unmade, 0.0),
         optimizer=held.optimizer,
         activations=activation_bytes_per_layer(shape, cplan) + copies,
-        working=recompute_working_bytes(shape, cplan)
-        + attention_bias_bytes(shape, cplan),  # masks built again
+        working=recompute_working_bytes(shape, cplan) + replay_mask_bytes(shape, cplan),  # masks built again
         comm_buffers=0.0,
         cast_cache=0.0,
     )
@@ -673,7 +673,9 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     # a stage whose output goes to another rank keeps it for its backward (not saved by autograd); a micro-batch's
     # attention masks are one set per rank, shared by its stages (`PipelineEngine._documents`): built by the
     # first of them to run it, the rank's first stage with blocks, whose backward is the micro-batch's last here
-    mask = shared_mask_bytes(shape, cplan)
+    # under full recomputation with context parallelism the checkpoints keep the documents object, and with it
+    # its [s/c, s] index distances, from the micro-batch's first forward on the rank to its last backward
+    mask = shared_mask_bytes(shape, cplan) + context_distance_bytes(shape, cplan)
     first = min((s for s in psi if plan.stage_layers[s]), default=None)
     acts = {
         s: per_layer * plan.stage_layers[s]
@@ -681,7 +683,11 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
         + (mask if s == first else 0.0)
         for s in psi
     }
-    working = {s: recompute for s in psi}
+    # full recomputation with masks: the micro-batch's first replay on the rank (its highest stage) builds them
+    # again; its later stages' replays find them built, kept by the walk (`StageBytes.masks`) until its lowest
+    masks = replay_mask_bytes(shape, cplan) if cplan.recompute == "full" else 0.0
+    top = max(psi)
+    working = {s: recompute - (masks if s != top else 0.0) for s in psi}
     if last in psi:
         acts[last] += head
         working[last] += head_working
@@ -689,6 +695,9 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
             # the first replay on the last stage runs once the head's backward has freed its saved tensors (the
             # logits' softmax, the final norm's): the stage's moment is the larger of the head's and the replay's
             working[last] = max(recompute - head, head_transient_bytes(shape, cplan))
+    # full recomputation: a stage's backward leaves its input (its first block's checkpoint) and that input's
+    # gradient (fp32 like it) until the previous stage's backward, when that stage runs on this rank too
+    held = {s: 2 * per_layer for s in psi if s - 1 in psi} if cplan.recompute == "full" else {}
     uses = {last: (last, 0)} if shape.tied and last != 0 and {0, last} <= psi.keys() else {}
     if uses:  # the embedding's backward makes the table's gradient beside the head's (``uses``), then adds it
         working[0] = max(working[0], tied_gradient_bytes(shape, cplan))
@@ -710,6 +719,8 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
         uses=uses,
         tied=tied,
         wire=wire,
+        held=held,
+        masks=masks,
     )
 
 
@@ -748,8 +759,9 @@ def _micro_batch_bytes(shape: ModelShape, cplan: Plan) -> tuple[float, float, fl
 def _price_micro_batch(shape: ModelShape, cplan: Plan) -> tuple[float, float, float, float, float]:
     per_layer = activation_bytes_per_layer(shape, cplan)
     recompute = recompute_working_bytes(shape, cplan)
-    if cplan.recompute == "full":  # the replayed blocks build the micro-batch's masks again and share them
-        recompute += attention_bias_bytes(shape, cplan)
+    # the replayed blocks build the micro-batch's masks again and share them (`replay_mask_bytes`: the walk
+    # keeps them from the micro-batch's first replay on the rank to its last backward there)
+    recompute += replay_mask_bytes(shape, cplan)
     logits = 4 * shape.seq_len // cplan.cp * cplan.micro_batch * shape.vocab_size / cplan.tp  # s/c tokens
     head = head_activation_bytes(shape, cplan) + logits
     # the loss's and the output layer's moment, before the stage's saved activations are freed: beside them, not
@@ -812,6 +824,7 @@ def _table_bytes(shape: ModelShape, cplan: Plan) -> float:
 def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]]) -> Walk:
     """The compiled walk of the lowered list pipeline rank ``rank`` executes (`tessera.peak_memory`)."""
     classes = _stage_classes(plan, rank)
+    held = _held_inputs(plan)
     if (plan.schedule or "").endswith(".csv"):  # a hand-written schedule: its lowered lists, as the runtime's
         events = ((a.kind, a.stage) for a in plan.lowered()[rank])
         deferred = _deferred(plan.zero, plan.accumulation)
@@ -823,6 +836,7 @@ def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]])
             uses=uses,
             classes=classes,
             replicated=_replica_copies(plan),
+            held_inputs=held,
         )
     name, p, m, v = plan.schedule or "", plan.pp, plan.micro_batches, plan.stages_per_rank
     args = (
@@ -834,6 +848,7 @@ def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]])
         tuple(sorted(classes.items())),
         plan.exchanged_stages(rank),
         _replica_copies(plan),
+        held,
     )
     if not steady_walk(name, p, m, v, rank, plan.accumulation):
         return _named_walk(name, p, m, v, rank, *args)
@@ -910,7 +925,20 @@ def _stage_classes(plan: ExecutionPlan, rank: int) -> dict[int, int]:
     mine = plan.rank_stages(rank)
     local, last = set(mine), plan.n_stages - 1
     first: dict[tuple, int] = {}
-    return {s: first.setdefault((plan.stage_layers[s], s == 0, s == last, s + 1 in local), s) for s in mine}
+    return {
+        s: first.setdefault((plan.stage_layers[s], s == 0, s == last, s + 1 in local, s - 1 in local), s)
+        for s in mine
+    }
+
+
+def _held_inputs(plan: ExecutionPlan) -> bool:
+    """Whether the walk counts what a stage's backward leaves for the previous stage on the same rank (its input
+    and the input's gradient, `StageBytes.held`) and the masks a micro-batch's replays keep (`StageBytes.masks`):
+    under full recomputation, where a stage's saved activations are its blocks' inputs, so the stage's input is
+    one of them until its backward and then this term (measured with the dry run: docs/memory.md, "Full
+    recomputation's moments"). Under no or selective recomputation the same input and gradient are alive (the
+    1D stage's first norm saves the input, the 2D norm does not), but that was not measured: not counted."""
+    return cost_plan(plan).recompute == "full"
 
 
 @lru_cache(
@@ -930,6 +958,7 @@ def _named_walk(
     classes: tuple[tuple[int, int], ...],
     exchanged: tuple[int, ...] = (),
     replicated: bool = False,
+    held_inputs: bool = False,
 ) -> Walk:
     every = reduces_every_microbatch(accumulation, zero)
     events = _rank_events(name, p, m, v, rank, placement, accumulation, zero == 3, every, exchanged)
@@ -942,6 +971,7 @@ def _named_walk(
         uses=dict(uses),
         classes=dict(classes),
         replicated=replicated,
+        held_inputs=held_inputs,
     )
 
 

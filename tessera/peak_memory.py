@@ -27,7 +27,11 @@ objects do (tessera/pipeline/runtime.py, stage_comm.py, parallel/zero.py, parall
   REDUCE after the stage's last one (when `ZeroStageComm._launch` waits for that last reduction), or at the end
   for the last reduced stage; every copy is held until the end waits for them all (`ZeroStageComm.finish`),
   and the end's moment notes them all, the last flat buffer released. (fp32: the all-reduce runs in place on the shard, nothing to count);
-- the moment of a backward also holds its transient (`working`: the recomputed block, the logits' gradient).
+- the moment of a backward also holds its transient (`working`: the recomputed block, the logits' gradient);
+- full recomputation (``held_inputs``): B(s) of a stage whose predecessor runs on the same rank leaves the
+  stage's input (the predecessor's output, the root of its backward) and the input's gradient until B(s - 1)
+  of the micro-batch (`StageBytes.held`); the masks a micro-batch's first replay on the rank builds again
+  (its highest stage's B) live until its last backward there, the lowest stage's (`StageBytes.masks`).
 
 The peak is the largest sum over these moments; the optimizer step's moment (state, the gradients held after
 backward, the update's temporaries) and the parameters and optimizer state, alive throughout, are the caller's.
@@ -58,8 +62,8 @@ _REDUCE, _REDUCE_MB, _GATHER, _FREE = _K.REDUCE_GRAD, _K.REDUCE_MICROBATCH, _K.G
 _EXCHANGE = _K.EXCHANGE_TIED
 
 # What a term counts, and the component it belongs to (activations, grads, buffers, working).
-_ACT, _GRAD, _SHARD, _GATHERED, _PENDING, _FLAT, _WRITEBACK, _WORK, _WIRE, _TIED = range(10)
-_CATEGORY = (0, 1, 1, 2, 2, 2, 2, 3, 2, 1)
+_ACT, _GRAD, _SHARD, _GATHERED, _PENDING, _FLAT, _WRITEBACK, _WORK, _WIRE, _TIED, _HELD, _MASKS = range(12)
+_CATEGORY = (0, 1, 1, 2, 2, 2, 2, 3, 2, 1, 0, 3)
 _LABELS = (
     "activations",
     "gradients",
@@ -71,6 +75,8 @@ _LABELS = (
     "working",
     "replica wire copy",
     "tied table gradient",
+    "stage input and its gradient",
+    "replayed masks",
 )
 
 Term = tuple[tuple[int, int], float]
@@ -107,6 +113,17 @@ class StageBytes:
     """Hybrid sharding, reduce dtype narrower than fp32: the copy of the stage's gradient shard in that dtype that
     its replica all-reduce sends (`FlatStage.launch_replica_reduce`); empty otherwise (nothing to count)."""
 
+    held: dict[int, float] = field(default_factory=dict)
+    """A stage whose predecessor runs on the same rank (``held_inputs`` walks): what one micro-batch leaves alive
+    from the stage's backward to its predecessor's, its input (the predecessor's output, which the runtime keeps
+    as that backward's root, `PipelineEngine._backward`) and the input's gradient (``input_grads``, which that
+    backward consumes); empty otherwise."""
+    masks: float = 0.0
+    """``held_inputs`` walks: the masks a micro-batch's replays build again on the rank (`replay_mask_bytes`),
+    alive from its first backward there (the rank's highest stage, whose ``working`` counts them while it runs)
+    to the end of its last (the lowest), which frees its documents object; 0 without document masking or
+    context parallelism."""
+
     def table(self, what: int) -> dict[int, float]:
         """The per-stage sizes of one kind of term."""
         if what == _SHARD:  # ZeRO's reduced gradient, fp32 whatever the reduce dtype (ZeroStage.wait_reduce)
@@ -122,6 +139,8 @@ class StageBytes:
             self.working,
             self.wire,
             {0: self.tied},
+            self.held,
+            dict.fromkeys(self.grads, self.masks),
         )[what]
 
 
@@ -370,12 +389,15 @@ def compile_walk(
     uses: dict[int, tuple[int, ...]] | None = None,
     classes: dict[int, int] | None = None,
     replicated: bool = False,
+    held_inputs: bool = False,
 ) -> Walk:
     """Walk one rank's lowered actions, given as (kind, stage), for any sizes (see the module docstring).
     ``sharded``: data parallelism (dp > 1); ``classes``: stage -> a stage of equal sizes, whose sizes its
     terms then use (equal blocks: few distinct terms however many stages a rank holds); ``replicated``: hybrid
-    sharding whose replica all-reduce sends a narrower copy of each shard (`StageBytes.wire`); the other
-    arguments as in `StageBytes`."""
+    sharding whose replica all-reduce sends a narrower copy of each shard (`StageBytes.wire`); ``held_inputs``:
+    a stage's backward (B, or I) leaves its input and the input's gradient (`StageBytes.held`) where the
+    previous stage runs on the same rank, until that stage's backward of the micro-batch; the other arguments
+    as in `StageBytes`."""
     live = _Live(zero, sharded, classes or {}, replicated=replicated and zero > 0 and sharded)
     uses = uses or {}
     events = list(events)
@@ -385,6 +407,12 @@ def compile_walk(
     # bound once: the loop runs ~1e6 times per search, mostly forwards and backwards
     counts, grads, cls_of, note, n_events = live.counts, live.grads, live.cls.get, live.note, len(events)
     first = events[0][1] if events else None
+    # stages whose predecessor is on this rank: their backward's input and its gradient wait for its backward
+    chained = {s for _, s in events if s - 1 >= 0} & {s + 1 for _, s in events} if held_inputs else set()
+    # a micro-batch's backward on the rank starts at its highest stage and ends at its lowest
+    top, bottom = (
+        (max(s for _, s in events), min(s for _, s in events)) if held_inputs and events else (-1, -1)
+    )
     tied_alive = False  # the tied table's gradient, made by the head's backward before stage 0's own
     i = 0
     while i < n_events:
@@ -404,7 +432,18 @@ def compile_walk(
             live.grew = True
             live.dirty = (s, kind)
         elif kind is _B or kind is _I or kind is _W:
-            note((s, kind), working=s)
+            note((s, kind), working=s)  # the highest stage's transient: its replay builds the masks again
+            if s == top and kind is not _W:  # the masks stay for the micro-batch's later backwards here
+                live.add(_MASKS, s)
+            if s == bottom and kind is not _I:  # its last backward frees the documents object
+                live.add(_MASKS, s, -1)
+            if chained and kind is not _W:
+                # the input gradient is made (kept for the previous stage's backward, with the input it belongs
+                # to); this backward consumes the next stage's (its output's gradient) and frees that output
+                if s in chained:
+                    live.add(_HELD, s)
+                if s + 1 in chained and counts.get((_HELD, cls_of(s + 1, s + 1)), 0) > 0:
+                    live.add(_HELD, s + 1, -1)
             if kind is not _I:  # I keeps the graph (and its activations) for W
                 key = (_ACT, cls_of(s, s))  # live.add(_ACT, s, -1), inlined
                 count = counts.get(key, 0) - 1

@@ -54,6 +54,30 @@ def test_working_counts_at_the_start_of_a_backward() -> None:
     assert (moment.activations, moment.grads, moment.working) == (30.0, 40.0, 5.0)
 
 
+def test_a_stages_input_and_gradient_and_the_replayed_masks_wait_for_later_backwards() -> None:
+    # full recomputation, layered breadth-first on one rank, stages 0 and 1, two micro-batches. B1 leaves its
+    # input and the input's gradient (held, 7) until B0 of the micro-batch; the masks a micro-batch's first
+    # replay (B1) builds again (3) stay until its last backward (B0). At the first B0: 2 x 10 of stage 0's
+    # activations, 1 of stage 1's gradients, both micro-batches' held inputs and masks, stage 0's working 5
+    events = [(F, 0), (F, 0), (F, 1), (F, 1), (B, 1), (B, 1), (B, 0), (B, 0)]
+    sizes = StageBytes(
+        activations={0: 10.0, 1: 10.0},
+        grads={0: 1.0, 1: 1.0},
+        flat={0: 1.0, 1: 1.0},
+        working={0: 5.0, 1: 0.0},
+        zero=0,
+        dp=1,
+        held={1: 7.0},
+        masks=3.0,
+    )
+    moment, _ = compile_walk(events, zero=0, sharded=False, held_inputs=True).evaluate(sizes)
+    assert (moment.activations, moment.grads, moment.working) == (20.0 + 2 * 7.0, 1.0, 5.0 + 2 * 3.0)
+    assert moment.label == "0B"
+    # without them (other modes): the forwards' end, 40 of activations, is the peak
+    moment, _ = compile_walk(events, zero=0, sharded=False).evaluate(sizes)
+    assert (moment.total, moment.activations) == (40.0, 40.0)
+
+
 def test_zero3_holds_the_gathered_stage_and_one_flat_buffer() -> None:
     actions = [
         Action(0, G),

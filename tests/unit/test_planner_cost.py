@@ -33,7 +33,9 @@ from tessera.planner.cost import (
     p2p_time,
     p2p_time_per_microbatch,
     pp_p2p_volume,
+    recompute_working_bytes,
     reduce_scatter_time,
+    replay_forward_bytes,
     replay_gradient_bytes,
     stage_time,
     tp1d_layer_volume,
@@ -423,6 +425,40 @@ def test_memory_per_rank_components() -> None:
         shape, plain
     )
     assert head_transient_bytes(shape, plain) > 0
+
+
+def test_a_2d_replay_holds_its_forwards_locals_and_summa_buffers() -> None:
+    # full recomputation on a 2x2 grid under bf16 autocast (Llama, h 256, f 704, s 256, b 2): the replay runs the
+    # MLP output Linear's SUMMA whole; alive beyond what the replay saves, in [N/q, .] blocks (N/q = 256 tokens):
+    shape = ModelShape(
+        family="llama",
+        n_layers=4,
+        d_model=256,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=704,
+        vocab_size=512,
+        seq_len=256,
+        swiglu=True,
+    )
+    plan = Plan(tp=4, tp_kind="2d", micro_batch=2, recompute="full", dtype="bf16", autocast=True)
+    rows, h, f = 256, 128, 352
+    local = (
+        (4 + 2 + 4 + 4) * rows * h
+    )  # attention norm's output, wo's bf16 output, the residual, MLP norm's output
+    summa = 2 * (
+        rows * h + 2 * rows * f + 2 * f * h
+    )  # its output, two slots of the product and of the weight
+    upstream = (4 + 2) * rows * h  # the block's fp32 gradient and its bf16 cast for w_down's backward
+    assert replay_forward_bytes(shape, plan) == local + summa + upstream
+    # the backward's moment (the MLP's gradients, the upstream fp32 gradient) is smaller here: working takes the
+    # forward's; 1D has no such moment (the replay stops once F.linear has saved its input)
+    backward = replay_gradient_bytes(shape, plan) + 4 * rows * h
+    assert backward < local + summa + upstream
+    none = activation_bytes_per_layer(shape, replace(plan, recompute="none"))
+    assert recompute_working_bytes(shape, plan) == none + local + summa + upstream
+    assert replay_forward_bytes(shape, replace(plan, tp=2, tp_kind="1d", sequence_parallel=True)) == 0.0
+    assert replay_forward_bytes(shape, replace(plan, recompute="selective")) == 0.0
 
 
 def test_invalid_options_are_clear() -> None:

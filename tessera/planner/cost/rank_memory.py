@@ -22,6 +22,7 @@ __all__ = [
     "boundary_bytes",
     "cached_weight_bytes",
     "capped_score_bytes",
+    "context_distance_bytes",
     "head_activation_bytes",
     "head_transient_bytes",
     "mask_kinds",
@@ -29,7 +30,9 @@ __all__ = [
     "model_state_bytes",
     "params_per_rank",
     "recompute_working_bytes",
+    "replay_forward_bytes",
     "replay_gradient_bytes",
+    "replay_mask_bytes",
     "rope_position_bytes",
     "shared_mask_bytes",
     "stage_params_per_rank",
@@ -237,6 +240,34 @@ def shared_mask_bytes(shape: ModelShape, plan: Plan) -> float:
     return attention_bias_bytes(shape, plan)
 
 
+def context_distance_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Under full recomputation with context parallelism, what a micro-batch's documents object keeps on a rank
+    from its first forward to its last backward there (the checkpoints hold the object for their replays):
+    `ContextDocuments.distance`, the query's minus the key's global index, [s/c, s] int64 (8·s²/c bytes,
+    whatever b). The other runs drop the object after the forward (the layers keep only its masks). No saved
+    tensor (the activation row does not count it); `tessera.memory` charges it to the rank's first stage with
+    blocks per micro-batch in flight. Read off the dry run's live tensors (docs/memory.md, "Full recomputation's
+    moments"). 0 otherwise."""
+    if plan.recompute != "full" or plan.cp <= 1:
+        return 0.0
+    return 8.0 * (shape.seq_len // plan.cp) * shape.seq_len
+
+
+def replay_mask_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Under full recomputation, the masks a micro-batch's replays build again on a rank and keep in its masks
+    object (`AttentionMasks`, which the checkpoints hold) until the micro-batch's last backward there: the
+    additive masks (`attention_bias_bytes`: the documents' or a context rank's, else Gemma 3's local band), and
+    with documents or context parallelism the boolean mask they are cut from (`Documents.mask`, [b, 1, L, S], one
+    byte an element; b/q sequences on a 2D rank; the band's boolean is a temporary). 0 otherwise."""
+    if plan.recompute != "full":
+        return 0.0
+    bias = attention_bias_bytes(shape, plan)
+    if not (plan.document_mask or plan.cp > 1):
+        return bias
+    s = shape.seq_len
+    return bias + _rank_sequences(plan) * (s // plan.cp) * s
+
+
 def rope_position_bytes(shape: ModelShape, plan: Plan) -> float:
     """Bytes per layer of the RoPE tables gathered at each token's position in its document (`Plan.document_mask`;
     `tessera.model.layers.Rope`): cos and sin, [b, 1, s, hd/2] each in fp32, a fresh gather per layer that the
@@ -400,18 +431,64 @@ def replay_gradient_bytes(shape: ModelShape, plan: Plan) -> float:
     return mlp + entry
 
 
+def replay_forward_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Under full recomputation on the 2D grid, what a replayed block holds beyond the tensors its replay saves
+    at its forward's fullest moment, and the upstream gradient, 0 otherwise. The replay runs inside the block's
+    last backward node (the MLP output Linear's, whose saved tensors its unpacking recomputes); a SUMMA product is
+    a custom autograd Function, whose saved tensors are packed only once its forward has returned, so the replay
+    (which stops once the last of them is packed) runs that Linear's SUMMA whole. Alive then, [N/q, ·] blocks of
+    the rank's N = s·b tokens (s/c with context parallelism):
+
+    - the block's forward locals: the attention norm's output, the attention's output (the output Linear's, in
+      the compute dtype or fp32 where its bias is added after the product; a post-norm's, fp32), the residual
+      after attention and the MLP norm's output, the stream dtype, [N/q, h/q] each (the 2D norm's output is
+      fp32, its weight promotes it);
+    - the SUMMA (`tensor_2d._summa_ab`): its output [N/q, h/q] and the two broadcast slots of each operand
+      (`_broadcast_blocks`), the MLP product's [N/q, f/q] and the weight's [f/q, h/q], in the compute dtype;
+    - the block's upstream gradient, [N/q, h/q] in the stream dtype, and under autocast its compute-dtype cast
+      for the MLP output Linear's backward (the 2D norm saves its normalised tensor, not the block's input, so
+      unlike 1D no saved tensor counted twice stands for the gradient).
+
+    The replay's backward moment (`replay_gradient_bytes`) holds the same upstream gradient (not its cast) and
+    the MLP's gradients instead of the locals and the SUMMA's buffers: `recompute_working_bytes` takes the
+    larger. Read off the dry run's live tensors (docs/memory.md, "Full recomputation's moments"): until
+    2026-12-03 the 2D estimate was 6.1 % under the dry run (Llama, 4 layers, h 256, s 256, tensor 2×2, bf16)."""
+    if plan.recompute != "full" or plan.tp_kind != "2d" or plan.q < 2:
+        return 0.0
+    fam, c, r = shape.features, plan.act_bytes, plan.stream_bytes
+    rows = shape.seq_len // plan.cp * plan.micro_batch / plan.q  # N/q: the tokens of this rank's grid row
+    h, f = shape.d_model / plan.q, shape.ffn_hidden / plan.q
+    attention_out = r if fam.post_norms else _output_bytes(plan, fam.out_bias)
+    local = (3 * r + attention_out) * rows * h
+    summa = c * (rows * h + 2 * rows * f + 2 * f * h)
+    cast = c if c < r else 0
+    return local + summa + (r + cast) * rows * h
+
+
+def _replay_upstream_bytes(shape: ModelShape, plan: Plan) -> float:
+    """The upstream gradient of a replayed 2D block at its backward moment ([N/q, h/q], stream dtype; see
+    `replay_forward_bytes`), 0 elsewhere (1D and one rank: the replay's input, counted twice, stands for it)."""
+    if plan.recompute != "full" or plan.tp_kind != "2d" or plan.q < 2:
+        return 0.0
+    return plan.stream_bytes * shape.seq_len // plan.cp * plan.micro_batch * shape.d_model / plan.tp
+
+
 def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
     """A recomputed block's moment in its backward, beyond what the rank keeps for it (0 without recomputation):
     its un-checkpointed activations (`activation_bytes_per_layer`'s "none" count), and under full recomputation
-    the gradients in flight (`replay_gradient_bytes`) and, where autocast's cache does not hold the weight copies
-    through the step (ZeRO-3 clears it at every FREE, `_cache_holds_copies`), the block's compute-dtype weight
-    copies that its replay makes again (`autocast_weight_bytes_per_layer`). The direct loop's replay runs after
-    its forward's autocast region, so it makes them too (`tessera.memory` adds them there). Under selective
-    recomputation without documents a local layer's replayed core cuts its band again (`shared_mask_bytes`
-    keeps none); the masks full recomputation's replays build again `tessera.memory` adds beside this."""
+    the gradients in flight (`replay_gradient_bytes`; on the 2D grid with the upstream gradient, or the replayed
+    forward's SUMMA moment if larger, `replay_forward_bytes`) and, where autocast's cache does not hold the
+    weight copies through the step (ZeRO-3 clears it at every FREE, `_cache_holds_copies`), the block's
+    compute-dtype weight copies that its replay makes again (`autocast_weight_bytes_per_layer`). The direct
+    loop's replay runs after its forward's autocast region, so it makes them too (`tessera.memory` adds them
+    there). Under selective recomputation without documents a local layer's replayed core cuts its band again
+    (`shared_mask_bytes` keeps none); the masks full recomputation's replays build again `tessera.memory` adds
+    beside this (`replay_mask_bytes`)."""
     if plan.recompute == "none":
         return 0.0
-    working = activation_bytes_per_layer(shape, plan, recompute="none") + replay_gradient_bytes(shape, plan)
+    backward = replay_gradient_bytes(shape, plan) + _replay_upstream_bytes(shape, plan)
+    replay = max(backward, replay_forward_bytes(shape, plan))  # 2D: the replay's forward or its backward
+    working = activation_bytes_per_layer(shape, plan, recompute="none") + replay
     if plan.recompute == "full" and not _cache_holds_copies(plan):
         working += autocast_weight_bytes_per_layer(shape, plan)
     if plan.recompute == "selective" and not (plan.document_mask or plan.cp > 1):
