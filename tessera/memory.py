@@ -40,7 +40,6 @@ from tessera.planner.cost import (
     autocast_weight_bytes_per_layer,
     boundary_bytes,
     cached_weight_bytes,
-    context_distance_bytes,
     head_activation_bytes,
     head_transient_bytes,
     memory_per_rank,
@@ -673,9 +672,7 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     # a stage whose output goes to another rank keeps it for its backward (not saved by autograd); a micro-batch's
     # attention masks are one set per rank, shared by its stages (`PipelineEngine._documents`): built by the
     # first of them to run it, the rank's first stage with blocks, whose backward is the micro-batch's last here
-    # under full recomputation with context parallelism the checkpoints keep the documents object, and with it
-    # its [s/c, s] index distances, from the micro-batch's first forward on the rank to its last backward
-    mask = shared_mask_bytes(shape, cplan) + context_distance_bytes(shape, cplan)
+    mask = shared_mask_bytes(shape, cplan)
     first = min((s for s in psi if plan.stage_layers[s]), default=None)
     acts = {
         s: per_layer * plan.stage_layers[s]

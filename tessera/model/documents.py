@@ -69,9 +69,13 @@ class AttentionMasks:
     positions: torch.Tensor | None = None
     """Each token's position [b, s] (within its document, or under context parallelism its global index), which
     RoPE and learned position tables read; None here: positions 0..s-1, the tables' leading rows."""
-    distance: torch.Tensor | None = None
-    """Query's minus key's global index [L, S] when the keys are not the queries' own positions in order
-    (context parallelism: `tessera.parallel.context.ContextDocuments`); None where they are."""
+    indices: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The queries' and the keys' global indices, int64 [L] and [S], when the keys are not the queries' own
+    positions in order (context parallelism: `tessera.parallel.context.ContextDocuments`); None where they are.
+    Two vectors, not their [L, S] difference: the checkpoints of full recomputation keep this object from a
+    micro-batch's first forward to its last backward, and an int64 [s/c, s] was 8·s²/c bytes (17.2 GB at
+    s = 128K, c = 8) per micro-batch in flight. The masks compare the vectors by broadcasting, straight into
+    booleans (`band_mask`, `Documents.mask`)."""
 
     def __init__(self) -> None:
         self._biases: dict[tuple[int | None, torch.dtype, int, int], torch.Tensor] = {}
@@ -85,7 +89,7 @@ class AttentionMasks:
         for global layers (causal attention needs no mask), the band [L, S] for a window (`band_mask`)."""
         if window is None:
             return None
-        return band_mask(L, S, window, device, self.distance)  # [L, S]
+        return band_mask(L, S, window, device, self.indices)  # [L, S]
 
     def bias(
         self, window: int | None, dtype: torch.dtype, L: int, S: int, device: torch.device
@@ -127,27 +131,32 @@ class Documents(AttentionMasks):
         self.positions = positions  # positions: [b, s]
         self._mask: torch.Tensor | None = None
 
-    def back(self) -> torch.Tensor:
-        """How far each key lies before each query, [L, S] (i − j; by global index under context parallelism)."""
-        if self.distance is not None:
-            return self.distance  # [s/c, s]
-        index = torch.arange(self.positions.shape[1], device=self.positions.device)
-        return index[:, None] - index[None, :]  # [s, s]
+    def _query_key(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries' and keys' global indices, int64 [L] and [S]: ``indices``, else 0..s-1 for both."""
+        if self.indices is not None:
+            return self.indices  # [s/c], [s]
+        index = torch.arange(self.positions.shape[1], device=self.positions.device)  # index: [s]
+        return index, index
 
     @property
     def mask(self) -> torch.Tensor:
         if self._mask is None:
-            back = self.back()  # back: [L, S]
-            # key j is visible to query i iff 0 <= i - j <= p_i: itself and its own document's earlier tokens
-            self._mask = ((back >= 0) & (back <= self.positions[:, :, None])).unsqueeze(1)  # [b, 1, L, S]
+            query, key = self._query_key()  # query: [L], key: [S]
+            # key j is visible to query i iff 0 <= i - j <= p_i, i.e. i - p_i <= j <= i: itself and its own
+            # document's earlier tokens; compared by broadcasting into booleans (1 byte an element), never an
+            # [L, S] of distances (int64: 8)
+            first = query - self.positions  # first: [b, L], global index of each query's document's start
+            mask = key >= first[:, :, None]  # mask: [b, L, S]
+            mask &= key <= query[:, None]  # the causal [L, S] broadcast over b
+            self._mask = mask.unsqueeze(1)  # [b, 1, L, S]
         return self._mask
 
     def allowed(self, window: int | None, L: int, S: int, device: torch.device) -> torch.Tensor:
         """`mask` [b, 1, L, S], with a sliding window's band ANDed in (within a document the distance is the
-        window's); L, S and device are the documents' own (their positions and distances fix them)."""
+        window's); L, S and device are the documents' own (their positions and indices fix them)."""
         if window is None:
             return self.mask  # [b, 1, L, S]
-        return self.mask & band_mask(L, S, window, device, self.distance)  # [b, 1, L, S]
+        return self.mask & band_mask(L, S, window, device, self.indices)  # [b, 1, L, S]
 
     def release(self) -> None:
         super().release()
@@ -155,16 +164,24 @@ class Documents(AttentionMasks):
 
 
 def band_mask(
-    L: int, S: int, window: int, device: torch.device | None = None, distance: torch.Tensor | None = None
+    L: int,
+    S: int,
+    window: int,
+    device: torch.device | None = None,
+    indices: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal sliding-window mask [L, S] (True: may attend) for L queries that are the last L of S positions
     (cached decoding: L < S): query position i sees key j iff i - window < j <= i, transformers'
     ``sliding_window_overlay`` (kv_idx > q_idx - sliding_window) on its causal mask. Within a document (document
     masking) the distance i - j is the same as in the window, so the band and the document mask combine by AND.
-    ``distance`` [L, S] (i - j by global index: context parallelism's queries and gathered keys) replaces the
-    last-L-of-S frame."""
-    if distance is not None:
-        return (distance >= 0) & (distance < window)  # [L, S]
+    ``indices`` (the queries' [L] and keys' [S] global indices: context parallelism's queries and gathered keys)
+    replaces the last-L-of-S frame."""
+    if indices is not None:
+        query, key = indices  # query: [L], key: [S]
+        # the same inequality by broadcasting two index vectors into booleans, no [L, S] of int64 distances
+        band = key <= query[:, None]  # band: [L, S]
+        band &= key > query[:, None] - window
+        return band  # [L, S]
     # diagonals of a boolean [L, S] (1 byte an element) rather than an int64 [L, S] of distances (8): query i sits
     # at position S - L + i and sees keys j with S - L + i - window < j <= S - L + i
     return torch.ones(L, S, dtype=torch.bool, device=device).tril(S - L).triu_(S - L - window + 1)  # [L, S]
@@ -175,4 +192,5 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     additive one is returned as it is if already in ``dtype``."""
     if mask.dtype != torch.bool:
         return mask if mask.dtype == dtype else mask.to(dtype)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    # −inf, then 0 where allowed: the same values as zeros filled at ~mask, without that boolean copy of the mask
+    return torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)

@@ -223,17 +223,17 @@ class AttentionCore(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         mask: torch.Tensor | None = None,
-        distance: torch.Tensor | None = None,
+        indices: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``distance`` [L, S]: each query's minus each key's global index, where the keys are not the last S
-        positions in order (context parallelism); the window's band is cut from it. ``mask`` is then given."""
+        """``indices``: the queries' [L] and keys' [S] global indices, where the keys are not the last S
+        positions in order (context parallelism); the window's band is cut from them. ``mask`` is then given."""
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=1)  # k: [b, nh, S, hd]
             v = v.repeat_interleave(n_rep, dim=1)  # v: [b, nh, S, hd]
         L, S = q.shape[2], k.shape[2]
         if self.window is not None and (mask is None or mask.dtype == torch.bool):
-            band = band_mask(L, S, self.window, q.device, distance)  # band: [L, S]
+            band = band_mask(L, S, self.window, q.device, indices)  # band: [L, S]
             mask = band if mask is None else mask & band  # [b, 1, L, S] with documents
         if self.softcap is not None:
             return self._capped(q, k, v, mask)  # [b, nh, L, hd]

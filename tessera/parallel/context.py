@@ -72,17 +72,19 @@ class ContextDocuments(Documents):
 
     ``positions`` [b, s/c]: each local token's position within its document, or (no document masking) its
     global index; either way query i sees key j iff 0 <= g_i − g_j <= p_i, with g the global indices: itself
-    and the earlier tokens of its document (its whole prefix when p_i = g_i). ``distance`` [s/c, s] is
-    g_i − g_j, from which the mask and a sliding window's band are cut (`Documents.mask`, `Documents.bias`:
-    [b, 1, s/c, s], built once per micro-batch and kind and shared by the layers)."""
+    and the earlier tokens of its document (its whole prefix when p_i = g_i). ``indices`` holds g of the
+    queries [s/c] and of the gathered keys [s], which the mask and a sliding window's band compare by
+    broadcasting (`Documents.mask`, `Documents.bias`: [b, 1, s/c, s], built once per micro-batch and kind and
+    shared by the layers)."""
 
     def __init__(self, positions: torch.Tensor, group: dist.ProcessGroup) -> None:
         super().__init__(positions)  # positions: [b, s/c]
         self.group = group
         c, rank = comm.group_size(group), dist.get_rank(group)
         s, device = positions.shape[1] * c, positions.device
-        query = context_indices(s, c, rank, device)  # query: [s/c]
-        self.distance = query[:, None] - key_indices(s, c, device)[None, :]  # [s/c, s]
+        # the masks compare these two vectors (`Documents.mask`, `band_mask`); the checkpoints of full
+        # recomputation keep this object until the micro-batch's last backward, so no [s/c, s] is kept here
+        self.indices = (context_indices(s, c, rank, device), key_indices(s, c, device))  # [s/c], [s]
 
     def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """All-gather k, v [b, nkv, s/c, hd] over the context group → [b, nkv, s, hd] (ranks' tokens in

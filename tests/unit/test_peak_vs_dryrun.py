@@ -352,7 +352,7 @@ FULL_CASES = {  # name: (world size, rank, parallel section, train section, mode
     # the 2D replay runs the MLP output Linear's SUMMA whole: its broadcast slots beside the forward's locals and
     # the upstream gradient (-6.1 %); the layered rank keeps each stage's input and its gradient (below)
     "tp2x2_bf16": (4, 0, {"tensor": "2x2"}, {"global_batch": 16}, {}),
-    # a context rank: each micro-batch's replayed masks and its index distances, kept by the checkpoints until
+    # a context rank: each micro-batch's replayed masks, kept by the checkpoints until
     # its last backward on the rank (-12.5 %)
     "cp2_tp2sp_dp2_zero3_bf16": (
         8,

@@ -22,7 +22,6 @@ __all__ = [
     "boundary_bytes",
     "cached_weight_bytes",
     "capped_score_bytes",
-    "context_distance_bytes",
     "head_activation_bytes",
     "head_transient_bytes",
     "mask_kinds",
@@ -238,19 +237,6 @@ def shared_mask_bytes(shape: ModelShape, plan: Plan) -> float:
     if plan.recompute == "selective" and not (plan.document_mask or plan.cp > 1):
         return 0.0
     return attention_bias_bytes(shape, plan)
-
-
-def context_distance_bytes(shape: ModelShape, plan: Plan) -> float:
-    """Under full recomputation with context parallelism, what a micro-batch's documents object keeps on a rank
-    from its first forward to its last backward there (the checkpoints hold the object for their replays):
-    `ContextDocuments.distance`, the query's minus the key's global index, [s/c, s] int64 (8·s²/c bytes,
-    whatever b). The other runs drop the object after the forward (the layers keep only its masks). No saved
-    tensor (the activation row does not count it); `tessera.memory` charges it to the rank's first stage with
-    blocks per micro-batch in flight. Read off the dry run's live tensors (docs/memory.md, "Full recomputation's
-    moments"). 0 otherwise."""
-    if plan.recompute != "full" or plan.cp <= 1:
-        return 0.0
-    return 8.0 * (shape.seq_len // plan.cp) * shape.seq_len
 
 
 def replay_mask_bytes(shape: ModelShape, plan: Plan) -> float:
