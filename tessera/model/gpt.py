@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.model.family import GPT as PLAN
-from tessera.model.layers import Attention, Block, Head, TransformerLM
+from tessera.model.layers import Attention, Block, Head, Linear, TransformerLM
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
@@ -43,8 +43,8 @@ class GPTMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.ffn, bias=PLAN.mlp_bias)
-        self.proj = nn.Linear(cfg.ffn, cfg.d_model, bias=PLAN.mlp_bias)
+        self.fc = Linear(cfg.d_model, cfg.ffn, bias=PLAN.mlp_bias)
+        self.proj = Linear(cfg.ffn, cfg.d_model, bias=PLAN.mlp_bias)
 
     @staticmethod
     def activate(x: torch.Tensor) -> torch.Tensor:

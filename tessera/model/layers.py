@@ -24,6 +24,7 @@ from torch import nn
 
 from tessera.model.documents import AttentionMasks, Documents, additive_mask, band_mask
 from tessera.model.targets import check_reduction
+from tessera.parallel.precision import cast_weight
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
@@ -49,6 +50,17 @@ __all__ = [
     "rope_tables",
     "soft_cap",
 ]
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight and bias reach F.linear through `precision.cast_weight` inside tessera's autocast
+    region: the one compute-dtype copy per region, but a cast node per call, so the weight's compute-dtype
+    gradient is cast to fp32 and accumulated right after this call's backward instead of waiting for the node
+    autocast's cache shares between micro-batches (docs/memory.md, "Mixed precision"). Same parameters and state
+    dict as nn.Linear; the same numbers (autocast would make the same copy)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [.., in] -> [.., out]
+        return F.linear(x, cast_weight(self.weight), cast_weight(self.bias))
 
 
 class RMSNorm(nn.Module):
@@ -369,10 +381,10 @@ class Attention(nn.Module):
         super().__init__()
         h, hd = cfg.d_model, cfg.head_size
         self.head_dim = hd
-        self.wq = nn.Linear(h, cfg.n_heads * hd, bias=bias)
-        self.wk = nn.Linear(h, cfg.kv_heads * hd, bias=bias)
-        self.wv = nn.Linear(h, cfg.kv_heads * hd, bias=bias)
-        self.wo = nn.Linear(cfg.n_heads * hd, h, bias=bias if out_bias is None else out_bias)
+        self.wq = Linear(h, cfg.n_heads * hd, bias=bias)
+        self.wk = Linear(h, cfg.kv_heads * hd, bias=bias)
+        self.wv = Linear(h, cfg.kv_heads * hd, bias=bias)
+        self.wo = Linear(cfg.n_heads * hd, h, bias=bias if out_bias is None else out_bias)
         self.q_norm = RMSNorm(hd, cfg.norm_eps, norm_offset) if qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps, norm_offset) if qk_norm else None
         self.core = AttentionCore(_attention_scale(cfg), cfg.attn_softcap, window)
@@ -445,7 +457,7 @@ class Head(nn.Module):
     def __init__(self, norm: nn.Module, d_model: int, vocab_size: int, softcap: float | None = None) -> None:
         super().__init__()
         self.norm, self.softcap = norm, softcap
-        self.out = nn.Linear(d_model, vocab_size, bias=False)
+        self.out = Linear(d_model, vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return soft_cap(self.out(self.norm(x)), self.softcap)  # x: [b, s, h] -> [b, s, V]

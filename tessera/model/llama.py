@@ -10,7 +10,7 @@ from torch import nn
 
 from tessera.model.family import LLAMA as PLAN
 from tessera.model.family import FamilyPlan
-from tessera.model.layers import Attention, Block, Head, RMSNorm, Rope, TransformerLM
+from tessera.model.layers import Attention, Block, Head, Linear, RMSNorm, Rope, TransformerLM
 
 if TYPE_CHECKING:
     from tessera.config import ModelConfig
@@ -36,9 +36,9 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, bias: bool = PLAN.mlp_bias) -> None:
         super().__init__()
-        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn, bias=bias)
-        self.w_up = nn.Linear(cfg.d_model, cfg.ffn, bias=bias)
-        self.w_down = nn.Linear(cfg.ffn, cfg.d_model, bias=bias)
+        self.w_gate = Linear(cfg.d_model, cfg.ffn, bias=bias)
+        self.w_up = Linear(cfg.d_model, cfg.ffn, bias=bias)
+        self.w_down = Linear(cfg.ffn, cfg.d_model, bias=bias)
 
     @staticmethod
     def activate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

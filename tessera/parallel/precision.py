@@ -18,6 +18,9 @@ from inside the C++ kernels of linear, mm, ...; `torch.library.register_autocast
 `cast_operand` keeps the same cache for them with the same lifetime: filled inside an `autocast` region, emptied
 when the region exits and by `clear_weight_casts`, which clears autocast's own cache with it (the one call the
 runtime makes at FREE). The memory estimate counts both alike (`autocast_weight_bytes`, docs/memory.md).
+The 1D Linears take their weights through `cast_weight` (the same cache) rather than leaving the cast to autocast:
+autocast's cached copy comes with one autograd node for the whole region, which held each stage's bf16 weight
+gradients until its backward ended; `cast_operand` gives every call a node of its own over the shared copy.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ __all__ = [
     "DynamicLossScaler",
     "autocast",
     "cast_operand",
+    "cast_weight",
     "clear_weight_casts",
     "compute_dtype",
     "reduce_dtype",
@@ -132,6 +136,23 @@ class _CachedCast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad.to(ctx.dtype), None
+
+
+def cast_weight(w: torch.Tensor | None) -> torch.Tensor | None:
+    """A weight (or bias) for F.linear inside an `autocast` region: its shared compute-dtype copy through a node of
+    this call's own (`cast_operand`); anything else, or outside a region, unchanged (autocast casts it as before).
+
+    Why not leave the cast to autocast: its cache hands every call of the region the same copy *and the same*
+    ToCopyBackward node, made by the step's first forward. In the schedule runtime (one region per step) that node
+    is older than every node of a later micro-batch's backward, and the engine runs ready nodes newest first, so
+    each Linear's bf16 weight gradient waited for it until the stage's backward ended: the stage's bf16 weight
+    gradients (2 bytes per parameter) were alive together. With a node per call each is cast to fp32 and
+    accumulated as soon as its Linear's backward has run; the copy is still made once per region.
+    """
+    if w is None or _WeightCasts.casts is None or not torch.is_autocast_enabled(w.device.type):
+        return w
+    dtype = torch.get_autocast_dtype(w.device.type)
+    return cast_operand(w, dtype) if _is_cached_weight(w, dtype) else w
 
 
 def _is_cached_weight(t: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -39,6 +39,7 @@ from torch import nn
 from tessera import comm
 from tessera.model.layers import soft_cap
 from tessera.model.targets import check_reduction, kept
+from tessera.parallel.precision import cast_weight
 from tessera.parallel.ring_1d import ring_gathered_linears, ring_row_parallel
 
 __all__ = [
@@ -156,7 +157,8 @@ def column_parallel(
             return ring_gathered_linears(x, SEQ_DIM, group, params)
         return _GatheredLinears.apply(x, group, *params)
     x = comm.copy_to_region(x, group)  # backward: all-reduce
-    return tuple(F.linear(x, lin.weight, lin.bias) for lin in linears)
+    # a cast node per call (precision.cast_weight): each weight's bf16 gradient is consumed after its backward
+    return tuple(F.linear(x, cast_weight(lin.weight), cast_weight(lin.bias)) for lin in linears)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -258,7 +260,7 @@ def row_parallel(
     """
     if tp_comm_overlap and sequence_parallel and comm.group_size(group) > 1:
         return ring_row_parallel(x, weight, SEQ_DIM, group)  # [b, s/t, out]
-    y = F.linear(x, weight)  # y: [b, s, out], a partial sum
+    y = F.linear(x, cast_weight(weight))  # y: [b, s, out], a partial sum
     return exit_tensor_region(y, group, sequence_parallel)  # [b, s, out] or [b, s/t, out]
 
 
