@@ -343,8 +343,18 @@ def block_2d(shape: ModelShape, m: float, q: int, elem: int, stream: int | None 
 def replayed_2d(
     shape: ModelShape, m: float, q: int, elem: int, stream: int | None = None
 ) -> list[Collective]:
-    """What full checkpointing replays per block before its backward: the block's forward collectives."""
-    return [c for c in block_2d(shape, m, q, elem, stream) if c.phase == FORWARD]
+    """What full checkpointing replays per block before its backward: the block's forward collectives but the
+    MLP output Linear's SUMMA broadcasts, unless a post-norm saves that Linear's output (`replays_mlp_exit`).
+    The replay stops once that Linear's saved input and weight are packed, before its SUMMA runs
+    (`tensor_2d._SavedAB`)."""
+    forward = [c for c in block_2d(shape, m, q, elem, stream) if c.phase == FORWARD]
+    if replays_mlp_exit(shape):
+        return forward
+    exit_ = shape.block_linears()[-1]  # the MLP's output Linear, the block's last (column before row)
+    skipped = summa("ab", m, exit_.d_in, exit_.d_out, q, elem)
+    for c in skipped:  # the last equal one: the exit's, the block's last forward product
+        del forward[len(forward) - 1 - forward[::-1].index(c)]
+    return forward
 
 
 def embedding_2d(

@@ -32,6 +32,9 @@ LAYOUTS = {  # name: (processes, parallel section)
         {"tensor": 2, "sequence_parallel": True, "tp_comm_overlap": True, "checkpointing": "full"},
     ),
     "tp2x2": (4, {"tensor": "2x2"}),
+    # full recomputation on the grid: the post-norm saves the MLP exit's output, so the replay runs its SUMMA
+    # (the saved operands, tensor_2d._SavedAB, are read by the product's backward either way)
+    "tp2x2_full": (4, {"tensor": "2x2", "checkpointing": "full"}),
     "pp2_tied": (2, {"pipeline": 2, "schedule": "1f1b"}),
     "dp2_zero3": (2, {"data": 2, "zero": 3}),
 }

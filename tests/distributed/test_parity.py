@@ -46,6 +46,9 @@ LAYOUTS = {  # name: (processes, parallel section)
             "checkpointing": "full",
         },
     ),
+    # 2D 2×2 with full recomputation: the replay stops before each block's MLP output Linear's SUMMA, its
+    # operands saved before the broadcasts (tensor_2d._SavedAB); the product's backward reads them from there
+    "tp2x2_full": (4, {"tensor": "2x2", "checkpointing": "full"}),
 }
 
 

@@ -155,6 +155,39 @@ def test_1d_tensor_traffic_equals_the_dry_run_over_the_toggles(
         assert {k: formula.get(k) for k in tensor_axis} == {k: measured.get(k) for k in tensor_axis}, rank
 
 
+PLACES_2D = {  # where 2D 2×2 blocks run: (world size, parallel section besides the grid, model section)
+    "direct": (4, {}, {}),
+    "pp2_bf16": (8, {"pipeline": 2}, {}),  # the train section's dtype is set below for this place
+    "dp2_zero3": (8, {"data": 2, "zero": 3}, {}),
+    # Gemma's post-norms save each sublayer's output: full recomputation replays the MLP exit's SUMMA too
+    "gemma2": (4, {}, {"size": "gemma2-tiny"}),
+    "gemma3_pp2": (8, {"pipeline": 2}, {"size": "gemma3-tiny", "n_layers": 4}),
+}
+
+
+@pytest.mark.parametrize("checkpointing", CHECKPOINTING)
+@pytest.mark.parametrize("place", list(PLACES_2D))
+def test_2d_tensor_traffic_equals_the_dry_run_over_the_toggles(place: str, checkpointing: str) -> None:
+    """Every 2D (2×2 SUMMA) collective a step issues, by kind, equals `traffic`'s formulas to the byte over
+    checkpointing × where the blocks run. Full recomputation replays a block's forward collectives but the MLP
+    output Linear's SUMMA broadcasts (`traffic.replayed_2d`), unless a post-norm saves its output (Gemma): the
+    product once saved its operands after its broadcasts, so each replay broadcast the exit's blocks again."""
+    world, parallel, model = PLACES_2D[place]
+    train = {"global_batch": 8, "micro_batch": 2, **({"dtype": "bf16"} if "bf16" in place else {})}
+    raw = {
+        "model": {"size": "llama-tiny", **model},
+        "parallel": {**parallel, "tensor": "2x2", "checkpointing": checkpointing},
+        "train": train,
+    }
+    cfg = from_dict(raw)
+    for rank in default_ranks(Layout.from_config(cfg.parallel, world)):
+        measured = measured_by_axis(dry_run(cfg, world, rank))
+        formula = formula_traffic(cfg, world, rank)
+        tensor_axis = {k for k in measured.keys() | formula.keys() if k[1] == "tensor"}
+        assert ("broadcast", "tensor") in measured, "the layout is not 2D"
+        assert {k: formula.get(k) for k in tensor_axis} == {k: measured.get(k) for k in tensor_axis}, rank
+
+
 @pytest.mark.parametrize("zero", [2, 3])
 def test_bf16_gradient_reduction_halves_the_reduce_scatter_bytes(zero: int) -> None:
     """train.grad_reduce_dtype = "bf16": the dry run counts 2-byte reduce-scatters and the formula

@@ -35,6 +35,7 @@ from tessera.planner.cost import (
     pp_p2p_volume,
     recompute_working_bytes,
     reduce_scatter_time,
+    replay_exit_backward_bytes,
     replay_forward_bytes,
     replay_gradient_bytes,
     stage_time,
@@ -427,9 +428,10 @@ def test_memory_per_rank_components() -> None:
     assert head_transient_bytes(shape, plain) > 0
 
 
-def test_a_2d_replay_holds_its_forwards_locals_and_summa_buffers() -> None:
-    # full recomputation on a 2x2 grid under bf16 autocast (Llama, h 256, f 704, s 256, b 2): the replay runs the
-    # MLP output Linear's SUMMA whole; alive beyond what the replay saves, in [N/q, .] blocks (N/q = 256 tokens):
+def test_a_2d_replays_moments_are_its_forward_and_its_mlp_exits_backward() -> None:
+    # full recomputation on a 2x2 grid under bf16 autocast (Llama, h 256, f 704, s 256, b 2), in [N/q, .] blocks
+    # (N/q = 256 tokens): the replay stops before the MLP output Linear's SUMMA (tensor_2d._SavedAB), so its
+    # forward holds, beyond what it saves, only the block's locals and the upstream gradient ...
     shape = ModelShape(
         family="llama",
         n_layers=4,
@@ -446,19 +448,25 @@ def test_a_2d_replay_holds_its_forwards_locals_and_summa_buffers() -> None:
     local = (
         (4 + 2 + 4 + 4) * rows * h
     )  # attention norm's output, wo's bf16 output, the residual, MLP norm's output
-    summa = 2 * (
-        rows * h + 2 * rows * f + 2 * f * h
-    )  # its output, two slots of the product and of the weight
     upstream = (4 + 2) * rows * h  # the block's fp32 gradient and its bf16 cast for w_down's backward
-    assert replay_forward_bytes(shape, plan) == local + summa + upstream
-    # the backward's moment (the MLP's gradients, the upstream fp32 gradient) is smaller here: working takes the
-    # forward's; 1D has no such moment (the replay stops once F.linear has saved its input)
-    backward = replay_gradient_bytes(shape, plan) + 4 * rows * h
-    assert backward < local + summa + upstream
+    assert replay_forward_bytes(shape, plan) == local + upstream
+    # ... and the exit's backward is the fullest moment: dA (ABᵀ), AᵀB's two slots of the product, its q = 2
+    # partial weight gradients, beside the upstream gradient and its cast
+    exit_backward = 2 * (3 * rows * f + 2 * f * h) + upstream
+    assert replay_exit_backward_bytes(shape, plan) == exit_backward
+    backward = replay_gradient_bytes(shape, plan) + 4 * rows * h  # the MLP's gradients, the upstream gradient
+    assert max(backward, local + upstream) < exit_backward
     none = activation_bytes_per_layer(shape, replace(plan, recompute="none"))
-    assert recompute_working_bytes(shape, plan) == none + local + summa + upstream
+    assert recompute_working_bytes(shape, plan) == none + exit_backward
+    # Gemma 2's post-norm saves the exit's output: its replay runs that SUMMA whole (its output, two slots of
+    # the product and of the weight); a post-norm's attention output is fp32
+    gemma = replace(shape, family="gemma2")
+    summa = 2 * (rows * h + 2 * rows * f + 2 * f * h)
+    assert replay_forward_bytes(gemma, plan) == (3 * 4 + 4) * rows * h + summa + upstream
     assert replay_forward_bytes(shape, replace(plan, tp=2, tp_kind="1d", sequence_parallel=True)) == 0.0
+    assert replay_exit_backward_bytes(shape, replace(plan, tp=2, tp_kind="1d")) == 0.0
     assert replay_forward_bytes(shape, replace(plan, recompute="selective")) == 0.0
+    assert replay_exit_backward_bytes(shape, replace(plan, recompute="selective")) == 0.0
 
 
 def test_invalid_options_are_clear() -> None:

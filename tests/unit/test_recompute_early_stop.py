@@ -12,8 +12,11 @@ import pytest
 import torch
 from torch import nn
 
+from tessera.config import from_dict
 from tessera.config.sections import ModelConfig
+from tessera.dryrun import dry_run
 from tessera.model.build import build_model
+from tessera.parallel import tensor_2d
 from tessera.parallel.checkpointing import apply_checkpointing
 from tessera.planner.cost import ModelShape, Plan
 from tessera.planner.cost.compute import layer_time
@@ -52,6 +55,47 @@ def _linear_calls(family: str) -> dict[str, int]:
     logits = model(torch.randint(0, 256, (2, 16)))
     logits.float().sum().backward()
     return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3"])
+def test_2d_replay_skips_the_mlp_exits_summa(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the 2D grid (2×2, one rank's dry run) the replay stops before the MLP output Linear's SUMMA (its
+    operands are saved before it, `tensor_2d._SavedAB`): full checkpointing runs that product once per block and
+    micro-batch, every other block product twice; Gemma's post-norm saves its output, so there it runs twice."""
+    (full, shape), (none, _) = (_summa_ab_calls(family, ckpt, monkeypatch) for ckpt in ("full", "none"))
+    exit_operand = (shape.ffn_hidden // 2, shape.d_model // 2)  # w_down's block [f/q, h/q]
+    replayed = {key: full[key] - none.get(key, 0) for key in full}
+    assert none[exit_operand] == 2  # one block, two micro-batches: the exit's forward products
+    assert replayed.pop(exit_operand) == (2 if replays_mlp_exit(shape) else 0), replayed
+    # the block products (the head's logits backward, B = its [V/q, h/q] table, has more rows than any)
+    blocks = {key: n for key, n in none.items() if key != exit_operand and key[0] <= shape.ffn_hidden // 2}
+    assert blocks and all(replayed[key] == n for key, n in blocks.items()), (replayed, none)
+
+
+def _summa_ab_calls(
+    family: str, checkpointing: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[tuple[int, int], int], ModelShape]:
+    """`tensor_2d._summa_ab` calls of a one-block 2×2 step (rank 0's dry run), by the B operand's block shape;
+    and the model's shape."""
+    calls: dict[tuple[int, int], int] = {}
+    inner = tensor_2d._summa_ab
+
+    def counting(a: torch.Tensor, b: torch.Tensor, grid: tensor_2d.Grid2D) -> torch.Tensor:
+        calls[tuple(b.shape)] = calls.get(tuple(b.shape), 0) + 1
+        return inner(a, b, grid)
+
+    cfg = from_dict(
+        {
+            # f = 96: w_down's block [48, 16] is no other Linear's (Gemma's tiny f = 64 is its wo's width)
+            "model": {"size": f"{family}-tiny", "n_layers": 1, "ffn_hidden": 96},
+            "parallel": {"tensor": "2x2", "checkpointing": checkpointing},
+            "train": {"global_batch": 4, "micro_batch": 2},
+        }
+    )
+    with monkeypatch.context() as patch:  # undone before the next count wraps the original again
+        patch.setattr(tensor_2d, "_summa_ab", counting)
+        dry_run(cfg, 4, 0)
+    return calls, ModelShape.from_config(cfg.model)
 
 
 def test_planner_replays_the_forward_less_the_exit_gemm() -> None:

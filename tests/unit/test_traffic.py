@@ -25,7 +25,7 @@ from tessera.planner.cost import (
 from tessera.planner.cost import collectives as cost_collectives
 from tessera.planner.cost.volume import volume_of
 from tessera.planner.hardware import load_hardware
-from tessera.traffic import tensor_calls
+from tessera.traffic import FORWARD, tensor_calls
 
 LAYOUTS = {
     # 1D with sequence parallelism: re-gathers, replicated vectors' gradients, the loss's all-reduces
@@ -38,8 +38,12 @@ LAYOUTS = {
     # too (traffic.replays_mlp_exit), without and with SP
     "gemma2_tp2_full": (2, {"tensor": 2, "checkpointing": "full"}),
     "gemma2_tp2_sp_full": (2, {"tensor": 2, "sequence_parallel": True, "checkpointing": "full"}),
+    # ... and on the grid: the replay runs the MLP output Linear's SUMMA there, not for Llama (tp2x2_full)
+    "gemma2_tp2x2_full": (4, {"tensor": "2x2", "checkpointing": "full"}),
 }
-MODELS = {"gemma2_tp2_full": "gemma2-tiny", "gemma2_tp2_sp_full": "gemma2-tiny"}  # others: llama-tiny
+MODELS = {
+    name: "gemma2-tiny" for name in ("gemma2_tp2_full", "gemma2_tp2_sp_full", "gemma2_tp2x2_full")
+}  # others: llama-tiny
 
 
 def _planner_bytes(cfg, world: int, kind: str, monkeypatch: pytest.MonkeyPatch) -> float:
@@ -125,6 +129,24 @@ def test_published_2d_volume_and_the_runtime_traffic() -> None:
     # same input: three more activation-side SUMMA terms (weights are the same blocks either way)
     assert exact.broadcast == published.broadcast + 3 * (2 * q * act)
     assert exact.reduce == published.reduce + 3 * (q * act)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_2d_replay_drops_the_mlp_exits_summa_unless_a_post_norm_saves_it(family: str) -> None:
+    """Full recomputation on the grid replays the block's forward collectives but the MLP output Linear's two
+    SUMMA broadcasts (tensor_2d._SavedAB saves its operands before them); Gemma 2's post-norm saves that Linear's
+    output, so its replay keeps them. Hand-computed: q = 2, b = 4, s = 8 (m = 16 local tokens), h 32, f 96, bf16."""
+    shape = replace(_gpt(h=32), family=family, swiglu=True, ffn_hidden=96)
+    plan = Plan(tp=4, tp_kind="2d", micro_batch=4, dtype="bf16", recompute="full")
+    forward = volume_of([c for c in tensor_calls(shape, plan, "block") if c.phase == FORWARD])
+    replay = volume_of(tensor_calls(shape, plan, "replay"))
+    activations, weights = (
+        2 * 16 * (96 // 2) * 2,
+        2 * (96 // 2) * (32 // 2) * 2,
+    )  # q blocks each, row / column
+    dropped = 0 if family == "gemma2" else activations + weights
+    assert forward.broadcast - replay.broadcast == dropped
+    assert (replay.all_reduce, replay.reduce) == (forward.all_reduce, forward.reduce)
 
 
 def test_parts_are_named() -> None:

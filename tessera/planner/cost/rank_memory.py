@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from tessera.planner.cost.compute import layers_per_stage, rank_layers
 from tessera.planner.cost.plan import Plan
 from tessera.planner.cost.shape import ModelShape
+from tessera.traffic import replays_mlp_exit
 
 _FP32 = 4
 """Bytes of an fp32 element (the RMSNorm's upcast of its input, whatever the compute dtype)."""
@@ -29,6 +30,7 @@ __all__ = [
     "model_state_bytes",
     "params_per_rank",
     "recompute_working_bytes",
+    "replay_exit_backward_bytes",
     "replay_forward_bytes",
     "replay_gradient_bytes",
     "replay_mask_bytes",
@@ -420,25 +422,28 @@ def replay_gradient_bytes(shape: ModelShape, plan: Plan) -> float:
 def replay_forward_bytes(shape: ModelShape, plan: Plan) -> float:
     """Under full recomputation on the 2D grid, what a replayed block holds beyond the tensors its replay saves
     at its forward's fullest moment, and the upstream gradient, 0 otherwise. The replay runs inside the block's
-    last backward node (the MLP output Linear's, whose saved tensors its unpacking recomputes); a SUMMA product is
-    a custom autograd Function, whose saved tensors are packed only once its forward has returned, so the replay
-    (which stops once the last of them is packed) runs that Linear's SUMMA whole. Alive then, [N/q, ·] blocks of
-    the rank's N = s·b tokens (s/c with context parallelism):
+    last backward node (the MLP output Linear's, whose saved tensors its unpacking recomputes) and stops once the
+    last of them is packed: the product's operands are saved before its SUMMA (`tensor_2d._SavedAB`), so the
+    replay stops before that Linear's broadcasts and GEMMs, unless a post-norm saves its output (Gemma 2/3,
+    `traffic.replays_mlp_exit`), whose replay runs the SUMMA whole. Alive then, [N/q, ·] blocks of the rank's
+    N = s·b tokens (s/c with context parallelism):
 
     - the block's forward locals: the attention norm's output, the attention's output (the output Linear's, in
       the compute dtype or fp32 where its bias is added after the product; a post-norm's, fp32), the residual
       after attention and the MLP norm's output, the stream dtype, [N/q, h/q] each (the 2D norm's output is
       fp32, its weight promotes it);
-    - the SUMMA (`tensor_2d._summa_ab`): its output [N/q, h/q] and the two broadcast slots of each operand
-      (`_broadcast_blocks`), the MLP product's [N/q, f/q] and the weight's [f/q, h/q], in the compute dtype;
+    - where the replay runs the exit's SUMMA (`tensor_2d._summa_ab`): its output [N/q, h/q] and the two
+      broadcast slots of each operand (`_broadcast_blocks`), the MLP product's [N/q, f/q] and the weight's
+      [f/q, h/q], in the compute dtype;
     - the block's upstream gradient, [N/q, h/q] in the stream dtype, and under autocast its compute-dtype cast
       for the MLP output Linear's backward (the 2D norm saves its normalised tensor, not the block's input, so
       unlike 1D no saved tensor counted twice stands for the gradient).
 
-    The replay's backward moment (`replay_gradient_bytes`) holds the same upstream gradient (not its cast) and
-    the MLP's gradients instead of the locals and the SUMMA's buffers: `recompute_working_bytes` takes the
-    larger. Read off the dry run's live tensors (docs/memory.md, "Full recomputation's moments"): until
-    2026-12-03 the 2D estimate was 6.1 % under the dry run (Llama, 4 layers, h 256, s 256, tensor 2×2, bf16)."""
+    The replay's backward moments (`replay_exit_backward_bytes`, the exit's; `replay_gradient_bytes`, the MLP's)
+    hold the same upstream gradient and gradients and SUMMA buffers instead of the locals:
+    `recompute_working_bytes` takes the largest. Read off the dry run's live tensors (docs/memory.md, "Full
+    recomputation's moments"): until 2026-12-03 the 2D estimate was 6.1 % under the dry run (Llama, 4 layers,
+    h 256, s 256, tensor 2×2, bf16), when the replay still ran the exit's SUMMA."""
     if plan.recompute != "full" or plan.tp_kind != "2d" or plan.q < 2:
         return 0.0
     fam, c, r = shape.features, plan.act_bytes, plan.stream_bytes
@@ -446,9 +451,32 @@ def replay_forward_bytes(shape: ModelShape, plan: Plan) -> float:
     h, f = shape.d_model / plan.q, shape.ffn_hidden / plan.q
     attention_out = r if fam.post_norms else _output_bytes(plan, fam.out_bias)
     local = (3 * r + attention_out) * rows * h
-    summa = c * (rows * h + 2 * rows * f + 2 * f * h)
+    # the exit's SUMMA runs in the replay only where a post-norm saves its output (`tensor_2d._SavedAB`)
+    summa = c * (rows * h + 2 * rows * f + 2 * f * h) if replays_mlp_exit(shape) else 0.0
     cast = c if c < r else 0
     return local + summa + (r + cast) * rows * h
+
+
+def replay_exit_backward_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Under full recomputation on the 2D grid, what a replayed block's MLP output Linear's backward holds at its
+    fullest beyond the tensors the replay saves, 0 otherwise. Once the replay stops before that Linear's SUMMA
+    (`tensor_2d._SavedAB`), this is the replayed block's fullest moment: the weight gradient's AᵀB at its last
+    step, in the compute dtype,
+
+    - the input gradient dA = dC·Bᵀ (ABᵀ), [N/q, f/q], made first and alive until the node returns;
+    - AᵀB's two broadcast slots of the product A (`_broadcast_blocks`), [N/q, f/q] each;
+    - its q partial products [f/q, h/q], alive until their reduces down the column are awaited;
+
+    and the block's upstream gradient, [N/q, h/q] in the stream dtype, with its compute-dtype cast under
+    autocast. Read off the dry run's live tensors (docs/memory.md, "Full recomputation's moments"): without it
+    the 2D estimate fell 2.1 % under the dry run once the replay stopped before the exit."""
+    if plan.recompute != "full" or plan.tp_kind != "2d" or plan.q < 2:
+        return 0.0
+    c, r = plan.act_bytes, plan.stream_bytes
+    rows = shape.seq_len // plan.cp * plan.micro_batch / plan.q  # N/q: the tokens of this rank's grid row
+    h, f = shape.d_model / plan.q, shape.ffn_hidden / plan.q
+    cast = c if c < r else 0
+    return c * (3 * rows * f + plan.q * f * h) + (r + cast) * rows * h
 
 
 def _replay_upstream_bytes(shape: ModelShape, plan: Plan) -> float:
@@ -473,7 +501,8 @@ def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
     if plan.recompute == "none":
         return 0.0
     backward = replay_gradient_bytes(shape, plan) + _replay_upstream_bytes(shape, plan)
-    replay = max(backward, replay_forward_bytes(shape, plan))  # 2D: the replay's forward or its backward
+    # 2D: the larger of the replay's forward, its MLP output Linear's backward and the MLP's backward
+    replay = max(backward, replay_forward_bytes(shape, plan), replay_exit_backward_bytes(shape, plan))
     working = activation_bytes_per_layer(shape, plan, recompute="none") + replay
     if plan.recompute == "full" and not _cache_holds_copies(plan):
         working += autocast_weight_bytes_per_layer(shape, plan)
