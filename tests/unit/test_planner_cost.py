@@ -402,6 +402,40 @@ def test_activation_memory_korthikanti_table2() -> None:
         assert activation_bytes_per_layer(shape, plan) == pytest.approx(sbh * factor, rel=REL), plan
 
 
+def test_replay_backward_is_the_larger_of_its_two_moments() -> None:
+    """1D + SP under full recomputation: the MLP's moment (its input Linears' output gradients) or the entry's
+    backward (those gradients, every MLP tensor of the "none" count freed, the entry's [N, h] buffers), not their
+    sum; named tensor by tensor as read off the dry run (docs/memory.md, "Full recomputation's moments")."""
+    t, b = 2, 2
+    shape = replace(llama(), seq_len=256, d_model=256, ffn_hidden=704)
+    plan = Plan(tp=t, sequence_parallel=True, micro_batch=b, dtype="bf16", autocast=True, recompute="full")
+    n, h, f, c, r = 256 * b, 256, 704 / t, 2, 4  # tokens, hidden, the rank's ffn, bf16, the fp32 stream
+    mlp = 2 * c * n * f  # d(gate), d(up); d(product) stands for the freed product
+    # entry, at the loop's last Linear: d(gate), d(up); gathered input, its contiguous copy (r), the copy's cast,
+    # the part and the sum (c); gate, up, silu(gate) and product freed
+    loop = 2 * c * n * f - 4 * c * n * f + (2 * r + 3 * c) * n * h
+    assert loop > mlp
+    assert replay_gradient_bytes(shape, plan) == pytest.approx(loop, rel=REL)
+    # the MLP's moment is larger when the ffn is (no sum of the two)
+    wide = replace(shape, ffn_hidden=4096)
+    assert replay_gradient_bytes(wide, plan) == pytest.approx(2 * c * n * 4096 / t, rel=REL)
+    # one sequence: the gathered buffer is contiguous when flattened, so the reduce-scatter's moment is larger:
+    # gathered input, part, sum, the sum made contiguous and the rank's slice (f/t = 256 here)
+    one, narrow, n1, f1 = replace(plan, micro_batch=1), replace(shape, ffn_hidden=512), 256, 256
+    scatter = 2 * c * n1 * f1 - 4 * c * n1 * f1 + (r + 3 * c + c / t) * n1 * h
+    assert scatter > max(2 * c * n1 * f1, 2 * c * n1 * f1 - 4 * c * n1 * f1 + (r + 3 * c) * n1 * h)
+    assert replay_gradient_bytes(narrow, one) == pytest.approx(scatter, rel=REL)
+    # fp32 (c = r = 4): no cast of the gathered input, so the loop (input, copy, part, sum: 16 bytes a token and
+    # feature) is below the reduce-scatter (input, part, sum, contiguous sum, slice: 18)
+    fp32 = replace(plan, dtype="fp32")
+    assert replay_gradient_bytes(narrow, fp32) == pytest.approx(
+        -2 * 4 * n * f1 + (4 * 4 + 2) * n * h, rel=REL
+    )
+    # without SP only the MLP's moment
+    no_sp = replace(plan, sequence_parallel=False)
+    assert replay_gradient_bytes(shape, no_sp) == pytest.approx(mlp, rel=REL)
+
+
 def test_memory_per_rank_components() -> None:
     shape = gpt(L=8, h=256, a=8, s=128, V=1000)
     plan = Plan(dp=2, pp=2, tp=2, zero_stage=1, micro_batch=1, n_microbatches=4, recompute="full")

@@ -400,23 +400,66 @@ def _cache_holds_copies(plan: Plan) -> bool:
 
 
 def replay_gradient_bytes(shape: ModelShape, plan: Plan) -> float:
-    """Under full recomputation, what a replayed block's backward holds at its fullest beyond the tensors its
-    replay saves: at the MLP's activation backward, the gradient of the output Linear's input and one gradient
-    per input Linear's output (GELU: d(gelu out), d(fc out); SwiGLU/GeGLU: d(product), d(up), d(act(gate))),
-    [N, f/t] each in the compute dtype, while the output Linear's input, freed by that Linear's backward, is
-    gone: ``len(mlp_in)`` such tensors beyond the "none" count (N: the rank's tokens, s/c with context
-    parallelism; 2D: N/q·f/q, the same /t). The block's upstream gradient (fp32, [N, h]) is the replay's input
-    counted twice (the checkpoint's and the "none" count's norm input), so it adds nothing. With 1D sequence
-    parallelism the entry's backward (`tensor_1d._GatheredLinears`, which saved its fp32 shard) gathers its
-    input again and makes that input's gradient before reduce-scattering it: two [N, h] tensors of the whole
-    sequence in the stream dtype. Read off the dry run's live tensors (docs/memory.md, "Full recomputation's
-    moments"). 0 otherwise."""
+    """Under full recomputation, what a replayed block's backward holds at its fullest beyond the block's "none"
+    count (the tensors its replay saves): the larger of two moments, which do not overlap (0 otherwise). N: the
+    rank's tokens (s/c with context parallelism); c, r: the compute and stream dtypes' bytes.
+
+    - The MLP's activation backward: the gradient of the output Linear's input and one gradient per input
+      Linear's output (GELU: d(gelu out), d(fc out); SwiGLU/GeGLU: d(product), d(up), d(act(gate))), [N, f/t]
+      each in c, while the output Linear's input, freed by that Linear's backward, is gone: ``len(mlp_in)``
+      such tensors beyond the "none" count (2D: N/q·f/q, the same /t). The block's upstream gradient (fp32,
+      [N, h]) is the replay's input counted twice (the checkpoint's and the "none" count's norm input), so it
+      adds nothing.
+    - With 1D sequence parallelism, the entry's backward (`tensor_1d._GatheredLinears`, which saved its fp32
+      shard): by then every MLP tensor the "none" count names is freed (`_mlp_saved_bytes`), and alive are the
+      input Linears' output gradients (its inputs, ``len(mlp_in)`` × [N, f/t] in c) and `_entry_buffer_bytes`.
+
+    With `Plan.tp_comm_overlap` the entry and exit are rings (`tessera.parallel.ring_1d`) whose backward holds
+    sequence chunks, per-lane weight gradients and the exit's gathered outputs instead: not modelled, priced as
+    the entry's (the planner prices a layout's memory before it turns the rings on).
+    Read off the dry run's live tensors (docs/memory.md, "Full recomputation's moments"). Until 2026-12-03 the
+    two moments were added (the MLP's gradients and two [N, h] stream-dtype tensors for the entry): the 1D +
+    sequence-parallel rows +0.1 % to +3.3 % above the dry run, whose peak is at the entry's backward."""
     if plan.recompute != "full":
         return 0.0
     tokens = shape.seq_len // plan.cp * plan.micro_batch
-    mlp = len(shape.features.mlp_in) * plan.act_bytes * tokens * shape.ffn_hidden / plan.tp
-    entry = 2 * plan.stream_bytes * tokens * shape.d_model if _gathered(plan) else 0.0
-    return mlp + entry
+    grads = len(shape.features.mlp_in) * plan.act_bytes * tokens * shape.ffn_hidden / plan.tp
+    if not _gathered(plan):
+        return grads
+    entry = grads - _mlp_saved_bytes(shape, plan) + _entry_buffer_bytes(shape, plan)
+    return max(grads, entry)
+
+
+def _mlp_saved_bytes(shape: ModelShape, plan: Plan) -> float:
+    """The MLP's own saved tensors in a block's "none" count on a 1D rank, [N, f/t] each (SwiGLU: gate, up,
+    act(gate), their product in c; GELU: fc's output and the output Linear's input), all freed before the
+    sequence-parallel entry's backward (the norm's and the entry's saved tensors are not among them)."""
+    tokens = shape.seq_len // plan.cp * plan.micro_batch
+    per_token = (
+        4 * plan.act_bytes if shape.swiglu else _output_bytes(plan, shape.features.mlp_bias) + plan.act_bytes
+    )
+    return per_token * tokens * shape.ffn_hidden / plan.tp
+
+
+def _entry_buffer_bytes(shape: ModelShape, plan: Plan) -> float:
+    """The [N, h] tensors the sequence-parallel entry's backward (`tensor_1d._GatheredLinears.backward`) holds
+    at its fullest, the larger of two moments:
+
+    - the weight gradients' loop, at the last Linear's: the shard gathered again (r; `comm.all_gather` fills
+      an [s, b, h] buffer seen as [b, s, h]), its contiguous copy for the flattened product (r, only when b > 1:
+      with one sequence the view is already contiguous) and that copy's cast to the gradients' dtype (c, none
+      when c = r), the last Linear's input-gradient part and the running sum (c each; the part alone with one
+      input Linear);
+    - the reduce-scatter: the gathered input, the part and the sum as above, the sum made contiguous along the
+      sequence (c) and the rank's [N/t, h] slice (c).
+
+    Not counted: each input Linear's weight gradient ([f/t, h] in c, then fp32) while the loop runs."""
+    c, r = plan.act_bytes, plan.stream_bytes
+    tokens = shape.seq_len // plan.cp * plan.micro_batch
+    sums = c * (2 if len(shape.features.mlp_in) > 1 else 1)  # the last part and the running sum
+    loop = r + (r if plan.micro_batch > 1 else 0) + (c if c < r else 0) + sums
+    scatter = r + sums + c + c / plan.tp
+    return max(loop, scatter) * tokens * shape.d_model
 
 
 def replay_forward_bytes(shape: ModelShape, plan: Plan) -> float:
