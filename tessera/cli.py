@@ -424,10 +424,11 @@ def _print_shard_placement(cfg: Config, world_size: int, gpus_per_node: int) -> 
 
 
 def cmd_dryrun(args: argparse.Namespace, extra: list[str]) -> int:
+    from tessera.execution import resolve
     from tessera.layout import Layout, parse_ranks
 
     cfg = _load(args, extra)
-    cfg.validate(args.world_size)
+    resolve(cfg, args.world_size, training=False)  # as `dry_run` resolves it: no data is read
     layout = Layout.from_config(cfg.parallel, args.world_size)
     try:
         ranks = parse_ranks(args.ranks, layout)

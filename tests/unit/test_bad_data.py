@@ -252,5 +252,7 @@ def test_files_missing_here_are_refused_for_training_only(
     assert violations(cfg, 1, training=False) == []
     assert main(["memory", "--world-size", "1", *overrides]) == 0
     assert "per-rank memory estimate" in capsys.readouterr().out
+    assert main(["dryrun", "--world-size", "1", "--model.n_layers=1", *overrides]) == 0
+    assert "dry run of" in capsys.readouterr().out
     bad = load_config(None, ['data.path="a\0b"'])
     assert [v.rule for v in violations(bad, 1, training=False)] == ["data.path"]
