@@ -389,9 +389,12 @@ def format_rank(result: RankResult, estimate: dict[str, float], traffic: dict[tu
         f"  {'build peak':<16}{result.build_peak / scale:10.3f}{build_est / scale:10.3f}"
         f"{_pct(result.build_peak, build_est):>9}"
     )
-    lines.append(f"  {'traffic, bytes':<26}{'dry run':>16}{'formula':>16}{'diff':>9}")
     measured = measured_by_axis(result)
-    for key in sorted(set(measured) | set(traffic)):
-        m, f = measured.get(key, 0), traffic.get(key, 0.0)
-        lines.append(f"  {key[0] + '/' + key[1]:<26}{m:>16,}{round(f):>16,}{_pct(m, f):>9}")
+    keys = sorted(set(measured) | set(traffic))
+    rows = [(f"{k[0]}/{k[1]}", f"{measured.get(k, 0):,}", f"{round(traffic.get(k, 0.0)):,}") for k in keys]
+    # a column as wide as its widest number plus a space (a 1T rank moves 1.5e12 bytes: 17 characters)
+    w = 1 + max([16, *(len(c) for _, m, f in rows for c in (m, f))])
+    lines.append(f"  {'traffic, bytes':<26}{'dry run':>{w}}{'formula':>{w}}{'diff':>9}")
+    for key, (name, m, f) in zip(keys, rows, strict=True):
+        lines.append(f"  {name:<26}{m:>{w}}{f:>{w}}{_pct(measured.get(key, 0), traffic.get(key, 0.0)):>9}")
     return "\n".join(lines)

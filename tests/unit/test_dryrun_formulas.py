@@ -229,3 +229,26 @@ def test_hybrid_sharding_traffic_splits_into_shard_and_replica_groups(name: str)
                 assert abs(formula[key] - nbytes) <= 0.01 * nbytes, (rank, key)
             else:
                 assert formula[key] == nbytes, (rank, key)
+
+
+def test_the_traffic_table_keeps_a_1t_ranks_byte_counts_apart() -> None:
+    """A rank of the 1T plan moves 1,516,660,326,400 bytes over its tensor group: 17 characters, which a fixed
+    16-wide column printed glued to the formula's figure."""
+    from tessera.dryrun import RankResult, format_rank
+
+    big = 1_516_660_326_400
+    result = RankResult(
+        rank=24,
+        coords={"data": 0, "pipe": 3, "tensor": 0},
+        params=1,
+        grads=1,
+        optimizer=1,
+        activations=1,
+        peak=2**31,
+        build_peak=1,
+        comm={("all_gather", "tensor"): big},
+    )
+    estimate = {k: 1.0 for k in ("params", "grads", "optimizer", "activations", "peak", "build_peak")}
+    text = format_rank(result, estimate, {("all_gather", "tensor"): float(big)})
+    row = next(line for line in text.splitlines() if line.lstrip().startswith("all_gather/tensor"))
+    assert row.split()[1:] == [f"{big:,}", f"{big:,}", "+0.0%"], row
