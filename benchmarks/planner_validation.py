@@ -355,7 +355,24 @@ def measured(results: Path) -> None:
 
 
 SEARCH_CHANGES = (
-    "## What moved in this re-run\n\nOne change to the search, against 4cfbbec: hybrid sharding's shard groups may "
+    "## What moved in this re-run\n\nNo change to the search itself; the memory estimate it prunes with changed "
+    "(2026-12-03, docs/memory.md): full recomputation's replay is priced as the larger of its two backward moments "
+    "(the MLP's and the sequence-parallel entry's, each a list of named tensors) instead of their sum, and its "
+    "remaining moments (2D's SUMMA, consecutive stages on one rank, context masks) are counted; a label now says "
+    "`depth-first` where one pipeline rank under ZeRO accumulates depth-first (the runtime runs one stage per block "
+    "either way). 1T on 3072 GPUs: the winner was `d96 p4 t8+SP | breadth_first v32 | b4 m8 | ZeRO-3 | ckpt full` "
+    "(84.8 s, in the 2026-12-02 plan; this file, not re-run then, still showed the earlier d6 p64 1F1B ZeRO-1 at 90.6 s); its last pipeline stage is now estimated at 70.81 GiB, over the 76 GB cap, and `tessera dryrun` of "
+    "it at world size 3072 measures 71.42 GiB on rank 24 (that stage; the estimate is -0.9 %), so it never fitted: "
+    "the last re-run's check dry-ran rank 0 (68.44 GiB), which does not bind. The new winner is below. Llama-70B on "
+    "512: micro-batch 16 with one micro-batch now fits beside t2+SP ZeRO-3 (45.9 s, was 47.2 s for b8 m2), and "
+    "data 512 without tensor parallelism is #2 (46.1 s); the interleaved ZeRO-1 layouts leave the top 5.\n"
+)
+"""What the last re-run changed and why (against the commit just before it, same searches), written at the top
+of the report."""
+
+EARLIER_SEARCH = (
+    "## Earlier re-runs\n\n"
+    "After hybrid shard groups spanned whole nodes: one change to the search, against 4cfbbec: hybrid sharding's shard groups may "
     "span whole nodes, s = one node's data ranks (1 where a data rank fills whole nodes) × 1, 2, 4 and 8, each "
     "dividing d and below it (`search.HYBRID_NODE_MULTIPLES`, MiCS's multi-node partition groups; docs/zero.md), "
     "where only one node's worth was tried; a smaller shard is skipped where a larger one (or plain ZeRO-3) of the "
@@ -369,13 +386,7 @@ SEARCH_CHANGES = (
     "--model megatron-1t --gpus 3072 --global-batch 3072 --hardware a100-80gb`, 5 interleaved pairs at load "
     "2.9-3.2: wall 2.68, 4.24, 4.21, 4.49, 2.53 s before, 2.97, 3.58, 4.41, 2.69, 3.40 s after (medians 4.21 → "
     "3.40 s, CPU 2.76 → 2.70 s: the load's noise is larger than the change), outputs identical but for the first "
-    "line's counts and seconds.\n"
-)
-"""What the last re-run changed and why (against the commit just before it, same searches), written at the top
-of the report."""
-
-EARLIER_SEARCH = (
-    "## Earlier re-runs\n\n"
+    "line's counts and seconds.\n\n"
     "After hybrid sharding entered the search: No answer moved. Against 995b71d the search also tries hybrid "
     "sharding "
     "(`parallel.zero_shard_size` = one node's data ranks, docs/zero.md) beside every ZeRO-3 layout, and prices "

@@ -211,8 +211,9 @@ class Candidate:
             f"{pl.q}x{pl.q}" if pl.tp_kind == "2d" else f"t{pl.tp}" + ("+SP" if pl.sequence_parallel else "")
         )
         sched = self.schedule + (f" v{pl.virtual_stages}" if pl.virtual_stages > 1 else "")
-        if self.schedule == BREADTH_FIRST and pl.accumulation == DEPTH_FIRST:
+        if self.schedule == BREADTH_FIRST and pl.accumulation == DEPTH_FIRST and pl.n_microbatches > 1:
             # one pipeline rank under ZeRO runs one stage per block (`execution.decide`), accumulating either way
+            # (with one micro-batch both orders are the same run)
             sched += " depth-first"
         if pl.stage_layers is not None:
             c = pl.stage_layers

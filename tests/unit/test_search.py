@@ -390,5 +390,9 @@ def test_a_label_tells_layered_from_depth_first_breadth_first() -> None:
         if c.schedule == "breadth_first" and c.plan.pp == 1:
             by_accumulation.setdefault(c.plan.accumulation, set()).add(c.label)
     assert set(by_accumulation) == {"layered", "depth_first"}
-    assert all("depth-first" in label for label in by_accumulation["depth_first"])
+    depth_first = [
+        c for c in res.candidates if c.schedule == "breadth_first" and c.plan.accumulation == "depth_first"
+    ]
+    assert all(("depth-first" in c.label) == (c.plan.n_microbatches > 1) for c in depth_first)
+    assert any(c.plan.n_microbatches > 1 for c in depth_first)
     assert not any("depth-first" in label for label in by_accumulation["layered"])
