@@ -59,19 +59,17 @@ def plot(analyses: list[ModelAnalysis], path: Path) -> None:
 
 
 CHANGES = (
-    "## What moved in this re-run\n\nOne change to the search, against 4cfbbec (same searches): hybrid sharding's "
-    "shard groups may span whole nodes, s = one node's data ranks × 1, 2, 4 and 8, and where a data rank's "
-    "pipeline × tensor ranks fill whole nodes (p · t a multiple of 8) shard groups of 2, 4 and 8 data ranks, one "
-    "rank per node (`search.HYBRID_NODE_MULTIPLES`, docs/zero.md; before: one node's data ranks, only where p · t "
-    "divides a node). The 1T row and its curve do not move. The modular breadth-first + ZeRO-3 family gains most: "
-    "its winners at 1.7B-310B all become hybrid (1.7B 34 min @ 16,384 → 16 min @ 65,536, d2048 p4 t8+SP ZeRO-3 "
-    "hybrid 512×4, shard groups of 4 ranks on 4 nodes, one per node; 7.5B 2.6 h @ 32,768 → 1.1 h @ 65,536, hybrid "
-    "256×8; 39.1B 5.5 → 5.0 h; 145.6B 23.4 → 21.7 h; 310.1B 2.4 → 2.3 d, each hybrid 128×8 on d1024 p8 t8+SP) and "
-    "now ties the all-methods column from 1.7B to 39.1B, which moves at 1.7B (17 → 16 min: ZeRO-0 → the same "
-    "layout with ZeRO-3 hybrid 512×4), 7.5B (1.2 → 1.1 h: ZeRO-0 → ZeRO-3 hybrid 256×8) and 39.1B (ZeRO-1 → ZeRO-3 "
-    "hybrid 128×8, 0.454 → 0.451 s per step): the all-reduce of whole gradients over 1,024-2,048 replicas "
-    "becomes a reduce-scatter and gathers over a few nodes plus an all-reduce of 1/s of them. The data-parallel + "
-    "ZeRO family at 1.7B and 7.5B: 60 → 57 min and 5.0 → 4.3 h, same GPU counts. The other cells do not move.\n"
+    "## What moved in this re-run\n\n"
+    "No change to the search, against 0785e3e: the memory estimate changed (2026-12-03: full "
+    "recomputation's replay priced as the larger of its two backward moments instead of their sum, its "
+    "remaining moments counted; docs/memory.md), and 2D's replay no longer runs the MLP exit's SUMMA "
+    "product (4223138). The shortest time per size does not move (1T: 11.6 d @ 65,536, breadth-first + "
+    "ZeRO-3), nor does any family but 2D tensor + 1F1B, whose 1T cells are 2-3 % shorter (50.4 → 49.3 d @"
+    " 65,536, 2042 → 1999 d @ 512): smaller estimated replays let it keep more micro-batches or lighter "
+    "recomputation. The previous re-run's change (the estimate of 2026-12-02: ZeRO-3 with full "
+    "recomputation no longer over-estimated, so data parallel + ZeRO fits 39.1B-310.1B and breadth-first "
+    "+ ZeRO-3 reaches 1T from 8,192 GPUs) and the one before it (hybrid shard groups spanning nodes, "
+    "against 4cfbbec) are in the repository's history.\n"
 )
 """What the last re-run changed and why (against the commit just before it, same searches), written at the top
 of the report."""
