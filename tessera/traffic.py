@@ -188,7 +188,7 @@ def replays_mlp_exit(shape: ModelShape) -> bool:
     last tensor the block saved for backward is rebuilt: a post-norm (Gemma 2/3's ``mlp_post_norm``) saves the
     exit's output, so the replay runs the exit; otherwise nothing after the output Linear's own saved input and
     weight saves anything, and the replay stops before its GEMM (F.linear packs its inputs before it computes;
-    the ring of ``tp_comm_overlap`` saves them before its ring, `ring_1d._RowParallelSaved`)."""
+    the ring of ``tp_comm_overlap`` saves them before its ring, `checkpointing.save_early`)."""
     return shape.features.post_norms
 
 
@@ -346,7 +346,7 @@ def replayed_2d(
     """What full checkpointing replays per block before its backward: the block's forward collectives but the
     MLP output Linear's SUMMA broadcasts, unless a post-norm saves that Linear's output (`replays_mlp_exit`).
     The replay stops once that Linear's saved input and weight are packed, before its SUMMA runs
-    (`tensor_2d._SavedAB`)."""
+    (`checkpointing.save_early`)."""
     forward = [c for c in block_2d(shape, m, q, elem, stream) if c.phase == FORWARD]
     if replays_mlp_exit(shape):
         return forward

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from tessera.errors import ConfigError
 from tessera.modes import CHECKPOINTING
 
-__all__ = ["MODES", "Checkpointed", "apply_checkpointing"]
+__all__ = ["MODES", "Checkpointed", "apply_checkpointing", "save_early", "saved_early"]
 
 MODES = CHECKPOINTING  # the names live in tessera.modes
 
@@ -88,3 +88,37 @@ def _checkpoint_forward(block: nn.Module) -> None:
 
     block.forward = forward  # type: ignore[method-assign]
     block._tessera_checkpointed = True  # type: ignore[attr-defined]
+
+
+class _SavedEarly(torch.autograd.Function):
+    """Saves tensors for a later Function's backward in a node of its own that runs before that Function.
+
+    Why: autograd packs a Function's saved tensors only after its forward returns, and full checkpointing's replay
+    (torch.utils.checkpoint, non-reentrant) stops at the pack of the block's last saved tensor. A Function that
+    runs collectives and GEMMs before saving (the 1D ring exit, a 2D SUMMA product) made each block's replay run
+    them whole and throw the output away; saved here, before them, the replay stops first."""
+
+    @staticmethod
+    def forward(ctx, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        ctx.count = len(
+            tensors
+        )  # backward must not unpack them: the later Function reads them, and only once
+        # a token: the later Function takes it as an input, so this node, the saved tensors' home, is in its graph
+        return tensors[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token: torch.Tensor) -> tuple[None, ...]:
+        return (None,) * ctx.count  # the later Function's backward returns their gradients
+
+
+def save_early(*tensors: torch.Tensor) -> torch.Tensor:
+    """A token holding ``tensors`` for backward, saved now (`_SavedEarly`): pass it to the Function whose
+    backward reads them, which keeps ``token.grad_fn`` in its ctx and reads them with `saved_early`."""
+    return _SavedEarly.apply(*tensors)
+
+
+def saved_early(node: torch.autograd.graph.Node) -> tuple[torch.Tensor, ...]:
+    """The tensors `save_early` saved in ``node`` (a token's ``grad_fn``); read once: a checkpoint's recomputed
+    tensors unpack once."""
+    return node.saved_tensors

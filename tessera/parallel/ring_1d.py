@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessera import comm
+from tessera.parallel.checkpointing import save_early, saved_early
 from tessera.traffic import ring_gemm_lanes
 
 __all__ = ["ring_gathered_linears", "ring_row_parallel"]
@@ -358,32 +359,11 @@ def _input_grad(live: Sequence[_Live], dim: int, chunk: int, n: int, x: torch.Te
     return torch.zeros_like(x) if part is None else part
 
 
-class _RowParallelSaved(torch.autograd.Function):
-    """Saves what a ring row-parallel exit's backward reads (x and the weight) in a node of its own that runs
-    before the ring; `_RingRowParallel`'s backward reads them from this node.
-
-    Why not `_RingRowParallel` itself: autograd packs a Function's saved tensors only after its forward returns,
-    and full checkpointing's replay (torch.utils.checkpoint, non-reentrant) stops at the pack of the block's last
-    saved tensor, the MLP exit's. Saved by the ring's own node, they were packed after its chunk GEMMs and its
-    reduce ring, so each block's replay ran the ring and threw its output away: one [b, s, h] reduce-scatter per
-    block and micro-batch more than the plain path, whose F.linear packs before it computes (the 1T layout's
-    tensor reduce-scatters were 20 % above `traffic.replayed_1d`). Saved here, the replay stops before the ring.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight):  # x: [b, s, h/t], weight: [o, h/t]
-        ctx.save_for_backward(x, weight)
-        # a token: the ring takes it as an input, so this node, the saved tensors' home, is in its graph
-        return x.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, _token):
-        return None, None  # the ring's backward returns x's and the weight's gradients
-
-
 class _RingRowParallel(torch.autograd.Function):
     """A row-parallel linear (no bias) fused, chunk by chunk, with the reduce-scatter of its output along ``dim``;
-    x and the weight are saved by ``token``'s node (`_RowParallelSaved`), not here."""
+    x and the weight are saved by ``token``'s node (`checkpointing.save_early`), not here: saved here, after the
+    ring, full checkpointing's replay of each block ran the ring and threw its output away (one [b, s, h]
+    reduce-scatter per block and micro-batch more than `traffic.replayed_1d`)."""
 
     @staticmethod
     def forward(
@@ -410,13 +390,13 @@ class _RingRowParallel(torch.autograd.Function):
             pending = _ring_step(part, group, REDUCE_TAG, k == t - 1)
         lanes.join()
         _count("reduce_scatter", group, t * part.numel() * part.element_size())
-        ctx.saved = token.grad_fn  # _RowParallelSaved's node (None without autograd): holds x and the weight
+        ctx.saved = token.grad_fn  # save_early's node (None without autograd): holds x and the weight
         ctx.dim, ctx.group = dim, group
         return part  # [b, n, o]: chunk r, summed over the group
 
     @staticmethod
     def backward(ctx, g):  # g: [b, n, o]
-        x, weight = ctx.saved.saved_tensors  # read once: a checkpoint's recomputed tensors unpack once
+        x, weight = saved_early(ctx.saved)
         dim, group = ctx.dim, ctx.group
         t, r = comm.group_size(group), dist.get_rank(group)
         _count("all_gather", group, t * g.numel() * g.element_size())
@@ -473,5 +453,5 @@ def ring_row_parallel(
 ) -> torch.Tensor:
     """x Wᵀ summed over ``group`` and scattered along ``dim``, the reduce-scatter run as a ring under the per-chunk
     GEMMs. x: [b, s, h/t], weight: [o, h/t] → [b, s/t, o]. x and the weight are saved for backward before the
-    ring runs (`_RowParallelSaved`), so full checkpointing's replay of a block stops before its MLP exit's ring."""
-    return _RingRowParallel.apply(x, weight, _RowParallelSaved.apply(x, weight), dim, group)
+    ring runs (`checkpointing.save_early`), so full checkpointing's replay of a block stops before its MLP exit's ring."""
+    return _RingRowParallel.apply(x, weight, save_early(x, weight), dim, group)

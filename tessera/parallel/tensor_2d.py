@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tessera import comm
+from tessera.parallel.checkpointing import save_early, saved_early
 from tessera.parallel.precision import cast_operand
 from tessera.traffic import summa_bytes  # the SUMMA byte formula, re-exported for the tests
 
@@ -150,41 +151,21 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-class _SavedAB(torch.autograd.Function):
-    """Saves what an A·B product's backward reads (A and B) in a node of its own that runs before the SUMMA;
-    `_MatmulAB`'s backward reads them from this node.
-
-    Why not `_MatmulAB` itself: autograd packs a Function's saved tensors only after its forward returns, and
-    full checkpointing's replay (torch.utils.checkpoint, non-reentrant) stops at the pack of the block's last
-    saved tensor, the MLP output Linear's. Saved by the product's own node, they were packed after its q row and
-    column broadcasts and its GEMMs, so each block's replay ran that SUMMA whole and threw its output away (the
-    1D ring exit's bug, `ring_1d._RowParallelSaved`). Saved here, the replay stops before the SUMMA.
-    """
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # a: [..., K/q], b: [K/q, N/q]
-        ctx.save_for_backward(a, b)
-        # a token: the product takes it as an input, so this node, the saved tensors' home, is in its graph
-        return a.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, _token: torch.Tensor):
-        return None, None  # the product's backward returns A's and B's gradients
-
-
 class _MatmulAB(torch.autograd.Function):
-    """A·B by SUMMA; A and B are saved by ``token``'s node (`_SavedAB`), not here."""
+    """A·B by SUMMA; A and B are saved by ``token``'s node (`checkpointing.save_early`), not here: saved here, after
+    the SUMMA, full checkpointing's replay of each block ran the MLP output Linear's broadcasts and GEMMs and threw
+    the product away."""
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, token: torch.Tensor, grid: Grid2D) -> torch.Tensor:
-        ctx.saved = token.grad_fn  # _SavedAB's node (None without autograd): holds A and B
+        ctx.saved = token.grad_fn  # save_early's node (None without autograd): holds A and B
         ctx.grid = grid
         b = b.contiguous()
         return _summa_ab(_flat(a), b, grid).view(*a.shape[:-1], b.shape[1])
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        a, b = ctx.saved.saved_tensors  # read once: a checkpoint's recomputed tensors unpack once
+        a, b = saved_early(ctx.saved)
         g2 = _flat(g)  # g2: [m, N/q]
         da = _summa_abt(g2, b.contiguous(), ctx.grid).view(a.shape) if ctx.needs_input_grad[0] else None
         db = _summa_atb(_flat(a), g2, ctx.grid) if ctx.needs_input_grad[1] else None
@@ -242,10 +223,10 @@ def _same_dtype(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def matmul_ab_2d(a: torch.Tensor, b: torch.Tensor, grid: Grid2D) -> torch.Tensor:
     """Block (i, j) of A·B.  a: [..., K/q] block of A [M, K] (tokens by i); b: [K/q, N/q] → [..., N/q]. A and B
-    are saved for backward before the SUMMA runs (`_SavedAB`), so full checkpointing's replay of a block stops
+    are saved for backward before the SUMMA runs (`checkpointing.save_early`), so full checkpointing's replay of a block stops
     before its MLP output Linear's broadcasts and GEMMs."""
     a, b = _same_dtype(a, b)
-    return _MatmulAB.apply(a, b, _SavedAB.apply(a, b), grid)
+    return _MatmulAB.apply(a, b, save_early(a, b), grid)
 
 
 def matmul_abt_2d(a: torch.Tensor, b: torch.Tensor, grid: Grid2D) -> torch.Tensor:

@@ -26,14 +26,14 @@ STEPS = 2
 LAYOUTS = {  # name: (processes, parallel section)
     "tp2_sp": (2, {"tensor": 2, "sequence_parallel": True}),
     # full recomputation with SP's collectives as rings: the post-norm saves the MLP exit's output, so each
-    # block's replay runs that exit's ring after its saved-tensor node (ring_1d._RowParallelSaved)
+    # block's replay runs that exit's ring after its saved-tensor node (checkpointing.save_early)
     "tp2_sp_overlap_full": (
         2,
         {"tensor": 2, "sequence_parallel": True, "tp_comm_overlap": True, "checkpointing": "full"},
     ),
     "tp2x2": (4, {"tensor": "2x2"}),
     # full recomputation on the grid: the post-norm saves the MLP exit's output, so the replay runs its SUMMA
-    # (the saved operands, tensor_2d._SavedAB, are read by the product's backward either way)
+    # (the saved operands, checkpointing.save_early, are read by the product's backward either way)
     "tp2x2_full": (4, {"tensor": "2x2", "checkpointing": "full"}),
     "pp2_tied": (2, {"pipeline": 2, "schedule": "1f1b"}),
     "dp2_zero3": (2, {"data": 2, "zero": 3}),

@@ -28,7 +28,7 @@ LAYOUTS = {  # name: (processes, parallel section)
     "pp2_1f1b_tied": (2, {"pipeline": 2, "schedule": "1f1b"}),  # the tied embedding and head on two ranks
     "tp2_1d": (2, {"tensor": 2}),
     # full recomputation with SP's collectives as rings (tp_comm_overlap): the replay stops before each block's
-    # MLP exit ring, its x and weight saved before the ring (ring_1d._RowParallelSaved); the backward reads them
+    # MLP exit ring, its x and weight saved before the ring (checkpointing.save_early); the backward reads them
     "tp2_sp_overlap_full": (
         2,
         {"tensor": 2, "sequence_parallel": True, "tp_comm_overlap": True, "checkpointing": "full"},
@@ -47,7 +47,7 @@ LAYOUTS = {  # name: (processes, parallel section)
         },
     ),
     # 2D 2×2 with full recomputation: the replay stops before each block's MLP output Linear's SUMMA, its
-    # operands saved before the broadcasts (tensor_2d._SavedAB); the product's backward reads them from there
+    # operands saved before the broadcasts (checkpointing.save_early); the product's backward reads them from there
     "tp2x2_full": (4, {"tensor": "2x2", "checkpointing": "full"}),
 }
 

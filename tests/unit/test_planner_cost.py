@@ -464,7 +464,7 @@ def test_memory_per_rank_components() -> None:
 
 def test_a_2d_replays_moments_are_its_forward_and_its_mlp_exits_backward() -> None:
     # full recomputation on a 2x2 grid under bf16 autocast (Llama, h 256, f 704, s 256, b 2), in [N/q, .] blocks
-    # (N/q = 256 tokens): the replay stops before the MLP output Linear's SUMMA (tensor_2d._SavedAB), so its
+    # (N/q = 256 tokens): the replay stops before the MLP output Linear's SUMMA (checkpointing.save_early), so its
     # forward holds, beyond what it saves, only the block's locals and the upstream gradient ...
     shape = ModelShape(
         family="llama",

@@ -60,7 +60,7 @@ def _linear_calls(family: str) -> dict[str, int]:
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3"])
 def test_2d_replay_skips_the_mlp_exits_summa(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the 2D grid (2×2, one rank's dry run) the replay stops before the MLP output Linear's SUMMA (its
-    operands are saved before it, `tensor_2d._SavedAB`): full checkpointing runs that product once per block and
+    operands are saved before it, `checkpointing.save_early`): full checkpointing runs that product once per block and
     micro-batch, every other block product twice; Gemma's post-norm saves its output, so there it runs twice."""
     (full, shape), (none, _) = (_summa_ab_calls(family, ckpt, monkeypatch) for ckpt in ("full", "none"))
     exit_operand = (shape.ffn_hidden // 2, shape.d_model // 2)  # w_down's block [f/q, h/q]

@@ -134,7 +134,7 @@ def test_published_2d_volume_and_the_runtime_traffic() -> None:
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_2d_replay_drops_the_mlp_exits_summa_unless_a_post_norm_saves_it(family: str) -> None:
     """Full recomputation on the grid replays the block's forward collectives but the MLP output Linear's two
-    SUMMA broadcasts (tensor_2d._SavedAB saves its operands before them); Gemma 2's post-norm saves that Linear's
+    SUMMA broadcasts (checkpointing.save_early saves its operands before them); Gemma 2's post-norm saves that Linear's
     output, so its replay keeps them. Hand-computed: q = 2, b = 4, s = 8 (m = 16 local tokens), h 32, f 96, bf16."""
     shape = replace(_gpt(h=32), family=family, swiglu=True, ffn_hidden=96)
     plan = Plan(tp=4, tp_kind="2d", micro_batch=4, dtype="bf16", recompute="full")

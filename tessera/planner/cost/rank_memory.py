@@ -466,7 +466,7 @@ def replay_forward_bytes(shape: ModelShape, plan: Plan) -> float:
     """Under full recomputation on the 2D grid, what a replayed block holds beyond the tensors its replay saves
     at its forward's fullest moment, and the upstream gradient, 0 otherwise. The replay runs inside the block's
     last backward node (the MLP output Linear's, whose saved tensors its unpacking recomputes) and stops once the
-    last of them is packed: the product's operands are saved before its SUMMA (`tensor_2d._SavedAB`), so the
+    last of them is packed: the product's operands are saved before its SUMMA (`checkpointing.save_early`), so the
     replay stops before that Linear's broadcasts and GEMMs, unless a post-norm saves its output (Gemma 2/3,
     `traffic.replays_mlp_exit`), whose replay runs the SUMMA whole. Alive then, [N/q, ·] blocks of the rank's
     N = s·b tokens (s/c with context parallelism):
@@ -494,7 +494,7 @@ def replay_forward_bytes(shape: ModelShape, plan: Plan) -> float:
     h, f = shape.d_model / plan.q, shape.ffn_hidden / plan.q
     attention_out = r if fam.post_norms else _output_bytes(plan, fam.out_bias)
     local = (3 * r + attention_out) * rows * h
-    # the exit's SUMMA runs in the replay only where a post-norm saves its output (`tensor_2d._SavedAB`)
+    # the exit's SUMMA runs in the replay only where a post-norm saves its output (`checkpointing.save_early`)
     summa = c * (rows * h + 2 * rows * f + 2 * f * h) if replays_mlp_exit(shape) else 0.0
     cast = c if c < r else 0
     return local + summa + (r + cast) * rows * h
@@ -503,7 +503,7 @@ def replay_forward_bytes(shape: ModelShape, plan: Plan) -> float:
 def replay_exit_backward_bytes(shape: ModelShape, plan: Plan) -> float:
     """Under full recomputation on the 2D grid, what a replayed block's MLP output Linear's backward holds at its
     fullest beyond the tensors the replay saves, 0 otherwise. Once the replay stops before that Linear's SUMMA
-    (`tensor_2d._SavedAB`), this is the replayed block's fullest moment: the weight gradient's AᵀB at its last
+    (`checkpointing.save_early`), this is the replayed block's fullest moment: the weight gradient's AᵀB at its last
     step, in the compute dtype,
 
     - the input gradient dA = dC·Bᵀ (ABᵀ), [N/q, f/q], made first and alive until the node returns;
