@@ -434,17 +434,24 @@ def cmd_dryrun(args: argparse.Namespace, extra: list[str]) -> int:
         ranks = parse_ranks(args.ranks, layout)
     except ValueError as e:
         raise TesseraError(str(e)) from None
+    if args.peak_tensors < 0:
+        raise TesseraError(
+            f"--peak-tensors {args.peak_tensors}: give how many groups of tensors to list at each rank's peak, "
+            "0 or more (0 lists none)"
+        )
     # the dry run imports torch (seconds): only once the config and --ranks are known to be right
-    from tessera.dryrun import dry_run, estimated_memory, format_rank, formula_traffic
+    from tessera.dryrun import dry_run, estimated_memory, format_peak_tensors, format_rank, formula_traffic
 
     print(f"dry run of {args.config or 'the defaults'}: {layout.describe()}, ranks {ranks}", flush=True)
     for rank in ranks:
-        result = dry_run(cfg, args.world_size, rank)
+        result = dry_run(cfg, args.world_size, rank, peak_tensors=args.peak_tensors > 0)
         est, traffic = (
             estimated_memory(cfg, args.world_size, rank),
             formula_traffic(cfg, args.world_size, rank),
         )
         print(format_rank(result, est, traffic), flush=True)
+        if args.peak_tensors:
+            print(format_peak_tensors(result, args.peak_tensors), flush=True)
     return 0
 
 
@@ -586,6 +593,14 @@ def _parser() -> argparse.ArgumentParser:
         "--ranks",
         default=None,
         help="comma-separated ranks (default: first and last pipeline rank of replica 0)",
+    )
+    p.add_argument(
+        "--peak-tensors",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also list, per rank, the N largest groups of tensors alive at its peak (shape, dtype, bytes, the "
+        "operator, autograd node and code line that made them)",
     )
     p.set_defaults(fn=cmd_dryrun)
 

@@ -28,7 +28,7 @@ import torch
 from tessera import comm
 from tessera.axes import dim_of
 from tessera.config import Config
-from tessera.fake import FakeRank, fake_process_group
+from tessera.fake import FakeRank, LiveTensor, fake_process_group
 from tessera.layout import Axis, Layout, default_ranks, parse_ranks
 from tessera.model.documents import document_positions
 
@@ -37,6 +37,7 @@ __all__ = [
     "default_ranks",
     "dry_run",
     "estimated_memory",
+    "format_peak_tensors",
     "format_rank",
     "formula_traffic",
     "measure_step",
@@ -60,6 +61,11 @@ class RankResult:
     build_peak: int
     comm: Traffic = field(default_factory=dict)
     seconds: float = 0.0
+    peak_tensors: tuple[LiveTensor, ...] = ()
+    """With ``dry_run(..., peak_tensors=True)``: every storage alive at the peak's moment, largest first."""
+    peak_phase: str = ""
+    """Where the peak is: "backward" (forward and backward; the optimizer state is added to it, see
+    `measure_step`) or "update" (the optimizer step)."""
 
 
 def _dry_config(cfg: Config) -> Config:
@@ -132,6 +138,9 @@ def measure_step(
     t0 = time.perf_counter()
     phase: dict[str, int] = {}
     peak = (lambda: tracker.peak) if tracker is not None else (lambda: 0)
+    recording = tracker is not None and tracker.record
+    if recording:
+        tracker.phase = "build"
     run = TrainingRun(cfg, rank, world_size, with_data=False, values=values)
     phase["build_peak"] = peak()
     batches = _fake_batches(run, cfg)
@@ -140,15 +149,21 @@ def measure_step(
     def after_backward(step: int, model: object) -> None:
         phase["backward_peak"], phase["grads"] = peak(), _storage_bytes(_grad_tensors(run))
         if tracker is not None:
+            phase["backward_moment"] = tracker.peak_moment()
             tracker.reset_peak()
 
     if tracker is not None:
         tracker.reset_peak()
+        tracker.phase = "step"
     comm.STATS.reset()
     run.step(0, after_backward)
     params, state = _state_tensors(run)
     optimizer = _storage_bytes(state)
     run.stepper.close()
+    in_backward = phase["backward_peak"] + optimizer >= peak()
+    at_peak: tuple[LiveTensor, ...] = ()
+    if recording:
+        at_peak = tuple(tracker.live_at(phase["backward_moment"] if in_backward else tracker.peak_moment()))
     return RankResult(
         rank=rank,
         coords={str(a): c for a, c in run.layout.coords(rank).items()},
@@ -160,18 +175,57 @@ def measure_step(
         build_peak=phase["build_peak"],
         comm=dict(comm.STATS.bytes),
         seconds=time.perf_counter() - t0,
+        peak_tensors=at_peak,
+        peak_phase="backward" if in_backward else "update",
     )
 
 
-def dry_run(cfg: Config, world_size: int, rank: int) -> RankResult:
+def dry_run(cfg: Config, world_size: int, rank: int, *, peak_tensors: bool = False) -> RankResult:
     """Rank ``rank`` of ``world_size``, built and stepped under fake tensors and a fake process group.
 
     The one place that decides that a dry run draws no initial values: fake tensors cannot hold them, and drawing
     them block by block was nearly half of the Llama-8B example's dry run. The build still allocates every buffer
     a drawing build does (`InitSource`'s ``values``), so the build peak stays the real run's.
+    ``peak_tensors``: also keep every storage alive at the peak (`RankResult.peak_tensors`,
+    `format_peak_tensors`).
     """
-    with fake_process_group(rank, world_size), FakeRank() as tracker:
+    with fake_process_group(rank, world_size), FakeRank(record=peak_tensors) as tracker:
         return measure_step(cfg, world_size, rank, tracker, values=False)
+
+
+def format_peak_tensors(result: RankResult, n: int) -> str:
+    """The ``n`` largest groups of storages alive at the rank's peak: storages of one shape and dtype made by the
+    same operator, autograd node and code line are one group (a block's tensors made once per micro-batch, or
+    per layer, add up there), largest total first, with what the rest and the whole hold."""
+    groups: dict[tuple, list[int]] = {}
+    for t in result.peak_tensors:
+        key = (t.shape, t.dtype, t.op, t.node, t.line, t.phase)
+        groups.setdefault(key, []).append(t.nbytes)
+    ranked = sorted(groups.items(), key=lambda kv: (-sum(kv[1]), kv[0]))
+    live = sum(t.nbytes for t in result.peak_tensors)
+    unit, scale = _unit(max(live, 1))
+    where = "the optimizer step" if result.peak_phase == "update" else "forward and backward"
+    lines = [
+        f"  peak tensors: {len(result.peak_tensors):,} storages, {live / scale:.3f} {unit} alive at the peak's "
+        f"moment ({where}); the {min(n, len(ranked))} largest of {len(ranked):,} groups (same shape, dtype and "
+        "origin):"
+    ]
+    lines.append(f"  {unit:>9} {'count':>6}  {'bytes each':>14}  {'dtype':<9} {'shape':<22} {'made by'}")
+    for (shape, dtype, op, node, line, made), sizes in ranked[:n]:
+        each = f"{sizes[0]:,}" if len(set(sizes)) == 1 else f"≤{max(sizes):,}"
+        origin = f"{op} in {node}" if made == "step" else f"{op} while building"
+        lines.append(
+            f"  {sum(sizes) / scale:9.3f} {len(sizes):>6}  {each:>14}  {dtype:<9} {list(shape)!s:<22} "
+            f"{origin}, {line}"
+        )
+    rest = live - sum(sum(sizes) for _, sizes in ranked[:n])
+    lines.append(f"  {rest / scale:9.3f} in the other {max(len(ranked) - n, 0):,} groups")
+    if result.peak_phase == "backward" and result.optimizer:
+        lines.append(
+            f"  + {result.optimizer / scale:.3f} {unit} of optimizer state, made by the step's update and alive "
+            "at this moment in every later step (the reported peak counts it)"
+        )
+    return "\n".join(lines)
 
 
 # --- comparison with the estimator and the cost model's traffic formulas ------------------------------------

@@ -22,9 +22,12 @@ a gradient norm of 0 so nothing is clipped, no fp16 overflow). Tensors whose val
 
 from __future__ import annotations
 
+import os
+import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +36,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["FakeRank", "fake_process_group"]
+__all__ = ["FakeRank", "LiveTensor", "fake_process_group"]
 
 
 @contextmanager
@@ -94,6 +97,49 @@ def _fake_mode() -> FakeTensorMode:
     return mode
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TESSERA_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_ROOT = os.path.dirname(_TESSERA_DIR.rstrip(os.sep)) + os.sep  # a line is shown relative to tessera's parent
+_THIS = os.path.abspath(__file__)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveTensor:
+    """One storage alive at a recorded moment, as it was made: the shape and dtype of the operator's output that
+    brought it into being (a view made later shares it and is not listed again)."""
+
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    op: str
+    """The operator that made it (``aten.mm``), or ``counted`` for a tensor made outside the mode."""
+    node: str
+    """The autograd node running when it was made (``MmBackward0``), ``forward`` outside a backward."""
+    line: str
+    """The innermost source line of tessera that made it (else the innermost one outside torch)."""
+    phase: str
+    """The tracker's ``phase`` when it was made (`tessera.dryrun`: ``build`` or ``step``)."""
+
+
+def _where(frame: Any) -> str:
+    """``path:line (function)`` of the innermost frame in tessera, else of the innermost frame outside torch and
+    this module: the code that asked for the tensor, not the library code that made it."""
+    first = None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name != _THIS and not name.startswith(_TORCH_DIR):
+            if name.startswith(_TESSERA_DIR):
+                first = frame
+                break
+            first = first or frame
+        frame = frame.f_back
+    if first is None:
+        return "?"
+    name = first.f_code.co_filename
+    name = name[len(_ROOT) :] if name.startswith(_ROOT) else name
+    return f"{name}:{first.f_lineno} ({first.f_code.co_name})"
+
+
 class FakeRank(TorchDispatchMode):
     """Fake tensors plus an allocator's count: ``live`` and ``peak`` bytes of distinct storages.
 
@@ -105,16 +151,29 @@ class FakeRank(TorchDispatchMode):
     Every storage an operator returns is counted once, when first seen, and uncounted when it is freed (a weak
     reference's callback); ``UntypedStorage.resize_`` (ZeRO-3 frees and refills its gathered buffers that way, and
     it bypasses dispatch) is followed too.
+
+    ``record=True`` also keeps where each storage was made (`LiveTensor`) and a log of every change of a
+    storage's size, so that `live_at` can list what was alive at any moment afterwards, the peak's
+    (`peak_moment`) among them (`tessera dryrun --peak-tensors`). The log costs a tuple per allocation and free
+    and the frame walk a few microseconds per allocation; without ``record`` nothing is kept.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, record: bool = False) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.record = record
+        self.phase = ""
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted for it
         self._refs: dict[int, weakref.ref] = {}
         self._fake = _fake_mode()
         self._resize = torch.UntypedStorage.resize_
+        # record: a serial per storage (ids are reused once one is freed), how each was made, its size changes
+        self._serial: dict[int, int] = {}
+        self._made: dict[int, tuple[tuple[int, ...], str, str, str, str, str]] = {}
+        self._log: list[tuple[int, int]] = []  # (serial, bytes from now on): 0 when freed
+        self._peak_at = 0  # len(self._log) when the peak was last reached
+        self._op = "counted"
 
     def __enter__(self) -> FakeRank:
         self._fake.__enter__()
@@ -135,15 +194,37 @@ class FakeRank(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self._peak_at = len(self._log)
+
+    def peak_moment(self) -> int:
+        """The moment (a position in the log) the peak since the last `reset_peak` was reached; with ``record``."""
+        return self._peak_at
+
+    def live_at(self, moment: int) -> list[LiveTensor]:
+        """Every storage alive at ``moment`` (`peak_moment`), largest first; needs ``record=True``."""
+        if not self.record:
+            raise RuntimeError(
+                "FakeRank(record=True) keeps what was alive when; this one was made without it"
+            )
+        sizes: dict[int, int] = {}
+        for serial, nbytes in self._log[:moment]:
+            if nbytes:
+                sizes[serial] = nbytes
+            else:
+                sizes.pop(serial, None)
+        out = [LiveTensor(n, *self._made[s]) for s, n in sizes.items()]
+        return sorted(out, key=lambda t: -t.nbytes)
 
     def count(self, tensors: Any) -> None:
         """Count tensors made before this mode was entered (or outside it) as live."""
+        self._op = "counted"
         tree_map_only(torch.Tensor, self._track, tensors)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             return self._scalar(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
+        self._op = str(func.overloadpacket)
         tree_map_only(torch.Tensor, self._track, out)
         return out
 
@@ -166,16 +247,42 @@ class FakeRank(TorchDispatchMode):
             return
         self._sizes[key] = 0
         self._refs[key] = weakref.ref(storage, lambda _, k=key: self._drop(k))
+        if self.record:
+            self._remember(key, t)
         self._set(storage, storage.nbytes())
+
+    def _remember(self, key: int, t: torch.Tensor) -> None:
+        """Note how the storage behind ``t`` came to be: its first tensor's shape and dtype, the operator, the
+        autograd node running (backward) and the code line that asked for it."""
+        serial = len(self._made)
+        self._serial[key] = serial
+        node = torch._C._current_autograd_node()
+        where = _where(sys._getframe(1))
+        dtype = str(t.dtype).removeprefix("torch.")
+        self._made[serial] = (
+            tuple(t.shape),
+            dtype,
+            self._op,
+            node.name() if node else "forward",
+            where,
+            self.phase,
+        )
 
     def _set(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         key = id(storage)
         if key not in self._sizes:
             return
+        if self.record and nbytes != self._sizes[key]:
+            self._log.append((self._serial[key], nbytes))
         self.live += nbytes - self._sizes[key]
         self._sizes[key] = nbytes
-        self.peak = max(self.peak, self.live)
+        if self.live > self.peak:
+            self.peak = self.live
+            self._peak_at = len(self._log)
 
     def _drop(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
         self._refs.pop(key, None)
+        serial = self._serial.pop(key, None)
+        if serial is not None:
+            self._log.append((serial, 0))
