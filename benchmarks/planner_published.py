@@ -45,7 +45,13 @@ Sources (full configurations; see the report for the per-case table):
   fixed batch on 2,240-3,360 A100) and `published_megatron_core` (Megatron-LM's H100 weak-scaling table and GPT-3
   177B strong-scaling end points).
 
-- The worst case's decomposition (the report's last section): llm-foundry `scripts/train/benchmarking/
+- The worst case's decomposition (the report's last section): the row and its `sweep.sh` line (`70b.yaml -g 64
+  --microbatch_size 2 --accum 1`) come from mosaicml/examples commit 71dd21b ("add 40gb tput", April 2023; image
+  mosaicml/pytorch 1.13.1, mosaicml/examples release/v0.0.4 pinning torch 1.13.1 and Composer 0.13.4, whose
+  `dist_strategy.py` defaults FSDP's backward_prefetch to BACKWARD_POST and applies `no_sync` only to DDP);
+  memory pressure is weighed with tessera's own estimate (`mosaic_table.fsdp_memory`) and a hand count of
+  Composer's FSDP state (`mosaic_table.fsdp_held_bytes`) against PyTorch's documented cudaMalloc-retry
+  slowdown (pytorch/pytorch#65078, #83917, #104509). llm-foundry `scripts/train/benchmarking/
   submit_benchmarks.py` runs FSDP with `limit_all_gathers=True` and non-reentrant activation checkpointing;
   its mixed precision "PURE" is Composer's `MixedPrecision` with parameter, reduction and buffer dtypes all the
   run's precision (bf16), so the gathers and reduce-scatters move bf16 as priced. NCCL's ring across nodes runs
@@ -96,6 +102,8 @@ from tessera.planner.megatron_table import MEGATRON_README_2020, MEGATRON_TABLE1
 from tessera.planner.mosaic_table import (  # noqa: E402
     HOPPER_CALIBRATION,
     FsdpRow,
+    fsdp_held_bytes,
+    fsdp_memory,
     fsdp_plan,
     fsdp_step,
     mpt_shape,
@@ -188,8 +196,9 @@ READING = [
     "below bound it).",
     "",
     "FSDP / ZeRO-3 (MosaicML on A100 and H100 up to 512 GPUs, torchtitan, IBM fms-fsdp): within ±12 % apart from",
-    "one row, MPT-70B on 64 A100-40GB at micro-batch 2 (+33 %), decomposed in the last section; no mechanism we",
-    "could source separates it from its twin, so it is reported rather than fitted. fms-fsdp's hybrid sharding",
+    "one row, MPT-70B on 64 A100-40GB at micro-batch 2 (+33 %), decomposed in the last section with the scripts",
+    "that produced it and its memory; no mechanism we could source separates it from its twin, so it is reported",
+    "rather than fitted. fms-fsdp's hybrid sharding",
     "(HSDP) is priced as tessera's (`parallel.zero_shard_size`): ZeRO-3 in the node and each block's 1/8",
     "gradient shard all-reduced across nodes under the backward, launched at the next block's reduction as",
     "tessera issues it, FSDP1 right after the unit's reduce-scatter (+9 %, +15 %; with that all-reduce after",
@@ -213,7 +222,8 @@ READING = [
     "deferred to the next step).",
     "MT-NLG 530B on DeepSpeed's pipeline engine is over-predicted by 21-27 % at micro-batch 1 (the paper does not",
     "state it; at 2 it is +7 to +9 %): per micro-batch 9 % slower than the Megatron engine Table 1 calibrates and",
-    "a fixed part twice the 1F1B bubble. The default stack's share describes the stack tessera runs (eager",
+    "a fixed part twice the 1F1B bubble; DeepSpeed's blocking, partitioned p2p, not priced, is at most 1.4 % of the",
+    "step (4.5 % with the pre-v0.5.4 engine's whole gradients). The default stack's share describes the stack tessera runs (eager",
     "PyTorch with SDPA, FSDP-like sharding); DeepSpeed's pipeline engine has no stack of its own (benchmarks/",
     "results/published_megatron_core.md and published_mtnlg.md decompose the two).",
 ]
@@ -541,6 +551,22 @@ def hypothesis_rows() -> list[str]:
     return out
 
 
+def memory_rows() -> list[str]:
+    """One line per A100 FSDP row: tessera's own peak-memory estimate of the run (`mosaic_table.fsdp_memory`)
+    against the device, the bytes Composer's FSDP holds all step by hand count (`mosaic_table.fsdp_held_bytes`),
+    and the row's error: whether the worst case stands out by how full its GPUs are."""
+    out = []
+    for r in MOSAIC_ROWS:
+        est = fsdp_memory(r)
+        assert est.device_memory is not None
+        error = predict_fsdp(r) / r.tokens_per_gpu - 1
+        out.append(
+            f"| MPT-{r.model} {_label(r)} | {est.total / 2**30:.1f} | {est.total / est.device_memory:.2f} | "
+            f"{fsdp_held_bytes(r) / 1e9:.1f} | {error:+.1%} |"
+        )
+    return out
+
+
 def worst_case_section() -> list[str]:
     return [
         "## The worst case, decomposed",
@@ -565,6 +591,23 @@ def worst_case_section() -> list[str]:
         *hypothesis_rows(),
         "",
         *WORST_CASE_READING,
+        "",
+        "### What the run was, from the scripts that produced the row",
+        "",
+        *RUN_SOURCES,
+        "",
+        "### Memory pressure",
+        "",
+        "tessera's estimate: `tessera memory`'s peak for the row's run as tessera would execute it (fp32 master",
+        "weights and residual stream under autocast), a yardstick across rows, not MosaicML's peak. Held all step:",
+        "Composer's FSDP by hand count, 16 B per parameter of sharded fp32 state over the GPUs plus one bf16 b·s·h",
+        "checkpoint per block (gathered blocks, the block being recomputed and the logits come on top).",
+        "",
+        "| row | tessera estimate GiB | of the device | held all step, Composer FSDP (GB) | error |",
+        "|---|---|---|---|---|",
+        *memory_rows(),
+        "",
+        *memory_reading(),
     ]
 
 
@@ -592,6 +635,62 @@ WORST_CASE_READING = [
     "a documented cause, so the row stays outside the 25 % bound rather than being fitted (docs/cost-model.md",
     "§10).",
 ]
+
+
+RUN_SOURCES = [
+    'The row was added with the A100 40GB table (mosaicml/examples commit 71dd21b, "add 40gb tput", April',
+    "2023; carried unchanged into llm-foundry's `scripts/train/benchmarking/README.md`). Its `sweep.sh` line is",
+    "`70b.yaml -g 64 --microbatch_size 2 --accum 1 --gpu_type a100_40gb` (the 128-GPU sibling: `-g 128",
+    "--microbatch_size 4 --accum 1`; the twin: `-g 32 --microbatch_size 2 --accum 16 --gpu_type a100_80gb`):",
+    "the micro-batch was set, not found by Composer's automatic micro-batching. `submit_benchmarks.py` applies",
+    "the same settings to every row: 30 batches (`max_duration='30ba'`), FSDP `mixed_precision: PURE` (bf16",
+    "parameters, reductions and buffers), non-reentrant activation checkpointing, `limit_all_gathers=True`; the",
+    "model yaml adds FULL_SHARD, `activation_cpu_offload: false` and a 10-batch `speed_monitor` window, and",
+    "`collect_results.py` reads the last logged `throughput/samples_per_sec` and micro-batch. The software is",
+    "the same for every A100 row: image `mosaicml/pytorch:1.13.1_cu117`, mosaicml/examples `release/v0.0.4`,",
+    "whose `examples/llm/requirements.txt` pins torch 1.13.1, Composer (`mosaicml`) 0.13.4, flash-attn 0.2.8",
+    "and its Triton kernel. Composer 0.13.4 (`composer/trainer/dist_strategy.py`) leaves FSDP's",
+    "`backward_prefetch` at BACKWARD_POST and `forward_prefetch` off, and applies `no_sync` only to DDP",
+    "(`ddp_sync_context`), so FSDP reduce-scatters every micro-batch, as priced. No setting, measurement rule",
+    "or software version singles the row out; what differs is the numbers (GPUs, micro-batch, accumulation,",
+    "GPU memory), which the model already takes.",
+]
+"""Sources of the worst case's configuration (mosaicml/examples, Composer); nothing here is priced."""
+
+
+def memory_reading() -> list[str]:
+    """What the memory table shows (its figures computed here) and why no memory-pressure rule is priced."""
+    others = [r for r in MOSAIC_ROWS if r.hardware == WORST.hardware and r != WORST]
+    frac = {r: fsdp_memory(r).total / load_hardware(r.hardware).memory_bytes for r in [WORST, *others]}
+    held = {r: fsdp_held_bytes(r) for r in [WORST, *others]}
+    err = {r: predict_fsdp(r) / r.tokens_per_gpu - 1 for r in others}
+    fuller = sorted(others, key=lambda r: -held[r])[:2]
+    sibling = next(r for r in others if r.model == WORST.model)
+    held_text = ", ".join(
+        f"{held[r] / 1e9:.1f} GB for MPT-{r.model} {_label(r)} ({err[r]:+.0%})" for r in fuller
+    )
+    share = {r: fsdp_held_bytes(r) / load_hardware(r.hardware).memory_bytes for r in MOSAIC_ROWS}
+    fullest = max(MOSAIC_ROWS, key=lambda r: share[r])
+    fullest_error = predict_fsdp(fullest) / fullest.tokens_per_gpu - 1
+    return [
+        "Reading it. PyTorch documents a slowdown from memory pressure: when the caching allocator cannot serve",
+        "a request it frees its cached blocks and retries cudaMalloc (`num_alloc_retries` in",
+        "`torch.cuda.memory_stats`), and FSDP near capacity has paid for it (pytorch/pytorch#65078). FSDP's",
+        "`limit_all_gathers`, added to cut those retries by holding at most two all-gathers in flight",
+        "(pytorch/pytorch#83917; pytorch/pytorch#104509: retries fell to 0 with it), was on in every row.",
+        f"By tessera's own estimate the worst row fills {frac[WORST]:.2f} of its GPU; the other {len(others)}",
+        f"A100-40GB rows fill {min(frac[r] for r in others):.2f}-{max(frac[r] for r in others):.2f} and are "
+        f"predicted within {max(abs(e) for e in err.values()):.0%}.",
+        f"By the hand count it holds {held[WORST] / 1e9:.1f} GB all step ({share[WORST]:.2f} of its GPU), "
+        f"against {held_text},",
+        f"and {held[sibling] / 1e9:.1f} GB for its sibling {_label(sibling)} ({err[sibling]:+.0%}); the fullest "
+        f"A100 row by that count, MPT-{fullest.model} {_label(fullest)},",
+        f"holds {share[fullest]:.2f} of its GPU and is predicted {fullest_error:+.0%} (slower than published, not "
+        "faster). No count of memory separates the worst",
+        "row, MosaicML publishes neither peak memory nor retry counts, and the cost of a retry has no published",
+        "rate: a rule that slowed near-capacity layouts would need a threshold and a cost taken from this one",
+        "row, which is fitting. Nothing is priced; the row stays reported as it is.",
+    ]
 
 
 def plot(path: Path) -> None:

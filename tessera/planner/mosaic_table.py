@@ -18,6 +18,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, replace
 
+from tessera.config import Config
+from tessera.config.sections import ModelConfig, ParallelConfig, TrainConfig
+from tessera.execution import decide
+from tessera.memory import MemoryEstimate, estimate_plan
 from tessera.planner.cost import ModelShape, Plan
 from tessera.planner.hardware import Hardware, load_hardware
 from tessera.planner.steptime import StepBreakdown, fast_step
@@ -32,7 +36,10 @@ __all__ = [
     "FsdpRow",
     "calibration_errors",
     "fit_hopper_share",
+    "fsdp_held_bytes",
+    "fsdp_memory",
     "fsdp_plan",
+    "fsdp_run_config",
     "fsdp_step",
     "fsdp_units",
     "mpt_shape",
@@ -143,6 +150,47 @@ def tokens_per_gpu(row: FsdpRow, step_time: float) -> float:
 def predict_fsdp(row: FsdpRow, hw: Hardware | None = None) -> float:
     """Tokens/s/GPU of the row (`fsdp_step`)."""
     return tokens_per_gpu(row, fsdp_step(row, hw).step_time)
+
+
+def fsdp_run_config(row: FsdpRow) -> Config:
+    """The row as a tessera run: the MPT shape (GPT family: biases, learned positions, tied head), the row's
+    GPUs all data-parallel with its ZeRO stage, depth-first accumulation, full checkpointing when the row
+    checkpoints, bf16 (tessera's autocast: fp32 master weights)."""
+    layers, h, heads = MPT_SHAPES[row.model]
+    model = ModelConfig(
+        family="gpt", n_layers=layers, d_model=h, n_heads=heads, vocab_size=50368, seq_len=row.seq_len
+    )
+    parallel = ParallelConfig(
+        data=row.gpus,
+        zero=row.zero_stage,
+        accumulation="depth_first",
+        checkpointing="full" if row.checkpointing else "none",
+    )
+    batch = row.gpus * row.micro_batch * row.accumulation
+    train = TrainConfig(dtype="bf16", global_batch=batch, micro_batch=row.micro_batch)
+    return Config(model=model, train=train, parallel=parallel)
+
+
+def fsdp_memory(row: FsdpRow) -> MemoryEstimate:
+    """tessera's own peak-memory estimate (`tessera.memory.estimate_plan`, what `tessera memory` prints) of the
+    row's run as tessera would execute it (`fsdp_run_config`). It models tessera's runtime (fp32 master weights
+    and residual stream under autocast), not Composer's FSDP: a yardstick of how full the device is, compared
+    across rows, not a prediction of MosaicML's peak."""
+    cfg = fsdp_run_config(row)
+    shape = mpt_shape(row)
+    return estimate_plan(shape, decide(cfg, row.gpus), load_hardware(row.hardware).memory_bytes)
+
+
+def fsdp_held_bytes(row: FsdpRow) -> float:
+    """Bytes per GPU that the row's own run (Composer FSDP, "PURE" bf16 mixed precision) holds for the whole
+    step, counted by hand: the sharded model state, 16 B per parameter over the GPUs (fp32 parameter and
+    gradient shards: FSDP keeps the flat parameter in its original fp32 and casts the reduced bf16 gradient
+    back; AdamW's two fp32 moments), plus one bf16 b·s·h checkpoint per block when the row checkpoints
+    (non-reentrant checkpointing saves each block's input). Gathered blocks, recompute and logits come on top."""
+    layers, h, _ = MPT_SHAPES[row.model]
+    state = 16 * mpt_shape(row).n_params() / row.gpus
+    checkpoints = layers * row.micro_batch * row.seq_len * h * 2 if row.checkpointing else 0
+    return state + checkpoints
 
 
 def _h100(model: str, s: int, b: int, m: int, ckpt: bool, tokens: float, mfu: float, n: int) -> FsdpRow:

@@ -45,3 +45,37 @@ def test_palm_mfu_of_the_280_node_run() -> None:
     assert mtnlg.GLOBAL_BATCH * mtnlg.SHAPE.seq_len / row.iteration_s == pytest.approx(65.43e3, abs=5)
     assert mtnlg.palm_mfu(row) == pytest.approx(0.297, abs=0.0005)
     assert mtnlg.palm_mfu(row, attention=True) == pytest.approx(0.302, abs=0.0005)
+
+
+# DeepSpeed's blocking, partitioned p2p (the report's engine table), by hand on the shipped a100-80gb file:
+# NVLink 300 GB/s and 5 us per hop in the node, 25 GB/s and 10 us per GPU across nodes. Pipeline neighbours are
+# t·d ranks apart (Megatron's order), on two nodes; the tensor group is the node's 8 GPUs.
+_FULL = 2048 * 20480 * 2  # one micro-batch's b·s·h boundary tensor in bf16: 83,886,080 bytes
+_PART = _FULL / 8 / 25e9 + 10e-6  # 1/t of it to the neighbour: 429.43 us
+_WHOLE = _FULL / 25e9 + 10e-6  # all of it: 3,365.44 us
+_GATHER = 7 / 8 * _FULL / 300e9 + 7 * 5e-6  # ring all-gather over 8 GPUs on NVLink: 279.67 us
+
+
+@pytest.mark.parametrize(
+    ("partitioned", "expected"),
+    [(True, 4 * _PART + 3 * _GATHER), (False, 2 * _PART + 2 * _WHOLE + 2 * _GATHER)],
+    ids=["grads-partitioned", "grads-whole"],
+)
+def test_deepspeed_p2p_per_micro_batch_by_hand(partitioned: bool, expected: float) -> None:
+    """Four blocking transfers per micro-batch (activation and gradient, in and out) and the all-gathers that
+    re-assemble the partitioned tensors: 2.557 ms with partitioned gradients (v0.5.4 on), 8.149 ms with whole
+    ones (to v0.5.3)."""
+    hw = mtnlg.load_hardware("a100-80gb")
+    got = mtnlg.deepspeed_p2p(mtnlg.SHAPE, hw, mtnlg.plan(mtnlg.ROWS[-1]), partitioned)
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert got == pytest.approx(2.5567e-3 if partitioned else 8.1491e-3, abs=1e-7)
+
+
+def test_deepspeed_p2p_bound_counts_every_micro_batch_period() -> None:
+    """The 420-node row: m + p − 1 = 160 + 34 periods of 2.557 ms = 0.496 s."""
+    hw = mtnlg.load_hardware("a100-80gb")
+    row = mtnlg.ROWS[-1]
+    assert mtnlg.deepspeed_p2p_bound(row, hw, True) == pytest.approx(
+        194 * (4 * _PART + 3 * _GATHER), rel=1e-9
+    )
+    assert mtnlg.deepspeed_p2p_bound(row, hw, True) == pytest.approx(0.4960, abs=1e-4)
