@@ -355,23 +355,24 @@ def measured(results: Path) -> None:
 
 
 SEARCH_CHANGES = (
-    "## What moved in this re-run\n\nNo change to the search itself; the memory estimate it prunes with changed "
-    "(2026-12-03, docs/memory.md): full recomputation's replay is priced as the larger of its two backward moments "
-    "(the MLP's and the sequence-parallel entry's, each a list of named tensors) instead of their sum, and its "
-    "remaining moments (2D's SUMMA, consecutive stages on one rank, context masks) are counted; a label now says "
-    "`depth-first` where one pipeline rank under ZeRO accumulates depth-first (the runtime runs one stage per block "
-    "either way). 1T on 3072 GPUs: the winner was `d96 p4 t8+SP | breadth_first v32 | b4 m8 | ZeRO-3 | ckpt full` "
-    "(84.8 s, in the 2026-12-02 plan; this file, not re-run then, still showed the earlier d6 p64 1F1B ZeRO-1 at 90.6 s); its last pipeline stage is now estimated at 70.81 GiB, over the 76 GB cap, and `tessera dryrun` of "
-    "it at world size 3072 measures 71.42 GiB on rank 24 (that stage; the estimate is -0.9 %), so it never fitted: "
-    "the last re-run's check dry-ran rank 0 (68.44 GiB), which does not bind. The new winner is below. Llama-70B on "
-    "512: micro-batch 16 with one micro-batch now fits beside t2+SP ZeRO-3 (45.9 s, was 47.2 s for b8 m2), and "
-    "data 512 without tensor parallelism is #2 (46.1 s); the interleaved ZeRO-1 layouts leave the top 5.\n"
+    '## What moved in this re-run\n\nOne change to the search (2026-12-03, docs/planner.md "The rings priced as '
+    'written", docs/memory.md "The tensor-parallel rings\' backward"): where it turns `parallel.tp_comm_overlap` '
+    "on, it prices the layout's memory again with the rings, whose backward holds per-lane [h, f/t] fp32 "
+    "weight-gradient sums, and keeps the layout without them where they do not fit; before, the plan it wrote was "
+    "priced without the rings' moment. 1T on 3072 GPUs: the former winner `d48 p8 t8+SP | breadth_first v16 | b2 "
+    "m32 | ZeRO-3 | ckpt full` does not fit with the rings and is #5 without them (92.2 s, 75.1 GB); the winner is "
+    "`d768 p1 t4+SP | breadth_first v128 | b4 m1 | ZeRO-3 | ckpt full | overlap TP comm` (90.0 s, 69.1 GB, was #3 "
+    "at 57.4 GB priced without the rings' moment); `tessera dryrun` of its one stage at world size 3072 (rank 0) "
+    "measures 67.95 GiB against 64.37 estimated (-5.3 %). Llama-70B on 512: unchanged. The search prices one more "
+    "estimate per layout that takes the rings: 1.82 s before (the last re-run), 1.83 s for this one (best of 3 fresh processes; 2.03 and 2.28 s in two runs of "
+    "it at a load of about 3 on this shared machine).\n"
 )
 """What the last re-run changed and why (against the commit just before it, same searches), written at the top
 of the report."""
 
 EARLIER_SEARCH = (
     "## Earlier re-runs\n\n"
+    "After the estimator's replay moments: No change to the search itself; the memory estimate it prunes with changed (2026-12-03, docs/memory.md): full recomputation's replay is priced as the larger of its two backward moments (the MLP's and the sequence-parallel entry's, each a list of named tensors) instead of their sum, and its remaining moments (2D's SUMMA, consecutive stages on one rank, context masks) are counted; a label now says `depth-first` where one pipeline rank under ZeRO accumulates depth-first (the runtime runs one stage per block either way). 1T on 3072 GPUs: the winner was `d96 p4 t8+SP | breadth_first v32 | b4 m8 | ZeRO-3 | ckpt full` (84.8 s, in the 2026-12-02 plan; this file, not re-run then, still showed the earlier d6 p64 1F1B ZeRO-1 at 90.6 s); its last pipeline stage is now estimated at 70.81 GiB, over the 76 GB cap, and `tessera dryrun` of it at world size 3072 measures 71.42 GiB on rank 24 (that stage; the estimate is -0.9 %), so it never fitted: the last re-run's check dry-ran rank 0 (68.44 GiB), which does not bind. The new winner is below. Llama-70B on 512: micro-batch 16 with one micro-batch now fits beside t2+SP ZeRO-3 (45.9 s, was 47.2 s for b8 m2), and data 512 without tensor parallelism is #2 (46.1 s); the interleaved ZeRO-1 layouts leave the top 5.\n\n"
     "After hybrid shard groups spanned whole nodes: one change to the search, against 4cfbbec: hybrid sharding's shard groups may "
     "span whole nodes, s = one node's data ranks (1 where a data rank fills whole nodes) × 1, 2, 4 and 8, each "
     "dividing d and below it (`search.HYBRID_NODE_MULTIPLES`, MiCS's multi-node partition groups; docs/zero.md), "

@@ -187,9 +187,13 @@ def dry_run(cfg: Config, world_size: int, rank: int, *, peak_tensors: bool = Fal
     them block by block was nearly half of the Llama-8B example's dry run. The build still allocates every buffer
     a drawing build does (`InitSource`'s ``values``), so the build peak stays the real run's.
     ``peak_tensors``: also keep every storage alive at the peak (`RankResult.peak_tensors`,
-    `format_peak_tensors`).
+    `format_peak_tensors`). The ``tp_comm_overlap`` rings run on a CUDA run's lanes (`ring_1d.device_lanes`),
+    one weight-gradient partial sum per lane, as on the GPUs the dry run stands for (a CPU process runs one lane).
     """
-    with fake_process_group(rank, world_size), FakeRank(record=peak_tensors) as tracker:
+    from tessera.parallel.ring_1d import device_lanes  # torch-heavy, as measure_step's imports
+
+    # the rings' lanes as on CUDA: their per-lane weight-gradient sums are a GPU rank's (docs/memory.md)
+    with fake_process_group(rank, world_size), FakeRank(record=peak_tensors) as tracker, device_lanes():
         return measure_step(cfg, world_size, rank, tracker, values=False)
 
 

@@ -749,6 +749,7 @@ def _micro_batch_bytes(shape: ModelShape, cplan: Plan) -> tuple[float, float, fl
         cplan.document_mask,  # shared_mask_bytes, rope_position_bytes
         cplan.cp,  # a context rank's s/c tokens and gathered K/V
         cplan.zero_stage >= 3,  # full recomputation's replay recasts its weights (recompute_working_bytes)
+        cplan.tp_comm_overlap,  # the rings' backward (ring_moment_bytes)
     )
     return _memo(_MICRO_BATCH_BYTES, key, lambda: _price_micro_batch(shape, cplan))
 

@@ -41,8 +41,9 @@ features of this rank (o/t of the layer's for a column-parallel linear).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import NamedTuple, Protocol, TypeVar
 
@@ -54,7 +55,7 @@ from tessera import comm
 from tessera.parallel.checkpointing import save_early, saved_early
 from tessera.traffic import ring_gemm_lanes
 
-__all__ = ["ring_gathered_linears", "ring_row_parallel"]
+__all__ = ["device_lanes", "ring_gathered_linears", "ring_row_parallel"]
 
 GATHER_TAG, REDUCE_TAG = 0, 1
 """Point-to-point tags of the two rings (both in flight at once in the entry's backward)."""
@@ -132,6 +133,39 @@ def _streams(like: torch.Tensor, count: int) -> tuple[_Stream, Sequence[_Stream]
     if not like.is_cuda:
         return None
     return _CudaStream(torch.cuda.current_stream(like.device)), _side_streams(like.device, count)
+
+
+class _HostStream:
+    """A `_Stream` that orders nothing: the work runs at once, on the host. `device_lanes` runs the lanes' code
+    with it where there is no CUDA stream."""
+
+    def wait(self, other: _Stream) -> None:
+        pass
+
+    def keep(self, t: torch.Tensor) -> None:
+        pass
+
+    def active(self) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def device_lanes() -> Iterator[None]:
+    """Inside, rings on a non-CUDA device run on the lanes a CUDA run would use (min(RING_GEMM_LANES, t), each a
+    `_HostStream`), so they allocate as a CUDA run does: one weight-gradient partial sum per lane, not one in all.
+    The dry run (`tessera.dryrun.dry_run`) runs inside it; the arithmetic is the same up to the order of the sums."""
+    global _streams
+    plain = _streams
+
+    def streams(like: torch.Tensor, count: int) -> tuple[_Stream, Sequence[_Stream]] | None:
+        found = plain(like, count)
+        return found if found is not None else (_HostStream(), tuple(_HostStream() for _ in range(count)))
+
+    _streams = streams
+    try:
+        yield
+    finally:
+        _streams = plain
 
 
 def _open_lanes(like: torch.Tensor, t: int) -> _Lanes:

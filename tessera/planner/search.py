@@ -28,7 +28,14 @@ from typing import Any
 
 from tessera.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from tessera.execution import ExecutionPlan, context_violations, decide, tensor_violations
-from tessera.memory import cost_plan, estimate_plan, memory_floor, model_state_floor, model_state_mean
+from tessera.memory import (
+    MemoryEstimate,
+    cost_plan,
+    estimate_plan,
+    memory_floor,
+    model_state_floor,
+    model_state_mean,
+)
 from tessera.model.sizes import SIZES
 from tessera.modes import BREADTH_FIRST, CHECKPOINTING, DEPTH_FIRST, LAYERED, SCHEDULES
 from tessera.planner.cost import (
@@ -403,15 +410,10 @@ def _evaluate(
     plan = replace(base, **{f: getattr(timed, f) for f in _EXECUTION_FIELDS})
     schedule = execution.schedule or "1f1b"  # the direct loop: one micro-batch after another
     bd = _step(ctx, plan, schedule, p2p)
-    # tp_comm_overlap: refused with context parallelism (`execution.context_violations`)
-    rings = plan.tp_kind == "1d" and plan.sequence_parallel and plan.tp > 1 and plan.cp == 1
-    if ctx.space.comm_overlap and rings:
-        # the rings' smaller GEMM chunks can cost more than the transfer they hide: on only where faster
-        ringed = replace(plan, tp_comm_overlap=True)
-        ring_bd = _step(ctx, ringed, schedule, p2p)
-        if ring_bd.step_time < bd.step_time:
-            plan, bd, execution = ringed, ring_bd, replace(execution, tp_comm_overlap=True)
-            run = replace(run, parallel=replace(run.parallel, tp_comm_overlap=True))
+    rung = _with_rings(ctx, plan, bd, execution, schedule, p2p)
+    if rung is not None:
+        plan, bd, execution, memory = rung
+        run = replace(run, parallel=replace(run.parallel, tp_comm_overlap=True))
     tokens = batch * ctx.shape.seq_len / bd.step_time
     return Candidate(
         plan=plan,
@@ -425,6 +427,28 @@ def _evaluate(
         config=run,
         execution=execution,
     )
+
+
+def _with_rings(
+    ctx: _Ctx, plan: Plan, bd: StepBreakdown, execution: ExecutionPlan, schedule: str, p2p: float
+) -> tuple[Plan, StepBreakdown, ExecutionPlan, MemoryEstimate] | None:
+    """The layout with `parallel.tp_comm_overlap` on, (its plan, step time, execution plan, memory), where the
+    rings apply (1D + SP; refused with context parallelism, `execution.context_violations`), are faster (their
+    smaller GEMM chunks can cost more than the transfer they hide) and still fit: their backward holds more than
+    the plain entry's (`rank_memory.ring_moment_bytes`), so the plan written is priced with them. None: the layout
+    as it is, without the rings."""
+    rings = plan.tp_kind == "1d" and plan.sequence_parallel and plan.tp > 1 and plan.cp == 1
+    if not (ctx.space.comm_overlap and rings):
+        return None
+    ringed = replace(plan, tp_comm_overlap=True)
+    ring_bd = _step(ctx, ringed, schedule, p2p)
+    if ring_bd.step_time >= bd.step_time:
+        return None
+    ring_execution = replace(execution, tp_comm_overlap=True)
+    memory = estimate_plan(ctx.shape, ring_execution, stop_above=ctx.limit)
+    if memory.total > ctx.limit:
+        return None
+    return ringed, ring_bd, ring_execution, memory
 
 
 def _step(ctx: _Ctx, plan: Plan, schedule: str, p2p: float) -> StepBreakdown:
