@@ -241,7 +241,7 @@ _AXIS_OF_GROUP = {a.value: dim_of(a).name for a in Axis}
 def estimated_memory(cfg: Config, world_size: int, rank: int) -> dict[str, float]:
     """`tessera memory`'s components for this rank's pipeline position (each at its own size: activations at
     their peak, gradients when backward is over), plus its ``peak`` (the total) and
-    ``build_peak`` (the start-up estimate's build peak, `tessera.startup`, of the fullest pipeline rank)."""
+    ``build_peak`` (the start-up estimate's build peak, `tessera.startup`, at this pipeline position)."""
     from tessera.memory import COMPONENTS, estimate
     from tessera.startup import startup_memory
 
@@ -249,7 +249,8 @@ def estimated_memory(cfg: Config, world_size: int, rank: int) -> dict[str, float
     est = estimate(cfg, world_size, stage=stage)
     own = {name: float(getattr(est.breakdown, name)) for name in COMPONENTS}
     own["grads"] = est.grads_after_backward  # what the dry run reads when backward is over
-    return {**own, "peak": est.total, "build_peak": startup_memory(cfg, world_size).build}
+    build = startup_memory(cfg, world_size, stage=stage).build
+    return {**own, "peak": est.total, "build_peak": build}
 
 
 def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, str], float]:

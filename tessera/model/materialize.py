@@ -31,6 +31,7 @@ __all__ = [
     "local_value",
     "materialize",
     "pending",
+    "read_flat",
     "read_local",
     "release_parameters",
     "replicated_specs",
@@ -81,6 +82,17 @@ class ShardSpec:
     def local_shape(self) -> tuple[int, ...]:
         shape = self.block_shape
         return shape[::-1] if self.transpose else shape
+
+    def rows(self, start: int, stop: int) -> ShardSpec:
+        """The local rows ``[start, stop)`` of this block as a block of their own: the local tensor's first dim
+        is the global first dim, or (transposed) the global last dim."""
+        d = len(self.index) - 1 if self.transpose else 0
+        a, b = self.index[d]
+        if not 0 <= start <= stop <= b - a:
+            raise ValueError(f"{self.name}: local rows [{start}, {stop}) outside the block's {b - a} rows")
+        index = list(self.index)
+        index[d] = (a + start, a + stop)
+        return ShardSpec(self.name, self.shape, tuple(index), self.transpose)
 
     def boxes(self, start: int, stop: int) -> list[Box]:
         """The elements ``[start, stop)`` of the local tensor in row-major order (a ZeRO flat shard's part of
@@ -189,16 +201,22 @@ def forget_pending(p: torch.Tensor) -> None:
         delattr(p, _ATTR)
 
 
-def read_local(spec: ShardSpec, source: ValueSource) -> torch.Tensor:
+def read_local(spec: ShardSpec, source: ValueSource, out: torch.Tensor | None = None) -> torch.Tensor:
     """The local tensor of ``spec`` (CPU fp32): the real part read from ``source``, padding zero, transposed
-    if the layout says so. The tensor is allocated once and filled a row block at a time (`block_rows` rows of
-    the global parameter per read), so reading adds at most one block to memory — and leaves no holes in the
-    allocator's heap that the model's own tensors would then sit between.
+    if the layout says so. The tensor is allocated once (or is ``out``, of the local shape, zeroed first: a view
+    of a ZeRO flat buffer) and filled a row block at a time (`block_rows` rows of the global parameter per
+    read), so reading adds at most one block to memory — and leaves no holes in the allocator's heap that the
+    model's own tensors would then sit between.
 
     A source without values (``source.values`` False: `InitSource`'s in a dry run) is still read block by block,
     for the memory its reads take, but nothing is copied: the tensor comes back allocated and unwritten."""
     copy = getattr(source, "values", True)
-    out = torch.zeros(spec.local_shape, dtype=torch.float32)
+    if out is None:
+        out = torch.zeros(spec.local_shape, dtype=torch.float32)
+    elif tuple(out.shape) != spec.local_shape:
+        raise ValueError(f"{spec.name}: out has shape {tuple(out.shape)}, the local block {spec.local_shape}")
+    elif copy:
+        out.zero_()  # the padding
     view = out.t() if spec.transpose else out  # the block in the global orientation
     real = [(a, min(b, n)) for (a, b), n in zip(spec.index, spec.shape, strict=True)]
     if any(b <= a for a, b in real):
@@ -215,6 +233,35 @@ def read_local(spec: ShardSpec, source: ValueSource) -> torch.Tensor:
         del block  # before the next read: at most one block in memory
         start = stop
     return out
+
+
+def read_flat(spec: ShardSpec, source: ValueSource, out: torch.Tensor, first: int) -> None:
+    """Write the local tensor's row-major elements ``[first, first + out.numel())`` into the 1-D ``out`` (a
+    ZeRO flat buffer's part for this parameter), the same values `read_local` gives, without making the local
+    tensor whole: whole local rows are read straight into ``out``, a partial first or last row through a
+    one-row tensor. What this adds to memory is one local row and one read's row block (docs/memory.md,
+    "Start-up memory"), where reading the whole parameter first added the parameter."""
+    shape = spec.local_shape
+    width = math.prod(shape[1:])
+    last = first + out.numel()
+    if not shape or last > math.prod(shape) or first < 0:
+        raise ValueError(f"{spec.name}: elements [{first}, {last}) outside the local block {shape}")
+    copy = getattr(source, "values", True)
+    pos = first
+    while pos < last:
+        row = pos // width
+        if pos == row * width and last >= (row + 1) * width:  # whole rows from here on
+            end = last // width
+            rows = out[pos - first : end * width - first].view(end - row, *shape[1:])
+            read_local(spec.rows(row, end), source, out=rows)
+            pos = end * width
+        else:  # part of one row: read the row, keep the part
+            stop = min(last, (row + 1) * width)
+            part = read_local(spec.rows(row, row + 1), source).reshape(-1)
+            if copy:
+                out[pos - first : stop - first].copy_(part[pos - row * width : stop - row * width])
+            del part
+            pos = stop
 
 
 def local_value(p: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera import comm
-from tessera.model.materialize import forget_pending, local_value, pending
+from tessera.model.materialize import forget_pending, pending, read_flat
 from tessera.modes import ACCUMULATION
 from tessera.parallel.clipping import clip_grads_, global_norm, squared_norm
 
@@ -148,9 +148,13 @@ class FlatStage:
         hi = lo + out.numel()
         for p, off in zip(self.params, self.offsets, strict=True):
             start, end = max(lo, off), min(hi, off + p.numel())
-            if start < end:
-                value = local_value(p).reshape(-1)  # at most one parameter in memory at a time
-                out[start - lo : end - lo].copy_(value[start - off : end - off])
+            if start >= end:
+                continue
+            origin = pending(p)
+            if origin is None:  # a real parameter: its current values
+                out[start - lo : end - lo].copy_(p.detach().reshape(-1)[start - off : end - off])
+            else:  # read straight into the buffer, never the whole parameter (ZeRO-3: only this shard's part)
+                read_flat(origin.spec, origin.source, out[start - lo : end - lo], start - off)
 
     @property
     def nbytes(self) -> int:

@@ -46,8 +46,11 @@ def fp32() -> RankResult:
 def test_zero3_build_allocates_no_full_stage_buffer(fp32: RankResult) -> None:
     cfg = from_dict(_raw("fp32"))
     estimate = startup_memory(cfg, WORLD).build
-    # one block's full flat buffer (a stage of layered accumulation) would take the build past the estimate
-    assert fp32.build_peak <= estimate, f"build peak {fp32.build_peak} B, estimate {estimate:.0f} B"
+    # one block's full flat buffer (a stage of layered accumulation) would take the build past the estimate,
+    # which leaves out only the device mesh's int32 rank table (4 bytes per rank, tests/unit/test_build_peak.py)
+    assert fp32.build_peak <= estimate + 4 * WORLD, (
+        f"build peak {fp32.build_peak} B, estimate {estimate:.0f} B"
+    )
     assert fp32.build_peak < fp32.params + 4 * _block_params(), "a full stage buffer was allocated"
 
 
