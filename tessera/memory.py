@@ -49,6 +49,8 @@ from tessera.planner.cost import (
     replay_mask_bytes,
     shared_mask_bytes,
     tied_gradient_bytes,
+    zero3_block_copies_bytes,
+    zero3_cached_head_bytes,
 )
 from tessera.planner.hardware import DTYPE_BYTES
 from tessera.planner.network import TESSERA_ORDER
@@ -684,14 +686,19 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     # again; its later stages' replays find them built, kept by the walk (`StageBytes.masks`) until its lowest
     masks = replay_mask_bytes(shape, cplan) if cplan.recompute == "full" else 0.0
     top = max(psi)
-    working = {s: recompute - (masks if s != top else 0.0) for s in psi}
+    # ZeRO-3: the cache keeps every replayed block's weight copies until the stage's FREE (`recompute` has one)
+    copies = zero3_block_copies_bytes(shape, cplan)
+    more = {s: max(plan.stage_layers[s] - 1, 0) * copies for s in psi}
+    working = {s: recompute - (masks if s != top else 0.0) + more[s] for s in psi}
     if last in psi:
         acts[last] += head
         working[last] += head_working
         if cplan.recompute == "full":
             # the first replay on the last stage runs once the head's backward has freed its saved tensors (the
-            # logits' softmax, the final norm's): the stage's moment is the larger of the head's and the replay's
-            working[last] = max(recompute - head, head_transient_bytes(shape, cplan))
+            # logits' softmax, the final norm's): the stage's moment is the larger of the head's and the replay's;
+            # under ZeRO-3 its forward's block copies are in the cache at both (`zero3_block_copies_bytes`)
+            own = copies if plan.stage_layers[last] else 0.0
+            working[last] = max(recompute - head, head_transient_bytes(shape, cplan) + own) + more[last]
     # full recomputation: a stage's backward leaves its input (its first block's checkpoint) and that input's
     # gradient (fp32 like it) until the previous stage's backward, when that stage runs on this rank too
     held = {s: 2 * per_layer for s in psi if s - 1 in psi} if cplan.recompute == "full" else {}
@@ -705,6 +712,9 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     wire = {s: width * n / plan.zero_shard for s, n in psi.items()} if _replica_copies(plan) else {}
     # the tied table's gradient (fp32), which the head's backward makes in stage 0's gradients
     tied = _table_bytes(shape, cplan) if uses else 0.0
+    # ZeRO-3: the head's weight copy, in autocast's cache from its forward to the last stage's FREE
+    head_copy = zero3_cached_head_bytes(shape, cplan) if last in psi else 0.0
+    gathered = {last: grads[last] + head_copy} if head_copy else {}
     return StageBytes(
         activations=acts,
         grads=grads,
@@ -717,6 +727,7 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
         tied=tied,
         wire=wire,
         held=held,
+        gathered=gathered,
         masks=masks,
     )
 

@@ -118,6 +118,10 @@ class StageBytes:
     from the stage's backward to its predecessor's, its input (the predecessor's output, which the runtime keeps
     as that backward's root, `PipelineEngine._backward`) and the input's gradient (``input_grads``, which that
     backward consumes); empty otherwise."""
+    gathered: dict[int, float] = field(default_factory=dict)
+    """ZeRO-3: what a stage's GATHER holds until its FREE where that is more than its parameters (``grads``'
+    bytes): the last stage's output projection's compute-dtype copy, which autocast's cache keeps from the head's
+    forward until that FREE (`zero3_cached_head_bytes`); empty otherwise."""
     masks: float = 0.0
     """``held_inputs`` walks: the masks a micro-batch's replays build again on the rank (`replay_mask_bytes`),
     alive from its first backward there (the rank's highest stage, whose ``working`` counts them while it runs)
@@ -132,7 +136,7 @@ class StageBytes:
             self.activations,
             self.grads,
             None,
-            self.grads,
+            {**self.grads, **self.gathered} if self.gathered else self.grads,
             self.flat,
             self.flat,
             self.grads,

@@ -131,7 +131,10 @@ class FlatStage:
             self._point_params()
         self.gathered = not self.sharded_params
         self.grad_shard: torch.Tensor | None = None
-        self._pending: list[tuple[Any, torch.Tensor]] = []
+        # (work, its output, its input): the flattened gradients stay referenced until `wait_reduce`, as a real
+        # backend's work keeps them (NCCL stashes a collective's inputs until it completes); the dry run's fake
+        # work keeps nothing, so without this reference its peak left out the reduction in flight
+        self._pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         self._gather_work: Any = None
         self._gather_input: torch.Tensor | None = None
         self.users = 0
@@ -246,14 +249,14 @@ class FlatStage:
             for p in self.params:
                 p.grad = None
         if self.world == 1:
-            self._pending.append((None, flat))
+            self._pending.append((None, flat, flat))
             return
         out = torch.empty(self.shard_numel, dtype=dtype, device=flat.device)
-        self._pending.append((_reduce_scatter_async(out, flat, self.group), out))
+        self._pending.append((_reduce_scatter_async(out, flat, self.group), out, flat))
 
     def wait_reduce(self) -> None:
         """Wait for launched reductions; add their average over the group into ``grad_shard`` (fp32)."""
-        for work, out in self._pending:
+        for work, out, _ in self._pending:
             if work is not None:
                 work.wait()
             part = out.float()

@@ -402,35 +402,57 @@ def test_activation_memory_korthikanti_table2() -> None:
         assert activation_bytes_per_layer(shape, plan) == pytest.approx(sbh * factor, rel=REL), plan
 
 
-def test_replay_backward_is_the_larger_of_its_two_moments() -> None:
+def test_replay_backward_is_the_larger_of_its_moments() -> None:
     """1D + SP under full recomputation: the MLP's moment (its input Linears' output gradients) or the entry's
-    backward (those gradients, every MLP tensor of the "none" count freed, the entry's [N, h] buffers), not their
-    sum; named tensor by tensor as read off the dry run (docs/memory.md, "Full recomputation's moments")."""
+    backward (those gradients, every MLP tensor of the "none" count freed, the entry's [N, h] buffers and the
+    input Linears' weight gradients), not their sum; named tensor by tensor as read off the dry run (docs/memory.md,
+    "Full recomputation's moments")."""
     t, b = 2, 2
     shape = replace(llama(), seq_len=256, d_model=256, ffn_hidden=704)
     plan = Plan(tp=t, sequence_parallel=True, micro_batch=b, dtype="bf16", autocast=True, recompute="full")
     n, h, f, c, r = 256 * b, 256, 704 / t, 2, 4  # tokens, hidden, the rank's ffn, bf16, the fp32 stream
+    w = f * h  # one input Linear's weight gradient, [f/t, h]
     mlp = 2 * c * n * f  # d(gate), d(up); d(product) stands for the freed product
-    # entry, at the loop's last Linear: d(gate), d(up); gathered input, its contiguous copy (r), the copy's cast,
-    # the part and the sum (c); gate, up, silu(gate) and product freed
-    loop = 2 * c * n * f - 4 * c * n * f + (2 * r + 3 * c) * n * h
-    assert loop > mlp
-    assert replay_gradient_bytes(shape, plan) == pytest.approx(loop, rel=REL)
+    # entry, at the last (up's) turn of its loop: d(gate), d(up), gate's fp32 weight gradient (4w); gate, up,
+    # silu(gate) and product freed
+    held = 2 * c * n * f - 4 * c * n * f + 4 * w
+    # the gathered input's cast: gathered input, its contiguous copy (r), the copy's cast, the part and the sum
+    input_cast = (2 * r + 3 * c) * n * h
+    product = (r + 3 * c) * n * h + c * w  # the copy freed once cast; up's weight gradient [f/t, h] in c
+    product_cast = (r + 2 * c) * n * h + (c + 4) * w  # ... and its fp32 cast
+    scatter = (r + 3 * c + c / t) * n * h + 4 * w  # gathered, part, sum, contiguous sum, slice; up's fp32
+    assert input_cast > max(product, product_cast, scatter) and held + input_cast > mlp
+    assert replay_gradient_bytes(shape, plan) == pytest.approx(held + input_cast, rel=REL)
     # the MLP's moment is larger when the ffn is (no sum of the two)
     wide = replace(shape, ffn_hidden=4096)
     assert replay_gradient_bytes(wide, plan) == pytest.approx(2 * c * n * 4096 / t, rel=REL)
     # one sequence: the gathered buffer is contiguous when flattened, so the reduce-scatter's moment is larger:
-    # gathered input, part, sum, the sum made contiguous and the rank's slice (f/t = 256 here)
+    # gathered input, part, sum, the sum made contiguous and the rank's slice (f/t = 256 here) beside both fp32
+    # weight gradients
     one, narrow, n1, f1 = replace(plan, micro_batch=1), replace(shape, ffn_hidden=512), 256, 256
-    scatter = 2 * c * n1 * f1 - 4 * c * n1 * f1 + (r + 3 * c + c / t) * n1 * h
-    assert scatter > max(2 * c * n1 * f1, 2 * c * n1 * f1 - 4 * c * n1 * f1 + (r + 3 * c) * n1 * h)
-    assert replay_gradient_bytes(narrow, one) == pytest.approx(scatter, rel=REL)
-    # fp32 (c = r = 4): no cast of the gathered input, so the loop (input, copy, part, sum: 16 bytes a token and
-    # feature) is below the reduce-scatter (input, part, sum, contiguous sum, slice: 18)
+    w1 = f1 * h
+    held1 = 2 * c * n1 * f1 - 4 * c * n1 * f1 + 4 * w1
+    scatter = (r + 3 * c + c / t) * n1 * h + 4 * w1
+    others = ((r + 3 * c) * n1 * h, (r + 3 * c) * n1 * h + c * w1, (r + 2 * c) * n1 * h + (c + 4) * w1)
+    assert scatter > max(others)
+    assert replay_gradient_bytes(narrow, one) == pytest.approx(held1 + scatter, rel=REL)
+    # fp32 (c = r = 4): no cast of the gathered input, nor of the product, which is the fp32 gradient itself;
+    # the reduce-scatter (input, part, sum, contiguous sum, slice: 18 bytes a token and feature, both gradients)
+    # is above the product (input, copy kept as the operand, part, sum: 16, one gradient and the product)
     fp32 = replace(plan, dtype="fp32")
-    assert replay_gradient_bytes(narrow, fp32) == pytest.approx(
-        -2 * 4 * n * f1 + (4 * 4 + 2) * n * h, rel=REL
+    held32 = -2 * 4 * n * f1 + 4 * w1
+    assert replay_gradient_bytes(narrow, fp32) == pytest.approx(held32 + 18 * n * h + 4 * w1, rel=REL)
+    # GPT at a megatron-1t-like proportion (f/t several times N): the product's fp32 cast binds, the weight
+    # gradient in bf16 and fp32 beside the gathered input, the part and the GELU's output gradient
+    g, nt = gpt(h=512, a=8, s=64), 64 * b
+    wg = 4 * 512 / t * 512
+    gelu = replay_gradient_bytes(g, plan)
+    saved = (c + c) * nt * 4 * 512 / t  # fc's output and the output Linear's input, freed
+    cast = (r + c) * nt * 512 + (c + 4) * wg
+    assert cast > max(
+        (2 * r + 2 * c) * nt * 512, (r + 2 * c) * nt * 512 + c * wg, (r + 2 * c + c / t) * nt * 512 + 4 * wg
     )
+    assert gelu == pytest.approx(c * nt * 4 * 512 / t - saved + cast, rel=REL)
     # without SP only the MLP's moment
     no_sp = replace(plan, sequence_parallel=False)
     assert replay_gradient_bytes(shape, no_sp) == pytest.approx(mlp, rel=REL)

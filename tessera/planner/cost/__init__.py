@@ -81,6 +81,8 @@ from tessera.planner.cost.rank_memory import (
     shared_mask_bytes,
     stage_params_per_rank,
     tied_gradient_bytes,
+    zero3_block_copies_bytes,
+    zero3_cached_head_bytes,
 )
 from tessera.planner.cost.shape import (
     RECOMPUTE,
@@ -187,4 +189,6 @@ __all__ = [
     "tp2d_layer_volume",
     "tp_comm_time_per_layer",
     "weight_cast_bytes_per_layer",
+    "zero3_block_copies_bytes",
+    "zero3_cached_head_bytes",
 ]

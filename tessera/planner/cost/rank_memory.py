@@ -372,6 +372,35 @@ def cached_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
     return plan.act_bytes * (rank_layers(shape, plan, stage) * column + head) / plan.tp
 
 
+def zero3_block_copies_bytes(shape: ModelShape, plan: Plan) -> float:
+    """ZeRO-3 under full recomputation and autocast: one block's compute-dtype weight copies
+    (`autocast_weight_bytes_per_layer`), which its replay casts through autocast's cache (on a stage whose forward
+    runs in the same GATHER/FREE window as its backward, the last stage's, its forward already did), where they
+    stay until the stage's FREE clears the cache (`ZeroStageComm.free`): a stage of L blocks holds L of them by
+    its first block's replay, its backward's last. `recompute_working_bytes` counts one; 0 otherwise (without
+    ZeRO-3 the cache keeps every block's through the step: `cached_weight_bytes`). Read off the dry run's live
+    tensors: a 1F1B pipeline rank whose ZeRO-3 stage holds 2 GPT blocks (h 768, tensor 2 + SP, b 2) holds both
+    blocks' copies at its peak, and the estimate with one was 5.3 % under the dry run (docs/memory.md)."""
+    if plan.recompute != "full" or _cache_holds_copies(plan):
+        return 0.0
+    return autocast_weight_bytes_per_layer(shape, plan)
+
+
+def zero3_cached_head_bytes(shape: ModelShape, plan: Plan) -> float:
+    """ZeRO-3 under 1D sequence parallelism and autocast: the output projection's compute-dtype copy
+    (`_head_copy_bytes`), which the head's forward casts through autocast's cache and no backward saves (the
+    sequence-parallel entry saves the fp32 weight), alive from that forward until its stage's FREE clears the
+    cache (`ZeroStageComm.free`); 0 otherwise (without ZeRO-3 the cache holds it through the step:
+    `cached_weight_bytes`). In every named schedule's lowered list each backward of the last stage comes after a
+    forward of it within the same GATHER/FREE window (checked over 1F1B, GPipe, interleaved and breadth-first, p up
+    to 8, v up to 16, m up to 32, every rank), so the walk counts it with the last stage's gathered parameters.
+    Read off the dry run's live tensors: megatron-1t's last stage holds it at its peak (0.31 GiB, [6400, 25600]
+    bf16; docs/memory.md, "Full recomputation's moments")."""
+    if plan.zero_stage < 3 or not (plan.casts and _gathered(plan)):
+        return 0.0
+    return _head_copy_bytes(shape, plan)
+
+
 def _gathered(plan: Plan) -> bool:
     """Whether the blocks enter the tensor region through the sequence-parallel entry (1D + SP, t > 1)."""
     return plan.sequence_parallel and plan.tp_kind == "1d" and plan.tp > 1
@@ -465,24 +494,43 @@ def _mlp_saved_bytes(shape: ModelShape, plan: Plan) -> float:
 
 
 def _entry_buffer_bytes(shape: ModelShape, plan: Plan) -> float:
-    """The [N, h] tensors the sequence-parallel entry's backward (`tensor_1d._GatheredLinears.backward`) holds
-    at its fullest, the larger of two moments:
+    """What the sequence-parallel entry's backward (`tensor_1d._GatheredLinears.backward`) holds at its fullest
+    beyond its inputs (the input Linears' output gradients), the largest of four moments of its last Linear's
+    turn in the loop; [N, h] tensors of the rank's N tokens, and the input Linears' weight gradients ([f/t, h]
+    each, w elements), which the Function returns only when it is done, so that the fp32 gradients of the
+    Linears before the last (``earlier``, 4·w each) are alive at all four:
 
-    - the weight gradients' loop, at the last Linear's: the shard gathered again (r; `comm.all_gather` fills
-      an [s, b, h] buffer seen as [b, s, h]), its contiguous copy for the flattened product (r, only when b > 1:
-      with one sequence the view is already contiguous) and that copy's cast to the gradients' dtype (c, none
-      when c = r), the last Linear's input-gradient part and the running sum (c each; the part alone with one
-      input Linear);
-    - the reduce-scatter: the gathered input, the part and the sum as above, the sum made contiguous along the
-      sequence (c) and the rank's [N/t, h] slice (c).
+    - the cast of the gathered input for the weight gradient's product: the shard gathered again (r;
+      `comm.all_gather` fills an [s, b, h] buffer seen as [b, s, h]), its contiguous copy for the flattened
+      product (r, only when b > 1: with one sequence the view is already contiguous), that copy's cast to the
+      gradients' dtype (c, none when c = r), the last Linear's input-gradient part and the running sum (c each;
+      the part alone with one input Linear);
+    - the product itself: the contiguous copy freed once cast (kept as the operand when c = r), and the product
+      [f/t, h] in c;
+    - the product's cast to the fp32 master weight's dtype (`.to(w.dtype)`, only when c < 4): the gathered
+      input, the part and the sum, the product and its fp32 cast ((c + 4)·w);
+    - the reduce-scatter: the gathered input, the part and the sum, the sum made contiguous along the sequence
+      (c) and the rank's [N/t, h] slice (c), beside every input Linear's fp32 weight gradient.
 
-    Not counted: each input Linear's weight gradient ([f/t, h] in c, then fp32) while the loop runs."""
+    The weight gradients are beyond the stage's accumulated ``.grad`` (the walk's gradients): from a stage's
+    second micro-batch on the fp32 gradient is a new tensor, added into ``.grad`` once the Function returns. Left
+    out: the bias gradients ([f/t] each) and, before each part's product, the weight's transient cast to c
+    (c·w, less than the fp32 gradient the product's cast makes). Until 2026-12-03 the weight gradients were left
+    out: megatron-1t's last stage (h 25600, f/t 12800, b 2, bf16) holds 1.83 GiB of them at its peak, the
+    product's cast, where the [N, h] tensors are 0.59 GiB, and the estimate was 2.0 % under the dry run
+    (docs/memory.md, "Full recomputation's moments")."""
     c, r = plan.act_bytes, plan.stream_bytes
-    tokens = shape.seq_len // plan.cp * plan.micro_batch
-    sums = c * (2 if len(shape.features.mlp_in) > 1 else 1)  # the last part and the running sum
-    loop = r + (r if plan.micro_batch > 1 else 0) + (c if c < r else 0) + sums
-    scatter = r + sums + c + c / plan.tp
-    return max(loop, scatter) * tokens * shape.d_model
+    nh = shape.seq_len // plan.cp * plan.micro_batch * shape.d_model  # [N, h] elements
+    k = len(shape.features.mlp_in)
+    w = shape.ffn_hidden / plan.tp * shape.d_model  # one input Linear's weight gradient, [f/t, h] elements
+    earlier = (k - 1) * _FP32 * w  # the fp32 gradients of the Linears before the last
+    sums = c * (2 if k > 1 else 1)  # the last part and the running sum
+    copy = r if plan.micro_batch > 1 else 0  # the gathered input made contiguous
+    input_cast = (r + copy + (c if c < r else 0) + sums) * nh
+    product = (r + (c if c < r else copy) + sums) * nh + c * w
+    product_cast = (r + sums) * nh + (c + _FP32) * w if c < _FP32 else 0.0
+    scatter = (r + sums + c + c / plan.tp) * nh + _FP32 * w
+    return earlier + max(input_cast, product, product_cast, scatter)
 
 
 def replay_forward_bytes(shape: ModelShape, plan: Plan) -> float:
