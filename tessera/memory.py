@@ -705,6 +705,9 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     uses = {last: (last, 0)} if shape.tied and last != 0 and {0, last} <= psi.keys() else {}
     if uses:  # the embedding's backward makes the table's gradient beside the head's (``uses``), then adds it
         working[0] = max(working[0], tied_gradient_bytes(shape, cplan))
+    # a stage's first backward: with the weight gradients it has made by its replay's moment
+    replay_last = recompute - head + more.get(last, 0.0)
+    first_bw = _first_backward(shape, cplan, plan, working, replay_last) if cplan.recompute == "full" else {}
     grads = {s: 4.0 * n for s, n in psi.items()}
     # the flat copy that the data-parallel reduction sends is in the reduce dtype (ZeroStage.flat_grads)
     width = DTYPE_BYTES[plan.grad_reduce_dtype]
@@ -728,8 +731,29 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
         wire=wire,
         held=held,
         gathered=gathered,
+        first=first_bw,
         masks=masks,
     )
+
+
+def _first_backward(
+    shape: ModelShape, cplan: Plan, plan: ExecutionPlan, working: dict[int, float], last_replay: float
+) -> dict[int, float]:
+    """Under full recomputation, each stage's transient in its first backward of the step (after a ZeRO-2/3
+    reduction dropped its gradients, the next backward is a first again) with the weight gradients that backward
+    has made by its replayed block's moment, which the walk counts among the stage's gradients only once the
+    backward is over: the last block's MLP output Linear's (fp32, its backward runs before the MLP's and the
+    entry's moments) and, on the last stage, the head's ([V/t, h], fp32; with a tied table, the table's), made
+    before the replay. ``last_replay``: the last stage's replay moment (``working`` there is the larger of it and
+    the head's own). Read off the dry run's live tensors (docs/memory.md, "Full recomputation's moments"): with one
+    micro-batch per stage every backward is a first."""
+    mlp_out = next(lin for lin in reversed(shape.block_linears()) if lin.name.startswith("mlp."))
+    made = 4.0 * mlp_out.d_in * mlp_out.d_out / cplan.tp
+    last = plan.n_stages - 1
+    first = {s: w + made for s, w in working.items() if plan.stage_layers[s] and s != last}
+    if last in working and plan.stage_layers[last]:
+        first[last] = max(working[last], last_replay + made + _table_bytes(shape, cplan))
+    return first
 
 
 def _replica_copies(plan: ExecutionPlan) -> bool:

@@ -62,8 +62,10 @@ _REDUCE, _REDUCE_MB, _GATHER, _FREE = _K.REDUCE_GRAD, _K.REDUCE_MICROBATCH, _K.G
 _EXCHANGE = _K.EXCHANGE_TIED
 
 # What a term counts, and the component it belongs to (activations, grads, buffers, working).
-_ACT, _GRAD, _SHARD, _GATHERED, _PENDING, _FLAT, _WRITEBACK, _WORK, _WIRE, _TIED, _HELD, _MASKS = range(12)
-_CATEGORY = (0, 1, 1, 2, 2, 2, 2, 3, 2, 1, 0, 3)
+_ACT, _GRAD, _SHARD, _GATHERED, _PENDING, _FLAT, _WRITEBACK, _WORK, _WIRE, _TIED, _HELD, _MASKS, _FIRST = (
+    range(13)
+)
+_CATEGORY = (0, 1, 1, 2, 2, 2, 2, 3, 2, 1, 0, 3, 3)
 _LABELS = (
     "activations",
     "gradients",
@@ -77,6 +79,7 @@ _LABELS = (
     "tied table gradient",
     "stage input and its gradient",
     "replayed masks",
+    "working, the stage's first backward",
 )
 
 Term = tuple[tuple[int, int], float]
@@ -118,6 +121,11 @@ class StageBytes:
     from the stage's backward to its predecessor's, its input (the predecessor's output, which the runtime keeps
     as that backward's root, `PipelineEngine._backward`) and the input's gradient (``input_grads``, which that
     backward consumes); empty otherwise."""
+    first: dict[int, float] = field(default_factory=dict)
+    """A stage's first backward of the step, where it differs from ``working``: its transient with the gradients
+    that backward has made by then, which the walk adds only once it is over (under full recomputation the last
+    block's MLP output Linear's weight gradient, on the last stage the head's: `tessera.memory`); from its second
+    backward on they are among the stage's gradients."""
     gathered: dict[int, float] = field(default_factory=dict)
     """ZeRO-3: what a stage's GATHER holds until its FREE where that is more than its parameters (``grads``'
     bytes): the last stage's output projection's compute-dtype copy, which autocast's cache keeps from the head's
@@ -145,6 +153,7 @@ class StageBytes:
             {0: self.tied},
             self.held,
             dict.fromkeys(self.grads, self.masks),
+            {**self.working, **self.first} if self.first else self.working,
         )[what]
 
 
@@ -241,9 +250,10 @@ class _Live:
         flat: int | None = None,
         writeback: tuple[int, ...] = (),
         working: int | None = None,
+        first: bool = False,
     ) -> None:
         self.dirty = None  # nothing was released since it: this moment holds at least as much
-        extras = (flat, working, writeback)
+        extras = (flat, working, writeback, first)
         if not self.grew and extras == self.extras:  # only releases since the last moment: it covers this one
             return
         self.grew, self.extras = False, extras
@@ -252,8 +262,8 @@ class _Live:
         if flat is not None:
             key = (_FLAT, cls.get(flat, flat))
             terms[key] = terms.get(key, 0) + 1
-        if working is not None:
-            key = (_WORK, cls.get(working, working))
+        if working is not None:  # a stage's first backward: with the gradients it has made by its moment
+            key = (_FIRST if first else _WORK, cls.get(working, working))
             terms[key] = terms.get(key, 0) + 1
         for w in writeback:
             key = (_WRITEBACK, cls.get(w, w))
@@ -436,7 +446,9 @@ def compile_walk(
             live.grew = True
             live.dirty = (s, kind)
         elif kind is _B or kind is _I or kind is _W:
-            note((s, kind), working=s)  # the highest stage's transient: its replay builds the masks again
+            # the highest stage's transient: its replay builds the masks again; a first backward's, with the
+            # gradients it has made by then (`StageBytes.first`)
+            note((s, kind), working=s, first=kind is _B and s not in grads)
             if s == top and kind is not _W:  # the masks stay for the micro-batch's later backwards here
                 live.add(_MASKS, s)
             if s == bottom and kind is not _I:  # its last backward frees the documents object
@@ -573,7 +585,8 @@ def floor(
     size is bounded by its rank's smallest (``min``) where which stage it is depends on the list:
 
     - the backward after the activations' peak (the first backward action that follows it: nothing freed them
-      in between) notes them with its transient beside, and under ZeRO-3 with data parallelism its stage's
+      in between) notes them with its transient beside (``first``: a stage's first backward holds the gradients
+      it made by its moment; a later one holds the stage's whole gradients, at least those), and under ZeRO-3 with data parallelism its stage's
       gathered parameters (a compute runs between its stage's GATHER and FREE); with ``reduced_backwards`` under
       ZeRO-2/3 its REDUCE_MB follows, with the activations less that backward's micro-batch beside its stage's
       gradients and their flat copy (and, on a one-stage list of several micro-batches, the gathered
@@ -588,7 +601,8 @@ def floor(
     if sizes.deferred_reduce:  # ZeRO-1 depth-first launches one reduction per stage, at its last REDUCE
         reductions = min(reductions, len(grads))
     shards = sizes.table(_SHARD) if zero else {}
-    at_backward = activations + min(sizes.working.values(), default=0.0)
+    # its transient: a first backward's with the gradients it made by then; a later one holds all of its stage's
+    at_backward = activations + min(sizes.table(_FIRST).values(), default=0.0)
     gathered = min(grads.values(), default=0.0) if zero >= 3 and sizes.dp > 1 else 0.0
     at_backward += gathered
     if reduced_backwards and zero >= 2:
