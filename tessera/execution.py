@@ -307,10 +307,11 @@ def violations(cfg: Config, world_size: int, *, training: bool = True) -> list[V
 def resolve(cfg: Config, world_size: int, *, training: bool = True) -> ExecutionPlan:
     """The plan ``cfg`` executes on ``world_size`` ranks; ConfigError listing every violation otherwise.
 
-    ``training=False`` for an estimate of the plan (memory, dry run, calibration), which reads no data: whether the
-    data files exist here and the rules of the data against the model (`_check_data`) are left out, so a model can
-    be priced before its data exists, on a machine without it (a config `tessera plan` wrote for a cluster), or
-    with a vocabulary no data of it fits. Everything else is the same plan."""
+    ``training=False`` for an estimate of the plan (memory, dry run, calibration), which reads no data and logs
+    nothing: whether the data files exist here, the rules of the data against the model (`_check_data`) and whether
+    the logging packages [log] enables are installed here are left out, so a model can be priced before its data
+    exists, on a machine without it or without the cluster's logging packages (a config `tessera plan` wrote for a
+    cluster), or with a vocabulary no data of it fits. Everything else is the same plan."""
     plan, found = _resolve(cfg, world_size, training)
     if found:
         lines = "\n".join(f"  {i + 1}. {x}" for i, x in enumerate(found))
@@ -321,10 +322,11 @@ def resolve(cfg: Config, world_size: int, *, training: bool = True) -> Execution
 
 def _resolve(cfg: Config, world_size: int, training: bool) -> tuple[ExecutionPlan | None, list[Violation]]:
     found: list[Violation] = []
-    for section in (cfg.model, cfg.parallel, cfg.train, cfg.checkpoint, cfg.log):
+    for section in (cfg.model, cfg.parallel, cfg.train, cfg.checkpoint):
         found.extend(section.check())
-    # an estimate reads no data: the files it names may exist only where the run trains
+    # an estimate reads no data and logs nothing: the files and the logging packages may exist only where it trains
     found.extend(cfg.data.check(files=training))
+    found.extend(cfg.log.check(packages=training))
     if world_size < 1:
         found.append(
             Violation(

@@ -452,14 +452,15 @@ def check_checkpoint(c: CheckpointConfig) -> list[Violation]:
     return v
 
 
-def check_log(lg: LogConfig) -> list[Violation]:
-    """Every violated rule of [log] on its own (the rules across sections: `tessera.execution`)."""
+def check_log(lg: LogConfig, *, packages: bool = True) -> list[Violation]:
+    """Every violated rule of [log] on its own (the rules across sections: `tessera.execution`). ``packages``:
+    also whether the logging packages it enables are installed here, which only a run that logs needs."""
     v = _out_of_range("log", lg) + _bad_path("log.run_dir", lg.run_dir)
     for name, package, enabled in (
         ("tensorboard", "tensorboard", lg.tensorboard),
         ("wandb", "wandb", lg.wandb),
     ):
-        if enabled and not _importable(package):
+        if packages and enabled and not _importable(package):
             v.append(
                 Violation(
                     rule=f"log.{name}",

@@ -373,8 +373,8 @@ class LogConfig:
     wandb_mode: str = "offline"
     """W&B mode: offline (files under RUN_DIR/wandb, `wandb sync` later), online or disabled."""
 
-    def check(self) -> list[Violation]:
-        return checks.check_log(self)
+    def check(self, *, packages: bool = True) -> list[Violation]:
+        return checks.check_log(self, packages=packages)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -17,6 +17,7 @@ from tessera.config import load_config
 from tessera.config.checks import Violation
 from tessera.config.loading import toml_value
 from tessera.errors import ConfigError
+from tessera.execution import violations
 from tessera.planner.run_settings import PLAN_KEYS, RunInputs, Setting, run_settings
 from tessera.planner.search import Candidate, SearchResult, without_cycle_collection
 from tessera.planner.steptime import StepBreakdown, p2p_hops, pipeline_costs, rank_blocks, simulated_breakdown
@@ -470,18 +471,19 @@ def config_toml(result: SearchResult, cand: Candidate, inputs: RunInputs | None 
 
 
 def _problems(path: Path, gpus: int) -> tuple[list[Violation], list[Violation]]:
-    """`tessera validate`'s problems with the written file for `gpus` ranks: (the rest, the data's). The data's
-    concern the files it names (missing here, another vocabulary, ...): they may exist only where the run trains."""
-    problems = load_config(path).check(gpus)
-    data = [p for p in problems if p.rule.startswith("data.")]
-    return [p for p in problems if p not in data], data
+    """`tessera validate`'s problems with the written file for `gpus` ranks: (those of the plan, those only where
+    it trains). The second are what an estimate leaves out (`resolve(training=False)`): the data files it names
+    (missing here, another vocabulary, ...) and the logging packages it enables, which may exist only there."""
+    cfg = load_config(path)
+    everywhere = violations(cfg, gpus, training=False)
+    return everywhere, [p for p in violations(cfg, gpus) if p not in everywhere]
 
 
 def write_config(
     result: SearchResult, cand: Candidate, path: str | Path, inputs: RunInputs | None = None
 ) -> Path:
-    """Write `config_toml` and check it loads and validates for the searched world size; problems with the data
-    files it names are left to `data_problems` (a warning where the plan is made)."""
+    """Write `config_toml` and check it loads and validates for the searched world size; problems only where it
+    trains (the data files it names, logging packages) are left to `data_problems` (a note where it is planned)."""
     path = Path(path)
     path.write_text(config_toml(result, cand, inputs))
     problems, _ = _problems(path, result.gpus)
@@ -494,7 +496,8 @@ def write_config(
 
 
 def data_problems(path: str | Path, gpus: int) -> list[Violation]:
-    """What `tessera validate` finds wrong with the data files a written config names (empty: nothing)."""
+    """What `tessera validate` finds wrong here that an estimate leaves out: the data files a written config names,
+    the logging packages it enables (empty: nothing)."""
     return _problems(Path(path), gpus)[1]
 
 

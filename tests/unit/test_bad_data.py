@@ -256,3 +256,25 @@ def test_files_missing_here_are_refused_for_training_only(
     assert "dry run of" in capsys.readouterr().out
     bad = load_config(None, ['data.path="a\0b"'])
     assert [v.rule for v in violations(bad, 1, training=False)] == ["data.path"]
+
+
+def test_logging_packages_missing_here_are_refused_for_training_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A config written for a cluster enables logging whose packages this machine may lack: `validate` and `train`
+    refuse them by name with the fix, while `memory` and `dryrun` (which log nothing) price the run."""
+    from tessera.config import checks
+
+    monkeypatch.setattr(checks, "_importable", lambda package: False)
+    overrides = ["--log.tensorboard=true", "--log.wandb=true"]
+    cfg = load_config(None, [o[2:] for o in overrides])
+    refused = violations(cfg, 1)
+    assert sorted(v.rule for v in refused) == ["log.tensorboard", "log.wandb"]
+    assert all("pip install" in v.fix for v in refused)
+    assert violations(cfg, 1, training=False) == []
+    assert main(["validate", "--world-size", "1", *overrides]) == 1
+    assert "`tensorboard` package is not installed" in capsys.readouterr().out
+    assert main(["memory", "--world-size", "1", *overrides]) == 0
+    assert "per-rank memory estimate" in capsys.readouterr().out
+    assert main(["dryrun", "--world-size", "1", "--model.n_layers=1", *overrides]) == 0
+    assert "dry run of" in capsys.readouterr().out

@@ -262,6 +262,18 @@ def test_data_that_is_not_here_is_a_note_not_an_error(tmp_path, capsys) -> None:
     assert "note: here, [data.path]" in capsys.readouterr().out
 
 
+def test_logging_packages_not_here_are_a_note_not_an_error(tmp_path, capsys, monkeypatch) -> None:
+    """The file enables TensorBoard (the default), whose package the planning machine may lack: the file is
+    written and the problem said, as for data; `tessera memory` on it prices it."""
+    from tessera.config import checks
+
+    monkeypatch.setattr(checks, "_importable", lambda package: False)
+    out = _plan(tmp_path, "gpt2-tiny")
+    assert load_config(out).log.tensorboard
+    assert "note: here, [log.tensorboard]" in capsys.readouterr().out
+    assert main(["memory", str(out), "--world-size", "2"]) == 0
+
+
 def test_run_flags_without_out_are_refused(capsys) -> None:
     assert main(["plan", "--model", "gpt2-tiny", "--gpus", "2", "--data", "x.tokens", "--steps", "3"]) == 2
     assert "--data, --steps set what `--out FILE` writes: add --out plan.toml" in capsys.readouterr().err
