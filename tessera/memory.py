@@ -36,6 +36,7 @@ from tessera.planner.cost import (
     ModelShape,
     Plan,
     activation_bytes_per_layer,
+    attention_entry_bytes,
     autocast_weight_bytes,
     autocast_weight_bytes_per_layer,
     boundary_bytes,
@@ -46,6 +47,7 @@ from tessera.planner.cost import (
     model_state_bytes,
     rank_layers,
     recompute_working_bytes,
+    replay_gradient_bytes,
     replay_mask_bytes,
     shared_mask_bytes,
     tied_gradient_bytes,
@@ -749,10 +751,19 @@ def _first_backward(
     micro-batch per stage every backward is a first."""
     mlp_out = next(lin for lin in reversed(shape.block_linears()) if lin.name.startswith("mlp."))
     made = 4.0 * mlp_out.d_in * mlp_out.d_out / cplan.tp
+    # at the attention entry's moment, the block's last, every other Linear's fp32 weight gradient is made (the
+    # MLP's, the output projection's): it binds where those outweigh the MLP's moment, as at megatron-1t
+    attention_in = {f"attn.{n}" for n in shape.features.attention_in}
+    others = sum(lin.d_in * lin.d_out for lin in shape.block_linears() if lin.name not in attention_in)
+    # the attention's moment in place of the replay's (the larger of its moments, ``working``'s part)
+    shift = (
+        attention_entry_bytes(shape, cplan) + 4.0 * others / cplan.tp - replay_gradient_bytes(shape, cplan)
+    )
+    extra = max(made, shift)
     last = plan.n_stages - 1
-    first = {s: w + made for s, w in working.items() if plan.stage_layers[s] and s != last}
+    first = {s: w + extra for s, w in working.items() if plan.stage_layers[s] and s != last}
     if last in working and plan.stage_layers[last]:
-        first[last] = max(working[last], last_replay + made + _table_bytes(shape, cplan))
+        first[last] = max(working[last], last_replay + extra + _table_bytes(shape, cplan))
     return first
 
 

@@ -19,11 +19,13 @@ __all__ = [
     "MemoryBreakdown",
     "activation_bytes_per_layer",
     "attention_bias_bytes",
+    "attention_entry_bytes",
     "autocast_weight_bytes",
     "autocast_weight_bytes_per_layer",
     "boundary_bytes",
     "cached_weight_bytes",
     "capped_score_bytes",
+    "entry_moment_bytes",
     "head_activation_bytes",
     "head_transient_bytes",
     "mask_kinds",
@@ -456,10 +458,28 @@ def replay_gradient_bytes(shape: ModelShape, plan: Plan) -> float:
     grads = len(shape.features.mlp_in) * plan.act_bytes * tokens * shape.ffn_hidden / plan.tp
     if not _gathered(plan):
         return grads
-    if plan.tp_comm_overlap:  # the rings replace the entry
+    if plan.tp_comm_overlap:  # the rings replace the entries
         return max(grads, ring_moment_bytes(shape, plan))
     entry = grads - _mlp_saved_bytes(shape, plan) + _entry_buffer_bytes(shape, plan)
-    return max(grads, entry)
+    return max(grads, entry, attention_entry_bytes(shape, plan))
+
+
+def entry_moment_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Under 1D sequence parallelism, the fullest of the tensor region's entries' (and with the rings, exits')
+    backward moments beyond the block's saved tensors, 0 otherwise: with `Plan.tp_comm_overlap` the rings'
+    (`ring_moment_bytes`), else the larger of the MLP's entry (its inputs, the input Linears' output gradients,
+    and `_entry_buffer_bytes`, the MLP's own saved tensors freed) and the attention's (`attention_entry_bytes`).
+    Under no and selective recomputation these are a block's moments beyond what it saves (full recomputation
+    takes them in `replay_gradient_bytes`). Until 2026-12-03 the plain entries were counted under full
+    recomputation only: GPT, h 2048, f = h, tensor 2 + SP, b 2, no recomputation, 5.3 % under the dry run."""
+    if not _gathered(plan):
+        return 0.0
+    if plan.tp_comm_overlap:
+        return ring_moment_bytes(shape, plan)
+    tokens = shape.seq_len // plan.cp * plan.micro_batch
+    grads = len(shape.features.mlp_in) * plan.act_bytes * tokens * shape.ffn_hidden / plan.tp
+    entry = grads - _mlp_saved_bytes(shape, plan) + _entry_buffer_bytes(shape, plan)
+    return max(entry, attention_entry_bytes(shape, plan))
 
 
 def ring_moment_bytes(shape: ModelShape, plan: Plan) -> float:
@@ -469,7 +489,10 @@ def ring_moment_bytes(shape: ModelShape, plan: Plan) -> float:
     - the exit's (`ring_exit_backward_bytes`), which runs first, every saved tensor of the block still alive;
     - the entry's (`ring_entry_backward_bytes`), by when the MLP's own saved tensors are freed
       (`_mlp_saved_bytes`) and its inputs, the input Linears' output gradients (``len(mlp_in)`` × [N, f/t] in
-      c), are alive.
+      c), are alive;
+    - the attention's exit ring (the output projection, input width q_dim), once the MLP's backward has freed its
+      saved tensors and its norm's and entry's, and the attention's entry ring (`attention_entry_bytes`): they
+      bind where f is not much larger than h (GPT at f = h: 10-17 % under the dry run without them).
 
     A moment of its own beside the others of a block's backward (the estimate is the largest). Read off the dry
     run's live tensors (docs/memory.md, "The tensor-parallel rings' backward"): without it the 1D + SP rows with
@@ -479,7 +502,57 @@ def ring_moment_bytes(shape: ModelShape, plan: Plan) -> float:
     tokens = shape.seq_len // plan.cp * plan.micro_batch
     grads = len(shape.features.mlp_in) * plan.act_bytes * tokens * shape.ffn_hidden / plan.tp
     entry = grads - _mlp_saved_bytes(shape, plan) + ring_entry_backward_bytes(shape, plan)
-    return max(ring_exit_backward_bytes(shape, plan), entry)
+    # the attention's exit ring runs once the MLP's backward (its norm's and entry's saved tensors too) is over
+    mlp_freed = _mlp_saved_bytes(shape, plan) + _kept_bytes(shape, plan)
+    attention_exit = ring_exit_backward_bytes(shape, plan, width=shape.q_dim) - mlp_freed
+    return max(
+        ring_exit_backward_bytes(shape, plan), entry, attention_exit, attention_entry_bytes(shape, plan)
+    )
+
+
+def _attention_widths(shape: ModelShape) -> list[int]:
+    """The output features of the attention's input Linears (wq, wk, wv: q_dim, kv_dim, kv_dim)."""
+    names = {f"attn.{n}" for n in shape.features.attention_in}
+    return [lin.d_out for lin in shape.block_linears() if lin.name in names]
+
+
+def _kept_bytes(shape: ModelShape, plan: Plan) -> float:
+    """One sublayer's norm's saved tensors and its sequence-parallel entry's shard ([N/t, h] each, stream
+    dtype): what of the block's saved tensors is left at that sublayer's entry backward (on the attention's,
+    with the block's input the norm keeps standing for the block's upstream gradient, as in
+    `replay_gradient_bytes`)."""
+    tokens = shape.seq_len // plan.cp * plan.micro_batch
+    return (_norm_bytes(shape, plan) + plan.stream_bytes) * tokens * shape.d_model / plan.tp
+
+
+def attention_entry_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Under 1D sequence parallelism, the attention's entry backward (wq, wk and wv sharing one entry:
+    `tensor_1d._GatheredLinears`, or with `Plan.tp_comm_overlap` the ring, `ring_1d._RingGatheredLinears`) at
+    its fullest, beyond the block's saved tensors (its "none" count; the selective count under selective
+    recomputation); 0 otherwise. It is the block's backward's last moment: every saved tensor is freed but the
+    attention norm's and the entry's shard (`_kept_bytes`), and alive are its inputs, the gradients of Q, K and
+    V ([N, q_dim/t], [N, kv_dim/t] twice, in c), and the entry's own: `_entry_turns_bytes` with the three
+    Linears' widths (the gathered input, its copies and casts, the input-gradient part and sum, the fp32 weight
+    gradients of the Linears before the one at work), or the ring's (`ring_entry_backward_bytes`).
+
+    Smaller than the MLP entry's where f exceeds h (its inputs and weight gradients are f-wide), but in a stage's
+    first backward the block's other weight gradients are all made by then (`tessera.memory._first_backward`
+    adds them): megatron-1t's winner (h 25600, t 4, one micro-batch per stage) peaks here, at wv's turn, the
+    gathered input's cast (docs/memory.md, "The attention's entry")."""
+    if not _gathered(plan):
+        return 0.0
+    tokens = shape.seq_len // plan.cp * plan.micro_batch
+    widths = _attention_widths(shape)
+    grads = plan.act_bytes * tokens * sum(widths) / plan.tp  # dQ, dK, dV
+    saved = activation_bytes_per_layer(
+        shape, plan, recompute="selective" if plan.recompute == "selective" else "none"
+    )
+    freed = saved - _kept_bytes(shape, plan)
+    if plan.tp_comm_overlap:
+        buffers = ring_entry_backward_bytes(shape, plan, widths)
+    else:
+        buffers = _entry_turns_bytes(shape, plan, [w / plan.tp * shape.d_model for w in widths])
+    return grads - freed + buffers
 
 
 def _mlp_saved_bytes(shape: ModelShape, plan: Plan) -> float:
@@ -496,7 +569,7 @@ def _mlp_saved_bytes(shape: ModelShape, plan: Plan) -> float:
 def _entry_buffer_bytes(shape: ModelShape, plan: Plan) -> float:
     """What the sequence-parallel entry's backward (`tensor_1d._GatheredLinears.backward`) holds at its fullest
     beyond its inputs (the input Linears' output gradients), the largest of four moments of its last Linear's
-    turn in the loop; [N, h] tensors of the rank's N tokens, and the input Linears' weight gradients ([f/t, h]
+    turn in the loop (`_entry_turns_bytes`, which also prices the attention's entry, Linears of unequal widths); [N, h] tensors of the rank's N tokens, and the input Linears' weight gradients ([f/t, h]
     each, w elements), which the Function returns only when it is done, so that the fp32 gradients of the
     Linears before the last (``earlier``, 4·w each) are alive at all four:
 
@@ -519,18 +592,30 @@ def _entry_buffer_bytes(shape: ModelShape, plan: Plan) -> float:
     out: megatron-1t's last stage (h 25600, f/t 12800, b 2, bf16) holds 1.83 GiB of them at its peak, the
     product's cast, where the [N, h] tensors are 0.59 GiB, and the estimate was 2.0 % under the dry run
     (docs/memory.md, "Full recomputation's moments")."""
+    w = shape.ffn_hidden / plan.tp * shape.d_model  # one input Linear's weight gradient, [f/t, h] elements
+    return _entry_turns_bytes(shape, plan, [w] * len(shape.features.mlp_in))
+
+
+def _entry_turns_bytes(shape: ModelShape, plan: Plan, weights: list[float]) -> float:
+    """`_entry_buffer_bytes`'s four moments for an entry whose Linears' weight gradients are ``weights``
+    elements each ([out_i/t, h]; the attention's wq, wk, wv differ with GQA), the fullest over every Linear's
+    turn in the loop: at turn i the fp32 gradients of the Linears before it are alive and the input-gradient sum
+    exists from the second turn on. With equal widths the last turn is the fullest (the MLP's); with GQA's
+    narrow wk and wv an earlier turn can be."""
     c, r = plan.act_bytes, plan.stream_bytes
     nh = shape.seq_len // plan.cp * plan.micro_batch * shape.d_model  # [N, h] elements
-    k = len(shape.features.mlp_in)
-    w = shape.ffn_hidden / plan.tp * shape.d_model  # one input Linear's weight gradient, [f/t, h] elements
-    earlier = (k - 1) * _FP32 * w  # the fp32 gradients of the Linears before the last
-    sums = c * (2 if k > 1 else 1)  # the last part and the running sum
     copy = r if plan.micro_batch > 1 else 0  # the gathered input made contiguous
-    input_cast = (r + copy + (c if c < r else 0) + sums) * nh
-    product = (r + (c if c < r else copy) + sums) * nh + c * w
-    product_cast = (r + sums) * nh + (c + _FP32) * w if c < _FP32 else 0.0
-    scatter = (r + sums + c + c / plan.tp) * nh + _FP32 * w
-    return earlier + max(input_cast, product, product_cast, scatter)
+    fullest = 0.0
+    for i, w in enumerate(weights):
+        earlier = _FP32 * sum(weights[:i])  # the fp32 gradients of the Linears before this one
+        sums = c * (2 if i else 1)  # this Linear's part and the running sum (the part alone at the first)
+        input_cast = (r + copy + (c if c < r else 0) + sums) * nh
+        product = (r + (c if c < r else copy) + sums) * nh + c * w
+        product_cast = (r + sums) * nh + (c + _FP32) * w if c < _FP32 else 0.0
+        fullest = max(fullest, earlier + max(input_cast, product, product_cast))
+    # the reduce-scatter, after the loop: the sum made contiguous and the rank's slice, every fp32 gradient
+    scatter = (r + c * (2 if len(weights) > 1 else 1) + c + c / plan.tp) * nh + _FP32 * sum(weights)
+    return max(fullest, scatter)
 
 
 def replay_forward_bytes(shape: ModelShape, plan: Plan) -> float:
@@ -612,8 +697,10 @@ def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
     there). Under selective recomputation without documents a local layer's replayed core cuts its band again
     (`shared_mask_bytes` keeps none); the masks full recomputation's replays build again `tessera.memory` adds
     beside this (`replay_mask_bytes`)."""
-    if plan.recompute == "none":  # the saved tensors are the block's own: only the rings hold more
-        return ring_moment_bytes(shape, plan)
+    if (
+        plan.recompute == "none"
+    ):  # the saved tensors are the block's own: only the entries' backward holds more
+        return entry_moment_bytes(shape, plan)
     backward = replay_gradient_bytes(shape, plan) + _replay_upstream_bytes(shape, plan)
     # 2D: the larger of the replay's forward, its MLP output Linear's backward and the MLP's backward
     replay = max(backward, replay_forward_bytes(shape, plan), replay_exit_backward_bytes(shape, plan))
@@ -622,8 +709,8 @@ def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
         working += autocast_weight_bytes_per_layer(shape, plan)
     if plan.recompute == "selective" and not (plan.document_mask or plan.cp > 1):
         working += attention_bias_bytes(shape, plan)  # the band, [s, s] (0 without local layers)
-    if plan.recompute == "selective":  # the rings run beside the saved tensors, not the replayed core
-        working = max(working, ring_moment_bytes(shape, plan))
+    if plan.recompute == "selective":  # the entries run beside the saved tensors, not the replayed core
+        working = max(working, entry_moment_bytes(shape, plan))
     return working
 
 

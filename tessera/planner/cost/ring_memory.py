@@ -1,4 +1,5 @@
-"""What the MLP's `parallel.tp_comm_overlap` rings hold in their backward, beyond the block's saved tensors.
+"""What the `parallel.tp_comm_overlap` rings hold in their backward, beyond the block's saved tensors: the MLP's,
+and at their own widths the attention's (`rank_memory.ring_moment_bytes` places both).
 
 With `Plan.tp_comm_overlap` (1D + SP) the sequence-parallel entry and exit are rings (`tessera.parallel.ring_1d`):
 the MLP's input Linears read the gathered input through `_RingGatheredLinears`, its output Linear reduce-scatters
@@ -23,6 +24,7 @@ rows, h the model width, f/t the rank's MLP features; c, r the compute and strea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tessera.planner.cost.plan import Plan
@@ -73,18 +75,20 @@ def _add_to_lane(tally: _Tally, sums: list[bool], k: int, lanes: int, grad: floa
     sums[j] = True
 
 
-def ring_exit_backward_bytes(shape: ModelShape, plan: Plan) -> float:
+def ring_exit_backward_bytes(shape: ModelShape, plan: Plan, width: float | None = None) -> float:
     """The MLP output Linear's ring backward (`ring_1d._RingRowParallel.backward`) at its fullest, beyond its
     saved input x ([b, s, f/t] in c) and weight; 0 without the rings. Alive throughout: its output gradient g
     ([b, n, h] in c), the input gradient gx it fills chunk by chunk ([b, s, f/t], c) and the weight's cast
     ([h, f/t], c). At step k: the chunk received at k − 1 (k ≥ 1) and the one arriving (k < t − 1), both
     [b, n, h]; the chunk's input-gradient product ([b, n, f/t]) or its weight gradient: x's chunk flattened (a
     copy when b > 1, the chunk a strided view), their product ([h, f/t], c), its fp32 cast, added to its lane's
-    sum. After the loop the lanes' sums are added (`_Lanes.total`)."""
+    sum. After the loop the lanes' sums are added (`_Lanes.total`). ``width``: the Linear's input features
+    (default the MLP's f; the attention's output projection reads q_dim = n_heads·head_dim), f/t on the rank."""
     if not _applies(plan):
         return 0.0
     t, b, c = plan.tp, plan.micro_batch, plan.act_bytes
-    n, h, f = shape.seq_len // t, shape.d_model, shape.ffn_hidden / t
+    n, h = shape.seq_len // t, shape.d_model
+    f = (shape.ffn_hidden if width is None else width) / t
     chunk = c * b * n * h  # [b, n, h]
     weight = h * f  # [h, f/t] elements
     grad = plan.param_bytes * weight  # a weight gradient in the weight's dtype
@@ -108,7 +112,7 @@ def ring_exit_backward_bytes(shape: ModelShape, plan: Plan) -> float:
     return tally.peak
 
 
-def ring_entry_backward_bytes(shape: ModelShape, plan: Plan) -> float:
+def ring_entry_backward_bytes(shape: ModelShape, plan: Plan, widths: Sequence[float] | None = None) -> float:
     """The MLP input Linears' ring backward (`ring_1d._RingGatheredLinears.backward`) at its fullest, beyond its
     saved input shard ([b, n, h] in r) and the input Linears' output gradients ([b, s, f/t] in c each, its inputs:
     the caller counts them); 0 without the rings. Alive throughout: each weight's cast ([f/t, h], c). At step k:
@@ -118,21 +122,24 @@ def ring_entry_backward_bytes(shape: ModelShape, plan: Plan) -> float:
     each Linear's weight gradient from the gathered chunk (g_i's chunk flattened, the chunk cast to c when r > c,
     their product [f/t, h] in c, its fp32 cast) added to its lane's sum. After the loop each Linear's lane sums
     are added (`_Lanes.total`; the lanes keep their sums until the backward returns) and the part is cast back to
-    the input's dtype."""
+    the input's dtype. ``widths``: each input Linear's output features (default the MLP's: f for each of
+    `mlp_in`; the attention's entry: q_dim, kv_dim, kv_dim), out_i/t on the rank."""
     if not _applies(plan):
         return 0.0
     t, b, c, r = plan.tp, plan.micro_batch, plan.act_bytes, plan.stream_bytes
-    n, h, f = shape.seq_len // t, shape.d_model, shape.ffn_hidden / t
-    linears = len(shape.features.mlp_in)
+    n, h = shape.seq_len // t, shape.d_model
+    if widths is None:
+        widths = [shape.ffn_hidden] * len(shape.features.mlp_in)
+    outs = [w / t for w in widths]  # each Linear's out_i/t
+    linears = len(outs)
     gathered, part = r * b * n * h, c * b * n * h  # a gather-ring chunk, a reduce-ring chunk
-    weight = f * h
-    grad = plan.param_bytes * weight
-    product = c * weight
-    cast = grad if c != plan.param_bytes else 0.0
-    g_copy = c * b * n * f if b > 1 else 0.0  # a g_i chunk flattened
+    weights = [f * h for f in outs]
+    grads_of = [plan.param_bytes * w for w in weights]  # a weight gradient in the weight's dtype, per Linear
+    products = [c * w for w in weights]
+    g_copies = [c * b * n * f if b > 1 else 0.0 for f in outs]  # a g_i chunk flattened
     x_cast = c * b * n * h if c != r else 0.0  # the gathered chunk in c
     lanes = ring_gemm_lanes(t)
-    casts = linears * _cast(plan, weight)
+    casts = sum(_cast(plan, w) for w in weights)
     sums = [[False] * lanes for _ in range(linears)]
     held = pending = current = grads = 0.0  # received chunk, received running sum, part, lane sums (bytes)
     tally = _Tally()
@@ -141,7 +148,7 @@ def ring_entry_backward_bytes(shape: ModelShape, plan: Plan) -> float:
         tally.live = casts + held + nxt + pending + current + grads
         made = 0.0  # the new part: a term, then the sum of the terms so far; the last part still bound
         for i in range(linears):
-            tally.note(made + g_copy + part)  # g_i's chunk copied for its product (the term)
+            tally.note(made + g_copies[i] + part)  # g_i's chunk copied for its product (the term)
             if i:
                 tally.note(made + 2 * part)  # part + term beside both
             made = part
@@ -152,7 +159,9 @@ def ring_entry_backward_bytes(shape: ModelShape, plan: Plan) -> float:
         pending = part if k < t - 1 else 0.0
         tally.live = casts + held + nxt + pending + current + grads
         for i in range(linears):
-            tally.note(g_copy + x_cast + product)
+            grad, product = grads_of[i], products[i]
+            cast = grad if c != plan.param_bytes else 0.0
+            tally.note(g_copies[i] + x_cast + product)
             tally.note(product + cast)
             tally.live += grad if cast else product
             before = sum(sums[i])
@@ -164,6 +173,6 @@ def ring_entry_backward_bytes(shape: ModelShape, plan: Plan) -> float:
     # the last chunk received, the input gradient, the lanes' sums
     tally.live = casts + held + current + grads
     for i in range(linears):
-        tally.live += _lane_total(tally, sum(sums[i]), grad)
+        tally.live += _lane_total(tally, sum(sums[i]), grads_of[i])
     tally.note(r * b * n * h if r != c else 0.0)  # the input gradient in x's dtype
     return tally.peak
