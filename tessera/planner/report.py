@@ -18,6 +18,7 @@ from tessera.config.checks import Violation
 from tessera.config.loading import toml_value
 from tessera.errors import ConfigError
 from tessera.execution import violations
+from tessera.planner.cost.plan import Plan
 from tessera.planner.run_settings import PLAN_KEYS, RunInputs, Setting, run_settings
 from tessera.planner.search import Candidate, SearchResult, without_cycle_collection
 from tessera.planner.steptime import StepBreakdown, p2p_hops, pipeline_costs, rank_blocks, simulated_breakdown
@@ -137,32 +138,38 @@ def _reason(result: SearchResult, win: Candidate, run: Candidate) -> str:
 
 
 def _compute_parts(result: SearchResult, cand: Candidate) -> dict[str, float]:
-    """The critical rank's compute per step split by cause: "blocks" (the transformer blocks it runs: per
-    sequence-block work × sequence-blocks), "output layer" (the head and loss, once per micro-batch on the last
-    stage) and "embedding" (first stage); plus the two factors of "blocks" for the explanation."""
+    """The critical rank's compute per step split by cause: "blocks" (the transformer blocks it runs: time per
+    whole sequence-block's work × the whole sequence-blocks' work it does), "output layer" (the head and loss,
+    once per micro-batch on the last stage) and "embedding" (first stage); plus the factors of "blocks" for the
+    explanation. A rank does 1/(tensor × context ranks) of each sequence-block it runs, so two layouts that split
+    the same work differently (t 8 over twice the blocks of t 4) do the same whole sequence-blocks' work, and
+    what sets them apart is the time per unit of it (the GEMMs' efficiency at their shapes, the recomputation)."""
     pl = cand.plan
     pc = pipeline_costs(result.shape, result.hardware, pl)
     rank = pc.critical_rank(pl.pp)
     b, m = pc.block, pl.n_microbatches
     seq_blocks = m * rank_blocks(pc.counts, pl.pp)[rank] * pl.micro_batch
+    share = 1 / (pl.tp * pl.cp)  # of each sequence-block's work, on this rank
     per = (b.fwd_compute + b.bwd_compute) / pl.micro_batch
     return {
         "blocks": per * seq_blocks,
         "output layer": m * (b.out_fwd + b.out_bwd) if rank == pl.pp - 1 else 0.0,
         "embedding": m * (pc.emb.forward + pc.emb.backward) if rank == 0 else 0.0,
-        "per_sequence_block": per,
+        "per_whole_block": per / share,
+        "whole_blocks": seq_blocks * share,
         "sequence_blocks": seq_blocks,
     }
 
 
 def _why_compute(result: SearchResult, win: Candidate, run: Candidate) -> str:
-    """Name the largest of: more recompute or less efficient GEMMs (work per sequence-block), more blocks ×
-    micro-batches on the critical rank, the output layer or the embedding run for more micro-batches."""
+    """Name the largest of: more recompute or less efficient GEMMs (time per whole sequence-block's work), more
+    of that work on the critical rank (blocks × sequences / the tensor and context ranks sharing each), the output
+    layer or the embedding run for more micro-batches."""
     w, r = _compute_parts(result, win), _compute_parts(result, run)
     wp, rp = win.plan, run.plan
     effects = {
-        "work": (r["per_sequence_block"] - w["per_sequence_block"]) * r["sequence_blocks"],
-        "count": w["per_sequence_block"] * (r["sequence_blocks"] - w["sequence_blocks"]),
+        "work": (r["per_whole_block"] - w["per_whole_block"]) * r["whole_blocks"],
+        "count": w["per_whole_block"] * (r["whole_blocks"] - w["whole_blocks"]),
         "output layer": r["output layer"] - w["output layer"],
         "embedding": r["embedding"] - w["embedding"],
     }
@@ -177,13 +184,20 @@ def _why_compute(result: SearchResult, win: Candidate, run: Candidate) -> str:
         )
     if cause == "count":
         return (
-            f"because its busiest pipeline rank runs {r['sequence_blocks']:,.0f} sequence-blocks per step vs "
-            f"{w['sequence_blocks']:,.0f} ({amount})"
+            f"because its busiest pipeline rank does {_block_work(r, rp)} per step vs {_block_work(w, wp)} "
+            f"({amount})"
         )
     return (
         f"because its {cause} runs on the critical rank for {rp.n_microbatches} micro-batches vs "
         f"{wp.n_microbatches} ({amount})"
     )
+
+
+def _block_work(parts: dict[str, float], plan: Plan) -> str:
+    """The whole sequence-blocks' work a rank does, with the ranks sharing each: e.g. "1,024 sequence-blocks / 8
+    tensor ranks"."""
+    split = [f"{n} {name} ranks" for n, name in ((plan.tp, "tensor"), (plan.cp, "context")) if n > 1]
+    return f"{parts['sequence_blocks']:,.0f} sequence-blocks" + "".join(f" / {x}" for x in split)
 
 
 def _why_bubble(win: Candidate, run: Candidate) -> str:

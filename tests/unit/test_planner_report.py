@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from tessera.planner.hardware import load_hardware
-from tessera.planner.report import _why, _why_compute, explain, mfu_warning
+from tessera.planner.report import _compute_parts, _why, _why_compute, explain, mfu_warning
 from tessera.planner.search import SearchSpace, search
 
 A100 = load_hardware("a100-80gb")
@@ -35,6 +35,29 @@ def test_compute_reason_names_the_output_layer_not_smaller_gemms(two_pipelines) 
     reason = _why_compute(two_pipelines, by_p[2], by_p[4])
     assert "output layer" in reason and "128 micro-batches vs 64" in reason
     assert "GEMM" not in reason
+
+
+def test_a_wider_tensor_split_over_more_blocks_is_not_more_work() -> None:
+    """llama-8b on 64 GPUs without a pipeline: t 8 runs twice the sequence-blocks of t 4 (half the data ranks),
+    each at half the work per GPU, so both do 1/64 of the step's work: the reason is the time per unit of it
+    (the GEMMs at their shapes), never "more sequence-blocks"; a pipeline over 2 ranks does halve a rank's work."""
+    space = SearchSpace(
+        tensor_1d=(4, 8),
+        tensor_2d=(),
+        pipeline=(1,),
+        schedules=("1f1b",),
+        zero_stages=(1,),
+        checkpointing=("none",),
+        sequence_parallel=(True,),
+        micro_batches=(1,),
+    )
+    result = search("llama-8b", 64, A100, 256, space=space)
+    by_t = {c.plan.tp: c for c in result.candidates}
+    parts = {t: _compute_parts(result, by_t[t]) for t in (4, 8)}
+    assert parts[8]["sequence_blocks"] == 2 * parts[4]["sequence_blocks"]
+    assert parts[8]["whole_blocks"] == parts[4]["whole_blocks"] == 32 * 256 / 64
+    reason = _why_compute(result, by_t[4], by_t[8])
+    assert "sequence-blocks" not in reason and "GEMMs run less efficiently" in reason
 
 
 def test_mfu_above_the_best_published_is_flagged(two_pipelines) -> None:
