@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tessera.model.family import LinearShape
 from tessera.planner.cost.compute import layers_per_stage, rank_layers
 from tessera.planner.cost.plan import Plan
 from tessera.planner.cost.ring_memory import ring_entry_backward_bytes, ring_exit_backward_bytes
@@ -33,10 +34,12 @@ __all__ = [
     "model_state_bytes",
     "params_per_rank",
     "recompute_working_bytes",
+    "replay_copy_bytes",
     "replay_exit_backward_bytes",
     "replay_forward_bytes",
     "replay_gradient_bytes",
     "replay_mask_bytes",
+    "replay_skipped_copy_bytes",
     "rope_position_bytes",
     "shared_mask_bytes",
     "stage_params_per_rank",
@@ -375,9 +378,10 @@ def cached_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
 
 
 def zero3_block_copies_bytes(shape: ModelShape, plan: Plan) -> float:
-    """ZeRO-3 under full recomputation and autocast: one block's compute-dtype weight copies
-    (`autocast_weight_bytes_per_layer`), which its replay casts through autocast's cache (on a stage whose forward
-    runs in the same GATHER/FREE window as its backward, the last stage's, its forward already did), where they
+    """ZeRO-3 under full recomputation and autocast: one block's compute-dtype weight copies that its replay casts
+    (`replay_copy_bytes`) through autocast's cache (on a stage whose forward runs in the same GATHER/FREE window
+    as its backward, always the last stage's, its forward already did, the ring exit's copy too:
+    `memory._forward_in_window`), where they
     stay until the stage's FREE clears the cache (`ZeroStageComm.free`): a stage of L blocks holds L of them by
     its first block's replay, its backward's last. `recompute_working_bytes` counts one; 0 otherwise (without
     ZeRO-3 the cache keeps every block's through the step: `cached_weight_bytes`). Read off the dry run's live
@@ -385,7 +389,36 @@ def zero3_block_copies_bytes(shape: ModelShape, plan: Plan) -> float:
     blocks' copies at its peak, and the estimate with one was 5.3 % under the dry run (docs/memory.md)."""
     if plan.recompute != "full" or _cache_holds_copies(plan):
         return 0.0
-    return autocast_weight_bytes_per_layer(shape, plan)
+    return replay_copy_bytes(shape, plan)
+
+
+def replay_copy_bytes(shape: ModelShape, plan: Plan) -> float:
+    """The compute-dtype weight copies a block's replay under full recomputation casts (through autocast's cache):
+    the block's (`autocast_weight_bytes_per_layer`) but the one it stops before (`replay_skipped_copy_bytes`)."""
+    return autocast_weight_bytes_per_layer(shape, plan) - replay_skipped_copy_bytes(shape, plan)
+
+
+def replay_skipped_copy_bytes(shape: ModelShape, plan: Plan) -> float:
+    """With `Plan.tp_comm_overlap`'s rings under full recomputation and autocast, the MLP output Linear's
+    compute-dtype weight copy, which a block's replay never makes (0 otherwise): the exit ring saves its input and
+    fp32 weight before it runs (`ring_1d.ring_row_parallel`, `checkpointing.save_early`) and casts the weight
+    inside its forward (`ring_1d._cast_weights_here`), so the replay, which stops once the block's last saved
+    tensor is packed, stops before that cast, unless a post-norm saves the exit's output
+    (`traffic.replays_mlp_exit`). The plain exit (F.linear under autocast) casts before it packs. Only a stage
+    whose forward ran in the same autocast cache (ZeRO-3's last stage: the same GATHER/FREE window) holds it.
+    Read off the dry run's live tensors: counted until 2026-12-03, h 4096, data 2, tensor 2 + SP, ZeRO-3 with
+    the rings, one micro-batch of 2, was 2.2 % over the dry run (64 MiB, [4096, 8192] bf16; docs/memory.md,
+    "The tensor-parallel rings' backward")."""
+    rings = plan.tp_comm_overlap and _gathered(plan)
+    if plan.recompute != "full" or not (plan.casts and rings) or replays_mlp_exit(shape):
+        return 0.0
+    exit_ = _mlp_exit(shape)
+    return plan.act_bytes * exit_.d_in * exit_.d_out / plan.tp
+
+
+def _mlp_exit(shape: ModelShape) -> LinearShape:
+    """The block's MLP output Linear (its last Linear whose name starts with "mlp.")."""
+    return next(lin for lin in reversed(shape.block_linears()) if lin.name.startswith("mlp."))
 
 
 def zero3_cached_head_bytes(shape: ModelShape, plan: Plan) -> float:
@@ -692,7 +725,9 @@ def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
     the gradients in flight (`replay_gradient_bytes`; on the 2D grid with the upstream gradient, or the replayed
     forward's SUMMA moment if larger, `replay_forward_bytes`) and, where autocast's cache does not hold the
     weight copies through the step (ZeRO-3 clears it at every FREE, `_cache_holds_copies`), the block's
-    compute-dtype weight copies that its replay makes again (`autocast_weight_bytes_per_layer`). The direct
+    compute-dtype weight copies that its replay makes again (`replay_copy_bytes`: with the rings not the MLP
+    exit's, which the replay stops before; a stage whose forward cast it in the same window adds it back,
+    `tessera.memory`). The direct
     loop's replay runs after its forward's autocast region, so it makes them too (`tessera.memory` adds them
     there). Under selective recomputation without documents a local layer's replayed core cuts its band again
     (`shared_mask_bytes` keeps none); the masks full recomputation's replays build again `tessera.memory` adds
@@ -706,7 +741,7 @@ def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
     replay = max(backward, replay_forward_bytes(shape, plan), replay_exit_backward_bytes(shape, plan))
     working = activation_bytes_per_layer(shape, plan, recompute="none") + replay
     if plan.recompute == "full" and not _cache_holds_copies(plan):
-        working += autocast_weight_bytes_per_layer(shape, plan)
+        working += replay_copy_bytes(shape, plan)  # not the ring exit's, which the replay stops before
     if plan.recompute == "selective" and not (plan.document_mask or plan.cp > 1):
         working += attention_bias_bytes(shape, plan)  # the band, [s, s] (0 without local layers)
     if plan.recompute == "selective":  # the entries run beside the saved tensors, not the replayed core
