@@ -355,23 +355,29 @@ def measured(results: Path) -> None:
 
 
 SEARCH_CHANGES = (
-    '## What moved in this re-run\n\nOne change to the search (2026-12-03, docs/planner.md "The rings priced as '
-    'written", docs/memory.md "The tensor-parallel rings\' backward"): where it turns `parallel.tp_comm_overlap` '
-    "on, it prices the layout's memory again with the rings, whose backward holds per-lane [h, f/t] fp32 "
-    "weight-gradient sums, and keeps the layout without them where they do not fit; before, the plan it wrote was "
-    "priced without the rings' moment. 1T on 3072 GPUs: the former winner `d48 p8 t8+SP | breadth_first v16 | b2 "
-    "m32 | ZeRO-3 | ckpt full` does not fit with the rings and is #5 without them (92.2 s, 75.1 GB); the winner is "
-    "`d768 p1 t4+SP | breadth_first v128 | b4 m1 | ZeRO-3 | ckpt full | overlap TP comm` (90.0 s, 69.1 GB, was #3 "
-    "at 57.4 GB priced without the rings' moment); `tessera dryrun` of its one stage at world size 3072 (rank 0) "
-    "measures 67.95 GiB against 64.37 estimated (-5.3 %). Llama-70B on 512: unchanged. The search prices one more "
-    "estimate per layout that takes the rings: 1.82 s before (the last re-run), 1.83 s for this one (best of 3 fresh processes; 2.03 and 2.28 s in two runs of "
-    "it at a load of about 3 on this shared machine).\n"
+    "## What moved in this re-run\n\n"
+    "No change to the search itself, against 4744dba (the last re-run): the memory estimate it prunes with "
+    'counts three more things (2026-12-03, docs/memory.md "The last stage at the 1T shape"): the '
+    "sequence-parallel entry's weight gradients beside its cast (1b39745), ZeRO-3's cached weight copies (every "
+    "block of a stage, and the head's on the last stage; 1b39745) and the weight gradients a stage's first "
+    "backward has made by its replay's moment (a83ed5b). 1T on 3072 GPUs: 29 more layouts "
+    "over the limit (44,132 → 44,161 pruned), the same winner `d768 p1 t4+SP | breadth_first v128 | b4 m1 | "
+    "ZeRO-3 | ckpt full | overlap TP comm`, 90.0 s (its memory 69.1 → 73.7 GB, as the plan re-run of cf46ba0 "
+    "found). Llama-70B on 512: 36,583 → 36,590 pruned; the winner keeps its layout and step, 45.9 s, 71.0 → "
+    "72.9 GB. Two of the top 5 no longer fit under the 76 GB limit (95 % of 80 GB): `d512 p1 t1 | breadth_first "
+    "v80 | b4 m2 | ZeRO-3` (#2, 75.5 → 77.2 GB) and `d256 t2+SP depth-first b8 m2 ZeRO-3 hybrid 16×16` (#5, 75.7 "
+    "→ 77.6 GB; both read with `search(..., space=SearchSpace(memory_fraction=5.0))`); the hybrid 8×64 layout "
+    "moves #3 → #2 (69.7 → 71.5 GB), the same d512 layout with plain ZeRO-3 enters at #3 (47.0 s, 56.0 GB) and "
+    "`d128 t4+SP b16 m2 ZeRO-3 hybrid 8×16` at #5 (47.8 s, 75.4 GB). The search times below were taken at a "
+    "load of 4-8 on this shared 2-core machine (1T best of 3: 1.83 → 2.88 s wall, 1.82 → 2.03 s CPU; the "
+    "Llama-70B plan 4.29 → 14.35 s): the load, not the change; no interleaved pairs were timed.\n"
 )
 """What the last re-run changed and why (against the commit just before it, same searches), written at the top
 of the report."""
 
 EARLIER_SEARCH = (
     "## Earlier re-runs\n\n"
+    "After the rings priced as written: One change to the search (2026-12-03, docs/planner.md \"The rings priced as written\", docs/memory.md \"The tensor-parallel rings' backward\"): where it turns `parallel.tp_comm_overlap` on, it prices the layout's memory again with the rings, whose backward holds per-lane [h, f/t] fp32 weight-gradient sums, and keeps the layout without them where they do not fit; before, the plan it wrote was priced without the rings' moment. 1T on 3072 GPUs: the former winner `d48 p8 t8+SP | breadth_first v16 | b2 m32 | ZeRO-3 | ckpt full` does not fit with the rings and is #5 without them (92.2 s, 75.1 GB); the winner is `d768 p1 t4+SP | breadth_first v128 | b4 m1 | ZeRO-3 | ckpt full | overlap TP comm` (90.0 s, 69.1 GB, was #3 at 57.4 GB priced without the rings' moment); `tessera dryrun` of its one stage at world size 3072 (rank 0) measures 67.95 GiB against 64.37 estimated (-5.3 %). Since the estimator counts the sequence-parallel entry's weight gradients, ZeRO-3's cached weight copies and a stage's first backward's gradients (docs/memory.md, \"The last stage at the 1T shape\"; not re-run as a whole, `tessera plan` of the same command): the winner is the same at 73.7 GB (dry run 67.95 GiB, estimate 68.64, +1.0 %), `d48 p8` no longer fits without the rings (71.54 GiB estimated, 71.44 measured) and #5 is `d96 p4 t8+SP | breadth_first v32 | b2 m16 | ZeRO-3 | ckpt full` (92.4 s, 75.7 GB). Llama-70B on 512: unchanged. The search prices one more estimate per layout that takes the rings: 1.82 s before (the last re-run), 1.83 s for this one (best of 3 fresh processes; 2.03 and 2.28 s in two runs of it at a load of about 3 on this shared machine).\n\n"
     "After the estimator's replay moments: No change to the search itself; the memory estimate it prunes with changed (2026-12-03, docs/memory.md): full recomputation's replay is priced as the larger of its two backward moments (the MLP's and the sequence-parallel entry's, each a list of named tensors) instead of their sum, and its remaining moments (2D's SUMMA, consecutive stages on one rank, context masks) are counted; a label now says `depth-first` where one pipeline rank under ZeRO accumulates depth-first (the runtime runs one stage per block either way). 1T on 3072 GPUs: the winner was `d96 p4 t8+SP | breadth_first v32 | b4 m8 | ZeRO-3 | ckpt full` (84.8 s, in the 2026-12-02 plan; this file, not re-run then, still showed the earlier d6 p64 1F1B ZeRO-1 at 90.6 s); its last pipeline stage is now estimated at 70.81 GiB, over the 76 GB cap, and `tessera dryrun` of it at world size 3072 measures 71.42 GiB on rank 24 (that stage; the estimate is -0.9 %), so it never fitted: the last re-run's check dry-ran rank 0 (68.44 GiB), which does not bind. The new winner is below. Llama-70B on 512: micro-batch 16 with one micro-batch now fits beside t2+SP ZeRO-3 (45.9 s, was 47.2 s for b8 m2), and data 512 without tensor parallelism is #2 (46.1 s); the interleaved ZeRO-1 layouts leave the top 5.\n\n"
     "After hybrid shard groups spanned whole nodes: one change to the search, against 4cfbbec: hybrid sharding's shard groups may "
     "span whole nodes, s = one node's data ranks (1 where a data rank fills whole nodes) × 1, 2, 4 and 8, each "
