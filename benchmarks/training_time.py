@@ -60,22 +60,26 @@ def plot(analyses: list[ModelAnalysis], path: Path) -> None:
 
 CHANGES = (
     "## What moved in this re-run\n\n"
-    "No change to the search, against 0785e3e: the memory estimate changed (2026-12-03: full "
-    "recomputation's replay priced as the larger of its two backward moments instead of their sum, its "
-    "remaining moments counted; docs/memory.md), and 2D's replay no longer runs the MLP exit's SUMMA "
-    "product (4223138). The shortest time per size does not move (1T: 11.6 d @ 65,536, breadth-first + "
-    "ZeRO-3), nor does any family but 2D tensor + 1F1B, whose 1T cells are 2-3 % shorter (50.4 → 49.3 d @"
-    " 65,536, 2042 → 1999 d @ 512): smaller estimated replays let it keep more micro-batches or lighter "
-    "recomputation. The previous re-run's change (the estimate of 2026-12-02: ZeRO-3 with full "
-    "recomputation no longer over-estimated, so data parallel + ZeRO fits 39.1B-310.1B and breadth-first "
-    "+ ZeRO-3 reaches 1T from 8,192 GPUs) and the one before it (hybrid shard groups spanning nodes, "
-    "against 4cfbbec) are in the repository's history.\n"
+    "Against af8ffa5 (the last re-run, same searches), one change to the search and three to the memory "
+    'estimate it prunes with (2026-12-03, docs/planner.md "The rings priced as written", docs/memory.md): '
+    "where the search turns `parallel.tp_comm_overlap` on it prices the layout's memory again with the rings' "
+    "backward (per-lane fp32 weight-gradient sums) and keeps the layout without them where they do not fit "
+    "(4744dba); the estimate counts the sequence-parallel entry's weight gradients, ZeRO-3's cached weight "
+    "copies (1b39745) and a stage's first backward's weight gradients (a83ed5b). Only the 1T row moves: its "
+    "winner keeps its layout, d256 p32 t8+SP breadth-first v4 b1 m50 ZeRO-3 at 65,536 GPUs (75 GB), but now "
+    "without the rings, which no longer fit beside it: step 18.0 → 18.9 s, MFU 44 → 42 %, 11.6 → 12.2 days "
+    "(all methods and breadth-first + ZeRO-3; the time the rings' 3-lane pricing had gained, now given back). "
+    "1D tensor + (interleaved) 1F1B at 1T: 16.5 → 16.6 d @ 65,536, 26.3 → 26.9 d @ 32,768, 1315.8 → 1389.5 d "
+    "@ 512. Every other cell and winning layout is unchanged; the winners' memory per GPU grows 1-3 GB (39.1B "
+    "5 → 6 GB, 145.6B 26 → 27, 310.1B 53 → 55; the breadth-first + ZeRO-3 family 17 → 18 and 34 → 37 GB). "
+    "This run does not separate the search's change from the estimate's.\n"
 )
 """What the last re-run changed and why (against the commit just before it, same searches), written at the top
 of the report."""
 
 EARLIER = (
     "## Earlier re-runs\n\n"
+    "After the estimator's replay moments: No change to the search, against 0785e3e: the memory estimate changed (2026-12-03: full recomputation's replay priced as the larger of its two backward moments instead of their sum, its remaining moments counted; docs/memory.md), and 2D's replay no longer runs the MLP exit's SUMMA product (4223138). The shortest time per size does not move (1T: 11.6 d @ 65,536, breadth-first + ZeRO-3), nor does any family but 2D tensor + 1F1B, whose 1T cells are 2-3 % shorter (50.4 → 49.3 d @ 65,536, 2042 → 1999 d @ 512): smaller estimated replays let it keep more micro-batches or lighter recomputation. The previous re-run's change (the estimate of 2026-12-02: ZeRO-3 with full recomputation no longer over-estimated, so data parallel + ZeRO fits 39.1B-310.1B and breadth-first + ZeRO-3 reaches 1T from 8,192 GPUs) and the one before it (hybrid shard groups spanning nodes, against 4cfbbec) are in the repository's history.\n\n"
     "After hybrid sharding entered the search: Against 995b71d (same searches), three changes to the search and the step "
     "time: hybrid sharding (`parallel.zero_shard_size`, docs/zero.md) is searched beside every ZeRO-3 layout with a "
     "shard group of one node's data ranks, its gradient shards all-reduced across the nodes under the backward as "
