@@ -368,9 +368,14 @@ SEARCH_CHANGES = (
     "v80 | b4 m2 | ZeRO-3` (#2, 75.5 → 77.2 GB) and `d256 t2+SP depth-first b8 m2 ZeRO-3 hybrid 16×16` (#5, 75.7 "
     "→ 77.6 GB; both read with `search(..., space=SearchSpace(memory_fraction=5.0))`); the hybrid 8×64 layout "
     "moves #3 → #2 (69.7 → 71.5 GB), the same d512 layout with plain ZeRO-3 enters at #3 (47.0 s, 56.0 GB) and "
-    "`d128 t4+SP b16 m2 ZeRO-3 hybrid 8×16` at #5 (47.8 s, 75.4 GB). The search times below were taken at a "
-    "load of 4-8 on this shared 2-core machine (1T best of 3: 1.83 → 2.88 s wall, 1.82 → 2.03 s CPU; the "
-    "Llama-70B plan 4.29 → 14.35 s): the load, not the change; no interleaved pairs were timed.\n"
+    "`d128 t4+SP b16 m2 ZeRO-3 hybrid 8×16` at #5 (47.8 s, 75.4 GB). Re-run once more after "
+    "the attention's entry backward moment (9038028), the rings' replay without a copy of the MLP exit's weight "
+    "(b5ef8e1) and the runner-up reasons' sequence-block share (dd9ecac): 1T 44,161 → 44,165 pruned, the same "
+    "winner at 73.7 GB; Llama-70B the same five layouts, times and memory, #5's reason now the GEMMs' efficiency "
+    "(+1.35 s) where it said 2,560 sequence-blocks against 1,280 (+44.3 s). Search time: 1T best of 3 1.83 → "
+    "2.34 s wall, 1.82 → 2.32 s CPU, the Llama-70B plan 4.29 → 7.16 s (the first of these re-runs, at a load of "
+    "4-8, took 2.88 and 14.35 s); no interleaved pairs were timed, so the load's share and the new terms' are not "
+    "separated.\n"
 )
 """What the last re-run changed and why (against the commit just before it, same searches), written at the top
 of the report."""
