@@ -721,7 +721,10 @@ def _replay_upstream_bytes(shape: ModelShape, plan: Plan) -> float:
 
 def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
     """A recomputed block's moment in its backward, beyond what the rank keeps for it (0 without recomputation):
-    its un-checkpointed activations (`activation_bytes_per_layer`'s "none" count), and under full recomputation
+    its un-checkpointed activations (`activation_bytes_per_layer`'s "none" count; under selective recomputation
+    the part of it the selective count does not keep, which the replayed core makes again: until 2026-12-03 the
+    whole "none" count, the block's kept tensors twice, Llama tensor 2 + SP b 2 +4.0 % over the dry run), and
+    under full recomputation
     the gradients in flight (`replay_gradient_bytes`; on the 2D grid with the upstream gradient, or the replayed
     forward's SUMMA moment if larger, `replay_forward_bytes`) and, where autocast's cache does not hold the
     weight copies through the step (ZeRO-3 clears it at every FREE, `_cache_holds_copies`), the block's
@@ -740,6 +743,11 @@ def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
     # 2D: the larger of the replay's forward, its MLP output Linear's backward and the MLP's backward
     replay = max(backward, replay_forward_bytes(shape, plan), replay_exit_backward_bytes(shape, plan))
     working = activation_bytes_per_layer(shape, plan, recompute="none") + replay
+    if plan.recompute == "selective":
+        # the replayed core makes again what selective recomputation does not keep (SDPA's output, K and V
+        # expanded, the scores without flash attention); the block's kept tensors are among the rank's already,
+        # and its gradients take the place of freed tensors, as under no recomputation
+        working -= activation_bytes_per_layer(shape, plan)
     if plan.recompute == "full" and not _cache_holds_copies(plan):
         working += replay_copy_bytes(shape, plan)  # not the ring exit's, which the replay stops before
     if plan.recompute == "selective" and not (plan.document_mask or plan.cp > 1):
