@@ -238,17 +238,26 @@ def _stage_params(shape: ModelShape, plan: Plan, stage_layers: tuple[int, ...] |
     h, V, fam = shape.d_model, shape.vocab_size, shape.features
     layers = stage_layers or even_split(shape.n_layers, plan.pp * plan.virtual_stages)
     t = plan.tp
+    vector_split = round(t**0.5) if plan.tp_kind == "2d" else 1  # 2D: vectors split by the grid's columns
+    per_block = _block_params(shape, plan)
+    out = [count * per_block for count in layers]
+    out[0] += V * h / t + fam.position_params(shape.seq_len, h) / vector_split
+    out[-1] += fam.norm_params(h) / vector_split + (0 if (shape.tied and plan.pp == 1) else V * h / t)
+    return tuple(out)
+
+
+def _block_params(shape: ModelShape, plan: Plan) -> float:
+    """One block's parameters on a tensor rank: its matrices split t ways, its vectors replicated (1D: a
+    column-parallel bias is split with its weight; 2D: vectors split by the grid's columns j, replicated over its
+    rows i), per-head q/k norms whole on every rank."""
+    h, fam, t = shape.d_model, shape.features, plan.tp
     whole = fam.head_norm_params(shape.head_dim)  # per-head q/k norms: whole on every tensor rank, 1D and 2D
     if plan.tp_kind == "2d":  # vectors: h by j, replicated over the grid rows i
         vector_split = round(t**0.5)
         block_vectors = shape.layer_params() - shape.block_matmul_params() - whole
     else:  # 1D: the replicated vectors of a block (a column-parallel bias is split with its weight)
         vector_split, block_vectors = 1, fam.replicated_block_vectors() * h
-    per_block = (shape.layer_params() - block_vectors - whole) / t + block_vectors / vector_split + whole
-    out = [count * per_block for count in layers]
-    out[0] += V * h / t + fam.position_params(shape.seq_len, h) / vector_split
-    out[-1] += fam.norm_params(h) / vector_split + (0 if (shape.tied and plan.pp == 1) else V * h / t)
-    return tuple(out)
+    return (shape.layer_params() - block_vectors - whole) / t + block_vectors / vector_split + whole
 
 
 _STAGE_PARAMS: dict[tuple, tuple[float, ...]] = {}
@@ -777,9 +786,10 @@ def _first_backward(
     """Under full recomputation, each stage's transient in its first backward of the step (after a ZeRO-2/3
     reduction dropped its gradients, the next backward is a first again) with the weight gradients that backward
     has made by its replayed block's moment, which the walk counts among the stage's gradients only once the
-    backward is over: the last block's MLP output Linear's (fp32, its backward runs before the MLP's and the
-    entry's moments) and, on the last stage, the head's ([V/t, h], fp32; with a tied table, the table's), made
-    before the replay. ``last_replay``: the last stage's replay moment (``working`` there is the larger of it and
+    backward is over: every later block's of the stage (their backwards ran before the first block's replay,
+    the moment ``working`` prices), the first block's MLP output Linear's (fp32, its backward runs before the
+    MLP's and the entry's moments) and, on the last stage, the head's ([V/t, h], fp32; with a tied table, the
+    table's), made before the replay. ``last_replay``: the last stage's replay moment (``working`` there is the larger of it and
     the head's own). Read off the dry run's live tensors (docs/memory.md, "Full recomputation's moments"): with one
     micro-batch per stage every backward is a first."""
     mlp_out = next(lin for lin in reversed(shape.block_linears()) if lin.name.startswith("mlp."))
@@ -793,10 +803,14 @@ def _first_backward(
         attention_entry_bytes(shape, cplan) + 4.0 * others / cplan.tp - replay_gradient_bytes(shape, cplan)
     )
     extra = max(made, shift)
+    # the backward replays a stage's blocks last to first: by its first block's moment (the one ``working``
+    # prices: every block's weight copies cached) each later block's fp32 weight gradients are whole
+    block = 4.0 * _block_params(shape, cplan)
+    done = {s: (plan.stage_layers[s] - 1) * block for s in working if plan.stage_layers[s]}
     last = plan.n_stages - 1
-    first = {s: w + extra for s, w in working.items() if plan.stage_layers[s] and s != last}
+    first = {s: w + extra + done[s] for s, w in working.items() if plan.stage_layers[s] and s != last}
     if last in working and plan.stage_layers[last]:
-        first[last] = max(working[last], last_replay + extra + _table_bytes(shape, cplan))
+        first[last] = max(working[last], last_replay + extra + done[last] + _table_bytes(shape, cplan))
     return first
 
 
