@@ -72,7 +72,12 @@ CHANGES = (
     "1D tensor + (interleaved) 1F1B at 1T: 16.5 → 16.6 d @ 65,536, 26.3 → 26.9 d @ 32,768, 1315.8 → 1389.5 d "
     "@ 512. Every other cell and winning layout is unchanged; the winners' memory per GPU grows 1-3 GB (39.1B "
     "5 → 6 GB, 145.6B 26 → 27, 310.1B 53 → 55; the breadth-first + ZeRO-3 family 17 → 18 and 34 → 37 GB). "
-    "This run does not separate the search's change from the estimate's.\n"
+    "This run does not separate the search's change from the estimate's. Re-run once more after the "
+    "attention's entry backward moment (9038028) and the rings' replay without a copy of the MLP exit's weight "
+    "(b5ef8e1): the 1T winner of the first re-run (75 GB) no longer fits; all methods and breadth-first + ZeRO-3 "
+    "at 1T now take d1024 p8 t8+SP breadth-first v16 b2 m6 ZeRO-3 hybrid 128×8 with full recomputation and the "
+    "rings (step 19.2 s, MFU 39 %, 59 GB), 12.2 → 12.6 days @ 65,536; data parallel + ZeRO at 310.1B 21.1 → "
+    "21.8 d @ 16,384; 1D tensor + 1F1B at 1T 1389.5 → 1416.3 d @ 512. Every other cell is unchanged.\n"
 )
 """What the last re-run changed and why (against the commit just before it, same searches), written at the top
 of the report."""
