@@ -683,15 +683,15 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     psi = {s: per_stage[s] for s in plan.rank_stages(rank)}
     per_layer, recompute, boundary, head, head_working = _micro_batch_bytes(shape, cplan)
     last = plan.n_stages - 1
-    # a stage whose output goes to another rank keeps it for its backward (not saved by autograd); a micro-batch's
-    # attention masks are one set per rank, shared by its stages (`PipelineEngine._documents`): built by the
-    # first of them to run it, the rank's first stage with blocks, whose backward is the micro-batch's last here
+    # a stage whose output goes to another rank (2D: any stage's but the last, `_kept_boundaries`) keeps it for its
+    # backward (not saved by autograd); a micro-batch's attention masks are one set per rank, shared by its stages
+    # (`PipelineEngine._documents`): built by the first of them to run it, the rank's first stage with blocks,
+    # whose backward is the micro-batch's last here
     mask = shared_mask_bytes(shape, cplan)
     first = min((s for s in psi if plan.stage_layers[s]), default=None)
+    kept = _kept_boundaries(cplan, psi, last)
     acts = {
-        s: per_layer * plan.stage_layers[s]
-        + (boundary if s != last and s + 1 not in psi else 0.0)
-        + (mask if s == first else 0.0)
+        s: per_layer * plan.stage_layers[s] + (boundary if s in kept else 0.0) + (mask if s == first else 0.0)
         for s in psi
     }
     # full recomputation with masks: the micro-batch's first replay on the rank (its highest stage) builds them
@@ -751,6 +751,20 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
         first=first_bw,
         masks=masks,
     )
+
+
+def _kept_boundaries(cplan: Plan, psi: dict[int, float], last: int) -> frozenset[int]:
+    """The rank's stages whose output (the boundary tensor, `boundary_bytes`) the runtime keeps beside what
+    autograd saves, from the stage's forward to its backward (`PipelineEngine._forward` keeps every stage's output
+    and the next stage's detached input, one storage): every stage but the last whose next stage is on another
+    rank, and on the 2D grid under no or selective recomputation every stage but the last. A 1D stage's first
+    norm saves its input, that very storage, so a next stage on the same rank counts it in its block's
+    activations; the 2D norm (`layers_2d._Norm2D`) saves its normalised x̂ instead, so nothing else counts it
+    there (full recomputation's checkpoint saves the block's input: counted by the replayed block). Read off the
+    dry run's live tensors (docs/memory.md, "The 2D grid's stage boundaries"): Llama 2×2, one block per stage,
+    3 of the 4 blocks' outputs per micro-batch alive at the loss's backward."""
+    unsaved = cplan.tp_kind == "2d" and cplan.recompute != "full"
+    return frozenset(s for s in psi if s != last and (unsaved or s + 1 not in psi))
 
 
 def _forward_in_window(plan: ExecutionPlan, rank: int) -> frozenset[int]:
