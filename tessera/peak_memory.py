@@ -316,11 +316,15 @@ class _Live:
         self.inflight_final = final
         if self.inflight is not None:
             self.add(_FLAT, s)
+        if self.zero >= 2:  # dropped once flattened, before the collective's output exists
+            self.grad(s, False)
         if s not in self.shards:  # without data parallelism the flattened copy is the shard
             self.shards.add(s)
             self.add(_SHARD, s)
-        if self.zero >= 2:
-            self.grad(s, False)
+            if self.sharded:
+                # the reduce-scatter's output (`FlatStage.launch_reduce`: allocated after the flat copy, the
+                # stage's shard once waited) beside that copy and, under ZeRO-1, the gradients it keeps
+                self.note(label)
 
     def wire(self, s: int) -> None:
         """Hybrid sharding: stage ``s``'s replica all-reduce is launched; its wire copy lives to the end."""

@@ -294,9 +294,12 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
             return
         note(extra=flat)
         inflight = flat if d > 1 else 0.0
-        shards[s] = flat / d
         if z >= 2:
             grads.pop(s, None)
+        if s not in shards:
+            shards[s] = flat / d
+            if d > 1:  # the reduce-scatter's output, the stage's shard, beside the flat copy in flight
+                note()
 
     last_reduce = {a.stage: i for i, a in enumerate(actions) if a.kind in (R, RM)}
     for index, a in enumerate(actions):
