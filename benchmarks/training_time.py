@@ -77,7 +77,11 @@ CHANGES = (
     "(b5ef8e1): the 1T winner of the first re-run (75 GB) no longer fits; all methods and breadth-first + ZeRO-3 "
     "at 1T now take d1024 p8 t8+SP breadth-first v16 b2 m6 ZeRO-3 hybrid 128×8 with full recomputation and the "
     "rings (step 19.2 s, MFU 39 %, 59 GB), 12.2 → 12.6 days @ 65,536; data parallel + ZeRO at 310.1B 21.1 → "
-    "21.8 d @ 16,384; 1D tensor + 1F1B at 1T 1389.5 → 1416.3 d @ 512. Every other cell is unchanged.\n"
+    "21.8 d @ 16,384; 1D tensor + 1F1B at 1T 1389.5 → 1416.3 d @ 512. Every other cell is unchanged."
+    " Re-run a third time after selective recomputation's replay counted once (3a09cd2), a stage's first "
+    "backward holding its later blocks' weight gradients (d6b842d), the 2D grid's stage boundaries (b9a84b8) "
+    "and the reduce-scatter's output shard (80352c1): one cell moves, 1T at 512 GPUs for 1D tensor + "
+    "(interleaved) 1F1B and all methods, 1416.3 → 1430.6 d; every other cell and winning layout is unchanged.\n"
 )
 """What the last re-run changed and why (against the commit just before it, same searches), written at the top
 of the report."""
