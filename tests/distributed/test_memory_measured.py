@@ -151,7 +151,8 @@ class _ZeroBufferPeak:
     def sample(self) -> None:
         live: dict[int, int] = {}
         z, flats = self.zero.zero_stage, self.zero.flats.values()
-        tensors = [*self.inflight.values(), *(out for f in flats for _, out in f._pending)]
+        # `FlatStage._pending`: (work, the reduced shard, the flat input `inflight` already holds)
+        tensors = [*self.inflight.values(), *(out for f in flats for _, out, _ in f._pending)]
         tensors += [p.grad for f in flats for p in f.params] if z >= 2 else []
         tensors += [f.full for f in flats if f.gathered] if z == 3 else []
         for t in tensors:
