@@ -433,12 +433,11 @@ def _with_rings(
     ctx: _Ctx, plan: Plan, bd: StepBreakdown, execution: ExecutionPlan, schedule: str, p2p: float
 ) -> tuple[Plan, StepBreakdown, ExecutionPlan, MemoryEstimate] | None:
     """The layout with `parallel.tp_comm_overlap` on, (its plan, step time, execution plan, memory), where the
-    rings apply (1D + SP; refused with context parallelism, `execution.context_violations`), are faster (their
+    rings apply (`tessera_runs_rings`), are faster (their
     smaller GEMM chunks can cost more than the transfer they hide) and still fit: their backward holds more than
     the plain entry's (`rank_memory.ring_moment_bytes`), so the plan written is priced with them. None: the layout
     as it is, without the rings."""
-    rings = plan.tp_kind == "1d" and plan.sequence_parallel and plan.tp > 1 and plan.cp == 1
-    if not (ctx.space.comm_overlap and rings):
+    if not (ctx.space.comm_overlap and tessera_runs_rings(plan)):
         return None
     ringed = replace(plan, tp_comm_overlap=True)
     ring_bd = _step(ctx, ringed, schedule, p2p)
@@ -449,6 +448,13 @@ def _with_rings(
     if memory.total > ctx.limit:
         return None
     return ringed, ring_bd, ring_execution, memory
+
+
+def tessera_runs_rings(plan: Plan) -> bool:
+    """Whether tessera's runtime runs `plan`'s layout with `parallel.tp_comm_overlap`: where the rings fit the
+    layout (`Plan.rings_fit_layout`) and without context parallelism, which `execution.context_violations`
+    refuses with them in this version."""
+    return plan.rings_fit_layout and plan.cp == 1
 
 
 def _step(ctx: _Ctx, plan: Plan, schedule: str, p2p: float) -> StepBreakdown:

@@ -23,7 +23,7 @@ from tessera.planner.cost.collectives import traffic_time
 from tessera.planner.gemm import quantization
 from tessera.planner.hardware import Hardware, load_hardware
 from tessera.planner.network import TESSERA_ORDER
-from tessera.planner.search import model_config
+from tessera.planner.search import model_config, tessera_runs_rings
 from tessera.planner.steptime import dp_parts, fast_step, simulate_step
 from tessera.traffic import BACKWARD, FORWARD, tensor_calls
 from tests.unit.test_search import FAST_VS_SIM_TOLERANCE  # the closed form within 1 % of the simulated step
@@ -190,16 +190,48 @@ def test_the_heads_entry_is_a_ring_under_the_logits_chunks() -> None:
 
 
 @pytest.mark.parametrize(
-    "plan",
+    "fields",
     [
-        Plan(tp=8, tp_comm_overlap=True),
-        Plan(tp=1, sequence_parallel=True, tp_comm_overlap=True),
-        Plan(tp=4, tp_kind="2d", tp_comm_overlap=True),
+        {"tp": 8},
+        {"tp": 1, "sequence_parallel": True},
+        {"tp": 4, "tp_kind": "2d"},
     ],
 )
-def test_tp_overlap_without_sequence_parallel_1d_is_an_error(plan: Plan) -> None:
+def test_tp_overlap_outside_1d_sequence_parallel_is_an_error(fields: dict) -> None:
+    """`Plan` refuses the rings outside 1D + SP (`Plan.rings_fit_layout`), so no cost term needs its own check of
+    where they apply."""
     with pytest.raises(ValueError, match="sequence_parallel"):
-        tp_comm_time_per_layer(GPT, FLAT, plan)
+        Plan(tp_comm_overlap=True, **fields)
+    assert not Plan(**fields).rings_fit_layout
+
+
+def test_tessera_runs_rings_where_the_config_accepts_them() -> None:
+    """The search's predicate agrees with the config rules (`tensor.tp_comm_overlap`, the context rule) on a
+    grid of layouts: the cost plan of each valid layout gets the rings exactly where `validate` accepts the same
+    config with `parallel.tp_comm_overlap = true`."""
+    from tessera.config import Config, ParallelConfig, TrainConfig
+    from tessera.execution import resolve, violations
+    from tessera.memory import cost_plan
+
+    seen = set()
+    for tensor in (1, 2, "2x2"):
+        for sp in (False, True):
+            for context in (1, 2):
+                if sp and tensor == 1:
+                    continue  # sequence parallelism needs a tensor group: its own rule
+                par = ParallelConfig(tensor=tensor, sequence_parallel=sp, context=context)
+                cfg = Config(parallel=par, train=TrainConfig(micro_batch=2, global_batch=32))
+                if violations(cfg, 8, training=False):
+                    continue  # a layout refused without the rings (e.g. context with 2D)
+                ringed = Config(parallel=dataclasses.replace(cfg.parallel, tp_comm_overlap=True))
+                accepted = not violations(ringed, 8, training=False)
+                assert tessera_runs_rings(cost_plan(resolve(cfg, 8, training=False))) == accepted, (
+                    tensor,
+                    sp,
+                    context,
+                )
+                seen.add(accepted)
+    assert seen == {True, False}
 
 
 # --- the deferred ZeRO-1/2 gather ------------------------------------------------------------------------------

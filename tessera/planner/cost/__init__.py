@@ -100,7 +100,6 @@ from tessera.planner.cost.shape import (
 )
 from tessera.planner.cost.tp_overlap import (
     RingCost,
-    overlaps_tensor_comm,
     ring_added_time,
     ring_cost,
     ring_lanes,
@@ -162,7 +161,6 @@ __all__ = [
     "model_state_bytes",
     "narayanan_flops_per_iteration",
     "narayanan_params",
-    "overlaps_tensor_comm",
     "p2p_time",
     "p2p_time_per_microbatch",
     "palm_flops_per_token",

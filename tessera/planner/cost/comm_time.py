@@ -8,7 +8,7 @@ from tessera.planner.cost.collectives import group_placement, p2p_time, traffic_
 from tessera.planner.cost.compute import LayerTime, layer_time, linear_gemm_times, local_tokens, logits_time
 from tessera.planner.cost.plan import Plan, per_microbatch_reduction
 from tessera.planner.cost.shape import ModelShape
-from tessera.planner.cost.tp_overlap import overlaps_tensor_comm, ring_lanes, tensor_traffic_time
+from tessera.planner.cost.tp_overlap import ring_lanes, tensor_traffic_time
 from tessera.planner.cost.volume import tied_exchange_bytes
 from tessera.planner.hardware import Hardware
 from tessera.planner.network import bus_bandwidth, collective_time
@@ -90,7 +90,7 @@ def _ring_gemms(
     its re-gather under the wgrad chunks (each a forward-shaped GEMM, as `layer_time` prices backward), the
     exit's output-gradient all-gather under the row GEMM's dgrad and wgrad chunks together. A chunk's seconds are
     the ring's t chunk GEMMs on the runtime's `tp_overlap.ring_lanes` streams, / t."""
-    if not overlaps_tensor_comm(plan):
+    if not plan.tp_comm_overlap:
         return [], []
     rows = local_tokens(shape, plan)
     chunks = linear_gemm_times(shape, hw, plan, rows / plan.tp, chunks=plan.tp, lanes=ring_lanes(hw, plan))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from tessera.planner.cost.collectives import traffic_time
 from tessera.planner.cost.plan import Plan
 from tessera.planner.cost.shape import ROW_PARALLEL, ModelShape, linears
-from tessera.planner.cost.tp_overlap import overlaps_tensor_comm, ring_lanes, tensor_traffic_time
+from tessera.planner.cost.tp_overlap import ring_lanes, tensor_traffic_time
 from tessera.planner.gemm import gemm_call_time, lanes_call_time, plateau_time
 from tessera.planner.hardware import Hardware
 from tessera.traffic import BACKWARD, FORWARD, replays_mlp_exit, tensor_calls
@@ -303,7 +303,7 @@ def logits_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     calls = tensor_calls(shape, plan, "head")
     ring = []  # with tp_comm_overlap the head's entry is a ring under the logits GEMM's chunks (backward: the
     # input gradient's reduce-scatter under the dgrad chunks, then the re-gather under the wgrad chunks)
-    if overlaps_tensor_comm(plan):
+    if plan.tp_comm_overlap:
         t = plan.tp  # t chunks on the runtime's concurrent streams (cost.tp_overlap)
         chunks = lanes_call_time(
             hw,

@@ -36,7 +36,8 @@ class Plan:
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
     """1D + SP: each tensor-parallel all-gather / reduce-scatter runs as a ring under the GEMM chunks it feeds
-    (tessera's `parallel.tp_comm_overlap`, Megatron's --tp-comm-overlap)."""
+    (tessera's `parallel.tp_comm_overlap`, Megatron's --tp-comm-overlap). Only where `rings_fit_layout` holds
+    (`__post_init__` refuses it elsewhere), so this flag alone says whether the cost model prices the rings."""
     overlap_param_gather: bool = False
     """ZeRO-1/2: the post-step parameter all-gather runs under the next step's forward (`parallel.
     overlap_param_gather`, Megatron's --overlap-param-gather) instead of after the optimizer step."""
@@ -84,6 +85,23 @@ class Plan:
     (tessera's runtime, torch's non-reentrant checkpoint): recomputation stops once every saved tensor is rebuilt,
     so the last exit is not replayed unless a post-norm saves its output (Gemma 2/3:
     `tessera.traffic.replays_mlp_exit`; `cost.compute.layer_time`, `tessera.traffic.replayed_1d`)."""
+
+    def __post_init__(self) -> None:
+        if self.tp_comm_overlap and not self.rings_fit_layout:
+            raise ValueError(
+                "tp_comm_overlap overlaps sequence parallelism's all-gather / reduce-scatter with the GEMMs; it needs "
+                f"1D tensor parallelism with sequence_parallel (tp = {self.tp}, tp_kind = {self.tp_kind!r}, "
+                f"sequence_parallel = {self.sequence_parallel}); set tp_comm_overlap = False"
+            )
+
+    @property
+    def rings_fit_layout(self) -> bool:
+        """Whether this layout's tensor-parallel collectives can run as rings (`tp_comm_overlap`): 1D with sequence
+        parallelism over t > 1 ranks (tessera's config rule `tensor.tp_comm_overlap`, Megatron's assertion). The
+        one predicate the cost model and the memory estimate need: a Plan with the flag set always has them.
+        Context parallelism is allowed here (Megatron-Core runs the rings with it, `planner.stacks`); tessera's
+        runtime refuses that pair, which the search adds (`search.tessera_runs_rings`)."""
+        return self.tp_kind == "1d" and self.sequence_parallel and self.tp > 1
 
     @property
     def q(self) -> int:

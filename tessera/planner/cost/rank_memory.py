@@ -409,8 +409,7 @@ def replay_skipped_copy_bytes(shape: ModelShape, plan: Plan) -> float:
     Read off the dry run's live tensors: counted until 2026-12-03, h 4096, data 2, tensor 2 + SP, ZeRO-3 with
     the rings, one micro-batch of 2, was 2.2 % over the dry run (64 MiB, [4096, 8192] bf16; docs/memory.md,
     "The tensor-parallel rings' backward")."""
-    rings = plan.tp_comm_overlap and _gathered(plan)
-    if plan.recompute != "full" or not (plan.casts and rings) or replays_mlp_exit(shape):
+    if plan.recompute != "full" or not (plan.casts and plan.tp_comm_overlap) or replays_mlp_exit(shape):
         return 0.0
     exit_ = _mlp_exit(shape)
     return plan.act_bytes * exit_.d_in * exit_.d_out / plan.tp
@@ -530,7 +529,7 @@ def ring_moment_bytes(shape: ModelShape, plan: Plan) -> float:
     A moment of its own beside the others of a block's backward (the estimate is the largest). Read off the dry
     run's live tensors (docs/memory.md, "The tensor-parallel rings' backward"): without it the 1D + SP rows with
     the rings fell 3.1 % to 7.1 % under the dry run."""
-    if not (plan.tp_comm_overlap and _gathered(plan)):
+    if not plan.tp_comm_overlap:
         return 0.0
     tokens = shape.seq_len // plan.cp * plan.micro_batch
     grads = len(shape.features.mlp_in) * plan.act_bytes * tokens * shape.ffn_hidden / plan.tp

@@ -46,10 +46,6 @@ class _Tally:
         self.peak = max(self.peak, self.live + extra)
 
 
-def _applies(plan: Plan) -> bool:
-    return plan.tp_comm_overlap and plan.sequence_parallel and plan.tp_kind == "1d" and plan.tp > 1
-
-
 def _cast(plan: Plan, elements: float) -> float:
     """Bytes of a weight's cast to the compute dtype (``w.to(c)``): none when it is already that dtype."""
     return plan.act_bytes * elements if plan.act_bytes != plan.param_bytes else 0.0
@@ -84,7 +80,7 @@ def ring_exit_backward_bytes(shape: ModelShape, plan: Plan, width: float | None 
     copy when b > 1, the chunk a strided view), their product ([h, f/t], c), its fp32 cast, added to its lane's
     sum. After the loop the lanes' sums are added (`_Lanes.total`). ``width``: the Linear's input features
     (default the MLP's f; the attention's output projection reads q_dim = n_heads·head_dim), f/t on the rank."""
-    if not _applies(plan):
+    if not plan.tp_comm_overlap:
         return 0.0
     t, b, c = plan.tp, plan.micro_batch, plan.act_bytes
     n, h = shape.seq_len // t, shape.d_model
@@ -124,7 +120,7 @@ def ring_entry_backward_bytes(shape: ModelShape, plan: Plan, widths: Sequence[fl
     are added (`_Lanes.total`; the lanes keep their sums until the backward returns) and the part is cast back to
     the input's dtype. ``widths``: each input Linear's output features (default the MLP's: f for each of
     `mlp_in`; the attention's entry: q_dim, kv_dim, kv_dim), out_i/t on the rank."""
-    if not _applies(plan):
+    if not plan.tp_comm_overlap:
         return 0.0
     t, b, c, r = plan.tp, plan.micro_batch, plan.act_bytes, plan.stream_bytes
     n, h = shape.seq_len // t, shape.d_model

@@ -43,7 +43,6 @@ from tessera.traffic import Collective, ring_gemm_lanes
 __all__ = [
     "RING_KINDS",
     "RingCost",
-    "overlaps_tensor_comm",
     "ring_added_time",
     "ring_cost",
     "ring_lanes",
@@ -102,20 +101,6 @@ def ring_step_time(hw: Hardware, plan: Plan, nbytes: float) -> float:
     return p2p_time(nbytes / plan.tp, bus_bandwidth(hw, pl), latency)
 
 
-def overlaps_tensor_comm(plan: Plan) -> bool:
-    """Whether `plan` runs its tensor-parallel collectives as rings (`Plan.tp_comm_overlap`); raises where the
-    flag is set without the collectives it overlaps (the config rule `tensor.tp_comm_overlap`)."""
-    if not plan.tp_comm_overlap:
-        return False
-    if plan.tp_kind != "1d" or not plan.sequence_parallel or plan.tp < 2:
-        raise ValueError(
-            "tp_comm_overlap overlaps sequence parallelism's all-gather / reduce-scatter with the GEMMs; it needs 1D "
-            f"tensor parallelism with sequence_parallel (tp = {plan.tp}, tp_kind = {plan.tp_kind!r}, "
-            f"sequence_parallel = {plan.sequence_parallel}); set tp_comm_overlap = False"
-        )
-    return True
-
-
 def tensor_traffic_time(
     hw: Hardware, plan: Plan, calls: list[Collective], phase: str, gemms: Sequence[tuple[float, float]] = ()
 ) -> float:
@@ -123,7 +108,7 @@ def tensor_traffic_time(
     with `Plan.tp_comm_overlap` each all-gather / reduce-scatter of the phase, in the order of `calls`, is a ring
     under the next entry of `gemms` ((chunk, whole) GEMM seconds, `ring_added_time`) and the rest keep
     `traffic_time`. Raises if the phase has more ring collectives than `gemms` names."""
-    if not overlaps_tensor_comm(plan):
+    if not plan.tp_comm_overlap:
         return traffic_time(hw, plan, calls, phase)
     rings = [c for c in calls if c.phase == phase and c.kind in RING_KINDS and c.group == "tensor"]
     if len(rings) > len(gemms):
