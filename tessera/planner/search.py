@@ -330,12 +330,16 @@ def _schedule_options(space: SearchSpace, layers: int, p: int, m: int) -> list[t
     per_rank = layers // p
     vs = [v for v in _divisors(per_rank) if space.max_virtual is None or v <= space.max_virtual]
     out: list[tuple[str, int]] = []
+    one_per_block = (
+        BREADTH_FIRST in space.schedules and per_rank > 1 and (space.max_virtual or per_rank) >= per_rank
+    )
     for name in space.schedules:
         if p == 1:  # no pipeline: depth-first accumulation, or layered accumulation one layer at a time
-            if name == "1f1b":
+            # with one micro-batch the two orders are the same run (`execution.decide`): only the layered one
+            if name == "1f1b" and not (m == 1 and one_per_block):
                 out.append(("1f1b", 1))
-            elif name == "breadth_first" and per_rank > 1 and (space.max_virtual or per_rank) >= per_rank:
-                out.append(("breadth_first", per_rank))
+            elif name == BREADTH_FIRST and one_per_block:
+                out.append((BREADTH_FIRST, per_rank))
         elif name in ("1f1b", "gpipe"):
             out.append((name, 1))
         elif name == "interleaved" and m % p == 0:

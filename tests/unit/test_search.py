@@ -396,3 +396,13 @@ def test_a_label_tells_layered_from_depth_first_breadth_first() -> None:
     assert all(("depth-first" in c.label) == (c.plan.n_microbatches > 1) for c in depth_first)
     assert any(c.plan.n_microbatches > 1 for c in depth_first)
     assert not any("depth-first" in label for label in by_accumulation["layered"])
+
+
+def test_one_micro_batch_without_a_pipeline_is_searched_once(small_search) -> None:
+    """With one pipeline rank and one micro-batch, layered and depth-first accumulation are the same run
+    (`execution.decide`), so the search prices only the layered one: no two candidates differ only in their
+    accumulation order there (the 1F1B config's twin used to be priced, listed and deduplicated by the report)."""
+    single = [c for c in small_search.candidates if c.plan.pp == 1 and c.plan.n_microbatches == 1]
+    assert single
+    keys = [dataclasses.replace(c.plan, accumulation="layered") for c in single]
+    assert len(set(keys)) == len(keys)
