@@ -31,6 +31,7 @@ from tessera.config import Config
 from tessera.fake import FakeRank, LiveTensor, fake_process_group
 from tessera.layout import Axis, Layout, default_ranks, parse_ranks
 from tessera.model.documents import document_positions
+from tessera.modes import REPLAYS_FORWARD_COLLECTIVES
 
 __all__ = [
     "RankResult",
@@ -257,8 +258,8 @@ def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, 
     """Payload bytes per (collective kind, axis) that this rank's step should hand to collectives, by formula.
 
     - tensor: `tessera.traffic`'s collectives (the runtime's, which the planner prices) for this rank's blocks,
-      with the embedding's and the head's where its stages hold them, per micro-batch; full checkpointing adds
-      each block's replayed forward collectives (`traffic.replayed_1d` / `replayed_2d`);
+      with the embedding's and the head's where its stages hold them, per micro-batch; full and op checkpointing
+      add each block's replayed forward collectives (`traffic.replayed_1d` / `replayed_2d`);
     - pipeline: the cost model's `pp_p2p_volume`, plus each EXCHANGE of the rank's list (a tied embedding's
       gradient swapped between the ranks of the embedding and the head, `ExecutionPlan.exchanged_stages`: send
       and receive of the fp32 table shard);
@@ -299,14 +300,14 @@ def formula_traffic(cfg: Config, world_size: int, rank: int) -> dict[tuple[str, 
 
 
 def _context_traffic(cfg: Config, plan: Any) -> dict:
-    """K/V all-gathered per block and micro-batch, dK/dV reduce-scattered (`traffic.context_traffic`); full
-    checkpointing gathers again in each block's replayed forward."""
+    """K/V all-gathered per block and micro-batch, dK/dV reduce-scattered (`traffic.context_traffic`); full and op
+    checkpointing gather again in each block's replayed forward (op: SDPA's backward reads the gathered K/V)."""
     from tessera import traffic
 
     if plan.cp == 1:
         return {}
     per_micro = traffic.context_traffic(cfg.model, plan.micro_batch, plan.cp, plan.tp, plan.act_bytes)
-    gathers = 2 if plan.recompute == "full" else 1
+    gathers = 2 if plan.recompute in REPLAYS_FORWARD_COLLECTIVES else 1
     m = plan.n_microbatches
     return {("all_gather", "context"): gathers * m * per_micro, ("reduce_scatter", "context"): m * per_micro}
 
@@ -330,7 +331,7 @@ def _tensor_traffic(cfg: Config, plan: Any, blocks: list[int], *, first: bool, l
         traffic.tensor_calls(shape, plan, "head") if last else []
     )
     calls = traffic.times(block, sum(blocks)) + ends
-    if plan.recompute == "full":  # each block's forward runs again before its backward
+    if plan.recompute in REPLAYS_FORWARD_COLLECTIVES:  # each block's forward runs again before its backward
         calls += traffic.times(replay, sum(blocks))
     out: dict[tuple[str, str], float] = {}
     for (kind, _), nbytes in traffic.bytes_by_group(calls).items():  # 2D: row and column groups summed

@@ -508,6 +508,7 @@ def _check_layout(cfg: Config, world_size: int) -> list[Violation]:
     v.extend(tensor_violations(cfg.model, t, q, p.sequence_parallel))
     v.extend(context_violations(cfg, t, q))
     v.extend(_check_overlaps(p, t))
+    v.extend(op_checkpointing_violations(p, q))
     v.extend(_check_zero_shard(p, dp))
     v.extend(_check_pipeline(cfg))
     interleaved = p.pipeline if p.schedule == "interleaved" else 1  # its micro-batch count rule
@@ -613,6 +614,30 @@ def context_violations(cfg: Config, t: int, q: int) -> list[Violation]:
                 )
             )
     return v
+
+
+def op_checkpointing_violations(p: ParallelConfig, q: int) -> list[Violation]:
+    """checkpointing = "op" replays every second matmul of a block (`parallel.checkpointing`), counted as the
+    dispatcher sees them: one per Linear only where each Linear is one GEMM. A 2D grid runs each Linear as q SUMMA
+    products and tp_comm_overlap as t ring chunks, so "every second" would split Linears arbitrarily: refused
+    (docs/memory.md, "Op-level selective checkpointing")."""
+    if p.checkpointing != "op":
+        return []
+    refused = (
+        (q > 1, f'parallel.tensor = "{q}x{q}" (2D: each Linear is {q} SUMMA products)'),
+        (p.tp_comm_overlap, "parallel.tp_comm_overlap (each Linear is a ring of GEMM chunks)"),
+    )
+    return [
+        Violation(
+            rule="checkpointing.op",
+            problem=f'parallel.checkpointing = "op" saves every second matmul of a block, one per Linear; it does not '
+            f"run with {what}",
+            fix='set parallel.checkpointing = "selective" or "full", or use 1D tensor parallelism without '
+            "tp_comm_overlap",
+        )
+        for hit, what in refused
+        if hit
+    ]
 
 
 def _check_overlaps(p: ParallelConfig, t: int) -> list[Violation]:

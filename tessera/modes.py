@@ -15,6 +15,7 @@ __all__ = [
     "DTYPES",
     "LAYERED",
     "NONFINITE",
+    "REPLAYS_FORWARD_COLLECTIVES",
     "SCHEDULES",
     "STOP_SIGNALS",
     "WINDOW_STARTS",
@@ -24,8 +25,14 @@ __all__ = [
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 """Pipeline schedules a config may name (or a .csv file of its own, tessera.pipeline.csvio)."""
 BREADTH_FIRST = "breadth_first"
-CHECKPOINTING = ("none", "full", "selective")
-"""Activation checkpointing: none, full (per block) or selective (the attention core only)."""
+CHECKPOINTING = ("none", "full", "selective", "op")
+"""Activation checkpointing: none, full (per block), selective (the attention core only) or op (torchtitan's
+selective op policy: per block, every second matmul, the norms and activations replayed; SDPA not)."""
+REPLAYS_FORWARD_COLLECTIVES = ("full", "op")
+"""The checkpointing modes whose replay runs a block's forward collectives again (all but the MLP exit's, unless
+a post-norm saves its output: `tessera.traffic.replayed_1d`): full replays the whole forward; op replays the
+entries' all-gathers (the Linears' saved inputs), the attention exit (wo's output is the residual's) and, with
+context parallelism, the K/V gathers (SDPA's backward reads them)."""
 DTYPES = ("fp32", "bf16", "fp16")
 LAYERED, DEPTH_FIRST = "layered", "depth_first"
 ACCUMULATION = (LAYERED, DEPTH_FIRST)

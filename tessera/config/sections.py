@@ -163,7 +163,8 @@ class ParallelConfig:
     accumulation: str = "layered"
     """Gradient accumulation order: layered (breadth-first) or depth_first."""
     checkpointing: str = "none"
-    """Activation checkpointing: none, full (per block) or selective (attention core only)."""
+    """Activation checkpointing: none, full (per block), selective (attention core only) or op (torchtitan's
+    selective op policy: every second matmul of a block and its non-matmul ops replayed, attention kept)."""
 
     def tensor_shape(self) -> tuple[int, int]:
         """(t, q): the 1D size t, or the 2D grid side q; the other is 1."""

@@ -62,6 +62,10 @@ from tessera.planner.steptime import (
     pipeline_from_layer,
 )
 
+SEARCHED_CHECKPOINTING = tuple(mode for mode in CHECKPOINTING if mode != "op")
+"""The checkpointing modes the search tries: all but "op", whose memory the estimator does not count yet
+(docs/memory.md, "Op-level selective checkpointing"); a search space may name it explicitly."""
+
 __all__ = [
     "PLANNER_SIZES",
     "Candidate",
@@ -150,7 +154,8 @@ class SearchSpace:
     """Beside each ZeRO-3 layout, try hybrid sharding with shard groups of whole nodes: `parallel.zero_shard_size`
     = one node's data ranks (GPUs per node / (pipeline · tensor), or 1 when a data rank fills whole nodes) ×
     1, 2, 4 … `HYBRID_NODE_MULTIPLES` nodes' worth, each s ≥ 2 that divides d and is below it (`_hybrid_shards`)."""
-    checkpointing: tuple[str, ...] = CHECKPOINTING
+    checkpointing: tuple[str, ...] = SEARCHED_CHECKPOINTING
+    """Checkpointing modes to try (`SEARCHED_CHECKPOINTING`)."""
     sequence_parallel: tuple[bool, ...] = (False, True)
     context: tuple[int, ...] | None = None
     """Context-parallel sizes c > 1 to try (`parallel.context`, with one pipeline stage and 1D tensor parallelism

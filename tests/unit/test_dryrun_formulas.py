@@ -56,6 +56,8 @@ LAYOUTS = {
         {"tensor": "2x2", "pipeline": 2},
         {"global_batch": 4, "micro_batch": 2, "dtype": "bf16"},
     ),
+    # op checkpointing with context 2: SDPA's backward reads the gathered K/V, so the replay gathers them again
+    "cp2_dp2_op": (4, {"context": 2, "checkpointing": "op"}, {"global_batch": 4, "micro_batch": 1}),
     # context 2 × tensor 2 (SP) × data 2, ZeRO-3, full checkpointing: K/V all-gathered per block (again in the
     # replayed forward) and dK/dV reduce-scattered on "context"; ZeRO over data × context ("data_context"); the
     # tensor collectives on the rank's s/c tokens
@@ -139,6 +141,21 @@ def test_1d_tensor_traffic_equals_the_dry_run_over_the_toggles(
     block's forward collectives but its MLP exit's (nothing saves that exit's output), unless a post-norm saves
     it (Gemma): with the overlap, the ring exit once saved x and its weight after its ring, so each replay
     reduce-scattered one [b, s, h] more than the formula (megatron-1t: 650.96 GB against 543.58 GB)."""
+    _assert_1d_traffic(place, tensor, checkpointing)
+
+
+@pytest.mark.parametrize("tensor", ["tp2", "tp2_sp"])  # op refuses tp_comm_overlap
+@pytest.mark.parametrize(
+    "place", [p for p in PLACES if p != "gemma3_pp2"]
+)  # gemma2 has the post-norms (16 s)
+def test_op_checkpointing_replays_the_collectives_full_does(place: str, tensor: str) -> None:
+    """Op checkpointing's replay (wk, wo, w3, the norms) runs the same tensor collectives as full's: the entries'
+    all-gathers (their Linears' saved inputs), the attention exit (wo's output is the residual's), not the MLP
+    exit unless a post-norm saves its output (`modes.REPLAYS_FORWARD_COLLECTIVES`), to the byte."""
+    _assert_1d_traffic(place, tensor, "op")
+
+
+def _assert_1d_traffic(place: str, tensor: str, checkpointing: str) -> None:
     world, parallel, model = PLACES[place]
     raw = {
         "model": {"size": "llama-tiny", **model},

@@ -4,6 +4,7 @@ exposed tensor-parallel time), one stage boundary's transfer, the data-parallel 
 
 from __future__ import annotations
 
+from tessera.modes import REPLAYS_FORWARD_COLLECTIVES
 from tessera.planner.cost.collectives import group_placement, p2p_time, traffic_time
 from tessera.planner.cost.compute import LayerTime, layer_time, linear_gemm_times, local_tokens, logits_time
 from tessera.planner.cost.plan import Plan, per_microbatch_reduction
@@ -68,7 +69,8 @@ def cp_comm_time_per_layer(shape: ModelShape, hw: Hardware, plan: Plan) -> Layer
     Exposed, not overlapped: tessera's `attend` gathers K and V synchronously (`comm.all_gather_to_region`, an
     autograd function whose backward reduce-scatters dK, dV) and the attention core waits for them. Full
     checkpointing replays the block's forward, gather included (`recompute` = the forward's seconds), as the
-    dry run's formula counts; selective checkpointing replays only the core, after the gather (0)."""
+    dry run's formula counts, and so does op checkpointing (SDPA's backward reads the gathered K and V); selective
+    checkpointing replays only the core, after the gather (0)."""
     calls = context_calls(shape, plan)
     if not calls:
         return LayerTime(forward=0.0, backward=0.0, recompute=0.0)
@@ -76,7 +78,7 @@ def cp_comm_time_per_layer(shape: ModelShape, hw: Hardware, plan: Plan) -> Layer
     return LayerTime(
         forward=forward,
         backward=traffic_time(hw, plan, calls, BACKWARD),
-        recompute=forward if plan.recompute == "full" else 0.0,
+        recompute=forward if plan.recompute in REPLAYS_FORWARD_COLLECTIVES else 0.0,
     )
 
 
@@ -106,12 +108,12 @@ def _ring_gemms(
 def _replay_time(
     shape: ModelShape, hw: Hardware, plan: Plan, forward: float, gemms: list[tuple[float, float]]
 ) -> float:
-    """Seconds the collectives full recompute replays add per block: the whole forward's (``forward``) when the
-    framework re-runs it all (`Plan.replays_last_exit`), else the runtime's replay list (its rings under the
-    forward's GEMMs, ``gemms``, in order)."""
-    if plan.recompute != "full":
+    """Seconds the collectives full (or op) recompute replays add per block: the whole forward's (``forward``)
+    when the framework re-runs it all (`Plan.replays_last_exit`), else the runtime's replay list (its rings under
+    the forward's GEMMs, ``gemms``, in order; op mode replays the same list: `modes.REPLAYS_FORWARD_COLLECTIVES`)."""
+    if plan.recompute not in REPLAYS_FORWARD_COLLECTIVES:
         return 0.0
-    if plan.replays_last_exit:
+    if plan.replays_last_exit and plan.recompute == "full":
         return forward
     return tensor_traffic_time(hw, plan, tensor_calls(shape, plan, "replay"), FORWARD, gemms)
 

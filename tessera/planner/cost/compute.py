@@ -29,6 +29,8 @@ __all__ = [
     "local_tokens",
     "logit_bytes",
     "logits_time",
+    "op_recompute_time",
+    "op_replayed_linears",
     "score_bytes",
     "weight_cast_bytes_per_layer",
 ]
@@ -178,7 +180,8 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     Recompute: full ⇒ one forward less the MLP's output GEMM (torch's non-reentrant checkpoint stops early;
     the whole forward under `Plan.replays_last_exit`, or where a post-norm saves that GEMM's output:
     `traffic.replays_mlp_exit`), selective ⇒ the attention core (QKᵀ, softmax/dropout on
-    the scores, A·V) of a forward, none ⇒ 0.
+    the scores, A·V) of a forward, op ⇒ wk, wo, SwiGLU's w3 and the forward's non-matmul ops, not the core
+    (`op_recompute_time`), none ⇒ 0.
     """
     gemms = linear_gemm_times(shape, hw, plan, local_tokens(shape, plan))
     dense = sum(gemms)
@@ -191,13 +194,52 @@ def layer_time(shape: ModelShape, hw: Hardware, plan: Plan) -> LayerTime:
     # collective, tessera.traffic.replayed_1d) is not replayed; Megatron's checkpointing (replays_last_exit)
     # re-runs the whole forward
     full = fwd if plan.replays_last_exit or replays_mlp_exit(shape) else fwd - gemms[-1]
-    recompute = {"none": 0.0, "selective": selective, "full": full}[plan.recompute]
+    recompute = {"none": 0.0, "selective": selective, "full": full}.get(plan.recompute)
+    if plan.recompute == "op":
+        recompute = op_recompute_time(shape, hw, plan, elementwise, selective)
     # the weight gradients' cast back to fp32 and accumulation are backward-only (not twice the forward cast)
     cast_fwd, cast_bwd = weight_cast_bytes_per_layer(shape, plan)
     backward = (
         2 * (dense + elementwise - cast_fwd / hw.hbm_bandwidth) + attn_backward + cast_bwd / hw.hbm_bandwidth
     )
     return LayerTime(forward=fwd, backward=backward, recompute=recompute)
+
+
+def op_replayed_linears(shape: ModelShape) -> list[tuple[int, int, bool]]:
+    """(input width, output width, row-parallel) of the Linears op checkpointing replays in a block: the 2nd, 4th
+    and 6th matmuls of its forward (`tessera.parallel.checkpointing`; wq wk wv wo, then the MLP's: SwiGLU's gate
+    up down, or fc proj), those torch's early-stopping replay reaches: wk, wo and SwiGLU's up (w3); fc2 (GPT's
+    proj, the 6th) only where a post-norm saves its output (`traffic.replays_mlp_exit`; SwiGLU's down is the 7th,
+    kept)."""
+    h, q, kv, f = shape.d_model, shape.q_dim, shape.kv_dim, shape.ffn_hidden
+    out = [(h, kv, False), (q, h, True)]
+    if shape.swiglu:
+        out.append((h, f, False))
+    elif replays_mlp_exit(shape):
+        out.append((f, h, True))
+    return out
+
+
+def op_recompute_time(
+    shape: ModelShape, hw: Hardware, plan: Plan, elementwise: float, selective: float
+) -> float:
+    """Seconds op checkpointing replays of one block's forward per micro-batch on one rank: the GEMMs of
+    `op_replayed_linears` (1D: column-parallel [M×h_in]·[h_in×h_out/t], row-parallel [M×h_in/t]·[h_in/t×h_out],
+    `gemm.gemm_call_time`), and every non-matmul op of the forward (``elementwise``, the block's
+    `elementwise_bytes_per_layer` / HBM bandwidth, norms, RoPE, the activation, residual adds and casts) less the
+    attention core's softmax bytes: SDPA's output and log-sum-exp are kept. A soft-capped core (Gemma 2) is written
+    out in matmuls and elementwise ops, which op mode replays: then ``selective``, the core's time, is added.
+    1D only: op mode refuses the 2D grid (`tessera.execution.op_checkpointing_violations`)."""
+    rows, t = local_tokens(shape, plan), plan.tp
+    gemms = sum(
+        gemm_call_time(hw, rows, n_out, k_in / t, dtype=plan.dtype)
+        if row_parallel
+        else gemm_call_time(hw, rows, n_out / t, k_in, dtype=plan.dtype)
+        for k_in, n_out, row_parallel in op_replayed_linears(shape)
+    )
+    if shape.attn_softcap is not None:
+        return gemms + elementwise + selective - score_bytes(shape, plan) / t / hw.hbm_bandwidth
+    return gemms + elementwise - score_bytes(shape, plan) / t / hw.hbm_bandwidth
 
 
 def linear_gemm_times(

@@ -1,0 +1,175 @@
+"""Op-level selective checkpointing (`parallel.checkpointing = "op"`, torchtitan's `_save_list` policy) on one
+process: what its backward replays, that it changes no number, the layouts it refuses. Layouts:
+tests/distributed/test_op_checkpointing.py.
+
+What is replayed is counted at the dispatcher (below autograd), where a replayed matmul runs and a kept one is
+handed back without running: a module forward hook would fire for both."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from tessera.cli import main
+from tessera.config import load_config
+from tessera.config.sections import ModelConfig
+from tessera.execution import violations
+from tessera.model.build import build_model
+from tessera.model.documents import document_positions
+from tessera.parallel.checkpointing import SAVED_ATTENTION_OPS, apply_checkpointing, op_contexts
+
+DEMO = "configs/demo.toml"
+
+
+class _Replayed(TorchDispatchMode):
+    """Counts, while active, each Linear's forward matmuls (by the Linear's name: the matmul's weight operand is
+    that Linear's weight transposed, as F.linear passes it; a backward matmul takes it untransposed or not at all)
+    and SDPA's forward kernels."""
+
+    def __init__(self, linears: dict[str, nn.Linear]) -> None:
+        super().__init__()
+        self.weights = {name: m.weight for name, m in linears.items()}
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, op: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        operand = {torch.ops.aten.mm.default: 1, torch.ops.aten.addmm.default: 2}.get(op)
+        if operand is not None:
+            b = args[operand]
+            for name, w in self.weights.items():
+                same = b.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+                if same and b.shape == w.t().shape and b.stride() == w.t().stride():
+                    self.calls[name] += 1
+        if op in SAVED_ATTENTION_OPS:
+            self.calls["sdpa"] += 1
+        return op(*args, **(kwargs or {}))
+
+
+def _backward_replays(family: str, mode: str, docs: bool = False) -> Counter[str]:
+    """What the backward of a two-block model's step runs again under checkpointing ``mode``: block 0's Linears
+    and both blocks' SDPA kernels."""
+    model = build_model(ModelConfig(family=family, n_layers=2, d_model=32, n_heads=4, seq_len=16), seed=0)
+    apply_checkpointing(model, mode)
+    linears = {n: m for n, m in model.blocks["0"].named_modules() if isinstance(m, nn.Linear)}
+    tokens = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    tokens[:, 5] = 0  # an end-of-text token: with ``docs``, each sequence is two documents
+    positions = document_positions(tokens, eot=0) if docs else None
+    loss = model(tokens, tokens, positions=positions)
+    with _Replayed(linears) as seen:
+        loss.backward()
+    return seen.calls
+
+
+@pytest.mark.parametrize(
+    "family, replayed",
+    [
+        # wq wk wv wo w_gate w_up w_down: the 2nd, 4th and 6th matmuls
+        ("llama", {"attn.wk", "attn.wo", "mlp.w_up"}),
+        ("qwen3", {"attn.wk", "attn.wo", "mlp.w_up"}),
+        # wq wk wv wo fc proj (addmm, biased): proj is the 6th, but nothing the backward needs comes after it, so
+        # torch's early-stopping replay never reaches it (as under full checkpointing)
+        ("gpt", {"attn.wk", "attn.wo"}),
+    ],
+)
+@pytest.mark.parametrize("docs", [False, True])
+def test_op_replays_every_second_matmul_and_not_attention(
+    family: str, replayed: set[str], docs: bool
+) -> None:
+    calls = _backward_replays(family, "op", docs)
+    assert calls == Counter(dict.fromkeys(replayed, 1)), calls  # no SDPA kernel among them
+    full = _backward_replays(family, "full", docs)
+    assert (
+        full["sdpa"] == 2 and set(full) > replayed
+    )  # the counter sees what full replays (SDPA: both blocks)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+@pytest.mark.parametrize("docs", [False, True])
+def test_op_changes_no_number(family: str, docs: bool) -> None:
+    """Loss and every gradient bit for bit equal to the step without checkpointing (fp32, one process): the
+    replay recomputes the same ops on the same inputs, and the kept outputs are the forward's own."""
+
+    def step(mode: str) -> tuple[float, dict[str, torch.Tensor]]:
+        model = build_model(ModelConfig(family=family, n_layers=2, d_model=32, n_heads=4, seq_len=16), seed=0)
+        apply_checkpointing(model, mode)
+        tokens = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        tokens[:, 7] = 0
+        loss = model(tokens, tokens, positions=document_positions(tokens, 0) if docs else None)
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+    (loss, grads), (ref_loss, ref_grads) = step("op"), step("none")
+    assert loss == ref_loss
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert torch.equal(g, ref_grads[name]), name
+
+
+class _Flaky(nn.Module):
+    """A block whose first forward adds its bias in the matmul (addmm) and later ones after it (mm): its replay
+    reaches a matmul other than the one its forward kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.a(x) if self.calls == 1 else x @ self.a.weight.t() + self.a.bias
+        return torch.tanh(y).sum()
+
+
+def test_a_replay_that_differs_from_its_forward_is_an_error_naming_the_fix() -> None:
+    block = _Flaky()
+    x = torch.randn(3, 4, requires_grad=True)
+    out = checkpoint(block, x, use_reentrant=False, context_fn=op_contexts)
+    with pytest.raises(RuntimeError, match="checkpointing = 'full'"):
+        out.backward()
+
+
+@pytest.mark.parametrize(
+    "overrides, what",
+    [
+        (["parallel.tensor='2x2'", "parallel.data=1", "train.micro_batch=2"], "2D"),
+        (
+            [
+                "parallel.tensor=2",
+                "parallel.data=1",
+                "parallel.sequence_parallel=true",
+                "parallel.tp_comm_overlap=true",
+            ],
+            "tp_comm_overlap",
+        ),
+    ],
+)
+def test_op_is_refused_where_a_linear_is_several_matmuls_by_validate_and_train(
+    overrides: list[str], what: str, capsys: pytest.CaptureFixture
+) -> None:
+    world = 4 if what == "2D" else 2
+    overrides = [*overrides, "parallel.checkpointing='op'"]
+    assert [v.rule for v in violations(load_config(DEMO, overrides[:-1]), world)] == []  # op alone is refused
+    (v,) = violations(load_config(DEMO, overrides), world)
+    assert v.rule == "checkpointing.op" and what in v.problem and '"selective" or "full"' in v.fix
+    assert main(["validate", DEMO, "--world-size", str(world), *overrides]) == 1
+    assert str(v) in capsys.readouterr().out
+    assert main(["train", DEMO, "--nproc", str(world), *(f"--{o}" for o in overrides)]) == 2
+    assert str(v) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallel.data=2"],
+        ["parallel.data=2", "parallel.zero=3"],
+        ["parallel.tensor=2", "parallel.data=1", "parallel.sequence_parallel=true"],
+        ["parallel.pipeline=2", "parallel.data=1", "parallel.schedule='1f1b'"],
+        ["parallel.context=2", "parallel.data=1"],
+    ],
+)
+def test_op_is_accepted_on_the_layouts_it_runs(overrides: list[str]) -> None:
+    assert violations(load_config(DEMO, [*overrides, "parallel.checkpointing='op'"]), 2) == []
