@@ -70,7 +70,8 @@ Left out (each with its reason)
 - fms-fsdp 13B ("Selective AC": a fraction p of the blocks checkpointed; p is not stated, the HFU/MFU columns
   suggest p ≈ 1/2) and the torchtitan rows with "selective layer" (every k-th block, k not stated) or
   "selective op" checkpointing (per-op save list, every other matmul recomputed): a per-block fraction or an
-  op-level policy is not a `Plan.recompute` mode (none / full / attention-core selective).
+  op-level policy is not a `Plan.recompute` mode here. (`published_torchtitan.py` prices the three A100
+  "selective op" rows with tessera's `op` mode, torchtitan's policy, since 2026-12-03.)
 - fms-fsdp's torch.compile table (README from commit ed74fd5, 2024-05-09): compiler fusion is not priced.
 - fms-fsdp's table of 2024-02-28 (commit 6dc80d2): superseded two weeks later by the table used here, and its
   MFU column does not follow from its tokens/s (34B: 0.68 vs 0.55), so its transcription cannot be checked.
@@ -79,7 +80,7 @@ Left out (each with its reason)
   with HBM2e at a lower power limit ("lower TDP"; 500 W in 2025) whose peak the source says it does not know, so
   no shipped file describes them; besides, the 8B rows use selective checkpointing and the other rows fp8,
   async TP or context parallelism, except one 405B row. (`published_torchtitan.py` prices the bf16 ones on the
-  h100 file with the stated memory and HBM bandwidth, op-SAC as `selective`, in groups of their own.)
+  h100 file with the stated memory and HBM bandwidth, op-SAC as tessera's `op`, in groups of their own.)
 - Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel" (arXiv 2304.11277): the
   paper itself was not reachable from our search tools (only second-hand summaries of it), so none of its
   GPT-175B / T5-11B measurements could be transcribed with a configuration.

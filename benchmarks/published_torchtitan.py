@@ -48,11 +48,11 @@ Activation checkpointing. torchtitan's "full" wraps every block in torch's non-r
 exactly (`recompute="full"`, which replays the forward less the MLP's output GEMM, as torch's early-stopping
 checkpoint does). Its "selective op" policy (`_save_list`) saves the outputs of the matmuls and of SDPA except
 every second matmul of the block, so in each block it recomputes wk, wo and w3 (the 2nd, 4th and 6th of wq, wk,
-wv, wo, w1, w3, w2) and every non-matmul op, and does NOT recompute attention. tessera's `selective` is the
-reverse: it recomputes the attention core only (Korthikanti 2022). The op rows are priced with tessera's
-`selective`, the closest mode (less replay than op-SAC, far less than full), so their predictions are optimistic by
-construction; `opsac_extra` prices what op-SAC replays beyond it with the cost model's own GEMM and elementwise
-prices, reported as a diagnosis only (never in a case). "selective layer" rows (every k-th block fully
+wv, wo, w1, w3, w2) and every non-matmul op, and does NOT recompute attention. tessera runs that policy as
+`parallel.checkpointing = "op"` (docs/memory.md, "Op-level selective checkpointing"), and the op rows are priced
+with it (`recompute="op"`: the three GEMMs and the forward's non-matmul bytes, `cost.compute.op_recompute_time`).
+Until 2026-12-03 they were priced with tessera's `selective` (the attention core only), the closest mode then;
+the breakdown keeps that price's error beside the new one. "selective layer" rows (every k-th block fully
 checkpointed, k not stated) are left out: tessera has no per-block mix.
 
 Hardware: the H100 rows use the shipped `h100` file with the fields torchtitan states replaced (96 GB, 2.4 TB/s
@@ -86,9 +86,7 @@ from published_fsdp_scale import llama_shape  # noqa: E402
 
 from tessera.config import ModelConfig  # noqa: E402
 from tessera.model.sizes import SIZES  # noqa: E402
-from tessera.planner.cost import ModelShape, Plan, elementwise_bytes_per_layer, palm_flops_per_token  # noqa: E402
-from tessera.planner.cost.compute import attention_core_time  # noqa: E402
-from tessera.planner.gemm import gemm_call_time  # noqa: E402
+from tessera.planner.cost import ModelShape, Plan, palm_flops_per_token  # noqa: E402
 from tessera.planner.hardware import Hardware, load_hardware  # noqa: E402
 from tessera.planner.mosaic_table import FSDP_SCHEDULE, fsdp_units  # noqa: E402
 from tessera.planner.steptime import StepBreakdown, fast_step  # noqa: E402
@@ -214,7 +212,7 @@ def hardware(gpu: str) -> Hardware:
 
 def plan(row: TitanRow) -> Plan:
     """FSDP2 as ZeRO-3 (fp32 reduce-scatter), one step without accumulation, flash attention; TP innermost with
-    sequence parallelism; op-SAC priced as tessera's `selective` (module docstring)."""
+    sequence parallelism; op-SAC as tessera's `op` (module docstring)."""
     return Plan(
         dp=row.gpus // row.tp,
         tp=row.tp,
@@ -222,16 +220,17 @@ def plan(row: TitanRow) -> Plan:
         zero_stage=3,
         micro_batch=row.local_batch,
         n_microbatches=1,
-        recompute="selective" if row.checkpointing == "op" else row.checkpointing,
+        recompute=row.checkpointing,
         accumulation="depth_first",
         flash_attention=True,
         grad_reduce_bytes=4,
     )
 
 
-def step(row: TitanRow, hw: Hardware | None = None) -> StepBreakdown:
-    """FSDP's gather unit is a block (`mosaic_table.fsdp_units`)."""
-    return fast_step(row.shape, hw or hardware(row.gpu), fsdp_units(row.shape, plan(row)), FSDP_SCHEDULE)
+def step(row: TitanRow, hw: Hardware | None = None, recompute: str | None = None) -> StepBreakdown:
+    """FSDP's gather unit is a block (`mosaic_table.fsdp_units`); ``recompute`` replaces the row's mode."""
+    p = plan(row) if recompute is None else dataclasses.replace(plan(row), recompute=recompute)
+    return fast_step(row.shape, hw or hardware(row.gpu), fsdp_units(row.shape, p), FSDP_SCHEDULE)
 
 
 def tokens_per_gpu(row: TitanRow, step_time: float) -> float:
@@ -245,12 +244,12 @@ def predict(row: TitanRow, hw: Hardware | None = None) -> float:
 
 def group(row: TitanRow) -> str:
     if row.gpu == "a100":
-        return "FSDP on 64 A100, op-SAC priced as selective (torchtitan 2024)"
+        return "FSDP on 64 A100, op-SAC (torchtitan 2024)"
     if row.tp > 1:
         return "FSDP + TP on 128 H100 (torchtitan, Llama 3.1 405B)"
     if row.compiled:
         return "FSDP + torch.compile on 8-128 H100 (torchtitan; compile not modelled)"
-    return "FSDP on 8-128 H100, op-SAC priced as selective (torchtitan)"
+    return "FSDP on 8-128 H100, op-SAC (torchtitan)"
 
 
 def label(row: TitanRow) -> str:
@@ -265,22 +264,13 @@ def cases() -> list[Case]:
     return [Case(group(r), label(r), r.tokens_per_gpu, predict(r), "tokens/s/GPU") for r in ROWS]
 
 
-# --- diagnosis (report only; never in a case) ------------------------------------------------------------------
+# --- the price before op mode existed (report only; never in a case) --------------------------------------------
 
 
-def opsac_extra(row: TitanRow, hw: Hardware | None = None) -> float:
-    """Seconds per step that torchtitan's op-SAC replays beyond tessera's `selective`, first order: per block
-    wk, wo and w3 (torchtitan's separate linears, priced by `gemm_call_time`) and the forward's non-matmul ops
-    (`elementwise_bytes_per_layer` / HBM bandwidth), less the attention core that `selective` replays and op-SAC
-    saves."""
-    hw, p, s = hw or hardware(row.gpu), plan(row), row.shape
-    m = s.seq_len * p.micro_batch
-    gemms = sum(
-        gemm_call_time(hw, m, n, k)
-        for n, k in ((s.kv_dim, s.d_model), (s.d_model, s.d_model), (s.ffn_hidden, s.d_model))
-    )
-    elementwise = elementwise_bytes_per_layer(s, p) / hw.hbm_bandwidth
-    return s.n_layers * (gemms + elementwise - attention_core_time(s, hw, p)[0])
+def selective_difference(row: TitanRow) -> float:
+    """Seconds per step the row's op price adds to its price as tessera's `selective` (how the op rows were priced
+    until op mode existed): op replays wk, wo, w3 and the non-matmul ops, selective the attention core."""
+    return step(row).step_time - step(row, recompute="selective").step_time
 
 
 def _scaled(hw: Hardware, field: str, scale: float) -> Hardware:
@@ -299,21 +289,20 @@ def case_table() -> list[str]:
 
 def breakdown_table() -> list[str]:
     lines = [
-        "| case | compute | tp_comm | dp_comm | optimizer | step | published step | op-SAC extra | "
-        "error with it |",
+        "| case | compute | tp_comm | dp_comm | optimizer | step | published step | op − selective | "
+        "error as selective |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in ROWS:
         bd = step(r)
         published = r.local_batch * r.shape.seq_len / r.tp / r.tokens_per_gpu
-        extra, with_extra = "", ""
+        diff, as_selective = "", ""
         if r.checkpointing == "op":
-            x = opsac_extra(r)
-            extra = f"{x:.2f}"
-            with_extra = f"{tokens_per_gpu(r, bd.step_time + x) / r.tokens_per_gpu - 1:+.1%}"
+            diff = f"{selective_difference(r):+.2f}"
+            as_selective = _err(r, step(r, recompute="selective").step_time)
         lines.append(
             f"| {label(r)} | {bd.compute:.2f} | {bd.tp_comm:.2f} | {bd.dp_comm:.2f} | {bd.optimizer:.3f} | "
-            f"{bd.step_time:.2f} | {published:.2f} | {extra} | {with_extra} |"
+            f"{bd.step_time:.2f} | {published:.2f} | {diff} | {as_selective} |"
         )
     return lines
 
@@ -344,16 +333,16 @@ def reading() -> list[str]:
     """What drives the errors, with this model's figures."""
     h8, h128, c8, _, big, *_ = ROWS
     a_op = [r for r in ROWS if r.gpu == "a100" and r.checkpointing == "op"]
-    with_op = ", ".join(_err(r, step(r).step_time + opsac_extra(r)) for r in a_op)
+    as_op = ", ".join(_err(r, step(r).step_time) for r in a_op)
+    as_selective = ", ".join(_err(r, step(r, recompute="selective").step_time) for r in a_op)
     eager_h = f"{_err(h8, step(h8).step_time)} and {_err(h128, step(h128).step_time)}"
     gain = c8.tokens_per_gpu / h8.tokens_per_gpu - 1
     bd = step(big)
     return [
-        "Reading it. The op-SAC",
-        "rows are priced with tessera's `selective` (the attention core replayed), which replays less than",
-        "torchtitan's op policy on A100: adding what op-SAC replays beyond it moves the three A100 op rows to",
-        f"{with_op}. On the H100 8B rows the two replays cost about the same ({opsac_extra(h8):+.2f} s a step),",
-        f"so their {eager_h} come from elsewhere: the 500 W power cap and the HBM2e part's unknown peak",
+        'Reading it. The op-SAC rows are priced as tessera runs torchtitan\'s op policy (`recompute="op"`):',
+        f"the three A100 op rows are {as_op} (priced as `selective`, the attention core replayed, they were",
+        f"{as_selective}). On the H100 8B rows the two replays cost about the same ({selective_difference(h8):+.2f} s",
+        f"a step), so their {eager_h} come from elsewhere: the 500 W power cap and the HBM2e part's unknown peak",
         "(torchtitan's own caveat) are not modelled; the H100 file's framework share was fitted on MosaicML's",
         f"runs on H100 80GB (HBM3) parts, power limit not stated. The compiled twins run {gain:.0%} faster than",
         f"eager; the planner cannot tell them apart. The 405B row (FSDP 16 × TP 8) is {_err(big, bd.step_time)}:",
@@ -379,9 +368,9 @@ def report() -> str:
     ]
     lines += ["", *case_table(), "", "## Step breakdown (seconds per step on the critical rank)", ""]
     lines += [
-        "*op-SAC extra*: what torchtitan's op-SAC replays beyond tessera's `selective` (wk, wo, w3 and the",
-        "forward's non-matmul ops, less the attention core), first order, from the cost model's own prices;",
-        "*error with it*: the case's error if that time were added (a diagnosis, not a prediction).",
+        "*op − selective*: seconds a step the op rows' price (wk, wo, w3 and the forward's non-matmul ops",
+        "replayed) adds to their price as tessera's `selective` (the attention core replayed), how they were",
+        "priced until op mode existed; *error as selective*: the case's error at that price (not a prediction).",
         "",
         *breakdown_table(),
         "",
