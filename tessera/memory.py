@@ -32,6 +32,7 @@ from tessera.pipeline.build import compute_options
 from tessera.pipeline.ir import ActionKind, Schedule
 from tessera.pipeline.schedules import Step, build_schedule, rank_steps
 from tessera.planner.cost import (
+    REPLAYS_BLOCK,
     MemoryBreakdown,
     ModelShape,
     Plan,
@@ -599,7 +600,7 @@ def _direct_replay(held: MemoryBreakdown, shape: ModelShape, cplan: Plan) -> Mem
     the rest of the first block's gradients and, untied, the embedding table's. None without full
     recomputation. Until 2026-12-03 the one-micro-batch moment held no gradients at all: -9 to -15 % under the
     dry run on small fp32 layouts (docs/memory.md, "Full recomputation's moments")."""
-    if cplan.recompute != "full":
+    if cplan.recompute not in REPLAYS_BLOCK:
         return None
     mlp_out = next(lin for lin in reversed(shape.block_linears()) if lin.name.startswith("mlp."))
     unmade = 4.0 * (shape.layer_params() - mlp_out.d_in * mlp_out.d_out) / cplan.tp
@@ -696,7 +697,7 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     }
     # full recomputation with masks: the micro-batch's first replay on the rank (its highest stage) builds them
     # again; its later stages' replays find them built, kept by the walk (`StageBytes.masks`) until its lowest
-    masks = replay_mask_bytes(shape, cplan) if cplan.recompute == "full" else 0.0
+    masks = replay_mask_bytes(shape, cplan) if cplan.recompute in REPLAYS_BLOCK else 0.0
     top = max(psi)
     # ZeRO-3: the cache keeps every replayed block's weight copies until the stage's FREE (`recompute` has one)
     copies = zero3_block_copies_bytes(shape, cplan)
@@ -710,7 +711,7 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     if last in psi:
         acts[last] += head
         working[last] += head_working
-        if cplan.recompute == "full":
+        if cplan.recompute in REPLAYS_BLOCK:
             # the first replay on the last stage runs once the head's backward has freed its saved tensors (the
             # logits' softmax, the final norm's): the stage's moment is the larger of the head's and the replay's;
             # under ZeRO-3 its forward's block copies are in the cache at both (`zero3_block_copies_bytes`)
@@ -718,13 +719,16 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
             working[last] = max(recompute - head, head_transient_bytes(shape, cplan) + own) + more[last]
     # full recomputation: a stage's backward leaves its input (its first block's checkpoint) and that input's
     # gradient (fp32 like it) until the previous stage's backward, when that stage runs on this rank too
-    held = {s: 2 * per_layer for s in psi if s - 1 in psi} if cplan.recompute == "full" else {}
+    checkpoint = activation_bytes_per_layer(shape, cplan, recompute="full")  # a block's input
+    held = {s: 2 * checkpoint for s in psi if s - 1 in psi} if cplan.recompute in REPLAYS_BLOCK else {}
     uses = {last: (last, 0)} if shape.tied and last != 0 and {0, last} <= psi.keys() else {}
     if uses:  # the embedding's backward makes the table's gradient beside the head's (``uses``), then adds it
         working[0] = max(working[0], tied_gradient_bytes(shape, cplan))
     # a stage's first backward: with the weight gradients it has made by its replay's moment
     replay_last = recompute - head + more.get(last, 0.0)
-    first_bw = _first_backward(shape, cplan, plan, working, replay_last) if cplan.recompute == "full" else {}
+    first_bw = (
+        _first_backward(shape, cplan, plan, working, replay_last) if cplan.recompute in REPLAYS_BLOCK else {}
+    )
     grads = {s: 4.0 * n for s, n in psi.items()}
     # the flat copy that the data-parallel reduction sends is in the reduce dtype (ZeroStage.flat_grads)
     width = DTYPE_BYTES[plan.grad_reduce_dtype]

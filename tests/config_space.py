@@ -139,8 +139,4 @@ def draw_run_config(pick: Pick, head_dim: bool = True) -> tuple[int, dict]:
     # accepted; 1, 3 and sizes without ZeRO are refused)
     if (parallel["zero"] and dp > 1 and pick.integers(0, 1)) or not pick.integers(0, 19):
         parallel["zero_shard_size"] = pick.sampled_from([1, 2, 2, 3, 4])
-    # likewise: op-level selective checkpointing, accepted on most layouts, refused on the 2D grid and with
-    # tp_comm_overlap (every second matmul is not every second Linear there)
-    if not pick.integers(0, 4):
-        parallel["checkpointing"] = "op"
     return world, {"model": model, "parallel": parallel, "train": train}

@@ -62,9 +62,10 @@ from tessera.planner.steptime import (
     pipeline_from_layer,
 )
 
-SEARCHED_CHECKPOINTING = tuple(mode for mode in CHECKPOINTING if mode != "op")
-"""The checkpointing modes the search tries: all but "op", whose memory the estimator does not count yet
-(docs/memory.md, "Op-level selective checkpointing"); a search space may name it explicitly."""
+SEARCHED_CHECKPOINTING = CHECKPOINTING
+"""The checkpointing modes the search tries: every mode tessera runs, op where it runs (not on the 2D grid, nor
+with the rings: `tessera.execution.op_checkpointing_violations`), since its memory is counted (docs/memory.md,
+"Op-level selective checkpointing")."""
 
 __all__ = [
     "PLANNER_SIZES",
@@ -462,8 +463,8 @@ def _with_rings(
 def tessera_runs_rings(plan: Plan) -> bool:
     """Whether tessera's runtime runs `plan`'s layout with `parallel.tp_comm_overlap`: where the rings fit the
     layout (`Plan.rings_fit_layout`) and without context parallelism, which `execution.context_violations`
-    refuses with them in this version."""
-    return plan.rings_fit_layout and plan.cp == 1
+    refuses with them in this version, nor op checkpointing (`execution.op_checkpointing_violations`)."""
+    return plan.rings_fit_layout and plan.cp == 1 and plan.recompute != "op"
 
 
 def _step(ctx: _Ctx, plan: Plan, schedule: str, p2p: float) -> StepBreakdown:
@@ -697,6 +698,8 @@ def _search_layout(
     }
     tensor = f"{base.q}x{base.q}" if kind == "2d" else tp
     for recompute in ctx.space.checkpointing:
+        if recompute == "op" and kind == "2d":  # refused: a 2D Linear is q SUMMA products (tessera.execution)
+            continue
         # each schedule's stage splits: they read the layout, v and the per-layer costs, not the ZeRO stage or
         # the schedule's name (1F1B and GPipe, or interleaved and breadth-first with one v, share theirs)
         shared: dict[tuple[int, str], list[tuple[int, ...] | None]] = {}  # (v, accumulation) -> splits

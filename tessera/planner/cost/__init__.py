@@ -61,6 +61,7 @@ from tessera.planner.cost.compute import (
 )
 from tessera.planner.cost.plan import Plan, per_microbatch_reduction
 from tessera.planner.cost.rank_memory import (
+    REPLAYS_BLOCK,
     MemoryBreakdown,
     activation_bytes_per_layer,
     attention_bias_bytes,
@@ -73,6 +74,7 @@ from tessera.planner.cost.rank_memory import (
     head_transient_bytes,
     memory_per_rank,
     model_state_bytes,
+    op_kept_bytes,
     params_per_rank,
     recompute_working_bytes,
     replay_copy_bytes,
@@ -119,6 +121,7 @@ __all__ = [
     "LOGIT_UPCAST_BYTES",
     "OPTIMIZER_BYTES_PER_PARAM",
     "RECOMPUTE",
+    "REPLAYS_BLOCK",
     "CommVolume",
     "LayerTime",
     "MemoryBreakdown",
@@ -161,6 +164,7 @@ __all__ = [
     "model_state_bytes",
     "narayanan_flops_per_iteration",
     "narayanan_params",
+    "op_kept_bytes",
     "p2p_time",
     "p2p_time_per_microbatch",
     "palm_flops_per_token",

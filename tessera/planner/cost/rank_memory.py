@@ -17,6 +17,7 @@ _FP32 = 4
 """Bytes of an fp32 element (the RMSNorm's upcast of its input, whatever the compute dtype)."""
 
 __all__ = [
+    "REPLAYS_BLOCK",
     "MemoryBreakdown",
     "activation_bytes_per_layer",
     "attention_bias_bytes",
@@ -32,6 +33,7 @@ __all__ = [
     "mask_kinds",
     "memory_per_rank",
     "model_state_bytes",
+    "op_kept_bytes",
     "params_per_rank",
     "recompute_working_bytes",
     "replay_copy_bytes",
@@ -154,6 +156,8 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     shard_all = plan.tp if (plan.tp_kind == "2d" or plan.sequence_parallel) else 1
     if recompute == "full":
         return sbh * r / shard_all
+    if recompute == "op":
+        return sbh * r / shard_all + op_kept_bytes(shape, plan)
     # attention tensors are n_heads·head_dim (q_h) or n_kv·head_dim (kv_h) wide, per unit of h
     fam, f_h, q_h, kv_h = shape.features, shape.ffn_hidden / h, shape.q_dim / h, shape.kv_dim / h
     norms = len(fam.block_norms) * _norm_bytes(shape, plan)
@@ -180,6 +184,29 @@ def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | N
     return sbh * (replicated / shard_all + sharded / plan.tp) + rope_position_bytes(shape, plan)
 
 
+REPLAYS_BLOCK = ("full", "op")
+"""Checkpointing modes under which each block runs under torch's checkpoint, keeping its input (and, op, the
+outputs `op_kept_bytes` counts): autograd's saved tensors, the weights' compute-dtype copies and the attention
+masks are made again by each block's replay, as under full recomputation."""
+
+
+def op_kept_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Bytes op checkpointing keeps of one block for one micro-batch on one rank besides the block's input
+    (`tessera.parallel.checkpointing`: the outputs of the block's odd-numbered matmuls and SDPA's), c = the compute
+    dtype's bytes, N = the rank's tokens: wq's and wv's outputs (c·N·(q + kv)/t), SDPA's output (c·N·q/t) and its
+    fp32 log-sum-exp (4·N·a/t; none for a soft-capped core, written out in bmm, which op mode replays), the MLP's
+    first Linear's output (SwiGLU's gate, GPT's fc: c·N·f/t) and SwiGLU's down projection's (w2, the 7th matmul:
+    the row-parallel partial sum before its all-reduce or reduce-scatter, c·N·h on every tensor rank)."""
+    tokens = shape.seq_len // plan.cp * plan.micro_batch
+    c, t, q = plan.act_bytes, plan.tp, shape.q_dim
+    kept = c * (q + shape.kv_dim + shape.ffn_hidden) / t
+    if shape.attn_softcap is None:
+        kept += c * q / t + _FP32 * shape.n_heads / t
+    if shape.swiglu:
+        kept += c * shape.d_model
+    return tokens * kept
+
+
 def context_local(shape: ModelShape, plan: Plan) -> tuple[ModelShape, Plan]:
     """A context rank's view (tessera's `parallel.context` c, docs/context-parallel.md): its s/c tokens, and the
     mask every layer's SDPA then keeps (its positions are global, so the run always passes one)."""
@@ -194,7 +221,7 @@ def _context_layer_bytes(shape: ModelShape, plan: Plan, recompute: str) -> float
     tests/distributed/test_context_parallel.py."""
     local_shape, local = context_local(shape, plan)
     per_token = activation_bytes_per_layer(local_shape, local, recompute)
-    if recompute == "full":
+    if recompute in REPLAYS_BLOCK:  # op: SDPA's inputs (the gathered K, V) are replayed, not kept
         return per_token
     c, s = plan.cp, shape.seq_len
     width = (shape.kv_dim if recompute == "selective" else shape.q_dim) / plan.tp
@@ -238,7 +265,7 @@ def shared_mask_bytes(shape: ModelShape, plan: Plan) -> float:
     recomputation (it adds them to the scores, which saves nothing). Until 2026-12-03 SDPA kept a cast of a
     boolean mask per layer instead (documents, and Gemma 3's band without them). Per stage: `tessera.memory` adds
     it to each stage that holds blocks."""
-    if plan.recompute == "full":
+    if plan.recompute in REPLAYS_BLOCK:
         return 0.0
     if shape.attn_softcap is not None and plan.recompute != "selective":
         return 0.0
@@ -253,7 +280,7 @@ def replay_mask_bytes(shape: ModelShape, plan: Plan) -> float:
     additive masks (`attention_bias_bytes`: the documents' or a context rank's, else Gemma 3's local band), and
     with documents or context parallelism the boolean mask they are cut from (`Documents.mask`, [b, 1, L, S], one
     byte an element; b/q sequences on a 2D rank; the band's boolean is a temporary). 0 otherwise."""
-    if plan.recompute != "full":
+    if plan.recompute not in REPLAYS_BLOCK:
         return 0.0
     bias = attention_bias_bytes(shape, plan)
     if not (plan.document_mask or plan.cp > 1):
@@ -333,7 +360,9 @@ def autocast_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> floa
     `cached_weight_bytes`, the rest are saved for backward (activations)."""
     if not plan.casts:
         return 0.0
-    if plan.recompute == "full":  # no block saves a copy: the cache's, and the head's own unless cache-only
+    if (
+        plan.recompute in REPLAYS_BLOCK
+    ):  # no block saves a copy: the cache's, and the head's own unless cache-only
         saved_head = stage == plan.pp - 1 and not _gathered(plan)
         return cached_weight_bytes(shape, plan, stage) + (
             _head_copy_bytes(shape, plan) if saved_head else 0.0
@@ -365,7 +394,7 @@ def cached_weight_bytes(shape: ModelShape, plan: Plan, stage: int = 0) -> float:
     cleared at every FREE) only the replayed block's copies exist, made again by the replay
     (`recompute_working_bytes`). Counted as saved until 2026-12-03: the activation row 16-32 % high on small
     bf16 layouts (docs/memory.md, "Full recomputation's moments")."""
-    if plan.casts and plan.recompute == "full" and _cache_holds_copies(plan):
+    if plan.casts and plan.recompute in REPLAYS_BLOCK and _cache_holds_copies(plan):
         # every block's copies: the checkpoints save none, the replay finds them in the cache
         blocks = rank_layers(shape, plan, stage) * autocast_weight_bytes_per_layer(shape, plan)
         gathered_head = stage == plan.pp - 1 and _gathered(plan)
@@ -387,7 +416,7 @@ def zero3_block_copies_bytes(shape: ModelShape, plan: Plan) -> float:
     ZeRO-3 the cache keeps every block's through the step: `cached_weight_bytes`). Read off the dry run's live
     tensors: a 1F1B pipeline rank whose ZeRO-3 stage holds 2 GPT blocks (h 768, tensor 2 + SP, b 2) holds both
     blocks' copies at its peak, and the estimate with one was 5.3 % under the dry run (docs/memory.md)."""
-    if plan.recompute != "full" or _cache_holds_copies(plan):
+    if plan.recompute not in REPLAYS_BLOCK or _cache_holds_copies(plan):
         return 0.0
     return replay_copy_bytes(shape, plan)
 
@@ -484,7 +513,7 @@ def replay_gradient_bytes(shape: ModelShape, plan: Plan) -> float:
     Read off the dry run's live tensors (docs/memory.md, "Full recomputation's moments"). Until 2026-12-03 the
     two moments were added (the MLP's gradients and two [N, h] stream-dtype tensors for the entry): the 1D +
     sequence-parallel rows +0.1 % to +3.3 % above the dry run, whose peak is at the entry's backward."""
-    if plan.recompute != "full":
+    if plan.recompute not in REPLAYS_BLOCK:
         return 0.0
     tokens = shape.seq_len // plan.cp * plan.micro_batch
     grads = len(shape.features.mlp_in) * plan.act_bytes * tokens * shape.ffn_hidden / plan.tp
@@ -747,10 +776,13 @@ def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
         # expanded, the scores without flash attention); the block's kept tensors are among the rank's already,
         # and its gradients take the place of freed tensors, as under no recomputation
         working -= activation_bytes_per_layer(shape, plan)
-    if plan.recompute == "full" and not _cache_holds_copies(plan):
+    if plan.recompute in REPLAYS_BLOCK and not _cache_holds_copies(plan):
         working += replay_copy_bytes(shape, plan)  # not the ring exit's, which the replay stops before
     if plan.recompute == "selective" and not (plan.document_mask or plan.cp > 1):
         working += attention_bias_bytes(shape, plan)  # the band, [s, s] (0 without local layers)
+    if plan.recompute == "op":
+        # the replay makes again what op does not keep; the kept outputs are among the rank's activations
+        working -= op_kept_bytes(shape, plan)
     if plan.recompute == "selective":  # the entries run beside the saved tensors, not the replayed core
         working = max(working, entry_moment_bytes(shape, plan))
     return working
