@@ -3,14 +3,14 @@ each layout with op mode trains 2 steps following the one-process run *without* 
 gradient norm, full gradient and updated parameter must be within docs/parity.md's stated tolerances (fp32's,
 or bf16's where both runs compute in bf16), for every parameter name of the plain model.
 
-The matrix (7 layouts, ~100 s: the suite's time is budgeted): the direct loop (dp2, depth-first); ZeRO-1 and, in
-bf16, ZeRO-3 (the schedule runtime, one stage per block);
-1D tensor parallelism with sequence parallelism; the 1F1B (GPT: its biased Linears reach the dispatcher as
-aten.addmm, Llama's as aten.mm) and breadth-first pipelines; context parallelism; and document masking, whose
-masks the first block to need them builds and the others share, in the replay too, in reverse block order (the
-one-process reference masks too). Also run while building it, all passing: dp2 layered, dp2 ZeRO-2, dp2 ZeRO-3, tensor 2
-without SP, Llama tensor 2 + SP, GPT tensor 2 + SP, Llama 1F1B and breadth-first without masks, dp2 with masks,
-pipeline 2 × tensor 2 + SP in bf16. What op mode replays on one process: tests/unit/test_op_checkpointing.py.
+The matrix (7 layouts, ~100 s: the suite's time is budgeted): the direct loop (dp2, depth-first); ZeRO-1 and,
+in bf16, ZeRO-3 (the schedule runtime, one stage per block); 1D tensor parallelism with sequence parallelism; the
+1F1B (GPT: its biased Linears reach the dispatcher as aten.addmm, Llama's as aten.mm) and breadth-first
+pipelines; context parallelism; and document masking, whose masks the first block to need them builds and the
+others share, in the replay too, in reverse block order (the one-process reference masks too). Run once while
+building it, all passing: dp2 layered, dp2 ZeRO-2, dp2 ZeRO-3, tensor 2 without SP, Llama tensor 2 + SP, GPT
+tensor 2 + SP, Llama 1F1B and breadth-first without masks, dp2 with masks, pipeline 2 × tensor 2 + SP in bf16.
+What op mode replays on one process: tests/unit/test_op_checkpointing.py.
 """
 
 from __future__ import annotations
