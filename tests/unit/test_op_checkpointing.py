@@ -173,3 +173,21 @@ def test_op_is_refused_where_a_linear_is_several_matmuls_by_validate_and_train(
 )
 def test_op_is_accepted_on_the_layouts_it_runs(overrides: list[str]) -> None:
     assert violations(load_config(DEMO, [*overrides, "parallel.checkpointing='op'"]), 2) == []
+
+
+def test_the_planner_proposes_op_only_where_it_runs() -> None:
+    """The search tries op checkpointing (`search.SEARCHED_CHECKPOINTING`) but not on the 2D grid, and never with
+    the rings (`search.tessera_runs_rings`): every candidate's config passes `validate`."""
+    from tessera.planner.hardware import load_hardware
+    from tessera.planner.search import SearchSpace, search
+
+    space = SearchSpace(
+        checkpointing=("op", "selective"), pipeline=(1,), zero_stages=(0,), schedules=("1f1b",)
+    )
+    result = search("gpt2-124m", 4, load_hardware("a100-80gb"), 16, space=space, keep=10_000)
+    op = [c for c in result.candidates if c.plan.recompute == "op"]
+    assert op and any(c.plan.sequence_parallel for c in op)
+    assert any(c.plan.tp_kind == "2d" for c in result.candidates)  # 2D was searched ...
+    assert not any(c.plan.tp_kind == "2d" or c.plan.tp_comm_overlap for c in op)  # ... but not with op
+    for c in op:
+        assert violations(c.config, 4) == [], c.label
