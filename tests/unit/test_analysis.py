@@ -18,10 +18,13 @@ from tessera.planner.analysis import (
 from tessera.planner.cost import ModelShape
 from tessera.planner.hardware import Hardware, load_hardware
 from tessera.planner.scaling import ALPHA_B, B_STAR, loss_from_params, min_steps, steps_for_batch
-from tessera.planner.search import SearchResult, default_target_loss, model_config
+from tessera.planner.search import SearchResult, SearchSpace, default_target_loss, model_config
 
 A100 = load_hardware("a100-80gb")
 GPU_COUNTS = (8, 64, 512)
+SPACE = SearchSpace(max_micro_batch=4, checkpointing=("none", "full"))
+"""A smaller search than the default (about a third of the layouts, 15 s instead of 56 s of CPU): these tests check
+the analysis over a search's answers (families, curves, steps), not the search's breadth."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,7 +50,7 @@ def _each_search_once() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def analysis():
-    return analyse_model("megatron-1.7b", A100, gpu_counts=GPU_COUNTS)
+    return analyse_model("megatron-1.7b", A100, gpu_counts=GPU_COUNTS, space=SPACE)
 
 
 def test_target_loss_and_critical_batch(analysis) -> None:
@@ -78,7 +81,7 @@ def test_every_family_has_a_best_and_all_methods_is_the_minimum(analysis) -> Non
 
 
 def test_family_filters() -> None:
-    best = analyse_model("megatron-1.7b", A100, gpu_counts=(64,)).best
+    best = analyse_model("megatron-1.7b", A100, gpu_counts=(64,), space=SPACE).best
     dp = best["data parallel + ZeRO"].candidate
     assert dp.plan.pp == 1 and dp.plan.tp == 1
     bf = best["modular breadth-first + ZeRO-3"].candidate
