@@ -380,7 +380,15 @@ SEARCH_CHANGES = (
     "(b9a84b8) and the reduce-scatter's output shard (80352c1): 1T 44,165 → 44,169 pruned, Llama-70B 36,590 → "
     "36,598; both reports, winners, times and memory otherwise unchanged (the changed terms bind on layouts "
     "outside the top 5). Search time: 1T 2.34 → 2.91 s wall, 2.32 → 2.82 s CPU, the Llama-70B plan 7.16 → "
-    "7.18 s, at a load of about 3.4 with a clean-clone CI on this 2-core machine; not separated from the load.\n"
+    "7.18 s, at a load of about 3.4 with a clean-clone CI on this 2-core machine; not separated from the load. "
+    "Re-run a fourth time after the search priced one micro-batch without a pipeline once (9f375fc: there the "
+    "1F1B config and breadth-first v = L are the same run, and both were priced), the rings' one predicate "
+    "(504cd26) and op checkpointing (83b8452, which the search leaves out): 1T 44,577 → 44,370 layouts, 44,169 "
+    "→ 43,966 pruned (404 fit, were 408), Llama-70B 39,360 → 39,264 layouts, 36,598 → 36,503 pruned (2,761 fit, "
+    "were 2,762); the same searches at 1b4a675, 504cd26, 9f375fc and 83b8452 move at 9f375fc alone. Winners, "
+    "the top 5, their times, memory and reasons are unchanged. Search time: 1T 2.91 → 5.06 s wall, 2.82 → 2.52 s "
+    "CPU, the Llama-70B plan 7.18 → 23.59 s, at a load of about 4.6 (benchmarks/training_time.py running beside "
+    "it, and other helpers' jobs on the 2 cores); not separated from the load.\n"
 )
 """What the last re-run changed and why (against the commit just before it, same searches), written at the top
 of the report."""
