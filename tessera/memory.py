@@ -55,6 +55,7 @@ from tessera.planner.cost import (
     tied_gradient_bytes,
     zero3_block_copies_bytes,
     zero3_cached_head_bytes,
+    zero3_window_copies_bytes,
 )
 from tessera.planner.hardware import DTYPE_BYTES
 from tessera.planner.network import TESSERA_ORDER
@@ -705,7 +706,11 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     # a stage whose forward ran in its backward's GATHER/FREE window cast every block's copies into the cache,
     # the ones its replays skip too (`replay_skipped_copy_bytes`): always the last stage's, often 1F1B's others
     skipped = replay_skipped_copy_bytes(shape, cplan) if copies else 0.0
-    for s in _forward_in_window(plan, rank) if skipped else ():
+    # without full recomputation, the column-parallel Linears' cache-only copies that such a forward cast: alive
+    # beside the gathered parameters until the FREE (after the backward too), as the head's copy below
+    cast = zero3_window_copies_bytes(shape, cplan)
+    in_window = _forward_in_window(plan, rank) if skipped or cast else frozenset()
+    for s in in_window:
         more[s] += plan.stage_layers[s] * skipped
     working = {s: recompute - (masks if s != top else 0.0) + more[s] for s in psi}
     if last in psi:
@@ -717,6 +722,12 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
             # under ZeRO-3 its forward's block copies are in the cache at both (`zero3_block_copies_bytes`)
             own = copies if plan.stage_layers[last] else 0.0
             working[last] = max(recompute - head, head_transient_bytes(shape, cplan) + own) + more[last]
+        else:
+            # so do the last block's backward moments (the MLP's, an entry's, 2D's exit SUMMA): beside the
+            # activations less the micro-batch's head tensors, freed by the loss's backward; beside them a 2D fp32
+            # last pipeline rank and direct loop were +2.7 % / +2.3 % over the dry run ("The 2D grid's stage
+            # boundaries" in docs/memory.md)
+            working[last] = max(recompute - head, head_transient_bytes(shape, cplan)) + more[last]
     # full recomputation: a stage's backward leaves its input (its first block's checkpoint) and that input's
     # gradient (fp32 like it) until the previous stage's backward, when that stage runs on this rank too
     checkpoint = activation_bytes_per_layer(shape, cplan, recompute="full")  # a block's input
@@ -739,6 +750,8 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     # ZeRO-3: the head's weight copy, in autocast's cache from its forward to the last stage's FREE
     head_copy = zero3_cached_head_bytes(shape, cplan) if last in psi else 0.0
     gathered = {last: grads[last] + head_copy} if head_copy else {}
+    for s in in_window if cast else ():
+        gathered[s] = gathered.get(s, grads[s]) + plan.stage_layers[s] * cast
     return StageBytes(
         activations=acts,
         grads=grads,
@@ -1160,7 +1173,10 @@ def _adjust(
     # pipeline's last position; here it follows the head, wherever the placement puts it)
     working = recompute_working_bytes(shape, plan)
     if last_inflight:
-        working = max(working, head_transient_bytes(shape, plan))
+        # a block's moment comes after the loss's backward has freed the micro-batch's head tensors
+        working = max(
+            working - head_activation_bytes(shape, plan) - logits, head_transient_bytes(shape, plan)
+        )
     largest = max(stage_psi, default=0.0)
     biggest = largest * 4.0
     flat = largest * plan.grad_reduce_width  # the reduction's flat copy, in its dtype

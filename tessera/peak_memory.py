@@ -8,8 +8,9 @@ objects do (tessera/pipeline/runtime.py, stage_comm.py, parallel/zero.py, parall
 - F(s): stage s's activations of one micro-batch are saved; B(s) (or W after I) frees them and leaves the stage's
   full gradients (created by its first backward of the step, accumulated by the next);
 - REDUCE / REDUCE_MB(s): the stage's gradients are flattened into a new buffer while they are still alive.
-  ZeRO-1/2/3 keep one reduction in flight (the previous flat buffer lives until the next launch) and a shard
-  per stage for the result; ZeRO-2/3 then drop the full gradients, ZeRO-1 keeps them (and with depth-first
+  ZeRO-1/2/3 keep one reduction in flight (its flat buffer and output live until the next launch, which waits
+  for it before flattening: `ZeroStageComm._launch`) and a shard per stage for the result (a stage's first
+  reduction's output; a later one's is added into it at that wait); ZeRO-2/3 then drop the full gradients, ZeRO-1 keeps them (and with depth-first
   accumulation reduce-scatters once per step, at the stage's last REDUCE: `ZeroStageComm.reduce`; the generated
   lists give ZeRO-1 one REDUCE per stage, so ``deferred_reduce`` only skips a hand-written list's earlier
   ones). Plain data parallelism waits for the reduction in flight *before* flattening and adds it into its
@@ -62,10 +63,24 @@ _REDUCE, _REDUCE_MB, _GATHER, _FREE = _K.REDUCE_GRAD, _K.REDUCE_MICROBATCH, _K.G
 _EXCHANGE = _K.EXCHANGE_TIED
 
 # What a term counts, and the component it belongs to (activations, grads, buffers, working).
-_ACT, _GRAD, _SHARD, _GATHERED, _PENDING, _FLAT, _WRITEBACK, _WORK, _WIRE, _TIED, _HELD, _MASKS, _FIRST = (
-    range(13)
-)
-_CATEGORY = (0, 1, 1, 2, 2, 2, 2, 3, 2, 1, 0, 3, 3)
+(
+    _ACT,
+    _GRAD,
+    _SHARD,
+    _GATHERED,
+    _PENDING,
+    _FLAT,
+    _WRITEBACK,
+    _WORK,
+    _WIRE,
+    _TIED,
+    _HELD,
+    _MASKS,
+    _FIRST,
+    _OUT,
+    _PART,
+) = range(15)
+_CATEGORY = (0, 1, 1, 2, 2, 2, 2, 3, 2, 1, 0, 3, 3, 2, 2)
 _LABELS = (
     "activations",
     "gradients",
@@ -80,6 +95,8 @@ _LABELS = (
     "stage input and its gradient",
     "replayed masks",
     "working, the stage's first backward",
+    "reduce-scatter output in flight",
+    "reduced part cast to fp32",
 )
 
 Term = tuple[tuple[int, int], float]
@@ -140,6 +157,10 @@ class StageBytes:
         """The per-stage sizes of one kind of term."""
         if what == _SHARD:  # ZeRO's reduced gradient, fp32 whatever the reduce dtype (ZeroStage.wait_reduce)
             return {s: g / self.dp for s, g in self.grads.items()}
+        if what == _OUT:  # a later reduction's own output, in the reduce dtype (`FlatStage.launch_reduce`)
+            return {s: f / self.dp for s, f in self.flat.items()}
+        if what == _PART:  # its fp32 cast at the wait (`FlatStage.wait_reduce`), none when it is fp32 already
+            return {s: g / self.dp if self.flat.get(s, g) < g else 0.0 for s, g in self.grads.items()}
         return (
             self.activations,
             self.grads,
@@ -218,6 +239,7 @@ class _Live:
     users: dict[int, int] = field(default_factory=dict)  # ZeRO-3: gathers not yet freed, per owner stage
     pending: set[int] = field(default_factory=set)  # plain data parallelism: stages with a running total
     inflight: int | None = None  # the stage whose flat buffer is being reduced
+    out: int | None = None  # ZeRO: the stage whose later reduction's output (not its shard) is in flight
     replicated: bool = False  # hybrid sharding with a narrower reduce dtype: count the replica wire copies
     inflight_final: bool = False  # the reduction in flight is its stage's last of the step
     wired: set[int] = field(default_factory=set)  # stages whose replica all-reduce (wire copy) was launched
@@ -307,24 +329,49 @@ class _Live:
                 self.add(_FLAT, s)
                 self.grad(s, False)
             return
-        if self.replicated and self.inflight is not None and self.inflight_final:
-            self.wire(self.inflight)  # launched after waiting for it, before this stage is flattened
+        # the previous reduction is waited for before this stage is flattened (`ZeroStageComm._launch`), which
+        # frees its flat copy and output; its replica all-reduce (hybrid sharding) is launched right after
+        waited, final_before = self.inflight, self.inflight_final
+        self.wait_zero(label)
+        if self.replicated and waited is not None and final_before:
+            self.wire(waited)
         self.note(label, flat=s)
-        if self.inflight is not None:  # the previous reduction is waited before this one starts
-            self.add(_FLAT, self.inflight, -1)
         self.inflight = s if self.sharded else None
         self.inflight_final = final
         if self.inflight is not None:
             self.add(_FLAT, s)
         if self.zero >= 2:  # dropped once flattened, before the collective's output exists
             self.grad(s, False)
-        if s not in self.shards:  # without data parallelism the flattened copy is the shard
+        # the reduce-scatter's output (`FlatStage.launch_reduce`: allocated after the flat copy): the stage's
+        # shard once waited on its first reduction of the step; on a later one a new buffer, alive in flight
+        # with the flat copy until the next launch waits for it and adds it into the shard (without data
+        # parallelism the flattened copy is the output)
+        if s not in self.shards:
             self.shards.add(s)
             self.add(_SHARD, s)
-            if self.sharded:
-                # the reduce-scatter's output (`FlatStage.launch_reduce`: allocated after the flat copy, the
-                # stage's shard once waited) beside that copy and, under ZeRO-1, the gradients it keeps
-                self.note(label)
+        else:
+            self.out = s
+            self.add(_OUT, s)
+        if self.sharded or self.out is not None:
+            # beside the flat copy and, under ZeRO-1, the gradients it keeps
+            self.note(label)
+
+    def wait_zero(self, label: tuple) -> None:
+        """ZeRO: wait for the reduction in flight (`FlatStage.wait_reduce`): a later reduction's output is cast
+        to fp32 (a copy only when the reduce dtype is narrower) and added into the stage's shard; then its flat
+        copy and output are freed."""
+        if self.inflight is None and self.out is None:
+            return
+        self.flush()  # what the last action left: the moment before the wait
+        if self.out is not None:
+            self.add(_PART, self.out)
+            self.note(label)
+            self.add(_PART, self.out, -1)
+            self.add(_OUT, self.out, -1)
+            self.out = None
+        if self.inflight is not None:
+            self.add(_FLAT, self.inflight, -1)
+            self.inflight = None
 
     def wire(self, s: int) -> None:
         """Hybrid sharding: stage ``s``'s replica all-reduce is launched; its wire copy lives to the end."""
@@ -335,10 +382,7 @@ class _Live:
     def finish_replicas(self) -> None:
         """The end (`ZeroStageComm.finish`): the reduction in flight is waited (its flat buffer freed), then
         the replica all-reduces still owed are launched, each with its wire copy, all alive together."""
-        if self.inflight is not None:
-            self.flush()
-            self.add(_FLAT, self.inflight, -1)
-            self.inflight = None
+        self.wait_zero((None, "finish replica all-reduce"))
         for s in sorted(self.shards):
             self.wire(s)
         self.note((None, "finish replica all-reduce"))
@@ -504,6 +548,8 @@ def compile_walk(
     live.flush()
     if live.replicated:
         live.finish_replicas()
+    elif zero:  # the end (`ZeroStageComm.finish`) waits for the reduction in flight before the optimizer step
+        live.wait_zero((None, "finish"))
     if zero == 0 and sharded:
         live.write_back()
     moments = _pareto(live.moments)
@@ -527,6 +573,7 @@ def _skip_repeats(live: _Live, events: list, i: int, seen: dict) -> int:
         tuple(sorted(live.users.items())),
         frozenset(live.pending),
         live.inflight,
+        live.out,
         live.inflight_final,
         frozenset(live.wired),
         live.dirty,
@@ -596,8 +643,10 @@ def floor(
       gradients and their flat copy (and, on a one-stage list of several micro-batches, the gathered
       parameters: that B is not the last action, so the list's one FREE is still ahead);
     - the reduction after the list's last backward action (a B or W, which leaves its stage's gradients)
-      flattens them beside those gradients; ZeRO-1 keeps every stage's gradients (all complete by then), ZeRO's
-      earlier reductions left one flat buffer in flight (with data parallelism, from the second on) and a shard
+      flattens them beside those gradients, once the reduction in flight is waited for (its flat copy freed);
+      ZeRO-1 keeps every stage's gradients (all complete by then) and, with data parallelism, allocates the
+      reduce-scatter's output beside them and the flat copy (in the reduce dtype, ``flat / dp``; until
+      2026-12-03 the floor left it out, though the walk counted it); ZeRO's earlier reductions left a shard
       per other stage. Plain data parallelism: only that flat buffer beside its gradients is counted.
     - after backward: every stage's gradients (no ZeRO, ZeRO-1) and ZeRO's shards.
     """
@@ -616,8 +665,8 @@ def floor(
     at_reduce = 0.0
     if reductions and (zero or sizes.dp > 1):
         at_reduce = (sum(grads.values()) if zero == 1 else min(grads.values())) + min(flat.values())
-        if zero and sizes.dp > 1 and reductions > 1:
-            at_reduce += min(flat.values())
+        if zero == 1 and sizes.dp > 1:  # its reduce-scatter's output, allocated beside the flat copy
+            at_reduce += min(flat.values()) / sizes.dp
         if shards:
             at_reduce += sum(shards.values()) - max(shards.values())
     after = (sum(grads.values()) if zero <= 1 else 0.0) + sum(shards.values())

@@ -172,12 +172,15 @@ def test_the_floor_is_the_reduction_after_the_peaks_backward(zero: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("zero", "dp", "peak", "held"), [(0, 2, 80.0, 40.0), (1, 2, 180.0, 120.0), (2, 2, 140.0, 40.0)]
+    ("zero", "dp", "peak", "held"), [(0, 2, 80.0, 40.0), (1, 2, 160.0, 120.0), (2, 2, 100.0, 40.0)]
 )
 def test_the_floor_is_the_last_reduction(zero: int, dp: int, peak: float, held: float) -> None:
-    # two stages of 40 bytes of gradients, reduced once each. At R0, ZeRO-2: its gradients and flat copy, stage
-    # 1's flat buffer in flight and its shard (40 + 40 + 40 + 20); ZeRO-1 also keeps stage 1's gradients (+40);
-    # plain data parallelism: R0's flat copy beside the gradients (the write-back at the end holds as much)
+    # two stages of 40 bytes of gradients, reduced once each. R0 first waits for R1 (its flat copy freed, its
+    # output now stage 1's shard), then flattens stage 0's gradients. ZeRO-2: the gradients, their flat copy and
+    # stage 1's shard (40 + 40 + 20); ZeRO-1 also keeps stage 1's gradients (+40) and allocates stage 0's
+    # reduce-scatter output beside the flat copy (+20). Until 2026-12-03 the walk kept R1's flat copy alive
+    # through R0's flattening (ZeRO-2 140, ZeRO-1 180), and the floor left ZeRO-1's output out. Plain data
+    # parallelism: R0's flat copy beside the gradients (the write-back at the end holds as much)
     actions = [Action(0, F, 0), Action(1, F, 0), Action(1, B, 0), Action(1, R), Action(0, B, 0), Action(0, R)]
     if zero == 0:
         actions = [Action(0, F, 0), Action(0, B, 0), Action(0, R)]
@@ -265,12 +268,13 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
     d, z = sizes.dp, sizes.zero
     acts, grads, shards, gathered, users, totals = 0.0, {}, {}, {}, {}, {}
     inflight, inflight_stage, best = 0.0, None, [0.0, [0.0] * 4]
+    out, out_stage = 0.0, None  # ZeRO: a later reduction's output in flight (not the stage's shard)
 
     def note(extra: float = 0.0, working: float = 0.0) -> None:
         parts = [
             acts,
             sum(grads.values()) + sum(shards.values()),
-            sum(gathered.values()) + sum(totals.values()) + inflight + extra,
+            sum(gathered.values()) + sum(totals.values()) + inflight + out + extra,
             working,
         ]
         if sum(parts) > best[0]:
@@ -282,8 +286,15 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
             totals.setdefault(inflight_stage, inflight)
         inflight, inflight_stage = 0.0, None
 
+    def wait() -> None:  # ZeRO: the reduction in flight; a later one's output, cast to fp32, joins the shard
+        nonlocal inflight, out, out_stage
+        if out_stage is not None:
+            g = sizes.grads[out_stage]
+            note(extra=g / d if sizes.flat[out_stage] < g else 0.0)
+        inflight, out, out_stage = 0.0, 0.0, None
+
     def reduce(s: int) -> None:
-        nonlocal inflight, inflight_stage
+        nonlocal inflight, inflight_stage, out, out_stage
         flat = sizes.flat.get(s, 0.0)
         if z == 0:
             if d > 1:
@@ -292,14 +303,19 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
                 inflight, inflight_stage = flat, s
                 grads.pop(s, None)
             return
+        wait()  # before this stage is flattened
         note(extra=flat)
         inflight = flat if d > 1 else 0.0
         if z >= 2:
             grads.pop(s, None)
+        # the reduce-scatter's output beside the flat copy in flight: the stage's shard, or on a later reduction
+        # a new buffer (without data parallelism the flat copy itself)
         if s not in shards:
             shards[s] = flat / d
-            if d > 1:  # the reduce-scatter's output, the stage's shard, beside the flat copy in flight
-                note()
+        else:
+            out, out_stage = flat / d, s
+        if d > 1 or out_stage is not None:
+            note()
 
     last_reduce = {a.stage: i for i, a in enumerate(actions) if a.kind in (R, RM)}
     for index, a in enumerate(actions):
@@ -326,6 +342,8 @@ def _reference_walk(actions: list[Action], sizes: StageBytes) -> tuple[float, li
                 users[owner] = max(0, users.get(owner, 0) - 1)
                 if not users[owner]:
                     gathered.pop(owner, None)
+    if z:
+        wait()
     settle()
     for s in sorted(totals):  # each stage's averaged gradients written back beside its total
         note(extra=sizes.grads[s])

@@ -833,8 +833,9 @@ def test_a_first_backward_holds_its_later_blocks_gradients(case: str) -> None:
 
 GRID_RTOL = 0.025
 """The 2D grid's peak against the dry run's on the layered schedule runtime (one block per stage), where the
-loss's backward binds with every micro-batch's kept tensors (bf16; fp32's binds in a block's SUMMA backward).
-Measured (2026-12-03): -1.7 % to +0.6 %; without the stage boundaries the runtime keeps and no 2D norm saves
+loss's backward binds with every micro-batch's kept tensors (bf16; fp32's binds in a block's SUMMA backward,
+`exit_backward_2d_bytes`). Measured (2026-12-03): -0.6 % to +0.6 % (fp32 -1.5 % / -1.7 % before the exit's
+SUMMA backward was counted without full recomputation); without the stage boundaries the runtime keeps and no 2D norm saves
 (`memory._kept_boundaries`) -3.3 % to -4.6 % under no and selective recomputation, and with them counted under
 full recomputation too +5.1 % / +5.3 % (docs/memory.md, "The 2D grid's stage boundaries")."""
 GRID_CASES = {  # name: (parallel overrides, train section, model overrides)
@@ -960,3 +961,118 @@ def test_op_checkpointing_peak_is_the_dry_runs(case: str) -> None:
     for rank in default_ranks(Layout.from_config(cfg.parallel, world)):
         measured, est = _dry_run(raw, world, rank), estimated_memory(cfg, world, rank)
         assert est["peak"] == pytest.approx(measured.peak, rel=PEAK_RTOL), rank
+
+
+LATER_REDUCTION_RTOL = 0.025
+"""ZeRO-2/3 reducing every micro-batch (depth-first accumulation) against the dry run: each stage's second and later
+reductions. Measured (2026-12-03): -0.5 % to +0.02 %; before, the walk kept the previous flat copy alive through
+the next flattening (`ZeroStageComm._launch` waits for it first) and left a later reduction's own output out:
++8.6 % to +8.8 % (fp32 reduce), -4.7 % (bf16 reduce: the output and its fp32 cast at the wait) (docs/memory.md,
+"The reduction's output shard")."""
+LATER_REDUCTION_CASES = {  # name: (ZeRO stage, checkpointing, train overrides)
+    "zero2_none": (2, "none", {}),
+    "zero2_full": (2, "full", {}),
+    "zero2_none_bf16_reduce": (2, "none", {"grad_reduce_dtype": "bf16"}),
+    "zero3_full": (3, "full", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(LATER_REDUCTION_CASES))
+def test_a_later_reductions_output_is_in_flight(case: str) -> None:
+    """GPT h 4096, f 4h, 4 layers, untied, s 32, pp2 (1F1B) × data 2 × tensor 2 + SP, bf16, 4 micro-batches of 2,
+    depth-first (a REDUCE_MB after every backward): `ZeroStageComm._launch` waits for the reduction in flight
+    (freeing its flat copy and output) before `FlatStage.launch_reduce` flattens the next; a stage's later
+    reduction allocates a new output ([Ψ/d], reduce dtype) beside the flat copy, in flight until the next launch
+    adds it (cast to fp32) into the shard. Both pipeline ranks against their dry run."""
+    zero, ckpt, train = LATER_REDUCTION_CASES[case]
+    raw = {
+        "model": {**SKIPPED_COPY_GPT, "n_layers": 4, "ffn_hidden": 16384, "tie_embeddings": False},
+        "parallel": {
+            "pipeline": 2,
+            "schedule": "1f1b",
+            "data": 2,
+            "tensor": 2,
+            "sequence_parallel": True,
+            "zero": zero,
+            "accumulation": "depth_first",
+            "checkpointing": ckpt,
+        },
+        "train": {"dtype": "bf16", "micro_batch": 2, "global_batch": 16, **train},
+    }
+    cfg = from_dict(raw)
+    for rank in default_ranks(Layout.from_config(cfg.parallel, 8)):
+        measured, est = _dry_run(raw, 8, rank), estimated_memory(cfg, 8, rank)
+        assert est["peak"] == pytest.approx(measured.peak, rel=LATER_REDUCTION_RTOL), rank
+
+
+WINDOW_COPIES_RTOL = 0.025
+"""ZeRO-3 without full recomputation under 1D + SP and bf16 against the dry run. Measured (2026-12-03): -0.6 % to
++0.05 %; without the column-parallel Linears' cache-only copies beside the gathered stage
+(`zero3_window_copies_bytes`) -6.7 % to -7.8 % (and +3.1 % / +3.3 % at m 4 before the later reductions were
+walked as the runtime runs them)."""
+WINDOW_COPIES_CASES = {  # name: (global batch, checkpointing, tied, accumulation)
+    "untied_m1_none": (4, "none", False, "depth_first"),
+    "untied_m4_none": (16, "none", False, "depth_first"),
+    "untied_m4_selective": (16, "selective", False, "depth_first"),
+    "tied_m2_none_layered": (8, "none", True, "layered"),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOW_COPIES_CASES))
+def test_zero3_keeps_a_windows_cast_copies(case: str) -> None:
+    """GPT h 4096, f 4h, 4 layers, s 32, pp2 (1F1B) × data 2 × tensor 2 + SP, ZeRO-3, bf16, micro-batches of 2:
+    the sequence-parallel entry casts wq, wk, wv and the MLP's input Linear through autocast's cache and saves
+    the fp32 weights; the cache keeps the copies until the stage's FREE, so a backward in the GATHER/FREE window
+    of its stage's forward (1F1B) holds every block's, during and after it. Both pipeline ranks."""
+    global_batch, ckpt, tied, accumulation = WINDOW_COPIES_CASES[case]
+    raw = {
+        "model": {**SKIPPED_COPY_GPT, "n_layers": 4, "ffn_hidden": 16384, "tie_embeddings": tied},
+        "parallel": {
+            "pipeline": 2,
+            "schedule": "1f1b",
+            "data": 2,
+            "tensor": 2,
+            "sequence_parallel": True,
+            "zero": 3,
+            "accumulation": accumulation,
+            "checkpointing": ckpt,
+        },
+        "train": {"dtype": "bf16", "micro_batch": 2, "global_batch": global_batch},
+    }
+    cfg = from_dict(raw)
+    for rank in default_ranks(Layout.from_config(cfg.parallel, 8)):
+        measured, est = _dry_run(raw, 8, rank), estimated_memory(cfg, 8, rank)
+        assert est["peak"] == pytest.approx(measured.peak, rel=WINDOW_COPIES_RTOL), rank
+
+
+EXIT_2D_RTOL = 0.025
+"""The 2D grid's MLP exit SUMMA backward without recomputation against the dry run. Measured (2026-12-03): -1.0 %
+to -0.1 %; before it was counted (under full recomputation only) -8.2 % (pipeline rank 0), -4.7 % (rank 7),
+-2.7 % (direct loop); priced beside the micro-batch's head tensors, which the loss's backward has freed, +2.3 %
+(direct loop) / +2.7 % (rank 7) (docs/memory.md, "The 2D grid's stage boundaries")."""
+EXIT_2D_CASES = {  # name: (world size, ranks, parallel overrides, train section)
+    "direct_b4_fp32": (4, (0, 3), {}, {"micro_batch": 4, "global_batch": 4}),
+    "pp2_1f1b_b2_fp32": (
+        8,
+        (0, 7),
+        {"pipeline": 2, "schedule": "1f1b"},
+        {"micro_batch": 2, "global_batch": 8},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EXIT_2D_CASES))
+def test_2d_exit_backward_is_in_the_estimate(case: str) -> None:
+    """Llama, 4 layers, h 256, s 256, tensor 2×2, fp32, no recomputation: the peak is a block's MLP output
+    Linear's SUMMA backward (`tensor_2d._MatmulAB`: dA, the product's two broadcast slots, the q partial weight
+    gradients, the upstream gradient) beside every saved tensor but the micro-batch's head's."""
+    world, ranks, parallel, train = EXIT_2D_CASES[case]
+    raw = {
+        "model": RING_MODEL,
+        "parallel": {"tensor": "2x2", **parallel},
+        "train": {"dtype": "fp32", **train},
+    }
+    cfg = from_dict(raw)
+    for rank in ranks:
+        measured, est = _dry_run(raw, world, rank), estimated_memory(cfg, world, rank)
+        assert est["peak"] == pytest.approx(measured.peak, rel=EXIT_2D_RTOL), rank

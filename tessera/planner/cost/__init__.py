@@ -88,6 +88,7 @@ from tessera.planner.cost.rank_memory import (
     tied_gradient_bytes,
     zero3_block_copies_bytes,
     zero3_cached_head_bytes,
+    zero3_window_copies_bytes,
 )
 from tessera.planner.cost.shape import (
     RECOMPUTE,
@@ -199,4 +200,5 @@ __all__ = [
     "weight_cast_bytes_per_layer",
     "zero3_block_copies_bytes",
     "zero3_cached_head_bytes",
+    "zero3_window_copies_bytes",
 ]

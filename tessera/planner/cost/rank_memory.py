@@ -28,6 +28,7 @@ __all__ = [
     "cached_weight_bytes",
     "capped_score_bytes",
     "entry_moment_bytes",
+    "exit_backward_2d_bytes",
     "head_activation_bytes",
     "head_transient_bytes",
     "mask_kinds",
@@ -421,6 +422,21 @@ def zero3_block_copies_bytes(shape: ModelShape, plan: Plan) -> float:
     return replay_copy_bytes(shape, plan)
 
 
+def zero3_window_copies_bytes(shape: ModelShape, plan: Plan) -> float:
+    """ZeRO-3 under 1D sequence parallelism and autocast without a block replay (full, op): one block's cache-only
+    compute-dtype weight copies (the column-parallel Linears', which the sequence-parallel entry casts through
+    autocast's cache and saves in fp32: `cached_weight_bytes`' block part), 0 otherwise. The cache keeps them
+    until the stage's FREE clears it (`ZeroStageComm.free`), so a stage whose backward runs in the GATHER/FREE
+    window of one of its forwards (`memory._forward_in_window`) holds every block's at that backward. Read off
+    the dry run's live tensors (`tessera dryrun --peak-tensors`): GPT h 4096, f 4h, pipeline 2 (1F1B) × data 2 ×
+    tensor 2 + SP, ZeRO-3, bf16, no recomputation, rank 0's peak in its stage's backward holds both blocks' wq,
+    wk, wv and MLP input copies (0.22 GiB, [2048, 4096] × 6 and [8192, 4096] × 2 bf16); until 2026-12-03 the
+    estimate left them out (-6.8 %)."""
+    if plan.recompute in REPLAYS_BLOCK or plan.zero_stage < 3 or not (plan.casts and _gathered(plan)):
+        return 0.0
+    return plan.act_bytes * (shape.block_matmul_params() - _row_weights(shape)) / plan.tp
+
+
 def replay_copy_bytes(shape: ModelShape, plan: Plan) -> float:
     """The compute-dtype weight copies a block's replay under full recomputation casts (through autocast's cache):
     the block's (`autocast_weight_bytes_per_layer`) but the one it stops before (`replay_skipped_copy_bytes`)."""
@@ -515,14 +531,26 @@ def replay_gradient_bytes(shape: ModelShape, plan: Plan) -> float:
     sequence-parallel rows +0.1 % to +3.3 % above the dry run, whose peak is at the entry's backward."""
     if plan.recompute not in REPLAYS_BLOCK:
         return 0.0
-    tokens = shape.seq_len // plan.cp * plan.micro_batch
-    grads = len(shape.features.mlp_in) * plan.act_bytes * tokens * shape.ffn_hidden / plan.tp
+    grads = mlp_backward_bytes(shape, plan)
     if not _gathered(plan):
         return grads
     if plan.tp_comm_overlap:  # the rings replace the entries
         return max(grads, ring_moment_bytes(shape, plan))
     entry = grads - _mlp_saved_bytes(shape, plan) + _entry_buffer_bytes(shape, plan)
     return max(grads, entry, attention_entry_bytes(shape, plan))
+
+
+def mlp_backward_bytes(shape: ModelShape, plan: Plan) -> float:
+    """The MLP's activation backward beyond the block's saved tensors, whatever the recomputation: the gradient of
+    the output Linear's input and one gradient per input Linear's output (GELU 2, SwiGLU/GeGLU 3, [N, f/t] each
+    in the compute dtype; 2D [N/q, f/q]) while the output Linear's input, freed by that Linear's backward, is
+    gone: ``len(mlp_in)`` such tensors (N: the rank's tokens, s/c with context parallelism). Under full
+    recomputation part of the replay's backward (`replay_gradient_bytes`); without it a block's moment of its own
+    (`recompute_working_bytes`), which until 2026-12-03 was left out where no sequence-parallel entry is: Llama,
+    8 layers, h 256, s 128, pipeline 2 (1F1B) × data 2 × tensor 2, ZeRO-1, fp32, 2 micro-batches of 2, rank 0
+    -2.6 % under the dry run (docs/memory.md, "The 2D grid's stage boundaries")."""
+    tokens = shape.seq_len // plan.cp * plan.micro_batch
+    return len(shape.features.mlp_in) * plan.act_bytes * tokens * shape.ffn_hidden / plan.tp
 
 
 def entry_moment_bytes(shape: ModelShape, plan: Plan) -> float:
@@ -537,8 +565,7 @@ def entry_moment_bytes(shape: ModelShape, plan: Plan) -> float:
         return 0.0
     if plan.tp_comm_overlap:
         return ring_moment_bytes(shape, plan)
-    tokens = shape.seq_len // plan.cp * plan.micro_batch
-    grads = len(shape.features.mlp_in) * plan.act_bytes * tokens * shape.ffn_hidden / plan.tp
+    grads = mlp_backward_bytes(shape, plan)
     entry = grads - _mlp_saved_bytes(shape, plan) + _entry_buffer_bytes(shape, plan)
     return max(entry, attention_entry_bytes(shape, plan))
 
@@ -560,8 +587,7 @@ def ring_moment_bytes(shape: ModelShape, plan: Plan) -> float:
     the rings fell 3.1 % to 7.1 % under the dry run."""
     if not plan.tp_comm_overlap:
         return 0.0
-    tokens = shape.seq_len // plan.cp * plan.micro_batch
-    grads = len(shape.features.mlp_in) * plan.act_bytes * tokens * shape.ffn_hidden / plan.tp
+    grads = mlp_backward_bytes(shape, plan)
     entry = grads - _mlp_saved_bytes(shape, plan) + ring_entry_backward_bytes(shape, plan)
     # the attention's exit ring runs once the MLP's backward (its norm's and entry's saved tensors too) is over
     mlp_freed = _mlp_saved_bytes(shape, plan) + _kept_bytes(shape, plan)
@@ -730,7 +756,23 @@ def replay_exit_backward_bytes(shape: ModelShape, plan: Plan) -> float:
     and the block's upstream gradient, [N/q, h/q] in the stream dtype, with its compute-dtype cast under
     autocast. Read off the dry run's live tensors (docs/memory.md, "Full recomputation's moments"): without it
     the 2D estimate fell 2.1 % under the dry run once the replay stopped before the exit."""
-    if plan.recompute != "full" or plan.tp_kind != "2d" or plan.q < 2:
+    if plan.recompute != "full":
+        return 0.0
+    return exit_backward_2d_bytes(shape, plan)
+
+
+def exit_backward_2d_bytes(shape: ModelShape, plan: Plan) -> float:
+    """On the 2D grid, the MLP output Linear's backward (`tensor_2d._MatmulAB`) at its fullest beyond the block's
+    saved tensors, whatever the recomputation, 0 elsewhere: at AᵀB's last step (`_summa_atb`) the input gradient
+    dA ([N/q, f/q]), the two broadcast slots of the product A ([N/q, f/q] each), the q partial products
+    ([f/q, h/q]) in the compute dtype, and the upstream gradient ([N/q, h/q], stream dtype) with its cast under
+    autocast. It is the block's first backward node, so every saved tensor is still alive beside it
+    (`replay_exit_backward_bytes` under full recomputation; `recompute_working_bytes` otherwise). Read off the
+    dry run's live tensors (`tessera dryrun --peak-tensors`, docs/memory.md "The 2D grid's stage boundaries"):
+    Llama, 4 layers, h 256, s 256, tensor 2×2, fp32, no recomputation, one block per stage: the peak is this
+    moment (1.6 MiB of SUMMA buffers), which until 2026-12-03 the estimate counted under full recomputation only
+    (-1.5 %; selective -1.7 %)."""
+    if plan.tp_kind != "2d" or plan.q < 2:
         return 0.0
     c, r = plan.act_bytes, plan.stream_bytes
     rows = shape.seq_len // plan.cp * plan.micro_batch / plan.q  # N/q: the tokens of this rank's grid row
@@ -763,10 +805,13 @@ def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
     there). Under selective recomputation without documents a local layer's replayed core cuts its band again
     (`shared_mask_bytes` keeps none); the masks full recomputation's replays build again `tessera.memory` adds
     beside this (`replay_mask_bytes`)."""
-    if (
-        plan.recompute == "none"
-    ):  # the saved tensors are the block's own: only the entries' backward holds more
-        return entry_moment_bytes(shape, plan)
+    if plan.recompute == "none":  # the saved tensors are the block's own: only these backwards hold more
+        moments = (
+            entry_moment_bytes(shape, plan),
+            exit_backward_2d_bytes(shape, plan),
+            mlp_backward_bytes(shape, plan),
+        )
+        return max(moments)
     backward = replay_gradient_bytes(shape, plan) + _replay_upstream_bytes(shape, plan)
     # 2D: the larger of the replay's forward, its MLP output Linear's backward and the MLP's backward
     replay = max(backward, replay_forward_bytes(shape, plan), replay_exit_backward_bytes(shape, plan))
@@ -783,8 +828,13 @@ def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
     if plan.recompute == "op":
         # the replay makes again what op does not keep; the kept outputs are among the rank's activations
         working -= op_kept_bytes(shape, plan)
-    if plan.recompute == "selective":  # the entries run beside the saved tensors, not the replayed core
-        working = max(working, entry_moment_bytes(shape, plan))
+    if plan.recompute == "selective":  # the MLP's, the entries' (2D: the exit's) run beside the saved tensors
+        moments = (
+            entry_moment_bytes(shape, plan),
+            exit_backward_2d_bytes(shape, plan),
+            mlp_backward_bytes(shape, plan),
+        )
+        working = max(working, *moments)
     return working
 
 
