@@ -88,6 +88,14 @@ def _dry_run(raw: dict, world: int, rank: int) -> RankResult:
     return _DRY_RUNS[key]
 
 
+def _assert_peaks_match(raw: dict, world: int, rtol: float) -> None:
+    """The estimated peak of each default rank (first and last pipeline rank) against its dry run, within rtol."""
+    cfg = from_dict(raw)
+    for rank in default_ranks(Layout.from_config(cfg.parallel, world)):
+        measured, est = _dry_run(raw, world, rank), estimated_memory(cfg, world, rank)
+        assert est["peak"] == pytest.approx(measured.peak, rel=rtol), rank
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_estimated_peak_is_the_dry_runs(layout: str) -> None:
     world, parallel = LAYOUTS[layout]
@@ -731,10 +739,7 @@ def test_a_replay_does_not_cast_the_ring_exits_weight(case: str) -> None:
         },
         "train": {"dtype": "bf16", **train},
     }
-    cfg = from_dict(raw)
-    for rank in default_ranks(Layout.from_config(cfg.parallel, world)):
-        measured, est = _dry_run(raw, world, rank), estimated_memory(cfg, world, rank)
-        assert est["peak"] == pytest.approx(measured.peak, rel=RING_PEAK_RTOL), rank
+    _assert_peaks_match(raw, world, RING_PEAK_RTOL)
 
 
 SELECTIVE_RTOL = 0.025
@@ -773,10 +778,7 @@ def test_selective_replay_is_not_counted_twice(case: str) -> None:
         "parallel": {"checkpointing": "selective", **parallel},
         "train": {"dtype": "bf16", "micro_batch": 2, **train},
     }
-    cfg = from_dict(raw)
-    for rank in default_ranks(Layout.from_config(cfg.parallel, world)):
-        measured, est = _dry_run(raw, world, rank), estimated_memory(cfg, world, rank)
-        assert est["peak"] == pytest.approx(measured.peak, rel=SELECTIVE_RTOL), rank
+    _assert_peaks_match(raw, world, SELECTIVE_RTOL)
 
 
 STAGE_BLOCKS_GPT = {**SKIPPED_COPY_GPT, "n_layers": 4, "ffn_hidden": 16384}
@@ -825,10 +827,7 @@ def test_a_first_backward_holds_its_later_blocks_gradients(case: str) -> None:
         },
         "train": {"dtype": "bf16", "micro_batch": 2, "global_batch": global_batch},
     }
-    cfg = from_dict(raw)
-    for rank in default_ranks(Layout.from_config(cfg.parallel, 8)):
-        measured, est = _dry_run(raw, 8, rank), estimated_memory(cfg, 8, rank)
-        assert est["peak"] == pytest.approx(measured.peak, rel=LAST_STAGE_RTOL), rank
+    _assert_peaks_match(raw, 8, LAST_STAGE_RTOL)
 
 
 GRID_RTOL = 0.025
@@ -911,10 +910,7 @@ def test_the_reduce_scatters_output_is_alive_at_its_launch(case: str) -> None:
         },
         "train": {"dtype": "bf16", "micro_batch": 2, "global_batch": global_batch},
     }
-    cfg = from_dict(raw)
-    for rank in default_ranks(Layout.from_config(cfg.parallel, 8)):
-        measured, est = _dry_run(raw, 8, rank), estimated_memory(cfg, 8, rank)
-        assert est["peak"] == pytest.approx(measured.peak, rel=REDUCTION_RTOL), rank
+    _assert_peaks_match(raw, 8, REDUCTION_RTOL)
 
 
 OP_CASES = {  # name: (world size, parallel section, train section, model section, document masking)
@@ -957,10 +953,7 @@ def test_op_checkpointing_peak_is_the_dry_runs(case: str) -> None:
         "train": {"global_batch": 16, "micro_batch": 2, **train},
         "data": {"document_mask": documents},
     }
-    cfg = from_dict(raw)
-    for rank in default_ranks(Layout.from_config(cfg.parallel, world)):
-        measured, est = _dry_run(raw, world, rank), estimated_memory(cfg, world, rank)
-        assert est["peak"] == pytest.approx(measured.peak, rel=PEAK_RTOL), rank
+    _assert_peaks_match(raw, world, PEAK_RTOL)
 
 
 LATER_REDUCTION_RTOL = 0.025
@@ -999,10 +992,7 @@ def test_a_later_reductions_output_is_in_flight(case: str) -> None:
         },
         "train": {"dtype": "bf16", "micro_batch": 2, "global_batch": 16, **train},
     }
-    cfg = from_dict(raw)
-    for rank in default_ranks(Layout.from_config(cfg.parallel, 8)):
-        measured, est = _dry_run(raw, 8, rank), estimated_memory(cfg, 8, rank)
-        assert est["peak"] == pytest.approx(measured.peak, rel=LATER_REDUCTION_RTOL), rank
+    _assert_peaks_match(raw, 8, LATER_REDUCTION_RTOL)
 
 
 WINDOW_COPIES_RTOL = 0.025
@@ -1039,10 +1029,7 @@ def test_zero3_keeps_a_windows_cast_copies(case: str) -> None:
         },
         "train": {"dtype": "bf16", "micro_batch": 2, "global_batch": global_batch},
     }
-    cfg = from_dict(raw)
-    for rank in default_ranks(Layout.from_config(cfg.parallel, 8)):
-        measured, est = _dry_run(raw, 8, rank), estimated_memory(cfg, 8, rank)
-        assert est["peak"] == pytest.approx(measured.peak, rel=WINDOW_COPIES_RTOL), rank
+    _assert_peaks_match(raw, 8, WINDOW_COPIES_RTOL)
 
 
 EXIT_2D_RTOL = 0.025
