@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.config import from_dict
+from tessera.config import ModelConfig, from_dict
+from tessera.model.build import meta_model
+from tessera.parity import Record, Tolerance, compare_records
 from tessera.train.data import prepare
 from tessera.train.trainer import train
 
@@ -148,3 +150,20 @@ def assert_rank_grads_match(
         torch.testing.assert_close(
             g, reference[n], rtol=rtol, atol=atol, msg=lambda m, n=n: f"{what} {n}: {m}"
         )
+
+
+def assert_layout_matches_reference(
+    got: Record, reference: Record, tol: Tolerance, model: ModelConfig, nproc: int, steps: int
+) -> set[str]:
+    """A layout's record against the one-process reference: losses, norms, every gradient and the updated
+    parameters within ``tol`` (`tessera.parity.compare_records`); every parameter of ``model`` was gathered and
+    compared at every step, not a subset; and the run really was the layout (``nproc`` ranks, another layout).
+    Returns the parameter names, for a test to check the family's own (e.g. a post-norm)."""
+    report = compare_records(got, reference, tol)
+    assert report.ok, report.table(20)
+    names = {n for n, _ in meta_model(model).named_parameters(remove_duplicate=False)}
+    for k in range(steps):
+        assert set(got.grads[k]) == set(reference.grads[k]) == names
+        assert set(got.params[k]) == names
+    assert got.world == nproc and got.layout != reference.layout
+    return names

@@ -22,10 +22,9 @@ from pathlib import Path
 import pytest
 
 from tessera.config import from_dict
-from tessera.model.build import meta_model
-from tessera.parity import BF16, FP32, Record, compare_records, run_config, tolerance_for
+from tessera.parity import BF16, FP32, Record, run_config, tolerance_for
 from tessera.train.data import prepare
-from tests.distributed.conftest import trainer_config
+from tests.distributed.conftest import assert_layout_matches_reference, trainer_config
 
 STEPS = 2
 LLAMA = {"family": "llama", "n_layers": 4, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "seq_len": 16}
@@ -95,10 +94,4 @@ def test_op_checkpointing_matches_one_process_without_it(
     got = run_config(cfg, nproc, STEPS, tmp_path, name, follow=reference)
     tol = tolerance_for(cfg, from_dict(_raw(data, tmp_path, model, {}, dtype, docs)))
     assert tol is (BF16 if dtype == "bf16" else FP32)
-    report = compare_records(got, reference, tol)
-    assert report.ok, report.table(20)
-    names = {n for n, _ in meta_model(cfg.model).named_parameters(remove_duplicate=False)}
-    for k in range(STEPS):  # every tensor was gathered and compared, not a subset
-        assert set(got.grads[k]) == set(reference.grads[k]) == names
-        assert set(got.params[k]) == names
-    assert got.world == nproc and got.layout != reference.layout
+    assert_layout_matches_reference(got, reference, tol, cfg.model, nproc, STEPS)

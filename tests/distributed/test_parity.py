@@ -17,9 +17,9 @@ import pytest
 
 from tessera.config import Config, from_dict
 from tessera.model.build import meta_model
-from tessera.parity import FP32, Record, compare, compare_records, run_config, tolerance_for
+from tessera.parity import FP32, Record, compare, run_config, tolerance_for
 from tessera.train.data import TokenDataset, prepare, target_count
-from tests.distributed.conftest import trainer_config
+from tests.distributed.conftest import assert_layout_matches_reference, trainer_config
 
 STEPS = 2
 MODEL = {"family": "llama", "n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "seq_len": 16}
@@ -70,13 +70,7 @@ def test_layout_matches_one_process(token_file: Path, tmp_path: Path, reference:
     got = run_config(cfg, nproc, STEPS, tmp_path, name, follow=reference)
     tol = tolerance_for(cfg, from_dict(_raw(token_file, tmp_path, {})))
     assert tol is FP32
-    report = compare_records(got, reference, tol)
-    assert report.ok, report.table(20)
-    names = {n for n, _ in meta_model(cfg.model).named_parameters(remove_duplicate=False)}
-    for k in range(STEPS):  # every tensor was gathered and compared, not a subset
-        assert set(got.grads[k]) == set(reference.grads[k]) == names
-        assert set(got.params[k]) == names
-    assert got.world == nproc and got.layout != reference.layout
+    assert_layout_matches_reference(got, reference, tol, cfg.model, nproc, STEPS)
 
 
 def _prompt_heavy_file(root: Path) -> Path:
