@@ -519,9 +519,9 @@ def _fast(shape: ModelShape, hw: Hardware, plan: Plan, schedule: str, pc: Pipeli
             - pipeline_time(schedule, p, 1, v, c.fwd, c.bwd, 0.0)
         )
     else:
-        stall = pipeline_time(schedule, p, m, v, c.fwd, c.bwd, 0.0) - pipeline_units(schedule, p, m, v) * (
-            c.fwd + c.bwd
-        )
+        # what the pipeline holds beyond its plain v·m + p − 1 chunk units: breadth-first's wrap-around stall,
+        # (v − 1)(p − m) units when m < p (subtracting `pipeline_units`, which counts that stall too, left it out)
+        stall = pipeline_time(schedule, p, m, v, c.fwd, c.bwd, 0.0) - (v * m + p - 1) * (c.fwd + c.bwd)
         free = m * max(loads) + (sum(loads) - max(loads)) / v + stall
         pp = pipeline_time(schedule, p, m, v, c.fwd, c.bwd, c.p2p) - pipeline_time(
             schedule, p, m, v, c.fwd, c.bwd, 0.0
