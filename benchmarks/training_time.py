@@ -60,6 +60,14 @@ def plot(analyses: list[ModelAnalysis], path: Path) -> None:
 
 CHANGES = (
     "## What moved in this re-run\n\n"
+    "Latest (2026-12-03, after c53a772): the closed form the search ranks by now counts breadth-first's "
+    "wrap-around stall when a layout has fewer micro-batches than pipeline ranks ((v - 1)(p - m) chunk units a "
+    "direction, which the simulator always had). Every layout with m < p was timed too fast before: the "
+    "breadth-first column grows (1.7B 16 -> 24 min, 7.5B 1.1 -> 1.8 h, 39.1B 5.0 -> 6.7 h, 145.6B 21.6 h -> 1.1 d, "
+    "1T 12.0 -> 12.2 d @ 65,536: `d512 p16 t8+SP | breadth_first v8 | b1 m25 | ZeRO-3 hybrid 64x8 | ckpt op`, "
+    "19 s, 56 GB, where the b2 m6 layout's 18.1 s simulates at 22.7 s). The method ranking is unchanged; "
+    "breadth-first + ZeRO-3 leads every model by less (7.5B: 1.8 h against 1D tensor's 2.0 h).\n\n"
+    "Before that:\n\n"
     "Against af8ffa5 (the last re-run, same searches), one change to the search and three to the memory "
     'estimate it prunes with (2026-12-03, docs/planner.md "The rings priced as written", docs/memory.md): '
     "where the search turns `parallel.tp_comm_overlap` on it prices the layout's memory again with the rings' "
