@@ -803,6 +803,28 @@ STAGE_BLOCKS_CASES = {  # name: (global batch, parallel overrides, model overrid
 }
 
 
+def _gpt_pp2_dp2_tp2_sp(
+    zero: int, checkpointing: str, global_batch: int, *, model: dict | None = None, **parallel: object
+) -> dict:
+    """The raw config the reduction and window-copy cases share: `STAGE_BLOCKS_GPT` (with ``model``'s
+    overrides), pp2 (1F1B) × data 2 × tensor 2 + SP with ZeRO ``zero`` (and ``parallel``'s extra keys), bf16,
+    micro-batches of 2."""
+    return {
+        "model": {**STAGE_BLOCKS_GPT, **(model or {})},
+        "parallel": {
+            "pipeline": 2,
+            "schedule": "1f1b",
+            "data": 2,
+            "tensor": 2,
+            "sequence_parallel": True,
+            "zero": zero,
+            **parallel,
+            "checkpointing": checkpointing,
+        },
+        "train": {"dtype": "bf16", "micro_batch": 2, "global_batch": global_batch},
+    }
+
+
 @pytest.mark.parametrize("case", list(STAGE_BLOCKS_CASES))
 def test_a_first_backward_holds_its_later_blocks_gradients(case: str) -> None:
     """pp2 × data 2 × tensor 2 + SP, ZeRO-3, full recomputation, bf16, micro-batches of 2: a stage's backward
@@ -897,20 +919,7 @@ def test_the_reduce_scatters_output_is_alive_at_its_launch(case: str) -> None:
     drops the gradients before the output exists: its peak stays the optimizer step's. Both pipeline ranks
     against their dry run at `REDUCTION_RTOL`."""
     zero, global_batch, ckpt = REDUCTION_CASES[case]
-    raw = {
-        "model": {**SKIPPED_COPY_GPT, "n_layers": 4, "ffn_hidden": 16384},
-        "parallel": {
-            "pipeline": 2,
-            "schedule": "1f1b",
-            "data": 2,
-            "tensor": 2,
-            "sequence_parallel": True,
-            "zero": zero,
-            "checkpointing": ckpt,
-        },
-        "train": {"dtype": "bf16", "micro_batch": 2, "global_batch": global_batch},
-    }
-    _assert_peaks_match(raw, 8, REDUCTION_RTOL)
+    _assert_peaks_match(_gpt_pp2_dp2_tp2_sp(zero, ckpt, global_batch), 8, REDUCTION_RTOL)
 
 
 OP_CASES = {  # name: (world size, parallel section, train section, model section, document masking)
@@ -978,20 +987,8 @@ def test_a_later_reductions_output_is_in_flight(case: str) -> None:
     reduction allocates a new output ([Ψ/d], reduce dtype) beside the flat copy, in flight until the next launch
     adds it (cast to fp32) into the shard. Both pipeline ranks against their dry run."""
     zero, ckpt, train = LATER_REDUCTION_CASES[case]
-    raw = {
-        "model": {**SKIPPED_COPY_GPT, "n_layers": 4, "ffn_hidden": 16384, "tie_embeddings": False},
-        "parallel": {
-            "pipeline": 2,
-            "schedule": "1f1b",
-            "data": 2,
-            "tensor": 2,
-            "sequence_parallel": True,
-            "zero": zero,
-            "accumulation": "depth_first",
-            "checkpointing": ckpt,
-        },
-        "train": {"dtype": "bf16", "micro_batch": 2, "global_batch": 16, **train},
-    }
+    raw = _gpt_pp2_dp2_tp2_sp(zero, ckpt, 16, model={"tie_embeddings": False}, accumulation="depth_first")
+    raw["train"].update(train)
     _assert_peaks_match(raw, 8, LATER_REDUCTION_RTOL)
 
 
@@ -1015,20 +1012,9 @@ def test_zero3_keeps_a_windows_cast_copies(case: str) -> None:
     the fp32 weights; the cache keeps the copies until the stage's FREE, so a backward in the GATHER/FREE window
     of its stage's forward (1F1B) holds every block's, during and after it. Both pipeline ranks."""
     global_batch, ckpt, tied, accumulation = WINDOW_COPIES_CASES[case]
-    raw = {
-        "model": {**SKIPPED_COPY_GPT, "n_layers": 4, "ffn_hidden": 16384, "tie_embeddings": tied},
-        "parallel": {
-            "pipeline": 2,
-            "schedule": "1f1b",
-            "data": 2,
-            "tensor": 2,
-            "sequence_parallel": True,
-            "zero": 3,
-            "accumulation": accumulation,
-            "checkpointing": ckpt,
-        },
-        "train": {"dtype": "bf16", "micro_batch": 2, "global_batch": global_batch},
-    }
+    raw = _gpt_pp2_dp2_tp2_sp(
+        3, ckpt, global_batch, model={"tie_embeddings": tied}, accumulation=accumulation
+    )
     _assert_peaks_match(raw, 8, WINDOW_COPIES_RTOL)
 
 
