@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +45,25 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     text.write_text(synthetic_corpus())
     prepare([text], root / "tokens.bin", "byte")
     return root / "tokens.bin"
+
+
+def documents_corpus(root: Path, words: tuple[int, int]) -> Path:
+    """Byte tokens (``root``/docs.bin) of 3000 short JSON records, each a document ended by the end-of-text token,
+    of ``words`` = (fewest, most) words of 1 to 6 letters: windows of 16 or 32 tokens span several documents.
+    Seeded: the same file on every machine and every commit for the same ``words``."""
+    rng = random.Random(7)
+    lexicon = ["".join(rng.choices("etaoinshrdlu", k=rng.randint(1, 6))) for _ in range(60)]
+    lines = [json.dumps({"text": " ".join(rng.choices(lexicon, k=rng.randint(*words)))}) for _ in range(3000)]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    prepare([root / "docs.jsonl"], root / "docs.bin", "byte")
+    return root / "docs.bin"
+
+
+@pytest.fixture(scope="session")
+def documents_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`documents_corpus` of records of 2 to 7 words (10 to 40 bytes): the document-mask tests' corpus
+    (test_document_mask.py, test_gemma3.py)."""
+    return documents_corpus(tmp_path_factory.mktemp("docs"), (2, 7))
 
 
 def trainer_config(token_file: Path, run_dir: Path, model: dict, parallel: dict, **train: object) -> dict:

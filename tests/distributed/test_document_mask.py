@@ -11,8 +11,6 @@ sharded differently (1D with sequence parallelism, the 2D grid); Llama (RoPE) ev
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,6 @@ import torch
 from tessera.config import ModelConfig, from_dict
 from tessera.model.build import build_model
 from tessera.model.documents import document_positions
-from tessera.train.data import prepare
 from tessera.train.trainer import train
 from tests.distributed.conftest import assert_rank_grads_match, trainer_config
 from tests.distributed.test_trainer_tp import _assert_same_grad_norms
@@ -44,18 +41,6 @@ LAYOUTS = {  # name: (world size, model, parallel section)
     "tp2x2": (4, LLAMA, {"tensor": "2x2", "checkpointing": "selective"}),
     "gpt_tp2x2": (4, GPT, {"tensor": "2x2"}),
 }
-
-
-@pytest.fixture(scope="module")
-def documents_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Byte tokens of 3000 short JSON records, each a document ended by EOT."""
-    root = tmp_path_factory.mktemp("docs")
-    rng = random.Random(7)
-    words = ["".join(rng.choices("etaoinshrdlu", k=rng.randint(1, 6))) for _ in range(60)]
-    lines = [json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(2, 7)))}) for _ in range(3000)]
-    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
-    prepare([root / "docs.jsonl"], root / "docs.bin", "byte")
-    return root / "docs.bin"
 
 
 def _config(token_file: Path, run_dir: Path, model: dict, parallel: dict, mask: bool = True) -> dict:

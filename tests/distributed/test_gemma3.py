@@ -23,7 +23,6 @@ from tessera.config import from_dict
 from tessera.model.build import meta_model
 from tessera.parity import FP32, Record, compare_records, run_config, tolerance_for
 from tests.distributed.conftest import assert_layout_matches_reference, trainer_config
-from tests.distributed.test_document_mask import documents_file  # noqa: F401 - a fixture
 from tests.hf_models import make_gemma3_multimodal, make_hf
 
 STEPS = 2
@@ -59,7 +58,7 @@ def _raw(token_file: Path, run_dir: Path, folder: Path, parallel: dict, docs: bo
 @pytest.fixture(scope="module")
 def references(
     token_file: Path,
-    documents_file: Path,  # noqa: F811
+    documents_file: Path,
     folder: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[bool, Record]:
@@ -75,7 +74,7 @@ def references(
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_gemma3_layout_matches_one_process(
     token_file: Path,
-    documents_file: Path,  # noqa: F811
+    documents_file: Path,
     tmp_path: Path,
     folder: Path,
     references: dict[bool, Record],

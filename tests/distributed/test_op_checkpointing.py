@@ -15,16 +15,13 @@ What op mode replays on one process: tests/unit/test_op_checkpointing.py.
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 
 import pytest
 
 from tessera.config import from_dict
 from tessera.parity import BF16, FP32, Record, run_config, tolerance_for
-from tessera.train.data import prepare
-from tests.distributed.conftest import assert_layout_matches_reference, trainer_config
+from tests.distributed.conftest import assert_layout_matches_reference, documents_corpus, trainer_config
 
 STEPS = 2
 LLAMA = {"family": "llama", "n_layers": 4, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "seq_len": 16}
@@ -54,16 +51,9 @@ def _raw(token_file: Path, run_dir: Path, model: dict, parallel: dict, dtype: st
 
 
 @pytest.fixture(scope="module")
-def documents_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Byte tokens of 3000 short JSON records, each a document ended by the end-of-text token: every 16-token
-    window spans several."""
-    root = tmp_path_factory.mktemp("op_docs")
-    rng = random.Random(7)
-    words = ["".join(rng.choices("etaoinshrdlu", k=rng.randint(1, 6))) for _ in range(60)]
-    lines = [json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(1, 3)))}) for _ in range(3000)]
-    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
-    prepare([root / "docs.jsonl"], root / "docs.bin", "byte")
-    return root / "docs.bin"
+def short_documents_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Records of 1 to 3 words (`documents_corpus`): every 16-token window spans several documents."""
+    return documents_corpus(tmp_path_factory.mktemp("op_docs"), (1, 3))
 
 
 _REFERENCES: dict[tuple[str, str, bool], Record] = {}
@@ -81,14 +71,14 @@ def _reference(token_file: Path, work: Path, model: dict, dtype: str, docs: bool
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_op_checkpointing_matches_one_process_without_it(
     token_file: Path,
-    documents_file: Path,
+    short_documents_file: Path,
     tmp_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
     name: str,
 ) -> None:
     nproc, model, parallel, dtype = LAYOUTS[name]
     docs = name.endswith("_docs")
-    data = documents_file if docs else token_file
+    data = short_documents_file if docs else token_file
     reference = _reference(data, tmp_path_factory.mktemp("op_ref"), model, dtype, docs)
     cfg = from_dict(_raw(data, tmp_path, model, parallel, dtype, docs))
     got = run_config(cfg, nproc, STEPS, tmp_path, name, follow=reference)
