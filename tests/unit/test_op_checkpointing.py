@@ -27,10 +27,15 @@ from tessera.parallel.checkpointing import SAVED_ATTENTION_OPS, apply_checkpoint
 DEMO = "configs/demo.toml"
 
 
+EXPLICIT_ATTENTION_OPS = {torch.ops.aten._softmax.default: "softmax", torch.ops.aten.tanh.default: "softcap"}
+"""The forward ops of the explicit attention core (`AttentionCore`'s soft-capped path, not SDPA) that a backward
+runs only to replay it: a backward's own are _softmax_backward_data and tanh_backward."""
+
+
 class _Replayed(TorchDispatchMode):
     """Counts, while active, each Linear's forward matmuls (by the Linear's name: the matmul's weight operand is
-    that Linear's weight transposed, as F.linear passes it; a backward matmul takes it untransposed or not at all)
-    and SDPA's forward kernels."""
+    that Linear's weight transposed, as F.linear passes it; a backward matmul takes it untransposed or not at all),
+    SDPA's forward kernels and the explicit attention core's forward softmax and soft-cap tanh."""
 
     def __init__(self, linears: dict[str, nn.Linear]) -> None:
         super().__init__()
@@ -47,13 +52,16 @@ class _Replayed(TorchDispatchMode):
                     self.calls[name] += 1
         if op in SAVED_ATTENTION_OPS:
             self.calls["sdpa"] += 1
+        if op in EXPLICIT_ATTENTION_OPS:
+            self.calls[EXPLICIT_ATTENTION_OPS[op]] += 1
         return op(*args, **(kwargs or {}))
 
 
-def _backward_replays(family: str, mode: str, docs: bool = False) -> Counter[str]:
+def _backward_replays(family: str, mode: str, docs: bool = False, **model: Any) -> Counter[str]:
     """What the backward of a two-block model's step runs again under checkpointing ``mode``: block 0's Linears
-    and both blocks' SDPA kernels."""
-    model = build_model(ModelConfig(family=family, n_layers=2, d_model=32, n_heads=4, seq_len=16), seed=0)
+    and both blocks' SDPA kernels or explicit attention cores (``model``: more ModelConfig fields)."""
+    cfg = ModelConfig(family=family, n_layers=2, d_model=32, n_heads=4, seq_len=16, **model)
+    model = build_model(cfg, seed=0)
     apply_checkpointing(model, mode)
     linears = {n: m for n, m in model.blocks["0"].named_modules() if isinstance(m, nn.Linear)}
     tokens = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -86,6 +94,19 @@ def test_op_replays_every_second_matmul_and_not_attention(
     assert (
         full["sdpa"] == 2 and set(full) > replayed
     )  # the counter sees what full replays (SDPA: both blocks)
+
+
+@pytest.mark.parametrize("docs", [False, True])
+def test_op_replays_gemma2s_capped_attention_whole(docs: bool) -> None:
+    """Gemma 2's soft-capped attention is not SDPA: op mode keeps no attention output, so each block's replay runs
+    its core whole (softmax and cap), as full does, while keeping wq, wv, w_gate and w_down as Llama's blocks
+    (docs/memory.md prices it so: `rank_memory.op_kept_bytes`)."""
+    calls = _backward_replays("gemma2", "op", docs, attn_softcap=50.0)
+    replayed = dict.fromkeys(("attn.wk", "attn.wo", "mlp.w_up"), 1)
+    assert calls == Counter(replayed | {"softmax": 2, "softcap": 2}), calls  # both blocks' cores
+    full = _backward_replays("gemma2", "full", docs, attn_softcap=50.0)
+    assert full["softmax"] == full["softcap"] == 2 and full["attn.wq"] == full["mlp.w_down"] == 1
+    assert not {"softmax", "softcap"} & set(_backward_replays("gemma2", "none", docs, attn_softcap=50.0))
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt"])
