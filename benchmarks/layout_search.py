@@ -19,6 +19,7 @@ train on the same documents as prompt/completion records through `prepare`'s pro
     python benchmarks/layout_search.py --seed 8 --configs 30 --focus gemma2+pp,gemma2+sp,gemma2+2d,gemma2+zero3+loss_mask,gemma2+window_start+hybrid
     python benchmarks/layout_search.py --seed 10 --configs 30 --minutes 15 --focus gemma3+pp,gemma3+sp,gemma3+2d,gemma3+zero3+document_mask,gemma3+hybrid+loss_mask
     python benchmarks/layout_search.py --seed 11 --configs 24 --minutes 15 --focus context,context+sp,context+zero3,context+document_mask,context+loss_mask,context+gemma3
+    python benchmarks/layout_search.py --seed 15 --configs 30 --minutes 35 --focus op+tp1d,op+sp,op+pp,op+zero,op+zero3,op+pp+zero,op+sp+pp,op+gemma2+tp1d,op+document_mask+tp1d,op+context
     python benchmarks/layout_search.py --rerun OLD.jsonl --out NEW.md   # the same configs on today's code
     python benchmarks/layout_search.py --merge A.jsonl B.jsonl --out benchmarks/results/layout_search.md
 
@@ -40,12 +41,16 @@ query_pre_attn_scalar other than head_dim, a head_dim other than d_model / n_hea
 windows open at a document start and span several; with loss_mask, the masked corpus's records), gemma3 (the
 gemma3 family, `_gemma3`: Gemma 2's settings plus a sliding window narrower than the sequence, a local/global
 layer pattern, a local RoPE base other than the global one), document_mask (``data.document_mask`` always on),
-context (``parallel.context = 2`` on a draw's layout, doubling its world: up to 8 ranks).
+context (``parallel.context = 2`` on a draw's layout, doubling its world: up to 8 ranks), op (``parallel.checkpointing
+= "op"``), tp1d (1D tensor parallelism, with or without SP), zero (ZeRO 1-3 over 2+ data ranks).
 
 The plain draw leaves ``model.head_dim`` out (tests/config_space.py's ``head_dim=False``) so that the seeds
 recorded before it existed draw the same cases again; a focus entry with ``head_dim`` draws it (a quarter of the
 draws, widths 3, 4, 6 or 12, before the rejection sampling). The gemma2, gemma3 and window_start features likewise make
-their extra draws only in their own entries, so every earlier seed's draws stay as recorded.
+their extra draws only in their own entries, so every earlier seed's draws stay as recorded. ``checkpointing = "op"``
+is drawn from a generator of its own, ``random.Random(f"{seed}-op")`` (`tests.config_space.draw_op_checkpointing`:
+a third of the draws that checkpoint, where op runs), consulted after the seed's own draws: a recorded seed draws
+its cases again, some of them with op in place of full or selective checkpointing.
 
 Writes the Markdown report (command, configs drawn per feature, agreements and disagreements, worst relative
 differences by dtype) and a JSON line per case next to it (layout_search.jsonl).
@@ -216,6 +221,9 @@ FOCUS: dict[str, Callable[[ExecutionPlan, dict], bool]] = {
     "zero3": lambda p, raw: p.zero == 3 and p.dp > 1,
     "window_start": lambda p, raw: raw["data"].get("window_start") == "document",
     "context": lambda p, raw: p.cp > 1,
+    "op": lambda p, raw: p.checkpointing == "op",
+    "tp1d": lambda p, raw: p.tp > 1 and p.q == 1,
+    "zero": lambda p, raw: p.zero > 0 and p.dp > 1,
 }
 """What ``--focus`` can require of a case, judged on the plan that runs it."""
 
@@ -269,6 +277,7 @@ def draw_case(
     focus: str | None = None,
     masked: Path | None = None,
     short: Path | None = None,
+    op: random.Random | None = None,
 ) -> tuple[int, dict]:
     """An accepted (world size, raw config): the property test's draw plus clipping, document masking and
     (with ZeRO) a bf16 gradient reduction; with ``focus`` (an entry of `parse_focus`), only a draw that has every
@@ -277,11 +286,14 @@ def draw_case(
     adds the config space's head-width draw, which the plain draw leaves out (seeds recorded before it), and so
     does ``gemma2``, which then draws the Gemma 2 settings (`_gemma2`), and ``gemma3`` (`_gemma3`);
     ``window_start`` trains document windows with the document mask on ``short`` (`short_corpus`), or on
-    ``masked`` with loss_mask; ``document_mask`` sets the document mask after its draw."""
+    ``masked`` with loss_mask; ``document_mask`` sets the document mask after its draw. ``op``: the generator of
+    op checkpointing's draws (`search`'s ``Random(f"{seed}-op")``); None draws no op (nor an op focus)."""
     wanted = focus_features(focus)
     for _ in range(MAX_DRAWS):
         world, raw = draw_run_config(
-            RandomPick(rng), head_dim=bool({"head_dim", "gemma2", "gemma3"} & set(wanted))
+            RandomPick(rng),
+            head_dim=bool({"head_dim", "gemma2", "gemma3"} & set(wanted)),
+            op=RandomPick(op) if op is not None else None,
         )
         if "w8" in wanted:
             world, raw = _eight_ranks(world, raw, rng)
@@ -429,6 +441,7 @@ def search(
 ) -> list[dict]:
     """Draw (or, with ``rerun``, repeat those JSON-lines entries' configs) and compare ``n`` cases."""
     rng = random.Random(seed)
+    op = random.Random(f"{seed}-op")  # checkpointing = "op": its own stream, so rng's draws stay as recorded
     results: list[dict] = []
     deadline = time.monotonic() + minutes * 60
     jsonl = out.with_suffix(".jsonl")
@@ -450,7 +463,7 @@ def search(
                 d["path"] = str(masked if d.get("loss_mask") else short if doc_windows else tokens)
             else:
                 target = focus[i % len(focus)] if focus else None
-                world, raw = draw_case(rng, tokens, min_world, target, masked, short)
+                world, raw = draw_case(rng, tokens, min_world, target, masked, short, op)
             entry: dict[str, Any] = {
                 "command": command,
                 "seed": rerun[i]["seed"] if rerun is not None else seed,

@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["HypothesisPick", "Pick", "RandomPick", "draw_run_config"]
+__all__ = ["HypothesisPick", "Pick", "RandomPick", "draw_op_checkpointing", "draw_run_config", "op_runs"]
 
 
 class Pick(Protocol):
@@ -69,11 +69,13 @@ class HypothesisPick:
         return self.draw(self.st.lists(self.st.integers(lo, hi), min_size=n, max_size=n))
 
 
-def draw_run_config(pick: Pick, head_dim: bool = True) -> tuple[int, dict]:
+def draw_run_config(pick: Pick, head_dim: bool = True, op: Pick | None = None) -> tuple[int, dict]:
     """(world size, raw config sections) of a tiny model: mostly consistent with the world size.
 
     ``head_dim=False`` leaves out the ``model.head_dim`` draw (added after the layout search's seeds 0-6 were
-    recorded), so a seeded draw makes those seeds' choices again (benchmarks/layout_search.py's plain draw)."""
+    recorded), so a seeded draw makes those seeds' choices again (benchmarks/layout_search.py's plain draw).
+    ``op``: a second source of choices for ``checkpointing = "op"`` (`draw_op_checkpointing`), consulted after
+    every draw from ``pick``; None draws no op."""
     world = pick.integers(1, 4)
     family = pick.sampled_from(["gpt", "llama", "qwen2", "qwen3"])
     n_heads = pick.sampled_from([1, 2, 4])
@@ -139,4 +141,22 @@ def draw_run_config(pick: Pick, head_dim: bool = True) -> tuple[int, dict]:
     # accepted; 1, 3 and sizes without ZeRO are refused)
     if (parallel["zero"] and dp > 1 and pick.integers(0, 1)) or not pick.integers(0, 19):
         parallel["zero_shard_size"] = pick.sampled_from([1, 2, 2, 3, 4])
+    if op is not None:
+        draw_op_checkpointing(op, parallel)
     return world, {"model": model, "parallel": parallel, "train": train}
+
+
+def op_runs(parallel: dict) -> bool:
+    """Whether ``checkpointing = "op"`` runs on a drawn parallel section: not on the 2D grid nor with the tensor
+    rings, where a Linear is several matmuls (`tessera.execution.op_checkpointing_violations`)."""
+    return parallel["tensor"] != "2x2" and not parallel.get("tp_comm_overlap", False)
+
+
+def draw_op_checkpointing(op: Pick, parallel: dict) -> None:
+    """Make a third of the draws that checkpoint ("full" or "selective") and where op runs (`op_runs`) op instead.
+
+    Why only those, from a Pick of its own: a draw from ``pick`` shifted every later choice of the layout search's
+    recorded seeds (83b8452 drew op from it; 0d8f8f7 removed that), and turning a "none" into op would change which
+    draws the ckpt_pp focus keeps. So every other choice, and which draws checkpoint, stay as recorded."""
+    if parallel["checkpointing"] != "none" and op_runs(parallel) and not op.integers(0, 2):
+        parallel["checkpointing"] = "op"

@@ -67,6 +67,10 @@ FOCUSES = [
     "gemma3+2d",
     "gemma3+zero3+document_mask",
     "gemma3+hybrid+loss_mask",
+    "op+tp1d",
+    "op+sp+pp",
+    "op+zero",
+    "op+pp+zero",
 ]
 
 
@@ -75,9 +79,9 @@ def test_a_combined_focus_draws_accepted_configs_with_every_feature(
     focus: str, corpora: tuple[Path, Path, Path]
 ) -> None:
     tokens, masked, short = corpora
-    rng = random.Random(7)
+    rng, op = random.Random(7), random.Random("7-op")
     for _ in range(3):
-        world, raw = layout_search.draw_case(rng, tokens, 1, focus, masked, short)
+        world, raw = layout_search.draw_case(rng, tokens, 1, focus, masked, short, op)
         cfg = from_dict(raw)
         assert not violations(cfg, world)
         plan = resolve(cfg, world)
@@ -111,6 +115,13 @@ def test_a_combined_focus_draws_accepted_configs_with_every_feature(
             assert plan.zero == 3 and plan.dp > 1
         if "qwen3" in focus:
             assert m["family"] == "qwen3"
+        if "op" in focus.split("+"):
+            assert raw["parallel"]["checkpointing"] == plan.checkpointing == "op"
+            assert plan.q == 1 and not plan.tp_comm_overlap  # where op runs
+        if "tp1d" in focus:
+            assert plan.tp > 1 and plan.q == 1
+        if "zero" in focus.split("+"):
+            assert plan.zero > 0 and plan.dp > 1
         if "head_dim" in focus:
             assert m["family"] != "gpt" and m["head_dim"] * m["n_heads"] != m["d_model"]
             assert layout_search.features(world, raw)["head_dim"] == m["head_dim"]
@@ -174,29 +185,88 @@ def test_an_impossible_combination_stops_with_a_message(
         layout_search.draw_case(random.Random(0), corpora[0], 1, "w8+pp3", corpora[1])
 
 
-def test_recorded_seeds_draw_their_cases_again(corpora: tuple[Path, Path, Path]) -> None:
-    """Seeds 5 and 6 (drawn before model.head_dim existed): the plain and one-feature draws must make the same
-    choices, so a recorded seed is rerun by its command (the head_dim draw is left out of them); seeds 7 (head_dim
-    and combined entries), 8 (gemma2 and window_start combinations) and 10 (gemma3 combinations) likewise."""
+RECORDED = ((5, 1), (6, 2), (7, 3), (8, 5), (10, 5), (13, 8))
+"""Recorded seeds and how many of their first cases to draw again: qwen3; loss_mask twice (hybrid_depth_first's
+rejection sampling: slow); head_dim, head_dim+2d, loss_mask+2d; gemma2 with a pipeline, with 1D+SP, on 2x2, with
+ZeRO-3 and the loss mask, with document windows and hybrid; gemma3's five; seed 13's zero3 ... ckpt_pp, w8 (its
+checkpointing filter: an op draw must not change which draws ckpt_pp keeps)."""
+
+
+def _redraws(
+    corpora: tuple[Path, Path, Path], op: bool
+) -> list[tuple[str, tuple[int, dict], tuple[int, dict]]]:
+    """Per case of `RECORDED`: its label, (world, raw) drawn again by its seed's command (op checkpointing's own
+    generator ``Random(f"{seed}-op")`` as `layout_search.search` makes it, if ``op``), and as recorded."""
     tokens, masked, short = corpora
     records = [
         json.loads(line)
         for line in (ROOT / "benchmarks/results/layout_search.jsonl").read_text().splitlines()
     ]
-    # qwen3; loss_mask twice (hybrid_depth_first's rejection sampling: slow); head_dim, head_dim+2d, loss_mask+2d;
-    # gemma2 with a pipeline, with 1D+SP, on 2x2, with ZeRO-3 and the loss mask, with document windows and hybrid
-    for seed, n in ((5, 1), (6, 2), (7, 3), (8, 5), (10, 5)):
+    out = []
+    for seed, n in RECORDED:
         cases = [r for r in records if r["seed"] == seed][:n]
         args = cases[0]["command"].split()
         focus = layout_search.parse_focus(args[args.index("--focus") + 1])
         min_world = int(args[args.index("--min-world") + 1]) if "--min-world" in args else 1
-        rng = random.Random(seed)
+        rng, op_rng = random.Random(seed), random.Random(f"{seed}-op") if op else None
         for r in cases:
             world, raw = layout_search.draw_case(
-                rng, tokens, min_world, focus[r["case"] % len(focus)], masked, short
+                rng, tokens, min_world, focus[r["case"] % len(focus)], masked, short, op_rng
             )
             raw["data"]["path"] = "<corpus>"
-            assert (world, raw) == (r["features"]["world"], r["raw"]), f"seed {seed} case {r['case']}"
+            out.append((f"seed {seed} case {r['case']}", (world, raw), (r["features"]["world"], r["raw"])))
+    return out
+
+
+def test_recorded_seeds_draw_their_cases_again(corpora: tuple[Path, Path, Path]) -> None:
+    """Seeds 5 and 6 (drawn before model.head_dim existed): the plain and one-feature draws must make the same
+    choices, so a recorded seed is rerun by its command (the head_dim draw is left out of them); seeds 7 (head_dim
+    and combined entries), 8 (gemma2 and window_start combinations), 10 (gemma3 combinations) and 13 likewise."""
+    for label, drawn, recorded in _redraws(corpora, op=False):
+        assert drawn == recorded, label
+
+
+def test_the_op_draw_changes_only_the_checkpointing_of_recorded_seeds(
+    corpora: tuple[Path, Path, Path],
+) -> None:
+    """With op checkpointing drawn from its own generator (`tests.config_space.draw_op_checkpointing`), the
+        recorded seeds' cases are drawn again but for their checkpointing, which is the recorded one or op in place of
+        full or selective (never of none: the ckpt_pp focus keeps the same draws); some are op (6 of these 24 when
+    written)."""
+    ops = 0
+    for label, (world, raw), (rec_world, rec_raw) in _redraws(corpora, op=True):
+        drawn, recorded = raw["parallel"].pop("checkpointing"), rec_raw["parallel"].pop("checkpointing")
+        assert (world, raw) == (rec_world, rec_raw), label
+        assert drawn == recorded or (drawn == "op" and recorded in ("full", "selective")), label
+        ops += drawn == "op"
+    assert ops > 0
+
+
+def test_op_is_drawn_only_where_it_runs_and_in_place_of_checkpointing() -> None:
+    """Over 2000 draws of the config space with and without the op generator: the same choices but for
+    checkpointing; op replaces only full or selective, never on the 2D grid nor with the tensor rings (the
+    rule `checkpointing.op` never fires on a draw), and a fair share of the draws that could take it do."""
+    from tests.config_space import RandomPick, draw_run_config, op_runs
+
+    could = ops = 0
+    for seed in range(2000):
+        _, plain = draw_run_config(RandomPick(random.Random(seed)))
+        world, raw = draw_run_config(
+            RandomPick(random.Random(seed)), op=RandomPick(random.Random(f"{seed}-op"))
+        )
+        before, after = plain["parallel"].pop("checkpointing"), raw["parallel"].pop("checkpointing")
+        assert raw == plain
+        raw["parallel"]["checkpointing"] = after
+        could += before != "none" and op_runs(raw["parallel"])
+        if after != before:
+            assert after == "op" and before in ("full", "selective") and op_runs(raw["parallel"])
+            ops += 1
+            rules = {v.rule for v in violations(from_dict(raw), world)}
+            assert "checkpointing.op" not in rules
+    assert 0.25 < ops / could < 0.42, (
+        ops,
+        could,
+    )  # a third of them (binomial, n ~ 10^3: 0.33 +- 0.045 at 3 sd)
 
 
 def test_hf_search_head_dim_folders_have_their_own_head_width() -> None:
