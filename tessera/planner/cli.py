@@ -259,7 +259,9 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--uneven-pipelines",
         action="store_true",
-        help="also try pipeline sizes that do not divide the layers (balanced uneven stage_layers)",
+        default=None,
+        help="also try pipeline sizes that do not divide the layers (balanced uneven stage_layers); without "
+        "it they are tried only when no layout whose pipeline size divides the layers fits",
     )
     p.set_defaults(fn=_no_extra(cmd_plan))
 

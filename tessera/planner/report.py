@@ -273,6 +273,11 @@ def render_text(result: SearchResult, entries: list[Explained]) -> str:
         f"{hw.name}; searched {result.enumerated:,} valid layouts in {result.seconds:.2f} s, "
         f"{result.rejected_memory:,} did not fit in memory",
     ]
+    if result.uneven_fallback:
+        lines.append(
+            f"no layout whose pipeline size divides the {shape.n_layers} layers fits, so sizes that do not were "
+            "tried too (balanced stage_layers; docs/planner.md §2)"
+        )
     if result.global_batch is not None:
         lines.append(
             f"global batch {result.global_batch} sequences × {shape.seq_len} tokens; ranked by step time"
@@ -374,6 +379,7 @@ def to_json(result: SearchResult, entries: list[Explained]) -> str:
         "objective": result.objective,
         "searched": result.enumerated,
         "rejected_memory": result.rejected_memory,
+        "uneven_fallback": result.uneven_fallback,
         "search_seconds": result.seconds,
         "layouts": [_candidate_json(e.candidate, e.timed_by, e.reason) for e in entries],
     }

@@ -146,9 +146,11 @@ class SearchSpace:
     """Largest 2D grid q²; None: twice the GPUs per node."""
     pipeline: tuple[int, ...] | None = None
     """Pipeline sizes to try; None: every p dividing the layers (plus the others with `uneven_pipelines`)."""
-    uneven_pipelines: bool = False
+    uneven_pipelines: bool | None = None
     """Also try pipeline sizes that do not divide the layers, with a balanced uneven split (one chunk per rank).
-    Off by default: it grows the search and such layouts idle the lighter ranks."""
+    None (the default): only when no layout whose pipeline size divides the layers fits, as for context
+    parallelism (e.g. 46 layers on 96 GPUs, whose factor 3 no tensor size takes); always would grow every
+    search, and such layouts idle the lighter ranks. False: never."""
     schedules: tuple[str, ...] = SCHEDULE_NAMES
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     hybrid_sharding: bool = True
@@ -273,6 +275,12 @@ class SearchResult:
     """Wall-clock seconds of the search."""
     cpu_seconds: float = 0.0
     """CPU seconds of the search (this process; equals wall time on an idle core)."""
+    uneven_fallback: bool = False
+    """No layout whose pipeline size divides the layers fitted, so sizes that do not were tried too
+    (`SearchSpace.uneven_pipelines` None)."""
+    savings_searched: tuple[str, ...] = ()
+    """The memory savings the search combined in its layouts (ZeRO-3, full checkpointing, uneven pipelines),
+    named by the no-fit message so that it does not suggest what was already tried."""
 
     @property
     def best(self) -> Candidate:
@@ -288,10 +296,13 @@ class SearchResult:
                 "must factor into data × pipeline × tensor sizes the model divides; try a power-of-two GPU count "
                 "or a batch that is a multiple of the data-parallel size"
             )
+        *most, last = self.savings_searched or ("",)
+        tried = f"{', '.join(most)} and {last}" if most else last
+        even_with = f", even with {tried} (searched)" if tried else ""
         return (
             f"none of the {self.enumerated} valid layouts of {self.model or 'the model'} fits in "
-            f"{self.hardware.memory_bytes / 1e9:.0f} GB on {self.gpus} GPUs; use more GPUs, ZeRO-3, full "
-            "checkpointing, or a device with more memory"
+            f"{self.hardware.memory_bytes / 1e9:.0f} GB on {self.gpus} GPUs{even_with}; use more GPUs or a "
+            "device with more memory"
         )
 
 
@@ -586,6 +597,11 @@ def search(
         found = _search_sizes(
             ctx, result, cfg, _context_sizes(space, CONTEXT_MIN_SEQ, gpus), global_batch, crit_seq
         )
+    uneven = _uneven_only(ctx)
+    if not found and space.uneven_pipelines is None and space.pipeline is None and uneven.space.pipeline:
+        found = _search_sizes(uneven, result, cfg, [1, *contexts], global_batch, crit_seq)
+        result.uneven_fallback = True
+    result.savings_searched = _savings_searched(space, result.uneven_fallback, gpus)
     if crit_tokens is not None and loss is not None:
         found = [_with_steps(c, shape, loss, crit_tokens) for c in found]
     found.sort(key=lambda c: c.training_time if c.steps is not None else c.step_time)
@@ -593,6 +609,24 @@ def search(
     result.seconds = time.perf_counter() - start
     result.cpu_seconds = time.process_time() - cpu_start
     return result
+
+
+def _savings_searched(space: SearchSpace, uneven_tried: bool, gpus: int) -> tuple[str, ...]:
+    """The memory savings of `SearchResult.savings_searched` (ZeRO-3 and pipelines need more than one GPU)."""
+    named = [
+        ("ZeRO-3", 3 in space.zero_stages and gpus > 1),
+        ("full checkpointing", "full" in space.checkpointing),
+        ("uneven pipelines", (bool(space.uneven_pipelines) or uneven_tried) and gpus > 1),
+    ]
+    return tuple(name for name, searched in named if searched)
+
+
+def _uneven_only(ctx: _Ctx) -> _Ctx:
+    """The search context for the uneven fallback (`SearchSpace.uneven_pipelines` None): only the pipeline sizes
+    the even search left out, those that do not divide the layers, so no layout is enumerated twice."""
+    layers = ctx.shape.n_layers
+    uneven = tuple(p for p in _pipeline_sizes(layers, ctx.gpus, True) if layers % p)
+    return replace(ctx, space=replace(ctx.space, uneven_pipelines=True, pipeline=uneven))
 
 
 def _context_sizes(space: SearchSpace, seq_len: int, gpus: int) -> list[int]:

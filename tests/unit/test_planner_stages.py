@@ -126,6 +126,29 @@ def test_search_offers_uneven_stages_when_the_layers_do_not_divide() -> None:
     assert not [c for c in plain.candidates if c.plan.pp == 3]  # opt-in only
 
 
+def test_search_falls_back_to_uneven_stages_only_when_no_even_layout_fits() -> None:
+    hw = load_hardware("a100-80gb")
+    space = SearchSpace(checkpointing=("full",), max_micro_batch=2)
+    # 7 GPUs, 64 sequences, 32 layers: no data size (7 ∤ 64), tensor size or even pipeline takes the 7
+    res = search("llama-8b", 7, hw, 64, space=space, keep=10**9)
+    assert res.uneven_fallback and res.candidates
+    assert all(c.plan.pp == 7 and sum(c.plan.stage_layers) == 32 for c in res.candidates)
+    never = search("llama-8b", 7, hw, 64, space=dataclasses.replace(space, uneven_pipelines=False))
+    assert not never.uneven_fallback and never.enumerated == 0 and "no valid layout" in never.no_fit_message()
+    # where a layout with p | L fits, the default tries no other pipeline size (its balanced splits of a p | L
+    # pipeline stay: they shift blocks off the embedding's and the head's stages)
+    even = search("llama-8b", 8, hw, 64, space=space, keep=10**9)
+    assert not even.uneven_fallback and even.candidates and all(32 % c.plan.pp == 0 for c in even.candidates)
+
+
+def test_no_fit_message_names_the_savings_it_searched() -> None:
+    res = search("llama-405b", 8, load_hardware("a100-40gb"), 8)  # 405B does not fit in 8 × 40 GB
+    assert not res.candidates
+    assert "even with ZeRO-3, full checkpointing and uneven pipelines (searched)" in res.no_fit_message()
+    one = search("llama-405b", 1, load_hardware("a100-40gb"), 1)
+    assert "even with full checkpointing (searched)" in one.no_fit_message()  # no ZeRO-3 on one GPU
+
+
 def test_an_uneven_plan_is_written_as_a_valid_config(tmp_path) -> None:
     from tessera.config import load_config
     from tessera.planner.report import write_config

@@ -326,7 +326,9 @@ def test_plan_cli_errors_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="unknown model"):
         _cli(["plan", "--model", "llama-7b", "--gpus", "8"])
     with pytest.raises(ConfigError, match="no valid layout"):
-        _cli(["plan", "--model", "llama-8b", "--gpus", "7", "--global-batch", "64"])
+        # 17 GPUs: no tensor size, no data size of 64 sequences and no pipeline of 32 layers (uneven or not:
+        # 17 stages would need 34) takes the prime 17
+        _cli(["plan", "--model", "llama-8b", "--gpus", "17", "--global-batch", "64"])
 
 
 def test_planner_modules_do_not_import_torch() -> None:
