@@ -42,6 +42,7 @@ from tessera.planner.cost import (
     autocast_weight_bytes_per_layer,
     boundary_bytes,
     cached_weight_bytes,
+    first_backward_gradient_bytes,
     head_activation_bytes,
     head_transient_bytes,
     memory_per_rank,
@@ -692,8 +693,11 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     mask = shared_mask_bytes(shape, cplan)
     first = min((s for s in psi if plan.stage_layers[s]), default=None)
     kept = _kept_boundaries(cplan, psi, last)
+    received = _kept_inputs(cplan, psi)
     acts = {
-        s: per_layer * plan.stage_layers[s] + (boundary if s in kept else 0.0) + (mask if s == first else 0.0)
+        s: per_layer * plan.stage_layers[s]
+        + boundary * ((s in kept) + (s in received))
+        + (mask if s == first else 0.0)
         for s in psi
     }
     # full recomputation with masks: the micro-batch's first replay on the rank (its highest stage) builds them
@@ -737,9 +741,7 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
         working[0] = max(working[0], tied_gradient_bytes(shape, cplan))
     # a stage's first backward: with the weight gradients it has made by its replay's moment
     replay_last = recompute - head + more.get(last, 0.0)
-    first_bw = (
-        _first_backward(shape, cplan, plan, working, replay_last) if cplan.recompute in REPLAYS_BLOCK else {}
-    )
+    first_bw = _first_backward(shape, cplan, plan, working, replay_last)
     grads = {s: 4.0 * n for s, n in psi.items()}
     # the flat copy that the data-parallel reduction sends is in the reduce dtype (ZeroStage.flat_grads)
     width = DTYPE_BYTES[plan.grad_reduce_dtype]
@@ -784,6 +786,20 @@ def _kept_boundaries(cplan: Plan, psi: dict[int, float], last: int) -> frozenset
     return frozenset(s for s in psi if s != last and (unsaved or s + 1 not in psi))
 
 
+def _kept_inputs(cplan: Plan, psi: dict[int, float]) -> frozenset[int]:
+    """The rank's stages whose input, received from another rank, the runtime keeps beside what autograd saves
+    until the stage's backward (`PipelineEngine._forward` keeps each stage's detached input, the receive buffer,
+    as its backward's input-gradient leaf): on the 2D grid under no and selective recomputation every stage but
+    the first whose previous stage runs on another rank. A 1D block's first norm saves that very storage, and
+    full recomputation's checkpoint saves the block's input, so the block's activations count it there. Read
+    off the dry run's live tensors: llama-70b, 2D 4×4 × pp4 breadth-first v2, the last pipeline rank holds its
+    two stages' inputs for each of its 4 micro-batches (8 receive buffers, 16 MiB each) at its peak, beside the
+    output its first stage sent for each (docs/dryrun.md)."""
+    if cplan.tp_kind != "2d" or cplan.recompute == "full":
+        return frozenset()
+    return frozenset(s for s in psi if s and s - 1 not in psi)
+
+
 def _forward_in_window(plan: ExecutionPlan, rank: int) -> frozenset[int]:
     """ZeRO-3: the stages of pipeline rank ``rank`` of which a backward runs after a forward of the same stage
     in one GATHER/FREE window of its lowered list (a FREE clears autocast's cache, `precision.clear_weight_casts`),
@@ -822,7 +838,18 @@ def _first_backward(
     MLP's and the entry's moments) and, on the last stage, the head's ([V/t, h], fp32; with a tied table, the
     table's), made before the replay. ``last_replay``: the last stage's replay moment (``working`` there is the larger of it and
     the head's own). Read off the dry run's live tensors (docs/memory.md, "Full recomputation's moments"): with one
-    micro-batch per stage every backward is a first."""
+    micro-batch per stage every backward is a first.
+
+    Under no and selective recomputation the block's moment holds the gradients its own backward has made by
+    then (`first_backward_gradient_bytes`) and, on the last stage, the head's; the later blocks' gradients take
+    the place of their freed activations, which the walk still counts (so none are added for them)."""
+    if cplan.recompute not in REPLAYS_BLOCK:
+        extra = first_backward_gradient_bytes(shape, cplan)
+        last = plan.n_stages - 1
+        first = {s: w + extra for s, w in working.items() if plan.stage_layers[s] and s != last}
+        if last in working and plan.stage_layers[last]:
+            first[last] = max(working[last], last_replay + extra + _table_bytes(shape, cplan))
+        return first
     mlp_out = next(lin for lin in reversed(shape.block_linears()) if lin.name.startswith("mlp."))
     made = 4.0 * mlp_out.d_in * mlp_out.d_out / cplan.tp
     # at the attention entry's moment, the block's last, every other Linear's fp32 weight gradient is made (the

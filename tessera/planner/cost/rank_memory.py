@@ -29,6 +29,7 @@ __all__ = [
     "capped_score_bytes",
     "entry_moment_bytes",
     "exit_backward_2d_bytes",
+    "first_backward_gradient_bytes",
     "head_activation_bytes",
     "head_transient_bytes",
     "mask_kinds",
@@ -805,13 +806,22 @@ def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
     there). Under selective recomputation without documents a local layer's replayed core cuts its band again
     (`shared_mask_bytes` keeps none); the masks full recomputation's replays build again `tessera.memory` adds
     beside this (`replay_mask_bytes`)."""
-    if plan.recompute == "none":  # the saved tensors are the block's own: only these backwards hold more
-        moments = (
-            entry_moment_bytes(shape, plan),
-            exit_backward_2d_bytes(shape, plan),
-            mlp_backward_bytes(shape, plan),
-        )
+    # the saved tensors are the block's own: only these backwards hold more (selective: beside its replayed core)
+    moments = (
+        entry_moment_bytes(shape, plan),
+        exit_backward_2d_bytes(shape, plan),
+        mlp_backward_bytes(shape, plan),
+    )
+    if plan.recompute == "none":
         return max(moments)
+    if plan.recompute == "selective":
+        return max(_replay_bytes(shape, plan), *moments)
+    return _replay_bytes(shape, plan)
+
+
+def _replay_bytes(shape: ModelShape, plan: Plan) -> float:
+    """`recompute_working_bytes`' replay: full or op recomputation's replayed block at its fullest, or selective
+    recomputation's replayed attention core (without the block's own backward moments, which the caller adds)."""
     backward = replay_gradient_bytes(shape, plan) + _replay_upstream_bytes(shape, plan)
     # 2D: the larger of the replay's forward, its MLP output Linear's backward and the MLP's backward
     replay = max(backward, replay_forward_bytes(shape, plan), replay_exit_backward_bytes(shape, plan))
@@ -828,14 +838,36 @@ def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
     if plan.recompute == "op":
         # the replay makes again what op does not keep; the kept outputs are among the rank's activations
         working -= op_kept_bytes(shape, plan)
-    if plan.recompute == "selective":  # the MLP's, the entries' (2D: the exit's) run beside the saved tensors
-        moments = (
-            entry_moment_bytes(shape, plan),
-            exit_backward_2d_bytes(shape, plan),
-            mlp_backward_bytes(shape, plan),
-        )
-        working = max(working, *moments)
     return working
+
+
+def first_backward_gradient_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Under no or selective recomputation, how much more a block's fullest backward moment holds in its stage's
+    first backward of the step (from the second on the stage's gradients exist whole), beyond
+    `recompute_working_bytes`: the fp32 weight gradients the block's backward has made by each moment (0 under
+    full and op recomputation, whose replay `tessera.memory._first_backward` prices; there is no other
+    difference). By the MLP's activation backward and its sequence-parallel entry (or ring), the MLP output
+    Linear's ([h, f/t]; its backward is the block's first); by the attention's entry, every Linear's but wq, wk
+    and wv; by the replayed core of selective recomputation (the attention's backward), the same. The later
+    blocks' gradients are not added: they take the place of those blocks' freed activations, which the walk
+    still counts and which are larger at every shape priced here. Read off the dry run's live tensors:
+    llama-tiny, dp2 × pp2 × tp2 + SP, ZeRO-1 (tests/distributed/test_dryrun.py's layout), rank 0's peak is its
+    first backward's MLP activation backward with the output Linear's fp32 gradient ([32, 48]) beside it:
+    −3.7 % under the dry run without it (docs/memory.md, "A stage's first backward")."""
+    if plan.recompute in REPLAYS_BLOCK:
+        return 0.0
+    made = _FP32 * _mlp_exit(shape).d_in * _mlp_exit(shape).d_out / plan.tp
+    attention_in = {f"attn.{n}" for n in shape.features.attention_in}
+    others = _FP32 * sum(
+        lin.d_in * lin.d_out for lin in shape.block_linears() if lin.name not in attention_in
+    )
+    others /= plan.tp
+    moments = [mlp_backward_bytes(shape, plan) + made]
+    if _gathered(plan):  # the MLP's entry (or the rings) after the exit; the attention's entry last
+        moments += [entry_moment_bytes(shape, plan) + made, attention_entry_bytes(shape, plan) + others]
+    if plan.recompute == "selective":
+        moments.append(_replay_bytes(shape, plan) + others)
+    return max(0.0, max(moments) - recompute_working_bytes(shape, plan))
 
 
 def head_activation_bytes(shape: ModelShape, plan: Plan) -> float:
@@ -871,23 +903,56 @@ def head_transient_bytes(shape: ModelShape, plan: Plan) -> float:
       then their cast back to c: 8 + c under bf16, 8 under fp32;
     - the output layer's weight gradient (1D and one rank), after the loss's backward has freed its saved softmax
       (−4) and while the logits' gradient (c) is alive: the gradient [V/t, h] in c and its fp32 cast (c + 4 per
-      element; 4 under fp32), which can exceed the loss's moment only where h is larger than about N.
+      element; 4 under fp32), which can exceed the loss's moment only where h is larger than about N. Under 1D
+      sequence parallelism the output layer is the sequence-parallel entry (`tensor_1d._GatheredLinears`, or
+      with `Plan.tp_comm_overlap` its ring) with one Linear [V_pad/t, h]: beside the logits' gradient its
+      backward holds what a block's entry does (`_entry_turns_bytes`, `ring_entry_backward_bytes`): the input
+      gathered again, the input gradient, its reduce-scatter's copy and slice, the weight gradient;
+    - 2D, the output layer's backward (`tensor_2d._MatmulABT`) once the loss's has freed its saved softmax: the
+      logits' gradient dC (c), the input gradient dA = dC·B ([N/q, h/q], made first), and at the weight
+      gradient's last SUMMA step (`_summa_atb`) the two broadcast slots of dC ([N/q, V_pad/q] each) and the q
+      partial products [V_pad/q, h/q], alive until their reduces are awaited, all in c (`_head_summa_bytes`).
 
     Before 2026-12-03 this was two fp32 logits and the weight gradient (8 + 4·h/N per logit) on every layout: under
-    bf16 1D it summed tensors that are never alive together (Gemma 2 9B's last stage +3.3 %, docs/dryrun.md)."""
+    bf16 1D it summed tensors that are never alive together (Gemma 2 9B's last stage +3.3 %, docs/dryrun.md).
+    The output layer's sequence-parallel entry and 2D SUMMA were left out until 2026-12-03: llama-tiny, dp2 ×
+    pp2 × tp2 + SP, ZeRO-1 (tests/distributed/test_dryrun.py's layout), last rank −2.6 % under the dry run;
+    llama-70b 2D 4×4 × pp4 breadth-first, ZeRO-1, last rank −2.2 % (docs/dryrun.md)."""
     # the rank's logit elements (a context rank's s/c tokens)
     logits = shape.seq_len // plan.cp * plan.micro_batch * shape.vocab_size / plan.tp
     c = plan.act_bytes
     cast = c if c < _FP32 else 0  # a copy in another dtype exists only when the dtypes differ
     if plan.tp_kind == "2d":
-        return (2 * _FP32 + cast) * logits
+        # the saved softmax (4 per logit) is freed and the logits' gradient (c) alive at the output layer's moment
+        return max((2 * _FP32 + cast) * logits, (c - _FP32) * logits + _head_summa_bytes(shape, plan))
     if plan.tp == 1:
         loss = 2 * _FP32
     else:
         padded = shape.vocab_size % plan.tp != 0  # the last rank's shard: padding columns, a masked clone
         loss = max(c + (_FP32 if (cast or padded) else 0), _FP32 + cast)
     weight_grad = shape.vocab_size * shape.d_model / plan.tp * (cast + _FP32)
+    if _gathered(plan):  # the output layer is the sequence-parallel entry, one Linear of V_pad/t rows
+        rows = -(-shape.vocab_size // plan.tp) * plan.tp  # `tensor_1d.padded_vocab`
+        if plan.tp_comm_overlap:
+            weight_grad = ring_entry_backward_bytes(shape, plan, [rows])
+        else:
+            weight_grad = _entry_turns_bytes(shape, plan, [rows / plan.tp * shape.d_model])
     return max(loss * logits, (c - _FP32) * logits + weight_grad)
+
+
+def _head_summa_bytes(shape: ModelShape, plan: Plan) -> float:
+    """2D: the output layer's backward (`tensor_2d._MatmulABT.backward`) at the weight gradient's last SUMMA step
+    beyond the logits' gradient, all in the compute dtype c: the input gradient dA ([N/q, h/q], `_summa_ab`'s
+    output, made first and alive until the node returns), the two broadcast slots of the logits' gradient
+    ([N/q, V_pad/q] each, `_broadcast_blocks`) and the q partial products [V_pad/q, h/q] (`_summa_atb`; on a GPU
+    each is held by its asynchronous reduce until awaited; the dry run's fake reduces hold none, so at q > 3 it
+    shows three: the kept result, the previous and the current). Read off the dry run's live tensors: llama-70b,
+    2D 4×4, the last pipeline rank's peak (docs/dryrun.md)."""
+    rows = shape.seq_len // plan.cp * plan.micro_batch / plan.q  # N/q: the tokens of this rank's grid row
+    vocab, h = _table_rows(shape, plan) / plan.q, shape.d_model / plan.q
+    if plan.q < 2:  # one grid rank: two plain products, dA and the weight gradient
+        return plan.act_bytes * (rows * h + vocab * h)
+    return plan.act_bytes * (rows * h + 2 * rows * vocab + plan.q * vocab * h)
 
 
 def tied_gradient_bytes(shape: ModelShape, plan: Plan) -> float:
