@@ -686,8 +686,9 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
     psi = {s: per_stage[s] for s in plan.rank_stages(rank)}
     per_layer, recompute, boundary, head, head_working = _micro_batch_bytes(shape, cplan)
     last = plan.n_stages - 1
-    # a stage whose output goes to another rank (2D: any stage's but the last, `_kept_boundaries`) keeps it for its
-    # backward (not saved by autograd); a micro-batch's attention masks are one set per rank, shared by its stages
+    # on the 2D grid under no or selective recomputation, a stage input that no norm saves is kept for the stage's
+    # backward: a local predecessor's output (`_kept_boundaries`) or a receive buffer (`_kept_inputs`); a
+    # micro-batch's attention masks are one set per rank, shared by its stages
     # (`PipelineEngine._documents`): built by the first of them to run it, the rank's first stage with blocks,
     # whose backward is the micro-batch's last here
     mask = shared_mask_bytes(shape, cplan)
@@ -732,10 +733,11 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
             # last pipeline rank and direct loop were +2.7 % / +2.3 % over the dry run ("The 2D grid's stage
             # boundaries" in docs/memory.md)
             working[last] = max(recompute - head, head_transient_bytes(shape, cplan)) + more[last]
-    # full recomputation: a stage's backward leaves its input (its first block's checkpoint) and that input's
-    # gradient (fp32 like it) until the previous stage's backward, when that stage runs on this rank too
+    # full recomputation: a stage's backward leaves its input's gradient (fp32 like the input, its first block's
+    # checkpoint) until the previous stage's backward, when that stage runs on this rank too; the input itself
+    # (the previous stage's output) is freed with the backward, which starts from its gradient edge
     checkpoint = activation_bytes_per_layer(shape, cplan, recompute="full")  # a block's input
-    held = {s: 2 * checkpoint for s in psi if s - 1 in psi} if cplan.recompute in REPLAYS_BLOCK else {}
+    held = {s: checkpoint for s in psi if s - 1 in psi} if cplan.recompute in REPLAYS_BLOCK else {}
     uses = {last: (last, 0)} if shape.tied and last != 0 and {0, last} <= psi.keys() else {}
     if uses:  # the embedding's backward makes the table's gradient beside the head's (``uses``), then adds it
         working[0] = max(working[0], tied_gradient_bytes(shape, cplan))
@@ -774,16 +776,17 @@ def _stage_sizes(shape: ModelShape, plan: ExecutionPlan, rank: int) -> StageByte
 
 def _kept_boundaries(cplan: Plan, psi: dict[int, float], last: int) -> frozenset[int]:
     """The rank's stages whose output (the boundary tensor, `boundary_bytes`) the runtime keeps beside what
-    autograd saves, from the stage's forward to its backward (`PipelineEngine._forward` keeps every stage's output
-    and the next stage's detached input, one storage): every stage but the last whose next stage is on another
-    rank, and on the 2D grid under no or selective recomputation every stage but the last. A 1D stage's first
-    norm saves its input, that very storage, so a next stage on the same rank counts it in its block's
-    activations; the 2D norm (`layers_2d._Norm2D`) saves its normalised x̂ instead, so nothing else counts it
-    there (full recomputation's checkpoint saves the block's input: counted by the replayed block). Read off the
-    dry run's live tensors (docs/memory.md, "The 2D grid's stage boundaries"): Llama 2×2, one block per stage,
-    3 of the 4 blocks' outputs per micro-batch alive at the loss's backward."""
+    autograd saves, from the stage's forward to its backward: on the 2D grid under no or selective recomputation,
+    every stage but the last whose next stage is on this rank. The runtime keeps a stage's output only until its
+    one reader (`PipelineEngine._forward`; its backward starts from the output's gradient edge): an output sent to
+    another rank lives until its send completes (the p2p buffers, `_p2p_bytes`), and a next stage on this rank
+    keeps it as its detached input until its own backward. A 1D stage's first norm saves that input, so the
+    next stage's block activations count it; the 2D norm (`layers_2d._Norm2D`) saves its normalised x̂ instead,
+    so nothing else counts it there (full recomputation's checkpoint saves the block's input: counted by the
+    replayed block). Read off the dry run's live tensors (docs/memory.md, "The 2D grid's stage boundaries" and
+    "Stage outputs freed once read")."""
     unsaved = cplan.tp_kind == "2d" and cplan.recompute != "full"
-    return frozenset(s for s in psi if s != last and (unsaved or s + 1 not in psi))
+    return frozenset(s for s in psi if s != last and unsaved and s + 1 in psi)
 
 
 def _kept_inputs(cplan: Plan, psi: dict[int, float]) -> frozenset[int]:
@@ -793,8 +796,8 @@ def _kept_inputs(cplan: Plan, psi: dict[int, float]) -> frozenset[int]:
     the first whose previous stage runs on another rank. A 1D block's first norm saves that very storage, and
     full recomputation's checkpoint saves the block's input, so the block's activations count it there. Read
     off the dry run's live tensors: llama-70b, 2D 4×4 × pp4 breadth-first v2, the last pipeline rank holds its
-    two stages' inputs for each of its 4 micro-batches (8 receive buffers, 16 MiB each) at its peak, beside the
-    output its first stage sent for each (docs/dryrun.md)."""
+    two stages' inputs for each of its 4 micro-batches (8 receive buffers, 16 MiB each) at its peak
+    (docs/dryrun.md)."""
     if cplan.tp_kind != "2d" or cplan.recompute == "full":
         return frozenset()
     return frozenset(s for s in psi if s and s - 1 not in psi)
@@ -1081,12 +1084,11 @@ def _stage_classes(plan: ExecutionPlan, rank: int) -> dict[int, int]:
 
 
 def _held_inputs(plan: ExecutionPlan) -> bool:
-    """Whether the walk counts what a stage's backward leaves for the previous stage on the same rank (its input
-    and the input's gradient, `StageBytes.held`) and the masks a micro-batch's replays keep (`StageBytes.masks`):
-    under full recomputation, where a stage's saved activations are its blocks' inputs, so the stage's input is
-    one of them until its backward and then this term (measured with the dry run: docs/memory.md, "Full
-    recomputation's moments"). Under no or selective recomputation the same input and gradient are alive (the
-    1D stage's first norm saves the input, the 2D norm does not), but that was not measured: not counted."""
+    """Whether the walk counts what a stage's backward leaves for the previous stage on the same rank (the input's
+    gradient, `StageBytes.held`) and the masks a micro-batch's replays keep (`StageBytes.masks`): under full
+    recomputation (measured with the dry run: docs/memory.md, "Full recomputation's moments" and "Stage outputs
+    freed once read"). Under no or selective recomputation the same gradient is alive, but that was not
+    measured: not counted."""
     return cost_plan(plan).recompute == "full"
 
 

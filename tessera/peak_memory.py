@@ -30,8 +30,8 @@ objects do (tessera/pipeline/runtime.py, stage_comm.py, parallel/zero.py, parall
   and the end's moment notes them all, the last flat buffer released. (fp32: the all-reduce runs in place on the shard, nothing to count);
 - the moment of a backward also holds its transient (`working`: the recomputed block, the logits' gradient);
 - full recomputation (``held_inputs``): B(s) of a stage whose predecessor runs on the same rank leaves the
-  stage's input (the predecessor's output, the root of its backward) and the input's gradient until B(s - 1)
-  of the micro-batch (`StageBytes.held`); the masks a micro-batch's first replay on the rank builds again
+  input's gradient until B(s - 1) of the micro-batch (`StageBytes.held`; the input, the predecessor's output,
+  is freed with B(s), whose root is the output's gradient edge); the masks a micro-batch's first replay on the rank builds again
   (its highest stage's B) live until its last backward there, the lowest stage's (`StageBytes.masks`).
 
 The peak is the largest sum over these moments; the optimizer step's moment (state, the gradients held after
@@ -135,9 +135,9 @@ class StageBytes:
 
     held: dict[int, float] = field(default_factory=dict)
     """A stage whose predecessor runs on the same rank (``held_inputs`` walks): what one micro-batch leaves alive
-    from the stage's backward to its predecessor's, its input (the predecessor's output, which the runtime keeps
-    as that backward's root, `PipelineEngine._backward`) and the input's gradient (``input_grads``, which that
-    backward consumes); empty otherwise."""
+    from the stage's backward to its predecessor's, the input's gradient (``input_grads``, which that backward
+    consumes; the input itself is freed with the stage's backward, `PipelineEngine._backward`); empty
+    otherwise."""
     first: dict[int, float] = field(default_factory=dict)
     """A stage's first backward of the step, where it differs from ``working``: its transient with the gradients
     that backward has made by then, which the walk adds only once it is over (under full recomputation the last

@@ -5,8 +5,10 @@ on one rank with p = 1) and hand-written CSV schedules — because it only inter
 
 - ``F``: run the stage on its input (tokens, a received activation, or the previous local stage's output); the
   last stage returns the micro-batch loss, divided by m so the accumulated gradient is the batch mean. The
-  stage's input and output are kept until its backward.
-- ``B``: ``torch.autograd.backward(output, grad)`` (the loss itself on the last stage); the input's ``.grad`` is
+  stage's input is kept until its backward, and its output only until its one reader (``SEND_F`` or the next
+  local stage's ``F``): the backward starts from the output's gradient edge, so an output sent to another rank
+  is freed once the send completes, as Megatron's ``deallocate_output_tensor`` frees its data (docs/memory.md).
+- ``B``: ``torch.autograd.backward(edge, grad)`` (the loss itself on the last stage); the input's ``.grad`` is
   what ``SEND_B`` sends or the previous local stage uses. ``I`` / ``W`` split it: ``I`` computes only the input
   gradient (graph kept), ``W`` then the weight gradients.
 - ``SEND_*`` / ``RECV_*``: non-blocking P2P through the pipeline group (``tessera.comm.send/recv``, counted).
@@ -41,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from tessera import comm
 from tessera.errors import ConfigError
@@ -83,8 +86,12 @@ class _StepState:
     batches: Sequence[Batch]
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    """A stage's output until its one reader: the SEND_F to the next stage's rank, or that stage's F here."""
+    roots: dict[tuple[int, int], GradientEdge] = field(default_factory=dict)
+    """A stage's output's gradient edge, from its F to its B (or W): where the backward starts, without the
+    output's data."""
     input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    split: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    split: dict[tuple[int, int], tuple[GradientEdge, torch.Tensor | None]] = field(default_factory=dict)
     posted: dict[tuple, tuple[torch.Tensor, list[dist.Work]]] = field(default_factory=dict)
     received: dict[tuple, torch.Tensor] = field(default_factory=dict)
     sends: list[tuple[torch.Tensor, list[dist.Work]]] = field(default_factory=list)
@@ -301,7 +308,7 @@ class PipelineEngine:
         if s == 0:
             x = tokens
         elif self.owner[s - 1] == self.rank:
-            x = state.outputs[(s - 1, j)].detach().requires_grad_()
+            x = state.outputs.pop((s - 1, j)).detach().requires_grad_()
         else:
             x = state.received.pop(("act", s - 1, j)).requires_grad_()
         if not self.track_saved:  # e.g. a caller measuring with its own saved-tensor hooks (they do not nest)
@@ -311,7 +318,11 @@ class PipelineEngine:
                 out = self._stage_forward(state, s, j, x, targets, positions)
             state.saved.add((s, j), saved.storages)  # a storage several F's saved counts once
             self.peak_saved_bytes = max(self.peak_saved_bytes, state.saved.bytes)
-        state.inputs[(s, j)], state.outputs[(s, j)] = x, out
+        state.inputs[(s, j)] = x
+        if out.requires_grad:  # not under evaluate's no_grad
+            state.roots[(s, j)] = get_gradient_edge(out)
+        if s != self.n_stages - 1:  # the loss has no reader
+            state.outputs[(s, j)] = out
         state.forwards[j] += 1
         if j in state.documents and state.forwards[j] == len(self.stages):  # its last forward on this rank
             state.documents.pop(j).release()  # the masks live on in what the stages' layers saved
@@ -363,7 +374,7 @@ class PipelineEngine:
 
     def _backward(self, state: _StepState, s: int, j: int, split: bool) -> None:
         self._ready(s)
-        out, grad = state.outputs.pop((s, j)), self._output_grad(state, s, j)
+        out, grad = state.roots.pop((s, j)), self._output_grad(state, s, j)
         x = state.inputs.pop((s, j))
         if not split:
             torch.autograd.backward(out, grad)
@@ -410,7 +421,7 @@ class PipelineEngine:
 
     def _send(self, state: _StepState, action: Action) -> None:
         key = (action.stage, action.microbatch)
-        tensor = state.outputs[key].detach() if action.kind is _K.SEND_F else state.input_grads.pop(key)
+        tensor = state.outputs.pop(key).detach() if action.kind is _K.SEND_F else state.input_grads.pop(key)
         tensor = tensor.to(self.dtype).contiguous()
         op = comm.send(tensor, action.peer, self.group, self._tag(action.message))
         state.sends.append((tensor, comm.batch_p2p([op])))
@@ -444,6 +455,7 @@ class PipelineEngine:
         left = {
             "inputs": state.inputs,
             "outputs": state.outputs,
+            "output gradient edges": state.roots,
             "input gradients": state.input_grads,
             "received": state.received,
             "posted receives": state.posted,
