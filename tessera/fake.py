@@ -4,7 +4,8 @@ Three pieces of PyTorch do the work; this module is the only place that touches 
 
 - the ``"fake"`` process-group backend (``torch.testing._internal.distributed.fake_pg``): every collective returns
   at once without moving data, so one process can be rank ``r`` of a world of any size and build that rank's real
-  DeviceMesh and groups;
+  DeviceMesh and groups (its point-to-point requests complete at once, and its asynchronous collectives hold
+  their tensors until waited for, as a GPU rank's do: `fake_process_group`);
 - ``FakeTensorMode``: every tensor carries shape, dtype and device but no storage, so a 405B-parameter model costs
   no memory while every operator still runs its shape logic (and fails where the real one would);
 - a ``TorchDispatchMode`` of our own (`FakeRank`) on top, which counts the bytes of every storage that comes into
@@ -49,11 +50,61 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
     dist.init_process_group(backend="fake", store=FakeStore(), rank=rank, world_size=world_size)
     batch_isend_irecv = dist.batch_isend_irecv
     dist.batch_isend_irecv = _completed_p2p(batch_isend_irecv)
+    held = {(owner, name): getattr(owner, name) for owner, name in _async_collectives()}
+    for (owner, name), collective in held.items():
+        setattr(owner, name, _holding(collective))
     try:
         yield
     finally:
         dist.batch_isend_irecv = batch_isend_irecv
+        for (owner, name), collective in held.items():
+            setattr(owner, name, collective)
         dist.destroy_process_group()
+
+
+def _async_collectives() -> list[tuple[Any, str]]:
+    """The collectives tessera issues with ``async_op=True``, where they are looked up when called
+    (`tessera.comm` binds its all-gather and reduce-scatter at import)."""
+    from tessera import comm
+
+    return [
+        (dist, "all_reduce"),
+        (dist, "reduce"),
+        (dist, "broadcast"),
+        (comm, "all_gather_into"),
+        (comm, "reduce_scatter_into"),
+    ]
+
+
+class _HeldWork:
+    """An asynchronous collective's request that holds its tensors until waited for, as NCCL's does (its work
+    stashes them for the allocator's safety until ``wait``): the fake backend's requests hold none, so a buffer
+    the caller drops once the collective is issued (2D SUMMA's partial products) would leave the dry run's live
+    bytes before a GPU rank frees it."""
+
+    def __init__(self, work: Any, tensors: list[torch.Tensor]) -> None:
+        self._work, self._tensors = work, tensors
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        done = self._work.wait(*args, **kwargs)
+        self._tensors = []
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _holding(collective):
+    """``collective`` whose ``async_op=True`` requests hold their tensor arguments until waited for."""
+
+    def issue(*args: Any, **kwargs: Any) -> Any:
+        work = collective(*args, **kwargs)
+        if not kwargs.get("async_op") or work is None:
+            return work
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        return _HeldWork(work, tensors)
+
+    return issue
 
 
 class _Done:
