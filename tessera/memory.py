@@ -779,7 +779,7 @@ def _kept_boundaries(cplan: Plan, psi: dict[int, float], last: int) -> frozenset
     autograd saves, from the stage's forward to its backward: on the 2D grid under no or selective recomputation,
     every stage but the last whose next stage is on this rank. The runtime keeps a stage's output only until its
     one reader (`PipelineEngine._forward`; its backward starts from the output's gradient edge): an output sent to
-    another rank lives until its send completes (the p2p buffers, `_p2p_bytes`), and a next stage on this rank
+    another rank lives until its send completes (the p2p buffers, `_p2p_buffer_bytes`), and a next stage on this rank
     keeps it as its detached input until its own backward. A 1D stage's first norm saves that input, so the
     next stage's block activations count it; the 2D norm (`layers_2d._Norm2D`) saves its normalised x̂ instead,
     so nothing else counts it there (full recomputation's checkpoint saves the block's input: counted by the

@@ -31,8 +31,9 @@ objects do (tessera/pipeline/runtime.py, stage_comm.py, parallel/zero.py, parall
 - the moment of a backward also holds its transient (`working`: the recomputed block, the logits' gradient);
 - full recomputation (``held_inputs``): B(s) of a stage whose predecessor runs on the same rank leaves the
   input's gradient until B(s - 1) of the micro-batch (`StageBytes.held`; the input, the predecessor's output,
-  is freed with B(s), whose root is the output's gradient edge); the masks a micro-batch's first replay on the rank builds again
-  (its highest stage's B) live until its last backward there, the lowest stage's (`StageBytes.masks`).
+  is freed with B(s), whose root is the output's gradient edge); the masks a micro-batch's first replay on the
+  rank builds again (its highest stage's B) live until its last backward there, the lowest stage's
+  (`StageBytes.masks`).
 
 The peak is the largest sum over these moments; the optimizer step's moment (state, the gradients held after
 backward, the update's temporaries) and the parameters and optimizer state, alive throughout, are the caller's.

@@ -944,10 +944,9 @@ def _head_summa_bytes(shape: ModelShape, plan: Plan) -> float:
     """2D: the output layer's backward (`tensor_2d._MatmulABT.backward`) at the weight gradient's last SUMMA step
     beyond the logits' gradient, all in the compute dtype c: the input gradient dA ([N/q, h/q], `_summa_ab`'s
     output, made first and alive until the node returns), the two broadcast slots of the logits' gradient
-    ([N/q, V_pad/q] each, `_broadcast_blocks`) and the q partial products [V_pad/q, h/q] (`_summa_atb`; on a GPU
-    each is held by its asynchronous reduce until awaited; the dry run's fake reduces hold none, so at q > 3 it
-    shows three: the kept result, the previous and the current). Read off the dry run's live tensors: llama-70b,
-    2D 4×4, the last pipeline rank's peak (docs/dryrun.md)."""
+    ([N/q, V_pad/q] each, `_broadcast_blocks`) and the q partial products [V_pad/q, h/q] (`_summa_atb`; each is
+    held by its asynchronous reduce until awaited, on a GPU and in the dry run, `tessera.fake._HeldWork`). Read
+    off the dry run's live tensors: llama-70b, 2D 4×4, the last pipeline rank's peak (docs/dryrun.md)."""
     rows = shape.seq_len // plan.cp * plan.micro_batch / plan.q  # N/q: the tokens of this rank's grid row
     vocab, h = _table_rows(shape, plan) / plan.q, shape.d_model / plan.q
     if plan.q < 2:  # one grid rank: two plain products, dA and the weight gradient
