@@ -281,9 +281,15 @@ def _build_peak(shape: ModelShape, cost: Plan, plan: ExecutionPlan, stages: list
     if not plan.zero:
         return _direct_peak(shape, cost, plan, stages, rope, local_rope)
     live = peak = rope + local_rope  # ZeRO: every buffer is allocated before the first flat buffer
+    # before them each parameter is made at its local size and freed at once, its storage resized to 0
+    # (`materialize._real_parameter` with defer: a tensor of that shape cannot be made without its storage), so
+    # the largest one is a moment of its own (megatron-1t, t8: the token table's [12800, 25600] fp32, 1.25 GiB)
+    blocks_of = {s: _stage_blocks(shape, cost, plan.n_stages, s, plan.stage_layers[s]) for s in stages}
+    largest = max((b.numel for blocks in blocks_of.values() for b in blocks), default=0)
+    peak = max(peak, live + largest * _FP32)
     d = plan.zero_shard
     for s in stages:
-        blocks = _stage_blocks(shape, cost, plan.n_stages, s, plan.stage_layers[s])
+        blocks = blocks_of[s]
         numel = sum(b.numel for b in blocks)
         padded = -(-max(numel, 1) // d) * d
         # ZeRO-1/2, or one shard: the whole flat buffer; ZeRO-3: data rank 0's first 1/d of it
