@@ -206,7 +206,11 @@ def to_markdown(size: str, seq: int, steps: int, runs: list[dict], ref: dict | N
         "Peak = the rank's resident-memory high-water mark above its baseline (after imports and the process "
         "group), for the build (model construction) and for training (the steps), glibc returning freed blocks "
         "at once (`tessera.train.host_memory`). Estimate: `tessera memory` for the rank's pipeline position "
-        "(training) and its start-up build peak. GiB.",
+        "(training) and its start-up build peak. GiB. The estimate prices a GPU rank, whose sends complete as "
+        "their peer receives: a pipeline stage's output is freed once sent (docs/memory.md, 'Stage outputs freed "
+        "once read'); on gloo a send completes only when waited for, at the step's end, so a CPU rank holds "
+        "every output it sent until then, which the breadth-first layout's ranks measure and the estimate leaves "
+        "out. The measured columns date from 2026-11-30 (`--render-only` re-renders the estimates).",
         "",
     ]
     for run in runs:
