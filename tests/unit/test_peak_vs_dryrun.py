@@ -806,7 +806,7 @@ STAGE_BLOCKS_CASES = {  # name: (global batch, parallel overrides, model overrid
 def _gpt_pp2_dp2_tp2_sp(
     zero: int, checkpointing: str, global_batch: int, *, model: dict | None = None, **parallel: object
 ) -> dict:
-    """The raw config the reduction and window-copy cases share: `STAGE_BLOCKS_GPT` (with ``model``'s
+    """The raw config the stage-blocks, reduction and window-copy cases share: `STAGE_BLOCKS_GPT` (with ``model``'s
     overrides), pp2 (1F1B) × data 2 × tensor 2 + SP with ZeRO ``zero`` (and ``parallel``'s extra keys), bf16,
     micro-batches of 2."""
     return {
@@ -835,20 +835,7 @@ def test_a_first_backward_holds_its_later_blocks_gradients(case: str) -> None:
     -12.3 %; with two blocks too many every case, the m = 2 ones too (docs/memory.md, "A stage of several
     blocks")."""
     global_batch, parallel, model = STAGE_BLOCKS_CASES[case]
-    raw = {
-        "model": {**STAGE_BLOCKS_GPT, **model},
-        "parallel": {
-            "pipeline": 2,
-            "schedule": "1f1b",
-            "data": 2,
-            "tensor": 2,
-            "sequence_parallel": True,
-            "zero": 3,
-            "checkpointing": "full",
-            **parallel,
-        },
-        "train": {"dtype": "bf16", "micro_batch": 2, "global_batch": global_batch},
-    }
+    raw = _gpt_pp2_dp2_tp2_sp(3, "full", global_batch, model=model, **parallel)
     _assert_peaks_match(raw, 8, LAST_STAGE_RTOL)
 
 
