@@ -10,10 +10,10 @@ objects do (tessera/pipeline/runtime.py, stage_comm.py, parallel/zero.py, parall
 - REDUCE / REDUCE_MB(s): the stage's gradients are flattened into a new buffer while they are still alive.
   ZeRO-1/2/3 keep one reduction in flight (its flat buffer and output live until the next launch, which waits
   for it before flattening: `ZeroStageComm._launch`) and a shard per stage for the result (a stage's first
-  reduction's output; a later one's is added into it at that wait); ZeRO-2/3 then drop the full gradients, ZeRO-1 keeps them (and with depth-first
-  accumulation reduce-scatters once per step, at the stage's last REDUCE: `ZeroStageComm.reduce`; the generated
-  lists give ZeRO-1 one REDUCE per stage, so ``deferred_reduce`` only skips a hand-written list's earlier
-  ones). Plain data parallelism waits for the reduction in flight *before* flattening and adds it into its
+  reduction's output; a later one's is added into it at that wait); ZeRO-2/3 then drop the full gradients,
+  ZeRO-1 keeps them (and with depth-first accumulation reduce-scatters once per step, at the stage's last
+  REDUCE: `ZeroStageComm.reduce`; the generated lists give ZeRO-1 one REDUCE per stage, so ``deferred_reduce``
+  only skips a hand-written list's earlier ones). Plain data parallelism waits for the reduction in flight *before* flattening and adds it into its
   stage's running total (the stage's first flat buffer, kept to the step's end: `DataParallelStageComm`,
   `GradBucket`), then drops the gradients: one total per stage and one flat buffer in flight, however many micro-batches. At the end it
   writes each stage's total back as gradients (one more copy), stage by stage in ascending order. A stage

@@ -9,8 +9,8 @@
   ``context_fn`` (`op_contexts`; torch's `create_selective_checkpoint_contexts` cannot replay tessera's blocks:
   `_ReuseOps`), which save the outputs of the block's odd-numbered matmuls (aten.mm / addmm, counted in forward
   order: wq, wv, w1, w2 of a Llama block's wq wk wv wo w1 w3 w2) and of SDPA (its output and log-sum-exp);
-  everything else (wk, wo, w3, norms, RoPE, the activation, residual
-  adds, casts) is replayed in backward. The attention core is not replayed.
+  everything else (wk, wo, w3, norms, RoPE, the activation, residual adds, casts) is replayed in backward. The
+  attention core is not replayed.
 
 The wrappers own no parameters, so parameter names and ZeRO's flat buffers are unchanged. `apply_checkpointing` is
 the one place a mode is applied: to every block of a model (the direct loop), and by each pipeline stage to its

@@ -597,10 +597,11 @@ def search(
         found = _search_sizes(
             ctx, result, cfg, _context_sizes(space, CONTEXT_MIN_SEQ, gpus), global_batch, crit_seq
         )
-    uneven = _uneven_only(ctx)
-    if not found and space.uneven_pipelines is None and space.pipeline is None and uneven.space.pipeline:
-        found = _search_sizes(uneven, result, cfg, [1, *contexts], global_batch, crit_seq)
-        result.uneven_fallback = True
+    if not found and space.uneven_pipelines is None and space.pipeline is None:
+        uneven = _uneven_only(ctx)
+        if uneven.space.pipeline:
+            found = _search_sizes(uneven, result, cfg, [1, *contexts], global_batch, crit_seq)
+            result.uneven_fallback = True
     result.savings_searched = _savings_searched(space, result.uneven_fallback, gpus)
     if crit_tokens is not None and loss is not None:
         found = [_with_steps(c, shape, loss, crit_tokens) for c in found]

@@ -856,7 +856,8 @@ def first_backward_gradient_bytes(shape: ModelShape, plan: Plan) -> float:
     −3.7 % under the dry run without it (docs/memory.md, "A stage's first backward")."""
     if plan.recompute in REPLAYS_BLOCK:
         return 0.0
-    made = _FP32 * _mlp_exit(shape).d_in * _mlp_exit(shape).d_out / plan.tp
+    exit_ = _mlp_exit(shape)
+    made = _FP32 * exit_.d_in * exit_.d_out / plan.tp
     attention_in = {f"attn.{n}" for n in shape.features.attention_in}
     others = _FP32 * sum(
         lin.d_in * lin.d_out for lin in shape.block_linears() if lin.name not in attention_in
