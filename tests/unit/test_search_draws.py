@@ -191,11 +191,15 @@ rejection sampling: slow); head_dim, head_dim+2d, loss_mask+2d; gemma2 with a pi
 ZeRO-3 and the loss mask, with document windows and hybrid; gemma3's five; seed 13's zero3 ... ckpt_pp, w8 (its
 checkpointing filter: an op draw must not change which draws ckpt_pp keeps)."""
 
+RECORDED_WITH_OP = ((15, 2), (16, 2))
+"""Seeds recorded with op checkpointing's own generator (after 115e11f), drawn again with it, checkpointing
+included: op with 1D tensor and with SP (seed 15), breadth-first and a checkpointed pipeline (seed 16)."""
+
 
 def _redraws(
-    corpora: tuple[Path, Path, Path], op: bool
+    corpora: tuple[Path, Path, Path], op: bool, recorded: tuple[tuple[int, int], ...] = RECORDED
 ) -> list[tuple[str, tuple[int, dict], tuple[int, dict]]]:
-    """Per case of `RECORDED`: its label, (world, raw) drawn again by its seed's command (op checkpointing's own
+    """Per case of ``recorded``: its label, (world, raw) drawn again by its seed's command (op checkpointing's own
     generator ``Random(f"{seed}-op")`` as `layout_search.search` makes it, if ``op``), and as recorded."""
     tokens, masked, short = corpora
     records = [
@@ -203,7 +207,7 @@ def _redraws(
         for line in (ROOT / "benchmarks/results/layout_search.jsonl").read_text().splitlines()
     ]
     out = []
-    for seed, n in RECORDED:
+    for seed, n in recorded:
         cases = [r for r in records if r["seed"] == seed][:n]
         args = cases[0]["command"].split()
         focus = layout_search.parse_focus(args[args.index("--focus") + 1])
@@ -240,6 +244,13 @@ def test_the_op_draw_changes_only_the_checkpointing_of_recorded_seeds(
         assert drawn == recorded or (drawn == "op" and recorded in ("full", "selective")), label
         ops += drawn == "op"
     assert ops > 0
+
+
+def test_seeds_recorded_with_the_op_generator_draw_their_cases_again(
+    corpora: tuple[Path, Path, Path],
+) -> None:
+    for label, drawn, recorded in _redraws(corpora, op=True, recorded=RECORDED_WITH_OP):
+        assert drawn == recorded, label
 
 
 def test_op_is_drawn_only_where_it_runs_and_in_place_of_checkpointing() -> None:
