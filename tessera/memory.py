@@ -655,7 +655,7 @@ def _at_peak(
     gradient bytes the runtime holds once backward is over)."""
     cplan = cost_plan(plan)
     sizes = _stage_sizes(shape, plan, rank)
-    moment, after_backward = _rank_walk(plan, rank, sizes.uses).evaluate(sizes)
+    moment, after_backward = _rank_walk(plan, rank, sizes).evaluate(sizes)
     # autocast's compute-dtype weight copies live through the forward/backward phase (one autocast region): the
     # ones a Linear saves for backward are activations, the ones only autocast's cache holds are not
     cached = cached_weight_bytes(shape, cplan, rank)
@@ -973,9 +973,11 @@ def _table_bytes(shape: ModelShape, cplan: Plan) -> float:
     return 4.0 * -(-shape.vocab_size // side) * side * shape.d_model / cplan.tp
 
 
-def _rank_walk(plan: ExecutionPlan, rank: int, uses: dict[int, tuple[int, ...]]) -> Walk:
-    """The compiled walk of the lowered list pipeline rank ``rank`` executes (`tessera.peak_memory`)."""
-    classes = _stage_classes(plan, rank)
+def _rank_walk(plan: ExecutionPlan, rank: int, sizes: StageBytes) -> Walk:
+    """The compiled walk of the lowered list pipeline rank ``rank`` executes (`tessera.peak_memory`), for the
+    stage sizes ``sizes`` (`_stage_sizes`: which stages share terms, which stages a GATHER brings)."""
+    uses = sizes.uses
+    classes = _stage_classes(plan, rank, sizes)
     held = _held_inputs(plan)
     if (plan.schedule or "").endswith(".csv"):  # a hand-written schedule: its lowered lists, as the runtime's
         events = ((a.kind, a.stage) for a in plan.lowered()[rank])
@@ -1071,14 +1073,41 @@ def steady_walk(name: str, p: int, m: int, v: int, rank: int, accumulation: str)
     return name == BREADTH_FIRST and accumulation != LAYERED and m >= SPARE_PERIODS
 
 
-def _stage_classes(plan: ExecutionPlan, rank: int) -> dict[int, int]:
-    """The rank's stages -> the first of its stages with the same sizes in `_at_peak` (blocks, embedding,
-    head, output sent to another rank)."""
+def _stage_classes(plan: ExecutionPlan, rank: int, sizes: StageBytes) -> dict[int, int]:
+    """The rank's stages -> the first of its stages with the same place in the list (blocks, embedding, head,
+    neighbours on the rank) and the same sizes in every per-stage table of ``sizes``, which the walk then prices
+    once. The sizes decide, not a list of what makes them differ: until 2026-12-03 the key was the place alone,
+    and a ZeRO-3 stage that holds its forward's cast copies through its backward (`_forward_in_window`, e.g.
+    breadth-first's last stage on a rank) was priced as the rank's other one-block stages, without them:
+    megatron-1t on 65,536 GPUs, rank 0, -1.8 % under the dry run (docs/memory.md, "A window stage is priced on
+    its own")."""
     mine = plan.rank_stages(rank)
     local, last = set(mine), plan.n_stages - 1
+    # the walk's other tables follow from these (the shard and a reduction's output from grads and flat), are
+    # stage 0's (the tied table: its own class) or one size for every stage (the masks)
+    tables = (
+        sizes.activations,
+        sizes.grads,
+        sizes.flat,
+        sizes.working,
+        sizes.wire,
+        sizes.held,
+        sizes.first,
+        sizes.gathered,
+    )
     first: dict[tuple, int] = {}
     return {
-        s: first.setdefault((plan.stage_layers[s], s == 0, s == last, s + 1 in local, s - 1 in local), s)
+        s: first.setdefault(
+            (
+                plan.stage_layers[s],
+                s == 0,
+                s == last,
+                s + 1 in local,
+                s - 1 in local,
+                *[table.get(s) for table in tables],
+            ),
+            s,
+        )
         for s in mine
     }
 

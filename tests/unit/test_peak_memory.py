@@ -15,8 +15,8 @@ import pytest
 
 from tessera.config import from_dict
 from tessera.execution import resolve
-from tessera.memory import _rank_floor, _stage_classes, estimate_plan, memory_floor
-from tessera.peak_memory import StageBytes, compile_walk, floor, lowered_events, walk
+from tessera.memory import _rank_floor, _stage_classes, _stage_sizes, estimate_plan, memory_floor
+from tessera.peak_memory import _LABELS, StageBytes, compile_walk, floor, lowered_events, walk
 from tessera.pipeline.ir import Action, ActionKind, stage_to_rank
 from tessera.pipeline.passes import lower, tied_across, tied_stages
 from tessera.pipeline.schedules import build_schedule, rank_steps
@@ -517,8 +517,44 @@ def test_the_fullest_rank_is_a_candidate_and_the_floor_is_below(
     assert estimate_plan(shape, plan).total == max(per_rank)
     assert memory_floor(shape, plan) <= estimate_plan(shape, plan).total
     for r in range(plan.pp):
-        for s, c in _stage_classes(plan, r).items():
-            assert plan.stage_layers[s] == plan.stage_layers[c] and (s == 0) == (c == 0)
+        _assert_classes_have_equal_sizes(shape, plan, r)
+
+
+def _assert_classes_have_equal_sizes(shape: ModelShape, plan, rank: int) -> dict[int, int]:
+    """Each of the rank's stages and its class (`memory._stage_classes`) have the same blocks, the same place and
+    the same size in every table the walk reads (`StageBytes.table`); returns the classes."""
+    sizes = _stage_sizes(shape, plan, rank)
+    classes = _stage_classes(plan, rank, sizes)
+    for s, c in classes.items():
+        assert plan.stage_layers[s] == plan.stage_layers[c] and (s == 0) == (c == 0)
+        for what in range(len(_LABELS)):
+            assert sizes.table(what).get(s) == sizes.table(what).get(c), (rank, s, c, _LABELS[what])
+    return classes
+
+
+@pytest.mark.parametrize(("zero", "classes"), [(3, {0: 0, 2: 2, 4: 4}), (1, {0: 0, 2: 2, 4: 2})])
+def test_a_stage_that_holds_its_forwards_copies_has_a_class_of_its_own(zero: int, classes: dict) -> None:
+    """Breadth-first v3 on pp2, 1D + SP, bf16, no recomputation, rank 0 (stages 0, 2, 4): under ZeRO-3 stage 4
+    runs its forwards and backwards in one GATHER/FREE window and holds its forward's cast copies through its
+    backwards (`memory._forward_in_window`), stage 2 does not: they differ in size and must not share terms.
+    Under ZeRO-1 the cache holds every stage's copies alike and the two middle stages share one class."""
+    cfg = from_dict(
+        {
+            "model": {**MODEL, "family": "gpt", "n_kv_heads": None, "n_layers": 6},
+            "parallel": {
+                "pipeline": 2,
+                "schedule": "breadth_first",
+                "stages_per_rank": 3,
+                "data": 2,
+                "tensor": 2,
+                "sequence_parallel": True,
+                "zero": zero,
+            },
+            "train": {"global_batch": 8, "micro_batch": 1, "dtype": "bf16"},
+        }
+    )
+    plan = resolve(cfg, 8, training=False)
+    assert _assert_classes_have_equal_sizes(ModelShape.from_config(cfg.model), plan, 0) == classes
 
 
 HEAVY = {"family": "gpt", "n_heads": 4, "d_model": 32, "vocab_size": 64, "seq_len": 256, "n_layers": 4}

@@ -353,5 +353,5 @@ def test_the_estimate_walks_a_steady_list_once(monkeypatch: pytest.MonkeyPatch) 
     walks = []
     for m in (8, 16, 32):
         plan = valid_plan(model, dict(data=1, pipeline=4, schedule="1f1b"), global_batch=m, micro_batch=1)
-        walks.append(memory._rank_walk(plan, 0, {}))
+        walks.append(memory._rank_walk(plan, 0, memory._stage_sizes(ModelShape.from_config(model), plan, 0)))
     assert compiled == [8] and walks[0] is walks[1] is walks[2]
