@@ -567,13 +567,16 @@ def estimate_plan(
         base = memory_per_rank(shape, cplan, inflight_microbatches=inflight, stage=rank, precision="fp32")
         masked = _masked_micro_batches(plan, mine, peaks[rank] / share)
         bd = _adjust(base, shape, cplan, [per_stage[s] for s in mine], last_mb[rank], masked)
-        # the direct loop, after backward: the tied table's two gradients summed, or the optimizer step's temporaries
-        after = max(
-            2 * tied_gradient_bytes(shape, cplan), _adamw_temporaries(shape, cplan, embedding=True, head=True)
-        )
-        replay = _direct_replay(bd, shape, cplan)
-        at_peak, after_backward = _direct_at_peak(bd, plan.micro_batches, after, replay), bd.grads
-        if plan.runner != DIRECT:  # what coexists: the rank's action list walked (tessera.peak_memory)
+        if plan.runner == DIRECT:
+            # the direct loop, after backward: the tied table's two gradients summed, or the optimizer step's
+            # temporaries
+            after = max(
+                2 * tied_gradient_bytes(shape, cplan),
+                _adamw_temporaries(shape, cplan, embedding=True, head=True),
+            )
+            replay = _direct_replay(bd, shape, cplan)
+            at_peak, after_backward = _direct_at_peak(bd, plan.micro_batches, after, replay), bd.grads
+        else:  # what coexists: the rank's action list walked (tessera.peak_memory)
             at_peak, after_backward = _at_peak(bd, shape, plan, rank)
         candidate = MemoryEstimate(
             breakdown=MemoryBreakdown(**{name: getattr(bd, name) for name in COMPONENTS}, peak=at_peak.total),
@@ -813,11 +816,22 @@ def _forward_in_window(plan: ExecutionPlan, rank: int) -> frozenset[int]:
     tensor-parallel rings' backward"): with the rings, a 1F1B pp2 first rank's stage of two blocks holds both
     blocks' exit copies at its peak (3.6 % under without them)."""
     if (plan.schedule or "").endswith(".csv"):  # a hand-written schedule: its lowered lists, as the runtime's
-        events = [(a.kind, a.stage) for a in plan.lowered()[rank]]
-    else:
-        name, p, m, v = plan.schedule or "", plan.pp, plan.micro_batches, plan.stages_per_rank
-        steps = _rank_steps(name, p, m, v, rank, plan.placement, plan.accumulation)
-        events = lowered_events(steps, zero3=True, every_microbatch=False)
+        return _in_window([(a.kind, a.stage) for a in plan.lowered()[rank]])
+    name, p, m, v = plan.schedule or "", plan.pp, plan.micro_batches, plan.stages_per_rank
+    return _named_in_window(name, p, m, v, rank, plan.placement, plan.accumulation)
+
+
+@lru_cache(maxsize=1024)  # the search prices a list under several sizes, splits and ZeRO-3 shard groups
+def _named_in_window(
+    name: str, p: int, m: int, v: int, rank: int, placement: str, accumulation: str
+) -> frozenset[int]:
+    """`_forward_in_window` of a named schedule's list: it reads only these."""
+    steps = _rank_steps(name, p, m, v, rank, placement, accumulation)
+    return _in_window(lowered_events(steps, zero3=True, every_microbatch=False))
+
+
+def _in_window(events: Sequence[tuple[ActionKind, int]]) -> frozenset[int]:
+    """`_forward_in_window` of a lowered list given as (kind, stage)."""
     forwarded: set[int] = set()
     found: set[int] = set()
     for kind, stage in events:

@@ -595,20 +595,64 @@ def _skip_repeats(live: _Live, events: list, i: int, seen: dict) -> int:
     return i + (n - 1) * length
 
 
+_MATRIX_FROM = 64
+"""Kept moments from which `_pareto` checks a moment against them all at once (a numpy comparison) rather than
+one by one: a list that does not settle into a repeated period (a schedule of ~1e3 micro-batches) leaves ~1e4
+moments of which ~2e3 are kept, ~1e7 pairwise checks; below this the loop is cheaper than the matrix."""
+
+
 def _pareto(moments: dict[tuple[Term, ...], tuple]) -> list[tuple[tuple[Term, ...], tuple]]:
     """The moments no other moment covers (term by term at least as large), in walk order: only these can be
-    the largest for some sizes (and where a covered one ties, every component ties too)."""
+    the largest for some sizes (and where a covered one ties, every component ties too). A moment is checked
+    against the ones kept before it (largest total first), one by one, or, once `_MATRIX_FROM` are kept, all at
+    once on a matrix of their counts: the same comparisons (`_covers`), the same moments kept."""
     items = [(i, key, label, dict(key)) for i, (key, label) in enumerate(moments.items())]
     items.sort(key=lambda item: -sum(item[3].values()))  # a moment is covered only by one at least as large
     kept: list[tuple[int, tuple[Term, ...], tuple, dict[tuple[int, int], float]]] = []
+    matrix = None
     for item in items:
         terms = item[3]
+        if matrix is not None:
+            if not matrix.covers(terms):
+                kept.append(item)
+                matrix.add(terms)
+            continue
         for other in kept:  # a loop, not any(generator): a search checks ~2e5 pairs
             if _covers(other[3], terms):
                 break
         else:
             kept.append(item)
+            if len(kept) >= _MATRIX_FROM:
+                matrix = _KeptCounts([other[3] for other in kept], items)
     return [(key, label) for _, key, label, _ in sorted(kept, key=lambda item: item[0])]
+
+
+class _KeptCounts:
+    """The kept moments' counts as rows of a matrix, one column per term of any moment (0 where a moment has
+    none, as `_covers` reads a missing term), for `_pareto`'s checks at once."""
+
+    def __init__(self, kept: list[dict[tuple[int, int], float]], items: list) -> None:
+        import numpy as np  # here: only long lists need it, and its import is a share of `tessera plan`'s start-up
+
+        self.np = np
+        self.column = {k: j for j, k in enumerate(sorted({k for item in items for k in item[3]}))}
+        self.rows = np.zeros((len(items), len(self.column)), dtype=np.float64)
+        self.n = 0
+        for terms in kept:
+            self.add(terms)
+
+    def add(self, terms: dict[tuple[int, int], float]) -> None:
+        row = self.rows[self.n]
+        for k, n in terms.items():
+            row[self.column[k]] = n
+        self.n += 1
+
+    def covers(self, terms: dict[tuple[int, int], float]) -> bool:
+        """Whether a kept moment covers ``terms`` (`_covers`: at least its count on each of its terms)."""
+        np = self.np
+        columns = [self.column[k] for k in terms]
+        counts = np.fromiter(terms.values(), dtype=np.float64, count=len(columns))
+        return bool((self.rows[: self.n, columns] >= counts).all(axis=1).any())
 
 
 def walk(actions: Sequence[Action], sizes: StageBytes) -> tuple[Moment, float]:

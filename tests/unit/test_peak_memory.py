@@ -647,3 +647,35 @@ def test_stop_above_answers_whether_the_limit_is_exceeded(world: int, parallel: 
         assert (stopped.total > limit) == (full.total > limit)
         if full.total <= limit:
             assert stopped == full
+
+
+def test_the_covered_moments_dropped_at_once_are_those_dropped_one_by_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`_pareto` checks a moment against the kept ones one by one, or, once `_MATRIX_FROM` are kept, all at
+    once (a matrix of their counts): the same moments kept, in the same order, on a long list's walk (interleaved,
+    160 micro-batches, full recomputation's held inputs and masks: ~300 moments kept) and on random moments with
+    missing terms and negative counts (a term a moment lacks reads 0)."""
+    from tessera import peak_memory
+
+    def both(compute):  # (one by one throughout, at once from the first kept on)
+        monkeypatch.setattr(peak_memory, "_MATRIX_FROM", 10**9)
+        alone = compute()
+        monkeypatch.setattr(peak_memory, "_MATRIX_FROM", 1)
+        return alone, compute()
+
+    events = lowered_events(rank_steps("interleaved", 4, 160, 2, 0), zero3=True, every_microbatch=True)
+    classes = {0: 0, 4: 4}
+    alone, at_once = both(
+        lambda: compile_walk(events, zero=3, sharded=True, classes=classes, held_inputs=True)
+    )
+    assert len(alone.moments) > 100 and at_once == alone
+    rng = random.Random(0)
+    terms = [(what, stage) for what in range(4) for stage in range(3)]
+    for _ in range(200):
+        moments = {}
+        for i in range(rng.randint(0, 300)):
+            key = tuple(sorted((t, rng.randint(-2, 5)) for t in rng.sample(terms, rng.randint(0, 6))))
+            moments[key] = (i, "x")
+        alone, at_once = both(lambda moments=moments: peak_memory._pareto(moments))
+        assert at_once == alone

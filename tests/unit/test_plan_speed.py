@@ -245,6 +245,24 @@ def test_cached_compute_lists_are_the_schedules() -> None:
     assert memory._rank_steps("breadth_first", 2, 4, 2, 0, "loop", "depth_first") != layered
 
 
+def test_cached_window_stages_are_the_lowered_lists(grid: list[tuple[ModelShape, ExecutionPlan]]) -> None:
+    """`memory._forward_in_window` of a named schedule (memoized on the schedule, its sizes, the rank, the
+    placement and the accumulation) equals what the lowered lists the runtime executes give
+    (`ExecutionPlan.lowered`, the path of a hand-written schedule), on every rank of the grid's ZeRO-3 plans with
+    data parallelism (whose lists gather and free); asked in grid order with the memo filled, so a key missing a
+    field the lists depend on would return a neighbour's answer."""
+    memory._named_in_window.cache_clear()
+    answers = set()
+    for _, plan in grid:
+        if plan.zero != 3 or plan.zero_shard < 2 or plan.runner == "direct":
+            continue
+        for rank in range(plan.pp):
+            want = memory._in_window([(a.kind, a.stage) for a in plan.lowered()[rank]])
+            assert memory._forward_in_window(plan, rank) == want, (plan, rank)
+            answers.add(want)
+    assert memory._named_in_window.cache_info().hits > 20 and len(answers) > 3
+
+
 def test_the_collector_pause_restores_what_it_found() -> None:
     """`without_cycle_collection` leaves the collector as it found it: back on after the block (also when the
     block raises), still off if the caller had turned it off."""
