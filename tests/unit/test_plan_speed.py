@@ -20,7 +20,7 @@ from tessera.pipeline.build import compute_options
 from tessera.pipeline.schedules import rank_steps
 from tessera.planner import report as report_module
 from tessera.planner import search as search_module
-from tessera.planner.cost import ModelShape, Plan
+from tessera.planner.cost import ModelShape, Plan, rank_memory
 from tessera.planner.hardware import load_hardware
 from tessera.planner.search import SearchSpace, model_config, search, without_cycle_collection
 from tessera.planner.steptime import (
@@ -261,6 +261,31 @@ def test_cached_window_stages_are_the_lowered_lists(grid: list[tuple[ModelShape,
             assert memory._forward_in_window(plan, rank) == want, (plan, rank)
             answers.add(want)
     assert memory._named_in_window.cache_info().hits > 20 and len(answers) > 3
+
+
+def test_memoized_block_terms_equal_fresh_ones(grid: list[tuple[ModelShape, ExecutionPlan]]) -> None:
+    """`rank_memory`'s memoized per-block terms (`_MEMO`), asked in grid order with the memo filled (neighbours
+    differ in one field), equal the functions computed afresh on every plan's cost view, also with sequence
+    parallelism and the rings where they apply (the entries' and rings' moments): a key missing a field a term
+    reads would return a neighbour's value."""
+    memoized = [f for f in vars(rank_memory).values() if callable(getattr(f, "cache_info", None))]
+    assert len(memoized) >= 6
+    for f in memoized:
+        f.cache_clear()
+    values = set()
+    for shape, plan in grid:
+        cplan = memory.cost_plan(plan)
+        variants = [cplan]
+        if cplan.tp_kind == "1d" and cplan.tp > 1:
+            variants.append(dataclasses.replace(cplan, sequence_parallel=True))
+            if variants[-1].rings_fit_layout:
+                variants.append(dataclasses.replace(variants[-1], tp_comm_overlap=True))
+        for variant in variants:
+            for f in memoized:
+                value = f(shape, variant)
+                assert value == f.__wrapped__(shape, variant), (f.__name__, variant)
+                values.add((f.__name__, value))
+    assert all(f.cache_info().hits > 100 for f in memoized) and len(values) > 20
 
 
 def test_the_collector_pause_restores_what_it_found() -> None:

@@ -5,6 +5,7 @@ Pure Python: no torch import.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from tessera.model.family import LinearShape
 from tessera.planner.cost.compute import layers_per_stage, rank_layers
@@ -12,6 +13,11 @@ from tessera.planner.cost.plan import Plan
 from tessera.planner.cost.ring_memory import ring_entry_backward_bytes, ring_exit_backward_bytes
 from tessera.planner.cost.shape import ModelShape
 from tessera.traffic import replays_mlp_exit
+
+_MEMO = lru_cache(maxsize=4096)
+"""The memo of the per-block terms below that the estimate asks for most (the floor, each candidate rank, the
+rings' variant and the shard-copy variant of one layout ask for the same ones: ~5 times per plan in the planner's
+search). Keyed on the whole (shape, plan, argument), so a value is never returned for any other plan."""
 
 _FP32 = 4
 """Bytes of an fp32 element (the RMSNorm's upcast of its input, whatever the compute dtype)."""
@@ -117,6 +123,7 @@ def _end_params(shape: ModelShape, plan: Plan, *, first: bool, last: bool) -> fl
     return n
 
 
+@_MEMO
 def activation_bytes_per_layer(shape: ModelShape, plan: Plan, recompute: str | None = None) -> float:
     """Stored activation bytes of one block for one micro-batch on one rank (Korthikanti 2022 Table 2).
 
@@ -571,6 +578,7 @@ def entry_moment_bytes(shape: ModelShape, plan: Plan) -> float:
     return max(entry, attention_entry_bytes(shape, plan))
 
 
+@_MEMO
 def ring_moment_bytes(shape: ModelShape, plan: Plan) -> float:
     """With `Plan.tp_comm_overlap` (1D + SP), the MLP's rings' backward at its fullest beyond the block's saved
     tensors (0 otherwise), the larger of (`tessera.planner.cost.ring_memory`):
@@ -613,6 +621,7 @@ def _kept_bytes(shape: ModelShape, plan: Plan) -> float:
     return (_norm_bytes(shape, plan) + plan.stream_bytes) * tokens * shape.d_model / plan.tp
 
 
+@_MEMO
 def attention_entry_bytes(shape: ModelShape, plan: Plan) -> float:
     """Under 1D sequence parallelism, the attention's entry backward (wq, wk and wv sharing one entry:
     `tensor_1d._GatheredLinears`, or with `Plan.tp_comm_overlap` the ring, `ring_1d._RingGatheredLinears`) at
@@ -790,6 +799,7 @@ def _replay_upstream_bytes(shape: ModelShape, plan: Plan) -> float:
     return plan.stream_bytes * shape.seq_len // plan.cp * plan.micro_batch * shape.d_model / plan.tp
 
 
+@_MEMO
 def recompute_working_bytes(shape: ModelShape, plan: Plan) -> float:
     """A recomputed block's moment in its backward, beyond what the rank keeps for it (0 without recomputation):
     its un-checkpointed activations (`activation_bytes_per_layer`'s "none" count; under selective recomputation
@@ -841,6 +851,7 @@ def _replay_bytes(shape: ModelShape, plan: Plan) -> float:
     return working
 
 
+@_MEMO
 def first_backward_gradient_bytes(shape: ModelShape, plan: Plan) -> float:
     """Under no or selective recomputation, how much more a block's fullest backward moment holds in its stage's
     first backward of the step (from the second on the stage's gradients exist whole), beyond
@@ -887,6 +898,7 @@ def head_activation_bytes(shape: ModelShape, plan: Plan) -> float:
     return sbh * (_norm_bytes(shape, plan) + _input_bytes(plan, 1)) / shard_all + capped
 
 
+@_MEMO
 def head_transient_bytes(shape: ModelShape, plan: Plan) -> float:
     """Bytes the loss and the output layer hold on the last stage for a moment, beyond what the micro-batch keeps
     for backward (`head_activation_bytes` and the loss's saved fp32 softmax, 4·N·V elements' worth, N = s·b tokens,
