@@ -595,10 +595,12 @@ def _skip_repeats(live: _Live, events: list, i: int, seen: dict) -> int:
     return i + (n - 1) * length
 
 
-_MATRIX_FROM = 64
+_MATRIX_FROM = 256
 """Kept moments from which `_pareto` checks a moment against them all at once (a numpy comparison) rather than
 one by one: a list that does not settle into a repeated period (a schedule of ~1e3 micro-batches) leaves ~1e4
-moments of which ~2e3 are kept, ~1e7 pairwise checks; below this the loop is cheaper than the matrix."""
+moments of which ~2e3 are kept, ~1e7 pairwise checks. Below this the loop, which stops at the first kept moment
+that covers, is as fast, and numpy is not imported: at 64, the 1T search on 3072 GPUs imported it and took
+6.9 s of CPU instead of 6.3 s."""
 
 
 def _pareto(moments: dict[tuple[Term, ...], tuple]) -> list[tuple[tuple[Term, ...], tuple]]:
