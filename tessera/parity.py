@@ -32,6 +32,8 @@ from tessera.config import Config, from_dict
 from tessera.errors import ConfigError, TesseraError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from tessera.train.checkpoint.state import Piece, Region
@@ -48,6 +50,7 @@ __all__ = [
     "compare_records",
     "default_nproc",
     "record",
+    "record_run",
     "run_config",
     "tolerance_for",
 ]
@@ -320,20 +323,44 @@ def record(
     keep_states: bool = False,
 ) -> Record | None:
     """Train ``cfg`` for ``steps`` steps on this rank (collective under torchrun); rank 0's `Record`, None on
-    the other ranks. ``follow``: another run's `Record.states`; step k > 0 starts from its state after step
-    k - 1. ``keep_states``: record this run's own states so. ``scale_grad`` = (plain name, factor): that gradient
-    is scaled before each update (the sensitivity check of docs/parity.md). A step without targets (data.loss_mask:
-    an all-prompt global batch) is skipped as `tessera train` skips it (`Record.losses`). Writes no checkpoint and
-    no metrics."""
+    the other ranks (`record_run`'s arguments). Writes no checkpoint and no metrics."""
     import torch.distributed as dist
 
-    from tessera.train.schedule import lr_at
     from tessera.train.trainer import TrainingRun, init_distributed
 
     rank, world = init_distributed(cfg.train.collective_timeout_s)
     run = TrainingRun(cfg, rank, world)
+    try:
+        out = record_run(run, steps, scale_grad, follow, keep_states)
+    finally:
+        run.stepper.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out if rank == 0 else None
+
+
+def record_run(
+    run: TrainingRun,
+    steps: int,
+    scale_grad: tuple[str, float] | None = None,
+    follow: list[dict[str, torch.Tensor]] | None = None,
+    keep_states: bool = False,
+    before_step: Callable[[int], None] | None = None,
+    after_step: Callable[[int], None] | None = None,
+) -> Record:
+    """Train ``run`` (already built, in this process group) for steps 0..``steps``−1 and record them (collective;
+    the Record is complete on rank 0 only, its tensors empty elsewhere). ``follow``: another run's
+    `Record.states`; step k > 0 starts from its state after step k − 1. ``keep_states``: record this run's own
+    states so. ``scale_grad`` = (plain name, factor): that gradient is scaled before each update (the sensitivity
+    check of docs/parity.md). ``before_step(k)``: called right before step k computes (after any load), e.g. to
+    reset counters; ``after_step(k)``: right after its update, before its parameters are gathered. A step
+    without targets (data.loss_mask: an all-prompt global batch) is skipped as `tessera train` skips it
+    (`Record.losses`)."""
+    from tessera.train.schedule import lr_at
+
+    cfg = run.cfg
     out = Record(
-        run.layout.describe(), world, cfg.train.dtype, tokens=cfg.train.global_batch * cfg.model.seq_len
+        run.layout.describe(), run.world, cfg.train.dtype, tokens=cfg.train.global_batch * cfg.model.seq_len
     )
 
     def hook(step: int, model: Any) -> None:
@@ -343,29 +370,28 @@ def record(
         out.grads.append(_plain(grads))
         out.replica_spread = max(out.replica_spread, spread)
 
-    try:
-        for step in range(steps):
-            if follow is not None and step > 0:
-                _load_full(run, follow[step - 1])
-            targets = run.target_tokens(step)
-            if targets == 0:  # as `tessera train`: no target, no loss per target, so no forward or update
-                loss, norm = math.nan, math.nan
-                out.grads.append({})
-            else:
-                loss, norm = run.step(step, hook, targets)
-            out.losses.append(loss)
-            out.norms.append(norm)
-            out.lrs.append(lr_at(step, cfg.train))
-            state, spread = _gather_full(_pieces(run, moments=keep_states))
-            out.params.append(_plain(state))
-            if keep_states:
-                out.states.append(state)
-            out.replica_spread = max(out.replica_spread, spread)
-    finally:
-        run.stepper.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return out if rank == 0 else None
+    for step in range(steps):
+        if follow is not None and step > 0:
+            _load_full(run, follow[step - 1])
+        if before_step is not None:
+            before_step(step)
+        targets = run.target_tokens(step)
+        if targets == 0:  # as `tessera train`: no target, no loss per target, so no forward or update
+            loss, norm = math.nan, math.nan
+            out.grads.append({})
+        else:
+            loss, norm = run.step(step, hook, targets)
+        if after_step is not None:
+            after_step(step)
+        out.losses.append(loss)
+        out.norms.append(norm)
+        out.lrs.append(lr_at(step, cfg.train))
+        state, spread = _gather_full(_pieces(run, moments=keep_states))
+        out.params.append(_plain(state))
+        if keep_states:
+            out.states.append(state)
+        out.replica_spread = max(out.replica_spread, spread)
+    return out
 
 
 def record_to_file(

@@ -28,14 +28,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tessera import comm
 from tessera.config import from_dict
 from tessera.memory import estimate
-from tessera.parity import FP32, Record
+from tessera.parity import FP32
 from tessera.traffic import context_traffic
-from tests.distributed.conftest import assert_layout_matches_reference, trainer_config
+from tessera.train.trainer import TrainingRun
+from tests.distributed.conftest import (
+    Recorded,
+    assert_layout_matches_reference,
+    follow_file,
+    record_layouts,
+    trainer_config,
+)
 from tests.distributed.test_document_mask import GPT, LLAMA
 from tests.distributed.test_loss_mask import masked_file  # noqa: F401 (the fixture)
 from tests.harness import run_distributed
@@ -78,57 +84,17 @@ def _reference_key(name: str) -> tuple[str, tuple]:
     return next(k for k, m in MODELS.items() if m is model), tuple(sorted(data.items()))
 
 
-def _record(
-    rank: int, world: int, configs: list[dict], follow: Path | None = None
-) -> list[tuple[Record, dict] | None]:
-    """Train each config STEPS steps on this rank; rank 0 returns per config its `Record` (losses, norms, every
-    full gradient before and parameter after each update by plain name, the largest difference between two
-    ranks' copies of a block, and with ``follow`` None its states for a layout to follow) and the last step's
-    context-group traffic and saved activation bytes (None elsewhere). ``follow``: a torch file of, per config,
-    the reference's `Record.states` (a file: tensors passed as arguments take one descriptor each); step k > 0
-    starts from its state after step k − 1 (`tessera.parity.record`'s rule)."""
-    from tessera.parity import _gather_full, _load_full, _pieces, _plain
-    from tessera.train.schedule import lr_at
-    from tessera.train.trainer import TrainingRun
+def _observe(run: TrainingRun, step: int) -> dict:
+    """Right after a step's update (`record_layouts`' ``observe``): its context-group traffic and saved activation
+    bytes."""
+    traffic = {kind: comm.STATS.bytes.get((kind, "context"), 0) for kind in ("all_gather", "reduce_scatter")}
+    return {"saved": run.saved_bytes, "traffic": traffic}
 
-    to_follow = torch.load(follow, weights_only=True) if follow is not None else None
-    out = []
-    for i, raw in enumerate(configs):
-        cfg = from_dict(raw)
-        run = TrainingRun(cfg, rank, world)
-        states = to_follow[i] if to_follow is not None else None
-        rec = Record(
-            run.layout.describe(), world, cfg.train.dtype, tokens=cfg.train.global_batch * cfg.model.seq_len
-        )
-        extra: dict = {}
 
-        def hook(step: int, model: torch.nn.Module, run: TrainingRun = run, rec: Record = rec) -> None:
-            full, spread = _gather_full(_pieces(run, grads=True))
-            rec.grads.append(_plain(full))
-            rec.replica_spread = max(rec.replica_spread, spread)
-
-        try:
-            for step in range(STEPS):
-                if states is not None and step > 0:
-                    _load_full(run, states[step - 1])
-                comm.STATS.reset()
-                loss, norm = run.step(step, hook)
-                rec.losses.append(loss)
-                rec.norms.append(norm)
-                rec.lrs.append(lr_at(step, cfg.train))
-                state, spread = _gather_full(_pieces(run, moments=states is None))
-                rec.params.append(_plain(state))
-                if states is None:
-                    rec.states.append(state)
-                rec.replica_spread = max(rec.replica_spread, spread)
-                extra["saved"] = run.saved_bytes
-            extra["traffic"] = {
-                kind: comm.STATS.bytes.get((kind, "context"), 0) for kind in ("all_gather", "reduce_scatter")
-            }
-        finally:
-            run.stepper.close()
-        out.append((rec, extra) if rank == 0 else None)
-    return out
+def _record(rank: int, world: int, configs: list[dict], follow: Path | None = None) -> list[Recorded]:
+    """Each config recorded (following the states in ``follow``, else keeping its own), with what `_observe`
+    saw."""
+    return record_layouts(rank, world, configs, follow, keep_states=follow is None, observe=_observe)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +106,7 @@ def references(masked_file: Path, tmp_path_factory: pytest.TempPathFactory) -> d
         _config(masked_file, root / f"ref_{i}", MODELS[m], {"accumulation": "depth_first"}, dict(d))
         for i, (m, d) in enumerate(keys)
     ]
-    return {k: rec for k, (rec, _) in zip(keys, _record(0, 1, configs), strict=True)}
+    return {k: r.record for k, r in zip(keys, _record(0, 1, configs), strict=True)}
 
 
 def _expected_traffic(raw: dict) -> int:
@@ -163,10 +129,10 @@ def test_context_parallel_matches_single_device(
 ) -> None:
     names = [n for n, (w, _, _, _) in LAYOUTS.items() if w == world]
     configs = [_config(masked_file, tmp_path / n, *LAYOUTS[n][1:]) for n in names]
-    follow = tmp_path / "follow.pt"
-    torch.save([references[_reference_key(n)].states for n in names], follow)
+    follow = follow_file(tmp_path / "follow.pt", [references[_reference_key(n)] for n in names])
     results = run_distributed(_record, world, configs, follow, timeout=600)[0]
-    for name, raw, (got, extra) in zip(names, configs, results, strict=True):
+    for name, raw, recorded in zip(names, configs, results, strict=True):
+        got, extra = recorded.record, recorded.seen[-1]  # the traffic and saved bytes of the last step
         cfg = from_dict(raw)
         assert_layout_matches_reference(got, references[_reference_key(name)], FP32, cfg.model, world, STEPS)
         # `tessera memory`'s activations at the peak: s/c tokens, the gathered K/V and the [b, 1, s/c, s] masks

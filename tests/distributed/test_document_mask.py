@@ -1,11 +1,12 @@
 """data.document_mask on every layout attention runs under, against the single-device run with the mask.
 
 The data is many short documents (JSON records of 10-40 bytes, byte tokens, seq_len 32), so every window spans
-several document boundaries. Each layout trains 2 steps through `train` (the trainer derives the positions from
-the windows); its loss every step and every gradient every step (tensor-parallel shards gathered, pipeline
-ranks' stages merged) must equal the reference's. ZeRO-3 keeps only reduced gradient shards: through `train` it
-is compared by loss and by the global gradient norm the trainer clipped by, and its gradients are gathered from
-the shards in a direct run of the schedule runtime below. GPT (learned positions) runs where positions are
+several document boundaries. Each layout trains 2 steps through the trainer's `TrainingRun` (which derives the
+positions from the windows), step 1 from the reference's state after step 0 (`record_layouts`' ``follow``, as
+`tessera compare` runs: docs/parity.md); its loss, gradient norm, every gradient (gathered from tensor blocks,
+pipeline stages and ZeRO shards alike) and every updated parameter, every step, must equal the reference's within
+docs/parity.md's fp32 tolerances. ZeRO-3's layered step is also checked in a direct run of the schedule runtime
+below, whose batches hold more document starts. GPT (learned positions) runs where positions are
 sharded differently (1D with sequence parallelism, the 2D grid); Llama (RoPE) everywhere.
 """
 
@@ -19,14 +20,20 @@ import torch
 from tessera.config import ModelConfig, from_dict
 from tessera.model.build import build_model
 from tessera.model.documents import document_positions
-from tessera.train.trainer import train
-from tests.distributed.conftest import assert_rank_grads_match, trainer_config
-from tests.distributed.test_trainer_tp import _assert_same_grad_norms
+from tessera.parity import FP32, Record
+from tests.distributed.conftest import (
+    Recorded,
+    assert_layout_matches_reference,
+    follow_file,
+    record_layouts,
+    trainer_config,
+)
 from tests.harness import run_distributed
 
-LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6  # as the trainer tests (tests/distributed/conftest.py explains them)
+# as the trainer tests: docs/parity.md's fp32 tolerances (`tessera.parity.FP32`)
+LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5
-STEPS = 2  # as test_trainer_tp, whose grad-norm check this file shares
+STEPS = 2  # as test_trainer_tp
 EOT = 0  # the byte tokenizer's end-of-text token
 LLAMA = {"size": "llama-tiny", "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_model": 32, "ffn_hidden": 64}
 GPT = {"size": "gpt2-tiny", "n_layers": 2}
@@ -49,30 +56,9 @@ def _config(token_file: Path, run_dir: Path, model: dict, parallel: dict, mask: 
     return raw
 
 
-def _train_all(rank: int, world: int, configs: list[dict]) -> list[tuple[dict[int, float], list[dict]]]:
-    """Train every config in turn; per config: losses and, per step, this rank's full gradients by plain name
-    (tensor-parallel models gathered; a pipeline rank has only its stages')."""
-    out = []
-    for raw in configs:
-        grads: list[dict[str, torch.Tensor]] = []
-
-        def hook(step: int, model: torch.nn.Module, grads: list = grads) -> None:
-            if hasattr(model, "full_parameters"):
-                full = model.full_parameters(grad=True)
-            else:
-                full = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-            grads.append({n: g.detach().clone() for n, g in full.items()})
-
-        out.append((train(from_dict(raw), hook).losses, grads))
-    return out
-
-
 @pytest.fixture(scope="module")
-def references(
-    documents_file: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, dict[str, tuple[dict[int, float], list[dict]]]]:
-    """The single-device runs (their run folder; losses and gradients): Llama and GPT with the mask, Llama
-    without."""
+def references(documents_file: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Record]:
+    """The single-device runs, with their states to follow: Llama and GPT with the mask, Llama without."""
     token_file, root = documents_file, tmp_path_factory.mktemp("refs")
     configs = {
         "llama": _config(token_file, root / "ref_llama", LLAMA, {"accumulation": "depth_first"}),
@@ -81,57 +67,34 @@ def references(
             token_file, root / "ref_off", LLAMA, {"accumulation": "depth_first"}, False
         ),
     }
-    return root, dict(zip(configs, _train_all(0, 1, list(configs.values())), strict=True))
+    recorded = record_layouts(0, 1, list(configs.values()), keep_states=True)
+    return {name: r.record for name, r in zip(configs, recorded, strict=True)}
 
 
-def _run_world(rank: int, world: int, configs: list[dict]) -> tuple[list, tuple | None]:
-    """One spawn per world size: the trainer runs, then (world 2) the ZeRO-3 gradient check's step."""
-    return _train_all(rank, world, configs), _zero3_gradients(rank, world) if world == 2 else None
+def _run_world(
+    rank: int, world: int, configs: list[dict], follow: Path
+) -> tuple[list[Recorded], tuple | None]:
+    """One spawn per world size: the layouts recorded following their references, then (world 2) the ZeRO-3
+    gradient check's step."""
+    return record_layouts(rank, world, configs, follow), _zero3_gradients(rank, world) if world == 2 else None
 
 
 @pytest.mark.parametrize("world", sorted({w for w, _, _ in LAYOUTS.values()}))
 def test_document_mask_matches_single_device(
-    documents_file: Path, references: tuple[Path, dict], tmp_path: Path, world: int
+    documents_file: Path, references: dict[str, Record], tmp_path: Path, world: int
 ) -> None:
-    references_dir, refs = references
     # the mask changes the computation: otherwise matching the reference would prove nothing about it
-    masked, unmasked = refs["llama"][1][0], refs["llama_unmasked"][1][0]
+    masked, unmasked = references["llama"].grads[0], references["llama_unmasked"].grads[0]
     assert any(not torch.allclose(g, unmasked[n], rtol=GRAD_RTOL, atol=GRAD_ATOL) for n, g in masked.items())
     names = [n for n, (w, _, _) in LAYOUTS.items() if w == world]
     configs = [_config(documents_file, tmp_path / n, LAYOUTS[n][1], LAYOUTS[n][2]) for n in names]
-    spawned = run_distributed(_run_world, world, configs, timeout=600)
-    results = [trained for trained, _ in spawned]
+    refs = [references["gpt" if LAYOUTS[n][1] is GPT else "llama"] for n in names]
+    follow = follow_file(tmp_path / "follow.pt", refs)
+    recorded, zero3 = run_distributed(_run_world, world, configs, follow, timeout=600)[0]
     if world == 2:
-        _check_zero3_gradients(*spawned[0][1])
-    for i, name in enumerate(names):
-        family = "gpt" if LAYOUTS[name][1] is GPT else "llama"
-        zero = bool(LAYOUTS[name][2].get("zero"))
-        assert_layout_matches(
-            name, i, results, refs[family], zero, (tmp_path / name, references_dir / f"ref_{family}")
-        )
-
-
-def assert_layout_matches(
-    name: str,
-    i: int,
-    results: list,
-    reference: tuple[dict[int, float], list[dict]],
-    zero: bool,
-    run_dirs: tuple[Path, Path],
-) -> None:
-    """Layout ``name`` (the ``i``-th config of every rank's ``results``) against the single-device ``reference``
-    (losses, gradients per step): every step's loss and every gradient; with ZeRO, whose reduced gradients live in
-    shards (`_check_zero3_gradients`), the clipped gradient norms of ``run_dirs`` (this run's, the reference's)."""
-    ref_losses, ref_grads = reference
-    losses = results[0][i][0]
-    for step in range(STEPS):
-        torch.testing.assert_close(losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL, msg=name)
-    if zero:
-        _assert_same_grad_norms(*run_dirs)
-        return
-    for step in range(STEPS):
-        rank_grads = [rank_result[i][1][step] for rank_result in results]
-        assert_rank_grads_match(rank_grads, ref_grads[step], GRAD_RTOL, GRAD_ATOL, f"{name} step {step}")
+        _check_zero3_gradients(*zero3)
+    for raw, ref, got in zip(configs, refs, recorded, strict=True):
+        assert_layout_matches_reference(got.record, ref, FP32, from_dict(raw).model, world, STEPS)
 
 
 # --- ZeRO-3's gradients, gathered from its shards --------------------------------------------------------------

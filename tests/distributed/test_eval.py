@@ -1,9 +1,12 @@
 """The validation loss on every kind of layout equals the single-device one, and evaluating changes nothing.
 
 Each run trains 2 steps and evaluates after each (train.eval_every = 1) on 2 fixed global batches of a separate
-validation file. The validation loss after step k depends on every earlier update, so it is compared with the
-tolerance the trainer tests use for training losses (see `trainer_config`). Turning evaluation on must leave
-training bit-identical: the forward-only pass touches no parameter, gradient, optimizer state or RNG.
+validation file. A layout's step 1 starts from the reference's state after step 0 (`record_layouts`' ``follow``,
+as `tessera compare` runs: docs/parity.md), so the validation loss after step k is judged on step k's own
+arithmetic, with the tolerance of training losses (docs/parity.md's fp32 tolerances, which also judge every
+training loss, gradient and updated parameter). Turning evaluation on must leave training bit-identical: the
+forward-only pass touches no parameter, gradient, optimizer state or RNG (its runs with evaluation on and off give
+the same losses and, after every update, the same parameters and AdamW moments bit for bit).
 """
 
 from __future__ import annotations
@@ -14,9 +17,17 @@ import pytest
 import torch
 
 from tessera.config import from_dict
+from tessera.parity import FP32
 from tessera.train.data import prepare
-from tessera.train.trainer import train
-from tests.distributed.conftest import synthetic_corpus, trainer_config
+from tessera.train.trainer import TrainingRun, train
+from tests.distributed.conftest import (
+    Recorded,
+    assert_layout_matches_reference,
+    follow_file,
+    record_layouts,
+    synthetic_corpus,
+    trainer_config,
+)
 from tests.harness import run_distributed
 
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
@@ -49,49 +60,59 @@ def _config(token_file: Path, valid: Path, run_dir: Path, parallel: dict, evalua
     return raw
 
 
-def _train_all(rank: int, world: int, configs: list[dict]) -> list[tuple[dict[int, float], dict[int, float]]]:
-    """(training losses, validation losses) of every config in turn, in this process group."""
-    out = []
-    for raw in configs:
-        result = train(from_dict(raw))
-        out.append((result.losses, result.val_losses))
-    return out
+def _validation_loss(run: TrainingRun, step: int) -> float | None:
+    """With evaluation on, the validation loss right after step ``step``'s update, as `train` evaluates it
+    (`record_layouts`' ``observe``)."""
+    return run.evaluate() if run.cfg.train.eval_every else None
 
 
-Trained = list[tuple[dict[int, float], dict[int, float]]]
+def _record_all(rank: int, world: int, configs: list[dict], follow: Path) -> list[Recorded]:
+    """Every config recorded following the reference, its states kept, with its validation losses."""
+    return record_layouts(rank, world, configs, follow, keep_states=True, observe=_validation_loss)
 
 
 @pytest.fixture(scope="module")
-def references(token_file: Path, valid_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    """The single-device run with evaluation on, then off, trained once for the module (each world size's test
-    trained the same two)."""
+def reference(token_file: Path, valid_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Recorded:
+    """The single-device run with evaluation, its states to follow, recorded once for the module (each world size's
+    test follows the same one); `train` evaluates as it does, with evaluation on and off bit for bit alike."""
     root = tmp_path_factory.mktemp("eval_refs")
-    ref_on = _config(token_file, valid_file, root / "ref", {"accumulation": "depth_first"})
-    ref_off = _config(token_file, valid_file, root / "ref_off", {"accumulation": "depth_first"}, False)
-    return _train_all(0, 1, [ref_on, ref_off])
+    ref = _config(token_file, valid_file, root / "ref", {"accumulation": "depth_first"})
+    recorded = record_layouts(0, 1, [ref], keep_states=True, observe=_validation_loss)[0]
+    trained = train(
+        from_dict(_config(token_file, valid_file, root / "trained", {"accumulation": "depth_first"}))
+    )
+    off = _config(token_file, valid_file, root / "trained_off", {"accumulation": "depth_first"}, False)
+    trained_off = train(from_dict(off))
+    assert trained.val_losses == dict(enumerate(recorded.seen)) and trained_off.val_losses == {}
+    assert trained.losses == trained_off.losses == dict(enumerate(recorded.record.losses))
+    return recorded
 
 
 @pytest.mark.parametrize("world", sorted({w for w, _ in LAYOUTS.values()}))
 def test_eval_loss_matches_single_device(
-    token_file: Path, valid_file: Path, tmp_path: Path, world: int, references: Trained
+    token_file: Path, valid_file: Path, tmp_path: Path, world: int, reference: Recorded
 ) -> None:
     names = [n for n, (w, _) in LAYOUTS.items() if w == world]
-    (ref_losses, ref_val), (ref_losses_off, ref_val_off) = references
-    assert sorted(ref_val) == list(range(STEPS)) and ref_val_off == {}
-    assert ref_losses == ref_losses_off  # bit-identical with evaluation on and off
     configs = [_config(token_file, valid_file, tmp_path / n, LAYOUTS[n][1]) for n in names]
     off = [n for n in names if n in BIT_IDENTICAL]
     configs += [_config(token_file, valid_file, tmp_path / f"{n}_off", LAYOUTS[n][1], False) for n in off]
-    results = run_distributed(_train_all, world, configs, timeout=600)
+    follow = follow_file(tmp_path / "follow.pt", [reference.record] * len(configs))
+    results = run_distributed(_record_all, world, configs, follow, timeout=600)
     for i, name in enumerate(names):
-        losses, val = results[0][i]
-        assert sorted(val) == list(range(STEPS)), name
+        got = results[0][i]
+        assert_layout_matches_reference(
+            got.record, reference.record, FP32, from_dict(configs[i]).model, world, STEPS
+        )
         for step in range(STEPS):
-            torch.testing.assert_close(val[step], ref_val[step], rtol=LOSS_RTOL, atol=LOSS_ATOL, msg=name)
             torch.testing.assert_close(
-                losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL, msg=name
+                got.seen[step], reference.seen[step], rtol=LOSS_RTOL, atol=LOSS_ATOL, msg=name
             )
-        assert all(r[i][1] == val for r in results), f"{name}: every rank reports the same validation loss"
+        assert all(r[i].seen == got.seen for r in results), (
+            f"{name}: every rank reports the same validation loss"
+        )
     for j, name in enumerate(off):
-        losses_off, val_off = results[0][len(names) + j]
-        assert val_off == {} and losses_off == results[0][names.index(name)][0], name
+        on, without = results[0][names.index(name)].record, results[0][len(names) + j]
+        assert without.seen == [None] * STEPS and without.record.losses == on.losses, name
+        for state, state_off in zip(on.states, without.record.states, strict=True):
+            assert state.keys() == state_off.keys(), name
+            assert all(torch.equal(t, state_off[k]) for k, t in state.items()), name

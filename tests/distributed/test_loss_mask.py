@@ -2,14 +2,17 @@
 
 The data is prompt/completion records of varied lengths (byte tokens): every window holds prompts (not targets)
 and completions (targets) in changing proportions, so micro-batches, data-parallel ranks and 2D grid rows hold
-different numbers of targets. Each layout trains 2 steps through `train` and must give the reference's loss
-every step and every gradient every step, which holds only if each layout divides the summed loss by the target
-count of the whole global batch (a per-micro-batch or per-rank mean gives another gradient). The layouts: data
+different numbers of targets. Each layout trains 2 steps through the trainer's `TrainingRun`, step 1 from the
+reference's state after step 0 (`record_layouts`' ``follow``, as `tessera compare` runs: docs/parity.md), and
+must give the reference's target count, loss, gradient norm, every gradient (gathered from tensor blocks, pipeline
+stages and ZeRO shards alike) and every updated parameter, every step, within docs/parity.md's fp32 tolerances,
+which holds only if each layout divides the summed loss by the target count of the whole global batch (a
+per-micro-batch or per-rank mean gives another gradient). The layouts: data
 parallel with 2 micro-batches per rank, 1D tensor with sequence parallelism (the vocabulary-parallel loss), the
 pipeline (1F1B; breadth-first), ZeRO-3 and 2D 2×2 (its vocabulary-parallel loss over grid rows), one with
 document masking too, and data parallel with document masking and windows that start at document starts
-(data.window_start = "document": every rank must draw the same document for a sample index). ZeRO-3's gradients live in shards: through `train` it is compared by loss and the clipped
-global norm, and its gathered gradients in a direct run of the schedule runtime below. A resumed masked run
+(data.window_start = "document": every rank must draw the same document for a sample index). ZeRO-3's layered step
+is also checked in a direct run of the schedule runtime below, on micro-batches of very different target counts. A resumed masked run
 continues as the uninterrupted one, with windows starting anywhere or at document starts.
 """
 
@@ -22,12 +25,23 @@ from pathlib import Path
 import pytest
 import torch
 
+from tessera.config import from_dict
 from tessera.model.build import build_model
 from tessera.model.sizes import SIZES
 from tessera.model.targets import IGNORE_INDEX
+from tessera.parity import FP32
 from tessera.train.data import prepare
 from tessera.train.metrics import read_metrics
-from tests.distributed.conftest import interrupted_then_resumed, train_losses, trainer_config
+from tessera.train.trainer import TrainingRun
+from tests.distributed.conftest import (
+    Recorded,
+    assert_layout_matches_reference,
+    follow_file,
+    interrupted_then_resumed,
+    record_layouts,
+    train_losses,
+    trainer_config,
+)
 from tests.distributed.test_document_mask import (
     GPT,
     GRAD_ATOL,
@@ -39,9 +53,7 @@ from tests.distributed.test_document_mask import (
     SEQ,
     STEPS,
     M,
-    _train_all,
     _zero_model_cfg,
-    assert_layout_matches,
 )
 from tests.harness import run_distributed
 
@@ -83,11 +95,17 @@ def _config(
     return raw
 
 
+def _target_tokens(run: TrainingRun, step: int) -> int | None:
+    """The step's target count as the run's layout counts it over the whole global batch (`record_layouts`'
+    ``observe``; `train` logs it as ``target_tokens``)."""
+    return run.target_tokens(step)
+
+
 @pytest.fixture(scope="module")
-def references(masked_file: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """The single-device runs (depth-first: one micro-batch at a time, the plain loss): Llama and GPT with the
-    loss mask, Llama with document masking too (and windows at document starts), and Llama without the loss mask
-    (it must differ)."""
+def references(masked_file: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Recorded]:
+    """The single-device runs (depth-first: one micro-batch at a time, the plain loss) with their target counts
+    and states to follow: Llama and GPT with the loss mask, Llama with document masking too (and windows at
+    document starts), and Llama without the loss mask (it must differ)."""
     root, one = tmp_path_factory.mktemp("refs"), {"accumulation": "depth_first"}
     configs = {
         name: _config(masked_file, root / f"ref_{name}", GPT if name == "gpt" else LLAMA, one, data)
@@ -95,7 +113,8 @@ def references(masked_file: Path, tmp_path_factory: pytest.TempPathFactory) -> t
     }
     configs["llama_unmasked"] = _config(masked_file, root / "ref_off", LLAMA, one)
     configs["llama_unmasked"]["data"]["loss_mask"] = False
-    return root, dict(zip(configs, _train_all(0, 1, list(configs.values())), strict=True))
+    recorded = record_layouts(0, 1, list(configs.values()), keep_states=True, observe=_target_tokens)
+    return dict(zip(configs, recorded, strict=True))
 
 
 def _reference_of(name: str) -> str:
@@ -104,35 +123,39 @@ def _reference_of(name: str) -> str:
     return next(n for n, d in REFERENCES.items() if n.startswith(family) and d == data)
 
 
-def _run_world(rank: int, world: int, configs: list[dict]) -> tuple[list, tuple | None]:
-    """One spawn per world size: the trainer runs, then (world 2) the ZeRO-3 gradient check's step."""
-    return _train_all(rank, world, configs), _zero3_gradients(rank, world) if world == 2 else None
+def _run_world(
+    rank: int, world: int, configs: list[dict], follow: Path
+) -> tuple[list[Recorded], tuple | None]:
+    """One spawn per world size: the layouts recorded following their references, then (world 2) the ZeRO-3
+    gradient check's step."""
+    recorded = record_layouts(rank, world, configs, follow, observe=_target_tokens)
+    return recorded, _zero3_gradients(rank, world) if world == 2 else None
 
 
 @pytest.mark.parametrize("world", sorted({w for w, _, _, _ in LAYOUTS.values()}))
 def test_loss_mask_matches_single_device(
-    masked_file: Path, references: tuple[Path, dict], tmp_path: Path, world: int
+    masked_file: Path, references: dict[str, Recorded], tmp_path: Path, world: int
 ) -> None:
-    references_dir, refs = references
+    refs = {name: r.record for name, r in references.items()}
     # the mask changes the computation: otherwise matching the reference would prove nothing about it
-    masked, unmasked = refs["llama"][1][0], refs["llama_unmasked"][1][0]
+    masked, unmasked = refs["llama"].grads[0], refs["llama_unmasked"].grads[0]
     assert any(not torch.allclose(g, unmasked[n], rtol=GRAD_RTOL, atol=GRAD_ATOL) for n, g in masked.items())
     # windows at document starts train other samples than windows anywhere (the same masks otherwise)
-    assert refs["llama_doc_windows"][0] != refs["llama_docs"][0]
-    metrics = read_metrics(references_dir / "ref_llama")
-    assert all(0 < m["target_tokens"] < 8 * SIZES["llama-tiny"]["seq_len"] for m in metrics)  # some left out
+    assert refs["llama_doc_windows"].losses != refs["llama_docs"].losses
+    counts = references["llama"].seen
+    assert all(0 < c < 8 * SIZES["llama-tiny"]["seq_len"] for c in counts), counts  # some left out
     names = [n for n, (w, _, _, _) in LAYOUTS.items() if w == world]
     configs = [_config(masked_file, tmp_path / n, LAYOUTS[n][1], LAYOUTS[n][2], LAYOUTS[n][3]) for n in names]
-    spawned = run_distributed(_run_world, world, configs, timeout=600)
-    results = [trained for trained, _ in spawned]
+    follow = follow_file(tmp_path / "follow.pt", [refs[_reference_of(n)] for n in names])
+    recorded, zero3 = run_distributed(_run_world, world, configs, follow, timeout=600)[0]
     if world == 2:
-        _check_zero3_gradients(*spawned[0][1])
-    for i, name in enumerate(names):
-        family = _reference_of(name)
-        run_dirs = (tmp_path / name, references_dir / f"ref_{family}")
-        got = [m["target_tokens"] for m in read_metrics(run_dirs[0])]
-        assert got == [m["target_tokens"] for m in read_metrics(run_dirs[1])], name
-        assert_layout_matches(name, i, results, refs[family], bool(LAYOUTS[name][2].get("zero")), run_dirs)
+        _check_zero3_gradients(*zero3)
+    for name, raw, got in zip(names, configs, recorded, strict=True):
+        reference = references[_reference_of(name)]
+        assert got.seen == reference.seen, name
+        assert_layout_matches_reference(
+            got.record, reference.record, FP32, from_dict(raw).model, world, STEPS
+        )
 
 
 # --- ZeRO-3's gradients, gathered from its shards --------------------------------------------------------------

@@ -4,10 +4,11 @@ degree, pipeline degree and schedule, fp16) and carries on as a run made entirel
 For each pair (A → B): K steps at A write a checkpoint; the same run directory resumed at B trains the remaining
 steps. Compared with a run made entirely at B from the same start, the losses of those steps agree within the
 parallel tests' tolerances (the resumed run starts from A's weights, which differ from B's own by the rounding of
-a different summation order, so this is a trajectory comparison as in test_trainer_dp.py), and the weights after
-the last step agree with the single-device reference within test_export.py's weight tolerances. A wrong mapping
-(a block in the wrong place, a moment of another tensor, padding read as weights, a stale ZeRO copy, a lost
-loss scale) is off by far more: the weights' own magnitude, or a loss that jumps.
+a different summation order: a trajectory comparison, which resuming at another layout is; the layout tests
+instead follow the reference's state, docs/parity.md), and the weights after the last step agree with the
+single-device reference within test_export.py's weight tolerances. A wrong mapping (a block in the wrong place, a
+moment of another tensor, padding read as weights, a stale ZeRO copy, a lost loss scale) is off by far more: the
+weights' own magnitude, or a loss that jumps.
 
 Same-layout resume stays bit-exact (tests/distributed/test_resume_parallel.py).
 """

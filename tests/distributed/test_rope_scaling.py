@@ -2,8 +2,9 @@
 
 The one `Rope` module computes the scaled tables (tessera/model/layers.py); tensor-parallel attention and the
 pipeline stages share it, and the meta-device build recomputes it in `Rope.reset`. Each layout trains the
-steps of test_trainer_tp.py and must match the single-device reference in every step's loss and every full
-gradient, with that file's tolerances. The scaling is chosen so that the tiny head dim (8, wavelengths 6.3, 63,
+steps of test_trainer_tp.py, each from the reference's state after the one before (`record_layouts`' ``follow``,
+as `tessera compare` runs: docs/parity.md), and must match the single-device reference in every step's loss,
+gradient norm, full gradient and updated parameter, with that file's tolerances (`tessera.parity.FP32`). The scaling is chosen so that the tiny head dim (8, wavelengths 6.3, 63,
 628 and 6283 positions) has a kept, an interpolated and two divided frequencies; the reference's attention
 gradients differ from the unscaled model's beyond those tolerances, so a layout that lost the scaling fails.
 """
@@ -15,8 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.conftest import assert_rank_grads_match, train_recording, trainer_config
-from tests.distributed.test_trainer_tp import GRAD_ATOL, GRAD_RTOL, LOSS_ATOL, LOSS_RTOL, STEPS
+from tessera.config import from_dict
+from tessera.parity import FP32, Record
+from tests.distributed.conftest import (
+    assert_layout_matches_reference,
+    follow_file,
+    record_layouts,
+    trainer_config,
+)
+from tests.distributed.test_trainer_tp import GRAD_ATOL, GRAD_RTOL, STEPS
 from tests.harness import run_distributed
 
 SCALING = {
@@ -32,8 +40,6 @@ LAYOUTS = {  # name: (world size, parallel section)
     "tp2x2": (4, {"tensor": "2x2"}),
 }
 
-Recorded = tuple[dict[int, float], list[dict[str, torch.Tensor]]]
-
 
 def _config(token_file: Path, run_dir: Path, parallel: dict, scaling: dict | None = SCALING) -> dict:
     model = {"size": "llama-tiny", "n_heads": 4, "n_kv_heads": 2, "d_model": 32, "ffn_hidden": 64}
@@ -42,32 +48,27 @@ def _config(token_file: Path, run_dir: Path, parallel: dict, scaling: dict | Non
 
 
 @pytest.fixture(scope="module")
-def reference(token_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Recorded:
+def reference(token_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Record:
     run_dir = tmp_path_factory.mktemp("rope_reference") / "ref"
-    return train_recording(0, 1, _config(token_file, run_dir, {"accumulation": "depth_first"}))
+    ref = _config(token_file, run_dir, {"accumulation": "depth_first"})
+    return record_layouts(0, 1, [ref], keep_states=True)[0].record
 
 
-def test_the_scaling_changes_the_reference(token_file: Path, tmp_path: Path, reference: Recorded) -> None:
+def test_the_scaling_changes_the_reference(token_file: Path, tmp_path: Path, reference: Record) -> None:
     """Without the scaling, step 0's query and key gradients differ beyond the tolerances the layouts meet."""
-    _, unscaled = train_recording(
-        0, 1, _config(token_file, tmp_path / "unscaled", {"accumulation": "depth_first"}, scaling=None)
-    )
-    _, scaled = reference
+    unscaled_raw = _config(token_file, tmp_path / "unscaled", {"accumulation": "depth_first"}, scaling=None)
+    unscaled = record_layouts(0, 1, [unscaled_raw])[0].record.grads
     for name in ("blocks.0.attn.wq.weight", "blocks.1.attn.wk.weight"):
-        assert not torch.allclose(unscaled[0][name], scaled[0][name], rtol=GRAD_RTOL, atol=GRAD_ATOL), name
+        scaled = reference.grads[0][name]
+        assert not torch.allclose(unscaled[0][name], scaled, rtol=GRAD_RTOL, atol=GRAD_ATOL), name
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_llama3_scaling_matches_reference(
-    token_file: Path, tmp_path: Path, name: str, reference: Recorded
+    token_file: Path, tmp_path: Path, name: str, reference: Record
 ) -> None:
     world, parallel = LAYOUTS[name]
-    ref_losses, ref_grads = reference
-    results = run_distributed(
-        train_recording, world, _config(token_file, tmp_path / name, parallel), timeout=300
-    )
-    losses = results[0][0]
-    for step in range(STEPS):
-        torch.testing.assert_close(losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL)
-        rank_grads = [grads[step] for _, grads in results]
-        assert_rank_grads_match(rank_grads, ref_grads[step], GRAD_RTOL, GRAD_ATOL, f"{name} step {step}")
+    raw = _config(token_file, tmp_path / name, parallel)
+    follow = follow_file(tmp_path / "follow.pt", [reference])
+    got = run_distributed(record_layouts, world, [raw], follow, timeout=300)[0][0].record
+    assert_layout_matches_reference(got, reference, FP32, from_dict(raw).model, world, STEPS)

@@ -1,30 +1,45 @@
 """The trainer with pipelines, layered accumulation and ZeRO, as a user configures them, against the reference.
 
-Each layout trains 3 steps; the loss of every step (which after step 0 depends on every earlier update) and, where
-gradients live in parameters (no ZeRO), every gradient of every step must match the single-device
-run. A layout with parallel.overlap_param_gather must also equal its twin without it exactly (`OVERLAP_TWINS`). The component tests (test_pipeline_runtime.py, test_zero.py, test_zero_tp2d.py) check gradients of the
-sharded cases; this file checks the whole step: data, schedule, synchronisation, clipping, optimizer, metrics.
+Each layout trains 3 steps through the trainer's `TrainingRun`, each step from the reference's state after the one
+before (`record_layouts`' ``follow``, as `tessera compare` runs: docs/parity.md), and every step's loss, clipping
+norm, every gradient (gathered from pipeline stages, tensor blocks and ZeRO shards alike) and every updated
+parameter must match the single-device run. A layout with parallel.overlap_param_gather must also equal its twin
+without it exactly, both trained freely by `train` (`OVERLAP_TWINS`). The component tests
+(test_pipeline_runtime.py, test_zero.py, test_zero_tp2d.py) check the sharded cases piece by piece; this file checks
+the whole step: data, schedule, synchronisation, clipping, optimizer.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from tessera.config import from_dict
+from tessera.parity import FP32, Record
 from tessera.pipeline.csvio import to_csv
 from tessera.pipeline.schedules import build_schedule
 from tessera.train import checkpoint as ckpt
 from tessera.train.trainer import train
-from tests.distributed.conftest import assert_rank_grads_match, trainer_config
+from tests.distributed.conftest import (
+    Recorded,
+    assert_layout_matches_reference,
+    follow_file,
+    record_layouts,
+    trainer_config,
+)
 from tests.harness import run_distributed
 
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
+# docs/parity.md's fp32 tolerances (`tessera.parity.FP32`: the losses' and GRAD_RTOL are these) with this file's
+# tighter gradient atol
+TOLERANCE = replace(FP32, grad_atol=GRAD_ATOL)
 STEPS = 3
+TWIN_STEPS = 2  # the overlap twins: step 1 is the first to wait for the all-gathers deferred by an update
 
 LAYOUTS = {  # name: (world size, parallel section)
     "pp2_1f1b": (2, {"pipeline": 2, "schedule": "1f1b"}),
@@ -55,9 +70,17 @@ LAYOUTS = {  # name: (world size, parallel section)
     ),
 }
 
-OVERLAP_TWINS = {"dp2_z1_overlap": "dp2_z1", "dp2_z2_overlap": "dp2_z2"}
-"""parallel.overlap_param_gather only waits for the same all-gathers later: a run with it equals its twin
-without it bit for bit, in its losses and in the checkpoint the trainer writes right after the last update."""
+OVERLAP_TWINS = {
+    "dp2_z1_overlap": "dp2_z1",
+    "dp2_z2_overlap": "dp2_z2",
+    "dp2_pp2_z1_overlap": (4, {"data": 2, "pipeline": 2, "zero": 1}),  # not a layout of its own above
+}
+"""parallel.overlap_param_gather only waits for the same all-gathers later: a run with it equals its twin (a layout
+above, or its world size and parallel section) without it bit for bit, in its losses and in the checkpoint the
+trainer writes right after the last update. Both train freely (`train`): a run that follows another's state
+loads it before each step, which waits for the all-gathers an update deferred, so only a free run's next step
+waits for them in its forward as training does. The overlap layouts whose twin is a layout above are not also
+recorded following the reference: until the deferred wait, their steps are their twins' computation."""
 
 
 def _config(token_file: Path, run_dir: Path, parallel: dict, **train: object) -> dict:
@@ -66,7 +89,8 @@ def _config(token_file: Path, run_dir: Path, parallel: dict, **train: object) ->
 
 
 def _run_all(rank: int, world: int, configs: list[dict]) -> list[tuple[dict[int, float], list[dict]]]:
-    """Train every config in turn in this process group; per config: losses and this rank's gradients."""
+    """Train every config in turn in this process group (`train`, freely); per config: losses and this rank's
+    gradients."""
     out = []
     for raw in configs:
         grads: list[dict[str, torch.Tensor]] = []
@@ -79,46 +103,49 @@ def _run_all(rank: int, world: int, configs: list[dict]) -> list[tuple[dict[int,
 
 
 @pytest.fixture(scope="module")
-def reference(
-    token_file: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[dict[int, float], list[dict]]:
-    """The single-device run's losses and gradients, trained once for the module (each world size's test trained
-    the same one)."""
+def reference(token_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Record:
+    """The single-device run with its states to follow, recorded once for the module (each world size's test
+    follows the same one)."""
     ref = _config(token_file, tmp_path_factory.mktemp("pp_zero_ref") / "ref", {"accumulation": "depth_first"})
-    return _run_all(0, 1, [ref])[0]
+    return record_layouts(0, 1, [ref], keep_states=True)[0].record
+
+
+def _run_world(
+    rank: int, world: int, configs: list[dict], follow: Path, twins: list[dict]
+) -> tuple[list[Recorded], list[tuple[dict[int, float], list[dict]]]]:
+    """One spawn per world size: the layouts recorded following the reference, then the overlap twins trained."""
+    return record_layouts(rank, world, configs, follow), _run_all(rank, world, twins)
+
+
+def _twin(name: str) -> tuple[int, dict]:
+    twin = OVERLAP_TWINS[name]
+    return LAYOUTS[twin] if isinstance(twin, str) else twin
 
 
 @pytest.mark.parametrize("world", sorted({w for w, _ in LAYOUTS.values()}))
-def test_layouts_match_single_device(
-    token_file: Path, tmp_path: Path, world: int, reference: tuple[dict[int, float], list[dict]]
-) -> None:
-    names = [n for n, (w, _) in LAYOUTS.items() if w == world]
-    ref_losses, ref_grads = reference
+def test_layouts_match_single_device(token_file: Path, tmp_path: Path, world: int, reference: Record) -> None:
+    names = [n for n, (w, _) in LAYOUTS.items() if w == world and not isinstance(OVERLAP_TWINS.get(n), str)]
     configs = [_config(token_file, tmp_path / n, LAYOUTS[n][1]) for n in names]
-    results = run_distributed(_run_all, world, configs, timeout=600)
-    for i, name in enumerate(names):
-        losses = results[0][i][0]
-        for step in range(STEPS):
-            torch.testing.assert_close(
-                losses[step], ref_losses[step], rtol=LOSS_RTOL, atol=LOSS_ATOL, msg=name
-            )
-        if name in OVERLAP_TWINS:
-            twin = names.index(OVERLAP_TWINS[name])
-            assert losses == results[0][twin][0], f"{name}: losses differ from {OVERLAP_TWINS[name]}'s"
-            _same_final_checkpoint(tmp_path / name, tmp_path / OVERLAP_TWINS[name])
-        if LAYOUTS[name][1].get("zero", 0) >= 1:
-            continue  # reduced gradients live in ZeRO shards; checked in test_zero.py and test_zero_tp2d.py
-        if LAYOUTS[name][1].get("tensor", 1) != 1:
-            continue  # tensor shards: their full gradients are compared in test_trainer_tp.py
-        for step in range(STEPS):
-            rank_grads = [rank_result[i][1][step] for rank_result in results]
-            assert_rank_grads_match(rank_grads, ref_grads[step], GRAD_RTOL, GRAD_ATOL, f"{name} step {step}")
+    overlapped = [n for n in OVERLAP_TWINS if LAYOUTS[n][0] == world]
+    twins = []
+    for n in overlapped:
+        twins += [_config(token_file, tmp_path / n, LAYOUTS[n][1], steps=TWIN_STEPS)]
+        twins += [_config(token_file, tmp_path / f"{n}_twin", _twin(n)[1], steps=TWIN_STEPS)]
+    follow = follow_file(tmp_path / "follow.pt", [reference] * len(names))
+    recorded, trained = run_distributed(_run_world, world, configs, follow, twins, timeout=600)[0]
+    for raw, got in zip(configs, recorded, strict=True):
+        assert_layout_matches_reference(got.record, reference, TOLERANCE, from_dict(raw).model, world, STEPS)
+    for k, name in enumerate(overlapped):
+        (losses, _), (twin_losses, _) = trained[2 * k], trained[2 * k + 1]
+        assert sorted(losses) == list(range(TWIN_STEPS)), name
+        assert losses == twin_losses, f"{name}: losses differ from its twin's without the overlap"
+        _same_final_checkpoint(tmp_path / name, tmp_path / f"{name}_twin")
 
 
 def _same_final_checkpoint(run_dir: Path, twin_dir: Path) -> None:
     """Every tensor (weights, Adam moments) of the two runs' last checkpoints is equal."""
     path, twin = (ckpt.latest_checkpoint(d / "checkpoints") for d in (run_dir, twin_dir))
-    assert path is not None and twin is not None and path.name == twin.name == ckpt.step_dir_name(STEPS)
+    assert path is not None and twin is not None and path.name == twin.name == ckpt.step_dir_name(TWIN_STEPS)
     meta, twin_meta = ckpt.read_metadata_safely(path), ckpt.read_metadata_safely(twin)
     fqns = sorted(k for k in meta.state_dict_metadata if k.startswith(("model.", "optim.")))
     assert fqns and fqns == sorted(
