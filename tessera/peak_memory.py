@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from tessera.pipeline.ir import Action, ActionKind
 from tessera.pipeline.schedules import Step
@@ -102,6 +103,11 @@ _LABELS = (
 
 Term = tuple[tuple[int, int], float]
 """((what, stage), count)."""
+
+_STRIDE = 1 << 20
+"""While walking, a term's (what, stage) is the one int ``what * _STRIDE + stage``: it hashes and sorts faster
+than the pair (a walk sorts each moment's terms), in the same order (stages are below the stride);
+`compile_walk` turns the kept moments back into pairs."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -233,7 +239,7 @@ class _Live:
     zero: int
     sharded: bool  # data parallelism (dp > 1)
     cls: dict[int, int]  # stage -> the stage whose sizes it shares (terms are counted per class)
-    counts: dict[tuple[int, int], int] = field(default_factory=dict)  # (what, class) -> alive now
+    counts: dict[int, int] = field(default_factory=dict)  # (what, class) as an int (`_STRIDE`) -> alive now
     grads: set[int] = field(default_factory=set)
     shards: set[int] = field(default_factory=set)
     gathered: set[int] = field(default_factory=set)
@@ -249,14 +255,13 @@ class _Live:
     dirty: tuple | None = None
     """A moment not yet noted (after F or B): the next note covers it unless something is released first,
     which flushes it (FREE, the end); half the notes of a walk, so half its time."""
-    moments: dict[tuple[Term, ...], tuple] = field(default_factory=dict)  # terms -> (stage, action)
-    chains: dict[tuple, list[tuple[tuple[Term, ...], dict[tuple[int, int], float]]]] = field(
-        default_factory=dict
-    )
+    moments: dict[tuple, tuple] = field(default_factory=dict)  # terms (int, count) -> (stage, action)
+    chains: dict[tuple, list] = field(default_factory=dict)
+    """A shape's chain: [the counts of the one recorded before the last (None: none), the last's key, its counts]."""
 
     def add(self, what: int, s: int, n: int = 1) -> None:
         self.grew = self.grew or n > 0
-        key = (what, self.cls.get(s, s))
+        key = what * _STRIDE + self.cls.get(s, s)
         count = self.counts.get(key, 0) + n
         if count:
             self.counts[key] = count
@@ -280,38 +285,46 @@ class _Live:
         if not self.grew and extras == self.extras:  # only releases since the last moment: it covers this one
             return
         self.grew, self.extras = False, extras
+        if flat is None and working is None and not writeback:  # most notes: the counts as they are
+            key = tuple(sorted(self.counts.items()))
+            if key in self.moments:  # a steady state repeats its moments exactly
+                return
+            self._record(key, label)
+            return
         terms = dict(self.counts)
         cls = self.cls
         if flat is not None:
-            key = (_FLAT, cls.get(flat, flat))
+            key = _FLAT * _STRIDE + cls.get(flat, flat)
             terms[key] = terms.get(key, 0) + 1
         if working is not None:  # a stage's first backward: with the gradients it has made by its moment
-            key = (_FIRST if first else _WORK, cls.get(working, working))
+            key = (_FIRST if first else _WORK) * _STRIDE + cls.get(working, working)
             terms[key] = terms.get(key, 0) + 1
         for w in writeback:
-            key = (_WRITEBACK, cls.get(w, w))
+            key = _WRITEBACK * _STRIDE + cls.get(w, w)
             terms[key] = terms.get(key, 0) + 1
         key = tuple(sorted(terms.items()))
-        if key in self.moments:  # a steady state repeats its moments exactly
+        if key in self.moments:
             return
-        self._record(key, terms, label)
+        self._record(key, label)
 
-    def _record(self, key: tuple[Term, ...], terms: dict[tuple[int, int], float], label: tuple) -> None:
+    def _record(self, key: tuple[tuple[int, int], ...], label: tuple) -> None:
         """Keep a new moment, and drop the previous of its shape (the same terms, other counts) if it lies
         between the one before and this one: it never exceeds both ends, and the earlier end comes first on a
         tie. Ramps (warm-up forwards, a backward sweep) and steady states that grow by the same step each
         period collapse to their ends."""
-        shape = tuple([k for k, _ in key])
+        # its terms, and their counts in that order
+        shape, counts = zip(*key, strict=True) if key else ((), ())
         chain = self.chains.get(shape)
-        if chain is not None and len(chain) == 2:
-            (_, first), (mid_key, mid) = chain
-            if _between(first, mid, terms, shape):
-                self.moments.pop(mid_key, None)
-                chain.pop()
+        if chain is None:
+            self.chains[shape] = [None, key, counts]
+        else:
+            first, mid_key, mid = chain
+            if first is not None and _between(first, mid, counts):
+                self.moments.pop(mid_key, None)  # the first stays the first
+            else:
+                chain[0] = mid
+            chain[1], chain[2] = key, counts
         self.moments[key] = label
-        chain = self.chains.setdefault(shape, [])
-        chain.append((key, terms))
-        del chain[:-2]
 
     def grad(self, s: int, alive: bool) -> None:
         """The stage's full gradients appear (first backward) or are dropped."""
@@ -410,21 +423,19 @@ class _Live:
         self.pending.clear()
 
 
-def _between(
-    first: dict[tuple[int, int], float], mid: dict[tuple[int, int], float], last: dict, shape: tuple
-) -> bool:
+def _between(first: tuple[int, ...], mid: tuple[int, ...], last: tuple[int, ...]) -> bool:
     """``mid`` lies on the segment from ``first`` to ``last`` (counts: exact integer arithmetic). The three
-    have the terms ``shape`` (a chain holds moments of one shape)."""
+    are the counts of moments of one shape (a chain's), term by term in the same order."""
     a0 = b0 = 0
-    for k in shape:  # the first term that moves gives the direction
-        a0 = mid[k] - first[k]
+    for f, m, la in zip(first, mid, last, strict=True):  # the first term that moves gives the direction
+        a0 = m - f
         if a0:
-            b0 = last[k] - mid[k]
+            b0 = la - m
             break
     if a0 * b0 <= 0:
         return False
-    for k in shape:  # noqa: SIM110 - a loop, not all(generator): a walk asks ~1e5 times
-        if (mid[k] - first[k]) * b0 != (last[k] - mid[k]) * a0:
+    for f, m, la in zip(first, mid, last, strict=True):  # noqa: SIM110 - a loop, not all(generator): a walk asks ~1e5 times
+        if (m - f) * b0 != (la - m) * a0:
             return False
     return True
 
@@ -464,6 +475,9 @@ def compile_walk(
     live = _Live(zero, sharded, classes or {}, replicated=replicated and zero > 0 and sharded)
     uses = uses or {}
     events = list(events)
+    highest = max(map(itemgetter(1), events), default=0)
+    if highest >= _STRIDE:  # its terms' ints would read as another kind's
+        raise ValueError(f"compile_walk: stages are numbered below {_STRIDE}; got stage {highest}")
     # where each stage's last REDUCE is: its gradient shard is final once that reduction is waited for
     last_reduce = {s: i for i, (kind, s) in enumerate(events) if kind is _REDUCE or kind is _REDUCE_MB}
     seen: dict[tuple, int] = {}
@@ -486,7 +500,7 @@ def compile_walk(
             kind, s = events[i]
         i += 1
         if kind is _F:  # live.add(_ACT, s), inlined
-            key = (_ACT, cls_of(s, s))
+            key = _ACT * _STRIDE + cls_of(s, s)
             count = counts.get(key, 0) + 1
             if count:
                 counts[key] = count
@@ -507,10 +521,10 @@ def compile_walk(
                 # to); this backward consumes the next stage's (its output's gradient) and frees that output
                 if s in chained:
                     live.add(_HELD, s)
-                if s + 1 in chained and counts.get((_HELD, cls_of(s + 1, s + 1)), 0) > 0:
+                if s + 1 in chained and counts.get(_HELD * _STRIDE + cls_of(s + 1, s + 1), 0) > 0:
                     live.add(_HELD, s + 1, -1)
             if kind is not _I:  # I keeps the graph (and its activations) for W
-                key = (_ACT, cls_of(s, s))  # live.add(_ACT, s, -1), inlined
+                key = _ACT * _STRIDE + cls_of(s, s)  # live.add(_ACT, s, -1), inlined
                 count = counts.get(key, 0) - 1
                 if count:
                     counts[key] = count
@@ -554,11 +568,11 @@ def compile_walk(
     if zero == 0 and sharded:
         live.write_back()
     moments = _pareto(live.moments)
-    after = tuple(sorted((k, float(n)) for k, n in live.counts.items() if n and k[0] in (_GRAD, _SHARD)))
+    after = [(divmod(k, _STRIDE), float(n)) for k, n in sorted(live.counts.items()) if n]
     return Walk(
-        moments=tuple(m for m, _ in moments),
+        moments=tuple(tuple([(divmod(k, _STRIDE), n) for k, n in m]) for m, _ in moments),
         labels=tuple(_label(lb) for _, lb in moments),
-        after_backward=after,
+        after_backward=tuple([(k, n) for k, n in after if k[0] in (_GRAD, _SHARD)]),
     )
 
 

@@ -679,3 +679,32 @@ def test_the_covered_moments_dropped_at_once_are_those_dropped_one_by_one(
             moments[key] = (i, "x")
         alone, at_once = both(lambda moments=moments: peak_memory._pareto(moments))
         assert at_once == alone
+
+
+def test_a_chain_keeps_the_ends_of_each_straight_run() -> None:
+    """`_Live._record` drops the previous moment of a shape when it lies between the one before it and the new
+    one: a straight run keeps its ends, and after a turn the chain starts again from the turning point (the
+    moment before the new one, not the chain's first). Counts (a, b) of two terms: (1, 10) -> (3, 12) turns back
+    to (2, 11), then goes on to (0, 9) in a straight line from the turn: (2, 11) is dropped, the turn kept."""
+    from tessera import peak_memory
+
+    live = peak_memory._Live(zero=0, sharded=False, cls={})
+    for i, (a, b) in enumerate([(1, 10), (3, 12), (2, 11), (0, 9)]):
+        live._record(((0, a), (1, b)), (i, "x"))
+    assert [dict(key)[0] for key in live.moments] == [1, 3, 0]
+    # another shape (a third term) keeps its own chain: nothing of the first is dropped by it
+    live._record(((0, 5), (1, 5), (2, 1)), (4, "x"))
+    assert len(live.moments) == 4
+
+
+def test_stages_past_the_term_encoding_are_refused() -> None:
+    """A walk counts a term as one int (`peak_memory._STRIDE`): a stage at or past the stride is refused, not
+    read as another kind of term."""
+    from tessera import peak_memory
+
+    events = [(ActionKind.FORWARD, peak_memory._STRIDE), (ActionKind.BACKWARD, peak_memory._STRIDE)]
+    with pytest.raises(ValueError, match="stages are numbered below"):
+        compile_walk(events, zero=0, sharded=False)
+    below = [(kind, peak_memory._STRIDE - 1) for kind, _ in events]
+    walked = compile_walk(below, zero=0, sharded=False)
+    assert all(stage == peak_memory._STRIDE - 1 for terms in walked.moments for (_, stage), _ in terms)
