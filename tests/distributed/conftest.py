@@ -81,8 +81,8 @@ def trainer_config(token_file: Path, run_dir: Path, model: dict, parallel: dict,
     run with itself bit for bit (resume, overlap twins), judges a trajectory with a tolerance or learning rate made
     for it (fp16 against fp32; resuming at another layout, at lr 1e-4), or is a component test whose AdamW eps
     (1e-6, test_zero.py, test_hsdp.py) bounds what a rounding-level gradient difference δ moves an element by
-    (lr·δ/eps); the exported weights of test_export.py (lr 1e-3, two free steps) are still a trajectory
-    comparison."""
+    (lr·δ/eps); the exported weights of test_export.py are a trajectory too, trained at lr 1e-4 for it (a wrong
+    merge is off by the weights' own size at any lr)."""
     return {
         "model": model,
         "parallel": parallel,
