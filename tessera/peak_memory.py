@@ -512,10 +512,13 @@ def compile_walk(
             # the highest stage's transient: its replay builds the masks again; a first backward's, with the
             # gradients it has made by then (`StageBytes.first`)
             note((s, kind), working=s, first=kind is _B and s not in grads)
+            # one count for the rank (under the lowest stage: every stage's `masks` are the same bytes), so a
+            # steady state's counts repeat and `_skip_repeats` finds its period; counted under the top stage
+            # they grew by one a micro-batch there while the bottom's fell, and no state ever repeated
             if s == top and kind is not _W:  # the masks stay for the micro-batch's later backwards here
-                live.add(_MASKS, s)
+                live.add(_MASKS, bottom)
             if s == bottom and kind is not _I:  # its last backward frees the documents object
-                live.add(_MASKS, s, -1)
+                live.add(_MASKS, bottom, -1)
             if chained and kind is not _W:
                 # the input gradient is made (kept for the previous stage's backward, with the input it belongs
                 # to); this backward consumes the next stage's (its output's gradient) and frees that output

@@ -654,8 +654,9 @@ def test_the_covered_moments_dropped_at_once_are_those_dropped_one_by_one(
 ) -> None:
     """`_pareto` checks a moment against the kept ones one by one, or, once `_MATRIX_FROM` are kept, all at
     once (a matrix of their counts): the same moments kept, in the same order, on a long list's walk (interleaved,
-    160 micro-batches, full recomputation's held inputs and masks: ~300 moments kept) and on random moments with
-    missing terms and negative counts (a term a moment lacks reads 0)."""
+    p 8, v 8, 16 micro-batches, each stage its own size class, ZeRO-3, full recomputation's held inputs and masks:
+    ~180 moments kept) and on random moments with missing terms and negative counts (a term a moment lacks reads
+    0)."""
     from tessera import peak_memory
 
     def both(compute):  # (one by one throughout, at once from the first kept on)
@@ -664,8 +665,8 @@ def test_the_covered_moments_dropped_at_once_are_those_dropped_one_by_one(
         monkeypatch.setattr(peak_memory, "_MATRIX_FROM", 1)
         return alone, compute()
 
-    events = lowered_events(rank_steps("interleaved", 4, 160, 2, 0), zero3=True, every_microbatch=True)
-    classes = {0: 0, 4: 4}
+    events = lowered_events(rank_steps("interleaved", 8, 16, 8, 0), zero3=True, every_microbatch=True)
+    classes = {s: s for _, s in events}
     alone, at_once = both(
         lambda: compile_walk(events, zero=3, sharded=True, classes=classes, held_inputs=True)
     )

@@ -330,21 +330,25 @@ def test_search_and_explain_run_with_the_collector_paused(monkeypatch: pytest.Mo
 
 
 def _walk_modes(p: int, v: int, rank: int) -> Iterator[tuple]:
-    """(zero, sharded, uses, classes, exchanged, replicated) of the walk's reduction modes: plain, data
-    parallel, ZeRO 1-3 with and without data parallelism, hybrid sharding's wire copies, the rank's stages in
-    one size class or each its own, a stage tied across ranks (exchanged at the end), and ZeRO-3's gather of
-    the last stage bringing the first's parameters (a tied head on the embedding's rank)."""
+    """(zero, sharded, uses, classes, exchanged, replicated, held_inputs) of the walk's reduction modes: plain,
+    data parallel, ZeRO 1-3 with and without data parallelism, hybrid sharding's wire copies, the rank's stages
+    in one size class or each its own, a stage tied across ranks (exchanged at the end), ZeRO-3's gather of the
+    last stage bringing the first's parameters (a tied head on the embedding's rank), and full recomputation's
+    held inputs and replayed masks (`held_inputs`), with the rank's stages in one class or each its own (the
+    masks are made at the highest stage's backward and freed at the lowest's)."""
     stages = [c * p + rank for c in range(v)]
     one_class = tuple((s, stages[0]) for s in stages)
     own = tuple((s, s) for s in stages)
     for zero, sharded in itertools.product((0, 1, 2, 3), (False, True)):
-        yield zero, sharded, (), one_class, (), False
-    yield 0, True, (), own, (), False
-    yield 3, True, (), own, (), False
-    yield 2, True, (), one_class, (), True
-    yield 1, True, (), one_class, (stages[0],), False
-    yield 3, True, (), one_class, (stages[-1],), False
-    yield 3, True, ((stages[-1], (stages[-1], stages[0])),), own, (), False
+        yield zero, sharded, (), one_class, (), False, False
+    yield 0, True, (), own, (), False, False
+    yield 3, True, (), own, (), False, False
+    yield 2, True, (), one_class, (), True, False
+    yield 1, True, (), one_class, (stages[0],), False, False
+    yield 3, True, (), one_class, (stages[-1],), False, False
+    yield 3, True, ((stages[-1], (stages[-1], stages[0])),), own, (), False, False
+    for zero, classes in itertools.product((0, 3), (one_class, own)):
+        yield zero, True, (), classes, (), False, True
 
 
 WALK_FAMILIES = [
@@ -372,8 +376,8 @@ def test_steady_walks_are_equal(name: str, p: int, v: int, accumulation: str) ->
             m for m in range(1, 6 * (p + 4) * v + 1) if memory.steady_walk(name, p, m, v, rank, accumulation)
         ]
         assert not steady if ramp else len(steady) > 3, steady
-        for zero, sharded, uses, classes, exchanged, replicated in _walk_modes(p, v, rank):
-            args = ("loop", accumulation, zero, sharded, uses, classes, exchanged, replicated)
+        for zero, sharded, uses, classes, exchanged, replicated, held in _walk_modes(p, v, rank):
+            args = ("loop", accumulation, zero, sharded, uses, classes, exchanged, replicated, held)
             shared = walk(name, p, steady[0], v, rank, *args) if steady else None
             for m in steady[1:]:
                 assert walk(name, p, m, v, rank, *args) == shared, (rank, zero, sharded, uses, classes, m)
