@@ -66,7 +66,7 @@ def _hardware(args: argparse.Namespace) -> Hardware:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search layouts, print the top ones with breakdowns and reasons; optionally write JSON/TOML/PNG."""
     from tessera.planner.report import explain, render_picture, render_text, to_json, write_config
-    from tessera.planner.search import SearchSpace, search
+    from tessera.planner.search import SearchSpace, default_jobs, search
     from tessera.planner.stacks import DEFAULT_STACK
 
     if args.global_batch is not None and args.critical_batch:
@@ -102,6 +102,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             args.global_batch,
             space=space,
             target_loss=args.target_loss,
+            jobs=args.jobs or default_jobs(),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -262,6 +263,13 @@ def add_plan_parsers(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="also try pipeline sizes that do not divide the layers (balanced uneven stage_layers); without "
         "it they are tried only when no layout whose pipeline size divides the layers fits",
+    )
+    p.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=None,
+        help="processes that price the layouts (default: this machine's cores, at most 8); the answer is the same "
+        "for any number",
     )
     p.set_defaults(fn=_no_extra(cmd_plan))
 

@@ -20,6 +20,10 @@ Pure Python, no torch: runs anywhere the planner is installed.
 from __future__ import annotations
 
 import gc
+import multiprocessing
+import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -72,6 +76,7 @@ __all__ = [
     "Candidate",
     "SearchResult",
     "SearchSpace",
+    "default_jobs",
     "default_target_loss",
     "model_config",
     "search",
@@ -274,7 +279,8 @@ class SearchResult:
     seconds: float = 0.0
     """Wall-clock seconds of the search."""
     cpu_seconds: float = 0.0
-    """CPU seconds of the search (this process; equals wall time on an idle core)."""
+    """CPU seconds of the search, this process's and its workers' (`search`'s ``jobs``; with one job it equals
+    wall time on an idle core)."""
     uneven_fallback: bool = False
     """No layout whose pipeline size divides the layers fitted, so sizes that do not were tried too
     (`SearchSpace.uneven_pipelines` None)."""
@@ -377,6 +383,8 @@ class _Ctx:
     gpus: int
     run: Config
     """The searched model with default parallel/train sections; each layout replaces them."""
+    jobs: int = 1
+    """Processes that price the layouts (`_price_layouts`)."""
     layer_cache: dict = field(default_factory=dict)
 
 
@@ -549,17 +557,22 @@ def search(
     space: SearchSpace | None = None,
     target_loss: float | None = None,
     keep: int = 1000,
+    jobs: int = 1,
 ) -> SearchResult:
     """Enumerate, prune and rank layouts (module docstring). `global_batch` in sequences; None uses the critical
     batch B_crit(target_loss) (default target: `default_target_loss`), rounded per layout to a multiple of
-    d × micro-batch, and ranks by training time = steps(B) × step time (Kaplan/McCandlish trade-off)."""
+    d × micro-batch, and ranks by training time = steps(B) × step time (Kaplan/McCandlish trade-off). ``jobs``:
+    processes that price the layouts (`_price_layouts`; `default_jobs` is what `tessera plan` uses); the result
+    is the same for any number."""
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     space = space or SearchSpace()
     name, cfg = model_config(model)
     shape = ModelShape.from_config(cfg)
     shape = replace(shape, n_kv_heads=cfg.kv_heads)
-    start, cpu_start = time.perf_counter(), time.process_time()
+    start, cpu_start = time.perf_counter(), _cpu_seconds()
     crit_tokens = crit_seq = None
     loss = target_loss
     if global_batch is None:
@@ -590,6 +603,7 @@ def search(
             train=TrainConfig(dtype=space.dtype),
             data=DataConfig(document_mask=space.document_mask),
         ),
+        jobs=jobs,
     )
     contexts = _context_sizes(space, shape.seq_len, gpus)
     found = _search_sizes(ctx, result, cfg, [1, *contexts], global_batch, crit_seq)
@@ -608,8 +622,29 @@ def search(
     found.sort(key=lambda c: c.training_time if c.steps is not None else c.step_time)
     result.candidates = found[:keep]
     result.seconds = time.perf_counter() - start
-    result.cpu_seconds = time.process_time() - cpu_start
+    result.cpu_seconds = _cpu_seconds() - cpu_start
     return result
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its ended children (the search's workers, `_price_layouts`)."""
+    times = os.times()
+    return time.process_time() + times.children_user + times.children_system
+
+
+MAX_DEFAULT_JOBS = 8
+"""The most worker processes `default_jobs` gives. Each worker compiles the memory walks its layouts need for
+itself (the memo tables are per process), so past a few workers the walks compiled twice eat the gain: the 1T
+search on 3072 GPUs prices 273 layout groups, of uneven cost."""
+
+
+def default_jobs() -> int:
+    """Processes for `tessera plan`'s search: the cores this process may run on, at most `MAX_DEFAULT_JOBS`; 1
+    where processes cannot be forked (the pool inherits the search's context instead of pickling it)."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_JOBS, cores))
 
 
 def _savings_searched(space: SearchSpace, uneven_tried: bool, gpus: int) -> tuple[str, ...]:
@@ -653,7 +688,7 @@ def _search_sizes(
     combinations `tessera.execution.context_violations` refuses left out (a pipeline or a 2D grid with context
     parallelism, a sequence that does not cut into 2c (2c·t) chunks), as `tessera validate` refuses them."""
     gpus, space, shape = ctx.gpus, ctx.space, ctx.shape
-    found: list[Candidate] = []
+    layouts: list[Layout] = []
     for kind, tp, sp in _tensor_options(cfg, gpus, ctx.hw, space):
         for c in contexts:
             if (gpus // tp) % c:
@@ -666,8 +701,83 @@ def _search_sizes(
                 dp = gpus // (tp * p * c)
                 q = round(tp**0.5) if kind == "2d" else 1
                 for batch, b in _batches(global_batch, crit_seq, dp, space, q):
-                    found += _search_layout(ctx, result, kind, tp, sp, p, dp, batch, b, c)
+                    layouts.append((kind, tp, sp, p, dp, batch, b, c))
+    found: list[Candidate] = []
+    for candidates, counts in _price_layouts(ctx, layouts):
+        result.enumerated += counts.enumerated
+        result.rejected_memory += counts.rejected_memory
+        found += candidates
     return found
+
+
+@dataclass
+class _Counts:
+    """What `_search_layout` counts of one layout's variants (`SearchResult`'s two counters)."""
+
+    enumerated: int = 0
+    rejected_memory: int = 0
+
+
+Layout = tuple[str, int, bool, int, int, int, int, int]
+"""`_search_layout`'s arguments after the counts: (kind, tp, sp, p, dp, batch, b, c)."""
+
+
+def _price_layout(ctx: _Ctx, layout: Layout) -> tuple[list[Candidate], _Counts]:
+    counts = _Counts()
+    return _search_layout(ctx, counts, *layout), counts
+
+
+_FORKED_CTX: _Ctx | None = None
+"""The search context forked workers inherit (`_price_layouts`), so that it is not pickled with each layout."""
+
+
+def _start_worker() -> None:
+    """A worker's signals: Ctrl-C (SIGINT, sent to the whole process group) is the parent's to handle, which stops
+    the pool (`tessera plan`: "interrupted", exit 130) without a traceback from each worker; SIGTERM ends a worker
+    at once (not the parent's handler, inherited at the fork: `_price_layouts`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived while the workers ran (`_price_layouts`)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _price_in_worker(layout: Layout) -> tuple[list[Candidate], _Counts]:
+    assert _FORKED_CTX is not None, "set by _price_layouts before the pool forks"
+    return _price_layout(_FORKED_CTX, layout)
+
+
+def _price_layouts(ctx: _Ctx, layouts: list[Layout]) -> list[tuple[list[Candidate], _Counts]]:
+    """Each layout's candidates and counts, in the order given: in this process, or with ``ctx.jobs`` > 1 in
+    that many forked workers, one layout per task as each worker comes free (their costs differ by 100×). The
+    same results: a layout is priced on its own, and the memo tables a worker fills return what they would
+    compute (`memory.steady_walk`'s shared walks are equal walks: test_plan_speed)."""
+    global _FORKED_CTX
+    jobs = min(ctx.jobs, len(layouts))
+    if jobs <= 1:
+        return [_price_layout(ctx, layout) for layout in layouts]
+    # SIGTERM to this process alone would leave the workers writing to a closed pipe (a traceback each): it is
+    # raised here instead, the pool's exit stops them, and the signal is then taken as it would have been
+    main = threading.current_thread() is threading.main_thread()  # where a handler can be set
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
+    _FORKED_CTX = ctx
+    try:
+        with multiprocessing.get_context("fork").Pool(jobs, initializer=_start_worker) as pool:
+            return pool.map(_price_in_worker, layouts, chunksize=1)
+    except _Terminated:
+        signal.signal(signal.SIGTERM, previous)
+        previous = None
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        _FORKED_CTX = None
 
 
 def _context_refused(ctx: _Ctx, kind: str, tp: int, sp: bool, p: int, c: int) -> bool:
@@ -681,7 +791,7 @@ def _context_refused(ctx: _Ctx, kind: str, tp: int, sp: bool, p: int, c: int) ->
 
 def _search_layout(
     ctx: _Ctx,
-    result: SearchResult,
+    result: _Counts,
     kind: str,
     tp: int,
     sp: bool,

@@ -180,6 +180,23 @@ def small_search():
     return search("llama-8b", 32, A100, 128, keep=10**9)
 
 
+def test_the_search_over_forked_workers_gives_the_same_answer(small_search, monkeypatch) -> None:
+    """`search(jobs=2)` prices the layouts in two forked workers (`search._price_layouts`, what `tessera plan`
+    does by default) and returns what one process returns: every candidate (plan, breakdown, memory, config,
+    execution plan) in the same order, and the same counts."""
+    import multiprocessing
+
+    methods = []
+    real = multiprocessing.get_context
+    monkeypatch.setattr(
+        multiprocessing, "get_context", lambda method=None: methods.append(method) or real(method)
+    )
+    res = search("llama-8b", 32, A100, 128, keep=10**9, jobs=2)
+    assert methods == ["fork"]  # the pool ran
+    assert (res.enumerated, res.rejected_memory) == (small_search.enumerated, small_search.rejected_memory)
+    assert len(res.candidates) > 100 and res.candidates == small_search.candidates
+
+
 def test_search_candidates_are_valid_configs(small_search, tmp_path) -> None:
     res = small_search
     assert res.enumerated > 100 and res.candidates
