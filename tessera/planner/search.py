@@ -763,19 +763,21 @@ def _price_layouts(ctx: _Ctx, layouts: list[Layout]) -> list[tuple[list[Candidat
         return [_price_layout(ctx, layout) for layout in layouts]
     # SIGTERM to this process alone would leave the workers writing to a closed pipe (a traceback each): it is
     # raised here instead, the pool's exit stops them, and the signal is then taken as it would have been
-    main = threading.current_thread() is threading.main_thread()  # where a handler can be set
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
+    installed = threading.current_thread() is threading.main_thread()  # where a handler can be set
+    if installed:
+        # None: the handler was not set from Python (an embedding host's); the default stands in for it
+        previous = signal.signal(signal.SIGTERM, _raise_terminated) or signal.SIG_DFL
     _FORKED_CTX = ctx
     try:
         with multiprocessing.get_context("fork").Pool(jobs, initializer=_start_worker) as pool:
             return pool.map(_price_in_worker, layouts, chunksize=1)
-    except _Terminated:
+    except _Terminated:  # the workers are stopped: the signal again, to the handler it was meant for
         signal.signal(signal.SIGTERM, previous)
-        previous = None
+        installed = False
         os.kill(os.getpid(), signal.SIGTERM)
         raise
     finally:
-        if previous is not None:
+        if installed:
             signal.signal(signal.SIGTERM, previous)
         _FORKED_CTX = None
 
