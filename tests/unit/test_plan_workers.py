@@ -36,7 +36,8 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(
-    not Path("/proc/self/task").exists(), reason="reads a process's children from Linux's /proc"
+    not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
+    reason="reads a process's children from Linux's /proc (CONFIG_PROC_CHILDREN)",
 )
 @pytest.mark.parametrize(
     ("sig", "group", "code", "stderr"),
