@@ -25,12 +25,15 @@ import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, fields, replace
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from tessera.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from tessera.errors import TesseraError
 from tessera.execution import ExecutionPlan, context_violations, decide, tensor_violations
 from tessera.memory import (
     MemoryEstimate,
@@ -733,8 +736,8 @@ _FORKED_CTX: _Ctx | None = None
 
 def _start_worker() -> None:
     """A worker's signals: Ctrl-C (SIGINT, sent to the whole process group) is the parent's to handle, which stops
-    the pool (`tessera plan`: "interrupted", exit 130) without a traceback from each worker; SIGTERM ends a worker
-    at once (not the parent's handler, inherited at the fork: `_price_layouts`)."""
+    the workers (`tessera plan`: "interrupted", exit 130) without a traceback from each; SIGTERM ends a worker at
+    once (not the parent's handler, inherited at the fork: `_price_layouts`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
@@ -747,30 +750,105 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise _Terminated
 
 
-def _price_in_worker(layout: Layout) -> tuple[list[Candidate], _Counts]:
-    assert _FORKED_CTX is not None, "set by _price_layouts before the pool forks"
-    return _price_layout(_FORKED_CTX, layout)
+def _serve_layouts(conn: Connection) -> None:
+    """A worker: prices each (index, layout) its pipe brings until it brings None, and sends back (index, result,
+    None), or (index, None, the traceback) where pricing raised."""
+    _start_worker()
+    assert _FORKED_CTX is not None, "set by _price_layouts before the fork"
+    while (task := conn.recv()) is not None:
+        index, layout = task
+        try:
+            conn.send((index, _price_layout(_FORKED_CTX, layout), None))
+        except Exception:
+            conn.send((index, None, traceback.format_exc()))
+
+
+def _died(worker: multiprocessing.process.BaseProcess) -> TesseraError:
+    code = worker.exitcode
+    assert code is not None
+    killed = f" (killed by signal {-code}: out of memory?)" if code < 0 else ""
+    return TesseraError(
+        f"a search worker process (pid {worker.pid}) died with exit code {code}{killed}; no plan was made. "
+        "Rerun with --jobs 1 to search in this process."
+    )
+
+
+def _price_in_workers(layouts: list[Layout], jobs: int) -> list[tuple[list[Candidate], _Counts]]:
+    """`_price_layouts` over ``jobs`` forked workers. Each has its own pipe and takes the next layout as it comes
+    free, and the parent, single-threaded, waits on the pipes: a signal always reaches the thread that waits,
+    and a worker killed alone (the kernel's out-of-memory killer) closes its pipe's end, an error, not a task
+    lost. (multiprocessing's Pool does neither: it waits with helper threads, and a worker killed
+    while holding its shared queue's lock hangs the pool, even its `terminate`.)"""
+    fork = multiprocessing.get_context("fork")
+    results: list[tuple[list[Candidate], _Counts] | None] = [None] * len(layouts)
+    todo = list(enumerate(layouts))[::-1]  # popped from the end: in order
+    workers: dict[Connection, multiprocessing.process.BaseProcess] = {}
+    busy: set[Connection] = set()
+
+    def give(conn: Connection) -> None:
+        try:
+            conn.send(todo.pop())
+        except (BrokenPipeError, ConnectionResetError):  # it died idle
+            workers[conn].join()
+            raise _died(workers[conn]) from None
+        busy.add(conn)
+
+    try:
+        for _ in range(jobs):
+            conn, child_end = fork.Pipe()
+            worker = fork.Process(target=_serve_layouts, args=(child_end,), daemon=True)
+            worker.start()
+            child_end.close()
+            workers[conn] = worker
+            give(conn)
+        while busy:
+            for conn in wait(list(busy)):
+                assert isinstance(conn, Connection)
+                try:
+                    index, result, failure = conn.recv()
+                # its end closed: it died with a layout and no result
+                except (EOFError, ConnectionResetError):
+                    workers[conn].join()
+                    raise _died(workers[conn]) from None
+                if failure is not None:
+                    raise RuntimeError(f"a search worker failed pricing {layouts[index]}:\n{failure}")
+                results[index] = result
+                busy.discard(conn)
+                if todo:
+                    give(conn)
+    finally:
+        # Idle workers are told to end (not by closing the pipe: each holds its parent's end too, from the fork);
+        # stopped early, a busy worker is not waited for.
+        for conn, worker in workers.items():
+            if conn in busy:
+                worker.terminate()
+            else:
+                with suppress(BrokenPipeError, ConnectionResetError):  # it died idle
+                    conn.send(None)
+        for conn, worker in workers.items():
+            worker.join()
+            conn.close()
+    return results  # type: ignore[return-value]  # every index was filled, or the loop raised
 
 
 def _price_layouts(ctx: _Ctx, layouts: list[Layout]) -> list[tuple[list[Candidate], _Counts]]:
     """Each layout's candidates and counts, in the order given: in this process, or with ``ctx.jobs`` > 1 in
-    that many forked workers, one layout per task as each worker comes free (their costs differ by 100×). The
-    same results: a layout is priced on its own, and the memo tables a worker fills return what they would
-    compute (`memory.steady_walk`'s shared walks are equal walks: test_plan_speed)."""
+    that many forked workers (`_price_in_workers`), one layout at a time as each comes free (their costs differ
+    by 100×). The same results: a layout is priced on its own, and the memo tables a worker fills return what
+    they would compute (`memory.steady_walk`'s shared walks are equal walks: test_plan_speed)."""
     global _FORKED_CTX
     jobs = min(ctx.jobs, len(layouts))
     if jobs <= 1:
         return [_price_layout(ctx, layout) for layout in layouts]
     # SIGTERM to this process alone would leave the workers writing to a closed pipe (a traceback each): it is
-    # raised here instead, the pool's exit stops them, and the signal is then taken as it would have been
+    # raised here instead, the workers are stopped, and the signal is then taken as it would have been
     installed = threading.current_thread() is threading.main_thread()  # where a handler can be set
     if installed:
         # None: the handler was not set from Python (an embedding host's); the default stands in for it
         previous = signal.signal(signal.SIGTERM, _raise_terminated) or signal.SIG_DFL
     _FORKED_CTX = ctx
     try:
-        with multiprocessing.get_context("fork").Pool(jobs, initializer=_start_worker) as pool:
-            return pool.map(_price_in_worker, layouts, chunksize=1)
+        return _price_in_workers(layouts, jobs)
     except _Terminated:  # the workers are stopped: the signal again, to the handler it was meant for
         signal.signal(signal.SIGTERM, previous)
         installed = False

@@ -14,8 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from tessera.errors import EXIT_USER_ERROR
+
 ROOT = Path(__file__).resolve().parents[2]
+# A shell's background job (`cmd &`, how CI may start the suite) inherits SIGINT ignored, and Python keeps an
+# ignored SIGINT ignored; the command starts as a terminal would start it, with Ctrl-C raising KeyboardInterrupt.
 PLAN = (
+    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
     "import sys; sys.argv = ['tessera', 'plan', '--model', 'megatron-1t', '--gpus', '3072', '--global-batch', "
     "'1536', '--jobs', '2']; from tessera.cli import main; sys.exit(main())"
 )
@@ -72,3 +77,41 @@ def test_a_signal_stops_the_plan_and_its_workers(sig: int, group: bool, code: in
     while any(_alive(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(w) for w in workers)
+
+
+@pytest.mark.skipif(
+    not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
+    reason="reads a process's children from Linux's /proc (CONFIG_PROC_CHILDREN)",
+)
+def test_a_worker_killed_alone_is_an_error_not_a_hang() -> None:
+    """The kernel's out-of-memory killer takes one worker and tells the parent nothing: multiprocessing's pool
+    would start another and wait for ever for the task that died with it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PLAN],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        env=env,
+    )
+    deadline = time.monotonic() + 60
+    workers: list[int] = []
+    while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        workers = _children(proc.pid)
+        time.sleep(0.02)
+    assert len(workers) == 2, "the search's two workers never started"
+    os.kill(workers[0], signal.SIGKILL)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # it hung: nothing of it is left for the tests that follow
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == EXIT_USER_ERROR
+    assert err.decode() == (
+        f"error: a search worker process (pid {workers[0]}) died with exit code -9 (killed by signal 9: out of "
+        "memory?); no plan was made. Rerun with --jobs 1 to search in this process.\n"
+    )
+    deadline = time.monotonic() + 10
+    while _alive(workers[1]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(workers[1])
