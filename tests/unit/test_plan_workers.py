@@ -40,10 +40,47 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-@pytest.mark.skipif(
+pytestmark = pytest.mark.skipif(
     not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
     reason="reads a process's children from Linux's /proc (CONFIG_PROC_CHILDREN)",
 )
+
+
+def _plan_with_its_two_workers() -> tuple[subprocess.Popen[bytes], list[int]]:
+    """`tessera plan --jobs 2` in its own process group, once both its workers run."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PLAN],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        env=env,
+    )
+    deadline = time.monotonic() + 60
+    workers: list[int] = []
+    while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        workers = _children(proc.pid)
+        time.sleep(0.02)
+    assert len(workers) == 2, "the search's two workers never started"
+    return proc, workers
+
+
+def _stderr_once_ended(proc: subprocess.Popen[bytes]) -> str:
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # it hung: nothing of it is left for the tests that follow
+            os.killpg(proc.pid, signal.SIGKILL)
+    return err.decode()
+
+
+def _all_gone(pids: list[int]) -> bool:
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(_alive(p) for p in pids)
+
+
 @pytest.mark.parametrize(
     ("sig", "group", "code", "stderr"),
     [
@@ -55,63 +92,23 @@ def _alive(pid: int) -> bool:
     ids=["sigint-group", "sigint-parent", "sigterm-group", "sigterm-parent"],
 )
 def test_a_signal_stops_the_plan_and_its_workers(sig: int, group: bool, code: int, stderr: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", PLAN],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        env=env,
-    )
-    deadline = time.monotonic() + 60
-    workers: list[int] = []
-    while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        workers = _children(proc.pid)
-        time.sleep(0.02)
-    assert len(workers) == 2, "the search's two workers never started"
+    proc, workers = _plan_with_its_two_workers()
     (os.killpg if group else os.kill)(proc.pid, sig)
-    _, err = proc.communicate(timeout=60)
+    err = _stderr_once_ended(proc)
     assert proc.returncode == code
-    assert err.decode() == stderr
-    deadline = time.monotonic() + 10
-    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(w) for w in workers)
+    assert err == stderr
+    assert _all_gone(workers)
 
 
-@pytest.mark.skipif(
-    not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
-    reason="reads a process's children from Linux's /proc (CONFIG_PROC_CHILDREN)",
-)
 def test_a_worker_killed_alone_is_an_error_not_a_hang() -> None:
     """The kernel's out-of-memory killer takes one worker and tells the parent nothing: multiprocessing's pool
     would start another and wait for ever for the task that died with it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", PLAN],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        env=env,
-    )
-    deadline = time.monotonic() + 60
-    workers: list[int] = []
-    while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        workers = _children(proc.pid)
-        time.sleep(0.02)
-    assert len(workers) == 2, "the search's two workers never started"
+    proc, workers = _plan_with_its_two_workers()
     os.kill(workers[0], signal.SIGKILL)
-    try:
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:  # it hung: nothing of it is left for the tests that follow
-            os.killpg(proc.pid, signal.SIGKILL)
+    err = _stderr_once_ended(proc)
     assert proc.returncode == EXIT_USER_ERROR
-    assert err.decode() == (
+    assert err == (
         f"error: a search worker process (pid {workers[0]}) died with exit code -9 (killed by signal 9: out of "
         "memory?); no plan was made. Rerun with --jobs 1 to search in this process.\n"
     )
-    deadline = time.monotonic() + 10
-    while _alive(workers[1]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(workers[1])
+    assert _all_gone(workers)
