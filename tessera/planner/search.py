@@ -777,8 +777,8 @@ def _price_in_workers(layouts: list[Layout], jobs: int) -> list[tuple[list[Candi
     """`_price_layouts` over ``jobs`` forked workers. Each has its own pipe and takes the next layout as it comes
     free, and the parent, single-threaded, waits on the pipes: a signal always reaches the thread that waits,
     and a worker killed alone (the kernel's out-of-memory killer) closes its pipe's end, an error, not a task
-    lost. (multiprocessing's Pool does neither: it waits with helper threads, and a worker killed
-    while holding its shared queue's lock hangs the pool, even its `terminate`.)"""
+    lost. (multiprocessing's Pool does neither: it waits with helper threads, and a worker killed while holding
+    its shared queue's lock hangs the pool, even its `terminate`.)"""
     fork = multiprocessing.get_context("fork")
     results: list[tuple[list[Candidate], _Counts] | None] = [None] * len(layouts)
     todo = list(enumerate(layouts))[::-1]  # popped from the end: in order
@@ -806,8 +806,7 @@ def _price_in_workers(layouts: list[Layout], jobs: int) -> list[tuple[list[Candi
                 assert isinstance(conn, Connection)
                 try:
                     index, result, failure = conn.recv()
-                # its end closed: it died with a layout and no result
-                except (EOFError, ConnectionResetError):
+                except (EOFError, ConnectionResetError):  # it died with a layout and no result
                     workers[conn].join()
                     raise _died(workers[conn]) from None
                 if failure is not None:
